@@ -1,0 +1,72 @@
+# halfgrad: thin wrapper around CMake.
+#   make run    build everything, then train the linear-regression example
+#   make test   build everything, then run the test suite through ctest
+# Variables: CMAKE_ARGS (extra configure arguments, e.g. CMAKE_ARGS="-DHALFGRAD_CUDA=OFF"),
+#            JOBS (parallel jobs, default: nproc), BUILD_DIR (default: build), ARGS (passed to run/bench).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+BUILD_DIR  ?= build
+BUILD_TYPE ?= Release
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_ARGS ?=
+ARGS       ?=
+
+# nvcc usually lives here and is often not on PATH; CMake needs it to enable the CUDA backend.
+export PATH := /usr/local/cuda/bin:$(PATH)
+
+GENERATOR := $(if $(shell command -v ninja 2>/dev/null),Ninja,Unix Makefiles)
+ARGS_STAMP := $(BUILD_DIR)/.halfgrad_cmake_args
+
+.PHONY: all deps configure build test run bench clean
+
+all: build
+
+deps:
+	@tools/install_deps.sh
+
+# Configure only when needed: no build system yet, or new CMAKE_ARGS. Otherwise CMake itself
+# re-configures during the build when CMakeLists.txt (or a globbed folder) changes.
+configure: deps
+	@set -e; \
+	if [ ! -f "$(BUILD_DIR)/CMakeCache.txt" ]; then \
+	  echo "cmake -S . -B $(BUILD_DIR) -G \"$(GENERATOR)\" -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)"; \
+	  cmake -S . -B "$(BUILD_DIR)" -G "$(GENERATOR)" -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS); \
+	  printf '%s\n' "$(CMAKE_ARGS)" > "$(ARGS_STAMP)"; \
+	elif [ ! -f "$(BUILD_DIR)/build.ninja" ] && [ ! -f "$(BUILD_DIR)/Makefile" ]; then \
+	  echo "cmake -S . -B $(BUILD_DIR) $(CMAKE_ARGS)   # previous configure did not finish"; \
+	  cmake -S . -B "$(BUILD_DIR)" $(CMAKE_ARGS); \
+	  printf '%s\n' "$(CMAKE_ARGS)" > "$(ARGS_STAMP)"; \
+	elif [ -n "$(strip $(CMAKE_ARGS))" ] && [ "$$(cat "$(ARGS_STAMP)" 2>/dev/null)" != "$(CMAKE_ARGS)" ]; then \
+	  echo "cmake -S . -B $(BUILD_DIR) $(CMAKE_ARGS)   # new CMAKE_ARGS"; \
+	  cmake -S . -B "$(BUILD_DIR)" $(CMAKE_ARGS); \
+	  printf '%s\n' "$(CMAKE_ARGS)" > "$(ARGS_STAMP)"; \
+	fi
+
+build: configure
+	cmake --build "$(BUILD_DIR)" -j$(JOBS)
+
+test: build
+	ctest --test-dir "$(BUILD_DIR)" --output-on-failure -j$(JOBS)
+
+run: build
+	@if [ -f examples/linear_regression.cpp ] && [ -x "$(BUILD_DIR)/linear_regression" ]; then \
+	  echo "$(BUILD_DIR)/linear_regression $(ARGS)"; \
+	  "$(BUILD_DIR)/linear_regression" $(ARGS); \
+	else \
+	  echo "make run: $(BUILD_DIR)/linear_regression was not built (examples/linear_regression.cpp does not exist yet)" >&2; \
+	  exit 1; \
+	fi
+
+bench: build
+	@if [ -f tools/bench_cpu.cpp ] && [ -x "$(BUILD_DIR)/bench_cpu" ]; then \
+	  echo "$(BUILD_DIR)/bench_cpu $(ARGS)"; \
+	  "$(BUILD_DIR)/bench_cpu" $(ARGS); \
+	else \
+	  echo "make bench: $(BUILD_DIR)/bench_cpu was not built (tools/bench_cpu.cpp does not exist yet)" >&2; \
+	  exit 1; \
+	fi
+
+clean:
+	rm -rf "$(BUILD_DIR)"

@@ -1,0 +1,357 @@
+#include "core/autograd.h"
+
+#include <algorithm>
+#include <cctype>
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace halfgrad {
+
+namespace {
+thread_local bool grad_mode_enabled = true;
+std::atomic<uint64_t> next_sequence_nr{0};
+
+TensorMeta meta_of(const Tensor& t) { return {t.shape(), t.dtype(), t.device()}; }
+
+std::shared_ptr<Node> grad_accumulator(const Tensor& leaf) {
+  AutogradMeta& meta = leaf.impl()->autograd_meta();
+  if (auto existing = meta.grad_accumulator.lock()) return existing;
+  auto acc = std::make_shared<AccumulateGrad>(leaf.impl_ptr());
+  acc->input_meta = {meta_of(leaf)};
+  acc->output_meta = {meta_of(leaf)};
+  acc->sequence_nr = next_sequence_nr++;
+  meta.grad_accumulator = acc;
+  return acc;
+}
+
+// Where the gradient of `t` goes: its grad_fn, or its leaf accumulator, or nowhere.
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined()) return {};
+  if (const auto& fn = t.grad_fn()) return {fn, t.output_nr()};
+  if (t.requires_grad()) return {grad_accumulator(t), 0};
+  return {};
+}
+
+Tensor apply_hooks(const std::vector<GradHook>& hooks, Tensor grad) {
+  for (const auto& hook : hooks) {
+    Tensor replaced = hook(grad);
+    if (replaced.defined()) grad = replaced;
+  }
+  return grad;
+}
+}  // namespace
+
+bool GradMode::is_enabled() { return grad_mode_enabled; }
+void GradMode::set_enabled(bool enabled) { grad_mode_enabled = enabled; }
+
+std::string TensorMeta::str() const { return fmt::format("{}{} {}", dtype_name(dtype), shape_str(shape), device.str()); }
+
+AutogradMeta& TensorImpl::autograd_meta() {
+  if (!autograd) autograd = std::make_unique<AutogradMeta>();
+  return *autograd;
+}
+
+// ---- Tensor's autograd methods
+
+bool Tensor::requires_grad() const {
+  const auto& m = impl()->autograd;
+  return m && (m->requires_grad || m->grad_fn);
+}
+
+Tensor& Tensor::requires_grad_(bool enabled) {
+  HG_CHECK(is_leaf(), "requires_grad_: only leaf tensors can change requires_grad; this {} was produced by {} "
+           "(use detach() to get a new leaf)", meta(), grad_fn()->name());
+  HG_CHECK(!enabled || is_floating_point(), "requires_grad_: only floating-point tensors can require "
+           "gradients, got {}", meta());
+  impl()->autograd_meta().requires_grad = enabled;
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
+
+Tensor Tensor::grad() const {
+  const auto& m = impl()->autograd;
+  return m ? m->grad : Tensor();
+}
+
+void Tensor::set_grad(const Tensor& grad) const {
+  if (grad.defined()) {
+    HG_CHECK(grad.shape() == shape() && grad.dtype() == dtype() && grad.device() == device(),
+             "set_grad: gradient {} does not match tensor {}", grad.meta(), meta());
+  }
+  impl()->autograd_meta().grad = grad;
+}
+
+const std::shared_ptr<Node>& Tensor::grad_fn() const {
+  static const std::shared_ptr<Node> none;
+  const auto& m = impl()->autograd;
+  return m ? m->grad_fn : none;
+}
+
+uint32_t Tensor::output_nr() const {
+  const auto& m = impl()->autograd;
+  return m ? m->output_nr : 0;
+}
+
+uint64_t Tensor::version() const { return impl()->storage->version(); }
+
+Tensor Tensor::detach() const {
+  auto alias = std::make_shared<TensorImpl>();
+  alias->storage = impl()->storage;
+  alias->shape = impl()->shape;
+  alias->strides = impl()->strides;
+  alias->offset = impl()->offset;
+  alias->dtype = impl()->dtype;
+  alias->is_view = true;
+  return Tensor(std::move(alias));
+}
+
+bool Tensor::retains_grad() const {
+  const auto& m = impl()->autograd;
+  return m && m->retains_grad;
+}
+
+void Tensor::retain_grad() const {
+  HG_CHECK(requires_grad(), "retain_grad: {} does not require grad", meta());
+  if (is_leaf() || retains_grad()) return;  // leaves keep their gradient anyway
+  impl()->autograd_meta().retains_grad = true;
+  std::weak_ptr<TensorImpl> weak = impl_ptr();
+  grad_fn()->pre_hooks.emplace_back(output_nr(), [weak](const Tensor& grad) {
+    if (auto self = weak.lock()) {
+      Tensor& stored = self->autograd_meta().grad;
+      stored = stored.defined() ? stored.add(grad) : grad.clone();
+    }
+    return Tensor();
+  });
+}
+
+void Tensor::register_hook(GradHook hook) const {
+  HG_CHECK(requires_grad(), "register_hook: cannot register a hook on {}, which does not require grad", meta());
+  if (is_leaf()) {
+    impl()->autograd_meta().hooks.push_back(std::move(hook));
+  } else {
+    grad_fn()->pre_hooks.emplace_back(output_nr(), std::move(hook));
+  }
+}
+
+void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
+  halfgrad::backward({*this}, {gradient}, retain_graph);
+}
+
+// ---- nodes
+
+TensorList FunctionNode::apply(TensorList&& grad_outputs) {
+  HG_CHECK(fn_ != nullptr, "{}: trying to backward through the graph a second time (or to use saved tensors after "
+           "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
+  std::vector<bool> needs(next_edges.size());
+  for (size_t i = 0; i < next_edges.size(); ++i) needs[i] = next_edges[i].node != nullptr;
+  return fn_(GradContext(grad_outputs, needs));
+}
+
+TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
+  Tensor grad = apply_hooks(leaf_->autograd_meta().hooks, std::move(grad_outputs[0]));
+  Tensor& stored = leaf_->autograd_meta().grad;
+  if (!stored.defined()) {
+    // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
+    // broadcast view: own a contiguous copy unless nothing else can see this one.
+    bool sole_owner = grad.impl_ptr().use_count() == 1 && grad.storage().use_count() == 1;
+    stored = sole_owner && grad.is_contiguous() ? grad : grad.clone();
+  } else {
+    stored = stored.add(grad);  // out of place: a previous .grad handed out stays as it was
+  }
+  return {};
+}
+
+SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
+  if (!t.defined()) return;
+  tensor_ = t.detach();
+  version_ = t.version();
+}
+
+const Tensor& SavedTensor::get() const {
+  HG_CHECK(!tensor_.defined() || tensor_.version() == version_,
+           "{}: one of the tensors needed for gradient computation has been modified by an in-place operation: "
+           "{} is at version {}; expected version {} instead. Clone it before the in-place op, or make that op "
+           "out of place.", op_, tensor_.meta(), tensor_.version(), version_);
+  return tensor_;
+}
+
+// ---- recording
+
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs) {
+  if (!GradMode::is_enabled()) return false;
+  for (const Tensor* t : inputs)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+bool any_requires_grad(const TensorList& inputs) {
+  if (!GradMode::is_enabled()) return false;
+  for (const Tensor& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
+  if (!any_requires_grad(inputs)) return;
+  auto node = std::make_shared<FunctionNode>(name, std::move(fn));
+  node->sequence_nr = next_sequence_nr++;
+  // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
+  // its history before this op.
+  for (const Tensor& in : inputs) {
+    node->next_edges.push_back(gradient_edge(in));
+    node->input_meta.push_back(in.defined() ? meta_of(in) : TensorMeta{});
+  }
+  for (uint32_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    node->output_meta.push_back(meta_of(out));
+    if (!is_floating(out.dtype())) continue;  // indices, masks: not differentiable
+    AutogradMeta& m = out.impl()->autograd_meta();
+    m.grad_fn = node;
+    m.output_nr = i;
+    m.requires_grad = false;
+  }
+}
+
+std::string backward_name(std::string_view op) {
+  std::string name;
+  bool upper = true;
+  for (char c : op) {
+    if (c == '_') {
+      upper = true;
+      continue;
+    }
+    name += upper ? char(std::toupper(static_cast<unsigned char>(c))) : c;
+    upper = false;
+  }
+  return name + "Backward";
+}
+
+void check_inplace(const Tensor& self, const char* op) {
+  if (GradMode::is_enabled() && self.requires_grad()) {
+    HG_CHECK(!self.is_leaf(), "{}: a leaf tensor that requires grad ({}) is being used in an in-place operation; "
+             "wrap the update in a NoGradGuard, as optimizers do", op, self.meta());
+    HG_CHECK(!self.impl()->is_view, "{}: in-place operations on a view of a tensor in the autograd graph are not "
+             "supported ({}); apply the op out of place, or clone() the view first", op, self.meta());
+  }
+  self.storage()->bump_version();
+}
+
+// ---- the engine
+
+void backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph) {
+  HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
+           "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
+  NoGradGuard no_grad;  // backward functions are not themselves recorded
+
+  // Input buffer of each node: the sum of the gradients that reached each of its outputs.
+  std::unordered_map<Node*, TensorList> buffers;
+  std::unordered_map<Node*, std::shared_ptr<Node>> owners;
+  auto accumulate = [&](const Edge& edge, Tensor grad) {
+    Node* n = edge.node.get();
+    owners.emplace(n, edge.node);
+    TensorList& buf = buffers[n];
+    if (buf.empty()) buf.resize(n->output_meta.size());
+    Tensor& slot = buf[edge.input_nr];
+    slot = slot.defined() ? slot.add(grad) : std::move(grad);
+  };
+
+  std::vector<std::shared_ptr<Node>> roots;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    HG_CHECK(out.requires_grad(), "backward: tensor {} of the outputs ({}) does not require grad and has no "
+             "grad_fn", i, out.meta());
+    Tensor grad = i < grad_outputs.size() ? grad_outputs[i] : Tensor();
+    if (!grad.defined()) {
+      HG_CHECK(out.numel() == 1, "backward: a gradient can be left out only for single-element outputs, got {}; "
+               "pass backward(gradient)", out.meta());
+      grad = ones_like(out);
+    }
+    HG_CHECK(grad.shape() == out.shape(), "backward: gradient {} does not match output {}", grad.meta(), out.meta());
+    Edge edge = gradient_edge(out);
+    accumulate(edge, grad.to(out.dtype()));
+    roots.push_back(edge.node);
+  }
+
+  // Count, for every reachable node, how many edges lead into it: a node runs once all of them delivered.
+  std::unordered_map<Node*, int> dependencies;
+  {
+    std::vector<Node*> stack;
+    std::unordered_set<Node*> seen;
+    for (auto& r : roots)
+      if (seen.insert(r.get()).second) stack.push_back(r.get());
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      for (const Edge& e : n->next_edges) {
+        if (!e.node) continue;
+        dependencies[e.node.get()]++;
+        if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+      }
+    }
+  }
+
+  // Among ready nodes run the most recently created first (reverse creation order is a topological order).
+  auto later_first = [](Node* a, Node* b) { return a->sequence_nr < b->sequence_nr; };
+  std::priority_queue<Node*, std::vector<Node*>, decltype(later_first)> ready(later_first);
+  {
+    std::unordered_set<Node*> queued;
+    for (auto& r : roots)
+      if (dependencies[r.get()] == 0 && queued.insert(r.get()).second) ready.push(r.get());
+  }
+
+  while (!ready.empty()) {
+    Node* node = ready.top();
+    ready.pop();
+    std::shared_ptr<Node> keep_alive = owners[node];
+    TensorList grads = std::move(buffers[node]);
+    buffers.erase(node);
+    grads.resize(node->output_meta.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) {
+        const TensorMeta& m = node->output_meta[i];
+        grads[i] = zeros(m.shape, {.dtype = m.dtype, .device = m.device});
+      }
+    }
+    for (auto& [output, hook] : node->pre_hooks) {
+      Tensor replaced = hook(grads[output]);
+      if (replaced.defined()) grads[output] = replaced;
+    }
+
+    TensorList input_grads = node->apply(std::move(grads));
+    if (!retain_graph) node->release_saved();
+
+    for (size_t i = 0; i < node->next_edges.size(); ++i) {
+      const Edge& edge = node->next_edges[i];
+      if (!edge.node) continue;
+      Tensor g = i < input_grads.size() ? input_grads[i] : Tensor();
+      if (g.defined()) {
+        const TensorMeta& m = node->input_meta[i];
+        HG_CHECK(g.shape() == m.shape, "{}: backward returned a gradient {} for input {} of shape {} (a bug in "
+                 "the op's backward)", node->name(), g.meta(), i, shape_str(m.shape));
+        if (g.dtype() != m.dtype) g = g.to(m.dtype);  // a cast passes the gradient back in the input's dtype
+        accumulate(edge, std::move(g));
+      }
+      if (--dependencies[edge.node.get()] == 0) {
+        if (!buffers.count(edge.node.get())) owners.emplace(edge.node.get(), edge.node);
+        ready.push(edge.node.get());
+      }
+    }
+    owners.erase(node);
+  }
+}
+
+Tensor sum_to(const Tensor& grad, const Shape& shape) {
+  if (grad.shape() == shape) return grad;
+  const int64_t lead = grad.dim() - int64_t(shape.size());
+  Dims dims;
+  for (int64_t d = 0; d < grad.dim(); ++d) {
+    if (d < lead || (shape[d - lead] == 1 && grad.size(d) != 1)) dims.push_back(d);
+  }
+  Tensor r = grad.sum(dims, /*keepdim=*/true);
+  return r.view(shape);
+}
+
+}  // namespace halfgrad

@@ -1,0 +1,147 @@
+#pragma once
+// Autograd: the graph is recorded while ops run, and backward() walks it in reverse.
+//
+// Each op that has an input requiring grad creates one Node. The node knows, for each input, where that
+// input's gradient must go next (an Edge to the input's own grad_fn, or to the AccumulateGrad node of a
+// leaf), and holds the backward function the op wrote next to its forward:
+//
+//   Tensor y = exp_forward(x);
+//   record("ExpBackward", {x}, {y}, [saved_y = save(y)](const GradContext& g) -> TensorList {
+//     return {g[0] * saved_y.get()};   // d/dx exp(x) = exp(x)
+//   });
+//
+// Backward functions are written with tensor ops, so they run on any device and dtype. The engine runs them
+// with grad mode off, after all gradients flowing into a node have been summed.
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// Grad mode: on by default, off inside a NoGradGuard (per thread).
+struct GradMode {
+  static bool is_enabled();
+  static void set_enabled(bool enabled);
+};
+
+class NoGradGuard {
+ public:
+  NoGradGuard() : previous_(GradMode::is_enabled()) { GradMode::set_enabled(false); }
+  ~NoGradGuard() { GradMode::set_enabled(previous_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+struct Edge {
+  std::shared_ptr<Node> node;  // null: this input needs no gradient
+  uint32_t input_nr = 0;       // which of node's outputs the gradient belongs to
+};
+
+// What a node remembers of a tensor, to validate or create gradients for it without keeping it alive.
+struct TensorMeta {
+  Shape shape;
+  DType dtype = kFloat32;
+  Device device;
+  std::string str() const;
+};
+
+// What a backward function receives: the gradient of each output (zeros for outputs that received none)
+// and which inputs need a gradient at all (so a matmul skips the product nobody wants).
+class GradContext {
+ public:
+  GradContext(const TensorList& grads, const std::vector<bool>& needs) : grads_(grads), needs_(needs) {}
+  const Tensor& operator[](size_t output) const { return grads_[output]; }
+  bool needs(size_t input) const { return needs_[input]; }
+
+ private:
+  const TensorList& grads_;
+  const std::vector<bool>& needs_;
+};
+
+// One gradient per input, in order; an undefined Tensor where an input needs none.
+using BackwardFn = std::function<TensorList(const GradContext&)>;
+
+class Node : public std::enable_shared_from_this<Node> {
+ public:
+  virtual ~Node() = default;
+  virtual std::string name() const = 0;
+  virtual TensorList apply(TensorList&& grad_outputs) = 0;
+  // Drops what the node saved for backward; called after use unless retain_graph.
+  virtual void release_saved() {}
+
+  std::vector<Edge> next_edges;             // one per input
+  std::vector<TensorMeta> input_meta;       // one per input: gradients are checked and cast to it
+  std::vector<TensorMeta> output_meta;      // one per output: missing gradients become zeros of it
+  std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook/retain_grad
+  uint64_t sequence_nr = 0;                 // creation order: later nodes run first in backward
+};
+
+// The node an op records: its name and its backward function.
+class FunctionNode : public Node {
+ public:
+  FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  TensorList apply(TensorList&& grad_outputs) override;
+  void release_saved() override { fn_ = nullptr; }
+
+ private:
+  std::string name_;
+  BackwardFn fn_;  // null once released
+};
+
+// The end of every path: adds the incoming gradient into a leaf's .grad (after the leaf's hooks).
+class AccumulateGrad : public Node {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
+  std::string name() const override { return "AccumulateGrad"; }
+  TensorList apply(TensorList&& grad_outputs) override;
+
+ private:
+  std::shared_ptr<TensorImpl> leaf_;
+};
+
+// A tensor kept for backward, with the version it had then. Reading it after an in-place write to its
+// storage is the classic silent-wrong-gradient bug; get() turns it into an error instead.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  SavedTensor(const Tensor& t, const char* op);  // keeps a detached alias: no reference cycle to grad_fn
+  const Tensor& get() const;
+  bool defined() const { return tensor_.defined(); }
+
+ private:
+  Tensor tensor_;
+  uint64_t version_ = 0;
+  const char* op_ = "";
+};
+
+// True when grad mode is on and any of the tensors requires grad: the op must record a node.
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
+bool any_requires_grad(const TensorList& inputs);
+
+// Creates the node for an op and hangs the outputs on it. Does nothing unless any_requires_grad(inputs).
+// Node names follow PyTorch's printing: "MulBackward", "SumBackward" (see backward_name).
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn);
+
+// "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
+std::string backward_name(std::string_view op);
+
+// For in-place ops: checks that `self` may be written (not a leaf that requires grad, not a view of a
+// tensor in the graph) and bumps its version counter. Call before writing.
+void check_inplace(const Tensor& self, const char* op);
+
+// Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves.
+void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);
+
+// Reduces a broadcast gradient back to `shape` (sums over the broadcast dims).
+Tensor sum_to(const Tensor& grad, const Shape& shape);
+
+}  // namespace halfgrad

@@ -1,0 +1,241 @@
+// The CUDA runtime layer (core/cuda.h): devices, streams, cuBLAS handles, error checks.
+// Compiled in every build; without HALFGRAD_WITH_CUDA it reports that no GPU is available.
+#include "core/cuda.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "core/error.h"
+
+#if HALFGRAD_WITH_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#endif
+
+namespace halfgrad::cuda {
+
+namespace detail {
+namespace {
+// "CUDA error in exp: <name> (<text>) from <call> at <file>:<line>"
+[[noreturn]] void throw_formatted(const char* library, const std::string& status, const char* call, const char* file,
+                                  int line, const char* op) {
+  std::string in_op = op ? fmt::format(" in {}", op) : std::string();
+  HG_FAIL("{} error{}: {} from {} at {}:{}", library, in_op, status, call, file, line);
+}
+}  // namespace
+}  // namespace detail
+
+#if HALFGRAD_WITH_CUDA
+
+namespace {
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
+
+std::atomic<bool> tf32_allowed{false};
+
+bool launch_blocking() {
+  static const bool blocking = [] {
+    const char* v = std::getenv("HALFGRAD_CUDA_LAUNCH_BLOCKING");
+    return v && v[0] == '1';
+  }();
+  return blocking;
+}
+
+int count_devices() {
+  static const int count = [] {
+    int n = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // no driver / no device: not an error for the caller, just no GPU
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+}
+
+void check_device_index(int device, const char* what) {
+  int n = count_devices();
+  HG_CHECK(n > 0, "{}: no CUDA device is available (no GPU or no driver)", what);
+  HG_CHECK(device >= 0 && device < n, "{}: CUDA device {} does not exist ({} device{} visible)", what, device, n,
+           n == 1 ? "" : "s");
+}
+
+// The current stream of each device, per host thread; nullptr is the device's legacy default stream.
+std::vector<cudaStream_t>& thread_streams() {
+  thread_local std::vector<cudaStream_t> streams;
+  if (streams.empty()) streams.assign(size_t(std::max(count_devices(), 1)), nullptr);
+  return streams;
+}
+
+struct CublasState {
+  cublasHandle_t handle = nullptr;
+  cudaStream_t bound_stream = nullptr;
+  void* workspace = nullptr;
+};
+}  // namespace
+
+bool is_available() { return count_devices() > 0; }
+int device_count() { return count_devices(); }
+
+int current_device() {
+  int d = 0;
+  HG_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+void set_device(int device) {
+  check_device_index(device, "cuda::set_device");
+  HG_CUDA_CHECK(cudaSetDevice(device));
+}
+
+std::string device_name(int device) {
+  check_device_index(device, "cuda::device_name");
+  cudaDeviceProp prop{};
+  HG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+void synchronize() { HG_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+void synchronize(int device) {
+  DeviceGuard guard(device);
+  HG_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  if (device < 0) return;
+  int current = 0;
+  HG_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) {
+    check_device_index(device, "cuda::DeviceGuard");
+    HG_CUDA_CHECK(cudaSetDevice(device));
+    previous_ = current;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) (void)cudaSetDevice(previous_);  // destructors must not throw
+}
+
+cudaStream_t current_stream(int device) {
+  check_device_index(device, "cuda::current_stream");
+  return thread_streams()[size_t(device)];
+}
+
+void set_stream(int device, cudaStream_t stream) {
+  check_device_index(device, "cuda::set_stream");
+  thread_streams()[size_t(device)] = stream;
+}
+
+void synchronize_stream(int device) {
+  DeviceGuard guard(device);
+  HG_CUDA_CHECK(cudaStreamSynchronize(current_stream(device)));
+}
+
+StreamGuard::StreamGuard(int device, cudaStream_t stream) : device_(device), previous_(current_stream(device)) {
+  set_stream(device, stream);
+}
+StreamGuard::~StreamGuard() { thread_streams()[size_t(device_)] = previous_; }
+
+cublasHandle_t cublas_handle(int device) {
+  check_device_index(device, "cuda::cublas_handle");
+  // One handle per device and host thread: cuBLAS handles must not be shared by threads that use them at
+  // the same time. They live until the process exits (destroying them at exit races the driver's teardown).
+  thread_local std::vector<CublasState> states;
+  if (states.empty()) states.resize(size_t(count_devices()));
+  CublasState& s = states[size_t(device)];
+  cudaStream_t stream = current_stream(device);
+  if (!s.handle) {
+    HG_CUBLAS_CHECK(cublasCreate(&s.handle));
+    HG_CUDA_CHECK(cudaMalloc(&s.workspace, kCublasWorkspaceBytes), "cublas workspace");
+    s.bound_stream = reinterpret_cast<cudaStream_t>(-1);  // forces the binding below
+  }
+  if (s.bound_stream != stream) {
+    HG_CUBLAS_CHECK(cublasSetStream(s.handle, stream));
+    // cublasSetStream resets the workspace to cuBLAS's own pool: set ours again after every change.
+    HG_CUBLAS_CHECK(cublasSetWorkspace(s.handle, s.workspace, kCublasWorkspaceBytes));
+    s.bound_stream = stream;
+  }
+  return s.handle;
+}
+
+void set_allow_tf32(bool allow) { tf32_allowed = allow; }
+bool allow_tf32() { return tf32_allowed; }
+
+namespace detail {
+
+void throw_cuda_error(int status, const char* call, const char* file, int line, const char* op) {
+  auto e = static_cast<cudaError_t>(status);
+  throw_formatted("CUDA", fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)), call, file, line, op);
+}
+
+void throw_cublas_error(int status, const char* call, const char* file, int line, const char* op) {
+  auto s = static_cast<cublasStatus_t>(status);
+  throw_formatted("cuBLAS", fmt::format("{} ({})", cublasGetStatusName(s), cublasGetStatusString(s)), call, file,
+                  line, op);
+}
+
+void throw_cudnn_error(int status, const char* call, const char* file, int line, const char* op) {
+  auto s = static_cast<cudnnStatus_t>(status);
+  throw_formatted("cuDNN", fmt::format("{} ({})", cudnnGetErrorString(s), status), call, file, line, op);
+}
+
+void check_launch(const char* file, int line, const char* op) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw_cuda_error(int(err), "kernel launch", file, line, op);
+  if (launch_blocking()) {
+    err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) throw_cuda_error(int(err), "kernel execution (HALFGRAD_CUDA_LAUNCH_BLOCKING)", file, line, op);
+  }
+}
+
+}  // namespace detail
+
+#else  // no CUDA in this build
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  HG_FAIL("{}: halfgrad was built without CUDA (configure with -DHALFGRAD_CUDA=ON on a machine with nvcc)", what);
+}
+}  // namespace
+
+bool is_available() { return false; }
+int device_count() { return 0; }
+int current_device() { no_cuda("cuda::current_device"); }
+void set_device(int) { no_cuda("cuda::set_device"); }
+std::string device_name(int) { no_cuda("cuda::device_name"); }
+void synchronize() { no_cuda("cuda::synchronize"); }
+void synchronize(int) { no_cuda("cuda::synchronize"); }
+DeviceGuard::DeviceGuard(int device) {
+  if (device >= 0) no_cuda("cuda::DeviceGuard");
+}
+DeviceGuard::~DeviceGuard() = default;
+cudaStream_t current_stream(int) { no_cuda("cuda::current_stream"); }
+void set_stream(int, cudaStream_t) { no_cuda("cuda::set_stream"); }
+void synchronize_stream(int) { no_cuda("cuda::synchronize_stream"); }
+StreamGuard::StreamGuard(int, cudaStream_t) : device_(0), previous_(nullptr) { no_cuda("cuda::StreamGuard"); }
+StreamGuard::~StreamGuard() = default;
+cublasHandle_t cublas_handle(int) { no_cuda("cuda::cublas_handle"); }
+void set_allow_tf32(bool) {}
+bool allow_tf32() { return false; }
+
+namespace detail {
+void throw_cuda_error(int status, const char* call, const char* file, int line, const char* op) {
+  throw_formatted("CUDA", fmt::format("error {}", status), call, file, line, op);
+}
+void throw_cublas_error(int status, const char* call, const char* file, int line, const char* op) {
+  throw_formatted("cuBLAS", fmt::format("status {}", status), call, file, line, op);
+}
+void throw_cudnn_error(int status, const char* call, const char* file, int line, const char* op) {
+  throw_formatted("cuDNN", fmt::format("status {}", status), call, file, line, op);
+}
+void check_launch(const char*, int, const char*) {}
+}  // namespace detail
+
+#endif
+
+}  // namespace halfgrad::cuda

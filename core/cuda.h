@@ -1,0 +1,132 @@
+#pragma once
+// The CUDA runtime layer: devices, the current stream of each device, the cuBLAS handle of each device,
+// and checked calls.
+//
+// This header includes no CUDA header, so any file may include it, in a build with or without CUDA. In a
+// build without CUDA (HALFGRAD_WITH_CUDA undefined) is_available() is false, device_count() is 0 and
+// the other functions throw halfgrad::Error.
+//
+// Every CUDA, cuBLAS and cuDNN call in halfgrad goes through a check, and so does every kernel launch:
+//
+//   HG_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream));
+//   HG_CUBLAS_CHECK(cublasGemmStridedBatchedEx(...), "matmul");   // the op's name is optional
+//   my_kernel<<<grid, block, 0, stream>>>(...);
+//   HG_CUDA_CHECK_LAUNCH("exp");                                   // after every launch
+//
+// A failure throws halfgrad::Error naming the call, file:line, the op (when given) and the error, e.g.
+//   "CUDA error in exp: cudaErrorInvalidConfiguration (invalid configuration argument) from kernel launch
+//    at ops/elementwise.cu:212"
+// Kernel errors surface asynchronously, at a later call; with the environment variable
+// HALFGRAD_CUDA_LAUNCH_BLOCKING=1 every launch check synchronizes, so the error names the right kernel.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/device.h"
+
+// The handle types, declared the way the CUDA headers declare them (a repeated identical typedef is
+// legal C++), so that this header needs none of them.
+typedef struct CUstream_st* cudaStream_t;
+typedef struct cublasContext* cublasHandle_t;
+
+namespace halfgrad::cuda {
+
+// ---- devices
+bool is_available();  // built with CUDA, a driver is loaded and at least one GPU is visible
+int device_count();   // 0 without a driver or GPU; never throws
+int current_device();
+void set_device(int device);
+std::string device_name(int device);  // "NVIDIA H200"
+// Synchronizes the whole device (every stream): the host waits until all work queued on it is done.
+void synchronize();            // the current device
+void synchronize(int device);
+
+// Sets the current device for a scope and restores the previous one (does nothing for a CPU device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  explicit DeviceGuard(Device device) : DeviceGuard(device.is_cuda() ? device.index : -1) {}
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// ---- streams
+// Each device has a current stream, per host thread, on which every kernel, copy and library call for
+// that device is queued. It starts as the device's default (legacy) stream, nullptr.
+cudaStream_t current_stream(int device);
+inline cudaStream_t current_stream(Device device) { return current_stream(device.index); }
+void set_stream(int device, cudaStream_t stream);
+inline void set_stream(Device device, cudaStream_t stream) { set_stream(device.index, stream); }
+// The host waits for the work queued so far on the current stream of `device` (not the other streams).
+void synchronize_stream(int device);
+
+// Makes `stream` current on `device` for a scope.
+class StreamGuard {
+ public:
+  StreamGuard(int device, cudaStream_t stream);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  int device_;
+  cudaStream_t previous_;
+};
+
+// ---- cuBLAS
+// The cuBLAS handle of `device` (created on first use, one per device and host thread), bound to the
+// device's current stream and with its workspace set. The caller must have made `device` current.
+cublasHandle_t cublas_handle(int device);
+
+// float32 matmul precision: false (the default) computes in full float32; true lets cuBLAS use TF32
+// tensor cores (10-bit mantissa products, float32 accumulation), several times faster on Ampere+.
+void set_allow_tf32(bool allow);
+bool allow_tf32();
+
+// ---- error checking (the macros below call these on failure only)
+namespace detail {
+[[noreturn]] void throw_cuda_error(int status, const char* call, const char* file, int line, const char* op);
+[[noreturn]] void throw_cublas_error(int status, const char* call, const char* file, int line, const char* op);
+[[noreturn]] void throw_cudnn_error(int status, const char* call, const char* file, int line, const char* op);
+// After a kernel launch: throws on a launch error; with HALFGRAD_CUDA_LAUNCH_BLOCKING=1 also synchronizes
+// and throws on an execution error.
+void check_launch(const char* file, int line, const char* op);
+constexpr const char* op_name() { return nullptr; }
+constexpr const char* op_name(const char* op) { return op; }
+}  // namespace detail
+
+}  // namespace halfgrad::cuda
+
+// HG_CUDA_CHECK(call) or HG_CUDA_CHECK(call, op_name): throws halfgrad::Error unless call returns cudaSuccess.
+#define HG_CUDA_CHECK(call, ...)                                                                          \
+  do {                                                                                                    \
+    auto hg_status_ = (call);                                                                             \
+    if (static_cast<int>(hg_status_) != 0)                                                                \
+      ::halfgrad::cuda::detail::throw_cuda_error(static_cast<int>(hg_status_), #call, __FILE__, __LINE__, \
+                                                 ::halfgrad::cuda::detail::op_name(__VA_ARGS__));         \
+  } while (0)
+
+// As HG_CUDA_CHECK, for calls that return a cublasStatus_t.
+#define HG_CUBLAS_CHECK(call, ...)                                                                          \
+  do {                                                                                                      \
+    auto hg_status_ = (call);                                                                               \
+    if (static_cast<int>(hg_status_) != 0)                                                                  \
+      ::halfgrad::cuda::detail::throw_cublas_error(static_cast<int>(hg_status_), #call, __FILE__, __LINE__, \
+                                                   ::halfgrad::cuda::detail::op_name(__VA_ARGS__));         \
+  } while (0)
+
+// As HG_CUDA_CHECK, for calls that return a cudnnStatus_t.
+#define HG_CUDNN_CHECK(call, ...)                                                                          \
+  do {                                                                                                     \
+    auto hg_status_ = (call);                                                                              \
+    if (static_cast<int>(hg_status_) != 0)                                                                 \
+      ::halfgrad::cuda::detail::throw_cudnn_error(static_cast<int>(hg_status_), #call, __FILE__, __LINE__, \
+                                                  ::halfgrad::cuda::detail::op_name(__VA_ARGS__));         \
+  } while (0)
+
+// Right after every kernel launch: HG_CUDA_CHECK_LAUNCH("exp").
+#define HG_CUDA_CHECK_LAUNCH(op) ::halfgrad::cuda::detail::check_launch(__FILE__, __LINE__, op)

@@ -1,0 +1,327 @@
+// The CUDA caching allocator (core/cuda_allocator.h). Compiled in every build; without CUDA the statistics
+// functions report zeros and nothing is registered.
+#include "core/cuda_allocator.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/storage.h"
+
+#if HALFGRAD_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace halfgrad::cuda {
+
+std::string format_bytes(size_t bytes) {
+  constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+#if HALFGRAD_WITH_CUDA
+
+namespace {
+
+constexpr size_t kMinBlockSize = 512;               // every size is rounded up to this
+constexpr size_t kSmallRequest = size_t(1) << 20;   // requests up to 1 MiB use the small pool
+constexpr size_t kSmallSegment = size_t(2) << 20;   // the small pool's cudaMalloc size
+constexpr size_t kLargeSegment = size_t(20) << 20;  // large pool segment for requests under 10 MiB
+constexpr size_t kMinLargeAlloc = size_t(10) << 20;
+constexpr size_t kRoundLarge = size_t(2) << 20;     // larger requests are rounded up to this
+
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+struct Block {
+  size_t size = 0;       // rounded size of this block
+  size_t requested = 0;  // what the owner asked for (while allocated)
+  char* ptr = nullptr;
+  cudaStream_t stream = nullptr;
+  bool small = false;     // which pool
+  bool allocated = false;
+  Block* prev = nullptr;  // neighbours inside the same cudaMalloc segment
+  Block* next = nullptr;
+};
+
+// Free blocks ordered by (stream, size, address): lower_bound finds the smallest fitting block of a stream.
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return std::less<cudaStream_t>()(a->stream, b->stream);
+    if (a->size != b->size) return a->size < b->size;
+    return std::less<char*>()(a->ptr, b->ptr);
+  }
+};
+using FreeBlocks = std::set<Block*, BlockOrder>;
+
+class DeviceCache {
+ public:
+  explicit DeviceCache(int device) : device_(device) {}
+
+  void* allocate(size_t nbytes) {
+    const size_t size = round_up(nbytes, kMinBlockSize);
+    const bool small = size <= kSmallRequest;
+    DeviceGuard guard(device_);
+    cudaStream_t stream = current_stream(device_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    FreeBlocks& pool = small ? small_free_ : large_free_;
+
+    Block* block = take_free(pool, stream, size);
+    if (!block) block = new_segment(size, nbytes, small, stream);
+    split(block, size, pool);
+
+    block->allocated = true;
+    block->requested = nbytes;
+    active_.emplace(block->ptr, block);
+    stats_.allocated_bytes += block->size;
+    stats_.requested_bytes += nbytes;
+    stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+    stats_.num_allocations++;
+    return block->ptr;
+  }
+
+  void deallocate(void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = active_.find(ptr);
+    if (it == active_.end()) return;  // not ours: nothing sensible to do in a destructor path
+    Block* block = it->second;
+    active_.erase(it);
+    block->allocated = false;
+    stats_.allocated_bytes -= block->size;
+    stats_.requested_bytes -= block->requested;
+    block->requested = 0;
+    FreeBlocks& pool = block->small ? small_free_ : large_free_;
+    // Merge with free neighbours so that the segment can be handed out whole again.
+    for (Block* neighbour : {block->prev, block->next}) {
+      if (!neighbour || neighbour->allocated) continue;
+      pool.erase(neighbour);
+      if (neighbour == block->prev) {
+        neighbour->size += block->size;
+        neighbour->next = block->next;
+        if (block->next) block->next->prev = neighbour;
+        delete block;
+        block = neighbour;
+      } else {
+        block->size += neighbour->size;
+        block->next = neighbour->next;
+        if (neighbour->next) neighbour->next->prev = block;
+        delete neighbour;
+      }
+    }
+    pool.insert(block);
+  }
+
+  void empty_cache() {
+    DeviceGuard guard(device_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_cached();
+  }
+
+  MemoryStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.peak_allocated_bytes = stats_.allocated_bytes;
+  }
+
+ private:
+  // The smallest free block of `pool` on `stream` that holds `size` bytes, removed from the pool.
+  Block* take_free(FreeBlocks& pool, cudaStream_t stream, size_t size) {
+    Block key;
+    key.stream = stream;
+    key.size = size;
+    key.ptr = nullptr;
+    auto it = pool.lower_bound(&key);
+    if (it == pool.end() || (*it)->stream != stream) return nullptr;
+    Block* block = *it;
+    pool.erase(it);
+    return block;
+  }
+
+  // Splits off the unused tail of `block` as a free block when it is worth keeping.
+  void split(Block* block, size_t size, FreeBlocks& pool) {
+    size_t rest = block->size - size;
+    bool worth = block->small ? rest >= kMinBlockSize : rest > kSmallRequest;
+    if (!worth) return;
+    auto* tail = new Block;
+    tail->size = rest;
+    tail->ptr = block->ptr + size;
+    tail->stream = block->stream;
+    tail->small = block->small;
+    tail->prev = block;
+    tail->next = block->next;
+    if (block->next) block->next->prev = tail;
+    block->next = tail;
+    block->size = size;
+    pool.insert(tail);
+  }
+
+  Block* new_segment(size_t size, size_t requested, bool small, cudaStream_t stream) {
+    size_t segment = small ? kSmallSegment : size < kMinLargeAlloc ? kLargeSegment : round_up(size, kRoundLarge);
+    void* ptr = nullptr;
+    cudaError_t err = cudaMalloc(&ptr, segment);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear it: an out-of-memory is not sticky
+      stats_.num_oom_retries++;
+      release_cached();
+      err = cudaMalloc(&ptr, segment);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        throw_out_of_memory(requested, segment);
+      }
+    }
+    HG_CUDA_CHECK(err, "cuda caching allocator");
+    stats_.num_cuda_mallocs++;
+    stats_.reserved_bytes += segment;
+    auto* block = new Block;
+    block->size = segment;
+    block->ptr = static_cast<char*>(ptr);
+    block->stream = stream;
+    block->small = small;
+    return block;
+  }
+
+  // cudaFree on every cached block that is a whole segment (cudaFree waits for the device to be idle, so
+  // no kernel still reads a block being freed).
+  void release_cached() {
+    for (FreeBlocks* pool : {&small_free_, &large_free_}) {
+      for (auto it = pool->begin(); it != pool->end();) {
+        Block* b = *it;
+        if (b->prev || b->next) {
+          ++it;
+          continue;
+        }
+        HG_CUDA_CHECK(cudaFree(b->ptr), "cuda caching allocator");
+        stats_.num_cuda_frees++;
+        stats_.reserved_bytes -= b->size;
+        it = pool->erase(it);
+        delete b;
+      }
+    }
+  }
+
+  [[noreturn]] void throw_out_of_memory(size_t requested, size_t segment) {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    throw OutOfMemory(fmt::format(
+        "CUDA out of memory on cuda:{}: tried to allocate {} ({} bytes; a segment of {}). The device has {} "
+        "free of {}. Caching allocator: {}. Free tensors you no longer need or use a smaller batch.",
+        device_, format_bytes(requested), requested, format_bytes(segment), format_bytes(free_bytes),
+        format_bytes(total_bytes), stats_line(stats_)));
+  }
+
+ public:
+  static std::string stats_line(const MemoryStats& s) {
+    return fmt::format("allocated {}, reserved {} (cached {}), peak allocated {}, {} cudaMalloc calls, {} cudaFree "
+                       "calls, {} allocations",
+                       format_bytes(s.allocated_bytes), format_bytes(s.reserved_bytes),
+                       format_bytes(s.reserved_bytes - s.allocated_bytes), format_bytes(s.peak_allocated_bytes),
+                       s.num_cuda_mallocs, s.num_cuda_frees, s.num_allocations);
+  }
+
+ private:
+  const int device_;
+  std::mutex mutex_;
+  FreeBlocks small_free_, large_free_;
+  std::unordered_map<void*, Block*> active_;
+  MemoryStats stats_;
+};
+
+class CachingAllocator final : public Allocator {
+ public:
+  void* allocate(size_t nbytes, Device device) override {
+    if (nbytes == 0) return nullptr;
+    return cache(device.index, "allocate").allocate(nbytes);
+  }
+  void deallocate(void* ptr, size_t, Device device) override {
+    if (ptr) cache(device.index, "deallocate").deallocate(ptr);
+  }
+
+  // The cache of `device`. The caches are created on first use: the allocator's first CUDA call.
+  DeviceCache& cache(int device, const char* what) {
+    init();
+    HG_CHECK(!caches_.empty(), "cuda allocator ({}): no CUDA device is available (no GPU or no driver)", what);
+    HG_CHECK(device >= 0 && device < int(caches_.size()), "cuda allocator ({}): CUDA device {} does not exist ({} "
+             "visible)", what, device, caches_.size());
+    return *caches_[size_t(device)];
+  }
+  bool has(int device) {
+    init();
+    return device >= 0 && device < int(caches_.size());
+  }
+  int size() {
+    init();
+    return int(caches_.size());
+  }
+
+ private:
+  void init() {
+    std::call_once(init_, [this] {
+      for (int d = 0; d < device_count(); ++d) caches_.push_back(std::make_unique<DeviceCache>(d));
+    });
+  }
+
+  std::once_flag init_;
+  std::vector<std::unique_ptr<DeviceCache>> caches_;
+};
+
+// Never destroyed: tensors freed during static destruction still find it, and cudaFree at exit would
+// race the driver's own teardown.
+CachingAllocator& caching_allocator() {
+  static auto* instance = new CachingAllocator;
+  return *instance;
+}
+
+// Registration makes no CUDA call, so it is safe on a machine without a driver.
+const bool registered = [] {
+  set_allocator(DeviceType::CUDA, &caching_allocator());
+  return true;
+}();
+
+int resolve(int device) { return device < 0 ? (is_available() ? current_device() : 0) : device; }
+
+}  // namespace
+
+MemoryStats memory_stats(int device) {
+  device = resolve(device);
+  if (!caching_allocator().has(device)) return {};
+  return caching_allocator().cache(device, "memory_stats").stats();
+}
+
+void reset_peak(int device) {
+  device = resolve(device);
+  if (caching_allocator().has(device)) caching_allocator().cache(device, "reset_peak").reset_peak();
+}
+
+void empty_cache() {
+  int n = caching_allocator().size();
+  for (int d = 0; d < n; ++d) caching_allocator().cache(d, "empty_cache").empty_cache();
+}
+
+std::string memory_stats_str(int device) { return DeviceCache::stats_line(memory_stats(device)); }
+
+#else  // no CUDA in this build
+
+MemoryStats memory_stats(int) { return {}; }
+void reset_peak(int) {}
+void empty_cache() {}
+std::string memory_stats_str(int) { return "no CUDA in this build"; }
+
+#endif
+
+}  // namespace halfgrad::cuda

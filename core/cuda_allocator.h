@@ -1,0 +1,43 @@
+#pragma once
+// The CUDA caching allocator: device memory for every CUDA tensor (core/storage.h's Allocator for
+// DeviceType::CUDA, registered at start-up; it makes no CUDA call until the first allocation).
+//
+// cudaMalloc and cudaFree are slow and synchronise the device, so freed blocks are kept and handed out
+// again. Like PyTorch's allocator:
+//   - sizes are rounded up to 512 bytes;
+//   - requests up to 1 MiB come from a small pool carved out of 2 MiB segments; larger ones from a large
+//     pool (a 20 MiB segment for requests under 10 MiB, else the request rounded up to 2 MiB);
+//   - a cached block is reused for a request of its pool on the same stream (work on one stream runs in
+//     order, so the new owner cannot overtake the old one's kernels), the smallest fitting block first,
+//     split when the rest is worth keeping; freed neighbours in a segment merge again;
+//   - when cudaMalloc fails, the cached blocks that are whole segments are released and the call retried
+//     once; a second failure throws halfgrad::OutOfMemory with the size and these statistics.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace halfgrad::cuda {
+
+struct MemoryStats {
+  size_t allocated_bytes = 0;       // in blocks handed out now (rounded sizes)
+  size_t reserved_bytes = 0;        // held from cudaMalloc: allocated plus cached
+  size_t peak_allocated_bytes = 0;  // the most allocated_bytes has been since start or reset_peak()
+  size_t requested_bytes = 0;       // sizes as asked for, of the blocks handed out now
+  uint64_t num_allocations = 0;     // allocations served (each tensor storage is one)
+  uint64_t num_cuda_mallocs = 0;    // segments obtained from cudaMalloc
+  uint64_t num_cuda_frees = 0;      // segments returned with cudaFree
+  uint64_t num_oom_retries = 0;     // cudaMalloc failures that led to releasing the cache and retrying
+};
+
+// Statistics of one device (-1: the current device). All zero for a device not used yet.
+MemoryStats memory_stats(int device = -1);
+// Sets the peak to the bytes allocated now.
+void reset_peak(int device = -1);
+// Returns every cached (free) whole segment of every device to the driver with cudaFree. Memory still in
+// use stays; so do free blocks that share a segment with a block in use.
+void empty_cache();
+// The statistics as one line, as out-of-memory messages print them.
+std::string memory_stats_str(int device = -1);
+std::string format_bytes(size_t bytes);  // "1.50 GiB"
+
+}  // namespace halfgrad::cuda

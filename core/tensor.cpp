@@ -1,0 +1,329 @@
+// Tensor metadata, factories, random numbers and printing.
+#include "core/tensor.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <numbers>
+
+#include "core/autograd.h"
+#include "core/random.h"
+
+namespace halfgrad {
+
+// ---- shape helpers
+
+int64_t numel_of(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (int64_t d = int64_t(shape.size()) - 1; d >= 0; --d) {
+    strides[d] = s;
+    s *= std::max<int64_t>(shape[d], 1);
+  }
+  return strides;
+}
+
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
+  int64_t range = std::max<int64_t>(ndim, 1);  // a 0-d tensor accepts dim 0 and -1, as in PyTorch
+  HG_CHECK(dim >= -range && dim < range, "{}: dimension {} is out of range for a tensor of {} dims", op, dim, ndim);
+  return dim < 0 ? dim + range : dim;
+}
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    HG_CHECK(da == db || da == 1 || db == 1, "{}: shapes {} and {} cannot be broadcast together (dim {}: {} vs {})",
+             op, shape_str(a), shape_str(b), i, da, db);
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+// ---- metadata
+
+const Shape& Tensor::shape() const { return impl()->shape; }
+const Shape& Tensor::strides() const { return impl()->strides; }
+int64_t Tensor::dim() const { return int64_t(impl()->shape.size()); }
+int64_t Tensor::size(int64_t d) const { return impl()->shape[wrap_dim(d, dim(), "size")]; }
+int64_t Tensor::stride(int64_t d) const { return impl()->strides[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::offset() const { return impl()->offset; }
+int64_t Tensor::numel() const { return numel_of(impl()->shape); }
+DType Tensor::dtype() const { return impl()->dtype; }
+Device Tensor::device() const { return impl()->storage->device(); }
+const std::shared_ptr<Storage>& Tensor::storage() const { return impl()->storage; }
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (int64_t d = dim() - 1; d >= 0; --d) {
+    if (impl()->shape[d] == 1) continue;
+    if (impl()->strides[d] != expected) return false;
+    expected *= impl()->shape[d];
+  }
+  return true;
+}
+
+void* Tensor::data_ptr() const {
+  return static_cast<char*>(impl()->storage->data()) + impl()->offset * int64_t(element_size(dtype()));
+}
+
+template <typename T> T* Tensor::data() const {
+  HG_CHECK(dtype() == dtype_of<T>(), "data<{}>(): the tensor is {}", dtype_name(dtype_of<T>()), meta());
+  return static_cast<T*>(data_ptr());
+}
+
+template <typename T> T Tensor::item() const {
+  HG_CHECK(numel() == 1, "item(): expected a tensor with one element, got {}", meta());
+  return to_vector<T>(*this)[0];
+}
+
+std::string Tensor::meta() const {
+  if (!defined()) return "(undefined tensor)";
+  return fmt::format("{}{} {}", dtype_name(dtype()), shape_str(shape()), device().str());
+}
+
+#define HG_INSTANTIATE(T)                    \
+  template T* Tensor::data<T>() const;       \
+  template T Tensor::item<T>() const;        \
+  template std::vector<T> to_vector<T>(const Tensor&);
+HG_INSTANTIATE(bool)
+HG_INSTANTIATE(uint8_t)
+HG_INSTANTIATE(int32_t)
+HG_INSTANTIATE(int64_t)
+HG_INSTANTIATE(Half)
+HG_INSTANTIATE(BFloat16)
+HG_INSTANTIATE(float)
+HG_INSTANTIATE(double)
+#undef HG_INSTANTIATE
+
+template <typename T> std::vector<T> to_vector(const Tensor& t) {
+  Tensor host = t.to(Device::cpu(), dtype_of<T>()).contiguous();
+  const T* values = static_cast<const T*>(host.data_ptr());
+  return std::vector<T>(values, values + host.numel());  // (std::vector<bool> has no data() to memcpy into)
+}
+
+// ---- factories
+
+Tensor empty(const Shape& shape, TensorOptions options) {
+  for (int64_t s : shape) HG_CHECK(s >= 0, "empty: negative dimension in shape {}", shape_str(shape));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(size_t(numel_of(shape)) * element_size(options.dtype), options.device);
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = options.dtype;
+  Tensor t(std::move(impl));
+  if (options.requires_grad) t.requires_grad_();
+  return t;
+}
+
+Tensor full(const Shape& shape, const Scalar& value, TensorOptions options) {
+  bool requires_grad = options.requires_grad;
+  options.requires_grad = false;
+  Tensor t = empty(shape, options);
+  t.fill_(value);
+  if (requires_grad) t.requires_grad_();
+  return t;
+}
+
+Tensor zeros(const Shape& shape, TensorOptions options) { return full(shape, 0, options); }
+Tensor ones(const Shape& shape, TensorOptions options) { return full(shape, 1, options); }
+Tensor scalar_tensor(const Scalar& value, TensorOptions options) { return full({}, value, options); }
+
+static TensorOptions like(const Tensor& t) { return {.dtype = t.dtype(), .device = t.device()}; }
+Tensor empty_like(const Tensor& t) { return empty(t.shape(), like(t)); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), like(t)); }
+Tensor ones_like(const Tensor& t) { return ones(t.shape(), like(t)); }
+Tensor full_like(const Tensor& t, const Scalar& value) { return full(t.shape(), value, like(t)); }
+Tensor randn_like(const Tensor& t) { return randn(t.shape(), like(t)); }
+
+Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty(shape, {.dtype = dtype});
+  if (t.numel() > 0) std::memcpy(t.data_ptr(), data, size_t(t.numel()) * element_size(dtype));
+  return device.is_cpu() ? t : t.to(device);
+}
+
+Tensor arange(double start, double end, double step, TensorOptions options) {
+  HG_CHECK(step != 0 && (end - start) / step >= 0, "arange: cannot go from {} to {} in steps of {}", start, end, step);
+  int64_t n = int64_t(std::ceil((end - start) / step));
+  std::vector<double> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) values[size_t(i)] = start + double(i) * step;
+  return tensor(values, {.dtype = options.dtype, .device = options.device, .requires_grad = options.requires_grad});
+}
+
+Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, options); }
+
+// ---- random numbers
+
+namespace {
+std::mutex generator_mutex;
+GeneratorState generator{.seed = 67280421310721ull, .offset = 0};
+
+// Fills `n` values with fn(counter) -> up to 4 values, in parallel; the stream depends only on the seed.
+template <typename T, int PerCounter, typename Fn> Tensor generate(const Shape& shape, TensorOptions options, Fn fn) {
+  Tensor host = empty(shape, {.dtype = dtype_of<T>()});
+  int64_t n = host.numel();
+  int64_t counters = (n + PerCounter - 1) / PerCounter;
+  GeneratorState state = next_random_counters(uint64_t(counters));
+  T* out = host.data<T>();
+#pragma omp parallel for if (counters > 4096)
+  for (int64_t c = 0; c < counters; ++c) {
+    T values[PerCounter];
+    fn(Philox::generate(state.seed, state.offset + uint64_t(c)), values);
+    for (int k = 0; k < PerCounter && c * PerCounter + k < n; ++k) out[c * PerCounter + k] = values[k];
+  }
+  Tensor t = host.to(options.device, options.dtype);
+  if (options.requires_grad) t.requires_grad_();
+  return t;
+}
+
+double uniform53(uint32_t hi, uint32_t lo) {
+  return double((uint64_t(hi) << 21) ^ (lo >> 11)) * (1.0 / 9007199254740992.0);
+}
+}  // namespace
+
+GeneratorState next_random_counters(uint64_t count) {
+  std::lock_guard<std::mutex> lock(generator_mutex);
+  GeneratorState s = generator;
+  generator.offset += count;
+  return s;
+}
+
+void manual_seed(uint64_t seed) {
+  std::lock_guard<std::mutex> lock(generator_mutex);
+  generator = {.seed = seed, .offset = 0};
+}
+
+Tensor rand(const Shape& shape, TensorOptions options) {
+  HG_CHECK(is_floating(options.dtype), "rand: dtype must be floating, got {}", dtype_name(options.dtype));
+  if (options.dtype == kFloat64) {
+    return generate<double, 2>(shape, options, [](Philox::U4 r, double* v) {
+      v[0] = uniform53(r.x[0], r.x[1]);
+      v[1] = uniform53(r.x[2], r.x[3]);
+    });
+  }
+  return generate<float, 4>(shape, options, [](Philox::U4 r, float* v) {
+    for (int k = 0; k < 4; ++k) v[k] = Philox::uniform(r.x[k]);
+  });
+}
+
+Tensor randn(const Shape& shape, TensorOptions options) {
+  HG_CHECK(is_floating(options.dtype), "randn: dtype must be floating, got {}", dtype_name(options.dtype));
+  // Box-Muller: two uniforms (u1 in (0, 1]) give two independent standard normals.
+  if (options.dtype == kFloat64) {
+    return generate<double, 2>(shape, options, [](Philox::U4 r, double* v) {
+      double u1 = 1.0 - uniform53(r.x[0], r.x[1]), u2 = uniform53(r.x[2], r.x[3]);
+      double radius = std::sqrt(-2.0 * std::log(u1)), angle = 2.0 * std::numbers::pi * u2;
+      v[0] = radius * std::cos(angle);
+      v[1] = radius * std::sin(angle);
+    });
+  }
+  return generate<float, 4>(shape, options, [](Philox::U4 r, float* v) {
+    for (int k = 0; k < 4; k += 2) {
+      float u1 = 1.0f - Philox::uniform(r.x[k]), u2 = Philox::uniform(r.x[k + 1]);
+      float radius = std::sqrt(-2.0f * std::log(u1)), angle = 2.0f * std::numbers::pi_v<float> * u2;
+      v[k] = radius * std::cos(angle);
+      v[k + 1] = radius * std::sin(angle);
+    }
+  });
+}
+
+Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options) {
+  HG_CHECK(high > low, "randint: empty range [{}, {})", low, high);
+  uint64_t range = uint64_t(high - low);
+  Tensor t = generate<int64_t, 2>(shape, {.dtype = kInt64}, [&](Philox::U4 r, int64_t* v) {
+    v[0] = low + int64_t(((uint64_t(r.x[0]) << 32) | r.x[1]) % range);
+    v[1] = low + int64_t(((uint64_t(r.x[2]) << 32) | r.x[3]) % range);
+  });
+  return t.to(options.device, options.dtype);
+}
+
+// ---- printing
+
+namespace {
+constexpr int64_t kSummarizeAbove = 1000;  // elements; larger tensors print their ends only
+constexpr int64_t kEdgeItems = 3;
+
+struct Printer {
+  const std::vector<double>& values;
+  const Shape& shape;
+  bool floating, boolean, summarize;
+  int width = 0;
+  bool scientific = false;
+
+  std::string number(double v) const {
+    if (boolean) return v != 0 ? "true" : "false";
+    if (!floating) return fmt::format("{}", int64_t(v));
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+    return scientific ? fmt::format("{:.4e}", v) : fmt::format("{:.4f}", v);
+  }
+
+  void body(std::string& out, int64_t dim, int64_t base, int indent) const {
+    if (dim == int64_t(shape.size())) {
+      out += fmt::format("{:>{}}", number(values[size_t(base)]), width);
+      return;
+    }
+    int64_t stride = 1;
+    for (size_t d = size_t(dim) + 1; d < shape.size(); ++d) stride *= shape[d];
+    out += '[';
+    for (int64_t i = 0; i < shape[dim]; ++i) {
+      if (summarize && shape[dim] > 2 * kEdgeItems && i == kEdgeItems) {
+        out += dim + 1 == int64_t(shape.size()) ? "..., " : fmt::format("...,\n{:{}}", "", indent + 1);
+        i = shape[dim] - kEdgeItems;
+      }
+      body(out, dim + 1, base + i * stride, indent + 1);
+      if (i + 1 < shape[dim]) {
+        out += ',';
+        out += dim + 1 == int64_t(shape.size()) ? std::string(" ")
+                                                 : std::string(size_t(shape.size() - dim - 1), '\n') +
+                                                       std::string(size_t(indent + 1), ' ');
+      }
+    }
+    out += ']';
+  }
+};
+}  // namespace
+
+std::string Tensor::str() const {
+  if (!defined()) return "tensor(undefined)";
+  std::vector<double> values = to_vector<double>(*this);
+  Printer p{values, shape(), is_floating_point(), dtype() == kBool, numel() > kSummarizeAbove};
+  double largest = 0, smallest_nonzero = INFINITY;
+  for (double v : values) {
+    if (!std::isfinite(v)) continue;
+    largest = std::max(largest, std::abs(v));
+    if (v != 0) smallest_nonzero = std::min(smallest_nonzero, std::abs(v));
+  }
+  p.scientific = p.floating && (largest >= 1e8 || smallest_nonzero < 1e-4);
+  for (double v : values) p.width = std::max(p.width, int(p.number(v).size()));
+  std::string out = "tensor(";
+  if (dim() == 0) {
+    out += p.number(values[0]);
+  } else {
+    p.body(out, 0, 0, 7);
+  }
+  std::vector<std::string> extras;
+  if (dtype() != kFloat32 && dtype() != kInt64 && dtype() != kBool) extras.push_back(fmt::format("dtype={}", dtype_name(dtype())));
+  if (numel() == 0 || p.summarize) extras.push_back(fmt::format("size={}", shape_str(shape())));
+  if (!is_cpu()) extras.push_back(fmt::format("device={}", device().str()));
+  if (grad_fn()) {
+    extras.push_back(fmt::format("grad_fn=<{}>", grad_fn()->name()));
+  } else if (requires_grad()) {
+    extras.push_back("requires_grad=true");
+  }
+  for (const auto& e : extras) out += ", " + e;
+  return out + ")";
+}
+
+}  // namespace halfgrad

@@ -1,0 +1,253 @@
+#pragma once
+// Tensor: a handle to shared storage seen through shape + strides + offset, with a dtype, a device and
+// (when it takes part in autograd) a place in the graph.
+//
+// Copying a Tensor copies the handle, as in libtorch: both handles name the same tensor.
+// Where the methods are defined: metadata, factories and printing in core/tensor.cpp; view ops in
+// ops/shape.cpp; arithmetic in ops/elementwise.cpp; reductions in ops/reduce.cpp; matmul in
+// ops/matmul.cpp; casts and copies in ops/copy.cpp; autograd methods in core/autograd.cpp.
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/storage.h"
+
+namespace halfgrad {
+
+using Shape = std::vector<int64_t>;
+using Dims = std::vector<int64_t>;
+
+class Tensor;
+struct TensorImpl;
+class Node;
+using TensorList = std::vector<Tensor>;
+// A gradient hook receives the gradient flowing into a tensor; returning a defined tensor replaces it.
+using GradHook = std::function<Tensor(const Tensor& grad)>;
+
+struct TensorOptions {
+  DType dtype = kFloat32;
+  Device device = Device::cpu();
+  bool requires_grad = false;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return impl_ != nullptr; }
+  TensorImpl* impl() const { return impl_.get(); }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+  bool same(const Tensor& other) const { return impl_ == other.impl_; }  // the same tensor object
+
+  // ---- metadata (core/tensor.cpp)
+  const Shape& shape() const;
+  const Shape& strides() const;
+  int64_t dim() const;
+  int64_t size(int64_t d) const;  // negative d counts from the end
+  int64_t stride(int64_t d) const;
+  int64_t offset() const;
+  int64_t numel() const;
+  DType dtype() const;
+  Device device() const;
+  bool is_cpu() const { return device().is_cpu(); }
+  bool is_cuda() const { return device().is_cuda(); }
+  bool is_contiguous() const;
+  bool is_floating_point() const { return is_floating(dtype()); }
+  const std::shared_ptr<Storage>& storage() const;
+  void* data_ptr() const;  // address of element 0 (storage base + offset)
+  template <typename T> T* data() const;  // checked against dtype
+  template <typename T = double> T item() const;  // single-element tensors; copies to the host
+  std::string meta() const;  // "float32[2, 3] cpu": what error messages print for an operand
+  std::string str() const;   // values, abbreviated like PyTorch's printing
+
+  // ---- views: share storage (ops/shape.cpp)
+  Tensor view(Shape shape) const;  // -1 allowed once; needs compatible strides
+  Tensor reshape(Shape shape) const;  // a view when possible, else a copy
+  Tensor permute(Dims dims) const;
+  Tensor transpose(int64_t d0, int64_t d1) const;
+  Tensor t() const;  // 2-D transpose
+  Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+  Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
+  Tensor select(int64_t dim, int64_t index) const;
+  Tensor operator[](int64_t index) const { return select(0, index); }
+  Tensor expand(Shape shape) const;  // broadcast: size-1 dims become stride-0, -1 keeps a size
+  Tensor expand_as(const Tensor& other) const { return expand(other.shape()); }
+  Tensor squeeze() const;
+  Tensor squeeze(int64_t dim) const;
+  Tensor unsqueeze(int64_t dim) const;
+  Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
+  Tensor contiguous() const;  // itself when already contiguous
+  Tensor clone() const;       // a contiguous copy, differentiable
+
+  // ---- dtype and device (ops/copy.cpp)
+  Tensor to(DType dtype) const;  // itself when the dtype already matches
+  Tensor to(Device device) const;
+  Tensor to(Device device, DType dtype) const;
+  Tensor cpu() const { return to(Device::cpu()); }
+  Tensor cuda(int index = 0) const { return to(Device::cuda(index)); }
+  Tensor& copy_(const Tensor& src);  // broadcasting, casting, cross-device copy into this tensor
+
+  // ---- autograd (core/autograd.cpp)
+  bool requires_grad() const;
+  Tensor& requires_grad_(bool enabled = true);
+  bool is_leaf() const;
+  Tensor grad() const;  // undefined until a backward pass reaches this tensor
+  void set_grad(const Tensor& grad) const;
+  const std::shared_ptr<Node>& grad_fn() const;
+  uint32_t output_nr() const;
+  Tensor detach() const;  // same storage, no history
+  void retain_grad() const;  // keep .grad on a non-leaf too
+  bool retains_grad() const;
+  void register_hook(GradHook hook) const;
+  uint64_t version() const;  // bumped by each in-place write to the storage
+  // Backpropagates from this tensor. `gradient` may be left out for a single-element tensor.
+  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
+
+  // ---- elementwise (ops/elementwise.cpp)
+  Tensor add(const Tensor& other, const Scalar& alpha = 1) const;
+  Tensor add(const Scalar& other) const;
+  Tensor sub(const Tensor& other, const Scalar& alpha = 1) const;
+  Tensor sub(const Scalar& other) const;
+  Tensor mul(const Tensor& other) const;
+  Tensor mul(const Scalar& other) const;
+  Tensor div(const Tensor& other) const;
+  Tensor div(const Scalar& other) const;
+  Tensor pow(const Tensor& exponent) const;
+  Tensor pow(const Scalar& exponent) const;
+  Tensor neg() const;
+  Tensor abs() const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor sqrt() const;
+  Tensor rsqrt() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
+  Tensor relu() const;
+  Tensor sign() const;
+  Tensor clamp(std::optional<Scalar> min, std::optional<Scalar> max) const;
+  Tensor eq(const Tensor& other) const;
+  Tensor ne(const Tensor& other) const;
+  Tensor lt(const Tensor& other) const;
+  Tensor le(const Tensor& other) const;
+  Tensor gt(const Tensor& other) const;
+  Tensor ge(const Tensor& other) const;
+  Tensor eq(const Scalar& other) const;
+  Tensor ne(const Scalar& other) const;
+  Tensor lt(const Scalar& other) const;
+  Tensor le(const Scalar& other) const;
+  Tensor gt(const Scalar& other) const;
+  Tensor ge(const Scalar& other) const;
+  Tensor logical_not() const;
+  Tensor isfinite() const;
+  // In place: write into this tensor (its dtype is kept; the result must be castable to it).
+  Tensor& add_(const Tensor& other, const Scalar& alpha = 1);
+  Tensor& add_(const Scalar& other);
+  Tensor& sub_(const Tensor& other, const Scalar& alpha = 1);
+  Tensor& sub_(const Scalar& other);
+  Tensor& mul_(const Tensor& other);
+  Tensor& mul_(const Scalar& other);
+  Tensor& div_(const Tensor& other);
+  Tensor& div_(const Scalar& other);
+  Tensor& neg_();
+  Tensor& exp_();
+  Tensor& sqrt_();
+  Tensor& relu_();
+  Tensor& clamp_(std::optional<Scalar> min, std::optional<Scalar> max);
+  Tensor& fill_(const Scalar& value);
+  Tensor& zero_() { return fill_(0); }
+
+  // ---- reductions (ops/reduce.cpp). Empty `dims` means every dim.
+  Tensor sum(Dims dims = {}, bool keepdim = false) const;
+  Tensor mean(Dims dims = {}, bool keepdim = false) const;
+  Tensor var(Dims dims = {}, int64_t correction = 1, bool keepdim = false) const;
+  Tensor max() const;  // over all elements
+  Tensor min() const;
+  std::pair<Tensor, Tensor> max(int64_t dim, bool keepdim = false) const;  // (values, int64 indices)
+  std::pair<Tensor, Tensor> min(int64_t dim, bool keepdim = false) const;
+  Tensor argmax(int64_t dim, bool keepdim = false) const;
+  Tensor argmin(int64_t dim, bool keepdim = false) const;
+  Tensor all() const;
+  Tensor any() const;
+
+  // ---- linear algebra (ops/matmul.cpp)
+  Tensor matmul(const Tensor& other) const;
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+// ---- autograd state of a tensor (core/autograd.h explains the graph)
+struct AutogradMeta {
+  bool requires_grad = false;  // set on leaves by the user; non-leaves require grad through grad_fn
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;  // the node that produced this tensor, null for leaves
+  uint32_t output_nr = 0;         // which output of grad_fn this tensor is
+  std::weak_ptr<Node> grad_accumulator;  // leaves: the node that adds into .grad
+  std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn
+  bool retains_grad = false;
+};
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  Shape shape;
+  Shape strides;  // in elements
+  int64_t offset = 0;  // in elements
+  DType dtype = kFloat32;
+  bool is_view = false;  // shares storage with the tensor it was viewed from
+  std::unique_ptr<AutogradMeta> autograd;  // null until the tensor enters autograd
+
+  AutogradMeta& autograd_meta();  // creates it on first use
+};
+
+// ---- factories (core/tensor.cpp)
+Tensor empty(const Shape& shape, TensorOptions options = {});
+Tensor zeros(const Shape& shape, TensorOptions options = {});
+Tensor ones(const Shape& shape, TensorOptions options = {});
+Tensor full(const Shape& shape, const Scalar& value, TensorOptions options = {});
+Tensor arange(double start, double end, double step = 1, TensorOptions options = {.dtype = kInt64});
+Tensor arange(double end, TensorOptions options = {.dtype = kInt64});
+Tensor rand(const Shape& shape, TensorOptions options = {});   // uniform [0, 1)
+Tensor randn(const Shape& shape, TensorOptions options = {});  // standard normal
+Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options = {.dtype = kInt64});
+Tensor scalar_tensor(const Scalar& value, TensorOptions options = {});
+Tensor empty_like(const Tensor& t);
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor full_like(const Tensor& t, const Scalar& value);
+Tensor randn_like(const Tensor& t);
+// Copies `count` elements of `dtype` from host memory.
+Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device device = Device::cpu());
+template <typename T>
+Tensor tensor(const std::vector<T>& values, const Shape& shape, TensorOptions options = {.dtype = dtype_of<T>()}) {
+  Tensor t = from_buffer(values.data(), shape, dtype_of<T>());
+  if (options.dtype != dtype_of<T>() || !options.device.is_cpu()) t = t.to(options.device, options.dtype);
+  if (options.requires_grad) t.requires_grad_();
+  return t;
+}
+template <typename T>
+Tensor tensor(const std::vector<T>& values, TensorOptions options = {.dtype = dtype_of<T>()}) {
+  return tensor(values, Shape{int64_t(values.size())}, options);
+}
+// A tensor's values as a host vector of T (converted), in row-major order.
+template <typename T> std::vector<T> to_vector(const Tensor& t);
+
+// Reproducible random numbers: one seeded global generator (Philox), like torch.manual_seed.
+void manual_seed(uint64_t seed);
+
+// ---- shape helpers used by ops
+int64_t numel_of(const Shape& shape);
+Shape contiguous_strides(const Shape& shape);
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);  // -1 -> ndim-1, with a range check
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+std::string shape_str(const Shape& shape);
+
+}  // namespace halfgrad

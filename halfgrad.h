@@ -1,0 +1,7 @@
+#pragma once
+// The whole public API of halfgrad in one include.
+#include "core/autograd.h"
+#include "core/tensor.h"
+#include "ops/copy.h"
+#include "ops/elementwise.h"
+#include "ops/shape.h"

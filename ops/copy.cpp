@@ -1,0 +1,111 @@
+// Copies and casts: Tensor::to, copy_, contiguous, clone, and the CPU copy kernel that converts dtypes.
+#include "ops/copy.h"
+
+#include "core/autograd.h"
+#include "ops/loops.h"
+#include "ops/shape.h"
+
+namespace halfgrad {
+
+KernelTable<CopyKernel> copy_kernel("copy");
+KernelTable<CopyKernel> transfer_kernel("transfer between devices");
+
+Tensor cast_nograd(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()});
+  copy_kernel[t.device()](out, t);
+  return out;
+}
+
+namespace {
+// A contiguous copy of t on `device` (same dtype).
+Tensor transfer(const Tensor& t, Device device) {
+  Tensor src = t.contiguous();
+  Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = device});
+  Device backend = device.is_cpu() ? src.device() : device;  // the non-CPU side performs the copy
+  transfer_kernel[backend](out, src);
+  return out;
+}
+}  // namespace
+
+// Autocast category: "unchanged" (a cast is what autocast inserts).
+Tensor Tensor::to(DType dtype) const {
+  if (dtype == this->dtype()) return *this;
+  Tensor out = cast_nograd(*this, dtype);
+  if (any_requires_grad({this}) && is_floating(dtype)) {
+    // The engine casts each gradient to its input's dtype: the gradient passes back unchanged otherwise.
+    record("ToBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+  }
+  return out;
+}
+
+Tensor Tensor::to(Device device) const {
+  if (device == this->device()) return *this;
+  Tensor out = transfer(*this, device);
+  if (any_requires_grad({this})) {
+    Device from = this->device();
+    record("ToBackward", {*this}, {out}, [from](const GradContext& g) -> TensorList { return {g[0].to(from)}; });
+  }
+  return out;
+}
+
+Tensor Tensor::to(Device device, DType dtype) const {
+  // Cast on the side where elements are smaller: fewer bytes cross the bus.
+  if (element_size(dtype) < element_size(this->dtype())) return to(dtype).to(device);
+  return to(device).to(dtype);
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  check_inplace(*this, "copy_");
+  {
+    NoGradGuard no_grad;
+    Tensor from = src.device() == device() ? src : src.to(device(), dtype());
+    copy_kernel[device()](*this, broadcast_view(from, shape(), "copy_"));
+  }
+  if (GradMode::is_enabled() && (requires_grad() || src.requires_grad())) {
+    HG_CHECK(!impl()->is_view, "copy_: copying into a view of a tensor in the autograd graph is not supported ({})",
+             meta());
+    Shape src_shape = src.shape();
+    // This tensor's old value is overwritten: its history gets no gradient from here on.
+    record("CopyBackward", {src}, {*this}, [src_shape](const GradContext& g) -> TensorList {
+      return {sum_to(g[0], src_shape)};
+    });
+  }
+  return *this;
+}
+
+Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
+  copy_kernel[device()](out, *this);
+  if (any_requires_grad({this})) {
+    record("CloneBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+  }
+  return out;
+}
+
+namespace {
+template <typename To, typename From> To convert(From x) {
+  if constexpr (std::is_same_v<To, From>) {
+    return x;
+  } else if constexpr (std::is_same_v<To, bool>) {
+    return opmath_t<From>(x) != opmath_t<From>(0);
+  } else {
+    return To(opmath_t<To>(opmath_t<From>(x)));
+  }
+}
+
+void copy_cpu(const Tensor& dst, const Tensor& src) {
+  HG_CHECK(src.is_cpu() && dst.is_cpu(), "copy: cpu kernel given {} -> {}", src.meta(), dst.meta());
+  dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
+    dispatch_all(src.dtype(), "copy", [&]<typename From>() {
+      cpu::map<To, From>(dst, [](From x) { return convert<To>(x); }, {src});
+    });
+  });
+}
+}  // namespace
+
+HG_REGISTER_KERNEL(copy_kernel, CPU, copy_cpu);
+
+}  // namespace halfgrad

@@ -1,0 +1,460 @@
+// Elementwise ops: forward, backward and CPU kernels. The arithmetic is in ops/elementwise_math.h.
+#include "ops/elementwise.h"
+
+#include "core/autograd.h"
+#include "ops/copy.h"
+#include "ops/loops.h"
+#include "ops/shape.h"
+
+namespace halfgrad {
+
+KernelTable<UnaryKernel> unary_kernel("unary");
+KernelTable<BinaryKernel> binary_kernel("binary");
+KernelTable<WhereKernel> where_kernel("where");
+KernelTable<FillKernel> fill_kernel("fill");
+
+namespace {
+
+const char* unary_name(UnaryOp op) {
+  constexpr const char* names[] = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sign",
+                                   "logical_not", "isfinite"};
+  return names[int(op)];
+}
+const char* binary_name(BinaryOp op) {
+  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
+                                   "gt", "ge", "logical_and", "logical_or"};
+  return names[int(op)];
+}
+
+// Math functions (exp, log, ...) need a floating input: integers are computed in the default float dtype.
+bool needs_floating(UnaryOp op) { return op >= UnaryOp::Exp && op <= UnaryOp::Sigmoid; }
+
+void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  HG_CHECK(a.device() == b.device(), "{}: operands are on different devices: {} and {}", op, a.meta(), b.meta());
+}
+
+// ---- forward computations (no autograd)
+
+Tensor unary_forward(UnaryOp op, const Tensor& x) {
+  const char* name = unary_name(op);
+  HG_CHECK(x.dtype() != kBool || op == UnaryOp::LogicalNot || op == UnaryOp::IsFinite || op == UnaryOp::Abs,
+           "{}: not supported for bool tensors ({})", name, x.meta());
+  DType compute = needs_floating(op) && !x.is_floating_point() ? kDefaultFloat : x.dtype();
+  Tensor in = cast_nograd(x, compute);
+  Tensor out = empty(x.shape(), {.dtype = is_predicate(op) ? kBool : compute, .device = x.device()});
+  unary_kernel[x.device()](op, out, in);
+  return out;
+}
+
+// Binary op on two tensors; either may be a 0-d CPU "scalar" when the other is on a device.
+Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compute) {
+  const char* name = binary_name(op);
+  Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
+  bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
+  Device device = a_scalar ? b.device() : a.device();
+  if (!a_scalar && !b_scalar) check_same_device(name, a, b);
+  Tensor out = empty(shape, {.dtype = is_predicate(op) ? kBool : compute, .device = device});
+  auto operand = [&](const Tensor& t, bool scalar) {
+    Tensor c = cast_nograd(t, compute);
+    return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, name);
+  };
+  binary_kernel[device](op, out, operand(a, a_scalar), operand(b, b_scalar));
+  return out;
+}
+
+DType binary_compute_dtype(BinaryOp op, DType common) {
+  if (op == BinaryOp::Div && !is_floating(common)) return kDefaultFloat;  // true division
+  if ((op == BinaryOp::LogicalAnd || op == BinaryOp::LogicalOr)) return common;
+  return common;
+}
+
+void check_not_bool_arithmetic(BinaryOp op, DType common) {
+  HG_CHECK(common != kBool || is_predicate(op) || op == BinaryOp::Maximum || op == BinaryOp::Minimum ||
+               op == BinaryOp::Mul || op == BinaryOp::Add,
+           "{}: not supported for bool tensors; convert with to() first", binary_name(op));
+}
+
+// A scalar operand as a 0-d CPU tensor of the compute dtype.
+Tensor scalar_operand(const Scalar& s, DType dtype) { return scalar_tensor(s, {.dtype = dtype}); }
+
+// ---- backward formulas, next to each other so the calculus can be read at once
+
+Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor& y) {
+  switch (op) {
+    case UnaryOp::Neg: return -g;
+    case UnaryOp::Abs: return g * sign(x);
+    case UnaryOp::Exp: return g * y;                          // d exp(x) = exp(x)
+    case UnaryOp::Log: return g / x;                          // d log(x) = 1/x
+    case UnaryOp::Sqrt: return g / (y * 2);                   // d sqrt(x) = 1/(2 sqrt(x))
+    case UnaryOp::Rsqrt: return g * y * y * y * -0.5;         // d x^-1/2 = -1/2 x^-3/2
+    case UnaryOp::Tanh: return g * (1 - y * y);               // d tanh = 1 - tanh^2
+    case UnaryOp::Sigmoid: return g * y * (1 - y);            // d s = s (1 - s)
+    case UnaryOp::Relu: return where(y.gt(0), g, 0);         // 0 at x == 0, as PyTorch
+    case UnaryOp::Sign: return zeros_like(g);
+    default: HG_FAIL("{}: not differentiable", unary_name(op));
+  }
+}
+
+// Which of x and y a unary op's backward reads (saving only what is needed keeps memory down).
+bool backward_uses_input(UnaryOp op) { return op == UnaryOp::Abs || op == UnaryOp::Log || op == UnaryOp::Sign; }
+bool backward_uses_output(UnaryOp op) {
+  return op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt || op == UnaryOp::Tanh ||
+         op == UnaryOp::Sigmoid || op == UnaryOp::Relu;
+}
+
+Tensor unary(UnaryOp op, const Tensor& x) {
+  Tensor y = unary_forward(op, x);
+  if (any_requires_grad({&x}) && y.is_floating_point()) {
+    const char* name = unary_name(op);
+    SavedTensor sx(backward_uses_input(op) ? x : Tensor(), name);
+    SavedTensor sy(backward_uses_output(op) ? y : Tensor(), name);
+    record(backward_name(name), {x}, {y}, [op, sx, sy](const GradContext& g) -> TensorList {
+      return {unary_backward(op, g[0], sx.get(), sy.get())};
+    });
+  }
+  return y;
+}
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  DType common = promote_types(a.dtype(), b.dtype());
+  check_not_bool_arithmetic(op, common);
+  Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
+  if (is_predicate(op) || !any_requires_grad({&a, &b})) return out;
+
+  const char* name = binary_name(op);
+  Shape sa = a.shape(), sb = b.shape();
+  switch (op) {
+    case BinaryOp::Add:
+      record(backward_name(name), {a, b}, {out}, [sa, sb](const GradContext& g) -> TensorList {
+        return {g.needs(0) ? sum_to(g[0], sa) : Tensor(), g.needs(1) ? sum_to(g[0], sb) : Tensor()};
+      });
+      break;
+    case BinaryOp::Sub:
+      record(backward_name(name), {a, b}, {out}, [sa, sb](const GradContext& g) -> TensorList {
+        return {g.needs(0) ? sum_to(g[0], sa) : Tensor(), g.needs(1) ? sum_to(-g[0], sb) : Tensor()};
+      });
+      break;
+    case BinaryOp::Mul: {
+      SavedTensor A(b.requires_grad() ? a : Tensor(), name), B(a.requires_grad() ? b : Tensor(), name);
+      record(backward_name(name), {a, b}, {out}, [A, B, sa, sb](const GradContext& g) -> TensorList {
+        return {g.needs(0) ? sum_to(g[0] * B.get(), sa) : Tensor(), g.needs(1) ? sum_to(g[0] * A.get(), sb) : Tensor()};
+      });
+      break;
+    }
+    case BinaryOp::Div: {
+      SavedTensor B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
+      record(backward_name(name), {a, b}, {out}, [B, OUT, sa, sb](const GradContext& g) -> TensorList {
+        Tensor ga = g[0] / B.get();  // d(a/b)/da = 1/b ; d(a/b)/db = -a/b^2 = -(a/b)/b
+        return {g.needs(0) ? sum_to(ga, sa) : Tensor(), g.needs(1) ? sum_to(-ga * OUT.get(), sb) : Tensor()};
+      });
+      break;
+    }
+    case BinaryOp::Pow: {
+      SavedTensor A(a, name), B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
+      record(backward_name(name), {a, b}, {out}, [A, B, OUT, sa, sb](const GradContext& g) -> TensorList {
+        // d a^b/da = b a^(b-1); d a^b/db = a^b log(a) (0 where a == 0 and b > 0, as PyTorch)
+        Tensor ga = g.needs(0) ? sum_to(g[0] * B.get() * pow(A.get(), B.get() - 1), sa) : Tensor();
+        Tensor gb;
+        if (g.needs(1)) gb = sum_to(g[0] * where(A.get().eq(0), 0, OUT.get() * log(A.get())), sb);
+        return {ga, gb};
+      });
+      break;
+    }
+    case BinaryOp::Maximum:
+    case BinaryOp::Minimum: {
+      SavedTensor A(a, name), B(b, name);
+      bool is_max = op == BinaryOp::Maximum;
+      record(backward_name(name), {a, b}, {out}, [A, B, sa, sb, is_max](const GradContext& g) -> TensorList {
+        // The winner takes the gradient; a tie splits it evenly (PyTorch's rule).
+        Tensor a_wins = (is_max ? gt(A.get(), B.get()) : lt(A.get(), B.get())).to(g[0].dtype());
+        Tensor share = a_wins + eq(A.get(), B.get()).to(g[0].dtype()) * 0.5;
+        return {g.needs(0) ? sum_to(g[0] * share, sa) : Tensor(), g.needs(1) ? sum_to(g[0] * (1 - share), sb) : Tensor()};
+      });
+      break;
+    }
+    default: HG_FAIL("{}: not differentiable", name);
+  }
+  return out;
+}
+
+Tensor binary(BinaryOp op, const Tensor& a, const Scalar& b) {
+  DType common = promote_with_scalar(a.dtype(), b);
+  return binary(op, a, scalar_operand(b, common));
+}
+
+Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
+  DType common = promote_with_scalar(b.dtype(), a);
+  return binary(op, scalar_operand(a, common), b);
+}
+
+// In-place update self = op(self, other...). Without autograd the kernel writes into self directly.
+// With autograd the op runs out of place on a copy of self (so what backward saves is not overwritten),
+// the result is written back, and self's history moves to the new node.
+template <typename Compute>
+Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Compute compute_out_of_place) {
+  bool graph = GradMode::is_enabled() && (self.requires_grad() || any_requires_grad(others));
+  check_inplace(self, name);
+  Tensor result;
+  if (graph) {
+    result = compute_out_of_place(self.clone());
+  } else {
+    NoGradGuard no_grad;
+    result = compute_out_of_place(self);
+  }
+  HG_CHECK(result.shape() == self.shape(), "{}: the result shape {} does not match the in-place target {}", name,
+           shape_str(result.shape()), self.meta());
+  HG_CHECK(is_floating(self.dtype()) || !is_floating(result.dtype()),
+           "{}: result type {} can't be cast to the in-place target {}", name, dtype_name(result.dtype()), self.meta());
+  {
+    NoGradGuard no_grad;
+    copy_kernel[self.device()](self, cast_nograd(result, self.dtype()));
+  }
+  if (graph) {
+    AutogradMeta& m = self.impl()->autograd_meta();
+    m.grad_fn = result.grad_fn();
+    m.output_nr = result.output_nr();
+  }
+  return self;
+}
+
+}  // namespace
+
+// ---- public ops
+
+Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  return alpha.to_double() == 1 ? binary(BinaryOp::Add, a, b) : binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha));
+}
+Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : binary(BinaryOp::Sub, a, binary(BinaryOp::Mul, b, alpha));
+}
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Mul, a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Div, a, b); }
+Tensor pow(const Tensor& base, const Tensor& exponent) { return binary(BinaryOp::Pow, base, exponent); }
+Tensor pow(const Tensor& base, const Scalar& exponent) { return binary(BinaryOp::Pow, base, exponent); }
+Tensor pow(const Scalar& base, const Tensor& exponent) { return binary(BinaryOp::Pow, base, exponent); }
+Tensor maximum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Maximum, a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Minimum, a, b); }
+Tensor eq(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Eq, a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Ne, a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Lt, a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Le, a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Gt, a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Ge, a, b); }
+Tensor logical_and(const Tensor& a, const Tensor& b) { return binary(BinaryOp::LogicalAnd, a, b); }
+Tensor logical_or(const Tensor& a, const Tensor& b) { return binary(BinaryOp::LogicalOr, a, b); }
+
+Tensor neg(const Tensor& x) { return unary(UnaryOp::Neg, x); }
+Tensor abs(const Tensor& x) { return unary(UnaryOp::Abs, x); }
+Tensor exp(const Tensor& x) { return unary(UnaryOp::Exp, x); }
+Tensor log(const Tensor& x) { return unary(UnaryOp::Log, x); }
+Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
+Tensor rsqrt(const Tensor& x) { return unary(UnaryOp::Rsqrt, x); }
+Tensor tanh(const Tensor& x) { return unary(UnaryOp::Tanh, x); }
+Tensor sigmoid(const Tensor& x) { return unary(UnaryOp::Sigmoid, x); }
+Tensor relu(const Tensor& x) { return unary(UnaryOp::Relu, x); }
+Tensor sign(const Tensor& x) { return unary(UnaryOp::Sign, x); }
+Tensor logical_not(const Tensor& x) { return unary(UnaryOp::LogicalNot, x); }
+Tensor isfinite(const Tensor& x) { return unary(UnaryOp::IsFinite, x); }
+
+Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max) {
+  HG_CHECK(min || max, "clamp: at least one of min and max must be given ({})", x.meta());
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = x;
+    if (min) y = binary(BinaryOp::Maximum, y, *min);
+    if (max) y = binary(BinaryOp::Minimum, y, *max);
+  }
+  if (any_requires_grad({&x})) {
+    SavedTensor sx(x, "clamp");
+    record("ClampBackward", {x}, {y}, [sx, min, max](const GradContext& g) -> TensorList {
+      // The gradient passes where x is inside [min, max] (boundaries included, as PyTorch).
+      Tensor inside = ones_like(sx.get()).to(kBool);
+      if (min) inside = logical_and(inside, sx.get().ge(*min));
+      if (max) inside = logical_and(inside, sx.get().le(*max));
+      return {where(inside, g[0], 0)};
+    });
+  }
+  return y;
+}
+
+Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
+  HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
+  check_same_device("where", condition, a);
+  check_same_device("where", a, b);
+  DType common = promote_types(a.dtype(), b.dtype());
+  Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
+  Tensor out = empty(shape, {.dtype = common, .device = a.device()});
+  where_kernel[a.device()](out, broadcast_view(condition, shape, "where"),
+                           broadcast_view(cast_nograd(a, common), shape, "where"),
+                           broadcast_view(cast_nograd(b, common), shape, "where"));
+  if (any_requires_grad({&a, &b})) {
+    SavedTensor c(condition, "where");
+    Shape sa = a.shape(), sb = b.shape();
+    record("WhereBackward", {a, b}, {out}, [c, sa, sb](const GradContext& g) -> TensorList {
+      return {g.needs(0) ? sum_to(where(c.get(), g[0], 0), sa) : Tensor(),
+              g.needs(1) ? sum_to(where(c.get(), 0, g[0]), sb) : Tensor()};
+    });
+  }
+  return out;
+}
+
+Tensor where(const Tensor& condition, const Tensor& a, const Scalar& b) {
+  return where(condition, a, scalar_tensor(b, {.dtype = promote_with_scalar(a.dtype(), b), .device = a.device()}));
+}
+Tensor where(const Tensor& condition, const Scalar& a, const Tensor& b) {
+  return where(condition, scalar_tensor(a, {.dtype = promote_with_scalar(b.dtype(), a), .device = b.device()}), b);
+}
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator+(const Tensor& a, const Scalar& b) { return binary(BinaryOp::Add, a, b); }
+Tensor operator-(const Tensor& a, const Scalar& b) { return binary(BinaryOp::Sub, a, b); }
+Tensor operator*(const Tensor& a, const Scalar& b) { return binary(BinaryOp::Mul, a, b); }
+Tensor operator/(const Tensor& a, const Scalar& b) { return binary(BinaryOp::Div, a, b); }
+Tensor operator+(const Scalar& a, const Tensor& b) { return binary(BinaryOp::Add, a, b); }
+Tensor operator-(const Scalar& a, const Tensor& b) { return binary(BinaryOp::Sub, a, b); }
+Tensor operator*(const Scalar& a, const Tensor& b) { return binary(BinaryOp::Mul, a, b); }
+Tensor operator/(const Scalar& a, const Tensor& b) { return binary(BinaryOp::Div, a, b); }
+Tensor operator-(const Tensor& x) { return neg(x); }
+Tensor& operator+=(Tensor& a, const Tensor& b) { return a.add_(b); }
+Tensor& operator-=(Tensor& a, const Tensor& b) { return a.sub_(b); }
+Tensor& operator*=(Tensor& a, const Tensor& b) { return a.mul_(b); }
+Tensor& operator/=(Tensor& a, const Tensor& b) { return a.div_(b); }
+Tensor& operator+=(Tensor& a, const Scalar& b) { return a.add_(b); }
+Tensor& operator-=(Tensor& a, const Scalar& b) { return a.sub_(b); }
+Tensor& operator*=(Tensor& a, const Scalar& b) { return a.mul_(b); }
+Tensor& operator/=(Tensor& a, const Scalar& b) { return a.div_(b); }
+
+// ---- Tensor methods
+
+Tensor Tensor::add(const Tensor& other, const Scalar& alpha) const { return halfgrad::add(*this, other, alpha); }
+Tensor Tensor::add(const Scalar& other) const { return *this + other; }
+Tensor Tensor::sub(const Tensor& other, const Scalar& alpha) const { return halfgrad::sub(*this, other, alpha); }
+Tensor Tensor::sub(const Scalar& other) const { return *this - other; }
+Tensor Tensor::mul(const Tensor& other) const { return halfgrad::mul(*this, other); }
+Tensor Tensor::mul(const Scalar& other) const { return *this * other; }
+Tensor Tensor::div(const Tensor& other) const { return halfgrad::div(*this, other); }
+Tensor Tensor::div(const Scalar& other) const { return *this / other; }
+Tensor Tensor::pow(const Tensor& exponent) const { return halfgrad::pow(*this, exponent); }
+Tensor Tensor::pow(const Scalar& exponent) const { return halfgrad::pow(*this, exponent); }
+Tensor Tensor::neg() const { return halfgrad::neg(*this); }
+Tensor Tensor::abs() const { return halfgrad::abs(*this); }
+Tensor Tensor::exp() const { return halfgrad::exp(*this); }
+Tensor Tensor::log() const { return halfgrad::log(*this); }
+Tensor Tensor::sqrt() const { return halfgrad::sqrt(*this); }
+Tensor Tensor::rsqrt() const { return halfgrad::rsqrt(*this); }
+Tensor Tensor::tanh() const { return halfgrad::tanh(*this); }
+Tensor Tensor::sigmoid() const { return halfgrad::sigmoid(*this); }
+Tensor Tensor::relu() const { return halfgrad::relu(*this); }
+Tensor Tensor::sign() const { return halfgrad::sign(*this); }
+Tensor Tensor::clamp(std::optional<Scalar> min, std::optional<Scalar> max) const { return halfgrad::clamp(*this, min, max); }
+Tensor Tensor::eq(const Tensor& other) const { return halfgrad::eq(*this, other); }
+Tensor Tensor::ne(const Tensor& other) const { return halfgrad::ne(*this, other); }
+Tensor Tensor::lt(const Tensor& other) const { return halfgrad::lt(*this, other); }
+Tensor Tensor::le(const Tensor& other) const { return halfgrad::le(*this, other); }
+Tensor Tensor::gt(const Tensor& other) const { return halfgrad::gt(*this, other); }
+Tensor Tensor::ge(const Tensor& other) const { return halfgrad::ge(*this, other); }
+Tensor Tensor::eq(const Scalar& other) const { return binary(BinaryOp::Eq, *this, other); }
+Tensor Tensor::ne(const Scalar& other) const { return binary(BinaryOp::Ne, *this, other); }
+Tensor Tensor::lt(const Scalar& other) const { return binary(BinaryOp::Lt, *this, other); }
+Tensor Tensor::le(const Scalar& other) const { return binary(BinaryOp::Le, *this, other); }
+Tensor Tensor::gt(const Scalar& other) const { return binary(BinaryOp::Gt, *this, other); }
+Tensor Tensor::ge(const Scalar& other) const { return binary(BinaryOp::Ge, *this, other); }
+Tensor Tensor::logical_not() const { return halfgrad::logical_not(*this); }
+Tensor Tensor::isfinite() const { return halfgrad::isfinite(*this); }
+
+Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
+  return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
+}
+Tensor& Tensor::add_(const Scalar& other) {
+  return inplace(*this, "add_", {}, [&](const Tensor& s) { return s + other; });
+}
+Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
+  return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
+}
+Tensor& Tensor::sub_(const Scalar& other) {
+  return inplace(*this, "sub_", {}, [&](const Tensor& s) { return s - other; });
+}
+Tensor& Tensor::mul_(const Tensor& other) {
+  return inplace(*this, "mul_", {other}, [&](const Tensor& s) { return halfgrad::mul(s, other); });
+}
+Tensor& Tensor::mul_(const Scalar& other) {
+  return inplace(*this, "mul_", {}, [&](const Tensor& s) { return s * other; });
+}
+Tensor& Tensor::div_(const Tensor& other) {
+  return inplace(*this, "div_", {other}, [&](const Tensor& s) { return halfgrad::div(s, other); });
+}
+Tensor& Tensor::div_(const Scalar& other) {
+  return inplace(*this, "div_", {}, [&](const Tensor& s) { return s / other; });
+}
+Tensor& Tensor::neg_() { return inplace(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); }); }
+Tensor& Tensor::exp_() { return inplace(*this, "exp_", {}, [](const Tensor& s) { return halfgrad::exp(s); }); }
+Tensor& Tensor::sqrt_() { return inplace(*this, "sqrt_", {}, [](const Tensor& s) { return halfgrad::sqrt(s); }); }
+Tensor& Tensor::relu_() { return inplace(*this, "relu_", {}, [](const Tensor& s) { return halfgrad::relu(s); }); }
+Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
+  return inplace(*this, "clamp_", {}, [&](const Tensor& s) { return halfgrad::clamp(s, min, max); });
+}
+
+Tensor& Tensor::fill_(const Scalar& value) {
+  check_inplace(*this, "fill_");
+  HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; fill it under a NoGradGuard", meta());
+  fill_kernel[device()](*this, value);
+  return *this;
+}
+
+// ---- CPU kernels
+
+namespace {
+
+void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
+  dispatch_all(in.dtype(), unary_name(op), [&]<typename T>() {
+    dispatch_unary_op(op, [&]<UnaryOp OP>() {
+      using M = opmath_t<T>;
+      if constexpr (is_predicate(OP)) {
+        cpu::map<bool, T>(out, [](T x) { return bool(unary_math<OP>(M(x))); }, {in});
+      } else if constexpr (!std::is_same_v<T, bool>) {
+        cpu::map<T, T>(out, [](T x) { return T(unary_math<OP>(M(x))); }, {in});
+      } else {
+        HG_FAIL("{}: not supported for bool tensors", unary_name(op));
+      }
+    });
+  });
+}
+
+void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  dispatch_all(a.dtype(), binary_name(op), [&]<typename T>() {
+    dispatch_binary_op(op, [&]<BinaryOp OP>() {
+      using M = opmath_t<T>;
+      if constexpr (is_predicate(OP)) {
+        cpu::map<bool, T, T>(out, [](T x, T y) { return bool(binary_math<OP>(M(x), M(y))); }, {a, b});
+      } else {
+        cpu::map<T, T, T>(out, [](T x, T y) { return T(binary_math<OP>(M(x), M(y))); }, {a, b});
+      }
+    });
+  });
+}
+
+void where_cpu(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b) {
+  dispatch_all(out.dtype(), "where", [&]<typename T>() {
+    cpu::map<T, bool, T, T>(out, [](bool c, T x, T y) { return c ? x : y; }, {condition, a, b});
+  });
+}
+
+void fill_cpu(const Tensor& out, const Scalar& value) {
+  dispatch_all(out.dtype(), "fill_", [&]<typename T>() {
+    T v = is_floating(out.dtype()) ? T(opmath_t<T>(value.to_double())) : T(value.to_int());
+    cpu::map<T>(out, [v]() { return v; }, {});
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(unary_kernel, CPU, unary_cpu);
+HG_REGISTER_KERNEL(binary_kernel, CPU, binary_cpu);
+HG_REGISTER_KERNEL(where_kernel, CPU, where_cpu);
+HG_REGISTER_KERNEL(fill_kernel, CPU, fill_cpu);
+
+}  // namespace halfgrad

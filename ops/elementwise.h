@@ -1,0 +1,86 @@
+#pragma once
+// Elementwise ops: unary math, binary arithmetic and comparisons with broadcasting, where, clamp, fill.
+// The public functions, their backward formulas and the CPU kernels are in ops/elementwise.cpp; the
+// arithmetic itself in ops/elementwise_math.h; the CUDA kernels in ops/elementwise.cu.
+#include <optional>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+#include "ops/elementwise_math.h"
+
+namespace halfgrad {
+
+// ---- public ops. Autocast category: "promote" for binary ops and where (widest floating input wins);
+// "float32" for exp, log, pow; "unchanged" for the rest.
+Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a + alpha * b
+Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a - alpha * b
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);  // true division: integers give floats
+Tensor pow(const Tensor& base, const Tensor& exponent);
+Tensor pow(const Tensor& base, const Scalar& exponent);
+Tensor pow(const Scalar& base, const Tensor& exponent);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor sign(const Tensor& x);
+Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max);
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor logical_and(const Tensor& a, const Tensor& b);
+Tensor logical_or(const Tensor& a, const Tensor& b);
+Tensor logical_not(const Tensor& x);
+Tensor isfinite(const Tensor& x);
+Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b);  // a where condition, else b
+Tensor where(const Tensor& condition, const Tensor& a, const Scalar& b);
+Tensor where(const Tensor& condition, const Scalar& a, const Tensor& b);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, const Scalar& b);
+Tensor operator-(const Tensor& a, const Scalar& b);
+Tensor operator*(const Tensor& a, const Scalar& b);
+Tensor operator/(const Tensor& a, const Scalar& b);
+Tensor operator+(const Scalar& a, const Tensor& b);
+Tensor operator-(const Scalar& a, const Tensor& b);
+Tensor operator*(const Scalar& a, const Tensor& b);
+Tensor operator/(const Scalar& a, const Tensor& b);
+Tensor operator-(const Tensor& x);
+Tensor& operator+=(Tensor& a, const Tensor& b);
+Tensor& operator-=(Tensor& a, const Tensor& b);
+Tensor& operator*=(Tensor& a, const Tensor& b);
+Tensor& operator/=(Tensor& a, const Tensor& b);
+Tensor& operator+=(Tensor& a, const Scalar& b);
+Tensor& operator-=(Tensor& a, const Scalar& b);
+Tensor& operator*=(Tensor& a, const Scalar& b);
+Tensor& operator/=(Tensor& a, const Scalar& b);
+
+// ---- kernels, one table per signature (core/dispatch.h)
+// `in` has out's shape (strided views allowed). Same dtype as out, except predicates, whose out is bool.
+using UnaryKernel = void (*)(UnaryOp op, const Tensor& out, const Tensor& in);
+// a and b share one dtype and are viewed to out's shape (broadcast dims have stride 0). Either of them may
+// instead be a 0-d CPU tensor: a scalar operand, which a device kernel passes by value.
+using BinaryKernel = void (*)(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
+// condition is bool; a and b have out's dtype; all viewed to out's shape.
+using WhereKernel = void (*)(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b);
+using FillKernel = void (*)(const Tensor& out, const Scalar& value);
+
+extern KernelTable<UnaryKernel> unary_kernel;
+extern KernelTable<BinaryKernel> binary_kernel;
+extern KernelTable<WhereKernel> where_kernel;
+extern KernelTable<FillKernel> fill_kernel;
+
+}  // namespace halfgrad

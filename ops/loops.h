@@ -1,0 +1,150 @@
+#pragma once
+// CPU loops over strided operands: the machinery behind every elementwise kernel on the CPU.
+//
+// An elementwise op has N operands (the output first) already viewed to one common shape (broadcast
+// inputs have stride 0). The loop merges dims that are contiguous in every operand, so a contiguous or
+// simply broadcast problem becomes one flat run the compiler vectorises, then splits the elements into
+// ranges that OpenMP threads walk independently.
+#include <omp.h>
+
+#include <array>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+#include "core/tensor.h"
+
+namespace halfgrad::cpu {
+
+template <int N> struct StridedLoop {
+  Shape shape;                          // coalesced, outermost first
+  std::array<Shape, N> byte_strides;    // per operand, per coalesced dim
+  std::array<char*, N> base;
+  int64_t numel = 0;
+
+  explicit StridedLoop(const std::array<Tensor, N>& operands) {
+    const Shape& full = operands[0].shape();
+    numel = numel_of(full);
+    for (int k = 0; k < N; ++k) base[k] = static_cast<char*>(operands[k].data_ptr());
+    // Walk dims innermost-first, merging dim d into the run when every operand steps over it contiguously.
+    std::array<Shape, N> strides;
+    Shape sizes;
+    for (int64_t d = int64_t(full.size()) - 1; d >= 0; --d) {
+      if (full[d] == 1) continue;
+      bool merge = !sizes.empty();
+      for (int k = 0; k < N && merge; ++k) {
+        int64_t es = int64_t(element_size(operands[k].dtype()));
+        merge = operands[k].strides()[d] * es == strides[k].back() * sizes.back();
+      }
+      if (merge) {
+        sizes.back() *= full[d];
+      } else {
+        sizes.push_back(full[d]);
+        for (int k = 0; k < N; ++k)
+          strides[k].push_back(operands[k].strides()[d] * int64_t(element_size(operands[k].dtype())));
+      }
+    }
+    if (sizes.empty()) {  // a single element
+      sizes.push_back(1);
+      for (int k = 0; k < N; ++k) strides[k].push_back(0);
+    }
+    shape.assign(sizes.rbegin(), sizes.rend());
+    for (int k = 0; k < N; ++k) byte_strides[k].assign(strides[k].rbegin(), strides[k].rend());
+  }
+
+  // Calls inner(ptrs, strides, n) for runs of n elements along the innermost dim; `inner` must handle any
+  // stride (kernels check for the contiguous case themselves). Threads take disjoint ranges of elements.
+  template <typename Inner> void run(Inner inner, int64_t grain = 32768) const {
+    if (numel == 0) return;
+    const int64_t inner_size = shape.back();
+    std::array<int64_t, N> inner_strides;
+    for (int k = 0; k < N; ++k) inner_strides[k] = byte_strides[k].back();
+    auto run_range = [&](int64_t begin, int64_t end) {
+      // Position of `begin` as (outer multi-index, inner index).
+      const int64_t ndim = int64_t(shape.size());
+      Shape index(size_t(ndim), 0);
+      int64_t rest = begin;
+      for (int64_t d = ndim - 1; d >= 0; --d) {
+        index[d] = rest % shape[d];
+        rest /= shape[d];
+      }
+      std::array<char*, N> ptrs;
+      for (int k = 0; k < N; ++k) {
+        ptrs[k] = base[k];
+        for (int64_t d = 0; d < ndim; ++d) ptrs[k] += index[d] * byte_strides[k][d];
+      }
+      int64_t pos = begin;
+      while (pos < end) {
+        int64_t n = std::min(inner_size - index[ndim - 1], end - pos);
+        inner(ptrs, inner_strides, n);
+        pos += n;
+        // Advance to the start of the next row (carry through the outer dims).
+        for (int k = 0; k < N; ++k) ptrs[k] += n * inner_strides[k];
+        index[ndim - 1] += n;
+        for (int64_t d = ndim - 1; d > 0 && index[d] == shape[d]; --d) {
+          index[d] = 0;
+          ++index[d - 1];
+          for (int k = 0; k < N; ++k) ptrs[k] += byte_strides[k][d - 1] - shape[d] * byte_strides[k][d];
+        }
+      }
+    };
+    int threads = numel >= 2 * grain ? omp_get_max_threads() : 1;
+    if (threads <= 1) {
+      run_range(0, numel);
+      return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+      int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      int64_t chunk = (numel + nt - 1) / nt;
+      chunk = (chunk + 63) / 64 * 64;  // ranges start on cache-line-friendly element counts
+      int64_t begin = std::min(numel, t * chunk), end = std::min(numel, begin + chunk);
+      if (begin < end) run_range(begin, end);
+    }
+  }
+};
+
+// out[i] = f(in0[i], in1[i], ...) with the storage types given; f computes on loaded values.
+// Contiguous runs (and runs where an input is a broadcast scalar) get a plain indexed loop that vectorises.
+template <typename Out, typename... In, typename F>
+void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs) {
+  constexpr int N = 1 + int(sizeof...(In));
+  std::array<Tensor, N> operands;
+  operands[0] = out;
+  for (int k = 1; k < N; ++k) operands[k] = inputs[size_t(k - 1)];
+  StridedLoop<N> loop(operands);
+  loop.run([&](const std::array<char*, N>& p, const std::array<int64_t, N>& s, int64_t n) {
+    [&]<size_t... K>(std::index_sequence<K...>) {
+      Out* o = reinterpret_cast<Out*>(p[0]);
+      bool contiguous = s[0] == int64_t(sizeof(Out)) && ((s[K + 1] == int64_t(sizeof(In))) && ...);
+      if (contiguous) {
+        std::tuple<const In*...> in{reinterpret_cast<const In*>(p[K + 1])...};
+        for (int64_t i = 0; i < n; ++i) o[i] = f(std::get<K>(in)[i]...);
+        return;
+      }
+      if constexpr (sizeof...(In) == 2) {
+        // x op scalar and scalar op x: hoist the broadcast value so the loop still vectorises.
+        using A = std::tuple_element_t<0, std::tuple<In...>>;
+        using B = std::tuple_element_t<1, std::tuple<In...>>;
+        if (s[0] == int64_t(sizeof(Out)) && s[1] == int64_t(sizeof(A)) && s[2] == 0) {
+          const A* a = reinterpret_cast<const A*>(p[1]);
+          const B b = *reinterpret_cast<const B*>(p[2]);
+          for (int64_t i = 0; i < n; ++i) o[i] = f(a[i], b);
+          return;
+        }
+        if (s[0] == int64_t(sizeof(Out)) && s[1] == 0 && s[2] == int64_t(sizeof(B))) {
+          const A a = *reinterpret_cast<const A*>(p[1]);
+          const B* b = reinterpret_cast<const B*>(p[2]);
+          for (int64_t i = 0; i < n; ++i) o[i] = f(a, b[i]);
+          return;
+        }
+      }
+      {
+        for (int64_t i = 0; i < n; ++i)
+          *reinterpret_cast<Out*>(p[0] + i * s[0]) = f(*reinterpret_cast<const In*>(p[K + 1] + i * s[K + 1])...);
+      }
+    }(std::index_sequence_for<In...>{});
+  });
+}
+
+}  // namespace halfgrad::cpu

@@ -1,0 +1,72 @@
+#pragma once
+// Matrix products: matmul (torch.matmul's rank rules), bmm, linear; and the GEMM kernel table they share.
+//
+// Every product ends in one call shape, a (batched, strided) GEMM
+//     C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]        b = 0 .. batch-1
+// described by GemmArgs and run by gemm_kernel[device]. The CPU kernel (ops/matmul.cpp) is Eigen's GEMM;
+// the CUDA kernel is cuBLAS (cublasGemmStridedBatchedEx or cublasLt), whose arguments GemmArgs mirrors.
+#include <cstdint>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// ---- the GEMM problem
+
+// Whether a GEMM operand is used as stored or transposed (CUBLAS_OP_N / CUBLAS_OP_T).
+enum class Trans : uint8_t { No, Yes };
+
+// All matrices are ROW-MAJOR, as our tensors are: element (r, c) of a stored matrix with leading dimension
+// ld sits at ptr[r * ld + c].
+//   op(A) is m x k: A is stored m x k (trans_a = No) or k x m (trans_a = Yes), with leading dimension lda.
+//   op(B) is k x n: B is stored k x n (trans_b = No) or n x k (trans_b = Yes), with leading dimension ldb.
+//   C is m x n, stored with leading dimension ldc (C is never transposed).
+// Batch b uses a + b * stride_a (elements; 0 = the same A for every batch entry), likewise for B and C.
+//
+// For cuBLAS, which is column-major, a row-major C is a column-major C^T = op(B)^T op(A)^T: call it with
+// the operands swapped, (m, n) -> (n, m), (A, lda, stride_a, trans_a) <-> (B, ldb, stride_b, trans_b).
+// Leading dimensions and batch strides carry over unchanged.
+//
+// Types (cublasGemmEx's Atype/Btype/Ctype/computeType): A and B have `ab_dtype`, C has `c_dtype`; the
+// products are accumulated in float32 for float16/bfloat16 operands (CUBLAS_COMPUTE_32F) and in the
+// operands' own type otherwise. alpha and beta are in the compute type. beta == 0 means C is write-only:
+// its old contents are never read (may be uninitialised memory, NaN included), as in BLAS.
+struct GemmArgs {
+  Trans trans_a = Trans::No;
+  Trans trans_b = Trans::No;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t batch = 1;
+  DType ab_dtype = kFloat32;
+  DType c_dtype = kFloat32;
+  double alpha = 1.0;
+  double beta = 0.0;
+  const void* a = nullptr;
+  int64_t lda = 0, stride_a = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0, stride_b = 0;
+  void* c = nullptr;
+  int64_t ldc = 0, stride_c = 0;
+  Device device = Device::cpu();
+};
+
+using GemmKernel = void (*)(const GemmArgs&);
+extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp (Eigen); CUDA: ops/matmul.cu (cuBLAS)
+
+// ---- ops
+// Autocast category of all three: "lower precision" (under autocast they run in float16/bfloat16).
+
+// torch.matmul: 1-D x 1-D is a dot product (0-d result); 2-D x 2-D a matrix product; a 1-D operand is
+// made a matrix by prepending (left) or appending (right) a dim of 1, removed from the result; N-D operands
+// are stacks of matrices whose batch dims (all but the last two) broadcast. Operands must have the same
+// dtype and device.
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// Batched matrix product of 3-D tensors with the same batch size: [B, n, m] x [B, m, p] -> [B, n, p].
+Tensor bmm(const Tensor& a, const Tensor& b);
+
+// x W^T + bias, as torch.nn.functional.linear: x [..., in], weight [out, in], bias [out] or undefined
+// (no bias) -> [..., out]. One GEMM over all leading dims of x, with the bias fused into it.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+}  // namespace halfgrad

@@ -1,0 +1,763 @@
+// Reductions: the public ops with their backward next to them, the op layer that turns every reduction
+// into "reduce the middle dim of a contiguous [outer, reduced, inner] block", and the CPU kernel.
+//
+// Contents, top to bottom:
+//   1. op layer: plan_reduction (dims -> [outer, reduced, inner]) and run_reduction (-> reduce_kernel)
+//   2. public ops and their backward: sum, mean, var, max/min, argmax/argmin, all/any, Tensor methods
+//   3. CPU kernel: reducers (what is accumulated), reduce_block / reduce_row (how), run_reducer
+//      (how the work is split over threads) and reduce_cpu (the dtype switch)
+#include "ops/reduce.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "core/autograd.h"
+
+namespace halfgrad {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Mean: return "mean";
+    case ReduceOp::Var: return "var";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::ArgMax: return "argmax";
+    case ReduceOp::ArgMin: return "argmin";
+    case ReduceOp::All: return "all";
+    case ReduceOp::Any: return "any";
+  }
+  return "reduce";
+}
+
+constinit KernelTable<ReduceKernel> reduce_kernel("reduce");
+
+// =====================================================================================================
+// 1. Op layer
+// =====================================================================================================
+namespace {
+
+// A reduction, normalised: output element (o, i) reduces input[o, :, i] of a contiguous block.
+struct ReductionPlan {
+  Tensor input;  // (outer, reduced, inner), contiguous: a view of x's memory when possible, else a copy
+  int64_t outer = 1, reduced = 1, inner = 1;
+  std::vector<bool> mask;  // which of x's dims are reduced (empty for a 0-d x)
+  Shape keep_shape;        // x's shape with the reduced dims set to 1
+  Shape out_shape;         // keep_shape when keepdim, else x's shape without the reduced dims
+};
+
+// A view of t's memory with a new shape and contiguous strides. Callers have checked that t's elements
+// really are laid out that way (or that there are none).
+Tensor flat_view(const Tensor& t, Shape shape) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = t.storage();
+  impl->offset = t.offset();
+  impl->dtype = t.dtype();
+  impl->strides = contiguous_strides(shape);
+  impl->shape = std::move(shape);
+  impl->is_view = true;
+  return Tensor(std::move(impl));
+}
+
+// Whether t's memory is contiguous when its dims are read in `order` (size-1 dims may sit anywhere).
+bool contiguous_in_order(const Tensor& t, const Dims& order) {
+  int64_t expected = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const int64_t size = t.shape()[size_t(*it)];
+    if (size == 1) continue;
+    if (t.strides()[size_t(*it)] != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+// Chooses the cheapest [outer, reduced, inner] layout, in this order:
+//   a. x's memory is already [kept dims..., reduced dims...] (a contiguous x reduced over its trailing
+//      dims, or a transposed one reduced over what are its leading dims): no copy, inner = 1.
+//   b. the reduced dims are one block of consecutive dims (sum over dim 0 of [N, C], the reduction that
+//      sum_to in every broadcasting backward does): no copy when x is contiguous, inner > 1, and the kernel
+//      accumulates whole rows into an inner-wide accumulator instead of transposing.
+//   c. anything else: copy x with its reduced dims moved to the end, then as in (a).
+ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, const char* op) {
+  HG_CHECK(x.defined(), "{}: the input is an undefined tensor", op);
+  const int64_t ndim = x.dim();
+  ReductionPlan p;
+  p.mask.assign(size_t(ndim), dims.empty());
+  std::vector<bool> seen(size_t(std::max<int64_t>(ndim, 1)), false);
+  for (int64_t d : dims) {
+    const int64_t w = wrap_dim(d, ndim, op);
+    HG_CHECK(!seen[size_t(w)], "{}: dim {} appears more than once in dims [{}] for {}", op, w,
+             fmt::join(dims, ", "), x.meta());
+    seen[size_t(w)] = true;
+    if (ndim > 0) p.mask[size_t(w)] = true;
+  }
+
+  Dims kept, reduced;
+  int64_t kept_numel = 1;
+  p.keep_shape = x.shape();
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (p.mask[size_t(d)]) {
+      reduced.push_back(d);
+      p.reduced *= x.size(d);
+      p.keep_shape[size_t(d)] = 1;
+    } else {
+      kept.push_back(d);
+      kept_numel *= x.size(d);
+      p.out_shape.push_back(x.size(d));
+    }
+  }
+  if (keepdim) p.out_shape = p.keep_shape;
+
+  Dims order = kept;
+  order.insert(order.end(), reduced.begin(), reduced.end());
+  if (x.numel() == 0 || contiguous_in_order(x, order)) {  // (a)
+    p.outer = kept_numel;
+    p.input = flat_view(x, {p.outer, p.reduced, 1});
+    return p;
+  }
+
+  // The reduced dims of size > 1, from first to last, with no kept dim of size > 1 between them?
+  int64_t first = -1, last = -1;
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (p.mask[size_t(d)] && x.size(d) != 1) {
+      if (first < 0) first = d;
+      last = d;
+    }
+  }
+  bool consecutive = true;
+  for (int64_t d = first + 1; first >= 0 && d < last; ++d) consecutive &= p.mask[size_t(d)] || x.size(d) == 1;
+
+  if (consecutive) {  // (b)
+    Tensor xc = x.detach().contiguous();
+    p.outer = kept_numel;
+    if (first >= 0) {
+      p.outer = 1;
+      p.inner = 1;
+      for (int64_t d = 0; d < first; ++d) p.outer *= x.size(d);
+      for (int64_t d = last + 1; d < ndim; ++d) p.inner *= x.size(d);
+    }
+    p.input = flat_view(xc, {p.outer, p.reduced, p.inner});
+  } else {  // (c)
+    Tensor xc = x.detach().permute(order).contiguous();
+    p.outer = kept_numel;
+    p.input = flat_view(xc, {p.outer, p.reduced, 1});
+  }
+  return p;
+}
+
+// Runs the device's kernel. `values` and `indices` have the plan's out_shape (either may be undefined).
+void run_reduction(ReduceOp op, const ReductionPlan& p, const Tensor& values, const Tensor& indices,
+                   int64_t correction = 0) {
+  if (p.outer * p.inner == 0) return;  // no output elements
+  ReduceArgs args{.op = op,
+                  .input = p.input,
+                  .values = values.defined() ? flat_view(values, {p.outer, p.inner}) : Tensor(),
+                  .indices = indices.defined() ? flat_view(indices, {p.outer, p.inner}) : Tensor(),
+                  .outer = p.outer,
+                  .reduced = p.reduced,
+                  .inner = p.inner,
+                  .correction = correction};
+  reduce_kernel[p.input.device()](args);
+}
+
+// A reduced gradient (or index) put back in place of the reduced dims, ready to broadcast against x.
+Tensor unsqueeze_reduced(Tensor t, const std::vector<bool>& mask, bool keepdim) {
+  if (keepdim) return t;
+  for (size_t d = 0; d < mask.size(); ++d)
+    if (mask[d]) t = t.unsqueeze(int64_t(d));
+  return t;
+}
+
+Dims reduced_dims(const std::vector<bool>& mask) {
+  Dims dims;
+  for (size_t d = 0; d < mask.size(); ++d)
+    if (mask[d]) dims.push_back(int64_t(d));
+  return dims;
+}
+
+void check_floating(const Tensor& x, const char* op) {
+  HG_CHECK(x.is_floating_point(), "{}: input dtype should be floating point, got {} (convert it with .to(kFloat32))",
+           op, x.meta());
+}
+
+}  // namespace
+
+// =====================================================================================================
+// 2. Public ops, each with its backward
+// =====================================================================================================
+
+// autocast: float32
+Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
+  ReductionPlan p = plan_reduction(x, dims, keepdim, "sum");
+  Tensor out = empty(p.out_shape, {.dtype = x.is_floating_point() ? x.dtype() : kInt64, .device = x.device()});
+  run_reduction(ReduceOp::Sum, p, out, Tensor());
+  // backward: every input element receives the gradient of the sum it went into.
+  record("SumBackward", {x}, {out}, [mask = p.mask, keepdim, shape = x.shape()](const GradContext& g) -> TensorList {
+    return {unsqueeze_reduced(g[0], mask, keepdim).expand(shape)};
+  });
+  return out;
+}
+
+// autocast: float32
+Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
+  check_floating(x, "mean");
+  ReductionPlan p = plan_reduction(x, dims, keepdim, "mean");
+  Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
+  run_reduction(ReduceOp::Mean, p, out, Tensor());
+  // backward: as sum's, divided by the count.
+  record("MeanBackward", {x}, {out},
+         [mask = p.mask, keepdim, shape = x.shape(), count = p.reduced](const GradContext& g) -> TensorList {
+           return {unsqueeze_reduced(g[0].div(double(count)), mask, keepdim).expand(shape)};
+         });
+  return out;
+}
+
+// autocast: float32
+Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
+  check_floating(x, "var");
+  HG_CHECK(correction >= 0, "var: correction must be non-negative, got {} for {}", correction, x.meta());
+  ReductionPlan p = plan_reduction(x, dims, keepdim, "var");
+  Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
+  run_reduction(ReduceOp::Var, p, out, Tensor(), correction);
+  // backward: d/dx_i sum_j (x_j - mean)^2 / (N - correction) = 2 (x_i - mean) / (N - correction); the
+  // mean's own dependence on x_i drops out because the deviations sum to zero.
+  record("VarBackward", {x}, {out},
+         [saved_x = SavedTensor(x, "var"), mask = p.mask, keepdim, correction,
+          count = p.reduced](const GradContext& g) -> TensorList {
+           const Tensor& xs = saved_x.get();
+           const double scale = 2.0 / double(std::max<int64_t>(0, count - correction));
+           Tensor deviation = xs.sub(xs.mean(reduced_dims(mask), /*keepdim=*/true));
+           return {deviation.mul(unsqueeze_reduced(g[0], mask, keepdim)).mul(scale)};
+         });
+  return out;
+}
+
+namespace {
+
+// max() / min() over every element.
+Tensor extreme_all(const Tensor& x, ReduceOp op) {
+  const char* name = reduce_op_name(op);
+  HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
+  HG_CHECK(x.numel() > 0, "{}: cannot reduce the empty tensor {} (there is no identity); use {}(dim) on a "
+           "non-empty dim instead", name, x.meta(), name);
+  ReductionPlan p = plan_reduction(x, {}, false, name);
+  Tensor out = empty({}, {.dtype = x.dtype(), .device = x.device()});
+  run_reduction(op, p, out, Tensor());
+  // backward: the gradient is split evenly among the elements equal to the result (as PyTorch's
+  // max()/amax); when the result is nan, among the nans.
+  record(op == ReduceOp::Max ? "MaxAllBackward" : "MinAllBackward", {x}, {out},
+         [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name)](const GradContext& g) -> TensorList {
+           const Tensor& xs = saved_x.get();
+           const Tensor& result = saved_out.get();
+           const DType dt = xs.dtype();
+           Tensor nan_result = result.ne(result).to(dt);  // 0-d: 1 when the result is nan
+           Tensor mask = xs.eq(result).to(dt).add(xs.ne(xs).to(dt).mul(nan_result));
+           return {mask.mul(g[0].div(mask.sum()))};
+         });
+  return out;
+}
+
+// The gradient of values picked along `dim` at `indices` (max(dim), min(dim)): g goes to the picked
+// element, zeros elsewhere. Built as a one-hot mask (arange along dim == index) times the gradient.
+Tensor picked_gradient(const Tensor& g, const Tensor& indices, int64_t dim, bool keepdim, const Shape& shape) {
+  if (shape.empty()) return g;  // a 0-d input: the one element was picked
+  Tensor g_kept = keepdim ? g : g.unsqueeze(dim);
+  Tensor index_kept = keepdim ? indices : indices.unsqueeze(dim);
+  Shape positions_shape(shape.size(), 1);
+  positions_shape[size_t(dim)] = shape[size_t(dim)];
+  Tensor positions = arange(double(shape[size_t(dim)]), {.dtype = kInt64, .device = g.device()}).view(positions_shape);
+  return positions.eq(index_kept).to(g.dtype()).mul(g_kept);
+}
+
+// max(dim) / min(dim): values and indices.
+std::pair<Tensor, Tensor> extreme_dim(const Tensor& x, int64_t dim, bool keepdim, ReduceOp op) {
+  const char* name = reduce_op_name(op);
+  HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
+  const int64_t d = wrap_dim(dim, x.dim(), name);
+  ReductionPlan p = plan_reduction(x, {d}, keepdim, name);
+  HG_CHECK(p.reduced > 0, "{}: cannot reduce over dim {} of {}, which has size 0 (there is no identity)", name, d,
+           x.meta());
+  Tensor values = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
+  Tensor indices = empty(p.out_shape, {.dtype = kInt64, .device = x.device()});
+  run_reduction(op, p, values, indices);
+  // backward: the gradient of each value flows to the element it was taken from.
+  record(op == ReduceOp::Max ? "MaxDimBackward" : "MinDimBackward", {x}, {values, indices},
+         [saved_indices = SavedTensor(indices, name), d, keepdim, shape = x.shape()](const GradContext& g) -> TensorList {
+           return {picked_gradient(g[0], saved_indices.get(), d, keepdim, shape)};
+         });
+  return {values, indices};
+}
+
+Tensor extreme_index(const Tensor& x, int64_t dim, bool keepdim, ReduceOp op) {
+  const char* name = reduce_op_name(op);
+  HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
+  const int64_t d = wrap_dim(dim, x.dim(), name);
+  ReductionPlan p = plan_reduction(x, {d}, keepdim, name);
+  HG_CHECK(p.reduced > 0, "{}: cannot reduce over dim {} of {}, which has size 0 (there is no identity)", name, d,
+           x.meta());
+  Tensor indices = empty(p.out_shape, {.dtype = kInt64, .device = x.device()});
+  run_reduction(op, p, Tensor(), indices);
+  return indices;  // not differentiable
+}
+
+Tensor logical_reduction(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp op) {
+  ReductionPlan p = plan_reduction(x, dims, keepdim, reduce_op_name(op));
+  Tensor out = empty(p.out_shape, {.dtype = kBool, .device = x.device()});
+  run_reduction(op, p, out, Tensor());
+  return out;  // not differentiable
+}
+
+}  // namespace
+
+// autocast: unchanged
+Tensor max(const Tensor& x) { return extreme_all(x, ReduceOp::Max); }
+// autocast: unchanged
+Tensor min(const Tensor& x) { return extreme_all(x, ReduceOp::Min); }
+// autocast: unchanged
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  return extreme_dim(x, dim, keepdim, ReduceOp::Max);
+}
+// autocast: unchanged
+std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim) {
+  return extreme_dim(x, dim, keepdim, ReduceOp::Min);
+}
+// autocast: unchanged
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return extreme_index(x, dim, keepdim, ReduceOp::ArgMax); }
+// autocast: unchanged
+Tensor argmin(const Tensor& x, int64_t dim, bool keepdim) { return extreme_index(x, dim, keepdim, ReduceOp::ArgMin); }
+// autocast: unchanged
+Tensor all(const Tensor& x, Dims dims, bool keepdim) { return logical_reduction(x, dims, keepdim, ReduceOp::All); }
+// autocast: unchanged
+Tensor any(const Tensor& x, Dims dims, bool keepdim) { return logical_reduction(x, dims, keepdim, ReduceOp::Any); }
+
+Tensor Tensor::sum(Dims dims, bool keepdim) const { return halfgrad::sum(*this, std::move(dims), keepdim); }
+Tensor Tensor::mean(Dims dims, bool keepdim) const { return halfgrad::mean(*this, std::move(dims), keepdim); }
+Tensor Tensor::var(Dims dims, int64_t correction, bool keepdim) const {
+  return halfgrad::var(*this, std::move(dims), correction, keepdim);
+}
+Tensor Tensor::max() const { return halfgrad::max(*this); }
+Tensor Tensor::min() const { return halfgrad::min(*this); }
+std::pair<Tensor, Tensor> Tensor::max(int64_t dim, bool keepdim) const { return halfgrad::max(*this, dim, keepdim); }
+std::pair<Tensor, Tensor> Tensor::min(int64_t dim, bool keepdim) const { return halfgrad::min(*this, dim, keepdim); }
+Tensor Tensor::argmax(int64_t dim, bool keepdim) const { return halfgrad::argmax(*this, dim, keepdim); }
+Tensor Tensor::argmin(int64_t dim, bool keepdim) const { return halfgrad::argmin(*this, dim, keepdim); }
+Tensor Tensor::all() const { return halfgrad::all(*this); }
+Tensor Tensor::any() const { return halfgrad::any(*this); }
+
+// =====================================================================================================
+// 3. CPU kernel
+// =====================================================================================================
+namespace {
+
+template <typename T>
+constexpr bool kIsFloat = std::is_floating_point_v<T> || std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
+template <typename V> bool is_nan(V v) {
+  if constexpr (std::is_floating_point_v<V>) {
+    return v != v;
+  } else {
+    return false;
+  }
+}
+
+// ---- reducers: what one output element accumulates. Each has
+//   State                          the running result
+//   first(value, index, center)    the state of a single element
+//   add(state, value, index, center)
+//   merge(a, b)                    a := a combined with b, whatever order a and b were formed in
+//   identity()                     (when the op has one) the result of reducing nothing
+//   kCascade                       accumulate in cascaded levels (floating sums: see reduce_block)
+//   kCentered                      add() reads a per-output center (Var's second pass)
+
+// Sum (also Mean, and the mean pass of Var), accumulated in Acc.
+template <typename T, typename Acc> struct SumReducer {
+  using In = T;
+  using State = Acc;
+  using Center = Acc;
+  static constexpr bool kCascade = std::is_floating_point_v<Acc>;
+  static constexpr bool kCentered = false;
+  static State identity() { return Acc(0); }
+  static State first(T v, int64_t, Center) { return Acc(v); }
+  static void add(State& s, T v, int64_t, Center) { s += Acc(v); }
+  static void merge(State& a, const State& b) { a += b; }
+};
+
+// Var's second pass: the sums of d and d^2 for d = x - mean. Finishing with (sum d^2 - (sum d)^2 / n)
+// (the "corrected two-pass" algorithm) cancels most of the rounding error of the mean itself.
+template <typename T, typename Acc> struct DeviationReducer {
+  struct State {
+    Acc d = 0, d2 = 0;
+  };
+  using In = T;
+  using Center = Acc;
+  static constexpr bool kCascade = true;
+  static constexpr bool kCentered = true;
+  static State identity() { return {}; }
+  static State first(T v, int64_t, Center mean) {
+    Acc d = Acc(v) - mean;
+    return {d, d * d};
+  }
+  static void add(State& s, T v, int64_t, Center mean) {
+    Acc d = Acc(v) - mean;
+    s.d += d;
+    s.d2 += d * d;
+  }
+  static void merge(State& a, const State& b) {
+    a.d += b.d;
+    a.d2 += b.d2;
+  }
+};
+
+// Max (kMax) or min with the index of the first occurrence; a nan beats every number.
+template <typename T, bool kMax> struct ExtremeReducer {
+  using V = opmath_t<T>;
+  struct State {
+    V v;
+    int64_t i;
+  };
+  using In = T;
+  using Center = V;  // unused
+  static constexpr bool kCascade = false;
+  static constexpr bool kCentered = false;
+  static bool beats(V a, V b) { return kMax ? a > b : a < b; }
+  static State first(T v, int64_t i, Center) { return {V(v), i}; }
+  static void add(State& s, T x, int64_t i, Center) {
+    const V v = V(x);
+    // Strictly better only: on a tie the earlier index stays. Nothing replaces a nan.
+    if (beats(v, s.v) || (is_nan(v) && !is_nan(s.v))) s = {v, i};
+  }
+  static void merge(State& a, const State& b) {
+    const bool a_nan = is_nan(a.v), b_nan = is_nan(b.v);
+    if (a_nan || b_nan) {
+      if (b_nan && (!a_nan || b.i < a.i)) a = b;
+    } else if (beats(b.v, a.v) || (b.v == a.v && b.i < a.i)) {
+      a = b;
+    }
+  }
+};
+
+// All (kAll) or any: whether values are nonzero (nan is nonzero).
+template <typename T, bool kAll> struct LogicalReducer {
+  using In = T;
+  using State = bool;
+  using Center = bool;  // unused
+  static constexpr bool kCascade = false;
+  static constexpr bool kCentered = false;
+  static bool nonzero(T v) { return opmath_t<T>(v) != opmath_t<T>(0); }
+  static State identity() { return kAll; }
+  static State first(T v, int64_t, Center) { return nonzero(v); }
+  static void add(State& s, T v, int64_t, Center) {
+    if constexpr (kAll) {
+      s &= nonzero(v);
+    } else {
+      s |= nonzero(v);
+    }
+  }
+  static void merge(State& a, const State& b) {
+    if constexpr (kAll) {
+      a &= b;
+    } else {
+      a |= b;
+    }
+  }
+};
+
+template <typename Rd>
+concept HasIdentity = requires { Rd::identity(); };
+
+// How many independent accumulators reduce_row keeps: about 128 bytes of state, enough for the compiler
+// to fill several vector registers and hide the latency of the adds.
+template <typename Rd> constexpr int64_t kLanes = std::max<int64_t>(4, 128 / int64_t(sizeof(typename Rd::State)));
+
+constexpr int64_t kParallelGrain = 32768;  // input elements below which a reduction runs on one thread
+constexpr int64_t kMinRowChunk = 8192;     // the smallest piece of one row given to a thread
+constexpr int64_t kMinRowsPerChunk = 64;   // the fewest rows of a column block given to a thread
+constexpr int64_t kColumnBlock = 256;      // columns reduced together in the [outer, reduced, inner > 1] case
+constexpr int64_t kCascadeStep = 16;       // additions per cascade level before carrying to the next
+constexpr int kMaxCascadeLevels = 16;      // 16^16 rows: more than any tensor has
+
+// A rectangle of the input for reduce_block: `rows` rows of `width` consecutive elements, row r at
+// base + r * row_stride, each column reducing into one accumulator.
+//   kWidth > 0 (row mode): the block is one contiguous row seen as [rows, kWidth], so element (r, j) has
+//     index index_base + r * kWidth + j and every column shares centers[0].
+//   kWidth == 0 (column mode): element (r, j) has index index_base + r and center centers[j].
+template <typename Rd> struct Block {
+  const typename Rd::In* base;
+  int64_t rows, row_stride, width;
+  int64_t index_base;
+  const typename Rd::Center* centers;  // read only when Rd::kCentered
+};
+
+// acc[j] := the reduction of column j of the block (rows >= 1).
+//
+// Floating sums are cascaded: level 0 takes kCascadeStep rows, then is added into level 1 and restarted;
+// level 1 carries into level 2 after kCascadeStep such carries, and so on. Each level only ever adds up
+// about kCascadeStep terms of similar size, so the error grows like log(rows) instead of rows, while the
+// inner loop stays a plain vectorisable `acc[j] += row[j]` (a naive float32 sum of 2^24 ones stops at
+// 2^24; this one does not).
+template <typename Rd, int64_t kWidth>
+void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
+  using State = typename Rd::State;
+  using Center = typename Rd::Center;
+  constexpr bool kRowMode = kWidth > 0;
+  const int64_t width = kRowMode ? kWidth : b.width;
+  auto center = [&](int64_t j) -> Center {
+    if constexpr (!Rd::kCentered) {
+      return Center();
+    } else if constexpr (kRowMode) {
+      return b.centers[0];
+    } else {
+      return b.centers[j];
+    }
+  };
+  auto index = [&](int64_t r, int64_t j) { return kRowMode ? b.index_base + r * kWidth + j : b.index_base + r; };
+  auto add_row = [&](State* dst, int64_t r) {
+    const typename Rd::In* row = b.base + r * b.row_stride;
+    for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], row[j], index(r, j), center(j));
+  };
+
+  if constexpr (!Rd::kCascade) {
+    for (int64_t j = 0; j < width; ++j) acc[j] = Rd::first(b.base[j], index(0, j), center(j));
+    for (int64_t r = 1; r < b.rows; ++r) add_row(acc, r);
+  } else {
+    int levels = 1;
+    for (int64_t capacity = kCascadeStep; capacity < b.rows && levels < kMaxCascadeLevels; capacity *= kCascadeStep)
+      ++levels;
+    // Level 0 is acc itself; the others live on the stack (row mode) or in one buffer per call.
+    constexpr int64_t kStackStates = kRowMode ? kWidth * (kMaxCascadeLevels - 1) : 1;
+    State stack_levels[kStackStates];
+    std::unique_ptr<State[]> heap_levels;
+    State* upper = stack_levels;
+    if (!kRowMode && levels > 1) {
+      heap_levels = std::make_unique<State[]>(size_t((levels - 1) * width));
+      upper = heap_levels.get();
+    }
+    State* level[kMaxCascadeLevels];
+    level[0] = acc;
+    for (int k = 1; k < levels; ++k) level[k] = upper + (k - 1) * width;
+    for (int k = 0; k < levels; ++k)
+      for (int64_t j = 0; j < width; ++j) level[k][j] = Rd::identity();
+
+    for (int64_t r = 0; r < b.rows;) {
+      const int64_t n = std::min(kCascadeStep, b.rows - r);
+      for (int64_t i = 0; i < n; ++i) add_row(level[0], r + i);
+      r += n;
+      if (n < kCascadeStep) break;  // the last, partial step stays in level 0
+      int64_t carries = r / kCascadeStep;
+      for (int k = 0; k + 1 < levels; ++k) {
+        for (int64_t j = 0; j < width; ++j) {
+          Rd::merge(level[k + 1][j], level[k][j]);
+          level[k][j] = Rd::identity();
+        }
+        if (carries % kCascadeStep != 0) break;
+        carries /= kCascadeStep;
+      }
+    }
+    for (int k = 1; k < levels; ++k)
+      for (int64_t j = 0; j < width; ++j) Rd::merge(acc[j], level[k][j]);
+  }
+}
+
+// The reduction of n >= 1 contiguous elements, the first having index index_base.
+template <typename Rd>
+typename Rd::State reduce_row(const typename Rd::In* p, int64_t n, int64_t index_base, typename Rd::Center center) {
+  using State = typename Rd::State;
+  constexpr int64_t L = kLanes<Rd>;
+  State s;
+  int64_t done;
+  if (n >= L) {
+    // The row as a [n / L, L] block: L interleaved accumulators, merged at the end.
+    State lanes[L];
+    reduce_block<Rd, L>(Block<Rd>{p, n / L, L, L, index_base, &center}, lanes);
+    s = lanes[0];
+    for (int64_t j = 1; j < L; ++j) Rd::merge(s, lanes[j]);
+    done = n / L * L;
+  } else {
+    s = Rd::first(p[0], index_base, center);
+    done = 1;
+  }
+  for (int64_t i = done; i < n; ++i) Rd::add(s, p[i], index_base + i, center);
+  return s;
+}
+
+// [lo, hi) of piece `c` when n items are split into `pieces` nearly equal pieces.
+std::pair<int64_t, int64_t> piece(int64_t n, int64_t pieces, int64_t c) { return {n * c / pieces, n * (c + 1) / pieces}; }
+
+// Reduces input (outer, reduced, inner) and calls sink(output position o * inner + i, state) once per
+// output. `centers` (Var's second pass) holds one center per output.
+template <typename Rd, typename Sink>
+void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int64_t inner,
+                 const typename Rd::Center* centers, Sink&& sink) {
+  using State = typename Rd::State;
+  using Center = typename Rd::Center;
+  const int64_t outputs = outer * inner;
+  if (reduced == 0) {
+    if constexpr (HasIdentity<Rd>) {
+      for (int64_t pos = 0; pos < outputs; ++pos) sink(pos, Rd::identity());
+      return;
+    } else {
+      HG_FAIL("reduce: this reduction of an empty dim has no identity (a bug: the op layer should have refused it)");
+    }
+  }
+  const int64_t threads = outer * reduced * inner >= kParallelGrain ? omp_get_max_threads() : 1;
+  auto center_at = [&](int64_t pos) -> Center { return Rd::kCentered ? centers[pos] : Center(); };
+
+  if (inner == 1) {
+    // Each output reduces one contiguous row. Many rows: one row per iteration, rows over threads.
+    // Few long rows: every row is cut into pieces, the pieces go over threads and are merged in order.
+    const int64_t pieces = outer < threads ? std::min(threads, std::max<int64_t>(1, reduced / kMinRowChunk)) : 1;
+    if (pieces == 1) {
+#pragma omp parallel for schedule(static) if (threads > 1)
+      for (int64_t o = 0; o < outer; ++o) sink(o, reduce_row<Rd>(in + o * reduced, reduced, 0, center_at(o)));
+      return;
+    }
+    // (not std::vector: vector<bool> packs bits, and threads write neighbouring elements)
+    auto partial = std::make_unique<State[]>(size_t(outer * pieces));
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < outer * pieces; ++t) {
+      const int64_t o = t / pieces;
+      auto [lo, hi] = piece(reduced, pieces, t % pieces);
+      partial[size_t(t)] = reduce_row<Rd>(in + o * reduced + lo, hi - lo, lo, center_at(o));
+    }
+    for (int64_t o = 0; o < outer; ++o) {
+      State s = partial[size_t(o * pieces)];
+      for (int64_t c = 1; c < pieces; ++c) Rd::merge(s, partial[size_t(o * pieces + c)]);
+      sink(o, s);
+    }
+    return;
+  }
+
+  // inner > 1: an output column (o, i) reduces input[o, :, i]. Whole rows of up to kColumnBlock columns are
+  // added into as many accumulators (a vectorised loop, and no transposing copy). Tasks are
+  // (outer, column block) pairs; when there are fewer than threads, the rows are cut into pieces too.
+  const int64_t column_blocks = (inner + kColumnBlock - 1) / kColumnBlock;
+  const int64_t tasks = outer * column_blocks;
+  const int64_t pieces =
+      tasks < threads ? std::min((threads + tasks - 1) / tasks, std::max<int64_t>(1, reduced / kMinRowsPerChunk)) : 1;
+  auto reduce_task = [&](int64_t task, int64_t r0, int64_t r1, State* acc) {
+    const int64_t o = task / column_blocks, col0 = task % column_blocks * kColumnBlock;
+    const int64_t width = std::min(kColumnBlock, inner - col0);
+    Block<Rd> block{in + (o * reduced + r0) * inner + col0, r1 - r0, inner, width, r0,
+                    Rd::kCentered ? centers + o * inner + col0 : nullptr};
+    reduce_block<Rd, 0>(block, acc);
+    return std::pair{o * inner + col0, width};  // the first output position and how many
+  };
+  if (pieces == 1) {
+#pragma omp parallel for schedule(static) if (threads > 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      State acc[kColumnBlock];
+      auto [pos, width] = reduce_task(task, 0, reduced, acc);
+      for (int64_t j = 0; j < width; ++j) sink(pos + j, acc[j]);
+    }
+    return;
+  }
+  auto partial = std::make_unique<State[]>(size_t(tasks * pieces * kColumnBlock));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tasks * pieces; ++t) {
+    auto [r0, r1] = piece(reduced, pieces, t % pieces);
+    reduce_task(t / pieces, r0, r1, &partial[size_t(t * kColumnBlock)]);
+  }
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t o = task / column_blocks, col0 = task % column_blocks * kColumnBlock;
+    const int64_t width = std::min(kColumnBlock, inner - col0);
+    const State* first = &partial[size_t(task * pieces * kColumnBlock)];
+    for (int64_t j = 0; j < width; ++j) {
+      State s = first[j];
+      for (int64_t c = 1; c < pieces; ++c) Rd::merge(s, first[c * kColumnBlock + j]);
+      sink(o * inner + col0 + j, s);
+    }
+  }
+}
+
+template <typename T> void reduce_cpu_typed(const ReduceArgs& a) {
+  const T* in = static_cast<const T*>(a.input.data_ptr());
+  const char* name = reduce_op_name(a.op);
+  const int64_t outer = a.outer, reduced = a.reduced, inner = a.inner;
+  switch (a.op) {
+    case ReduceOp::Sum: {
+      if constexpr (kIsFloat<T>) {
+        using Acc = opmath_t<T>;
+        T* out = a.values.data<T>();
+        run_reducer<SumReducer<T, Acc>>(in, outer, reduced, inner, nullptr, [&](int64_t pos, Acc s) { out[pos] = T(s); });
+      } else {
+        int64_t* out = a.values.data<int64_t>();
+        run_reducer<SumReducer<T, int64_t>>(in, outer, reduced, inner, nullptr,
+                                            [&](int64_t pos, int64_t s) { out[pos] = s; });
+      }
+      return;
+    }
+    case ReduceOp::Mean:
+    case ReduceOp::Var: {
+      if constexpr (kIsFloat<T>) {
+        using Acc = opmath_t<T>;
+        T* out = a.values.data<T>();
+        const Acc count = Acc(reduced);
+        if (a.op == ReduceOp::Mean) {
+          run_reducer<SumReducer<T, Acc>>(in, outer, reduced, inner, nullptr,
+                                          [&](int64_t pos, Acc s) { out[pos] = T(s / count); });
+          return;
+        }
+        // Two passes: the means (in Acc, so float16 input keeps a float32 mean), then the deviations.
+        std::vector<Acc> means(size_t(outer * inner));
+        run_reducer<SumReducer<T, Acc>>(in, outer, reduced, inner, nullptr,
+                                        [&](int64_t pos, Acc s) { means[size_t(pos)] = s / count; });
+        const Acc divisor = Acc(std::max<int64_t>(0, reduced - a.correction));
+        run_reducer<DeviationReducer<T, Acc>>(
+            in, outer, reduced, inner, means.data(), [&](int64_t pos, const typename DeviationReducer<T, Acc>::State& s) {
+              const Acc squares = s.d2 - s.d * s.d / count;
+              out[pos] = T((squares > Acc(0) ? squares : Acc(0)) / divisor);
+            });
+        return;
+      } else {
+        throw_unsupported_dtype(name, a.input.dtype());
+      }
+    }
+    case ReduceOp::Max:
+    case ReduceOp::ArgMax:
+    case ReduceOp::Min:
+    case ReduceOp::ArgMin: {
+      T* values = a.values.defined() ? a.values.data<T>() : nullptr;
+      int64_t* indices = a.indices.defined() ? a.indices.data<int64_t>() : nullptr;
+      auto store = [&](int64_t pos, const auto& s) {
+        if (values) values[pos] = T(s.v);
+        if (indices) indices[pos] = s.i;
+      };
+      if (a.op == ReduceOp::Max || a.op == ReduceOp::ArgMax) {
+        run_reducer<ExtremeReducer<T, true>>(in, outer, reduced, inner, nullptr, store);
+      } else {
+        run_reducer<ExtremeReducer<T, false>>(in, outer, reduced, inner, nullptr, store);
+      }
+      return;
+    }
+    case ReduceOp::All:
+    case ReduceOp::Any: {
+      bool* out = a.values.data<bool>();
+      auto store = [&](int64_t pos, bool s) { out[pos] = s; };
+      if (a.op == ReduceOp::All) {
+        run_reducer<LogicalReducer<T, true>>(in, outer, reduced, inner, nullptr, store);
+      } else {
+        run_reducer<LogicalReducer<T, false>>(in, outer, reduced, inner, nullptr, store);
+      }
+      return;
+    }
+  }
+}
+
+void reduce_cpu(const ReduceArgs& a) {
+  HG_CHECK(a.input.is_contiguous() && a.input.numel() == a.outer * a.reduced * a.inner,
+           "{}: reduce_cpu expects a contiguous [outer, reduced, inner] input, got {} for [{}, {}, {}]",
+           reduce_op_name(a.op), a.input.meta(), a.outer, a.reduced, a.inner);
+  dispatch_all(a.input.dtype(), reduce_op_name(a.op), [&]<typename T>() { reduce_cpu_typed<T>(a); });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(reduce_kernel, CPU, reduce_cpu);
+
+}  // namespace halfgrad

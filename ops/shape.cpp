@@ -1,0 +1,280 @@
+// View ops: new shape and strides over the same storage, and their backward formulas.
+#include "ops/shape.h"
+
+#include <algorithm>
+#include <numeric>
+#include <optional>
+
+#include "core/autograd.h"
+#include "ops/copy.h"
+
+namespace halfgrad {
+
+Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = t.storage();
+  impl->shape = std::move(shape);
+  impl->strides = std::move(strides);
+  impl->offset = offset;
+  impl->dtype = t.dtype();
+  impl->is_view = true;
+  return Tensor(std::move(impl));
+}
+
+Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
+  if (t.shape() == shape) return t;
+  HG_CHECK(t.dim() <= int64_t(shape.size()), "{}: cannot broadcast {} to {}", op, t.meta(), shape_str(shape));
+  Shape strides(shape.size(), 0);
+  int64_t lead = int64_t(shape.size()) - t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    int64_t size = t.shape()[d];
+    HG_CHECK(size == shape[d + lead] || size == 1, "{}: cannot broadcast {} to {}", op, t.meta(), shape_str(shape));
+    strides[d + lead] = size == 1 ? 0 : t.strides()[d];
+  }
+  return make_view(t, shape, strides, t.offset());
+}
+
+namespace {
+
+// A view op: the view, plus (when the input is in the graph) a node with the given backward.
+Tensor view_op(const char* name, const Tensor& x, Shape shape, Shape strides, int64_t offset,
+               std::function<Tensor(const Tensor&)> backward) {
+  Tensor out = make_view(x, std::move(shape), std::move(strides), offset);
+  if (any_requires_grad({&x})) {
+    record(backward_name(name), {x}, {out}, [backward](const GradContext& g) -> TensorList { return {backward(g[0])}; });
+  }
+  return out;
+}
+
+Shape infer_shape(Shape shape, int64_t numel, const char* op) {
+  int64_t known = 1, infer_at = -1;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == -1) {
+      HG_CHECK(infer_at < 0, "{}: only one dimension can be -1, got {}", op, shape_str(shape));
+      infer_at = int64_t(d);
+    } else {
+      HG_CHECK(shape[d] >= 0, "{}: invalid size {} in shape {}", op, shape[d], shape_str(shape));
+      known *= shape[d];
+    }
+  }
+  if (infer_at >= 0) {
+    HG_CHECK(known != 0 && numel % known == 0, "{}: shape {} is invalid for input of size {}", op, shape_str(shape), numel);
+    shape[size_t(infer_at)] = numel / known;
+  }
+  HG_CHECK(numel_of(shape) == numel, "{}: shape {} is invalid for input of size {}", op, shape_str(shape), numel);
+  return shape;
+}
+
+// Strides that let `shape` view memory laid out as (old_shape, old_strides), if any (PyTorch's rule: each
+// group of new dims must cover a run of old dims that is contiguous in memory).
+std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strides, const Shape& shape) {
+  Shape strides(shape.size());
+  if (old_shape.empty() || numel_of(old_shape) == 0) return contiguous_strides(shape);
+  int64_t view_d = int64_t(shape.size()) - 1;
+  int64_t chunk_base_stride = old_strides.back();
+  int64_t tensor_numel = 1, view_numel = 1;
+  for (int64_t d = int64_t(old_shape.size()) - 1; d >= 0; --d) {
+    tensor_numel *= old_shape[d];
+    bool chunk_ends = d == 0 || (old_shape[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride);
+    if (!chunk_ends) continue;
+    while (view_d >= 0 && (view_numel < tensor_numel || shape[view_d] == 1)) {
+      strides[view_d] = view_numel * chunk_base_stride;
+      view_numel *= shape[view_d];
+      --view_d;
+    }
+    if (view_numel != tensor_numel) return std::nullopt;
+    if (d > 0) {
+      chunk_base_stride = old_strides[d - 1];
+      tensor_numel = 1;
+      view_numel = 1;
+    }
+  }
+  if (view_d != -1) return std::nullopt;
+  return strides;
+}
+
+}  // namespace
+
+Tensor Tensor::view(Shape new_shape) const {
+  new_shape = infer_shape(std::move(new_shape), numel(), "view");
+  auto strides = view_strides(shape(), this->strides(), new_shape);
+  HG_CHECK(strides.has_value(), "view: shape {} cannot view {} with strides {} without a copy; use reshape()",
+           shape_str(new_shape), meta(), shape_str(this->strides()));
+  Shape old = shape();
+  return view_op("view", *this, new_shape, *strides, offset(), [old](const Tensor& g) { return g.reshape(old); });
+}
+
+Tensor Tensor::reshape(Shape new_shape) const {
+  new_shape = infer_shape(std::move(new_shape), numel(), "reshape");
+  if (view_strides(shape(), strides(), new_shape)) return view(new_shape);
+  return clone().view(new_shape);
+}
+
+Tensor Tensor::permute(Dims dims) const {
+  HG_CHECK(int64_t(dims.size()) == dim(), "permute: {} dims given for {}", dims.size(), meta());
+  Shape new_shape(dims.size()), new_strides(dims.size());
+  Dims inverse(dims.size());
+  std::vector<bool> seen(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) {
+    int64_t d = wrap_dim(dims[i], dim(), "permute");
+    HG_CHECK(!seen[size_t(d)], "permute: dim {} repeated in {}", d, shape_str(dims));
+    seen[size_t(d)] = true;
+    new_shape[i] = shape()[size_t(d)];
+    new_strides[i] = strides()[size_t(d)];
+    inverse[size_t(d)] = int64_t(i);
+  }
+  return view_op("permute", *this, new_shape, new_strides, offset(),
+                 [inverse](const Tensor& g) { return g.permute(inverse); });
+}
+
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  if (dim() == 0) return *this;
+  d0 = wrap_dim(d0, dim(), "transpose");
+  d1 = wrap_dim(d1, dim(), "transpose");
+  Dims order(static_cast<size_t>(dim()));
+  std::iota(order.begin(), order.end(), 0);
+  std::swap(order[size_t(d0)], order[size_t(d1)]);
+  return permute(order);
+}
+
+Tensor Tensor::t() const {
+  HG_CHECK(dim() <= 2, "t: expects a tensor with <= 2 dims, got {}", meta());
+  return dim() < 2 ? *this : transpose(0, 1);
+}
+
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  d = wrap_dim(d, dim(), "slice");
+  HG_CHECK(step > 0, "slice: step must be positive, got {}", step);
+  int64_t size = shape()[size_t(d)];
+  auto clip = [size](int64_t i) { return std::clamp(i < 0 ? i + size : i, int64_t(0), size); };
+  start = clip(start);
+  end = std::max(start, clip(end));
+  Shape new_shape = shape(), new_strides = strides();
+  new_shape[size_t(d)] = (end - start + step - 1) / step;
+  new_strides[size_t(d)] *= step;
+  Shape full = shape();
+  return view_op("slice", *this, new_shape, new_strides, offset() + start * strides()[size_t(d)],
+                 [full, d, start, end, step](const Tensor& g) {
+                   Tensor r = zeros(full, {.dtype = g.dtype(), .device = g.device()});
+                   r.slice(d, start, end, step).copy_(g);
+                   return r;
+                 });
+}
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  d = wrap_dim(d, dim(), "narrow");
+  int64_t size = shape()[size_t(d)];
+  if (start < 0) start += size;
+  HG_CHECK(start >= 0 && length >= 0 && start + length <= size, "narrow: range [{}, {}) is outside dim {} of {}",
+           start, start + length, d, meta());
+  return slice(d, start, start + length);
+}
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  HG_CHECK(dim() > 0, "select: cannot select from a 0-d tensor");
+  d = wrap_dim(d, dim(), "select");
+  int64_t size = shape()[size_t(d)];
+  HG_CHECK(index >= -size && index < size, "select: index {} is out of range for dim {} of {}", index, d, meta());
+  if (index < 0) index += size;
+  Shape new_shape = shape(), new_strides = strides();
+  new_shape.erase(new_shape.begin() + d);
+  new_strides.erase(new_strides.begin() + d);
+  Shape full = shape();
+  return view_op("select", *this, new_shape, new_strides, offset() + index * strides()[size_t(d)],
+                 [full, d, index](const Tensor& g) {
+                   Tensor r = zeros(full, {.dtype = g.dtype(), .device = g.device()});
+                   r.select(d, index).copy_(g);
+                   return r;
+                 });
+}
+
+Tensor Tensor::expand(Shape new_shape) const {
+  HG_CHECK(int64_t(new_shape.size()) >= dim(), "expand: the target {} has fewer dims than {}", shape_str(new_shape), meta());
+  int64_t lead = int64_t(new_shape.size()) - dim();
+  for (int64_t d = 0; d < dim(); ++d)
+    if (new_shape[size_t(d + lead)] == -1) new_shape[size_t(d + lead)] = shape()[size_t(d)];
+  Tensor v = broadcast_view(*this, new_shape, "expand");
+  Shape old = shape();
+  return view_op("expand", *this, v.shape(), v.strides(), v.offset(), [old](const Tensor& g) { return sum_to(g, old); });
+}
+
+Tensor Tensor::squeeze() const {
+  Shape new_shape;
+  for (int64_t s : shape())
+    if (s != 1) new_shape.push_back(s);
+  return new_shape.size() == shape().size() ? *this : reshape(new_shape);
+}
+
+Tensor Tensor::squeeze(int64_t d) const {
+  d = wrap_dim(d, dim(), "squeeze");
+  if (dim() == 0 || shape()[size_t(d)] != 1) return *this;
+  Shape new_shape = shape();
+  new_shape.erase(new_shape.begin() + d);
+  return reshape(new_shape);
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  d = wrap_dim(d, dim() + 1, "unsqueeze");
+  Shape new_shape = shape(), new_strides = strides();
+  int64_t stride = d < dim() ? strides()[size_t(d)] * shape()[size_t(d)] : 1;
+  new_shape.insert(new_shape.begin() + d, 1);
+  new_strides.insert(new_strides.begin() + d, stride);
+  return view_op("unsqueeze", *this, new_shape, new_strides, offset(), [d](const Tensor& g) { return g.squeeze(d); });
+}
+
+Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
+  if (dim() == 0) return reshape({1});
+  start_dim = wrap_dim(start_dim, dim(), "flatten");
+  end_dim = wrap_dim(end_dim, dim(), "flatten");
+  HG_CHECK(start_dim <= end_dim, "flatten: start_dim {} is after end_dim {}", start_dim, end_dim);
+  Shape new_shape(shape().begin(), shape().begin() + start_dim);
+  int64_t merged = 1;
+  for (int64_t d = start_dim; d <= end_dim; ++d) merged *= shape()[size_t(d)];
+  new_shape.push_back(merged);
+  new_shape.insert(new_shape.end(), shape().begin() + end_dim + 1, shape().end());
+  return reshape(new_shape);
+}
+
+// Autocast category: "promote" (inputs are cast to the widest dtype among them).
+Tensor cat(const TensorList& tensors, int64_t dim) {
+  HG_CHECK(!tensors.empty(), "cat: expects a non-empty list of tensors");
+  const Tensor& first = tensors[0];
+  dim = wrap_dim(dim, first.dim(), "cat");
+  DType dtype = first.dtype();
+  Shape shape = first.shape();
+  shape[size_t(dim)] = 0;
+  for (const Tensor& t : tensors) {
+    HG_CHECK(t.dim() == first.dim() && t.device() == first.device(), "cat: {} does not match {}", t.meta(), first.meta());
+    for (int64_t d = 0; d < t.dim(); ++d)
+      HG_CHECK(d == dim || t.shape()[size_t(d)] == first.shape()[size_t(d)],
+               "cat: sizes must match except in dim {}: {} vs {}", dim, t.meta(), first.meta());
+    shape[size_t(dim)] += t.shape()[size_t(dim)];
+    dtype = promote_types(dtype, t.dtype());
+  }
+  Tensor out = empty(shape, {.dtype = dtype, .device = first.device()});
+  std::vector<int64_t> sizes;
+  {
+    NoGradGuard no_grad;
+    int64_t at = 0;
+    for (const Tensor& t : tensors) {
+      int64_t n = t.shape()[size_t(dim)];
+      copy_kernel[out.device()](out.narrow(dim, at, n), t);
+      sizes.push_back(n);
+      at += n;
+    }
+  }
+  if (any_requires_grad(tensors)) {
+    record("CatBackward", tensors, {out}, [sizes, dim](const GradContext& g) -> TensorList {
+      TensorList grads;
+      int64_t at = 0;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        grads.push_back(g.needs(i) ? g[0].narrow(dim, at, sizes[i]) : Tensor());
+        at += sizes[i];
+      }
+      return grads;
+    });
+  }
+  return out;
+}
+
+}  // namespace halfgrad

@@ -1,0 +1,177 @@
+// The autograd engine: recording, backward order, accumulation, retain_graph, no_grad, hooks, versions.
+#include <doctest/doctest.h>
+
+#include "halfgrad.h"
+#include "tests/gradcheck.h"
+
+using namespace halfgrad;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
+
+static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+TEST_CASE("backward of a scalar accumulates d(out)/d(leaf) into .grad") {
+  Tensor x = tensor(std::vector<double>{1, 2, 3}).requires_grad_();
+  Tensor y = (x * x * 3 + x).sum();  // dy/dx = 6x + 1
+  y.backward();
+  CHECK(values(x.grad()) == std::vector<double>{7, 13, 19});
+  CHECK(x.is_leaf());
+  CHECK_FALSE(y.is_leaf());
+  CHECK(y.grad_fn()->name() == "SumBackward");
+}
+
+TEST_CASE("gradients accumulate across backward calls until reset") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  (x * 2).sum().backward();
+  (x * 3).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{5, 5});
+  x.set_grad(Tensor());
+  (x * 4).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{4, 4});
+}
+
+TEST_CASE("a tensor used twice gets the sum of both paths, and shared gradients are not aliased") {
+  Tensor a = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor b = tensor(std::vector<double>{3, 4}).requires_grad_();
+  (a + b).sum().backward();  // add's backward hands one gradient tensor to both inputs
+  a.grad().mul_(10);
+  CHECK(values(b.grad()) == std::vector<double>{1, 1});
+  Tensor x = tensor(std::vector<double>{2}).requires_grad_();
+  Tensor h = x * x;
+  (h * h + h).sum().backward();  // d/dx (x^4 + x^2) = 4x^3 + 2x
+  CHECK(values(x.grad()) == std::vector<double>{36});
+}
+
+TEST_CASE("backward runs nodes in reverse topological order on a diamond graph") {
+  Tensor x = leaf({3});
+  gradcheck(
+      [](const TensorList& in) {
+        Tensor a = in[0].exp(), b = in[0] * 2;
+        Tensor c = a * b, d = (a + c).tanh();
+        return d * b + c;
+      },
+      {x});
+}
+
+TEST_CASE("a second backward through a freed graph is an error; retain_graph keeps it") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor y = (x.exp() * 2).sum();
+  y.backward(Tensor(), /*retain_graph=*/true);
+  y.backward();
+  CHECK(values(x.grad()) == values(x.detach().exp() * 4));
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("backward through the graph a second time"), Error);
+}
+
+TEST_CASE("backward of a non-scalar needs a gradient of the output's shape") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor y = x * 3;
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("single-element"), Error);
+  CHECK_THROWS_WITH_AS(y.backward(ones({3}, {.dtype = kFloat64})), doctest::Contains("does not match"), Error);
+  y.backward(tensor(std::vector<double>{1, 10}));
+  CHECK(values(x.grad()) == std::vector<double>{3, 30});
+  CHECK_THROWS_WITH_AS(ones({1}).backward(), doctest::Contains("does not require grad"), Error);
+}
+
+TEST_CASE("requires_grad propagates; detach and NoGradGuard stop it") {
+  Tensor x = ones({2}, {.requires_grad = true});
+  Tensor c = ones({2});
+  CHECK((x + c).requires_grad());
+  CHECK_FALSE((c * 2).requires_grad());
+  CHECK_FALSE(x.detach().requires_grad());
+  CHECK(x.detach().storage() == x.storage());
+  {
+    NoGradGuard no_grad;
+    CHECK_FALSE((x * 2).requires_grad());
+    {
+      NoGradGuard nested;
+      CHECK_FALSE(GradMode::is_enabled());
+    }
+    CHECK_FALSE(GradMode::is_enabled());
+  }
+  CHECK(GradMode::is_enabled());
+  CHECK_THROWS_WITH_AS(ones({2}, {.dtype = kInt64}).requires_grad_(), doctest::Contains("floating"), Error);
+  CHECK_THROWS_WITH_AS((x * 2).requires_grad_(false), doctest::Contains("leaf"), Error);
+}
+
+TEST_CASE("retain_grad keeps a non-leaf's gradient; non-leaves have none by default") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor h = x * 2;
+  Tensor k = h * 3;
+  h.retain_grad();
+  (k * k).sum().backward();  // d/dh (3h)^2 = 18 h
+  CHECK(values(h.grad()) == std::vector<double>{36, 72});
+  CHECK_FALSE(k.grad().defined());
+}
+
+TEST_CASE("hooks see the gradient and may replace it") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  std::vector<double> seen;
+  x.register_hook([&](const Tensor& g) {
+    seen = values(g);
+    return g * 10;
+  });
+  Tensor h = x * 2;
+  h.register_hook([](const Tensor& g) { return g + 1; });
+  h.sum().backward();  // dL/dh = 1 -> hook -> 2; dL/dx = 2*2 = 4 -> leaf hook -> 40
+  CHECK(seen == std::vector<double>{4, 4});
+  CHECK(values(x.grad()) == std::vector<double>{40, 40});
+}
+
+TEST_CASE("modifying a saved tensor in place makes backward fail loudly") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor y = x.exp();  // exp saves its output
+  Tensor z = y.sum();
+  {
+    NoGradGuard no_grad;
+    y.detach().mul_(2);  // the detached alias shares storage and version counter
+  }
+  CHECK_THROWS_WITH_AS(z.backward(), doctest::Contains("modified by an in-place operation"), Error);
+}
+
+TEST_CASE("in-place ops bump the version counter and rebase history") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor y = x * 2;
+  uint64_t v = y.version();
+  y.add_(1).mul_(3);  // y = 3 (2x + 1)
+  CHECK(y.version() == v + 2);
+  y.sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{6, 6});
+  CHECK(values(y.detach()) == std::vector<double>{9, 15});
+}
+
+TEST_CASE("in-place on a leaf that requires grad is refused outside no_grad") {
+  Tensor w = ones({2}, {.requires_grad = true});
+  CHECK_THROWS_WITH_AS(w.add_(1), doctest::Contains("leaf tensor that requires grad"), Error);
+  {
+    NoGradGuard no_grad;
+    w.add_(1);
+  }
+  CHECK(values(w) == std::vector<double>{2, 2});
+}
+
+TEST_CASE("broadcast gradients are reduced back to each input's shape") {
+  gradcheck([](const TensorList& in) { return in[0] * in[1] + in[2]; }, {leaf({4, 1, 3}), leaf({5, 1}), leaf({3})});
+  Tensor a = ones({2, 3}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor b = ones({3}, {.dtype = kFloat64, .requires_grad = true});
+  (a * b).sum().backward();
+  CHECK(b.grad().shape() == Shape{3});
+  CHECK(values(b.grad()) == std::vector<double>{2, 2, 2});
+}
+
+TEST_CASE("a cast passes the gradient back in the input's dtype") {
+  Tensor x = tensor(std::vector<float>{1, 2}).requires_grad_();
+  Tensor h = x.to(kFloat16) * 3;
+  CHECK(h.dtype() == kFloat16);
+  h.to(kFloat32).sum().backward();
+  CHECK(x.grad().dtype() == kFloat32);
+  CHECK(values(x.grad()) == std::vector<double>{3, 3});
+  gradcheck([](const TensorList& in) { return in[0].to(kFloat32).to(kFloat64) * 2; }, {leaf({3})}, 1e-3, 1e-3, 1e-3);
+}
+
+TEST_CASE("outputs of an op that get no gradient are treated as zero") {
+  Tensor x = tensor(std::vector<double>{1, 5, 3}).requires_grad_();
+  auto [values_, indices] = x.max(0);
+  (values_ * 2).backward();
+  CHECK(to_vector<double>(x.grad()) == std::vector<double>{0, 2, 0});
+  CHECK_FALSE(indices.requires_grad());
+}

@@ -1,0 +1,197 @@
+// Elementwise ops: values against a float64 reference, broadcasting, strides, dtypes, and gradchecks.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "halfgrad.h"
+#include "tests/gradcheck.h"
+
+using namespace halfgrad;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
+
+static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// max |a - b| / max(1, |b|) over all elements.
+static double max_rel_error(const Tensor& a, const Tensor& b) {
+  std::vector<double> x = values(a), y = values(b);
+  REQUIRE(x.size() == y.size());
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(x[i] - y[i]) / std::max(1.0, std::abs(y[i])));
+  return worst;
+}
+
+// Tolerance of a dtype's rounding: float16 keeps 11 bits, bfloat16 8.
+static double tolerance(DType t) {
+  switch (t) {
+    case kFloat16: return 2e-3;
+    case kBFloat16: return 1.6e-2;
+    case kFloat32: return 1e-6;
+    default: return 1e-12;
+  }
+}
+
+TEST_CASE("unary ops match the float64 reference in every floating dtype") {
+  struct Case {
+    const char* name;
+    Tensor (*op)(const Tensor&);
+    double (*ref)(double);
+    bool positive;
+  };
+  std::vector<Case> cases = {
+      {"neg", neg, [](double x) { return -x; }, false},
+      {"abs", abs, [](double x) { return std::abs(x); }, false},
+      {"exp", exp, [](double x) { return std::exp(x); }, false},
+      {"log", log, [](double x) { return std::log(x); }, true},
+      {"sqrt", sqrt, [](double x) { return std::sqrt(x); }, true},
+      {"rsqrt", rsqrt, [](double x) { return 1 / std::sqrt(x); }, true},
+      {"tanh", tanh, [](double x) { return std::tanh(x); }, false},
+      {"sigmoid", sigmoid, [](double x) { return 1 / (1 + std::exp(-x)); }, false},
+      {"relu", relu, [](double x) { return x > 0 ? x : 0.0; }, false},
+      {"sign", sign, [](double x) { return double((0 < x) - (x < 0)); }, false},
+  };
+  manual_seed(1);
+  for (const Case& c : cases) {
+    for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
+      CAPTURE(c.name);
+      CAPTURE(dtype_name(dt));
+      Tensor x = randn({37, 5}, {.dtype = kFloat64});
+      if (c.positive) x = x.abs() + 0.1;
+      Tensor xd = x.to(dt);
+      std::vector<double> in = values(xd), expected;
+      for (double v : in) expected.push_back(c.ref(v));
+      Tensor y = c.op(xd);
+      CHECK(y.dtype() == dt);
+      CHECK(max_rel_error(y, tensor(expected, {37, 5})) <= tolerance(dt));
+    }
+  }
+}
+
+TEST_CASE("binary ops broadcast over strided inputs and match the reference") {
+  manual_seed(2);
+  Tensor a = randn({4, 1, 6}, {.dtype = kFloat64});
+  Tensor b = randn({6, 5}, {.dtype = kFloat64}).t();  // [5, 6], non-contiguous
+  Tensor bp = b.abs() + 0.5;
+  std::vector<double> av = values(a.expand({4, 5, 6})), bv = values(b.expand({4, 5, 6})),
+                      bpv = values(bp.expand({4, 5, 6}));
+  auto reference = [&](auto f, const std::vector<double>& y) {
+    std::vector<double> out;
+    for (size_t i = 0; i < av.size(); ++i) out.push_back(f(av[i], y[i]));
+    return tensor(out, {4, 5, 6});
+  };
+  CHECK(max_rel_error(a + b, reference(std::plus<>(), bv)) < 1e-15);
+  CHECK(max_rel_error(a - b, reference(std::minus<>(), bv)) < 1e-15);
+  CHECK(max_rel_error(a * b, reference(std::multiplies<>(), bv)) < 1e-15);
+  CHECK(max_rel_error(a / bp, reference(std::divides<>(), bpv)) < 1e-15);
+  CHECK(max_rel_error(pow(bp, a), reference([](double x, double y) { return std::pow(y, x); }, bpv)) < 1e-14);
+  CHECK(max_rel_error(maximum(a, b), reference([](double x, double y) { return std::max(x, y); }, bv)) == 0);
+  CHECK(max_rel_error(minimum(a, b), reference([](double x, double y) { return std::min(x, y); }, bv)) == 0);
+  CHECK(max_rel_error(lt(a, b), reference([](double x, double y) { return double(x < y); }, bv)) == 0);
+  CHECK(lt(a, b).dtype() == kBool);
+  CHECK(max_rel_error(add(a, b, 2.5), reference([](double x, double y) { return x + 2.5 * y; }, bv)) < 1e-15);
+}
+
+TEST_CASE("scalar operands on either side") {
+  Tensor x = tensor(std::vector<double>{1, 2, 4});
+  CHECK(values(x + 1) == std::vector<double>{2, 3, 5});
+  CHECK(values(1 - x) == std::vector<double>{0, -1, -3});
+  CHECK(values(x * 0.5) == std::vector<double>{0.5, 1, 2});
+  CHECK(values(8 / x) == std::vector<double>{8, 4, 2});
+  CHECK(values(x.pow(2)) == std::vector<double>{1, 4, 16});
+  CHECK(values(pow(2, x)) == std::vector<double>{2, 4, 16});
+  CHECK(values(x.gt(1.5)) == std::vector<double>{0, 1, 1});
+  CHECK(values(arange(5).pow(2)) == std::vector<double>{0, 1, 4, 9, 16});
+  CHECK(arange(5).pow(2).dtype() == kInt64);
+}
+
+TEST_CASE("integer and bool ops") {
+  Tensor i = tensor(std::vector<int32_t>{-3, 0, 5});
+  CHECK(values(i.abs()) == std::vector<double>{3, 0, 5});
+  CHECK((i + i).dtype() == kInt32);
+  CHECK(values(i / 2) == std::vector<double>{-1.5, 0, 2.5});
+  CHECK(i.exp().dtype() == kFloat32);
+  CHECK(values(logical_not(i.eq(0))) == std::vector<double>{1, 0, 1});
+  CHECK(values(logical_and(i.gt(-5), i.lt(3))) == std::vector<double>{1, 1, 0});
+  CHECK(values(isfinite(tensor(std::vector<float>{1, INFINITY, NAN}))) == std::vector<double>{1, 0, 0});
+}
+
+TEST_CASE("where and clamp") {
+  Tensor x = tensor(std::vector<double>{-2, -0.5, 0.5, 2});
+  CHECK(values(where(x.gt(0), x, 0)) == std::vector<double>{0, 0, 0.5, 2});
+  CHECK(values(x.clamp(-1, 1)) == std::vector<double>{-1, -0.5, 0.5, 1});
+  CHECK(values(x.clamp(std::nullopt, 0)) == std::vector<double>{-2, -0.5, 0, 0});
+  CHECK_THROWS_WITH_AS(where(x, x, x), doctest::Contains("where: condition must be bool"), Error);
+}
+
+TEST_CASE("NaN propagates through relu, maximum and clamp as in PyTorch") {
+  Tensor x = tensor(std::vector<float>{NAN, 1});
+  CHECK(std::isnan(values(relu(x))[0]));
+  CHECK(std::isnan(values(maximum(x, zeros({2})))[0]));
+  CHECK(std::isnan(values(x.clamp(0, 0.5))[0]));
+}
+
+TEST_CASE("in-place ops write into the tensor, through views too") {
+  Tensor x = arange(6, {.dtype = kFloat32}).view({2, 3});
+  x.select(1, 0).add_(10);
+  CHECK(values(x) == std::vector<double>{10, 1, 2, 13, 4, 5});
+  x.mul_(2).sub_(1);
+  CHECK(values(x) == std::vector<double>{19, 1, 3, 25, 7, 9});
+  Tensor h = ones({3}, {.dtype = kFloat16});
+  h.add_(ones({3}, {.dtype = kFloat32}));  // the result is cast to the target's dtype
+  CHECK(h.dtype() == kFloat16);
+  CHECK(values(h) == std::vector<double>{2, 2, 2});
+  Tensor i = ones({2}, {.dtype = kInt64});
+  CHECK_THROWS_WITH_AS(i.mul_(0.5), doctest::Contains("can't be cast"), Error);
+  Tensor c = zeros({2, 3});
+  c.copy_(tensor(std::vector<double>{1, 2, 3}));  // broadcast and cast
+  CHECK(values(c) == std::vector<double>{1, 2, 3, 1, 2, 3});
+}
+
+TEST_CASE("large tensors are processed in parallel ranges without seams") {
+  Tensor x = arange(1 << 20, {.dtype = kFloat32});
+  Tensor y = (x * 2 + 1).view({1024, 1024}).t().contiguous().t();
+  std::vector<double> v = values(y);
+  bool ok = true;
+  for (size_t i = 0; i < v.size(); ++i) ok = ok && v[i] == 2.0 * double(i) + 1;
+  CHECK(ok);
+}
+
+TEST_CASE("gradcheck: unary ops") {
+  gradcheck([](const TensorList& in) { return -in[0]; }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].abs(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].exp(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].log(); }, {leaf({3, 4}, 0.1, 2)});
+  gradcheck([](const TensorList& in) { return in[0].sqrt(); }, {leaf({3, 4}, 0.1, 2)});
+  gradcheck([](const TensorList& in) { return in[0].rsqrt(); }, {leaf({3, 4}, 0.1, 2)});
+  gradcheck([](const TensorList& in) { return in[0].tanh(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].sigmoid(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].relu(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].pow(3); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].clamp(-0.5, 0.5); }, {leaf({3, 4})});
+}
+
+TEST_CASE("gradcheck: binary ops with broadcasting and non-contiguous inputs") {
+  auto t = [](const Tensor& x) { return x.detach().t().requires_grad_(); };  // a transposed leaf
+  gradcheck([](const TensorList& in) { return in[0] + in[1]; }, {leaf({3, 4}), leaf({4})});
+  gradcheck([](const TensorList& in) { return sub(in[0], in[1], 0.5); }, {leaf({3, 1}), t(leaf({4, 3}))});
+  gradcheck([](const TensorList& in) { return in[0] * in[1]; }, {t(leaf({4, 3})), leaf({1, 4})});
+  gradcheck([](const TensorList& in) { return in[0] / in[1]; }, {leaf({3, 4}), leaf({4}, 0.1, 2)});
+  gradcheck([](const TensorList& in) { return pow(in[0], in[1]); }, {leaf({3, 4}, 0.1, 2), leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return maximum(in[0], in[1]); }, {leaf({3, 4}), leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return minimum(in[0], in[1]); }, {leaf({3, 4}), leaf({4})});
+  gradcheck([](const TensorList& in) { return where(in[0].gt(0), in[0], in[1]); }, {leaf({3, 4}), leaf({4})});
+  gradcheck([](const TensorList& in) { return 2 / in[0] - 3 * in[0]; }, {leaf({5}, 0.1, 2)});
+}
+
+TEST_CASE("gradcheck: view ops") {
+  gradcheck([](const TensorList& in) { return in[0].view({4, 3}); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].t().reshape({12}); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].permute({2, 0, 1}); }, {leaf({2, 3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].slice(1, 0, 4, 2) * 2; }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].narrow(0, 1, 2); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].select(1, -1); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].expand({2, 3, 4}); }, {leaf({3, 1})});
+  gradcheck([](const TensorList& in) { return in[0].unsqueeze(1).squeeze(1).flatten(); }, {leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return cat({in[0], in[1]}, 1); }, {leaf({3, 2}), leaf({3, 4})});
+  gradcheck([](const TensorList& in) { return in[0].clone() * in[0].contiguous(); }, {leaf({4, 3}).detach().t().requires_grad_()});
+}

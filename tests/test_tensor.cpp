@@ -1,0 +1,191 @@
+// Tensors: storage, views, dtypes and promotion, factories, printing, errors.
+#include <doctest/doctest.h>
+
+#include "halfgrad.h"
+
+using namespace halfgrad;
+
+static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+TEST_CASE("a tensor is storage seen through shape, strides and offset") {
+  Tensor t = arange(12, {.dtype = kFloat32}).view({3, 4});
+  CHECK(t.shape() == Shape{3, 4});
+  CHECK(t.strides() == Shape{4, 1});
+  CHECK(t.numel() == 12);
+  CHECK(t.is_contiguous());
+  CHECK(t.dtype() == kFloat32);
+  CHECK(t.is_cpu());
+  CHECK(t[1][2].item<float>() == 6.0f);
+}
+
+TEST_CASE("views share storage: a write through a view is seen by the base") {
+  Tensor base = zeros({2, 3});
+  Tensor row = base.select(0, 1);
+  row.fill_(5);
+  CHECK(values(base) == std::vector<double>{0, 0, 0, 5, 5, 5});
+  Tensor col = base.transpose(0, 1).narrow(0, 2, 1);
+  col.fill_(7);
+  CHECK(values(base) == std::vector<double>{0, 0, 7, 5, 5, 7});
+  CHECK(col.storage() == base.storage());
+}
+
+TEST_CASE("transpose and permute change strides, not data; contiguous() copies") {
+  Tensor t = arange(6, {.dtype = kFloat64}).view({2, 3});
+  Tensor tt = t.t();
+  CHECK(tt.shape() == Shape{3, 2});
+  CHECK(tt.strides() == Shape{1, 3});
+  CHECK_FALSE(tt.is_contiguous());
+  CHECK(values(tt) == std::vector<double>{0, 3, 1, 4, 2, 5});
+  Tensor c = tt.contiguous();
+  CHECK(c.is_contiguous());
+  CHECK(c.storage() != t.storage());
+  CHECK(values(c) == values(tt));
+  Tensor p = arange(24).view({2, 3, 4}).permute({2, 0, 1});
+  CHECK(p.shape() == Shape{4, 2, 3});
+  CHECK(p[3][1][2].item<int64_t>() == 1 * 12 + 2 * 4 + 3);
+}
+
+TEST_CASE("view needs compatible strides; reshape copies when it must") {
+  Tensor t = arange(6).view({2, 3}).t();
+  CHECK_THROWS_WITH_AS(t.view({6}), doctest::Contains("view"), Error);
+  Tensor r = t.reshape({6});
+  CHECK(values(r) == std::vector<double>{0, 3, 1, 4, 2, 5});
+  CHECK(arange(6).view({-1, 2}).shape() == Shape{3, 2});
+  CHECK_THROWS_WITH_AS(arange(6).view({4, -1}), doctest::Contains("invalid for input of size 6"), Error);
+}
+
+TEST_CASE("slice with a step, narrow, select with negative indices") {
+  Tensor t = arange(10);
+  CHECK(values(t.slice(0, 1, 8, 3)) == std::vector<double>{1, 4, 7});
+  CHECK(values(t.narrow(0, -3, 2)) == std::vector<double>{7, 8});
+  CHECK(t.select(0, -1).item<int64_t>() == 9);
+  CHECK_THROWS_WITH_AS(t.select(0, 10), doctest::Contains("out of range"), Error);
+  CHECK_THROWS_WITH_AS(t.narrow(0, 8, 5), doctest::Contains("narrow"), Error);
+}
+
+TEST_CASE("expand broadcasts with stride 0; squeeze, unsqueeze and flatten") {
+  Tensor t = arange(3).view({3, 1});
+  Tensor e = t.expand({2, 3, 4});
+  CHECK(e.shape() == Shape{2, 3, 4});
+  CHECK(e.strides() == Shape{0, 1, 0});
+  CHECK(e[1][2][3].item<int64_t>() == 2);
+  CHECK(t.expand({-1, 5}).shape() == Shape{3, 5});
+  CHECK_THROWS_WITH_AS(t.expand({2, 4}), doctest::Contains("expand"), Error);
+  CHECK(t.squeeze().shape() == Shape{3});
+  CHECK(t.unsqueeze(0).shape() == Shape{1, 3, 1});
+  CHECK(t.unsqueeze(-1).shape() == Shape{3, 1, 1});
+  CHECK(zeros({2, 3, 4}).flatten(1).shape() == Shape{2, 12});
+  CHECK(zeros({2, 3, 4}).flatten().shape() == Shape{24});
+}
+
+TEST_CASE("cat joins along a dim") {
+  Tensor a = arange(4).view({2, 2}), b = arange(4, 6).view({2, 1});
+  Tensor c = cat({a, b}, 1);
+  CHECK(c.shape() == Shape{2, 3});
+  CHECK(values(c) == std::vector<double>{0, 1, 4, 2, 3, 5});
+  CHECK_THROWS_WITH_AS(cat({a, b}, 0), doctest::Contains("cat"), Error);
+}
+
+TEST_CASE("type promotion follows PyTorch") {
+  CHECK(promote_types(kInt32, kFloat16) == kFloat16);
+  CHECK(promote_types(kFloat16, kBFloat16) == kFloat32);
+  CHECK(promote_types(kUInt8, kInt32) == kInt32);
+  CHECK(promote_types(kBool, kUInt8) == kUInt8);
+  CHECK(promote_types(kFloat32, kFloat64) == kFloat64);
+  CHECK(promote_types(kInt64, kFloat32) == kFloat32);
+  // Scalars decide only when of a higher category than the tensor.
+  CHECK((ones({2}, {.dtype = kFloat16}) * 2.5).dtype() == kFloat16);
+  CHECK((ones({2}, {.dtype = kInt32}) * 2).dtype() == kInt32);
+  CHECK((ones({2}, {.dtype = kInt32}) * 2.5).dtype() == kFloat32);
+  CHECK((ones({2}, {.dtype = kInt64}) / 2).dtype() == kFloat32);  // true division
+  CHECK((ones({2}, {.dtype = kFloat16}) + ones({2}, {.dtype = kFloat32})).dtype() == kFloat32);
+  CHECK((ones({2}, {.dtype = kBFloat16}) + ones({2}, {.dtype = kFloat16})).dtype() == kFloat32);
+}
+
+TEST_CASE("casts between all dtypes round-trip representable values") {
+  std::vector<double> v{-3, -1, 0, 1, 2, 100};
+  for (DType from : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32}) {
+    for (DType to : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32}) {
+      Tensor t = tensor(v).to(from).to(to);
+      CAPTURE(dtype_name(from));
+      CAPTURE(dtype_name(to));
+      CHECK(t.dtype() == to);
+      CHECK(values(t) == v);
+    }
+  }
+  CHECK(values(tensor(std::vector<double>{-1.5, 0, 2}).to(kBool)) == std::vector<double>{1, 0, 1});
+  CHECK(values(tensor(std::vector<double>{300}).to(kUInt8).to(kInt32)) == std::vector<double>{300 - 256});
+  CHECK(values(tensor(std::vector<double>{-2.7, 2.7}).to(kInt64)) == std::vector<double>{-2, 2});  // truncation
+}
+
+TEST_CASE("float16 and bfloat16 round to nearest even and saturate to infinity") {
+  CHECK(float(Half(1.0f + 1.0f / 2048)) == 1.0f);                // a tie rounds to the even mantissa
+  CHECK(float(Half(1.0f + 3.0f / 2048)) == 1.0f + 2.0f / 1024);  // a tie rounds up to even
+  CHECK(float(Half(65504.0f)) == 65504.0f);
+  CHECK(std::isinf(float(Half(65520.0f))));
+  CHECK(float(Half(5.9604645e-8f)) == 5.9604645e-8f);  // smallest subnormal
+  CHECK(float(Half(2e-8f)) == 0.0f);
+  CHECK(std::isnan(float(Half(NAN))));
+  CHECK(float(BFloat16(1.0f + 1.0f / 256)) == 1.0f);
+  CHECK(float(BFloat16(3.0e38f)) == doctest::Approx(2.99e38).epsilon(0.01));
+  CHECK(std::isnan(float(BFloat16(NAN))));
+  for (float f : {0.1f, -3.75f, 1000.5f, 1e-3f}) {
+    CHECK(float(Half(f)) == doctest::Approx(f).epsilon(1e-3));
+    CHECK(float(BFloat16(f)) == doctest::Approx(f).epsilon(1e-2));
+  }
+}
+
+TEST_CASE("factories: zeros, ones, full, arange, tensor, from_buffer") {
+  CHECK(values(zeros({2})) == std::vector<double>{0, 0});
+  CHECK(values(ones({2}, {.dtype = kFloat16})) == std::vector<double>{1, 1});
+  CHECK(values(full({3}, 2.5, {.dtype = kFloat64})) == std::vector<double>{2.5, 2.5, 2.5});
+  CHECK(values(arange(1, 2, 0.25, {.dtype = kFloat32})) == std::vector<double>{1, 1.25, 1.5, 1.75});
+  CHECK(arange(5).dtype() == kInt64);
+  float buf[4] = {1, 2, 3, 4};
+  Tensor b = from_buffer(buf, {2, 2}, kFloat32);
+  buf[0] = 100;  // copied, not aliased
+  CHECK(b[0][0].item<float>() == 1.0f);
+  CHECK(scalar_tensor(3).dim() == 0);
+  CHECK_THROWS_WITH_AS(empty({2, -1}), doctest::Contains("negative"), Error);
+}
+
+TEST_CASE("random numbers are reproducible from a seed and have the right moments") {
+  manual_seed(42);
+  Tensor a = randn({10000});
+  manual_seed(42);
+  Tensor b = randn({10000});
+  CHECK(values(a) == values(b));
+  Tensor c = randn({10000});
+  CHECK(values(a) != values(c));
+  double mean = a.mean().item<double>(), var = a.var().item<double>();
+  CHECK(std::abs(mean) < 0.05);
+  CHECK(std::abs(var - 1) < 0.05);
+  Tensor u = rand({10000}, {.dtype = kFloat64});
+  CHECK(u.min().item<double>() >= 0);
+  CHECK(u.max().item<double>() < 1);
+  CHECK(std::abs(u.mean().item<double>() - 0.5) < 0.02);
+  Tensor i = randint(3, 7, {1000});
+  CHECK(i.min().item<int64_t>() == 3);
+  CHECK(i.max().item<int64_t>() == 6);
+}
+
+TEST_CASE("printing shows values, dtype, device and autograd state") {
+  Tensor t = tensor(std::vector<float>{1.5f, -2.0f, 3.25f}, {3});
+  CHECK(t.str() == "tensor([ 1.5000, -2.0000,  3.2500])");
+  CHECK(arange(4).view({2, 2}).str() == "tensor([[0, 1],\n        [2, 3]])");
+  CHECK(ones({2}, {.dtype = kFloat16}).str() == "tensor([1.0000, 1.0000], dtype=float16)");
+  Tensor w = ones({1}, {.requires_grad = true});
+  CHECK(w.str() == "tensor([1.0000], requires_grad=true)");
+  CHECK((w * 2).str() == "tensor([2.0000], grad_fn=<MulBackward>)");
+  std::string big = zeros({100, 100}).str();
+  CHECK(big.find("...") != std::string::npos);
+  CHECK(big.find("size=[100, 100]") != std::string::npos);
+  CHECK(ones({2, 3}).meta() == "float32[2, 3] cpu");
+}
+
+TEST_CASE("mismatched operands give errors that name the op and each operand") {
+  CHECK_THROWS_WITH_AS(ones({2, 3}) + ones({4}), "add: shapes [2, 3] and [4] cannot be broadcast together (dim 1: 3 vs 4)", Error);
+  CHECK_THROWS_WITH_AS(ones({2}).item<float>(), doctest::Contains("float32[2] cpu"), Error);
+  CHECK_THROWS_WITH_AS(ones({2}).data<double>(), doctest::Contains("float32[2] cpu"), Error);
+  CHECK_THROWS_WITH_AS(ones({2}, {.dtype = kBool}) - ones({2}, {.dtype = kBool}), doctest::Contains("sub: not supported for bool"), Error);
+}
