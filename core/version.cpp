@@ -1,7 +1,25 @@
 #include "core/version.h"
 
+#include <Eigen/Core>
+#include <fmt/format.h>
+#include <omp.h>
+
 namespace halfgrad {
 
 const char* version() { return "0.1.0"; }
+
+bool built_with_cuda() {
+#if HALFGRAD_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string build_summary() {
+  return fmt::format("halfgrad {} | CPU: Eigen {}.{}.{}, {} OpenMP threads | CUDA backend: {}", version(),
+                     EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, omp_get_max_threads(),
+                     built_with_cuda() ? "compiled in" : "not built");
+}
 
 }  // namespace halfgrad

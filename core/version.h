@@ -1,10 +1,11 @@
 #pragma once
-// Library version string. Placeholder written with the build set-up so that the
-// shared library always has at least one translation unit.
+// What this build of halfgrad is: its version and the backends compiled in.
+#include <string>
 
 namespace halfgrad {
 
-// Returns the version of the halfgrad library, e.g. "0.1.0".
-const char* version();
+const char* version();  // "0.1.0"
+bool built_with_cuda();
+std::string build_summary();  // one line: version, backends, OpenMP threads, Eigen version
 
 }  // namespace halfgrad

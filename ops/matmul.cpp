@@ -232,7 +232,13 @@ Tensor matmul_forward(const Tensor& a, const Tensor& b) {
            shape_str(b.shape()), m, k, ob.rows(), n);
 
   Shape batch_a(oa.sizes.begin(), oa.sizes.end() - 2), batch_b(ob.sizes.begin(), ob.sizes.end() - 2);
-  Shape batch = broadcast_shapes(batch_a, batch_b, "matmul");
+  Shape batch;
+  try {
+    batch = broadcast_shapes(batch_a, batch_b, "matmul");
+  } catch (const Error& e) {
+    HG_FAIL("matmul: the batch dims of shapes {} and {} do not broadcast ({})", shape_str(a.shape()),
+            shape_str(b.shape()), e.what());
+  }
   Shape full = batch;  // the result with both matrix dims
   full.push_back(m);
   full.push_back(n);

@@ -9,6 +9,9 @@
 #include "ops/reduce.h"
 
 #include <omp.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -357,6 +360,8 @@ namespace {
 
 template <typename T>
 constexpr bool kIsFloat = std::is_floating_point_v<T> || std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+// 16-bit floats are widened to float32 a row at a time before they are reduced.
+template <typename T> constexpr bool kWiden = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 
 template <typename V> bool is_nan(V v) {
   if constexpr (std::is_floating_point_v<V>) {
@@ -366,25 +371,47 @@ template <typename V> bool is_nan(V v) {
   }
 }
 
-// ---- reducers: what one output element accumulates. Each has
-//   State                          the running result
-//   first(value, index, center)    the state of a single element
-//   add(state, value, index, center)
-//   merge(a, b)                    a := a combined with b, whatever order a and b were formed in
-//   identity()                     (when the op has one) the result of reducing nothing
-//   kCascade                       accumulate in cascaded levels (floating sums: see reduce_block)
-//   kCentered                      add() reads a per-output center (Var's second pass)
+// dst[0..n) := src[0..n) in opmath_t<T>. Half's portable conversion is a chain of branches; with F16C
+// (x86 since 2012) it is one instruction per 8 values.
+template <typename T> void widen(const T* src, int64_t n, opmath_t<T>* dst) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = opmath_t<T>(src[i]);
+}
 
-// Sum (also Mean, and the mean pass of Var), accumulated in Acc.
+constexpr int64_t kParallelGrain = 32768;  // input elements below which a reduction runs on one thread
+constexpr int64_t kMinRowChunk = 8192;     // the smallest piece of one row given to a thread
+constexpr int64_t kMinRowsPerChunk = 64;   // the fewest rows of a column block given to a thread
+constexpr int64_t kColumnBlock = 256;      // columns reduced together in the [outer, reduced, inner > 1] case
+constexpr int64_t kCascadeStep = 16;       // additions per cascade level before carrying to the next
+constexpr int kMaxCascadeLevels = 16;      // 16^16 rows: more than any tensor has
+constexpr int64_t kExtremeBlock = 256;     // elements of a row scanned for their extreme at a time
+
+// ---- reducers: what one output element accumulates.
+//
+// Accumulating reducers (sum, var's passes, all, any) have
+//   State                          the running result; identity() is the result of reducing nothing
+//   add(state, value, center)      value: the input element, widened to opmath_t for 16-bit floats
+//   merge(a, b)                    a := a combined with b
+//   kCascade                       accumulate in cascaded levels (floating sums: see reduce_block)
+//   kCentered                      add() reads a per-output center (var's second pass)
+// Extreme reducers (max, min) find a value and the index of its first occurrence; their loops are
+// extreme_row and extreme_columns.
+
+// Sum (also mean, and the mean pass of var), accumulated in Acc.
 template <typename T, typename Acc> struct SumReducer {
   using In = T;
   using State = Acc;
-  using Center = Acc;
+  using Center = Acc;  // unused
   static constexpr bool kCascade = std::is_floating_point_v<Acc>;
   static constexpr bool kCentered = false;
   static State identity() { return Acc(0); }
-  static State first(T v, int64_t, Center) { return Acc(v); }
-  static void add(State& s, T v, int64_t, Center) { s += Acc(v); }
+  template <typename U> static void add(State& s, U v, Center) { s += Acc(v); }
   static void merge(State& a, const State& b) { a += b; }
 };
 
@@ -399,11 +426,7 @@ template <typename T, typename Acc> struct DeviationReducer {
   static constexpr bool kCascade = true;
   static constexpr bool kCentered = true;
   static State identity() { return {}; }
-  static State first(T v, int64_t, Center mean) {
-    Acc d = Acc(v) - mean;
-    return {d, d * d};
-  }
-  static void add(State& s, T v, int64_t, Center mean) {
+  template <typename U> static void add(State& s, U v, Center mean) {
     Acc d = Acc(v) - mean;
     s.d += d;
     s.d2 += d * d;
@@ -414,49 +437,20 @@ template <typename T, typename Acc> struct DeviationReducer {
   }
 };
 
-// Max (kMax) or min with the index of the first occurrence; a nan beats every number.
-template <typename T, bool kMax> struct ExtremeReducer {
-  using V = opmath_t<T>;
-  struct State {
-    V v;
-    int64_t i;
-  };
-  using In = T;
-  using Center = V;  // unused
-  static constexpr bool kCascade = false;
-  static constexpr bool kCentered = false;
-  static bool beats(V a, V b) { return kMax ? a > b : a < b; }
-  static State first(T v, int64_t i, Center) { return {V(v), i}; }
-  static void add(State& s, T x, int64_t i, Center) {
-    const V v = V(x);
-    // Strictly better only: on a tie the earlier index stays. Nothing replaces a nan.
-    if (beats(v, s.v) || (is_nan(v) && !is_nan(s.v))) s = {v, i};
-  }
-  static void merge(State& a, const State& b) {
-    const bool a_nan = is_nan(a.v), b_nan = is_nan(b.v);
-    if (a_nan || b_nan) {
-      if (b_nan && (!a_nan || b.i < a.i)) a = b;
-    } else if (beats(b.v, a.v) || (b.v == a.v && b.i < a.i)) {
-      a = b;
-    }
-  }
-};
-
-// All (kAll) or any: whether values are nonzero (nan is nonzero).
+// All (kAll) or any: whether values are nonzero (nan is nonzero). A byte, not a bool, so that the
+// compiler treats the lanes as plain integers and vectorises.
 template <typename T, bool kAll> struct LogicalReducer {
   using In = T;
-  using State = bool;
-  using Center = bool;  // unused
+  using State = uint8_t;
+  using Center = uint8_t;  // unused
   static constexpr bool kCascade = false;
   static constexpr bool kCentered = false;
-  static bool nonzero(T v) { return opmath_t<T>(v) != opmath_t<T>(0); }
   static State identity() { return kAll; }
-  static State first(T v, int64_t, Center) { return nonzero(v); }
-  static void add(State& s, T v, int64_t, Center) {
+  template <typename U> static void add(State& s, U v, Center) {
     if constexpr (kAll) {
-      s &= nonzero(v);
+      s &= uint8_t(v != U(0));
     } else {
-      s |= nonzero(v);
+      s |= uint8_t(v != U(0));
     }
   }
   static void merge(State& a, const State& b) {
@@ -468,25 +462,44 @@ template <typename T, bool kAll> struct LogicalReducer {
   }
 };
 
+// Max (kMax) or min, with the index of the first occurrence; a nan beats every number.
+template <typename T, bool kMax> struct ExtremeReducer {
+  using In = T;
+  using V = opmath_t<T>;
+  struct State {
+    V v;
+    int64_t i;
+  };
+  using Center = V;  // unused
+  static constexpr bool kExtreme = true;
+  // Whether v replaces the current extreme s: strictly better, or the first nan. Ties keep s, which came
+  // from an earlier index.
+  static bool takes(V v, V s) { return (kMax ? v > s : v < s) || (is_nan(v) && !is_nan(s)); }
+  // The extreme of s and v when only the value matters (any nan wins).
+  static V pick(V v, V s) { return (kMax ? v > s : v < s) || is_nan(v) ? v : s; }
+  static void merge(State& a, const State& b) {
+    const bool a_nan = is_nan(a.v), b_nan = is_nan(b.v);
+    if (a_nan || b_nan) {
+      if (b_nan && (!a_nan || b.i < a.i)) a = b;
+    } else if ((kMax ? b.v > a.v : b.v < a.v) || (b.v == a.v && b.i < a.i)) {
+      a = b;
+    }
+  }
+};
+
 template <typename Rd>
-concept HasIdentity = requires { Rd::identity(); };
+concept ExtremeReduction = Rd::kExtreme;
 
 // How many independent accumulators reduce_row keeps: about 128 bytes of state, enough for the compiler
 // to fill several vector registers and hide the latency of the adds.
 template <typename Rd> constexpr int64_t kLanes = std::max<int64_t>(4, 128 / int64_t(sizeof(typename Rd::State)));
 
-constexpr int64_t kParallelGrain = 32768;  // input elements below which a reduction runs on one thread
-constexpr int64_t kMinRowChunk = 8192;     // the smallest piece of one row given to a thread
-constexpr int64_t kMinRowsPerChunk = 64;   // the fewest rows of a column block given to a thread
-constexpr int64_t kColumnBlock = 256;      // columns reduced together in the [outer, reduced, inner > 1] case
-constexpr int64_t kCascadeStep = 16;       // additions per cascade level before carrying to the next
-constexpr int kMaxCascadeLevels = 16;      // 16^16 rows: more than any tensor has
-
 // A rectangle of the input for reduce_block: `rows` rows of `width` consecutive elements, row r at
 // base + r * row_stride, each column reducing into one accumulator.
-//   kWidth > 0 (row mode): the block is one contiguous row seen as [rows, kWidth], so element (r, j) has
-//     index index_base + r * kWidth + j and every column shares centers[0].
-//   kWidth == 0 (column mode): element (r, j) has index index_base + r and center centers[j].
+//   kWidth > 0 (row mode): the block is one contiguous row seen as [rows, kWidth]; every column shares
+//     centers[0].
+//   kWidth == 0 (column mode): column j has center centers[j].
+// index_base is the index along the reduced dim of row 0 (used by the extreme reducers).
 template <typename Rd> struct Block {
   const typename Rd::In* base;
   int64_t rows, row_stride, width;
@@ -494,18 +507,20 @@ template <typename Rd> struct Block {
   const typename Rd::Center* centers;  // read only when Rd::kCentered
 };
 
-// acc[j] := the reduction of column j of the block (rows >= 1).
+// acc[j] := the reduction of column j of the block (an accumulating reducer).
 //
 // Floating sums are cascaded: level 0 takes kCascadeStep rows, then is added into level 1 and restarted;
 // level 1 carries into level 2 after kCascadeStep such carries, and so on. Each level only ever adds up
 // about kCascadeStep terms of similar size, so the error grows like log(rows) instead of rows, while the
-// inner loop stays a plain vectorisable `acc[j] += row[j]` (a naive float32 sum of 2^24 ones stops at
-// 2^24; this one does not).
+// inner loop stays a plain vectorisable `acc[j] += row[j]` (a naive float32 sum of ones stops at 2^24;
+// this one does not).
 template <typename Rd, int64_t kWidth>
 void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
+  using In = typename Rd::In;
   using State = typename Rd::State;
   using Center = typename Rd::Center;
   constexpr bool kRowMode = kWidth > 0;
+  static_assert(kWidth <= kColumnBlock);
   const int64_t width = kRowMode ? kWidth : b.width;
   auto center = [&](int64_t j) -> Center {
     if constexpr (!Rd::kCentered) {
@@ -516,15 +531,20 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
       return b.centers[j];
     }
   };
-  auto index = [&](int64_t r, int64_t j) { return kRowMode ? b.index_base + r * kWidth + j : b.index_base + r; };
   auto add_row = [&](State* dst, int64_t r) {
-    const typename Rd::In* row = b.base + r * b.row_stride;
-    for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], row[j], index(r, j), center(j));
+    const In* row = b.base + r * b.row_stride;
+    if constexpr (kWiden<In>) {
+      opmath_t<In> wide[kColumnBlock];
+      widen(row, width, wide);
+      for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], wide[j], center(j));
+    } else {
+      for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], row[j], center(j));
+    }
   };
 
   if constexpr (!Rd::kCascade) {
-    for (int64_t j = 0; j < width; ++j) acc[j] = Rd::first(b.base[j], index(0, j), center(j));
-    for (int64_t r = 1; r < b.rows; ++r) add_row(acc, r);
+    for (int64_t j = 0; j < width; ++j) acc[j] = Rd::identity();
+    for (int64_t r = 0; r < b.rows; ++r) add_row(acc, r);
   } else {
     int levels = 1;
     for (int64_t capacity = kCascadeStep; capacity < b.rows && levels < kMaxCascadeLevels; capacity *= kCascadeStep)
@@ -564,33 +584,123 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
   }
 }
 
+// The extreme of block[0..n), n >= 1, value only: a branch-free select per lane, which vectorises.
+template <typename Rd> typename Rd::V block_extreme(const typename Rd::V* block, int64_t n) {
+  using V = typename Rd::V;
+  constexpr int64_t L = std::max<int64_t>(8, 128 / int64_t(sizeof(V)));
+  V e = block[0];
+  int64_t i = 1;
+  if (n >= L) {
+    V lanes[L];
+    for (int64_t j = 0; j < L; ++j) lanes[j] = block[j];
+    for (i = L; i + L <= n; i += L)
+      for (int64_t j = 0; j < L; ++j) lanes[j] = Rd::pick(block[i + j], lanes[j]);
+    for (int64_t j = 0; j < L; ++j) e = Rd::pick(lanes[j], e);
+  }
+  for (; i < n; ++i) e = Rd::pick(block[i], e);
+  return e;
+}
+
+// Max or min of n >= 1 contiguous elements with the index of its first occurrence. Blocks of the row are
+// scanned for their extreme value (vectorised); only a block that beats the best so far is searched
+// again for the position, which on most data happens a handful of times per row.
+template <typename Rd> typename Rd::State extreme_row(const typename Rd::In* p, int64_t n, int64_t index_base) {
+  using In = typename Rd::In;
+  using V = typename Rd::V;
+  typename Rd::State best{V(p[0]), index_base};
+  V wide[kExtremeBlock];
+  for (int64_t b0 = 0; b0 < n; b0 += kExtremeBlock) {
+    const int64_t m = std::min(kExtremeBlock, n - b0);
+    const V* block;
+    if constexpr (std::is_same_v<In, V>) {
+      block = p + b0;
+    } else {
+      widen(p + b0, m, wide);
+      block = wide;
+    }
+    const V e = block_extreme<Rd>(block, m);
+    if (Rd::takes(e, best.v)) {
+      int64_t j = 0;
+      if (is_nan(e)) {
+        while (!is_nan(block[j])) ++j;
+      } else {
+        while (block[j] != e) ++j;
+      }
+      best = {e, index_base + b0 + j};
+    }
+  }
+  return best;
+}
+
+// acc[j] := max or min of column j of the block, with its first row (plus index_base). Values and
+// indices are kept in separate arrays so that the compare-and-select per element vectorises.
+template <typename Rd> void extreme_columns(const Block<Rd>& b, typename Rd::State* acc) {
+  using In = typename Rd::In;
+  using V = typename Rd::V;
+  V values[kColumnBlock], wide[kColumnBlock];
+  int64_t indices[kColumnBlock];
+  const int64_t width = b.width;
+  auto row_at = [&](int64_t r) -> const V* {
+    if constexpr (std::is_same_v<In, V>) {
+      return b.base + r * b.row_stride;
+    } else {
+      widen(b.base + r * b.row_stride, width, wide);
+      return wide;
+    }
+  };
+  const V* row0 = row_at(0);
+  for (int64_t j = 0; j < width; ++j) {
+    values[j] = row0[j];
+    indices[j] = b.index_base;
+  }
+  for (int64_t r = 1; r < b.rows; ++r) {
+    const V* row = row_at(r);
+    const int64_t index = b.index_base + r;
+    for (int64_t j = 0; j < width; ++j) {
+      const bool take = Rd::takes(row[j], values[j]);
+      values[j] = take ? row[j] : values[j];
+      indices[j] = take ? index : indices[j];
+    }
+  }
+  for (int64_t j = 0; j < width; ++j) acc[j] = {values[j], indices[j]};
+}
+
 // The reduction of n >= 1 contiguous elements, the first having index index_base.
 template <typename Rd>
 typename Rd::State reduce_row(const typename Rd::In* p, int64_t n, int64_t index_base, typename Rd::Center center) {
-  using State = typename Rd::State;
-  constexpr int64_t L = kLanes<Rd>;
-  State s;
-  int64_t done;
-  if (n >= L) {
-    // The row as a [n / L, L] block: L interleaved accumulators, merged at the end.
-    State lanes[L];
-    reduce_block<Rd, L>(Block<Rd>{p, n / L, L, L, index_base, &center}, lanes);
-    s = lanes[0];
-    for (int64_t j = 1; j < L; ++j) Rd::merge(s, lanes[j]);
-    done = n / L * L;
+  if constexpr (ExtremeReduction<Rd>) {
+    return extreme_row<Rd>(p, n, index_base);
   } else {
-    s = Rd::first(p[0], index_base, center);
-    done = 1;
+    using State = typename Rd::State;
+    constexpr int64_t L = kLanes<Rd>;
+    State s = Rd::identity();
+    int64_t done = 0;
+    if (n >= L) {
+      // The row as a [n / L, L] block: L interleaved accumulators, merged at the end.
+      State lanes[L];
+      reduce_block<Rd, L>(Block<Rd>{p, n / L, L, L, index_base, &center}, lanes);
+      for (int64_t j = 0; j < L; ++j) Rd::merge(s, lanes[j]);
+      done = n / L * L;
+    }
+    for (int64_t i = done; i < n; ++i) Rd::add(s, opmath_t<typename Rd::In>(p[i]), center);
+    return s;
   }
-  for (int64_t i = done; i < n; ++i) Rd::add(s, p[i], index_base + i, center);
-  return s;
+}
+
+// acc[j] := the reduction of column j of the block (column mode).
+template <typename Rd> void reduce_columns(const Block<Rd>& b, typename Rd::State* acc) {
+  if constexpr (ExtremeReduction<Rd>) {
+    extreme_columns<Rd>(b, acc);
+  } else {
+    reduce_block<Rd, 0>(b, acc);
+  }
 }
 
 // [lo, hi) of piece `c` when n items are split into `pieces` nearly equal pieces.
 std::pair<int64_t, int64_t> piece(int64_t n, int64_t pieces, int64_t c) { return {n * c / pieces, n * (c + 1) / pieces}; }
 
 // Reduces input (outer, reduced, inner) and calls sink(output position o * inner + i, state) once per
-// output. `centers` (Var's second pass) holds one center per output.
+// output. `centers` (var's second pass) holds one center per output.
 template <typename Rd, typename Sink>
 void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int64_t inner,
                  const typename Rd::Center* centers, Sink&& sink) {
@@ -598,15 +708,21 @@ void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int6
   using Center = typename Rd::Center;
   const int64_t outputs = outer * inner;
   if (reduced == 0) {
-    if constexpr (HasIdentity<Rd>) {
+    if constexpr (ExtremeReduction<Rd>) {
+      HG_FAIL("reduce: max/min over an empty dim has no identity (a bug: the op layer should have refused it)");
+    } else {
       for (int64_t pos = 0; pos < outputs; ++pos) sink(pos, Rd::identity());
       return;
-    } else {
-      HG_FAIL("reduce: this reduction of an empty dim has no identity (a bug: the op layer should have refused it)");
     }
   }
   const int64_t threads = outer * reduced * inner >= kParallelGrain ? omp_get_max_threads() : 1;
-  auto center_at = [&](int64_t pos) -> Center { return Rd::kCentered ? centers[pos] : Center(); };
+  auto center_at = [&](int64_t pos) -> Center {
+    if constexpr (ExtremeReduction<Rd>) {
+      return Center();
+    } else {
+      return Rd::kCentered ? centers[pos] : Center();
+    }
+  };
 
   if (inner == 1) {
     // Each output reduces one contiguous row. Many rows: one row per iteration, rows over threads.
@@ -617,7 +733,6 @@ void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int6
       for (int64_t o = 0; o < outer; ++o) sink(o, reduce_row<Rd>(in + o * reduced, reduced, 0, center_at(o)));
       return;
     }
-    // (not std::vector: vector<bool> packs bits, and threads write neighbouring elements)
     auto partial = std::make_unique<State[]>(size_t(outer * pieces));
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < outer * pieces; ++t) {
@@ -643,9 +758,11 @@ void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int6
   auto reduce_task = [&](int64_t task, int64_t r0, int64_t r1, State* acc) {
     const int64_t o = task / column_blocks, col0 = task % column_blocks * kColumnBlock;
     const int64_t width = std::min(kColumnBlock, inner - col0);
-    Block<Rd> block{in + (o * reduced + r0) * inner + col0, r1 - r0, inner, width, r0,
-                    Rd::kCentered ? centers + o * inner + col0 : nullptr};
-    reduce_block<Rd, 0>(block, acc);
+    const Center* block_centers = nullptr;
+    if constexpr (!ExtremeReduction<Rd>) {
+      if (Rd::kCentered) block_centers = centers + o * inner + col0;
+    }
+    reduce_columns<Rd>(Block<Rd>{in + (o * reduced + r0) * inner + col0, r1 - r0, inner, width, r0, block_centers}, acc);
     return std::pair{o * inner + col0, width};  // the first output position and how many
   };
   if (pieces == 1) {
@@ -738,7 +855,7 @@ template <typename T> void reduce_cpu_typed(const ReduceArgs& a) {
     case ReduceOp::All:
     case ReduceOp::Any: {
       bool* out = a.values.data<bool>();
-      auto store = [&](int64_t pos, bool s) { out[pos] = s; };
+      auto store = [&](int64_t pos, uint8_t s) { out[pos] = s != 0; };
       if (a.op == ReduceOp::All) {
         run_reducer<LogicalReducer<T, true>>(in, outer, reduced, inner, nullptr, store);
       } else {
@@ -750,7 +867,7 @@ template <typename T> void reduce_cpu_typed(const ReduceArgs& a) {
 }
 
 void reduce_cpu(const ReduceArgs& a) {
-  HG_CHECK(a.input.is_contiguous() && a.input.numel() == a.outer * a.reduced * a.inner,
+  HG_CHECK((a.input.numel() == 0 || a.input.is_contiguous()) && a.input.numel() == a.outer * a.reduced * a.inner,
            "{}: reduce_cpu expects a contiguous [outer, reduced, inner] input, got {} for [{}, {}, {}]",
            reduce_op_name(a.op), a.input.meta(), a.outer, a.reduced, a.inner);
   dispatch_all(a.input.dtype(), reduce_op_name(a.op), [&]<typename T>() { reduce_cpu_typed<T>(a); });

@@ -1,0 +1,249 @@
+// Copies on CUDA: the dtype-converting strided copy (copy_kernel) and copies between the host and a GPU
+// or between GPUs (transfer_kernel).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "ops/copy.h"
+#include "ops/cuda_loops.cuh"
+
+namespace halfgrad {
+namespace {
+
+// ---- copy_kernel: dst[i] = convert(src[i]), both on one GPU, src viewed to dst's shape
+
+// The conversion rule of the CPU kernel (ops/copy.cpp): through the compute types, bool is "nonzero".
+template <typename To, typename From> struct ConvertFn {
+  __device__ To operator()(From x) const {
+    if constexpr (std::is_same_v<To, From>) {
+      return x;
+    } else if constexpr (std::is_same_v<To, bool>) {
+      return opmath_t<From>(x) != opmath_t<From>(0);
+    } else {
+      return To(opmath_t<To>(opmath_t<From>(x)));
+    }
+  }
+};
+
+void copy_cuda(const Tensor& dst, const Tensor& src) {
+  HG_CHECK(dst.is_cuda() && src.device() == dst.device(), "copy: CUDA kernel given {} -> {}", src.meta(), dst.meta());
+  if (dst.numel() == 0) return;
+  if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
+    cuda::DeviceGuard guard(dst.device());
+    HG_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), size_t(dst.numel()) * element_size(dst.dtype()),
+                                  cudaMemcpyDeviceToDevice, cuda::current_stream(dst.device())),
+                  "copy");
+    return;
+  }
+  dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
+    dispatch_all(src.dtype(), "copy", [&]<typename From>() {
+      cuda::launch_elementwise<To, From>("copy", dst, ConvertFn<To, From>{}, {src});
+    });
+  });
+}
+
+// ---- transfer_kernel: contiguous, same dtype and shape, between the host and a GPU or two GPUs
+
+// Page-locked host buffers that host<->device copies stage through. The DMA engines read and write only
+// page-locked memory: a copy from ordinary (pageable) memory is asynchronous only through such a buffer.
+// A buffer goes back to the pool with an event recorded after the copy that uses it; it is handed out
+// again once that event has completed.
+class PinnedPool {
+ public:
+  static constexpr size_t kChunk = size_t(16) << 20;    // larger transfers go in pieces of this size
+  static constexpr size_t kMinBuffer = size_t(64) << 10;
+  static constexpr size_t kMaxBuffers = 8;              // beyond this, wait for a buffer instead of allocating
+
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t size = 0;
+    cudaEvent_t event = nullptr;  // recorded after the last copy that used the buffer
+    int event_device = -1;
+  };
+
+  // A buffer of at least `size` bytes that no queued copy still uses.
+  Buffer* acquire(size_t size) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Buffer* pick = nullptr;  // the smallest idle buffer that fits
+    Buffer* busy = nullptr;  // else the smallest busy one that fits
+    for (Buffer* b : free_) {
+      if (b->size < size) continue;
+      if (idle(b)) {
+        if (!pick || b->size < pick->size) pick = b;
+      } else if (!busy || b->size < busy->size) {
+        busy = b;
+      }
+    }
+    if (!pick && busy && count_ >= kMaxBuffers) {
+      HG_CUDA_CHECK(cudaEventSynchronize(busy->event), "pinned staging buffer");
+      pick = busy;
+    }
+    if (!pick && count_ >= kMaxBuffers && !free_.empty()) {
+      // Every buffer is too small: replace one.
+      Buffer* old = free_.front();
+      if (old->event) HG_CUDA_CHECK(cudaEventSynchronize(old->event), "pinned staging buffer");
+      remove(old);
+      destroy(old);
+    }
+    if (pick) {
+      remove(pick);
+      return pick;
+    }
+    auto* b = new Buffer;
+    b->size = std::max(kMinBuffer, std::bit_ceil(size));
+    HG_CUDA_CHECK(cudaHostAlloc(&b->ptr, b->size, cudaHostAllocPortable), "pinned staging buffer");
+    ++count_;
+    return b;
+  }
+
+  // Records, on `stream` of `device` (the current device), that the copies queued so far use `b`.
+  void record(Buffer* b, int device, cudaStream_t stream) {
+    if (b->event_device != device) {
+      if (b->event) HG_CUDA_CHECK(cudaEventDestroy(b->event), "pinned staging buffer");
+      HG_CUDA_CHECK(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming), "pinned staging buffer");
+      b->event_device = device;
+    }
+    HG_CUDA_CHECK(cudaEventRecord(b->event, stream), "pinned staging buffer");
+  }
+
+  void give_back(Buffer* b) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(b);
+  }
+
+ private:
+  static bool idle(Buffer* b) {
+    if (!b->event) return true;
+    cudaError_t err = cudaEventQuery(b->event);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // "not ready" is an answer, not an error: don't leave it for the next check
+      return false;
+    }
+    HG_CUDA_CHECK(err, "pinned staging buffer");
+    return true;
+  }
+  void remove(Buffer* b) { free_.erase(std::find(free_.begin(), free_.end(), b)); }
+  void destroy(Buffer* b) {
+    if (b->event) HG_CUDA_CHECK(cudaEventDestroy(b->event), "pinned staging buffer");
+    HG_CUDA_CHECK(cudaFreeHost(b->ptr), "pinned staging buffer");
+    delete b;
+    --count_;
+  }
+
+  std::mutex mutex_;
+  std::vector<Buffer*> free_;
+  size_t count_ = 0;  // buffers in existence, handed out or not
+};
+
+PinnedPool& pinned_pool() {
+  static auto* pool = new PinnedPool;  // never destroyed: freeing pinned memory at exit races the driver
+  return *pool;
+}
+
+// Host -> device: each piece is copied into a pinned buffer, then DMA'd asynchronously on the current
+// stream. The host returns once everything is queued; the source may be modified right away.
+void host_to_device(char* dst, const char* src, size_t nbytes, int device) {
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  PinnedPool& pool = pinned_pool();
+  for (size_t off = 0; off < nbytes; off += PinnedPool::kChunk) {
+    size_t len = std::min(PinnedPool::kChunk, nbytes - off);
+    PinnedPool::Buffer* b = pool.acquire(len);
+    std::memcpy(b->ptr, src + off, len);
+    HG_CUDA_CHECK(cudaMemcpyAsync(dst + off, b->ptr, len, cudaMemcpyHostToDevice, stream), "to(cuda)");
+    pool.record(b, device, stream);
+    pool.give_back(b);
+  }
+}
+
+// Device -> host: pieces are DMA'd into pinned buffers on the current stream; the host waits for each
+// (and so for all work queued before it on the stream) before it copies the piece out. Piece i+1's DMA
+// overlaps the host's copy of piece i.
+void device_to_host(char* dst, const char* src, size_t nbytes, int device) {
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  PinnedPool& pool = pinned_pool();
+  PinnedPool::Buffer* pending = nullptr;
+  size_t pending_off = 0, pending_len = 0;
+  auto finish_pending = [&] {
+    HG_CUDA_CHECK(cudaEventSynchronize(pending->event), "to(cpu)");
+    std::memcpy(dst + pending_off, pending->ptr, pending_len);
+    pool.give_back(pending);
+    pending = nullptr;
+  };
+  for (size_t off = 0; off < nbytes; off += PinnedPool::kChunk) {
+    size_t len = std::min(PinnedPool::kChunk, nbytes - off);
+    PinnedPool::Buffer* b = pool.acquire(len);
+    HG_CUDA_CHECK(cudaMemcpyAsync(b->ptr, src + off, len, cudaMemcpyDeviceToHost, stream), "to(cpu)");
+    pool.record(b, device, stream);
+    if (pending) finish_pending();
+    pending = b;
+    pending_off = off;
+    pending_len = len;
+  }
+  if (pending) finish_pending();
+}
+
+// GPU -> GPU. The copy runs on the destination's current stream after the source's current stream has
+// produced the data; the source's stream then waits for the copy, so the source memory is not reused
+// (by the caching allocator, on that stream) while the copy still reads it.
+void device_to_device(char* dst, int dst_device, const char* src, int src_device, size_t nbytes) {
+  cudaStream_t src_stream = cuda::current_stream(src_device);
+  cudaStream_t dst_stream = cuda::current_stream(dst_device);
+  if (src_device == dst_device) {
+    cuda::DeviceGuard guard(dst_device);
+    HG_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, dst_stream), "to(cuda)");
+    return;
+  }
+  cudaEvent_t source_ready = nullptr, copy_done = nullptr;
+  {
+    cuda::DeviceGuard guard(src_device);
+    HG_CUDA_CHECK(cudaEventCreateWithFlags(&source_ready, cudaEventDisableTiming), "to(cuda)");
+    HG_CUDA_CHECK(cudaEventRecord(source_ready, src_stream), "to(cuda)");
+  }
+  {
+    cuda::DeviceGuard guard(dst_device);
+    HG_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, source_ready, 0), "to(cuda)");
+    HG_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, dst_stream), "to(cuda)");
+    HG_CUDA_CHECK(cudaEventCreateWithFlags(&copy_done, cudaEventDisableTiming), "to(cuda)");
+    HG_CUDA_CHECK(cudaEventRecord(copy_done, dst_stream), "to(cuda)");
+  }
+  {
+    cuda::DeviceGuard guard(src_device);
+    HG_CUDA_CHECK(cudaStreamWaitEvent(src_stream, copy_done, 0), "to(cuda)");
+  }
+  // Destroying an event that is still pending is allowed: its resources go when it completes.
+  HG_CUDA_CHECK(cudaEventDestroy(source_ready), "to(cuda)");
+  HG_CUDA_CHECK(cudaEventDestroy(copy_done), "to(cuda)");
+}
+
+void transfer_cuda(const Tensor& dst, const Tensor& src) {
+  HG_CHECK(dst.dtype() == src.dtype() && dst.shape() == src.shape() && dst.is_contiguous() && src.is_contiguous(),
+           "transfer: expected contiguous tensors of one dtype and shape, got {} -> {}", src.meta(), dst.meta());
+  const size_t nbytes = size_t(dst.numel()) * element_size(dst.dtype());
+  if (nbytes == 0) return;
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  if (src.is_cpu() && dst.is_cuda()) {
+    host_to_device(d, s, nbytes, dst.device().index);
+  } else if (src.is_cuda() && dst.is_cpu()) {
+    device_to_host(d, s, nbytes, src.device().index);
+  } else if (src.is_cuda() && dst.is_cuda()) {
+    device_to_device(d, dst.device().index, s, src.device().index, nbytes);
+  } else {
+    HG_FAIL("transfer: CUDA backend given {} -> {}", src.meta(), dst.meta());
+  }
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(copy_kernel, CUDA, copy_cuda);
+HG_REGISTER_KERNEL(transfer_kernel, CUDA, transfer_cuda);
+
+}  // namespace halfgrad

@@ -1,0 +1,129 @@
+// Elementwise ops on CUDA: the unary, binary, where and fill kernels. The arithmetic is
+// ops/elementwise_math.h, the same functions the CPU kernels use; the loops are ops/cuda_loops.cuh.
+#include <type_traits>
+
+#include "ops/cuda_loops.cuh"
+#include "ops/elementwise.h"
+
+// elementwise_math.h compares with zero generically, which is pointless (and harmless) for unsigned types.
+#pragma nv_diag_suppress 186
+
+namespace halfgrad {
+namespace {
+
+// Op names for error messages (the order of UnaryOp / BinaryOp).
+const char* unary_op_name(UnaryOp op) {
+  constexpr const char* names[] = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sign",
+                                   "logical_not", "isfinite"};
+  return names[int(op)];
+}
+const char* binary_op_name(BinaryOp op) {
+  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
+                                   "gt", "ge", "logical_and", "logical_or"};
+  return names[int(op)];
+}
+
+// ---- functors: load in the storage type, compute in opmath_t (float for float16/bfloat16), store
+
+template <UnaryOp OP, typename T> struct UnaryFn {
+  __device__ T operator()(T x) const { return T(unary_math<OP>(opmath_t<T>(x))); }
+};
+template <UnaryOp OP, typename T> struct UnaryPredicateFn {
+  __device__ bool operator()(T x) const { return bool(unary_math<OP>(opmath_t<T>(x))); }
+};
+template <BinaryOp OP, typename T> struct BinaryFn {
+  __device__ T operator()(T a, T b) const { return T(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
+};
+template <BinaryOp OP, typename T> struct BinaryPredicateFn {
+  __device__ bool operator()(T a, T b) const { return bool(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
+};
+template <typename T> struct WhereFn {
+  __device__ T operator()(bool c, T a, T b) const { return c ? a : b; }
+};
+template <typename T> struct FillFn {
+  T value;
+  __device__ T operator()() const { return value; }
+};
+
+// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send: math functions get floating inputs
+// (integers are cast to float32 first), bool only takes the ops it allows, integer division is true
+// division (float). Kernels are instantiated for these pairs only, which keeps nvcc's work down.
+template <UnaryOp OP, typename T> constexpr bool unary_supported() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return OP == UnaryOp::LogicalNot || OP == UnaryOp::IsFinite || OP == UnaryOp::Abs;
+  } else if constexpr (std::is_integral_v<T>) {
+    return !(OP >= UnaryOp::Exp && OP <= UnaryOp::Sigmoid);
+  } else {
+    return true;
+  }
+}
+
+template <BinaryOp OP, typename T> constexpr bool binary_supported() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return OP == BinaryOp::Add || OP == BinaryOp::Mul || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum ||
+           is_predicate(OP);
+  } else if constexpr (std::is_integral_v<T>) {
+    return OP != BinaryOp::Div;
+  } else {
+    return true;
+  }
+}
+
+void unary_cuda(UnaryOp op, const Tensor& out, const Tensor& in) {
+  const char* name = unary_op_name(op);
+  dispatch_all(in.dtype(), name, [&]<typename T>() {
+    dispatch_unary_op(op, [&]<UnaryOp OP>() {
+      if constexpr (!unary_supported<OP, T>()) {
+        HG_FAIL("{}: no CUDA kernel for {} input", name, in.meta());
+      } else if constexpr (is_predicate(OP)) {
+        cuda::launch_elementwise<bool, T>(name, out, UnaryPredicateFn<OP, T>{}, {in});
+      } else {
+        cuda::launch_elementwise<T, T>(name, out, UnaryFn<OP, T>{}, {in});
+      }
+    });
+  });
+}
+
+// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value.
+void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const char* name = binary_op_name(op);
+  HG_CHECK(a.dtype() == b.dtype(), "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(),
+           b.meta());
+  dispatch_all(a.dtype(), name, [&]<typename T>() {
+    dispatch_binary_op(op, [&]<BinaryOp OP>() {
+      if constexpr (!binary_supported<OP, T>()) {
+        HG_FAIL("{}: no CUDA kernel for {} operands", name, a.meta());
+      } else if constexpr (is_predicate(OP)) {
+        cuda::launch_elementwise<bool, T, T>(name, out, BinaryPredicateFn<OP, T>{}, {a, b});
+      } else {
+        cuda::launch_elementwise<T, T, T>(name, out, BinaryFn<OP, T>{}, {a, b});
+      }
+    });
+  });
+}
+
+void where_cuda(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b) {
+  HG_CHECK(condition.dtype() == kBool && a.dtype() == out.dtype() && b.dtype() == out.dtype(),
+           "where: CUDA kernel given condition {}, a {}, b {} for output {}", condition.meta(), a.meta(), b.meta(),
+           out.meta());
+  dispatch_all(out.dtype(), "where", [&]<typename T>() {
+    cuda::launch_elementwise<T, bool, T, T>("where", out, WhereFn<T>{}, {condition, a, b});
+  });
+}
+
+void fill_cuda(const Tensor& out, const Scalar& value) {
+  dispatch_all(out.dtype(), "fill_", [&]<typename T>() {
+    // The same conversion as the CPU kernel (ops/elementwise.cpp).
+    T v = is_floating(out.dtype()) ? T(opmath_t<T>(value.to_double())) : T(value.to_int());
+    cuda::launch_elementwise<T>("fill_", out, FillFn<T>{v}, {});
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(unary_kernel, CUDA, unary_cuda);
+HG_REGISTER_KERNEL(binary_kernel, CUDA, binary_cuda);
+HG_REGISTER_KERNEL(where_kernel, CUDA, where_cuda);
+HG_REGISTER_KERNEL(fill_kernel, CUDA, fill_cuda);
+
+}  // namespace halfgrad
