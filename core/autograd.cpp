@@ -1,5 +1,7 @@
 #include "core/autograd.h"
 
+#include "core/autocast.h"
+
 #include <algorithm>
 #include <cctype>
 #include <atomic>
@@ -245,6 +247,7 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
   NoGradGuard no_grad;  // backward functions are not themselves recorded
+  amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
 
   // Input buffer of each node: the sum of the gradients that reached each of its outputs.
   std::unordered_map<Node*, TensorList> buffers;

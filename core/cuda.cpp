@@ -151,6 +151,10 @@ cublasHandle_t cublas_handle(int device) {
   cudaStream_t stream = current_stream(device);
   if (!s.handle) {
     HG_CUBLAS_CHECK(cublasCreate(&s.handle));
+    // float16/bfloat16 products accumulate in float32 all the way: no split-K reduction in half precision.
+    // (TF32 for float32 is chosen per call through the compute type, see ops/matmul.cu.)
+    HG_CUBLAS_CHECK(cublasSetMathMode(s.handle, cublasMath_t(CUBLAS_DEFAULT_MATH |
+                                                             CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     HG_CUDA_CHECK(cudaMalloc(&s.workspace, kCublasWorkspaceBytes), "cublas workspace");
     s.bound_stream = reinterpret_cast<cudaStream_t>(-1);  // forces the binding below
   }
@@ -170,6 +174,9 @@ namespace detail {
 
 void throw_cuda_error(int status, const char* call, const char* file, int line, const char* op) {
   auto e = static_cast<cudaError_t>(status);
+  // Reset the runtime's last error: a non-sticky error the caller catches must not resurface at the next
+  // launch check, attributed to another op. (A sticky error, a crashed kernel, stays: the context is dead.)
+  (void)cudaGetLastError();
   throw_formatted("CUDA", fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)), call, file, line, op);
 }
 

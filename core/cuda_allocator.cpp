@@ -42,6 +42,7 @@ constexpr size_t kSmallSegment = size_t(2) << 20;   // the small pool's cudaMall
 constexpr size_t kLargeSegment = size_t(20) << 20;  // large pool segment for requests under 10 MiB
 constexpr size_t kMinLargeAlloc = size_t(10) << 20;
 constexpr size_t kRoundLarge = size_t(2) << 20;     // larger requests are rounded up to this
+constexpr size_t kMaxRequest = size_t(1) << 62;     // beyond this a request is refused outright
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
@@ -71,6 +72,10 @@ class DeviceCache {
   explicit DeviceCache(int device) : device_(device) {}
 
   void* allocate(size_t nbytes) {
+    if (nbytes > kMaxRequest) {  // rounding would wrap around; no device has this much anyway
+      std::lock_guard<std::mutex> lock(mutex_);
+      throw_out_of_memory(nbytes, nbytes);
+    }
     const size_t size = round_up(nbytes, kMinBlockSize);
     const bool small = size <= kSmallRequest;
     DeviceGuard guard(device_);
@@ -175,12 +180,12 @@ class DeviceCache {
     size_t segment = small ? kSmallSegment : size < kMinLargeAlloc ? kLargeSegment : round_up(size, kRoundLarge);
     void* ptr = nullptr;
     cudaError_t err = cudaMalloc(&ptr, segment);
-    if (err == cudaErrorMemoryAllocation) {
+    if (is_out_of_memory(err, segment)) {
       (void)cudaGetLastError();  // clear it: an out-of-memory is not sticky
       stats_.num_oom_retries++;
       release_cached();
       err = cudaMalloc(&ptr, segment);
-      if (err == cudaErrorMemoryAllocation) {
+      if (is_out_of_memory(err, segment)) {
         (void)cudaGetLastError();
         throw_out_of_memory(requested, segment);
       }
@@ -194,6 +199,16 @@ class DeviceCache {
     block->stream = stream;
     block->small = small;
     return block;
+  }
+
+  // cudaMalloc reports a request beyond the device's memory as cudaErrorMemoryAllocation; some drivers
+  // answer an absurd size with cudaErrorInvalidValue instead, which is the same condition for the caller.
+  static bool is_out_of_memory(cudaError_t err, size_t segment) {
+    if (err == cudaErrorMemoryAllocation) return true;
+    if (err != cudaErrorInvalidValue) return false;
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return false;
+    return segment > total_bytes;
   }
 
   // cudaFree on every cached block that is a whole segment (cudaFree waits for the device to be idle, so

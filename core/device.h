@@ -1,6 +1,7 @@
 #pragma once
 #include <fmt/format.h>
 
+#include <compare>
 #include <string>
 
 namespace halfgrad {
@@ -16,6 +17,7 @@ struct Device {
   bool is_cpu() const { return type == DeviceType::CPU; }
   bool is_cuda() const { return type == DeviceType::CUDA; }
   bool operator==(const Device&) const = default;
+  auto operator<=>(const Device&) const = default;  // so devices can key maps
   std::string str() const { return is_cpu() ? "cpu" : fmt::format("cuda:{}", index); }
 };
 

@@ -36,5 +36,9 @@ struct GeneratorState {
 };
 // Reserves `count` counters and returns (seed, first counter).
 GeneratorState next_random_counters(uint64_t count);
+// The generator's state now, and setting it back (training checkpoints): after
+// set_generator_state(s) the random numbers continue exactly as they did after generator_state() gave s.
+GeneratorState generator_state();
+void set_generator_state(GeneratorState state);
 
 }  // namespace halfgrad

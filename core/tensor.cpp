@@ -204,6 +204,16 @@ void manual_seed(uint64_t seed) {
   generator = {.seed = seed, .offset = 0};
 }
 
+GeneratorState generator_state() {
+  std::lock_guard<std::mutex> lock(generator_mutex);
+  return generator;
+}
+
+void set_generator_state(GeneratorState state) {
+  std::lock_guard<std::mutex> lock(generator_mutex);
+  generator = state;
+}
+
 Tensor rand(const Shape& shape, TensorOptions options) {
   HG_CHECK(is_floating(options.dtype), "rand: dtype must be floating, got {}", dtype_name(options.dtype));
   if (options.dtype == kFloat64) {

@@ -175,8 +175,8 @@ class Tensor {
   std::pair<Tensor, Tensor> min(int64_t dim, bool keepdim = false) const;
   Tensor argmax(int64_t dim, bool keepdim = false) const;
   Tensor argmin(int64_t dim, bool keepdim = false) const;
-  Tensor all() const;
-  Tensor any() const;
+  Tensor all(Dims dims = {}, bool keepdim = false) const;  // bool: every element nonzero (nan counts)
+  Tensor any(Dims dims = {}, bool keepdim = false) const;
 
   // ---- linear algebra (ops/matmul.cpp)
   Tensor matmul(const Tensor& other) const;

@@ -1,6 +1,7 @@
 // Elementwise ops: forward, backward and CPU kernels. The arithmetic is in ops/elementwise_math.h.
 #include "ops/elementwise.h"
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
 #include "ops/loops.h"
@@ -222,18 +223,41 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
 // ---- public ops
 
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  HG_AUTOCAST(add, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Add, a, b) : binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  HG_AUTOCAST(sub, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : binary(BinaryOp::Sub, a, binary(BinaryOp::Mul, b, alpha));
 }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Mul, a, b); }
-Tensor div(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Div, a, b); }
-Tensor pow(const Tensor& base, const Tensor& exponent) { return binary(BinaryOp::Pow, base, exponent); }
-Tensor pow(const Tensor& base, const Scalar& exponent) { return binary(BinaryOp::Pow, base, exponent); }
-Tensor pow(const Scalar& base, const Tensor& exponent) { return binary(BinaryOp::Pow, base, exponent); }
-Tensor maximum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Maximum, a, b); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Minimum, a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) {
+  HG_AUTOCAST(mul, a, b);
+  return binary(BinaryOp::Mul, a, b);
+}
+Tensor div(const Tensor& a, const Tensor& b) {
+  HG_AUTOCAST(div, a, b);
+  return binary(BinaryOp::Div, a, b);
+}
+Tensor pow(const Tensor& base, const Tensor& exponent) {
+  HG_AUTOCAST(pow, base, exponent);
+  return binary(BinaryOp::Pow, base, exponent);
+}
+Tensor pow(const Tensor& base, const Scalar& exponent) {
+  HG_AUTOCAST(pow, base, exponent);
+  return binary(BinaryOp::Pow, base, exponent);
+}
+Tensor pow(const Scalar& base, const Tensor& exponent) {
+  HG_AUTOCAST(pow, base, exponent);
+  return binary(BinaryOp::Pow, base, exponent);
+}
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  HG_AUTOCAST(maximum, a, b);
+  return binary(BinaryOp::Maximum, a, b);
+}
+Tensor minimum(const Tensor& a, const Tensor& b) {
+  HG_AUTOCAST(minimum, a, b);
+  return binary(BinaryOp::Minimum, a, b);
+}
 Tensor eq(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Eq, a, b); }
 Tensor ne(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Ne, a, b); }
 Tensor lt(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Lt, a, b); }
@@ -243,20 +267,48 @@ Tensor ge(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Ge, a, b);
 Tensor logical_and(const Tensor& a, const Tensor& b) { return binary(BinaryOp::LogicalAnd, a, b); }
 Tensor logical_or(const Tensor& a, const Tensor& b) { return binary(BinaryOp::LogicalOr, a, b); }
 
-Tensor neg(const Tensor& x) { return unary(UnaryOp::Neg, x); }
-Tensor abs(const Tensor& x) { return unary(UnaryOp::Abs, x); }
-Tensor exp(const Tensor& x) { return unary(UnaryOp::Exp, x); }
-Tensor log(const Tensor& x) { return unary(UnaryOp::Log, x); }
-Tensor sqrt(const Tensor& x) { return unary(UnaryOp::Sqrt, x); }
-Tensor rsqrt(const Tensor& x) { return unary(UnaryOp::Rsqrt, x); }
-Tensor tanh(const Tensor& x) { return unary(UnaryOp::Tanh, x); }
-Tensor sigmoid(const Tensor& x) { return unary(UnaryOp::Sigmoid, x); }
-Tensor relu(const Tensor& x) { return unary(UnaryOp::Relu, x); }
+Tensor neg(const Tensor& x) {
+  HG_AUTOCAST(neg, x);
+  return unary(UnaryOp::Neg, x);
+}
+Tensor abs(const Tensor& x) {
+  HG_AUTOCAST(abs, x);
+  return unary(UnaryOp::Abs, x);
+}
+Tensor exp(const Tensor& x) {
+  HG_AUTOCAST(exp, x);
+  return unary(UnaryOp::Exp, x);
+}
+Tensor log(const Tensor& x) {
+  HG_AUTOCAST(log, x);
+  return unary(UnaryOp::Log, x);
+}
+Tensor sqrt(const Tensor& x) {
+  HG_AUTOCAST(sqrt, x);
+  return unary(UnaryOp::Sqrt, x);
+}
+Tensor rsqrt(const Tensor& x) {
+  HG_AUTOCAST(rsqrt, x);
+  return unary(UnaryOp::Rsqrt, x);
+}
+Tensor tanh(const Tensor& x) {
+  HG_AUTOCAST(tanh, x);
+  return unary(UnaryOp::Tanh, x);
+}
+Tensor sigmoid(const Tensor& x) {
+  HG_AUTOCAST(sigmoid, x);
+  return unary(UnaryOp::Sigmoid, x);
+}
+Tensor relu(const Tensor& x) {
+  HG_AUTOCAST(relu, x);
+  return unary(UnaryOp::Relu, x);
+}
 Tensor sign(const Tensor& x) { return unary(UnaryOp::Sign, x); }
 Tensor logical_not(const Tensor& x) { return unary(UnaryOp::LogicalNot, x); }
 Tensor isfinite(const Tensor& x) { return unary(UnaryOp::IsFinite, x); }
 
 Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max) {
+  HG_AUTOCAST(clamp, x, min, max);
   HG_CHECK(min || max, "clamp: at least one of min and max must be given ({})", x.meta());
   Tensor y;
   {
@@ -279,6 +331,7 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
 }
 
 Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
+  HG_AUTOCAST(where, condition, a, b);
   HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
   check_same_device("where", condition, a);
   check_same_device("where", a, b);

@@ -1,28 +1,23 @@
-// Elementwise ops on CUDA: the unary, binary, where and fill kernels. The arithmetic is
-// ops/elementwise_math.h, the same functions the CPU kernels use; the loops are ops/cuda_loops.cuh.
+// Elementwise ops on CUDA: the unary, where and fill kernels (binary ops: ops/elementwise_binary.cu, a
+// separate file so that nvcc compiles the two halves in parallel). The arithmetic is ops/elementwise_math.h,
+// the same functions the CPU kernels use; the loops are ops/cuda_loops.cuh.
+// elementwise_math.h compares with zero generically, which is pointless (and harmless) for unsigned types.
+#pragma nv_diag_suppress 186
+
 #include <type_traits>
 
 #include "ops/cuda_loops.cuh"
 #include "ops/elementwise.h"
 
-// elementwise_math.h compares with zero generically, which is pointless (and harmless) for unsigned types.
-#pragma nv_diag_suppress 186
-
 namespace halfgrad {
 namespace {
 
-// Op names for error messages (the order of UnaryOp / BinaryOp).
+// Op names for error messages (the order of UnaryOp).
 const char* unary_op_name(UnaryOp op) {
   constexpr const char* names[] = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sign",
                                    "logical_not", "isfinite"};
   return names[int(op)];
 }
-const char* binary_op_name(BinaryOp op) {
-  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
-                                   "gt", "ge", "logical_and", "logical_or"};
-  return names[int(op)];
-}
-
 // ---- functors: load in the storage type, compute in opmath_t (float for float16/bfloat16), store
 
 template <UnaryOp OP, typename T> struct UnaryFn {
@@ -30,12 +25,6 @@ template <UnaryOp OP, typename T> struct UnaryFn {
 };
 template <UnaryOp OP, typename T> struct UnaryPredicateFn {
   __device__ bool operator()(T x) const { return bool(unary_math<OP>(opmath_t<T>(x))); }
-};
-template <BinaryOp OP, typename T> struct BinaryFn {
-  __device__ T operator()(T a, T b) const { return T(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
-};
-template <BinaryOp OP, typename T> struct BinaryPredicateFn {
-  __device__ bool operator()(T a, T b) const { return bool(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
 };
 template <typename T> struct WhereFn {
   __device__ T operator()(bool c, T a, T b) const { return c ? a : b; }
@@ -46,24 +35,13 @@ template <typename T> struct FillFn {
 };
 
 // The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send: math functions get floating inputs
-// (integers are cast to float32 first), bool only takes the ops it allows, integer division is true
-// division (float). Kernels are instantiated for these pairs only, which keeps nvcc's work down.
+// (integers are cast to float32 first), bool only takes the ops it allows. Kernels are instantiated for
+// these pairs only, which keeps nvcc's work down.
 template <UnaryOp OP, typename T> constexpr bool unary_supported() {
   if constexpr (std::is_same_v<T, bool>) {
     return OP == UnaryOp::LogicalNot || OP == UnaryOp::IsFinite || OP == UnaryOp::Abs;
   } else if constexpr (std::is_integral_v<T>) {
     return !(OP >= UnaryOp::Exp && OP <= UnaryOp::Sigmoid);
-  } else {
-    return true;
-  }
-}
-
-template <BinaryOp OP, typename T> constexpr bool binary_supported() {
-  if constexpr (std::is_same_v<T, bool>) {
-    return OP == BinaryOp::Add || OP == BinaryOp::Mul || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum ||
-           is_predicate(OP);
-  } else if constexpr (std::is_integral_v<T>) {
-    return OP != BinaryOp::Div;
   } else {
     return true;
   }
@@ -79,24 +57,6 @@ void unary_cuda(UnaryOp op, const Tensor& out, const Tensor& in) {
         cuda::launch_elementwise<bool, T>(name, out, UnaryPredicateFn<OP, T>{}, {in});
       } else {
         cuda::launch_elementwise<T, T>(name, out, UnaryFn<OP, T>{}, {in});
-      }
-    });
-  });
-}
-
-// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value.
-void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
-  const char* name = binary_op_name(op);
-  HG_CHECK(a.dtype() == b.dtype(), "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(),
-           b.meta());
-  dispatch_all(a.dtype(), name, [&]<typename T>() {
-    dispatch_binary_op(op, [&]<BinaryOp OP>() {
-      if constexpr (!binary_supported<OP, T>()) {
-        HG_FAIL("{}: no CUDA kernel for {} operands", name, a.meta());
-      } else if constexpr (is_predicate(OP)) {
-        cuda::launch_elementwise<bool, T, T>(name, out, BinaryPredicateFn<OP, T>{}, {a, b});
-      } else {
-        cuda::launch_elementwise<T, T, T>(name, out, BinaryFn<OP, T>{}, {a, b});
       }
     });
   });
@@ -122,7 +82,6 @@ void fill_cuda(const Tensor& out, const Scalar& value) {
 }  // namespace
 
 HG_REGISTER_KERNEL(unary_kernel, CUDA, unary_cuda);
-HG_REGISTER_KERNEL(binary_kernel, CUDA, binary_cuda);
 HG_REGISTER_KERNEL(where_kernel, CUDA, where_cuda);
 HG_REGISTER_KERNEL(fill_kernel, CUDA, fill_cuda);
 

@@ -1,10 +1,20 @@
 // Loss functions: forward and backward side by side, written with tensor ops (they run on any device).
 #include "ops/loss.h"
 
+#include <omp.h>
+
+#include <cstring>
+
+#include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/copy.h"
 #include "ops/elementwise.h"
+#include "ops/softmax.h"
 
 namespace halfgrad {
+
+constinit KernelTable<NllLossKernel> nll_loss_kernel("nll_loss");
+constinit KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel("nll_loss_backward");
 
 const char* reduction_name(Reduction reduction) {
   switch (reduction) {
@@ -32,6 +42,7 @@ Tensor reduce(const Tensor& loss, Reduction reduction) {
 //   d loss / d input_i  =  2 (input_i - target_i) * g_i   (g_i = the incoming gradient, / N for mean)
 //   d loss / d target_i = -d loss / d input_i
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  HG_AUTOCAST(mse_loss, input, target, reduction);
   HG_CHECK(input.defined() && target.defined(), "mse_loss: got an undefined tensor (input {}, target {})",
            input.meta(), target.meta());
   HG_CHECK(input.shape() == target.shape(), "mse_loss: input shape {} and target shape {} differ (mse_loss does not "
@@ -58,5 +69,360 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
          });
   return loss;
 }
+
+// ---- nll_loss and cross_entropy. Autocast category: "float32".
+namespace {
+
+// The per-element losses and target weights of nll_loss, [N, d...] (0-d for an unbatched [C] input), in
+// the accumulation dtype (float32 for float16/bfloat16 inputs: sums of many losses, or of more than 65504
+// target weights, overflow float16). `loss` carries the autograd node; `weights` is a constant.
+struct NllElements {
+  Tensor loss, weights;
+};
+
+// The accumulation dtype of a floating dtype.
+DType accumulation_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
+
+// `input` holds log-probabilities (nll_loss) or the log_softmax of the logits (cross_entropy).
+NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
+                         const char* op) {
+  HG_CHECK(input.defined() && target.defined(), "{}: got an undefined tensor (input {}, target {})", op,
+           input.meta(), target.meta());
+  HG_CHECK(input.is_floating_point(), "{}: expected a floating-point input, got {}", op, input.meta());
+  HG_CHECK(input.dim() >= 1, "{}: expected an input of shape [C], [N, C] or [N, C, d1, ...], got {}", op, input.meta());
+  HG_CHECK(is_integral(target.dtype()), "{}: expected class indices (int64) as the target, got {}", op, target.meta());
+  HG_CHECK(target.device() == input.device(), "{}: input {} and target {} are on different devices", op, input.meta(),
+           target.meta());
+  // input [N, C, d1, ..., dk] -> target [N, d1, ..., dk]; input [C] -> a 0-d target
+  const bool batched = input.dim() >= 2;
+  const int64_t classes = input.size(batched ? 1 : 0), batch = batched ? input.size(0) : 1;
+  Shape target_shape;
+  int64_t inner = 1;
+  if (batched) target_shape.push_back(batch);
+  for (int64_t d = 2; d < input.dim(); ++d) {
+    target_shape.push_back(input.size(d));
+    inner *= input.size(d);
+  }
+  HG_CHECK(target.shape() == target_shape, "{}: expected a target of shape {} for input {} (the input's shape without "
+           "the class dim {}), got {}", op, shape_str(target_shape), input.meta(), batched ? 1 : 0, target.meta());
+
+  const DType acc = accumulation_dtype(input.dtype());
+  Tensor w;
+  if (weight.defined()) {
+    HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
+             "{}: expected a floating-point weight of shape [{}] (one per class of input {}), got {}", op, classes,
+             input.meta(), weight.meta());
+    HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op,
+             input.meta(), weight.meta());
+    w = cast_nograd(weight.detach(), acc).contiguous();
+  }
+  Tensor t = cast_nograd(target.detach(), kInt64).contiguous();
+  Tensor loss = empty(target_shape, {.dtype = acc, .device = input.device()});
+  Tensor weights = empty(target_shape, {.dtype = acc, .device = input.device()});
+  if (loss.numel() > 0) {
+    nll_loss_kernel[input.device()](loss.view({batch, inner}), weights.view({batch, inner}),
+                                    input.detach().contiguous().view({batch, classes, inner}), t.view({batch, inner}),
+                                    w, ignore_index, op);
+  }
+
+  // backward: the gradient of loss_j goes to input[j, t_j] only: d loss_j / d input[j, t_j] = -w[t_j].
+  record("NllLossBackward", {input}, {loss},
+         [t = SavedTensor(t, op), w = SavedTensor(w, op), ignore_index, shape = input.shape(), dtype = input.dtype(),
+          acc, batch, classes, inner](const GradContext& g) -> TensorList {
+           const Tensor& target_ = t.get();
+           Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
+           Tensor grad_input = empty(shape, {.dtype = dtype, .device = target_.device()});
+           if (grad_input.numel() > 0) {
+             nll_loss_backward_kernel[target_.device()](grad_input.view({batch, classes, inner}), grad_loss,
+                                                        target_.view({batch, inner}), w.get(), ignore_index);
+           }
+           return {grad_input};
+         });
+  return {loss, weights};
+}
+
+// Mean divides by the summed target weights (the number of targets not ignored, without class weights).
+Tensor reduce_nll(const NllElements& e, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None: return e.loss;
+    case Reduction::Sum: return e.loss.sum();
+    case Reduction::Mean: return e.loss.sum().div(e.weights.sum());
+  }
+  HG_FAIL("nll_loss: unknown reduction {}", int(reduction));
+}
+
+// w viewed to broadcast along the class dim of an input of `ndim` dims: [C] -> [1, C, 1, ..., 1].
+Tensor class_weight_view(const Tensor& w, int64_t ndim) {
+  if (ndim <= 1) return w;
+  Shape shape(size_t(ndim), 1);
+  shape[1] = w.numel();
+  return w.view(shape);
+}
+
+Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t classes, const char* op) {
+  if (!weight.defined()) return weight;
+  HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
+           "{}: expected a floating-point weight of shape [{}] (one per class of input {}), got {}", op, classes,
+           input.meta(), weight.meta());
+  HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op, input.meta(),
+           weight.meta());
+  return weight.detach();
+}
+
+}  // namespace
+
+Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions& options) {
+  HG_AUTOCAST(nll_loss, input, target, options);
+  NllElements e = nll_elements(input, target, options.weight, options.ignore_index, "nll_loss");
+  return reduce_nll(e, options.reduction).to(input.dtype());
+}
+
+Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& options) {
+  HG_AUTOCAST(cross_entropy, input, target, options);
+  const char* op = "cross_entropy";
+  HG_CHECK(input.defined() && target.defined(), "{}: got an undefined tensor (input {}, target {})", op,
+           input.meta(), target.meta());
+  HG_CHECK(input.is_floating_point(), "{}: expected floating-point logits, got {}", op, input.meta());
+  HG_CHECK(input.dim() >= 1, "{}: expected logits of shape [C], [N, C] or [N, C, d1, ...], got {}", op, input.meta());
+  const double eps = options.label_smoothing;
+  HG_CHECK(eps >= 0.0 && eps <= 1.0, "{}: label_smoothing must be in [0, 1], got {}", op, eps);
+  const int64_t class_dim = input.dim() >= 2 ? 1 : 0, classes = input.size(class_dim);
+  Tensor w = check_class_weight(options.weight, input, classes, op);
+  Tensor log_probs = log_softmax(input, class_dim);
+
+  if (target.is_floating_point()) {
+    // Class probabilities: loss_j = -sum_c w[c] p[j, c] log_softmax(x)[j, c].
+    HG_CHECK(target.shape() == input.shape(), "{}: a floating-point target holds class probabilities and must have "
+             "the input's shape: input {}, target {} (class indices must be an integer tensor)", op, input.meta(),
+             target.meta());
+    HG_CHECK(target.device() == input.device(), "{}: input {} and target {} are on different devices", op,
+             input.meta(), target.meta());
+    Tensor p = eps > 0 ? target * (1.0 - eps) + eps / double(classes) : target;
+    Tensor terms = log_probs * p;
+    if (w.defined()) terms = terms * class_weight_view(w, input.dim());
+    Tensor loss = terms.sum({class_dim}).neg();
+    switch (options.reduction) {
+      case Reduction::None: break;
+      case Reduction::Sum: loss = loss.sum(); break;
+      case Reduction::Mean: loss = loss.mean(); break;  // over the samples, whatever the weights
+    }
+    return loss.to(input.dtype());
+  }
+
+  NllElements e = nll_elements(log_probs, target, w, options.ignore_index, op);
+  Tensor loss = reduce_nll(e, options.reduction);
+  if (eps > 0) {
+    // The uniform part of the smoothed target: -sum_c w[c] log_softmax(x)[j, c], zero at ignored targets,
+    // reduced like the nll part (Mean: by the same summed target weights).
+    Tensor terms = w.defined() ? log_probs * class_weight_view(w, input.dim()) : log_probs;
+    Tensor smooth = where(target.eq(Scalar(options.ignore_index)), 0.0, terms.sum({class_dim}).neg());
+    switch (options.reduction) {
+      case Reduction::None: break;
+      case Reduction::Sum: smooth = smooth.sum(); break;
+      case Reduction::Mean: smooth = smooth.sum().div(e.weights.sum()); break;
+    }
+    loss = loss * (1.0 - eps) + smooth * (eps / double(classes));
+  }
+  return loss.to(input.dtype());
+}
+
+// ---- binary cross-entropy
+namespace {
+
+void check_binary_operands(const Tensor& input, const Tensor& target, const char* op) {
+  HG_CHECK(input.defined() && target.defined(), "{}: got an undefined tensor (input {}, target {})", op,
+           input.meta(), target.meta());
+  HG_CHECK(input.shape() == target.shape(), "{}: input shape {} and target shape {} differ (the target must have "
+           "the input's shape)", op, shape_str(input.shape()), shape_str(target.shape()));
+  HG_CHECK(input.device() == target.device(), "{}: input {} and target {} are on different devices", op,
+           input.meta(), target.meta());
+  HG_CHECK(input.is_floating_point() && target.is_floating_point(),
+           "{}: expected floating-point input and target, got {} and {}", op, input.meta(), target.meta());
+}
+
+// An optional per-element factor (weight, pos_weight), checked and cast, without autograd.
+Tensor elementwise_factor(const Tensor& factor, const Tensor& input, DType dtype, const char* op, const char* what) {
+  if (!factor.defined()) return factor;
+  HG_CHECK(factor.device() == input.device() && factor.is_floating_point(),
+           "{}: {} must be a floating-point tensor on the input's device; input {}, {} {}", op, what, input.meta(),
+           what, factor.meta());
+  broadcast_shapes(factor.shape(), input.shape(), op);  // throws when it does not broadcast
+  HG_CHECK(broadcast_shapes(factor.shape(), input.shape(), op) == input.shape(),
+           "{}: {} {} must broadcast to the input's shape {}", op, what, factor.meta(), shape_str(input.shape()));
+  return cast_nograd(factor.detach(), dtype);
+}
+
+Tensor reduce_elements(const Tensor& loss, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None: return loss;
+    case Reduction::Mean: return loss.mean();
+    case Reduction::Sum: return loss.sum();
+  }
+  HG_FAIL("loss: unknown reduction {}", int(reduction));
+}
+
+// The incoming gradient of a reduced loss as a per-element factor (it broadcasts against the elements).
+Tensor element_gradient(const Tensor& g, Reduction reduction, int64_t count) {
+  return reduction == Reduction::Mean ? g.div(double(count)) : g;
+}
+
+// log(1 + z) for z in [0, 1], accurate for tiny z (Goldberg's trick: log(u) * z / (u - 1) with u = 1 + z
+// rounded, and z itself where u rounds to 1).
+Tensor log1p_small(const Tensor& z) {
+  Tensor u = z + 1.0;
+  Tensor denominator = u - 1.0;
+  return where(denominator.eq(0.0), z, log(u) * z / where(denominator.eq(0.0), 1.0, denominator));
+}
+
+}  // namespace
+
+Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const BinaryCrossEntropyOptions& options) {
+  // No HG_AUTOCAST line and no kCastRules row: the op is refused under autocast instead (issue 4).
+  const char* op = "binary_cross_entropy";
+  HG_CHECK(!amp::is_autocast_enabled(),
+           "{}: refused under autocast: on float16 probabilities the log saturates (a sigmoid rounds to exactly 0 "
+           "or 1), so no dtype is safe to cast to. Use binary_cross_entropy_with_logits on the logits instead (it "
+           "folds in the sigmoid and is computed in float32 under autocast), or compute this loss outside the "
+           "autocast region (AutocastGuard(kFloat16, /*enabled=*/false)) on float32 probabilities.", op);
+  check_binary_operands(input, target, op);
+  const DType dtype = promote_types(input.dtype(), target.dtype());
+  if (input.is_cpu()) {
+    NoGradGuard no_grad;
+    HG_CHECK(logical_or(input.lt(0.0), input.gt(1.0)).any().item<double>() == 0.0,
+             "{}: all elements of the input {} must be probabilities in [0, 1] (for logits, use "
+             "binary_cross_entropy_with_logits)", op, input.meta());
+  }
+  Tensor w = elementwise_factor(options.weight, input, dtype, op, "weight");
+
+  Tensor p = cast_nograd(input.detach(), dtype), y = cast_nograd(target.detach(), dtype), log_p, log_1mp, loss;
+  {
+    NoGradGuard no_grad;  // one node for the whole loss, recorded below
+    log_p = clamp(log(p), -100.0, std::nullopt);
+    log_1mp = clamp(log(1.0 - p), -100.0, std::nullopt);
+    Tensor elements = (y * log_p + (1.0 - y) * log_1mp).neg();
+    if (w.defined()) elements = elements * w;
+    loss = reduce_elements(elements, options.reduction);
+  }
+  //   d loss / d p = w (p - y) / max(p (1 - p), 1e-12)      (PyTorch's epsilon keeps p = 0 or 1 finite)
+  //   d loss / d y = w (log(1 - p) - log(p))                (the clamped logs of the forward)
+  // p, y and w may alias the caller's tensors (no cast was needed): saved with their versions.
+  record("BinaryCrossEntropyBackward", {input, target}, {loss},
+         [sp = SavedTensor(p, op), sy = SavedTensor(y, op), sw = SavedTensor(w, op), log_p, log_1mp,
+          reduction = options.reduction, count = input.numel()](const GradContext& g) -> TensorList {
+           Tensor scale = element_gradient(g[0], reduction, count);
+           if (sw.defined()) scale = scale * sw.get();
+           Tensor grad_input, grad_target;
+           const Tensor &p = sp.get(), &y = sy.get();
+           if (g.needs(0)) grad_input = scale * (p - y) / clamp(p * (1.0 - p), 1e-12, std::nullopt);
+           if (g.needs(1)) grad_target = scale * (log_1mp - log_p);
+           return {grad_input, grad_target};
+         });
+  return loss;
+}
+
+Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,
+                                        const BinaryCrossEntropyWithLogitsOptions& options) {
+  HG_AUTOCAST(binary_cross_entropy_with_logits, input, target, options);
+  const char* op = "binary_cross_entropy_with_logits";
+  check_binary_operands(input, target, op);
+  const DType dtype = promote_types(input.dtype(), target.dtype());
+  Tensor w = elementwise_factor(options.weight, input, dtype, op, "weight");
+  Tensor pw = elementwise_factor(options.pos_weight, input, dtype, op, "pos_weight");
+
+  Tensor x = cast_nograd(input.detach(), dtype), y = cast_nograd(target.detach(), dtype), softplus_neg, loss;
+  {
+    NoGradGuard no_grad;
+    // log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|)): no overflow for any x, accurate for large |x|.
+    softplus_neg = clamp(x.neg(), 0.0, std::nullopt) + log1p_small(exp(x.abs().neg()));
+    Tensor positive = pw.defined() ? (pw - 1.0) * y + 1.0 : Tensor();  // 1 + (pos_weight - 1) y
+    Tensor elements = (1.0 - y) * x + (positive.defined() ? positive * softplus_neg : softplus_neg);
+    if (w.defined()) elements = elements * w;
+    loss = reduce_elements(elements, options.reduction);
+  }
+  //   d loss / d x = w ((1 + (pw - 1) y) sigmoid(x) - pw y)    (sigmoid(x) - y without pos_weight)
+  //   d loss / d y = w (-x + (pw - 1) log(1 + exp(-x)))        (-x without pos_weight)
+  record("BinaryCrossEntropyWithLogitsBackward", {input, target}, {loss},
+         [sx = SavedTensor(x, op), sy = SavedTensor(y, op), sw = SavedTensor(w, op), spw = SavedTensor(pw, op),
+          softplus_neg, reduction = options.reduction, count = input.numel()](const GradContext& g) -> TensorList {
+           Tensor scale = element_gradient(g[0], reduction, count);
+           if (sw.defined()) scale = scale * sw.get();
+           Tensor grad_input, grad_target;
+           const Tensor &x = sx.get(), &y = sy.get(), &pw = spw.get();
+           if (g.needs(0)) {
+             Tensor s = sigmoid(x);
+             grad_input = scale * (pw.defined() ? ((pw - 1.0) * y + 1.0) * s - pw * y : s - y);
+           }
+           if (g.needs(1)) grad_target = scale * (pw.defined() ? (pw - 1.0) * softplus_neg - x : x.neg());
+           return {grad_input, grad_target};
+         });
+  return loss;
+}
+
+// ---- nll_loss CPU kernels
+namespace {
+
+constexpr int64_t kNllParallelGrain = 32768;
+
+void check_targets_cpu(const Tensor& input, const Tensor& target, int64_t classes, int64_t ignore_index,
+                       const char* op) {
+  const int64_t* t = target.data<int64_t>();
+  for (int64_t k = 0; k < target.numel(); ++k) {
+    HG_CHECK(t[k] == ignore_index || (t[k] >= 0 && t[k] < classes),
+             "{}: target {} at position {} is out of range for {} classes (input {}, target {}); targets must be "
+             "in [0, {}) or equal ignore_index ({})", op, t[k], k, classes, input.meta(), target.meta(), classes,
+             ignore_index);
+  }
+}
+
+void nll_loss_cpu(const Tensor& loss, const Tensor& weights, const Tensor& input, const Tensor& target,
+                  const Tensor& weight, int64_t ignore_index, const char* op) {
+  const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2);
+  check_targets_cpu(input, target, classes, ignore_index, op);
+  dispatch_floating(input.dtype(), op, [&]<typename T>() {
+    using A = opmath_t<T>;
+    const T* x = input.data<T>();
+    const int64_t* t = target.data<int64_t>();
+    const A* w = weight.defined() ? weight.data<A>() : nullptr;
+    A* l = loss.data<A>();
+    A* wt = weights.data<A>();
+#pragma omp parallel for schedule(static) if (batch * inner >= kNllParallelGrain)
+    for (int64_t k = 0; k < batch * inner; ++k) {
+      const int64_t n = k / inner, i = k % inner, c = t[k];
+      if (c == ignore_index) {
+        l[k] = A(0);
+        wt[k] = A(0);
+        continue;
+      }
+      const A wc = w ? w[c] : A(1);
+      l[k] = -wc * A(x[(n * classes + c) * inner + i]);
+      wt[k] = wc;
+    }
+  });
+}
+
+void nll_loss_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& target,
+                           const Tensor& weight, int64_t ignore_index) {
+  const int64_t batch = grad_input.size(0), classes = grad_input.size(1), inner = grad_input.size(2);
+  std::memset(grad_input.data_ptr(), 0, size_t(grad_input.numel()) * element_size(grad_input.dtype()));  // 0.0
+  dispatch_floating(grad_input.dtype(), "nll_loss_backward", [&]<typename T>() {
+    using A = opmath_t<T>;
+    T* gi = grad_input.data<T>();
+    const A* gl = grad_loss.data<A>();
+    const int64_t* t = target.data<int64_t>();
+    const A* w = weight.defined() ? weight.data<A>() : nullptr;
+    // Each element writes its own input row: no two threads touch one location.
+#pragma omp parallel for schedule(static) if (batch * inner >= kNllParallelGrain)
+    for (int64_t k = 0; k < batch * inner; ++k) {
+      const int64_t n = k / inner, i = k % inner, c = t[k];
+      if (c == ignore_index) continue;
+      gi[(n * classes + c) * inner + i] = T(-(w ? w[c] : A(1)) * gl[k]);
+    }
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(nll_loss_kernel, CPU, nll_loss_cpu);
+HG_REGISTER_KERNEL(nll_loss_backward_kernel, CPU, nll_loss_backward_cpu);
 
 }  // namespace halfgrad

@@ -9,17 +9,19 @@
 #include "ops/reduce.h"
 
 #include <omp.h>
-#if defined(__F16C__)
-#include <immintrin.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>  // widen(): float16 -> float32 conversions
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 
 namespace halfgrad {
@@ -195,8 +197,9 @@ void check_floating(const Tensor& x, const char* op) {
 // 2. Public ops, each with its backward
 // =====================================================================================================
 
-// autocast: float32
+// Autocast category "float32": every op's first line applies its row of amp::kCastRules (core/autocast.h).
 Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
+  HG_AUTOCAST(sum, x, dims, keepdim);
   ReductionPlan p = plan_reduction(x, dims, keepdim, "sum");
   Tensor out = empty(p.out_shape, {.dtype = x.is_floating_point() ? x.dtype() : kInt64, .device = x.device()});
   run_reduction(ReduceOp::Sum, p, out, Tensor());
@@ -207,8 +210,9 @@ Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
   return out;
 }
 
-// autocast: float32
+// Autocast category "float32".
 Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
+  HG_AUTOCAST(mean, x, dims, keepdim);
   check_floating(x, "mean");
   ReductionPlan p = plan_reduction(x, dims, keepdim, "mean");
   Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
@@ -221,8 +225,9 @@ Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
   return out;
 }
 
-// autocast: float32
+// Autocast category "float32".
 Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
+  HG_AUTOCAST(var, x, dims, correction, keepdim);
   check_floating(x, "var");
   HG_CHECK(correction >= 0, "var: correction must be non-negative, got {} for {}", correction, x.meta());
   ReductionPlan p = plan_reduction(x, dims, keepdim, "var");
@@ -318,25 +323,31 @@ Tensor logical_reduction(const Tensor& x, const Dims& dims, bool keepdim, Reduce
 
 }  // namespace
 
-// autocast: unchanged
-Tensor max(const Tensor& x) { return extreme_all(x, ReduceOp::Max); }
-// autocast: unchanged
-Tensor min(const Tensor& x) { return extreme_all(x, ReduceOp::Min); }
-// autocast: unchanged
+// Autocast category "unchanged" for all of these: they compare, they do not accumulate, so any dtype is
+// exact. (argmin, all and any are not in kCastRules, so they have no HG_AUTOCAST line: autocast would not
+// cast them anyway, only its trace does not name them.)
+Tensor max(const Tensor& x) {
+  HG_AUTOCAST(max, x);
+  return extreme_all(x, ReduceOp::Max);
+}
+Tensor min(const Tensor& x) {
+  HG_AUTOCAST(min, x);
+  return extreme_all(x, ReduceOp::Min);
+}
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  HG_AUTOCAST(max, x, dim, keepdim);
   return extreme_dim(x, dim, keepdim, ReduceOp::Max);
 }
-// autocast: unchanged
 std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim) {
+  HG_AUTOCAST(min, x, dim, keepdim);
   return extreme_dim(x, dim, keepdim, ReduceOp::Min);
 }
-// autocast: unchanged
-Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return extreme_index(x, dim, keepdim, ReduceOp::ArgMax); }
-// autocast: unchanged
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
+  HG_AUTOCAST(argmax, x, dim, keepdim);
+  return extreme_index(x, dim, keepdim, ReduceOp::ArgMax);
+}
 Tensor argmin(const Tensor& x, int64_t dim, bool keepdim) { return extreme_index(x, dim, keepdim, ReduceOp::ArgMin); }
-// autocast: unchanged
 Tensor all(const Tensor& x, Dims dims, bool keepdim) { return logical_reduction(x, dims, keepdim, ReduceOp::All); }
-// autocast: unchanged
 Tensor any(const Tensor& x, Dims dims, bool keepdim) { return logical_reduction(x, dims, keepdim, ReduceOp::Any); }
 
 Tensor Tensor::sum(Dims dims, bool keepdim) const { return halfgrad::sum(*this, std::move(dims), keepdim); }
@@ -350,8 +361,8 @@ std::pair<Tensor, Tensor> Tensor::max(int64_t dim, bool keepdim) const { return 
 std::pair<Tensor, Tensor> Tensor::min(int64_t dim, bool keepdim) const { return halfgrad::min(*this, dim, keepdim); }
 Tensor Tensor::argmax(int64_t dim, bool keepdim) const { return halfgrad::argmax(*this, dim, keepdim); }
 Tensor Tensor::argmin(int64_t dim, bool keepdim) const { return halfgrad::argmin(*this, dim, keepdim); }
-Tensor Tensor::all() const { return halfgrad::all(*this); }
-Tensor Tensor::any() const { return halfgrad::any(*this); }
+Tensor Tensor::all(Dims dims, bool keepdim) const { return halfgrad::all(*this, std::move(dims), keepdim); }
+Tensor Tensor::any(Dims dims, bool keepdim) const { return halfgrad::any(*this, std::move(dims), keepdim); }
 
 // =====================================================================================================
 // 3. CPU kernel
@@ -375,6 +386,12 @@ template <typename V> bool is_nan(V v) {
 // (x86 since 2012) it is one instruction per 8 values.
 template <typename T> void widen(const T* src, int64_t n, opmath_t<T>* dst) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Half>) {
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#endif
 #if defined(__F16C__)
   if constexpr (std::is_same_v<T, Half>) {
     for (; i + 8 <= n; i += 8)
@@ -387,10 +404,10 @@ template <typename T> void widen(const T* src, int64_t n, opmath_t<T>* dst) {
 constexpr int64_t kParallelGrain = 32768;  // input elements below which a reduction runs on one thread
 constexpr int64_t kMinRowChunk = 8192;     // the smallest piece of one row given to a thread
 constexpr int64_t kMinRowsPerChunk = 64;   // the fewest rows of a column block given to a thread
-constexpr int64_t kColumnBlock = 256;      // columns reduced together in the [outer, reduced, inner > 1] case
+constexpr int64_t kColumnBlock = 4096;     // columns reduced together in the [outer, reduced, inner > 1] case
 constexpr int64_t kCascadeStep = 16;       // additions per cascade level before carrying to the next
 constexpr int kMaxCascadeLevels = 16;      // 16^16 rows: more than any tensor has
-constexpr int64_t kExtremeBlock = 256;     // elements of a row scanned for their extreme at a time
+constexpr int64_t kExtremeBlock = 1024;    // elements of a row scanned for their extreme at a time
 
 // ---- reducers: what one output element accumulates.
 //
@@ -415,26 +432,22 @@ template <typename T, typename Acc> struct SumReducer {
   static void merge(State& a, const State& b) { a += b; }
 };
 
-// Var's second pass: the sums of d and d^2 for d = x - mean. Finishing with (sum d^2 - (sum d)^2 / n)
-// (the "corrected two-pass" algorithm) cancels most of the rounding error of the mean itself.
-template <typename T, typename Acc> struct DeviationReducer {
-  struct State {
-    Acc d = 0, d2 = 0;
-  };
+// Var's second pass: the sum of (x - mean)^2, with the mean of the output's elements as the center.
+// Two passes instead of Welford's one: the loop is a plain vectorisable multiply-add. An error e in the
+// computed mean only adds n e^2 to the result (the cross term sums to zero), a second-order effect, so no
+// correction term is needed.
+template <typename T, typename Acc> struct SquaredDeviationReducer {
   using In = T;
+  using State = Acc;
   using Center = Acc;
   static constexpr bool kCascade = true;
   static constexpr bool kCentered = true;
-  static State identity() { return {}; }
+  static State identity() { return Acc(0); }
   template <typename U> static void add(State& s, U v, Center mean) {
-    Acc d = Acc(v) - mean;
-    s.d += d;
-    s.d2 += d * d;
+    const Acc d = Acc(v) - mean;
+    s += d * d;
   }
-  static void merge(State& a, const State& b) {
-    a.d += b.d;
-    a.d2 += b.d2;
-  }
+  static void merge(State& a, const State& b) { a += b; }
 };
 
 // All (kAll) or any: whether values are nonzero (nan is nonzero). A byte, not a bool, so that the
@@ -474,9 +487,11 @@ template <typename T, bool kMax> struct ExtremeReducer {
   static constexpr bool kExtreme = true;
   // Whether v replaces the current extreme s: strictly better, or the first nan. Ties keep s, which came
   // from an earlier index.
-  static bool takes(V v, V s) { return (kMax ? v > s : v < s) || (is_nan(v) && !is_nan(s)); }
+  // (Bitwise | and &: no branches, so the loops that use these vectorise and random data costs no
+  // mispredictions.)
+  static bool takes(V v, V s) { return (kMax ? v > s : v < s) | (is_nan(v) & !is_nan(s)); }
   // The extreme of s and v when only the value matters (any nan wins).
-  static V pick(V v, V s) { return (kMax ? v > s : v < s) || is_nan(v) ? v : s; }
+  static V pick(V v, V s) { return ((kMax ? v > s : v < s) | is_nan(v)) ? v : s; }
   static void merge(State& a, const State& b) {
     const bool a_nan = is_nan(a.v), b_nan = is_nan(b.v);
     if (a_nan || b_nan) {
@@ -520,7 +535,6 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
   using State = typename Rd::State;
   using Center = typename Rd::Center;
   constexpr bool kRowMode = kWidth > 0;
-  static_assert(kWidth <= kColumnBlock);
   const int64_t width = kRowMode ? kWidth : b.width;
   auto center = [&](int64_t j) -> Center {
     if constexpr (!Rd::kCentered) {
@@ -531,20 +545,55 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
       return b.centers[j];
     }
   };
-  auto add_row = [&](State* dst, int64_t r) {
-    const In* row = b.base + r * b.row_stride;
-    if constexpr (kWiden<In>) {
-      opmath_t<In> wide[kColumnBlock];
-      widen(row, width, wide);
-      for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], wide[j], center(j));
-    } else {
-      for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], row[j], center(j));
+  // What add() receives: the input type, or float32 for 16-bit floats, which are widened into a buffer
+  // first. Row mode widens many rows at once, since a load right after the stores that fill the buffer
+  // would stall on store forwarding; column mode widens four rows at a time into a per-call buffer.
+  using Value = std::conditional_t<kWiden<In>, opmath_t<In>, In>;
+  constexpr int64_t kRowBatch = kRowMode ? std::max<int64_t>(4, 512 / std::max<int64_t>(kWidth, 1)) : 4;
+  Value row_mode_wide[kWiden<In> && kRowMode ? kRowBatch * kWidth : 1];
+  std::unique_ptr<Value[]> column_mode_wide;
+  if constexpr (kWiden<In> && !kRowMode) column_mode_wide = std::make_unique<Value[]>(size_t(4 * width));
+
+  // Adds rows [r, r + n) into dst, four rows per pass over dst: a quarter of the accumulator loads and
+  // stores, which otherwise limit column mode.
+  auto add_rows = [&](State* dst, int64_t r, int64_t n) {
+    for (int64_t batch = r; batch < r + n; batch += kRowBatch) {
+      const int64_t batch_rows = std::min(kRowBatch, r + n - batch);
+      if constexpr (kWiden<In> && kRowMode) widen(b.base + batch * kWidth, batch_rows * kWidth, row_mode_wide);
+      for (int64_t i = batch; i < batch + batch_rows; i += 4) {
+        const int64_t k = std::min<int64_t>(4, batch + batch_rows - i);
+        const Value* rows[4];
+        for (int64_t q = 0; q < k; ++q) {
+          if constexpr (kWiden<In> && kRowMode) {
+            rows[q] = row_mode_wide + (i + q - batch) * kWidth;
+          } else if constexpr (kWiden<In>) {
+            widen(b.base + (i + q) * b.row_stride, width, column_mode_wide.get() + q * width);
+            rows[q] = column_mode_wide.get() + q * width;
+          } else {
+            rows[q] = b.base + (i + q) * b.row_stride;
+          }
+        }
+        if (k == 4) {
+          const Value *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+          for (int64_t j = 0; j < width; ++j) {
+            State s = dst[j];
+            Rd::add(s, r0[j], center(j));
+            Rd::add(s, r1[j], center(j));
+            Rd::add(s, r2[j], center(j));
+            Rd::add(s, r3[j], center(j));
+            dst[j] = s;
+          }
+        } else {
+          for (int64_t q = 0; q < k; ++q)
+            for (int64_t j = 0; j < width; ++j) Rd::add(dst[j], rows[q][j], center(j));
+        }
+      }
     }
   };
 
   if constexpr (!Rd::kCascade) {
     for (int64_t j = 0; j < width; ++j) acc[j] = Rd::identity();
-    for (int64_t r = 0; r < b.rows; ++r) add_row(acc, r);
+    add_rows(acc, 0, b.rows);
   } else {
     int levels = 1;
     for (int64_t capacity = kCascadeStep; capacity < b.rows && levels < kMaxCascadeLevels; capacity *= kCascadeStep)
@@ -566,7 +615,7 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
 
     for (int64_t r = 0; r < b.rows;) {
       const int64_t n = std::min(kCascadeStep, b.rows - r);
-      for (int64_t i = 0; i < n; ++i) add_row(level[0], r + i);
+      add_rows(level[0], r, n);
       r += n;
       if (n < kCascadeStep) break;  // the last, partial step stays in level 0
       int64_t carries = r / kCascadeStep;
@@ -584,30 +633,67 @@ void reduce_block(const Block<Rd>& b, typename Rd::State* acc) {
   }
 }
 
-// The extreme of block[0..n), n >= 1, value only: a branch-free select per lane, which vectorises.
-template <typename Rd> typename Rd::V block_extreme(const typename Rd::V* block, int64_t n) {
-  using V = typename Rd::V;
-  constexpr int64_t L = std::max<int64_t>(8, 128 / int64_t(sizeof(V)));
-  V e = block[0];
-  int64_t i = 1;
-  if (n >= L) {
-    V lanes[L];
-    for (int64_t j = 0; j < L; ++j) lanes[j] = block[j];
-    for (i = L; i + L <= n; i += L)
-      for (int64_t j = 0; j < L; ++j) lanes[j] = Rd::pick(block[i + j], lanes[j]);
-    for (int64_t j = 0; j < L; ++j) e = Rd::pick(lanes[j], e);
-  }
-  for (; i < n; ++i) e = Rd::pick(block[i], e);
-  return e;
+// c ? a : b on the bits. For a scalar ternary on floats the compiler emits a branch, which random data
+// mispredicts half of the time.
+template <typename V> V select_bits(bool c, V a, V b) {
+  using Bits = std::conditional_t<sizeof(V) == 1, uint8_t,
+                                  std::conditional_t<sizeof(V) == 4, uint32_t, uint64_t>>;
+  static_assert(sizeof(V) == sizeof(Bits));
+  const Bits mask = Bits(Bits(0) - Bits(c));
+  return std::bit_cast<V>(Bits((std::bit_cast<Bits>(a) & mask) | (std::bit_cast<Bits>(b) & Bits(~mask))));
 }
 
-// Max or min of n >= 1 contiguous elements with the index of its first occurrence. Blocks of the row are
-// scanned for their extreme value (vectorised); only a block that beats the best so far is searched
-// again for the position, which on most data happens a handful of times per row.
+// The extreme value of block[0..n), n >= 1 (any nan wins). Lanes of one vector register (four of them for
+// long blocks, to hide the latency of compare-and-select); the tail is one more vector that overlaps the
+// previous ones (harmless for a max), and the lanes are folded in a tree.
+template <typename Rd> typename Rd::V block_extreme(const typename Rd::V* block, int64_t n) {
+  using V = typename Rd::V;
+  constexpr int64_t L = std::max<int64_t>(8, 64 / int64_t(sizeof(V)));
+  if (n < L) {
+    V e = block[0];
+    for (int64_t i = 1; i < n; ++i) e = select_bits(Rd::takes(block[i], e), block[i], e);
+    return e;
+  }
+  V lanes[L];
+  int64_t i = L;
+  if (n >= 4 * L) {
+    V wide[4 * L];
+    for (int64_t j = 0; j < 4 * L; ++j) wide[j] = block[j];
+    for (i = 4 * L; i + 4 * L <= n; i += 4 * L)
+      for (int64_t j = 0; j < 4 * L; ++j) wide[j] = Rd::pick(block[i + j], wide[j]);
+    for (int64_t j = 0; j < L; ++j) lanes[j] = Rd::pick(Rd::pick(wide[j], wide[j + L]), Rd::pick(wide[j + 2 * L], wide[j + 3 * L]));
+  } else {
+    for (int64_t j = 0; j < L; ++j) lanes[j] = block[j];
+  }
+  for (; i + L <= n; i += L)
+    for (int64_t j = 0; j < L; ++j) lanes[j] = Rd::pick(block[i + j], lanes[j]);
+  if (i < n)
+    for (int64_t j = 0; j < L; ++j) lanes[j] = Rd::pick(block[n - L + j], lanes[j]);
+  // The fold, branch-free (a vectorised ternary is a blend, a scalar one a branch).
+  for (int64_t width = L / 2; width >= 1; width /= 2)
+    for (int64_t j = 0; j < width; ++j)
+      lanes[j] = select_bits(Rd::takes(lanes[j + width], lanes[j]) | is_nan(lanes[j + width]), lanes[j + width], lanes[j]);
+  return lanes[0];
+}
+
+// The first position of e in block[0..n), where it is known to be (a nan e matches the first nan).
+template <typename Rd> int64_t first_position(const typename Rd::V* block, typename Rd::V e) {
+  int64_t j = 0;
+  if (is_nan(e)) {
+    while (!is_nan(block[j])) ++j;
+  } else {
+    while (block[j] != e) ++j;
+  }
+  return j;
+}
+
+// Max or min of n >= 1 contiguous elements with the index of its first occurrence. Each block of the row
+// is reduced to its extreme value (vectorised); the position is searched for only in the first block and
+// in blocks that beat the best so far, which on most data is a handful of times per row.
 template <typename Rd> typename Rd::State extreme_row(const typename Rd::In* p, int64_t n, int64_t index_base) {
   using In = typename Rd::In;
   using V = typename Rd::V;
-  typename Rd::State best{V(p[0]), index_base};
+  typename Rd::State best{};
   V wide[kExtremeBlock];
   for (int64_t b0 = 0; b0 < n; b0 += kExtremeBlock) {
     const int64_t m = std::min(kExtremeBlock, n - b0);
@@ -619,15 +705,7 @@ template <typename Rd> typename Rd::State extreme_row(const typename Rd::In* p, 
       block = wide;
     }
     const V e = block_extreme<Rd>(block, m);
-    if (Rd::takes(e, best.v)) {
-      int64_t j = 0;
-      if (is_nan(e)) {
-        while (!is_nan(block[j])) ++j;
-      } else {
-        while (block[j] != e) ++j;
-      }
-      best = {e, index_base + b0 + j};
-    }
+    if (b0 == 0 || Rd::takes(e, best.v)) best = {e, index_base + b0 + first_position<Rd>(block, e)};
   }
   return best;
 }
@@ -637,9 +715,13 @@ template <typename Rd> typename Rd::State extreme_row(const typename Rd::In* p, 
 template <typename Rd> void extreme_columns(const Block<Rd>& b, typename Rd::State* acc) {
   using In = typename Rd::In;
   using V = typename Rd::V;
-  V values[kColumnBlock], wide[kColumnBlock];
-  int64_t indices[kColumnBlock];
   const int64_t width = b.width;
+  // One allocation per call (per task), not per element.
+  auto buffers = std::make_unique<V[]>(size_t(2 * width));
+  auto index_buffer = std::make_unique<int64_t[]>(size_t(width));
+  V* values = buffers.get();
+  V* wide = buffers.get() + width;
+  int64_t* indices = index_buffer.get();
   auto row_at = [&](int64_t r) -> const V* {
     if constexpr (std::is_same_v<In, V>) {
       return b.base + r * b.row_stride;
@@ -752,6 +834,7 @@ void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int6
   // added into as many accumulators (a vectorised loop, and no transposing copy). Tasks are
   // (outer, column block) pairs; when there are fewer than threads, the rows are cut into pieces too.
   const int64_t column_blocks = (inner + kColumnBlock - 1) / kColumnBlock;
+  const int64_t block_width = std::min(kColumnBlock, inner);  // the widest column block
   const int64_t tasks = outer * column_blocks;
   const int64_t pieces =
       tasks < threads ? std::min((threads + tasks - 1) / tasks, std::max<int64_t>(1, reduced / kMinRowsPerChunk)) : 1;
@@ -768,25 +851,25 @@ void run_reducer(const typename Rd::In* in, int64_t outer, int64_t reduced, int6
   if (pieces == 1) {
 #pragma omp parallel for schedule(static) if (threads > 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      State acc[kColumnBlock];
-      auto [pos, width] = reduce_task(task, 0, reduced, acc);
-      for (int64_t j = 0; j < width; ++j) sink(pos + j, acc[j]);
+      auto acc = std::make_unique<State[]>(size_t(block_width));  // one allocation per task
+      auto [pos, width] = reduce_task(task, 0, reduced, acc.get());
+      for (int64_t j = 0; j < width; ++j) sink(pos + j, acc[size_t(j)]);
     }
     return;
   }
-  auto partial = std::make_unique<State[]>(size_t(tasks * pieces * kColumnBlock));
+  auto partial = std::make_unique<State[]>(size_t(tasks * pieces * block_width));
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tasks * pieces; ++t) {
     auto [r0, r1] = piece(reduced, pieces, t % pieces);
-    reduce_task(t / pieces, r0, r1, &partial[size_t(t * kColumnBlock)]);
+    reduce_task(t / pieces, r0, r1, &partial[size_t(t * block_width)]);
   }
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t o = task / column_blocks, col0 = task % column_blocks * kColumnBlock;
     const int64_t width = std::min(kColumnBlock, inner - col0);
-    const State* first = &partial[size_t(task * pieces * kColumnBlock)];
+    const State* first = &partial[size_t(task * pieces * block_width)];
     for (int64_t j = 0; j < width; ++j) {
       State s = first[j];
-      for (int64_t c = 1; c < pieces; ++c) Rd::merge(s, first[c * kColumnBlock + j]);
+      for (int64_t c = 1; c < pieces; ++c) Rd::merge(s, first[c * block_width + j]);
       sink(o * inner + col0 + j, s);
     }
   }
@@ -825,11 +908,9 @@ template <typename T> void reduce_cpu_typed(const ReduceArgs& a) {
         run_reducer<SumReducer<T, Acc>>(in, outer, reduced, inner, nullptr,
                                         [&](int64_t pos, Acc s) { means[size_t(pos)] = s / count; });
         const Acc divisor = Acc(std::max<int64_t>(0, reduced - a.correction));
-        run_reducer<DeviationReducer<T, Acc>>(
-            in, outer, reduced, inner, means.data(), [&](int64_t pos, const typename DeviationReducer<T, Acc>::State& s) {
-              const Acc squares = s.d2 - s.d * s.d / count;
-              out[pos] = T((squares > Acc(0) ? squares : Acc(0)) / divisor);
-            });
+        run_reducer<SquaredDeviationReducer<T, Acc>>(in, outer, reduced, inner, means.data(), [&](int64_t pos, Acc squares) {
+          out[pos] = T(squares / divisor);
+        });
         return;
       } else {
         throw_unsupported_dtype(name, a.input.dtype());

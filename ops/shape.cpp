@@ -5,6 +5,7 @@
 #include <numeric>
 #include <optional>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
 
@@ -237,6 +238,7 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
 
 // Autocast category: "promote" (inputs are cast to the widest dtype among them).
 Tensor cat(const TensorList& tensors, int64_t dim) {
+  HG_AUTOCAST(cat, tensors, dim);
   HG_CHECK(!tensors.empty(), "cat: expects a non-empty list of tensors");
   const Tensor& first = tensors[0];
   dim = wrap_dim(dim, first.dim(), "cat");

@@ -1,19 +1,146 @@
 #pragma once
-// Optimizers update parameters from their .grad, without recording autograd.
+// Optimizers update parameters from their .grad, in place, without recording autograd.
+//
+// Who uses what:
+//   a training loop    step(), zero_grad()
+//   schedulers         param_group(g).lr and .momentum           (optim/scheduler.h)
+//   amp::initialize    param_group(g).params: O2 replaces each parameter by its FP32 master copy before the
+//                      first step; the optimizer then keeps its state for, and updates, the masters
+//   checkpoints        state_tensors() / load_state_tensors()
+//
+// Each optimizer keeps its parameters in groups with their own options, as PyTorch's param_groups:
+//
+//   optim::SGD opt({{{backbone...}, {.lr = 0.01, .momentum = 0.9}},
+//                   {{head...}, {.lr = 0.1, .momentum = 0.9}}});
+//   opt.groups()[1].options.weight_decay = 5e-4;          // typed access (SGD, Adam, AdamW)
+//   for (optim::ParamGroupRef g : opt.param_groups()) g.lr *= 0.1;   // generic access (any Optimizer)
+//
+// A step runs the fused kernels of optim/fused.h: one call per (group, device, dtype) that updates all those
+// parameters in one pass over memory (one or a few kernel launches on CUDA, not one per parameter).
+#include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
 
 namespace halfgrad::optim {
 
+// Named tensors, as a checkpoint stores them.
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+// One parameter group seen through the options every optimizer has. The references point into the
+// optimizer: writing them changes the optimizer (until the group list itself changes).
+struct ParamGroupRef {
+  TensorList& params;  // may be replaced (same shapes) before the first step: amp's FP32 master weights
+  double& lr;
+  double& momentum;  // SGD: momentum; Adam/AdamW: beta1 (what OneCycle cycles, as PyTorch's OneCycleLR)
+};
+
+// What an optimizer keeps for one parameter between steps.
+struct ParamState {
+  int64_t step = 0;     // steps this parameter took with a gradient
+  TensorList buffers;   // in the order of the optimizer's state_names(); undefined until first needed
+};
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  const char* name() const { return name_; }  // "SGD", "Adam", "AdamW": error messages start with it
+
+  // Updates every parameter that has a gradient; parameters whose .grad is undefined are skipped (and their
+  // step count does not advance), as in PyTorch.
   virtual void step() = 0;
   // Forgets the gradients of every parameter. Like PyTorch (set_to_none=True) the gradient becomes
   // undefined rather than zero: the next backward stores instead of adding, which saves a pass.
   void zero_grad();
-  virtual TensorList parameters() const = 0;
+  // Every group's parameters, in group order.
+  TensorList parameters() const;
+
+  // ---- parameter groups, for code that works with any optimizer
+  virtual size_t num_param_groups() const = 0;
+  virtual ParamGroupRef param_group(size_t g) = 0;
+  std::vector<ParamGroupRef> param_groups();
+
+  // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
+  //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change; the others come
+  //   param_groups.<g>.momentum      0-d float64   from the constructor
+  //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW)
+  //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
+  //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad)
+  // A parameter has entries only once it has state (after its first step with a gradient).
+  // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
+  // next step changes them.
+  NamedTensors state_tensors() const;
+  // Replaces the whole state by `state` (tensors are copied to each parameter's device). Everything is
+  // checked before anything changes: unknown names, groups or parameters that do not exist, shapes and
+  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries. One
+  // Error lists every mismatch.
+  void load_state_tensors(const NamedTensors& state);
+
+  // Per-parameter state, [group][param]; grows as groups do.
+  ParamState& state(size_t group, size_t param);
+
+ protected:
+  explicit Optimizer(const char* name) : name_(name) {}
+  virtual const TensorList& group_params(size_t g) const = 0;
+  // The buffers each parameter of group g keeps (in ParamState::buffers order).
+  virtual std::vector<std::string> state_names(size_t g) const = 0;
+  // Whether ParamState::step is part of the state (Adam's bias correction needs it; SGD's does not).
+  virtual bool counts_steps() const = 0;
+
+  // Checks that every parameter is a floating leaf that requires grad and appears in one group only.
+  void check_parameters() const;
+
+  // One parameter of a step, as a fused kernel takes it.
+  struct StepItem {
+    size_t index;     // the parameter's index in its group
+    Tensor param;     // contiguous: the parameter itself, or a copy that write_back() copies into `original`
+    Tensor grad;      // contiguous
+    Tensor original;  // defined when `param` is a copy of a non-contiguous parameter
+  };
+  // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
+  // call each. Checks each gradient against its parameter and bumps the parameter's version counter (the
+  // step writes it in place, so a graph that saved it can no longer use it).
+  std::vector<std::vector<StepItem>> step_items(size_t g);
+  static void write_back(const std::vector<StepItem>& items);
+  // The state buffer k of parameter `item` of group g, created (zeros) when it does not exist yet; `created`
+  // tells which. Checks that an existing buffer still matches the parameter.
+  Tensor& state_buffer(size_t g, const StepItem& item, size_t k, bool* created = nullptr);
+
+ private:
+  const char* name_;
+  std::vector<std::vector<ParamState>> state_;
+};
+
+// Parameters that share options.
+template <typename Options> struct Group {
+  TensorList params;
+  Options options;
+};
+
+// The base of optimizers whose groups hold an `Options` struct with a `double lr` and whose
+// `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to.
+template <typename Options> class OptimizerWith : public Optimizer {
+ public:
+  std::vector<Group<Options>>& groups() { return groups_; }
+  const std::vector<Group<Options>>& groups() const { return groups_; }
+
+  size_t num_param_groups() const override { return groups_.size(); }
+  ParamGroupRef param_group(size_t g) override {
+    HG_CHECK(g < groups_.size(), "{}: no parameter group {} (it has {})", name(), g, groups_.size());
+    Group<Options>& group = groups_[g];
+    return {group.params, group.options.lr, momentum_of(group.options)};
+  }
+
+ protected:
+  OptimizerWith(const char* name, std::vector<Group<Options>> groups) : Optimizer(name), groups_(std::move(groups)) {}
+  const TensorList& group_params(size_t g) const override { return groups_.at(g).params; }
+
+  std::vector<Group<Options>> groups_;
 };
 
 }  // namespace halfgrad::optim

@@ -4,6 +4,7 @@
 //   b = momentum * b + (1 - dampening) * g      (b = g on the first step)
 //   g = nesterov ? g + momentum * b : b         (when momentum != 0)
 //   p = p - lr * g
+// The update is one fused pass per (group, device, dtype): optim/fused.h.
 #include <vector>
 
 #include "optim/optimizer.h"
@@ -17,24 +18,21 @@ struct SGDOptions {
   double weight_decay = 0;
   bool nesterov = false;
 };
+inline double& momentum_of(SGDOptions& o) { return o.momentum; }
 
 // Parameters that share options, as PyTorch's param_groups.
-struct SGDGroup {
-  TensorList params;
-  SGDOptions options;
-};
+using SGDGroup = Group<SGDOptions>;
 
-class SGD : public Optimizer {
+class SGD : public OptimizerWith<SGDOptions> {
  public:
   SGD(TensorList params, SGDOptions options);
   explicit SGD(std::vector<SGDGroup> groups);
   void step() override;
-  TensorList parameters() const override;
-  std::vector<SGDGroup>& param_groups() { return groups_; }
 
- private:
-  std::vector<SGDGroup> groups_;
-  std::vector<TensorList> momentum_buffers_;  // [group][param], undefined until the first step with momentum
+ protected:
+  // State per parameter: "momentum_buffer" (undefined until the first step with momentum).
+  std::vector<std::string> state_names(size_t) const override { return {"momentum_buffer"}; }
+  bool counts_steps() const override { return false; }
 };
 
 }  // namespace halfgrad::optim

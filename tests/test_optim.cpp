@@ -1,18 +1,58 @@
-// Optimizers against hand-computed steps.
+// Optimizers against hand-computed steps, parameter groups, checkpoint state, clip_grad_norm_, and the
+// fused CUDA step against the CPU one.
+//
+// "PyTorch's numbers" below were computed by hand with PyTorch's update formulas in double precision
+// (torch/optim/adam.py, _single_tensor_adam: lerp for m, bias corrections in Python floats); our float64
+// step must agree to rounding, so the tolerance is 1e-12 relative.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/cuda.h"
 #include "halfgrad.h"
+#include "optim/adam.h"
+#include "optim/clip_grad.h"
 #include "optim/sgd.h"
 
 using namespace halfgrad;
+using optim::NamedTensors;
 
-static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+namespace {
+
+std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // Sets p.grad to g and runs one step.
-static void step_with(optim::Optimizer& opt, Tensor& p, std::vector<double> g) {
+void step_with(optim::Optimizer& opt, Tensor& p, std::vector<double> g) {
   p.set_grad(tensor(g));
   opt.step();
 }
+
+void check_close(const Tensor& t, const std::vector<double>& expected, double rtol = 1e-12) {
+  std::vector<double> v = values(t);
+  REQUIRE(v.size() == expected.size());
+  for (size_t i = 0; i < v.size(); ++i) CHECK(v[i] == doctest::Approx(expected[i]).epsilon(rtol));
+}
+
+// Largest |a - b| / (atol + rtol * |b|) over the elements: <= 1 passes.
+double worst_error(const Tensor& a, const Tensor& b, double rtol, double atol) {
+  std::vector<double> x = values(a), y = values(b);
+  REQUIRE(x.size() == y.size());
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(x[i] - y[i]) / (atol + rtol * std::abs(y[i])));
+  return worst;
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  std::vector<double> x = values(a), y = values(b);
+  return x == y;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// SGD
 
 TEST_CASE("plain SGD subtracts lr * grad") {
   Tensor p = tensor(std::vector<double>{1, 2}).requires_grad_();
@@ -25,7 +65,7 @@ TEST_CASE("SGD momentum, dampening and weight decay follow PyTorch's update") {
   Tensor p = tensor(std::vector<double>{1.0}).requires_grad_();
   optim::SGD opt({p}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.5, .weight_decay = 0.01});
   step_with(opt, p, {1.0});
-  // g = 1 + 0.01*1 = 1.01 ; b = g (first step) ; p = 1 - 0.1*1.01 = 0.899
+  // g = 1 + 0.01*1 = 1.01 ; b = g (first step: no dampening) ; p = 1 - 0.1*1.01 = 0.899
   CHECK(values(p)[0] == doctest::Approx(0.899).epsilon(1e-12));
   step_with(opt, p, {1.0});
   // g = 1 + 0.01*0.899 = 1.00899 ; b = 0.9*1.01 + 0.5*1.00899 = 1.413495 ; p = 0.899 - 0.1413495
@@ -61,6 +101,9 @@ TEST_CASE("SGD refuses bad options and non-leaf parameters") {
   CHECK_THROWS_WITH_AS(optim::SGD({p}, {.lr = -1}), doctest::Contains("learning rate"), Error);
   CHECK_THROWS_WITH_AS(optim::SGD({p}, {.nesterov = true}), doctest::Contains("nesterov"), Error);
   CHECK_THROWS_WITH_AS(optim::SGD({p * 2}, {}), doctest::Contains("leaves"), Error);
+  CHECK_THROWS_WITH_AS(optim::SGD({{{p}, {}}, {{p}, {}}}), doctest::Contains("more than once"), Error);
+  Tensor ints = zeros({1}, {.dtype = kInt64});
+  CHECK_THROWS_WITH_AS(optim::SGD({ints}, {}), doctest::Contains("floating point"), Error);
 }
 
 TEST_CASE("a few SGD steps fit a linear model") {
@@ -80,3 +123,556 @@ TEST_CASE("a few SGD steps fit a linear model") {
   }
   CHECK(last < first * 1e-6);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Adam and AdamW: PyTorch's numbers (see the top of the file) for three steps with gradients
+//   [0.5, -1.0], [0.1, 0.3], [-0.2, 0.05] from p = [1, -2], lr 0.1, betas (0.9, 0.999), eps 1e-8.
+
+namespace {
+const std::vector<std::vector<double>> kAdamGrads = {{0.5, -1.0}, {0.1, 0.3}, {-0.2, 0.05}};
+
+void check_three_steps(optim::Optimizer& opt, Tensor& p, const std::vector<std::vector<double>>& expected) {
+  for (size_t s = 0; s < 3; ++s) {
+    CAPTURE(s);
+    step_with(opt, p, kAdamGrads[s]);
+    check_close(p, expected[s]);
+  }
+}
+}  // namespace
+
+TEST_CASE("Adam matches PyTorch's update: bias correction, eps outside the square root") {
+  Tensor p = tensor(std::vector<double>{1.0, -2.0}).requires_grad_();
+  optim::Adam opt({p}, {.lr = 0.1});
+  // Step 1 by hand: m = 0.1 g, v = 0.001 g^2, so m / (1 - 0.9) = g and sqrt(v / (1 - 0.999)) = |g|:
+  // p -= 0.1 * g / (|g| + 1e-8), a step of (almost exactly) lr against the sign of the gradient.
+  check_three_steps(opt, p,
+                    {{0.900000002, -1.900000001},
+                     {0.8196959063846517, -1.8572151424292265},
+                     {0.7852605318354889, -1.8272390434646615}});
+}
+
+TEST_CASE("Adam's weight decay is an L2 term added to the gradient") {
+  Tensor p = tensor(std::vector<double>{1.0, -2.0}).requires_grad_();
+  optim::Adam opt({p}, {.lr = 0.1, .weight_decay = 0.1});
+  check_three_steps(opt, p,
+                    {{0.9000000016666666, -1.9000000008333333},
+                     {0.8136483454297575, -1.8400703555381717},
+                     {0.7598997572221902, -1.7869615121704383}});
+}
+
+TEST_CASE("AdamW decays the weights directly: p *= 1 - lr * weight_decay") {
+  Tensor p = tensor(std::vector<double>{1.0, -2.0}).requires_grad_();
+  optim::AdamW opt({p}, {.lr = 0.1, .weight_decay = 0.1});
+  // Step 1: p = 1 * (1 - 0.01) - 0.1 * 0.5 / (0.5 + 1e-8) = 0.890000002
+  check_three_steps(opt, p,
+                    {{0.890000002, -1.880000001},
+                     {0.8007959063646517, -1.8184151424192265},
+                     {0.7583525727518424, -1.7702548920304693}});
+}
+
+TEST_CASE("AdamW defaults to weight_decay 1e-2 like PyTorch; Adam to 0") {
+  Tensor p = ones({1}, {.requires_grad = true});
+  CHECK(optim::AdamW({p}).groups()[0].options.weight_decay == 1e-2);
+  CHECK(optim::Adam({p}).groups()[0].options.weight_decay == 0);
+}
+
+TEST_CASE("amsgrad divides by the largest second moment seen so far") {
+  // Gradients 1, 0.01, 0.01 with betas (0.5, 0.9): v shrinks after the first step, v_max does not, so
+  // amsgrad takes the smaller steps.
+  const std::vector<std::vector<double>> grads = {{1.0}, {0.01}, {0.01}};
+  const std::vector<double> with = {-0.09999999900000002, -0.14686576411110677, -0.17179405268808334};
+  const std::vector<double> without = {-0.09999999900000002, -0.14939810871252202, -0.17709295910977105};
+  for (bool amsgrad : {true, false}) {
+    CAPTURE(amsgrad);
+    Tensor p = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+    optim::Adam opt({p}, {.lr = 0.1, .betas = {0.5, 0.9}, .amsgrad = amsgrad});
+    for (size_t s = 0; s < 3; ++s) {
+      step_with(opt, p, grads[s]);
+      check_close(p, {(amsgrad ? with : without)[s]});
+    }
+  }
+}
+
+TEST_CASE("Adam counts steps per parameter: one without a gradient keeps its bias correction") {
+  Tensor a = tensor(std::vector<double>{1.0}).requires_grad_();
+  Tensor b = tensor(std::vector<double>{1.0}).requires_grad_();
+  optim::Adam opt({a, b}, {.lr = 0.1});
+  a.set_grad(tensor(std::vector<double>{1.0}));
+  opt.step();  // only a steps
+  a.set_grad(tensor(std::vector<double>{1.0}));
+  b.set_grad(tensor(std::vector<double>{1.0}));
+  opt.step();  // a's second step, b's first: b moves by (almost exactly) lr, as a did on its first
+  CHECK(opt.state(0, 0).step == 2);
+  CHECK(opt.state(0, 1).step == 1);
+  CHECK(values(b)[0] == doctest::Approx(1 - 0.1 / (1 + 1e-8)).epsilon(1e-12));
+}
+
+TEST_CASE("Adam refuses bad options") {
+  Tensor p = ones({1}, {.requires_grad = true});
+  CHECK_THROWS_WITH_AS(optim::Adam({p}, {.lr = -1}), doctest::Contains("learning rate"), Error);
+  CHECK_THROWS_WITH_AS(optim::Adam({p}, {.betas = {1.0, 0.999}}), doctest::Contains("beta1"), Error);
+  CHECK_THROWS_WITH_AS(optim::AdamW({p}, {.betas = {0.9, -0.1}}), doctest::Contains("AdamW: invalid beta2"), Error);
+  CHECK_THROWS_WITH_AS(optim::Adam({p}, {.eps = -1}), doctest::Contains("eps"), Error);
+  CHECK_THROWS_WITH_AS(optim::AdamW({p}, {.weight_decay = -1}), doctest::Contains("weight_decay"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The fused CPU kernels on many elements (several chunks and threads) and on 16-bit floats
+
+namespace {
+// Reference: one Adam step per element in double, written out as in the PyTorch docs.
+void adam_reference(std::vector<double>& p, const std::vector<double>& g, std::vector<double>& m,
+                    std::vector<double>& v, int t, double lr, double b1, double b2, double eps, double wd, bool decoupled) {
+  for (size_t i = 0; i < p.size(); ++i) {
+    double grad = g[i];
+    if (decoupled)
+      p[i] *= 1 - lr * wd;
+    else
+      grad += wd * p[i];
+    m[i] = b1 * m[i] + (1 - b1) * grad;
+    v[i] = b2 * v[i] + (1 - b2) * grad * grad;
+    double m_hat = m[i] / (1 - std::pow(b1, t));
+    double v_hat_sqrt = std::sqrt(v[i]) / std::sqrt(1 - std::pow(b2, t));
+    p[i] -= lr * m_hat / (v_hat_sqrt + eps);
+  }
+}
+}  // namespace
+
+TEST_CASE("fused AdamW on large tensors (float32, float16, bfloat16) matches a per-element reference") {
+  // 300k elements in two tensors: many 16k-element chunks, run by several OpenMP threads.
+  manual_seed(1);
+  const Shape shapes[] = {{300, 1000}, {7}};
+  for (DType dt : {kFloat32, kFloat16, kBFloat16}) {
+    CAPTURE(std::string(dtype_name(dt)));
+    TensorList params;
+    std::vector<std::vector<double>> p_ref, m_ref, v_ref;
+    for (const Shape& s : shapes) {
+      Tensor p = randn(s).to(dt).requires_grad_();
+      params.push_back(p);
+      p_ref.push_back(values(p));
+      m_ref.emplace_back(p.numel(), 0.0);
+      v_ref.emplace_back(p.numel(), 0.0);
+    }
+    optim::AdamW opt(params, {.lr = 1e-2, .weight_decay = 0.05});
+    for (int t = 1; t <= 3; ++t) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        // |g| in [0.5, 1.5): (1 - beta2) g^2 stays a normal float16 (a subnormal second moment loses its
+        // precision, and the step with it: why float16 parameters want float32 master weights).
+        Tensor u = rand(params[i].shape());
+        Tensor g = ((u + 0.5) * (randn(params[i].shape()).sign())).to(dt);
+        params[i].set_grad(g);
+        adam_reference(p_ref[i], values(g), m_ref[i], v_ref[i], t, 1e-2, 0.9, 0.999, 1e-8, 0.05, true);
+      }
+      opt.step();
+    }
+    // float32: a few ulp of the parameter per step. 16-bit: p is rounded to the storage type every step
+    // (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16), three steps make 1.5 ulp; m and v are
+    // rounded too, which moves each step (~lr) by a relative ulp, far below that.
+    const double rtol = dt == kFloat32 ? 1e-6 : dt == kFloat16 ? 3e-3 : 2.4e-2;
+    for (size_t i = 0; i < params.size(); ++i) {
+      Tensor ref = tensor(p_ref[i], params[i].shape());
+      CHECK(worst_error(params[i], ref, rtol, 1e-4) <= 1);
+    }
+  }
+}
+
+TEST_CASE("SGD with momentum on a large tensor: the fused loop matches PyTorch's chain of ops") {
+  manual_seed(2);
+  Tensor p = randn({200000}).requires_grad_();
+  Tensor p_ref = p.detach().clone().to(kFloat64);
+  Tensor buf;
+  optim::SGD opt({p}, {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+  for (int s = 0; s < 3; ++s) {
+    Tensor g = randn({200000});
+    p.set_grad(g);
+    opt.step();
+    // torch.optim.SGD, written with tensor ops in float64
+    Tensor g64 = g.to(kFloat64) + p_ref * 1e-3;
+    buf = buf.defined() ? buf * 0.9 + g64 : g64;
+    p_ref = p_ref - (g64 + buf * 0.9) * 0.05;
+  }
+  CHECK(worst_error(p, p_ref, 1e-6, 1e-6) <= 1);
+}
+
+TEST_CASE("a non-contiguous parameter is updated through a contiguous copy and written back") {
+  Tensor p = tensor(std::vector<double>{1, 2, 3, 4, 5, 6}, {2, 3}).t().requires_grad_();  // [3, 2], strided
+  REQUIRE_FALSE(p.is_contiguous());
+  optim::SGD opt({p}, {.lr = 1});
+  p.set_grad(ones({3, 2}, {.dtype = kFloat64}));
+  opt.step();
+  CHECK(values(p) == std::vector<double>{0, 3, 1, 4, 2, 5});
+  CHECK_FALSE(p.is_contiguous());
+}
+
+TEST_CASE("a step bumps the parameter's version: a graph that saved the old value refuses to use it") {
+  Tensor w = ones({2}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor y = (w * w).sum();  // saves w
+  optim::SGD opt({w}, {.lr = 0.1});
+  w.set_grad(ones({2}, {.dtype = kFloat64}));
+  opt.step();
+  CHECK_THROWS_AS(y.backward(), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Generic access: what schedulers and amp::initialize use
+
+TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: beta1)") {
+  Tensor a = ones({1}, {.requires_grad = true});
+  Tensor b = ones({1}, {.requires_grad = true});
+  optim::Adam adam({{{a}, {.lr = 0.1}}, {{b}, {.lr = 0.2, .betas = {0.8, 0.99}}}});
+  optim::Optimizer& opt = adam;
+  REQUIRE(opt.num_param_groups() == 2);
+  CHECK(opt.param_group(1).lr == 0.2);
+  CHECK(opt.param_group(1).momentum == 0.8);
+  for (optim::ParamGroupRef g : opt.param_groups()) {
+    g.lr *= 10;
+    g.momentum = 0.85;
+  }
+  CHECK(adam.groups()[0].options.lr == doctest::Approx(1.0));
+  CHECK(adam.groups()[1].options.betas == std::pair<double, double>{0.85, 0.99});
+  CHECK_THROWS_WITH_AS(opt.param_group(2), doctest::Contains("no parameter group 2"), Error);
+
+  optim::SGD sgd({a}, {.lr = 0.1, .momentum = 0.9});
+  sgd.param_group(0).momentum = 0.5;
+  CHECK(sgd.groups()[0].options.momentum == 0.5);
+}
+
+TEST_CASE("parameters replaced before the first step are the ones updated (amp's FP32 master weights)") {
+  // The model runs in float16; the optimizer was built on it, then gets float32 masters.
+  Tensor half_weight = ones({3}, {.dtype = kFloat16, .requires_grad = true});
+  optim::SGD opt({half_weight}, {.lr = 0.5, .momentum = 0.9});
+  Tensor master = half_weight.detach().to(kFloat32).requires_grad_();
+  opt.param_group(0).params[0] = master;
+  master.set_grad(full({3}, 0.25));
+  opt.step();
+  CHECK(values(master) == std::vector<double>{0.875, 0.875, 0.875});
+  CHECK(values(half_weight) == std::vector<double>{1, 1, 1});
+  CHECK(opt.state(0, 0).buffers[0].dtype() == kFloat32);
+  CHECK(opt.parameters()[0].same(master));
+
+  // Replacing it after the first step by a tensor of another shape is an error that says what happened.
+  Tensor other = ones({4}, {.requires_grad = true});
+  other.set_grad(ones({4}));
+  opt.param_group(0).params[0] = other;
+  CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("replaced after the optimizer's first step"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// State for checkpoints
+
+TEST_CASE("Adam's state has stable names: groups' lr and momentum, step, exp_avg, exp_avg_sq") {
+  Tensor a = ones({2, 3}, {.requires_grad = true});
+  Tensor b = ones({4}, {.requires_grad = true});
+  Tensor c = ones({1}, {.requires_grad = true});
+  optim::Adam opt({{{a, b}, {.lr = 0.1}}, {{c}, {.lr = 0.2, .amsgrad = true}}});
+  a.set_grad(ones({2, 3}));
+  c.set_grad(ones({1}));
+  opt.step();  // b has no gradient: no state
+  std::vector<std::string> names;
+  for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.1.lr",
+                                          "param_groups.1.momentum", "state.0.0.step", "state.0.0.exp_avg",
+                                          "state.0.0.exp_avg_sq", "state.1.0.step", "state.1.0.exp_avg",
+                                          "state.1.0.exp_avg_sq", "state.1.0.max_exp_avg_sq"});
+  NamedTensors state = opt.state_tensors();
+  CHECK(state[4].second.dim() == 0);
+  CHECK(state[4].second.dtype() == kInt64);
+  CHECK(state[4].second.item<int64_t>() == 1);
+  CHECK(state[5].second.shape() == Shape{2, 3});
+  CHECK(state[0].second.dim() == 0);
+  CHECK(state[0].second.item<double>() == 0.1);
+}
+
+TEST_CASE("continuing from loaded state gives exactly the results of uninterrupted training") {
+  auto grad_of = [](const Tensor& p, int s) {
+    NoGradGuard no_grad;
+    return (p * 0.3 + double(s) * 0.1 - 0.5).tanh();
+  };
+  auto make_param = [] {
+    manual_seed(3);
+    return randn({5, 7}).requires_grad_();
+  };
+  auto check = [&](auto make_optimizer) {
+    // Uninterrupted: 6 steps.
+    Tensor p1 = make_param();
+    auto opt1 = make_optimizer(p1);
+    for (int s = 0; s < 6; ++s) {
+      p1.set_grad(grad_of(p1, s));
+      opt1.step();
+    }
+    // Interrupted after 3 steps: the state and the parameter go to a "checkpoint" (copies), a fresh
+    // optimizer loads it, and training goes on.
+    Tensor p2 = make_param();
+    auto opt2 = make_optimizer(p2);
+    for (int s = 0; s < 3; ++s) {
+      p2.set_grad(grad_of(p2, s));
+      opt2.step();
+    }
+    NamedTensors checkpoint;
+    for (const auto& [name, t] : opt2.state_tensors()) checkpoint.emplace_back(name, t.clone());
+    Tensor saved_param = p2.detach().clone();
+
+    Tensor p3 = saved_param.clone().requires_grad_();
+    auto opt3 = make_optimizer(p3);
+    opt3.load_state_tensors(checkpoint);
+    for (int s = 3; s < 6; ++s) {
+      p3.set_grad(grad_of(p3, s));
+      opt3.step();
+    }
+    CHECK(bitwise_equal(p1, p3));
+  };
+  SUBCASE("SGD with nesterov momentum") {
+    check([](Tensor& p) { return optim::SGD({p}, {.lr = 0.1, .momentum = 0.9, .nesterov = true}); });
+  }
+  SUBCASE("Adam with amsgrad") { check([](Tensor& p) { return optim::Adam({p}, {.lr = 0.01, .amsgrad = true}); }); }
+  SUBCASE("AdamW") { check([](Tensor& p) { return optim::AdamW({p}, {.lr = 0.01}); }); }
+}
+
+TEST_CASE("loaded state is copied: later steps do not write into the caller's tensors") {
+  Tensor p = ones({2}, {.requires_grad = true});
+  optim::SGD opt({p}, {.lr = 0.1, .momentum = 0.9});
+  Tensor buffer = full({2}, 3.0);
+  opt.load_state_tensors({{"param_groups.0.lr", scalar_tensor(0.2, {.dtype = kFloat64})},
+                          {"param_groups.0.momentum", scalar_tensor(0.9, {.dtype = kFloat64})},
+                          {"state.0.0.momentum_buffer", buffer}});
+  CHECK(opt.groups()[0].options.lr == 0.2);
+  p.set_grad(ones({2}));
+  opt.step();  // b = 0.9 * 3 + 1 = 3.7 ; p = 1 - 0.2 * 3.7 = 0.26
+  CHECK(values(buffer) == std::vector<double>{3, 3});
+  CHECK(values(p)[0] == doctest::Approx(0.26).epsilon(1e-6));
+}
+
+TEST_CASE("loading state reports every mismatch at once and changes nothing") {
+  Tensor a = ones({2, 3}, {.requires_grad = true});
+  Tensor b = ones({4}, {.requires_grad = true});
+  optim::Adam opt({a, b}, {.lr = 0.1});
+  NamedTensors bad = {
+      {"param_groups.0.lr", scalar_tensor(0.5, {.dtype = kFloat64})},
+      // missing: param_groups.0.momentum
+      {"state.0.0.step", scalar_tensor(int64_t(4), {.dtype = kInt64})},
+      {"state.0.0.exp_avg", zeros({3, 2})},                 // wrong shape
+      {"state.0.0.exp_avg_sq", zeros({2, 3}, {.dtype = kFloat64})},  // wrong dtype
+      {"state.0.1.exp_avg", zeros({4})},                    // exp_avg_sq and step missing
+      {"state.0.7.exp_avg", zeros({4})},                    // no parameter 7
+      {"state.3.0.exp_avg", zeros({4})},                    // no group 3
+      {"state.0.1.momentum_buffer", zeros({4})},            // not Adam's
+      {"model.weight", zeros({4})},                         // not an optimizer entry
+  };
+  try {
+    opt.load_state_tensors(bad);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CAPTURE(msg);
+    CHECK(msg.find("Adam: cannot load the optimizer state (9 problems)") != std::string::npos);
+    CHECK(msg.find("missing 'param_groups.0.momentum'") != std::string::npos);
+    CHECK(msg.find("'state.0.0.exp_avg' is float32[3, 2] cpu but parameter 0 of group 0 is float32[2, 3] cpu") !=
+          std::string::npos);
+    CHECK(msg.find("'state.0.0.exp_avg_sq' is float64[2, 3] cpu") != std::string::npos);
+    CHECK(msg.find("parameter 1 of group 0 has exp_avg but not step, exp_avg_sq") != std::string::npos);
+    CHECK(msg.find("names parameter 7 of group 0, which has 2 parameter(s)") != std::string::npos);
+    CHECK(msg.find("names group 3, but the optimizer has 1 group(s)") != std::string::npos);
+    CHECK(msg.find("unexpected entry 'state.0.1.momentum_buffer': Adam keeps step, exp_avg, exp_avg_sq") !=
+          std::string::npos);
+    CHECK(msg.find("unexpected entry 'model.weight'") != std::string::npos);
+  }
+  CHECK(opt.groups()[0].options.lr == 0.1);  // nothing changed
+  CHECK(opt.state_tensors().size() == 2);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// clip_grad_norm_
+
+TEST_CASE("clip_grad_norm_ with the 2-norm: total over all gradients, coefficient max_norm / (norm + 1e-6)") {
+  Tensor a = zeros({2}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor b = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor c = zeros({1}, {.dtype = kFloat64, .requires_grad = true});  // no gradient: left out
+  a.set_grad(tensor(std::vector<double>{3, 4}));
+  b.set_grad(tensor(std::vector<double>{12}));
+  Tensor norm = optim::clip_grad_norm_({a, b, c}, 6.5);
+  CHECK(norm.dim() == 0);
+  CHECK(norm.dtype() == kFloat64);
+  CHECK(norm.item<double>() == doctest::Approx(13).epsilon(1e-15));  // sqrt(9 + 16 + 144)
+  const double coef = 6.5 / (13 + 1e-6);
+  check_close(a.grad(), {3 * coef, 4 * coef}, 1e-15);
+  check_close(b.grad(), {12 * coef}, 1e-15);
+  CHECK_FALSE(c.grad().defined());
+}
+
+TEST_CASE("clip_grad_norm_ with the inf-norm and other p; below max_norm the gradients do not change") {
+  Tensor a = zeros({3}, {.dtype = kFloat64, .requires_grad = true});
+  auto reset = [&] { a.set_grad(tensor(std::vector<double>{1, -12, 4})); };
+  reset();
+  CHECK(optim::clip_grad_norm_({a}, 6, INFINITY).item<double>() == 12);
+  check_close(a.grad(), {6 / (12 + 1e-6), -12 * 6 / (12 + 1e-6), 4 * 6 / (12 + 1e-6)}, 1e-15);
+  reset();
+  CHECK(optim::clip_grad_norm_({a}, 100, 1).item<double>() == 17);
+  CHECK(values(a.grad()) == std::vector<double>{1, -12, 4});  // coefficient clamped to exactly 1
+  reset();
+  CHECK(optim::grad_norm({a}, 3).item<double>() == doctest::Approx(std::cbrt(1 + 1728 + 64)).epsilon(1e-14));
+  CHECK_THROWS_WITH_AS(optim::clip_grad_norm_({a}, 1, 0), doctest::Contains("norm_type"), Error);
+}
+
+TEST_CASE("clip_grad_norm_ on float16 gradients accumulates in float32; many gradients; nan propagates") {
+  // Two float16 gradients of 60000: the norm 84853 is beyond float16's 65504 but not float32's.
+  Tensor h = zeros({2}, {.dtype = kFloat16, .requires_grad = true});
+  h.set_grad(full({2}, 60000.0, {.dtype = kFloat16}));
+  Tensor norm = optim::clip_grad_norm_({h}, 1);
+  CHECK(norm.dtype() == kFloat32);
+  CHECK(norm.item<double>() == doctest::Approx(60000 * std::sqrt(2.0)).epsilon(1e-6));
+
+  // 300k float32 elements across chunks and threads, mixed with a float64 gradient: float32 result.
+  manual_seed(4);
+  Tensor big = zeros({300000}, {.requires_grad = true});
+  Tensor small = zeros({3}, {.dtype = kFloat64, .requires_grad = true});
+  big.set_grad(randn({300000}));
+  small.set_grad(tensor(std::vector<double>{1, 2, 3}));
+  const double expected = std::sqrt(big.grad().to(kFloat64).pow(2).sum().item<double>() + 14);
+  Tensor total = optim::clip_grad_norm_({big, small}, 1);
+  CHECK(total.dtype() == kFloat32);
+  CHECK(total.item<double>() == doctest::Approx(expected).epsilon(1e-5));
+  CHECK(optim::grad_norm({big, small}).item<double>() == doctest::Approx(1).epsilon(1e-5));
+
+  Tensor bad = zeros({2}, {.requires_grad = true});
+  bad.set_grad(tensor(std::vector<float>{1, NAN}));
+  CHECK(std::isnan(optim::clip_grad_norm_({bad}, 1).item<double>()));
+  bad.set_grad(tensor(std::vector<float>{NAN, 1}));
+  CHECK(std::isnan(optim::grad_norm({bad}, INFINITY).item<double>()));
+
+  CHECK(optim::clip_grad_norm_({zeros({1}, {.requires_grad = true})}, 1).item<double>() == 0);  // no gradients
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CUDA: the fused multi-tensor kernels against the CPU ones
+
+#if HALFGRAD_WITH_CUDA
+namespace {
+
+// Parameter sizes that exercise the batching: 150 tensors (more than one launch's worth for every
+// optimizer), some larger than a chunk, odd sizes (vector tails), and some misaligned (views at an odd
+// offset, so the kernels take their scalar path).
+std::vector<int64_t> cuda_test_sizes() {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 150; ++i) sizes.push_back(1 + (i * 37) % 300);
+  sizes.push_back(16384 * 3 + 5);
+  sizes.push_back(100003);
+  return sizes;
+}
+
+// Matching parameter lists on the CPU and the GPU: same values, the GPU ones partly misaligned.
+std::pair<TensorList, TensorList> twin_params(DType dt) {
+  TensorList cpu, gpu;
+  int i = 0;
+  for (int64_t n : cuda_test_sizes()) {
+    Tensor values = (randn({n}) * 0.5).to(dt);
+    cpu.push_back(values.clone().requires_grad_());
+    Tensor g;
+    if (i++ % 3 == 0) {  // an odd element offset inside a larger buffer
+      Tensor buffer = zeros({n + 1}, {.dtype = dt, .device = Device::cuda(0)});
+      g = buffer.narrow(0, 1, n);
+      g.copy_(values);
+    } else {
+      g = values.to(Device::cuda(0));
+    }
+    gpu.push_back(g.requires_grad_());
+  }
+  return {cpu, gpu};
+}
+
+void set_twin_grads(const TensorList& cpu, const TensorList& gpu, DType dt) {
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    Tensor g = randn(cpu[i].shape()).to(dt);
+    cpu[i].set_grad(g);
+    gpu[i].set_grad(g.to(Device::cuda(0)));
+  }
+}
+
+// CPU and GPU compute the same formulas in the same opmath type; they differ by FMA contraction and
+// division/sqrt rounding, a few ulp of float32 per step. 16-bit storage then rounds each to one of two
+// neighbours: one ulp of float16 (2^-10 relative), of bfloat16 (2^-7).
+double cuda_tolerance(DType dt) {
+  switch (dt) {
+    case kFloat64: return 1e-12;
+    case kFloat32: return 1e-5;
+    case kFloat16: return 2e-3;
+    default: return 1.6e-2;
+  }
+}
+
+template <typename MakeOptimizer> void compare_cuda_step(DType dt, MakeOptimizer make) {
+  CAPTURE(std::string(dtype_name(dt)));
+  manual_seed(5);
+  auto [cpu, gpu] = twin_params(dt);
+  auto opt_cpu = make(cpu);
+  auto opt_gpu = make(gpu);
+  for (int s = 0; s < 3; ++s) {
+    set_twin_grads(cpu, gpu, dt);
+    opt_cpu.step();
+    opt_gpu.step();
+  }
+  const double tol = cuda_tolerance(dt);
+  double worst = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) worst = std::max(worst, worst_error(gpu[i].cpu(), cpu[i], tol, tol));
+  CHECK(worst <= 1);
+  // The state too: every buffer of every parameter.
+  NamedTensors sc = opt_cpu.state_tensors(), sg = opt_gpu.state_tensors();
+  REQUIRE(sc.size() == sg.size());
+  for (size_t i = 0; i < sc.size(); ++i) {
+    CAPTURE(sc[i].first);
+    CHECK(sc[i].first == sg[i].first);
+    CHECK(worst_error(sg[i].second.cpu().to(kFloat64), sc[i].second.to(kFloat64), tol, tol) <= 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay; every dtype)") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    compare_cuda_step(dt, [](TensorList& p) { return optim::SGD(p, {.lr = 0.1, .momentum = 0.9, .nesterov = true, .weight_decay = 1e-2}); });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::SGD(p, {.lr = 0.1, .momentum = 0.9, .dampening = 0.1}); });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::SGD(p, {.lr = 0.1}); });
+  }
+}
+
+TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; every dtype)") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    compare_cuda_step(dt, [](TensorList& p) { return optim::Adam(p, {.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}); });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::AdamW(p, {.lr = 1e-2}); });
+  }
+}
+
+TEST_CASE("CUDA clip_grad_norm_ matches the CPU one (2, 1, 3 and inf norms) without a host sync") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+    for (double norm_type : {2.0, 1.0, 3.0, double(INFINITY)}) {
+      CAPTURE(std::string(dtype_name(dt)));
+      CAPTURE(norm_type);
+      manual_seed(6);
+      auto [cpu, gpu] = twin_params(dt);
+      set_twin_grads(cpu, gpu, dt);
+      Tensor n_cpu = optim::clip_grad_norm_(cpu, 1.0, norm_type);
+      Tensor n_gpu = optim::clip_grad_norm_(gpu, 1.0, norm_type);
+      CHECK(n_gpu.is_cuda());
+      CHECK(n_gpu.dtype() == n_cpu.dtype());
+      // Sums of ~170k terms in float32 in different orders: relative differences of ~1e-6.
+      const double tol = dt == kFloat64 ? 1e-12 : 1e-5;
+      CHECK(n_gpu.cpu().item<double>() == doctest::Approx(n_cpu.item<double>()).epsilon(tol));
+      double worst = 0;
+      for (size_t i = 0; i < cpu.size(); ++i)
+        worst = std::max(worst, worst_error(gpu[i].grad().cpu(), cpu[i].grad(), cuda_tolerance(dt) + tol, 1e-6));
+      CHECK(worst <= 1);
+    }
+  }
+}
+#endif

@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 
+#include "core/autocast.h"
 #include "halfgrad.h"
 #include "ops/reduce.h"
 #include "tests/gradcheck.h"
@@ -448,4 +449,16 @@ TEST_CASE("reductions record nothing for inputs without grad and keep gradients 
   }
   CHECK(w.sum({1}).grad_fn()->name() == "SumBackward");
   CHECK(w.var().grad_fn()->name() == "VarBackward");
+}
+
+TEST_CASE("under autocast sum, mean and var run in float32 while max and argmax keep the input dtype") {
+  Tensor h = ones({64, 8}, {.dtype = kFloat16});
+  amp::AutocastGuard autocast(kFloat16);
+  CHECK(h.sum().dtype() == kFloat32);
+  CHECK(h.mean({0}).dtype() == kFloat32);
+  CHECK(h.var({1}).dtype() == kFloat32);
+  CHECK(h.max().dtype() == kFloat16);
+  CHECK(h.max(1).first.dtype() == kFloat16);
+  CHECK(h.argmax(0).dtype() == kInt64);
+  CHECK(ones({4}, {.dtype = kInt32}).sum().dtype() == kInt64);  // integers are never cast
 }

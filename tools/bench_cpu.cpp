@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <immintrin.h>
 #include <omp.h>
 
 #include "halfgrad.h"
@@ -69,6 +70,47 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
+// Measured fp32 FMA throughput of `threads` threads running at once: 12 independent accumulator chains per
+// thread (more than FMA latency x FMA units on any current core), widest vectors the build allows. It shows
+// what the cores really deliver, e.g. whether two vCPUs are two hyperthreads of one physical core.
+double measured_fma_gflops(int threads, const char** isa) {
+#if defined(__AVX512F__)
+  using Vec = __m512;
+  constexpr int kLanes = 16;
+  auto set1 = [](float v) { return _mm512_set1_ps(v); };
+  auto fma = [](Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); };
+  *isa = "AVX-512";
+#elif defined(__FMA__)
+  using Vec = __m256;
+  constexpr int kLanes = 8;
+  auto set1 = [](float v) { return _mm256_set1_ps(v); };
+  auto fma = [](Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); };
+  *isa = "AVX2 FMA";
+#else
+  *isa = "none";
+  (void)threads;
+  return 0;
+#endif
+#if defined(__AVX512F__) || defined(__FMA__)
+  constexpr int64_t kIterations = 20'000'000;
+  double slowest = 0;
+#pragma omp parallel num_threads(threads) reduction(max : slowest)
+  {
+    Vec acc[12];
+    for (Vec& a : acc) a = set1(1.0f);
+    const Vec m = set1(0.9999999f), add = set1(1e-7f);
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t it = 0; it < kIterations; ++it) {
+      for (Vec& a : acc) a = fma(a, m, add);
+      asm volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), "+v"(acc[5]),
+                   "+v"(acc[6]), "+v"(acc[7]), "+v"(acc[8]), "+v"(acc[9]), "+v"(acc[10]), "+v"(acc[11]));
+    }
+    slowest = seconds_since(start);
+  }
+  return double(threads) * kIterations * 12 * kLanes * 2 / slowest * 1e-9;
+#endif
+}
+
 // The loop of examples/linear_regression.cpp, timed: 500 iterations of forward, backward and SGD step.
 double linear_regression_seconds(int iterations, double* final_loss) {
   manual_seed(0);
@@ -114,6 +156,10 @@ int main(int argc, char** argv) {
   fmt::print("fp32 peak assumed: {} cores x {:.3f} GHz x 64 flop/cycle (AVX-512: 2 FMA x 16 lanes x 2) = "
              "{:.1f} GFLOP/s; target for matmul: half of it, {:.1f} GFLOP/s\n",
              cores, mhz * 1e-3, peak_gflops, peak_gflops / 2);
+  const char* isa = "";
+  const double fma_one = measured_fma_gflops(1, &isa), fma_all = measured_fma_gflops(int(cores), &isa);
+  fmt::print("fp32 peak measured ({} FMA loop): 1 thread {:.1f} GFLOP/s, {} threads {:.1f} GFLOP/s\n", isa, fma_one,
+             cores, fma_all);
   fmt::print("{:<26} {:<26} {:>9} {:<7} {:>13}  {}\n", "benchmark", "shape", "value", "unit", "median", "note");
 
   manual_seed(1);

@@ -1,0 +1,109 @@
+#include "core/autocast.h"
+
+#include <cstdlib>
+#include <map>
+
+#include "core/autograd.h"
+#include "core/log.h"
+
+namespace halfgrad::amp {
+
+namespace {
+struct State {
+  bool enabled = false;
+  DType dtype = kFloat16;
+  int depth = 0;        // guards alive: the cache lives until the outermost one ends
+  bool applying = false;
+  bool tracing = false;
+  // (parameter, target dtype) -> its cast. The cast keeps its autograd edge to the parameter.
+  std::map<std::pair<TensorImpl*, DType>, Tensor> cache;
+};
+thread_local State state;
+bool trace_env = [] {
+  const char* v = std::getenv("HALFGRAD_AMP_TRACE");
+  return v && std::string_view(v) != "0" && std::string_view(v) != "";
+}();
+std::function<void(const std::string&)> trace_sink;
+}  // namespace
+
+const char* rule_name(CastRule rule) {
+  switch (rule) {
+    case CastRule::LowerPrecision: return "lower precision";
+    case CastRule::Float32: return "float32";
+    case CastRule::Promote: return "promote";
+    case CastRule::Unchanged: return "unchanged";
+  }
+  return "?";
+}
+
+AutocastGuard::AutocastGuard(DType dtype, bool enabled) : prev_enabled_(state.enabled), prev_dtype_(state.dtype) {
+  HG_CHECK(dtype == kFloat16 || dtype == kBFloat16, "AutocastGuard: dtype must be float16 or bfloat16, got {}",
+           dtype_name(dtype));
+  state.enabled = enabled;
+  state.dtype = dtype;
+  ++state.depth;
+}
+
+AutocastGuard::~AutocastGuard() {
+  state.enabled = prev_enabled_;
+  state.dtype = prev_dtype_;
+  if (--state.depth == 0) state.cache.clear();
+}
+
+bool is_autocast_enabled() { return state.enabled; }
+DType autocast_dtype() { return state.dtype; }
+size_t autocast_cache_size() { return state.cache.size(); }
+
+TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
+TraceGuard::~TraceGuard() { state.tracing = prev_; }
+bool is_tracing() { return state.tracing || trace_env; }
+void set_trace_sink(std::function<void(const std::string&)> sink) { trace_sink = std::move(sink); }
+
+namespace detail {
+
+bool should_apply(CastRule rule) {
+  if (state.applying) return false;
+  return (state.enabled && rule != CastRule::Unchanged) || is_tracing();
+}
+
+ApplyingGuard::ApplyingGuard() : prev_(state.applying) { state.applying = true; }
+ApplyingGuard::~ApplyingGuard() { state.applying = prev_; }
+
+DType target_dtype(CastRule rule, DType widest_floating) {
+  switch (rule) {
+    case CastRule::LowerPrecision: return state.dtype;
+    case CastRule::Float32: return kFloat32;
+    case CastRule::Promote: return widest_floating;
+    case CastRule::Unchanged: return widest_floating;
+  }
+  return widest_floating;
+}
+
+Tensor cast(const Tensor& t, DType target) {
+  if (!t.defined() || !t.is_floating_point() || t.dtype() == kFloat64 || t.dtype() == target || target == kFloat64)
+    return t;
+  // Parameters (float32 leaves that require grad) are cast once per outermost guard, as PyTorch does.
+  bool cacheable = state.enabled && t.dtype() == kFloat32 && target == state.dtype && t.requires_grad() &&
+                   t.is_leaf() && !t.impl()->is_view;
+  if (!cacheable) return t.to(target);
+  auto key = std::make_pair(t.impl(), target);
+  auto it = state.cache.find(key);
+  if (it != state.cache.end()) return it->second;
+  Tensor casted = t.to(target);
+  state.cache.emplace(key, casted);
+  return casted;
+}
+
+void trace(const char* op, CastRule rule, const std::vector<DType>& inputs, const std::vector<DType>& outputs) {
+  auto names = [](const std::vector<DType>& dts) {
+    std::vector<std::string> n;
+    for (DType d : dts) n.push_back(dtype_name(d));
+    return fmt::format("{}", fmt::join(n, ", "));
+  };
+  std::string line = fmt::format("{} [{}] ({}) -> ({})", op, rule_name(rule), names(inputs), names(outputs));
+  logger().info("amp: {}", line);
+  if (trace_sink) trace_sink(line);
+}
+
+}  // namespace detail
+}  // namespace halfgrad::amp

@@ -1,0 +1,179 @@
+#pragma once
+// Autocast (apex O1, torch.autocast): inside an AutocastGuard, each op casts its floating inputs by the
+// precision rule of its category before running. The rules are the table kCastRules below; each op applies
+// its rule with one macro on its first line:
+//
+//   Tensor matmul(const Tensor& a, const Tensor& b) {
+//     HG_AUTOCAST(matmul, a, b);   // rule looked up in kCastRules at compile time
+//     ...
+//
+// Under autocast the macro casts the inputs and calls the op again with autocast out of the way (ops the op
+// calls internally, and backward passes, are not autocast again).
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "core/tensor.h"
+
+namespace halfgrad::amp {
+
+enum class CastRule {
+  LowerPrecision,  // run in the autocast dtype (float16/bfloat16): tensor-core ops
+  Float32,         // run in float32: ops whose range or accuracy float16 cannot hold
+  Promote,         // run in the widest floating dtype among the inputs: mixed binary ops
+  Unchanged,       // run in whatever dtype arrives
+};
+const char* rule_name(CastRule rule);
+
+// ---- The casting table: every op that autocast knows, and its category.
+struct OpRule {
+  std::string_view op;
+  CastRule rule;
+};
+inline constexpr OpRule kCastRules[] = {
+    // lower precision: the matrix products that tensor cores run
+    {"matmul", CastRule::LowerPrecision}, {"linear", CastRule::LowerPrecision}, {"bmm", CastRule::LowerPrecision},
+    {"conv2d", CastRule::LowerPrecision}, {"rnn_cell", CastRule::LowerPrecision},
+    {"gru_cell", CastRule::LowerPrecision}, {"lstm_cell", CastRule::LowerPrecision},
+    // float32: exponentials, powers, softmax, losses, norms and sum-like reductions
+    {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32},
+    {"softmax", CastRule::Float32}, {"log_softmax", CastRule::Float32},
+    {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32}, {"nll_loss", CastRule::Float32},
+    {"binary_cross_entropy_with_logits", CastRule::Float32},
+    {"layer_norm", CastRule::Float32}, {"norm", CastRule::Float32},
+    {"sum", CastRule::Float32}, {"mean", CastRule::Float32}, {"var", CastRule::Float32},
+    // promote: mixed inputs run in the widest of them
+    {"add", CastRule::Promote}, {"sub", CastRule::Promote}, {"mul", CastRule::Promote}, {"div", CastRule::Promote},
+    {"maximum", CastRule::Promote}, {"minimum", CastRule::Promote}, {"where", CastRule::Promote},
+    {"cat", CastRule::Promote}, {"stack", CastRule::Promote},
+    // unchanged (listed so the trace can name them): activations, pooling, views and the rest
+    {"relu", CastRule::Unchanged}, {"tanh", CastRule::Unchanged}, {"sigmoid", CastRule::Unchanged},
+    {"neg", CastRule::Unchanged}, {"abs", CastRule::Unchanged}, {"sqrt", CastRule::Unchanged},
+    {"rsqrt", CastRule::Unchanged}, {"clamp", CastRule::Unchanged}, {"max_pool2d", CastRule::Unchanged},
+    {"avg_pool2d", CastRule::Unchanged}, {"adaptive_avg_pool2d", CastRule::Unchanged},
+    {"dropout", CastRule::Unchanged}, {"embedding", CastRule::Unchanged}, {"max", CastRule::Unchanged},
+    {"min", CastRule::Unchanged}, {"argmax", CastRule::Unchanged},
+    // BatchNorm: half activations with float32 parameters and statistics (the op handles the mix itself)
+    {"batch_norm", CastRule::Unchanged},
+};
+
+consteval CastRule cast_rule(std::string_view op) {
+  for (const OpRule& r : kCastRules)
+    if (r.op == op) return r.rule;
+  throw "op missing from halfgrad::amp::kCastRules";  // a compile error: every op must have a category
+}
+
+// ---- The guard
+// Thread-local and nestable: an inner guard may switch autocast off (enabled = false) or change the dtype.
+// Casts of float32 leaf parameters are cached until the outermost guard ends: one cast per weight per forward.
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(DType dtype = kFloat16, bool enabled = true);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool prev_enabled_;
+  DType prev_dtype_;
+};
+
+bool is_autocast_enabled();
+DType autocast_dtype();
+size_t autocast_cache_size();  // cached parameter casts held now
+
+// ---- The trace (teaching aid): logs each op with its input and output dtypes and the rule that decided them.
+// On inside a TraceGuard, or for the whole run with HALFGRAD_AMP_TRACE=1.
+class TraceGuard {
+ public:
+  TraceGuard();
+  ~TraceGuard();
+
+ private:
+  bool prev_;
+};
+bool is_tracing();
+// Receives each trace line as well as the log (for tests and tools); empty function to remove.
+void set_trace_sink(std::function<void(const std::string&)> sink);
+
+namespace detail {
+bool should_apply(CastRule rule);  // autocast (or tracing) is on and this op is not already being handled
+
+class ApplyingGuard {  // marks the inner call of an op that autocast handled
+ public:
+  ApplyingGuard();
+  ~ApplyingGuard();
+
+ private:
+  bool prev_;
+};
+
+DType target_dtype(CastRule rule, DType widest_floating);  // the dtype inputs are cast to under autocast
+Tensor cast(const Tensor& t, DType target);  // floating, non-float64 tensors only; parameter casts cached
+void trace(const char* op, CastRule rule, const std::vector<DType>& inputs, const std::vector<DType>& outputs);
+
+template <typename T> void widest(const T& arg, DType& acc, bool& any) {
+  if constexpr (std::is_same_v<T, Tensor>) {
+    if (arg.defined() && arg.is_floating_point()) {
+      acc = any ? promote_types(acc, arg.dtype()) : arg.dtype();
+      any = true;
+    }
+  } else if constexpr (std::is_same_v<T, TensorList>) {
+    for (const Tensor& t : arg) widest(t, acc, any);
+  }
+}
+
+template <typename T> void collect_dtypes(const T& arg, std::vector<DType>& out) {
+  if constexpr (std::is_same_v<T, Tensor>) {
+    if (arg.defined()) out.push_back(arg.dtype());
+  } else if constexpr (std::is_same_v<T, TensorList>) {
+    for (const Tensor& t : arg) collect_dtypes(t, out);
+  } else if constexpr (requires { arg.first; arg.second; }) {
+    collect_dtypes(arg.first, out);
+    collect_dtypes(arg.second, out);
+  }
+}
+
+template <typename T> T cast_arg(const T& arg, CastRule rule, DType target) {
+  if (rule == CastRule::Unchanged) return arg;
+  if constexpr (std::is_same_v<T, Tensor>) {
+    return cast(arg, target);
+  } else if constexpr (std::is_same_v<T, TensorList>) {
+    TensorList out;
+    for (const Tensor& t : arg) out.push_back(cast(t, target));
+    return out;
+  } else {
+    return arg;
+  }
+}
+
+template <typename F, typename... Args> auto apply(CastRule rule, const char* op, F&& f, const Args&... args) {
+  ApplyingGuard applying;
+  DType wide = kFloat32;
+  bool any = false;
+  (widest(args, wide, any), ...);
+  DType target = target_dtype(rule, wide);
+  // With only the trace on, nothing is cast: tracing must not change what runs.
+  CastRule effective = is_autocast_enabled() ? rule : CastRule::Unchanged;
+  auto result = f(cast_arg(args, effective, target)...);
+  if (is_tracing()) {
+    std::vector<DType> in, out;
+    (collect_dtypes(args, in), ...);
+    collect_dtypes(result, out);
+    trace(op, rule, in, out);
+  }
+  return result;
+}
+}  // namespace detail
+
+}  // namespace halfgrad::amp
+
+// The first line of every op that has a precision rule. OP is the op's name in kCastRules and the function
+// to call again with the cast arguments.
+#define HG_AUTOCAST(OP, ...)                                                                        \
+  do {                                                                                              \
+    constexpr ::halfgrad::amp::CastRule hg_rule = ::halfgrad::amp::cast_rule(#OP);                  \
+    if (::halfgrad::amp::detail::should_apply(hg_rule))                                             \
+      return ::halfgrad::amp::detail::apply(                                                        \
+          hg_rule, #OP, [&](const auto&... hg_args) { return OP(hg_args...); }, __VA_ARGS__);       \
+  } while (0)

@@ -1,0 +1,210 @@
+// Layers: construction (parameters, buffers, PyTorch's default initialisation) and forward through the
+// functional ops. See nn/layers.h.
+#include "nn/layers.h"
+
+#include "core/autograd.h"
+#include "nn/init.h"
+#include "ops/batch_norm.h"
+#include "ops/dropout.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+
+namespace halfgrad::nn {
+
+namespace {
+std::string pair_str(Pair2d p) { return fmt::format("({}, {})", p[0], p[1]); }
+const char* bool_str(bool b) { return b ? "true" : "false"; }
+TensorOptions param_options(TensorOptions o) { return {.dtype = o.dtype, .device = o.device}; }
+}  // namespace
+
+// ---- Linear
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, TensorOptions options)
+    : in_features(in_features),
+      out_features(out_features),
+      weight(register_parameter("weight", empty({out_features, in_features}, param_options(options)))),
+      bias(register_parameter("bias", bias ? empty({out_features}, param_options(options)) : Tensor())) {
+  HG_CHECK(in_features >= 0 && out_features >= 0, "Linear: negative size ({}, {})", in_features, out_features);
+  init::default_linear_init_(weight, this->bias);
+}
+
+Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+
+std::string Linear::extra_repr() const {
+  return fmt::format("in_features={}, out_features={}, bias={}", in_features, out_features, bool_str(bias.defined()));
+}
+
+// ---- Conv2d
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Conv2dOptions options, bool bias,
+               TensorOptions tensor_options)
+    : in_channels(in_channels),
+      out_channels(out_channels),
+      kernel_size(kernel_size),
+      options(options),
+      weight(register_parameter(
+          "weight", empty({out_channels, options.groups > 0 ? in_channels / options.groups : 0, kernel_size[0],
+                           kernel_size[1]}, param_options(tensor_options)))),
+      bias(register_parameter("bias", bias ? empty({out_channels}, param_options(tensor_options)) : Tensor())) {
+  HG_CHECK(options.groups > 0 && in_channels % options.groups == 0 && out_channels % options.groups == 0,
+           "Conv2d: in_channels {} and out_channels {} must be divisible by groups {}", in_channels, out_channels,
+           options.groups);
+  HG_CHECK(kernel_size[0] > 0 && kernel_size[1] > 0, "Conv2d: kernel_size {} must be positive", pair_str(kernel_size));
+  init::default_linear_init_(weight, this->bias);
+}
+
+Tensor Conv2d::forward(const Tensor& x) { return conv2d(x, weight, bias, options); }
+
+std::string Conv2d::extra_repr() const {
+  std::string s = fmt::format("{}, {}, kernel_size={}, stride={}", in_channels, out_channels, pair_str(kernel_size),
+                              pair_str(options.stride));
+  if (options.padding != Pair2d{0, 0}) s += ", padding=" + pair_str(options.padding);
+  if (options.dilation != Pair2d{1, 1}) s += ", dilation=" + pair_str(options.dilation);
+  if (options.groups != 1) s += fmt::format(", groups={}", options.groups);
+  if (!bias.defined()) s += ", bias=false";
+  return s;
+}
+
+// ---- BatchNorm2d
+
+BatchNorm2d::BatchNorm2d(int64_t num_features, BatchNormOptions options, TensorOptions tensor_options)
+    : num_features(num_features),
+      options(options),
+      weight(register_parameter("weight", options.affine ? ones({num_features}, param_options(tensor_options))
+                                                         : Tensor())),
+      bias(register_parameter("bias", options.affine ? zeros({num_features}, param_options(tensor_options))
+                                                     : Tensor())),
+      running_mean(register_buffer("running_mean", options.track_running_stats
+                                                       ? zeros({num_features}, param_options(tensor_options))
+                                                       : Tensor())),
+      running_var(register_buffer("running_var", options.track_running_stats
+                                                     ? ones({num_features}, param_options(tensor_options))
+                                                     : Tensor())),
+      num_batches_tracked(register_buffer(
+          "num_batches_tracked",
+          options.track_running_stats ? zeros({}, {.dtype = kInt64, .device = tensor_options.device}) : Tensor())) {
+  HG_CHECK(num_features > 0, "BatchNorm2d: num_features must be positive, got {}", num_features);
+}
+
+void BatchNorm2d::reset_running_stats() {
+  if (!options.track_running_stats) return;
+  NoGradGuard no_grad;
+  running_mean.zero_();
+  running_var.fill_(1);
+  num_batches_tracked.zero_();
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  HG_CHECK(x.dim() == 4, "BatchNorm2d: expected a 4-D input (N, C, H, W), got {}", x.meta());
+  HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
+  // As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
+  bool use_batch_stats = is_training() || !options.track_running_stats;
+  double momentum = options.momentum.value_or(0.0);
+  if (is_training() && options.track_running_stats) {
+    NoGradGuard no_grad;
+    num_batches_tracked.add_(1);
+    // momentum = None: the running stats are the average over all batches so far.
+    if (!options.momentum) momentum = 1.0 / double(num_batches_tracked.item<int64_t>());
+  }
+  // Running stats are updated only while training; in eval they are read (or absent).
+  Tensor mean = options.track_running_stats ? running_mean : Tensor();
+  Tensor var = options.track_running_stats ? running_var : Tensor();
+  return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps);
+}
+
+std::string BatchNorm2d::extra_repr() const {
+  return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features, options.eps,
+                     options.momentum ? fmt::format("{}", *options.momentum) : "None", bool_str(options.affine),
+                     bool_str(options.track_running_stats));
+}
+
+// ---- activations, pooling, dropout
+
+Tensor ReLU::forward(const Tensor& x) { return relu(x); }
+
+MaxPool2d::MaxPool2d(Pair2d kernel_size, MaxPool2dOptions options) : kernel_size(kernel_size), options(options) {}
+
+Tensor MaxPool2d::forward(const Tensor& x) { return max_pool2d(x, kernel_size, options); }
+
+std::string MaxPool2d::extra_repr() const {
+  Pair2d stride = options.stride == Pair2d{0, 0} ? kernel_size : options.stride;
+  return fmt::format("kernel_size={}, stride={}, padding={}, dilation={}, ceil_mode={}", pair_str(kernel_size),
+                     pair_str(stride), pair_str(options.padding), pair_str(options.dilation),
+                     bool_str(options.ceil_mode));
+}
+
+AvgPool2d::AvgPool2d(Pair2d kernel_size, AvgPool2dOptions options) : kernel_size(kernel_size), options(options) {}
+
+Tensor AvgPool2d::forward(const Tensor& x) { return avg_pool2d(x, kernel_size, options); }
+
+std::string AvgPool2d::extra_repr() const {
+  Pair2d stride = options.stride == Pair2d{0, 0} ? kernel_size : options.stride;
+  return fmt::format("kernel_size={}, stride={}, padding={}", pair_str(kernel_size), pair_str(stride),
+                     pair_str(options.padding));
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(Pair2d output_size) : output_size(output_size) {}
+
+Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d(x, output_size); }
+
+std::string AdaptiveAvgPool2d::extra_repr() const { return "output_size=" + pair_str(output_size); }
+
+Dropout::Dropout(double p) : p(p) {
+  HG_CHECK(p >= 0 && p <= 1, "Dropout: p must be in [0, 1], got {}", p);
+}
+
+Tensor Dropout::forward(const Tensor& x) { return dropout(x, p, is_training()); }
+
+std::string Dropout::extra_repr() const { return fmt::format("p={}", p); }
+
+// ---- Embedding
+
+Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx,
+                     TensorOptions options)
+    : num_embeddings(num_embeddings),
+      embedding_dim(embedding_dim),
+      padding_idx(padding_idx && *padding_idx < 0 ? std::optional<int64_t>(*padding_idx + num_embeddings)
+                                                  : padding_idx),
+      weight(register_parameter("weight", empty({num_embeddings, embedding_dim}, param_options(options)))) {
+  HG_CHECK(!this->padding_idx || (*this->padding_idx >= 0 && *this->padding_idx < num_embeddings),
+           "Embedding: padding_idx {} out of range for {} embeddings", *padding_idx, num_embeddings);
+  init::normal_(weight);
+  if (this->padding_idx) {
+    NoGradGuard no_grad;
+    weight.select(0, *this->padding_idx).zero_();
+  }
+}
+
+Tensor Embedding::forward(const Tensor& indices) { return embedding(indices, weight, padding_idx); }
+
+std::string Embedding::extra_repr() const {
+  std::string s = fmt::format("{}, {}", num_embeddings, embedding_dim);
+  if (padding_idx) s += fmt::format(", padding_idx={}", *padding_idx);
+  return s;
+}
+
+std::string Flatten::extra_repr() const { return fmt::format("start_dim={}, end_dim={}", start_dim, end_dim); }
+
+// ---- Sequential
+
+Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
+  for (const ModulePtr& m : modules) push_back(m);
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor y = x;
+  for (const auto& [name, child] : named_children()) y = child->forward(y);
+  return y;
+}
+
+const ModulePtr& Sequential::operator[](size_t index) const {
+  HG_CHECK(index < size(), "Sequential: index {} out of range for {} modules", index, size());
+  return named_children()[index].second;
+}
+
+std::shared_ptr<Sequential> sequential(std::initializer_list<ModulePtr> modules) {
+  return std::make_shared<Sequential>(modules);
+}
+
+}  // namespace halfgrad::nn

@@ -1,0 +1,208 @@
+#pragma once
+// Layers: Modules around the functional ops, with PyTorch's parameter names, shapes and default
+// initialisation, so a halfgrad model and the same PyTorch model have the same state_dict keys.
+//
+//   auto model = nn::sequential({
+//       std::make_shared<nn::Conv2d>(3, 16, 3, Conv2dOptions{.padding = {1, 1}}),  // (N, 16, H, W)
+//       std::make_shared<nn::BatchNorm2d>(16),
+//       std::make_shared<nn::ReLU>(),
+//       std::make_shared<nn::AdaptiveAvgPool2d>(1),                                // (N, 16, 1, 1)
+//       std::make_shared<nn::Flatten>(),                                           // (N, 16)
+//       std::make_shared<nn::Linear>(16, 10),                                      // (N, 10)
+//   });
+//
+// Each layer's parameters and buffers are public references into its registry (nn/module.h explains why).
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "nn/module.h"
+#include "ops/conv.h"
+#include "ops/pool.h"
+
+namespace halfgrad::nn {
+
+// The functional ops' option structs, also spelled nn::Conv2dOptions etc. next to the layers that take them.
+using ::halfgrad::AvgPool2dOptions;
+using ::halfgrad::Conv2dOptions;
+using ::halfgrad::MaxPool2dOptions;
+using ::halfgrad::Pair2d;
+
+// y = x W^T + b. x (..., in_features) -> (..., out_features).
+// weight (out_features, in_features) and bias (out_features): U(-1/sqrt(in_features), 1/sqrt(in_features)).
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true, TensorOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Linear"; }
+  std::string extra_repr() const override;
+
+  const int64_t in_features, out_features;
+  Tensor& weight;
+  Tensor& bias;  // undefined without bias
+};
+
+// 2-D convolution. x (N, in_channels, H, W) -> (N, out_channels, OH, OW) (ops/conv.h gives OH, OW).
+// weight (out_channels, in_channels / groups, kH, kW) and bias (out_channels):
+// U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in_channels / groups * kH * kW.
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Conv2dOptions options = {},
+         bool bias = true, TensorOptions tensor_options = {});
+  Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options = {},
+         bool bias = true, TensorOptions tensor_options = {})
+      : Conv2d(in_channels, out_channels, Pair2d{kernel_size, kernel_size}, options, bias, tensor_options) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Conv2d"; }
+  std::string extra_repr() const override;
+
+  const int64_t in_channels, out_channels;
+  const Pair2d kernel_size;
+  const Conv2dOptions options;
+  Tensor& weight;
+  Tensor& bias;  // undefined without bias
+};
+
+struct BatchNormOptions {
+  double eps = 1e-5;
+  // Weight of the new batch statistic in the running average; nullopt: a cumulative average over all
+  // batches seen (1 / num_batches_tracked), as PyTorch's momentum=None.
+  std::optional<double> momentum = 0.1;
+  bool affine = true;               // learnable weight (1) and bias (0)
+  bool track_running_stats = true;  // keep running_mean/var and use them in eval mode
+};
+
+// Batch normalisation over (N, H, W) per channel. x (N, C, H, W) -> same shape.
+// Training: normalises with the batch statistics and updates running_mean/var (unbiased variance) and
+// num_batches_tracked. Eval: normalises with running_mean/var (or batch statistics without running stats).
+// Parameters weight, bias (C); buffers running_mean (C, zeros), running_var (C, ones), num_batches_tracked
+// (0-d int64). Half inputs work with float32 parameters and statistics (keep BatchNorm in float32 under O2).
+class BatchNorm2d : public Module {
+ public:
+  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}, TensorOptions tensor_options = {});
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "BatchNorm2d"; }
+  std::string extra_repr() const override;
+  void reset_running_stats();
+
+  const int64_t num_features;
+  const BatchNormOptions options;
+  Tensor& weight;               // undefined unless affine
+  Tensor& bias;                 // undefined unless affine
+  Tensor& running_mean;         // undefined unless track_running_stats
+  Tensor& running_var;          // undefined unless track_running_stats
+  Tensor& num_batches_tracked;  // undefined unless track_running_stats
+};
+
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "ReLU"; }
+};
+
+// x (N, C, H, W) -> (N, C, OH, OW).
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(Pair2d kernel_size, MaxPool2dOptions options = {});
+  explicit MaxPool2d(int64_t kernel_size, MaxPool2dOptions options = {})
+      : MaxPool2d(Pair2d{kernel_size, kernel_size}, options) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "MaxPool2d"; }
+  std::string extra_repr() const override;
+
+  const Pair2d kernel_size;
+  const MaxPool2dOptions options;
+};
+
+class AvgPool2d : public Module {
+ public:
+  explicit AvgPool2d(Pair2d kernel_size, AvgPool2dOptions options = {});
+  explicit AvgPool2d(int64_t kernel_size, AvgPool2dOptions options = {})
+      : AvgPool2d(Pair2d{kernel_size, kernel_size}, options) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "AvgPool2d"; }
+  std::string extra_repr() const override;
+
+  const Pair2d kernel_size;
+  const AvgPool2dOptions options;
+};
+
+// x (N, C, H, W) -> (N, C, output_size[0], output_size[1]); {1, 1} is global average pooling.
+class AdaptiveAvgPool2d : public Module {
+ public:
+  explicit AdaptiveAvgPool2d(Pair2d output_size);
+  explicit AdaptiveAvgPool2d(int64_t output_size) : AdaptiveAvgPool2d(Pair2d{output_size, output_size}) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "AdaptiveAvgPool2d"; }
+  std::string extra_repr() const override;
+
+  const Pair2d output_size;
+};
+
+// Zeroes each element with probability p in training mode and scales the rest by 1 / (1 - p); the identity
+// in eval mode. Masks come from the seeded generator.
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p = 0.5);
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Dropout"; }
+  std::string extra_repr() const override;
+
+  const double p;
+};
+
+// A lookup table: int64 indices (any shape) -> (..., embedding_dim). weight (num_embeddings, embedding_dim)
+// ~ N(0, 1); the row at padding_idx (if given) starts at zero and receives no gradient.
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx = std::nullopt,
+            TensorOptions options = {});
+  Tensor forward(const Tensor& indices) override;
+  std::string type_name() const override { return "Embedding"; }
+  std::string extra_repr() const override;
+
+  const int64_t num_embeddings, embedding_dim;
+  const std::optional<int64_t> padding_idx;
+  Tensor& weight;
+};
+
+// Flattens dims start_dim..end_dim into one: (N, C, H, W) -> (N, C*H*W) with the defaults.
+class Flatten : public Module {
+ public:
+  explicit Flatten(int64_t start_dim = 1, int64_t end_dim = -1) : start_dim(start_dim), end_dim(end_dim) {}
+  Tensor forward(const Tensor& x) override { return x.flatten(start_dim, end_dim); }
+  std::string type_name() const override { return "Flatten"; }
+  std::string extra_repr() const override;
+
+  const int64_t start_dim, end_dim;
+};
+
+class Identity : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return x; }
+  std::string type_name() const override { return "Identity"; }
+};
+
+// Runs its children in order, each one's output the next one's input. Children are named "0", "1", ...
+// (PyTorch's names, so "features.0.weight" matches).
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  Sequential(std::initializer_list<ModulePtr> modules);
+  // Appends a module, named by its position.
+  template <typename M> std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
+    return register_module(std::to_string(named_children().size()), std::move(module));
+  }
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Sequential"; }
+
+  size_t size() const { return named_children().size(); }
+  const ModulePtr& operator[](size_t index) const;
+};
+
+// A shared Sequential from a braced list (std::make_shared cannot forward one).
+std::shared_ptr<Sequential> sequential(std::initializer_list<ModulePtr> modules);
+
+}  // namespace halfgrad::nn

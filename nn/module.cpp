@@ -1,0 +1,269 @@
+// Module: registry, traversal, mode, conversion, state dicts and printing. See nn/module.h.
+#include "nn/module.h"
+
+#include <map>
+
+#include "core/autograd.h"
+
+namespace halfgrad::nn {
+
+Tensor Module::forward(const Tensor&) {
+  HG_FAIL("{}: this module has no forward(const Tensor&); call its own forward method", type_name());
+}
+
+// ---- registration
+
+void Module::check_new_name(const std::string& name, const char* what) const {
+  HG_CHECK(!name.empty(), "{}: register_{}: the name is empty", type_name(), what);
+  HG_CHECK(name.find('.') == std::string::npos, "{}: register_{}: '{}' contains a '.', which separates the parts of "
+           "a dotted name", type_name(), what, name);
+  auto taken = [&](const auto& list) {
+    for (const auto& entry : list)
+      if (entry.name == name) return true;
+    return false;
+  };
+  bool child = false;
+  for (const auto& [n, m] : children_) child |= n == name;
+  HG_CHECK(!taken(parameters_) && !taken(buffers_) && !child, "{}: register_{}: '{}' is already registered",
+           type_name(), what, name);
+}
+
+Tensor& Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
+  check_new_name(name, "parameter");
+  if (value.defined()) {
+    HG_CHECK(value.is_leaf(), "{}: register_parameter: '{}' must be a leaf tensor, got one produced by {} (detach() "
+             "it first)", type_name(), name, value.grad_fn()->name());
+    value.requires_grad_(requires_grad);
+  }
+  parameters_.push_back({name, std::move(value), true});
+  return parameters_.back().tensor;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor value, bool persistent) {
+  check_new_name(name, "buffer");
+  buffers_.push_back({name, std::move(value), persistent});
+  return buffers_.back().tensor;
+}
+
+void Module::add_child(const std::string& name, ModulePtr module) {
+  check_new_name(name, "module");
+  HG_CHECK(module != nullptr, "{}: register_module: '{}' is null", type_name(), name);
+  children_.emplace_back(name, std::move(module));
+}
+
+// ---- traversal
+
+void Module::collect(const std::string& prefix, bool params, bool buffers, bool persistent_only, bool recurse,
+                     NamedTensors& out, std::unordered_set<const TensorImpl*>* seen) const {
+  auto add = [&](const Slot& s) {
+    if (!s.tensor.defined() || (seen && !seen->insert(s.tensor.impl()).second)) return;
+    out.emplace_back(prefix + s.name, s.tensor);
+  };
+  if (params)
+    for (const Slot& s : parameters_) add(s);
+  if (buffers)
+    for (const Slot& s : buffers_)
+      if (s.persistent || !persistent_only) add(s);
+  if (recurse)
+    for (const auto& [name, child] : children_)
+      child->collect(prefix + name + ".", params, buffers, persistent_only, recurse, out, seen);
+}
+
+NamedTensors Module::named_parameters(bool recurse) const {
+  NamedTensors out;
+  std::unordered_set<const TensorImpl*> seen;
+  collect("", true, false, false, recurse, out, &seen);
+  return out;
+}
+
+TensorList Module::parameters(bool recurse) const {
+  TensorList out;
+  for (auto& [name, t] : named_parameters(recurse)) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::named_buffers(bool recurse) const {
+  NamedTensors out;
+  std::unordered_set<const TensorImpl*> seen;
+  collect("", false, true, false, recurse, out, &seen);
+  return out;
+}
+
+TensorList Module::buffers(bool recurse) const {
+  TensorList out;
+  for (auto& [name, t] : named_buffers(recurse)) out.push_back(t);
+  return out;
+}
+
+std::vector<ModulePtr> Module::children() const {
+  std::vector<ModulePtr> out;
+  for (const auto& [name, child] : children_) out.push_back(child);
+  return out;
+}
+
+void Module::collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out) {
+  out.emplace_back(prefix, this);
+  for (const auto& [name, child] : children_) child->collect_modules(prefix.empty() ? name : prefix + "." + name, out);
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> out;
+  collect_modules("", out);
+  return out;
+}
+
+std::vector<Module*> Module::modules() {
+  std::vector<Module*> out;
+  for (auto& [name, m] : named_modules()) out.push_back(m);
+  return out;
+}
+
+Tensor& Module::tensor_at(const std::string& dotted_name) {
+  Module* m = this;
+  std::string rest = dotted_name;
+  for (size_t dot; (dot = rest.find('.')) != std::string::npos;) {
+    std::string head = rest.substr(0, dot);
+    Module* next = nullptr;
+    for (const auto& [name, child] : m->children_)
+      if (name == head) next = child.get();
+    HG_CHECK(next, "{}: tensor_at('{}'): no submodule '{}'", type_name(), dotted_name, head);
+    m = next;
+    rest = rest.substr(dot + 1);
+  }
+  for (auto* list : {&m->parameters_, &m->buffers_})
+    for (Slot& s : *list)
+      if (s.name == rest) return s.tensor;
+  HG_FAIL("{}: tensor_at('{}'): {} has no parameter or buffer '{}'", type_name(), dotted_name, m->type_name(), rest);
+}
+
+void Module::apply(const std::function<void(Module&)>& fn) {
+  for (Module* m : modules()) fn(*m);
+}
+
+// ---- mode
+
+void Module::train(bool on) {
+  for (Module* m : modules()) m->training_ = on;
+}
+
+// ---- conversion
+
+void Module::convert_own(const DType* dtype, const Device* device,
+                         std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>>& converted) {
+  NoGradGuard no_grad;
+  auto convert = [&](Tensor& t) {
+    if (!t.defined()) return;
+    if (auto it = converted.find(t.impl()); it != converted.end()) {
+      t = it->second.second;  // shared with a slot converted earlier in this pass: stay shared
+      return;
+    }
+    DType to_dtype = dtype && t.is_floating_point() ? *dtype : t.dtype();
+    Device to_device = device ? *device : t.device();
+    if (to_dtype == t.dtype() && to_device == t.device()) return;  // nothing to do: keep the same tensor
+    Tensor c = t.detach().to(to_device, to_dtype);
+    if (t.requires_grad()) c.requires_grad_();
+    if (Tensor g = t.grad(); g.defined()) c.set_grad(g.to(to_device, to_dtype));
+    converted.emplace(t.impl(), std::pair(t, c));
+    t = c;  // writes the slot, which is the layer's member (see nn/module.h)
+  };
+  for (Slot& s : parameters_) convert(s.tensor);
+  for (Slot& s : buffers_) convert(s.tensor);
+}
+
+void Module::convert_all(const DType* dtype, const Device* device, const std::function<bool(const Module&)>* select) {
+  HG_CHECK(!dtype || is_floating(*dtype), "{}: to({}): modules convert to floating dtypes only", type_name(),
+           dtype_name(*dtype));
+  std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>> converted;
+  for (Module* m : modules())
+    if (!select || (*select)(*m)) m->convert_own(dtype, device, converted);
+}
+
+void Module::to(Device device) { convert_all(nullptr, &device, nullptr); }
+void Module::to(DType dtype) { convert_all(&dtype, nullptr, nullptr); }
+void Module::to(Device device, DType dtype) { convert_all(&dtype, &device, nullptr); }
+void Module::to(DType dtype, const std::function<bool(const Module&)>& select) { convert_all(&dtype, nullptr, &select); }
+
+void Module::zero_grad() {
+  for (Tensor& p : parameters())
+    if (p.grad().defined()) p.set_grad(Tensor());
+}
+
+// ---- state
+
+NamedTensors Module::state_dict() const {
+  NamedTensors out;
+  collect("", true, true, /*persistent_only=*/true, true, out, /*seen=*/nullptr);
+  return out;
+}
+
+LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions& options) {
+  NamedTensors mine = state_dict();
+  std::map<std::string, const Tensor*> given;
+  std::vector<std::string> problems;
+  for (const auto& [name, t] : state) {
+    if (!given.emplace(name, &t).second) problems.push_back(fmt::format("'{}' appears twice in the state", name));
+    else if (!t.defined()) problems.push_back(fmt::format("'{}' is undefined in the state", name));
+  }
+
+  LoadResult result;
+  std::map<std::string, bool> known;
+  for (const auto& [name, t] : mine) {
+    known[name] = true;
+    auto it = given.find(name);
+    if (it == given.end()) {
+      result.missing_keys.push_back(name);
+      continue;
+    }
+    const Tensor& src = *it->second;
+    if (!src.defined()) continue;
+    if (src.shape() != t.shape())
+      problems.push_back(fmt::format("shape mismatch for '{}': the state has {}, the model {}", name,
+                                     shape_str(src.shape()), shape_str(t.shape())));
+    if (src.dtype() != t.dtype() && !options.convert_dtypes)
+      problems.push_back(fmt::format("dtype mismatch for '{}': the state has {}, the model {} (LoadOptions::"
+                                     "convert_dtypes converts)", name, dtype_name(src.dtype()), dtype_name(t.dtype())));
+  }
+  for (const auto& [name, t] : state)
+    if (!known.count(name)) result.unexpected_keys.push_back(name);
+
+  if (options.strict) {
+    if (!result.missing_keys.empty())
+      problems.push_back(fmt::format("missing from the state ({}): {}", result.missing_keys.size(),
+                                     fmt::join(result.missing_keys, ", ")));
+    if (!result.unexpected_keys.empty())
+      problems.push_back(fmt::format("unexpected in the state ({}): {}", result.unexpected_keys.size(),
+                                     fmt::join(result.unexpected_keys, ", ")));
+  }
+  if (!problems.empty())
+    HG_FAIL("load_state_dict: {} problem{} loading into {} (nothing was loaded):\n  {}", problems.size(),
+            problems.size() == 1 ? "" : "s", type_name(), fmt::join(problems, "\n  "));
+
+  NoGradGuard no_grad;
+  for (auto& [name, t] : mine) {
+    auto it = given.find(name);
+    if (it != given.end()) Tensor(t).copy_(*it->second);  // t is a handle: this writes the model's tensor
+  }
+  return result;
+}
+
+// ---- printing
+
+std::string Module::repr() const {
+  std::string extra = extra_repr();
+  if (children_.empty()) return type_name() + "(" + extra + ")";
+  std::string out = type_name() + "(\n";
+  if (!extra.empty()) out += "  " + extra + "\n";
+  for (const auto& [name, child] : children_) {
+    std::string body = child->repr();
+    // Indent the child's lines under this one.
+    std::string indented;
+    for (char c : body) {
+      indented += c;
+      if (c == '\n') indented += "  ";
+    }
+    out += fmt::format("  ({}): {}\n", name, indented);
+  }
+  return out + ")";
+}
+
+}  // namespace halfgrad::nn

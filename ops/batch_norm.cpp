@@ -1,0 +1,364 @@
+// batch_norm: the public op with its backward next to it, and the CPU kernels.
+//
+// Contents: 1. layouts (planes / channels last), 2. the op and its backward, 3. CPU kernels.
+#include "ops/batch_norm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "ops/copy.h"
+
+namespace halfgrad {
+
+constinit KernelTable<BatchNormForwardKernel> batch_norm_forward_kernel("batch_norm");
+constinit KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel("batch_norm_backward");
+
+// =====================================================================================================
+// 1. Layouts
+// =====================================================================================================
+namespace {
+
+// Whether t [N, C, d1, ..., dk] is stored channels last: C innermost, then dk, ..., d1, then N (size-1
+// dims may have any stride). Every contiguous [N, C] (and [N, C, 1, 1]) tensor is.
+bool is_channels_last(const Tensor& t) {
+  int64_t expected = 1;
+  auto next = [&](int64_t d) {
+    if (t.size(d) == 1) return true;
+    const bool ok = t.stride(d) == expected;
+    expected *= t.size(d);
+    return ok;
+  };
+  if (!next(1)) return false;
+  for (int64_t d = t.dim() - 1; d >= 2; --d)
+    if (!next(d)) return false;
+  return next(0);
+}
+
+// An uninitialised tensor of `shape` ([N, C, ...]) in the given layout.
+Tensor empty_in_layout(const Shape& shape, DType dtype, Device device, bool channels_last) {
+  if (!channels_last || shape.size() <= 2) return empty(shape, {.dtype = dtype, .device = device});
+  Shape stored{shape[0]};  // [N, d1, ..., dk, C]
+  stored.insert(stored.end(), shape.begin() + 2, shape.end());
+  stored.push_back(shape[1]);
+  Dims order{0, int64_t(shape.size()) - 1};  // back to [N, C, d1, ..., dk]
+  for (int64_t d = 1; d + 1 < int64_t(shape.size()); ++d) order.push_back(d);
+  return empty(stored, {.dtype = dtype, .device = device}).permute(order);
+}
+
+// t (no autograd) in the given layout: itself when it already is, else a copy.
+Tensor in_layout(const Tensor& t, bool channels_last) {
+  Tensor d = t.detach();
+  if (!channels_last) return d.contiguous();
+  if (is_channels_last(d)) return d;
+  Tensor out = empty_in_layout(d.shape(), d.dtype(), d.device(), true);
+  copy_kernel[d.device()](out, d);
+  return out;
+}
+
+// The accumulation dtype of the statistics and parameters.
+DType accumulation_dtype(DType input) { return input == kFloat64 ? kFloat64 : kFloat32; }
+
+void check_channel_tensor(const Tensor& t, const Tensor& input, int64_t channels, const char* what) {
+  if (!t.defined()) return;
+  HG_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),
+           "batch_norm: expected {} to be a floating-point [{}] tensor (one value per channel of input {}), got {}",
+           what, channels, input.meta(), t.meta());
+  HG_CHECK(t.device() == input.device(), "batch_norm: input {} and {} {} are on different devices", input.meta(), what,
+           t.meta());
+}
+
+}  // namespace
+
+// =====================================================================================================
+// 2. The op
+// =====================================================================================================
+
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps);
+  HG_CHECK(input.defined(), "batch_norm: the input is an undefined tensor");
+  HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
+           "batch_norm: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", input.meta());
+  const int64_t channels = input.size(1);
+  check_channel_tensor(weight, input, channels, "weight");
+  check_channel_tensor(bias, input, channels, "bias");
+  check_channel_tensor(running_mean, input, channels, "running_mean");
+  check_channel_tensor(running_var, input, channels, "running_var");
+  HG_CHECK(running_mean.defined() == running_var.defined(),
+           "batch_norm: running_mean ({}) and running_var ({}) must both be given or both be undefined",
+           running_mean.meta(), running_var.meta());
+  HG_CHECK(training || running_mean.defined(),
+           "batch_norm: evaluation mode (training = false) normalises with running_mean and running_var, which are "
+           "undefined (input {}); pass them, or use training = true for batch statistics", input.meta());
+
+  BatchNormShape shape{.batch = input.size(0), .channels = channels};
+  for (int64_t d = 2; d < input.dim(); ++d) shape.spatial *= input.size(d);
+  HG_CHECK(!training || shape.per_channel() > 1,
+           "batch_norm: expected more than 1 value per channel when training, got input {} ({} per channel)",
+           input.meta(), shape.per_channel());
+  // A channels-last input stays so (what tensor-core convolutions produce); anything else becomes planes.
+  shape.channels_last = shape.spatial == 1 || (!input.is_contiguous() && is_channels_last(input));
+
+  const DType acc = accumulation_dtype(input.dtype());
+  auto parameter = [&](const Tensor& t) { return t.defined() ? cast_nograd(t.detach(), acc).contiguous() : Tensor(); };
+  BatchNormForwardArgs args{.shape = shape,
+                            .input = in_layout(input, shape.channels_last),
+                            .output = empty_in_layout(input.shape(), input.dtype(), input.device(), shape.channels_last),
+                            .weight = parameter(weight),
+                            .bias = parameter(bias),
+                            .running_mean = parameter(running_mean),
+                            .running_var = parameter(running_var),
+                            .save_mean = empty({channels}, {.dtype = acc, .device = input.device()}),
+                            .save_invstd = empty({channels}, {.dtype = acc, .device = input.device()}),
+                            .training = training,
+                            .momentum = momentum,
+                            .eps = eps};
+  if (training && running_mean.defined()) {
+    // The kernel updates the running statistics in place; when they are not already contiguous in the
+    // accumulation dtype, it updates converted copies, written back below.
+    check_inplace(running_mean, "batch_norm");
+    check_inplace(running_var, "batch_norm");
+  }
+  if (input.numel() > 0) batch_norm_forward_kernel[input.device()](args);
+  if (training && running_mean.defined()) {
+    NoGradGuard no_grad;
+    for (auto [user, updated] : {std::pair{running_mean, args.running_mean}, std::pair{running_var, args.running_var}}) {
+      if (updated.storage() != user.storage()) copy_kernel[user.device()](user, updated);
+    }
+  }
+
+  // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
+  // caller's input when it already was, so an in-place change to it is still caught).
+  record("BatchNormBackward", {input, weight, bias}, {args.output},
+         [x = SavedTensor(args.input, "batch_norm"), w = SavedTensor(args.weight, "batch_norm"),
+          mean = args.save_mean, invstd = args.save_invstd, shape, training](const GradContext& g) -> TensorList {
+           BatchNormBackwardArgs b;
+           b.shape = shape;
+           b.input = x.get();
+           b.grad_output = in_layout(g[0].to(b.input.dtype()), shape.channels_last);
+           b.weight = w.get();
+           b.save_mean = mean;
+           b.save_invstd = invstd;
+           b.training = training;
+           const Tensor& xs = b.input;
+           if (g.needs(0)) b.grad_input = empty_in_layout(xs.shape(), xs.dtype(), xs.device(), shape.channels_last);
+           if (g.needs(1)) b.grad_weight = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});
+           if (g.needs(2)) b.grad_bias = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});
+           if (xs.numel() > 0) {
+             batch_norm_backward_kernel[xs.device()](b);
+           } else {  // no elements: the sums are zero
+             if (b.grad_weight.defined()) b.grad_weight.zero_();
+             if (b.grad_bias.defined()) b.grad_bias.zero_();
+           }
+           return {b.grad_input, b.grad_weight, b.grad_bias};  // cast to each input's dtype by the engine
+         });
+  return args.output;
+}
+
+// =====================================================================================================
+// 3. CPU kernels
+//
+// Per-channel sums are accumulated in double: planes run one channel per task (contiguous runs of S
+// values, `omp simd` reductions), channels last splits the rows among threads, each adding whole rows into
+// its own C accumulators (a contiguous, vectorised inner loop), merged in thread order. The statistics take
+// two passes (mean, then squared deviations from it), which stays exact where sum-of-squares would cancel.
+// =====================================================================================================
+namespace {
+
+constexpr int64_t kParallelGrain = 32768;  // elements
+
+// Adds, for every channel c, the K (1 or 2) values f(c, offset, v) of each element of channel c (offset:
+// its position in memory) into sums[c * K + k], in double.
+template <int K, typename F> std::vector<double> channel_sums(const BatchNormShape& s, F f) {
+  static_assert(K == 1 || K == 2);
+  const int64_t C = s.channels, S = s.spatial, rows = s.batch * S;
+  std::vector<double> sums(static_cast<size_t>(C * K), 0.0);
+  const bool parallel = rows * C >= kParallelGrain;
+  if (!s.channels_last) {
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+    for (int64_t c = 0; c < C; ++c) {
+      double acc0 = 0, acc1 = 0;
+      for (int64_t n = 0; n < s.batch; ++n) {
+        const int64_t base = (n * C + c) * S;
+        double run0 = 0, run1 = 0;
+#pragma omp simd reduction(+ : run0, run1)
+        for (int64_t i = 0; i < S; ++i) {
+          double v[2] = {0, 0};
+          f(c, base + i, v);
+          run0 += v[0];
+          run1 += v[1];
+        }
+        acc0 += run0;
+        acc1 += run1;
+      }
+      sums[size_t(c * K)] = acc0;
+      if constexpr (K == 2) sums[size_t(c * K + 1)] = acc1;
+    }
+    return sums;
+  }
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  std::vector<std::vector<double>> partial(static_cast<size_t>(threads));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<double>& mine = partial[size_t(t)];
+    mine.assign(size_t(C * K), 0.0);
+    const int64_t chunk = (rows + nt - 1) / nt, lo = std::min(rows, t * chunk), hi = std::min(rows, lo + chunk);
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t base = r * C;
+      double* acc = mine.data();
+      for (int64_t c = 0; c < C; ++c) {
+        double v[2] = {0, 0};
+        f(c, base + c, v);
+        acc[c * K] += v[0];
+        if constexpr (K == 2) acc[c * K + 1] += v[1];
+      }
+    }
+  }
+  for (const std::vector<double>& p : partial)
+    for (size_t i = 0; i < p.size(); ++i) sums[i] += p[i];
+  return sums;
+}
+
+// Calls f(c, offset) for every element, in parallel, with runs of one channel (planes) or whole rows
+// (channels last) as the inner loop.
+template <typename F> void for_each_element(const BatchNormShape& s, F f) {
+  const int64_t C = s.channels, S = s.spatial, rows = s.batch * S;
+  const bool parallel = rows * C >= kParallelGrain;
+  if (!s.channels_last) {
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t plane = 0; plane < s.batch * C; ++plane) {
+      const int64_t c = plane % C, base = plane * S;
+      for (int64_t i = 0; i < S; ++i) f(c, base + i);
+    }
+    return;
+  }
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * C;
+    for (int64_t c = 0; c < C; ++c) f(c, base + c);
+  }
+}
+
+template <typename T, typename A> void batch_norm_forward_typed(const BatchNormForwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  const int64_t C = s.channels;
+  const double count = double(s.per_channel());
+  const T* x = a.input.data<T>();
+  T* y = a.output.data<T>();
+  A* save_mean = a.save_mean.data<A>();
+  A* save_invstd = a.save_invstd.data<A>();
+
+  if (a.training) {
+    std::vector<double> mean = channel_sums<1>(s, [&](int64_t, int64_t at, double* v) { v[0] = double(A(x[at])); });
+    for (double& m : mean) m /= count;
+    std::vector<double> var = channel_sums<1>(s, [&](int64_t c, int64_t at, double* v) {
+      const double d = double(A(x[at])) - mean[size_t(c)];
+      v[0] = d * d;
+    });
+    A* running_mean = a.running_mean.defined() ? a.running_mean.data<A>() : nullptr;
+    A* running_var = a.running_var.defined() ? a.running_var.data<A>() : nullptr;
+    for (int64_t c = 0; c < C; ++c) {
+      const double biased = var[size_t(c)] / count;
+      save_mean[c] = A(mean[size_t(c)]);
+      save_invstd[c] = A(1.0 / std::sqrt(biased + a.eps));
+      if (running_mean) {
+        running_mean[c] = A((1.0 - a.momentum) * double(running_mean[c]) + a.momentum * mean[size_t(c)]);
+        running_var[c] = A((1.0 - a.momentum) * double(running_var[c]) + a.momentum * biased * count / (count - 1.0));
+      }
+    }
+  } else {
+    const A* running_mean = a.running_mean.data<A>();
+    const A* running_var = a.running_var.data<A>();
+    for (int64_t c = 0; c < C; ++c) {
+      save_mean[c] = running_mean[c];
+      save_invstd[c] = A(1.0 / std::sqrt(double(running_var[c]) + a.eps));
+    }
+  }
+
+  // y = (x - mean) * (invstd * weight) + bias
+  std::vector<A> scale(static_cast<size_t>(C)), shift(static_cast<size_t>(C));
+  const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
+  const A* bias = a.bias.defined() ? a.bias.data<A>() : nullptr;
+  for (int64_t c = 0; c < C; ++c) {
+    scale[size_t(c)] = save_invstd[c] * (weight ? weight[c] : A(1));
+    shift[size_t(c)] = bias ? bias[c] : A(0);
+  }
+  const A* sc = scale.data();
+  const A* sh = shift.data();
+  for_each_element(s, [&](int64_t c, int64_t at) { y[at] = T((A(x[at]) - save_mean[c]) * sc[c] + sh[c]); });
+}
+
+template <typename T, typename A> void batch_norm_backward_typed(const BatchNormBackwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  const int64_t C = s.channels;
+  const double count = double(s.per_channel());
+  const T* g = a.grad_output.data<T>();
+  const T* x = a.input.data<T>();
+  const A* mean = a.save_mean.data<A>();
+  const A* invstd = a.save_invstd.data<A>();
+  const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
+
+  // sums[2c] = sum(g), sums[2c + 1] = sum(g * (x - mean)), when anything needs them
+  const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
+  std::vector<double> sums;
+  if (need_sums) {
+    sums = channel_sums<2>(s, [&](int64_t c, int64_t at, double* v) {
+      const double gv = double(A(g[at]));
+      v[0] = gv;
+      v[1] = gv * (double(A(x[at])) - double(mean[c]));
+    });
+  }
+  if (a.grad_bias.defined()) {
+    A* gb = a.grad_bias.data<A>();
+    for (int64_t c = 0; c < C; ++c) gb[c] = A(sums[size_t(2 * c)]);
+  }
+  if (a.grad_weight.defined()) {
+    A* gw = a.grad_weight.data<A>();
+    for (int64_t c = 0; c < C; ++c) gw[c] = A(sums[size_t(2 * c + 1)] * double(invstd[c]));
+  }
+  if (!a.grad_input.defined()) return;
+
+  // grad_input = g * alpha + (x - mean) * beta + gamma, per channel:
+  //   alpha = weight * invstd;   training: beta = -alpha * invstd^2 * sum(g (x - mean)) / M,
+  //   gamma = -alpha * sum(g) / M;   eval: beta = gamma = 0
+  std::vector<A> alpha(static_cast<size_t>(C)), beta(static_cast<size_t>(C), A(0)), gamma(static_cast<size_t>(C), A(0));
+  for (int64_t c = 0; c < C; ++c) {
+    const double k = double(invstd[c]) * (weight ? double(weight[c]) : 1.0);
+    alpha[size_t(c)] = A(k);
+    if (a.training) {
+      beta[size_t(c)] = A(-k * double(invstd[c]) * double(invstd[c]) * sums[size_t(2 * c + 1)] / count);
+      gamma[size_t(c)] = A(-k * sums[size_t(2 * c)] / count);
+    }
+  }
+  T* gi = a.grad_input.data<T>();
+  const A *al = alpha.data(), *be = beta.data(), *ga = gamma.data();
+  for_each_element(s, [&](int64_t c, int64_t at) {
+    gi[at] = T(A(g[at]) * al[c] + (A(x[at]) - mean[c]) * be[c] + ga[c]);
+  });
+}
+
+void batch_norm_forward_cpu(const BatchNormForwardArgs& a) {
+  dispatch_floating(a.input.dtype(), "batch_norm", [&]<typename T>() {
+    batch_norm_forward_typed<T, std::conditional_t<std::is_same_v<T, double>, double, float>>(a);
+  });
+}
+
+void batch_norm_backward_cpu(const BatchNormBackwardArgs& a) {
+  dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() {
+    batch_norm_backward_typed<T, std::conditional_t<std::is_same_v<T, double>, double, float>>(a);
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(batch_norm_forward_kernel, CPU, batch_norm_forward_cpu);
+HG_REGISTER_KERNEL(batch_norm_backward_kernel, CPU, batch_norm_backward_cpu);
+
+}  // namespace halfgrad

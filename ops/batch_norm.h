@@ -1,0 +1,77 @@
+#pragma once
+// batch_norm: normalises each channel of an [N, C, ...] input over the batch and spatial dims.
+//
+// Path from the public op to the kernels (ops/batch_norm.cpp):
+//   batch_norm  ->  checks, input seen as [N, C, S] in one of two memory layouts, parameters in the
+//                   accumulation dtype  ->  batch_norm_forward_kernel[device]
+//   backward    ->  batch_norm_backward_kernel[device]
+// CPU kernels: ops/batch_norm.cpp; CUDA kernels (our own, both layouts): ops/batch_norm.cu.
+#include <cstdint>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// ---- the op (torch.nn.functional.batch_norm). Autocast category: "unchanged": it takes float16/bfloat16
+// activations with float32 parameters and statistics itself (apex O2's "BatchNorm in FP32").
+//
+// input [N, C, ...] (any floating dtype); running_mean, running_var, weight, bias: [C] or undefined.
+//   training: each channel is normalised with the mean and the biased variance of its N * S values
+//             (S = the product of the dims after C), and, when defined, the running statistics are
+//             updated in place: running = (1 - momentum) * running + momentum * batch statistic, with the
+//             unbiased variance (N * S / (N * S - 1) times the biased one). Needs N * S > 1.
+//   eval:     each channel is normalised with running_mean and running_var (both required).
+//   y = (x - mean) / sqrt(var + eps) * weight + bias    (weight 1 and bias 0 where undefined)
+// The result has the input's dtype and memory layout (a channels_last input gives a channels_last result).
+// Statistics are computed in float32 for float16/bfloat16/float32 inputs (float64 for float64), whatever
+// the dtype of the parameters, which may differ from the input's (float16 input with float32 weight, bias
+// and running statistics is the usual mixed-precision case). Gradients: input, weight and bias, in both
+// modes (eval: the statistics are constants).
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// ---- kernels
+//
+// The input is seen as [N, C, S] in one of two layouts:
+//   planes        (NCHW contiguous):             element (n, c, s) at (n * C + c) * S + s
+//   channels last (NHWC, and every [N, C] input): element (n, c, s) at (n * S + s) * C + c
+// Every per-element tensor of one call (input, output, grad_output, grad_input) has the same layout and
+// dtype T; every per-channel tensor is [C], contiguous, in the accumulation dtype A (float32, or float64
+// when T is float64).
+struct BatchNormShape {
+  int64_t batch = 1, channels = 1, spatial = 1;
+  bool channels_last = false;
+  int64_t per_channel() const { return batch * spatial; }  // values that each channel's statistics cover
+};
+
+struct BatchNormForwardArgs {
+  BatchNormShape shape;
+  Tensor input, output;
+  Tensor weight, bias;                 // or undefined
+  Tensor running_mean, running_var;    // or undefined; updated in place when training
+  Tensor save_mean, save_invstd;       // written: the mean and 1 / sqrt(var + eps) used to normalise
+  bool training = true;
+  double momentum = 0.1, eps = 1e-5;
+};
+
+// With mean and invstd as saved by the forward, M = N * S and g the gradient of the output:
+//   grad_bias   = sum(g)                       grad_weight = sum(g * (x - mean)) * invstd
+//   grad_input  = weight * invstd * (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M)
+//                 in training; weight * invstd * g in eval (the statistics did not depend on x).
+struct BatchNormBackwardArgs {
+  BatchNormShape shape;
+  Tensor grad_output, input;
+  Tensor weight;                       // or undefined
+  Tensor save_mean, save_invstd;
+  Tensor grad_input;                   // or undefined: not wanted
+  Tensor grad_weight, grad_bias;       // or undefined: not wanted
+  bool training = true;
+};
+
+using BatchNormForwardKernel = void (*)(const BatchNormForwardArgs& args);
+using BatchNormBackwardKernel = void (*)(const BatchNormBackwardArgs& args);
+extern KernelTable<BatchNormForwardKernel> batch_norm_forward_kernel;
+extern KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel;
+
+}  // namespace halfgrad

@@ -1,0 +1,527 @@
+// conv2d: checks, forward, backward and the CPU kernels (im2col + Eigen GEMM); the channels_last helpers.
+// The CUDA kernels (cuDNN) are in ops/conv.cu.
+//
+// The convolution as matrix products (one sample, one group; K = C/groups * kH * kW, L = OH * OW):
+//   col    [K, L]       im2col(x): column l holds the input patch under output pixel l (zeros in padding)
+//   out    [O/g, L]  =  W [O/g, K] col                                          (+ bias per row)
+//   dcol   [K, L]    =  W^T dout          dx = col2im(dcol): each column added back where it came from
+//   dW     [O/g, K] +=  dout col^T        summed over the batch
+//   db     [O]       =  dout summed over N, OH, OW
+#include "ops/conv.h"
+
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "ops/copy.h"
+#include "ops/reduce.h"
+
+namespace halfgrad {
+
+KernelTable<Conv2dForwardKernel> conv2d_forward_kernel("conv2d");
+KernelTable<Conv2dBackwardInputKernel> conv2d_backward_input_kernel("conv2d backward (input)");
+KernelTable<Conv2dBackwardWeightKernel> conv2d_backward_weight_kernel("conv2d backward (weight)");
+
+// ---- memory format
+
+const char* memory_format_name(MemoryFormat format) {
+  return format == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
+}
+
+bool is_channels_last(const Tensor& t) {
+  if (!t.defined() || t.dim() != 4) return false;
+  const Shape& size = t.shape();
+  const Shape& stride = t.strides();
+  int64_t expected = 1;
+  for (int d : {1, 3, 2, 0}) {  // C, W, H, N: innermost first
+    if (size[d] == 1) continue;
+    if (stride[d] != expected) return false;
+    expected *= size[d];
+  }
+  return true;
+}
+
+Tensor contiguous_channels_last(const Tensor& t) {
+  HG_CHECK(t.defined() && t.dim() == 4, "contiguous_channels_last: expected a 4-D [N, C, H, W] tensor, got {}",
+           t.defined() ? t.meta() : "an undefined tensor");
+  if (is_channels_last(t)) return t;
+  // [N, H, W, C] made contiguous is NHWC memory; permuted back it reads as [N, C, H, W]. Both permutes are
+  // views and contiguous() is a differentiable copy, so the gradient flows back through all three.
+  return t.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
+}
+
+MemoryFormat suggest_memory_format(const Tensor& t) {
+  return is_channels_last(t) && !t.is_contiguous() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+}
+
+Tensor contiguous(const Tensor& t, MemoryFormat format) {
+  return format == MemoryFormat::ChannelsLast ? contiguous_channels_last(t) : t.contiguous();
+}
+
+Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format) {
+  if (format == MemoryFormat::Contiguous) return empty(shape, options);
+  HG_CHECK(shape.size() == 4, "empty: the channels_last format needs a 4-D [N, C, H, W] shape, got {}",
+           shape_str(shape));
+  const bool requires_grad = options.requires_grad;
+  options.requires_grad = false;
+  Tensor nhwc = empty({shape[0], shape[2], shape[3], shape[1]}, options);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = nhwc.storage();
+  impl->shape = shape;
+  impl->strides = {shape[2] * shape[3] * shape[1], 1, shape[3] * shape[1], shape[1]};
+  impl->dtype = options.dtype;
+  Tensor t(std::move(impl));  // not a view: it owns its storage
+  if (requires_grad) t.requires_grad_();
+  return t;
+}
+
+// ---- conv2d
+
+namespace {
+
+std::atomic<bool> g_conv_allow_tf32{true};
+
+std::string pair_str(const Pair2d& p) { return fmt::format("({}, {})", p[0], p[1]); }
+
+Conv2dParams params_of(const Conv2dOptions& o) {
+  return {o.stride, o.padding, o.dilation, o.groups, g_conv_allow_tf32.load(std::memory_order_relaxed)};
+}
+
+void check_options(const char* op, const Conv2dOptions& o) {
+  for (int d = 0; d < 2; ++d) {
+    HG_CHECK(o.stride[d] >= 1, "{}: stride must be positive, got {}", op, pair_str(o.stride));
+    HG_CHECK(o.padding[d] >= 0, "{}: padding must be non-negative, got {}", op, pair_str(o.padding));
+    HG_CHECK(o.dilation[d] >= 1, "{}: dilation must be positive, got {}", op, pair_str(o.dilation));
+  }
+  HG_CHECK(o.groups >= 1, "{}: groups must be positive, got {}", op, o.groups);
+}
+
+// Checks input [N, C, H, W] against weight [O, C/groups, kH, kW] and returns the output shape.
+Shape conv2d_output_shape(const char* op, const Tensor& input, const Tensor& weight, const Conv2dOptions& o) {
+  HG_CHECK(input.dim() == 4, "{}: expected a 4-D input [N, C, H, W] (or 3-D [C, H, W]), got {}", op, input.meta());
+  HG_CHECK(weight.dim() == 4, "{}: weight must be 4-D [out_channels, in_channels / groups, kH, kW], got {}", op,
+           weight.meta());
+  check_options(op, o);
+  const int64_t C = input.size(1), O = weight.size(0);
+  HG_CHECK(C % o.groups == 0, "{}: the input's {} channels are not divisible by groups = {} (input {})", op, C,
+           o.groups, input.meta());
+  HG_CHECK(O % o.groups == 0, "{}: the weight's {} output channels are not divisible by groups = {} (weight {})", op,
+           O, o.groups, weight.meta());
+  HG_CHECK(weight.size(1) * o.groups == C,
+           "{}: input {} has {} channels, but weight {} expects {} (in_channels / groups = {} with groups = {})", op,
+           input.meta(), C, weight.meta(), weight.size(1) * o.groups, weight.size(1), o.groups);
+  Shape out{input.size(0), O, 0, 0};
+  for (int d = 0; d < 2; ++d) {
+    const int64_t in = input.size(2 + d), k = weight.size(2 + d);
+    const int64_t padded = in + 2 * o.padding[d], dilated = o.dilation[d] * (k - 1) + 1;
+    HG_CHECK(dilated <= padded,
+             "{}: the kernel ({}x{}, {}x{} with dilation {}) is larger than the padded input ({}x{}: input {} with "
+             "padding {}); weight {}", op, weight.size(2), weight.size(3), o.dilation[0] * (weight.size(2) - 1) + 1,
+             o.dilation[1] * (weight.size(3) - 1) + 1, pair_str(o.dilation), input.size(2) + 2 * o.padding[0],
+             input.size(3) + 2 * o.padding[1], input.meta(), pair_str(o.padding), weight.meta());
+    out[2 + d] = conv_output_size(in, k, o.stride[d], o.padding[d], o.dilation[d]);
+  }
+  return out;
+}
+
+void check_operand(const char* op, const char* what, const Tensor& t, const Tensor& input) {
+  HG_CHECK(t.dtype() == input.dtype(), "{}: {} {} and input {} must have the same dtype (convert one with .to(dtype))",
+           op, what, t.meta(), input.meta());
+  HG_CHECK(t.device() == input.device(), "{}: {} {} and input {} must be on the same device", op, what, t.meta(),
+           input.meta());
+}
+
+// The kernels' operands: 4-D tensors dense in `format` (no copy when they already are). No autograd.
+Tensor dense(const Tensor& t, MemoryFormat format) {
+  NoGradGuard no_grad;
+  return contiguous(t, format);
+}
+
+Tensor conv2d_forward(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& out_shape,
+                      const Conv2dParams& params, MemoryFormat format) {
+  NoGradGuard no_grad;
+  Tensor out = empty(out_shape, {.dtype = input.dtype(), .device = input.device()}, format);
+  if (out.numel() == 0) return out;
+  if (input.size(1) == 0) {  // no input channels: only the bias is left
+    if (bias.defined()) {
+      out.copy_(bias.view({1, -1, 1, 1}));
+    } else {
+      out.zero_();
+    }
+    return out;
+  }
+  conv2d_forward_kernel[input.device()](out, dense(input, format), dense(weight, format),
+                                        bias.defined() ? bias.contiguous() : Tensor(), params);
+  return out;
+}
+
+Tensor backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
+                      const Conv2dParams& params, MemoryFormat format) {
+  NoGradGuard no_grad;
+  Tensor grad_input = empty(input_shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
+  if (grad_input.numel() == 0) return grad_input;
+  if (grad_output.numel() == 0) return grad_input.zero_();
+  conv2d_backward_input_kernel[grad_output.device()](grad_input, dense(grad_output, format), dense(weight, format),
+                                                     params);
+  return grad_input;
+}
+
+Tensor backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
+                       const Conv2dParams& params, MemoryFormat format) {
+  NoGradGuard no_grad;
+  Tensor grad_weight = empty(weight_shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
+  if (grad_weight.numel() == 0) return grad_weight;
+  if (grad_output.numel() == 0) return grad_weight.zero_();
+  conv2d_backward_weight_kernel[grad_output.device()](grad_weight, dense(grad_output, format), dense(input, format),
+                                                      params);
+  return grad_weight;
+}
+
+}  // namespace
+
+void set_conv_allow_tf32(bool allow) { g_conv_allow_tf32.store(allow); }
+bool conv_allow_tf32() { return g_conv_allow_tf32.load(); }
+
+int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
+  const int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;
+  return span < 0 ? 0 : span / stride + 1;
+}
+
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Conv2dOptions& options) {
+  HG_AUTOCAST(conv2d, input, weight, bias, options);
+  HG_CHECK(input.defined() && weight.defined(), "conv2d: got an undefined tensor (input {}, weight {})",
+           input.defined() ? input.meta() : "undefined", weight.defined() ? weight.meta() : "undefined");
+  if (input.dim() == 3) return conv2d(input.unsqueeze(0), weight, bias, options).squeeze(0);  // unbatched
+
+  HG_CHECK(input.is_floating_point(), "conv2d: expected a floating-point input, got {}", input.meta());
+  check_operand("conv2d", "weight", weight, input);
+  Shape out_shape = conv2d_output_shape("conv2d", input, weight, options);
+  if (bias.defined()) {
+    check_operand("conv2d", "bias", bias, input);
+    HG_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0),
+             "conv2d: bias {} does not match weight {} (expected a 1-D bias of {} elements)", bias.meta(),
+             weight.meta(), weight.size(0));
+  }
+
+  const Conv2dParams params = params_of(options);
+  const MemoryFormat format = suggest_memory_format(input);
+  Tensor out = conv2d_forward(input, weight, bias, out_shape, params, format);
+
+  if (any_requires_grad({&input, &weight, &bias})) {
+    // Each gradient needs the other operand: keep only what the requested gradients read.
+    SavedTensor saved_input(weight.requires_grad() ? input : Tensor(), "Conv2dBackward");
+    SavedTensor saved_weight(input.requires_grad() ? weight : Tensor(), "Conv2dBackward");
+    record("Conv2dBackward", {input, weight, bias}, {out},
+           [saved_input, saved_weight, input_shape = input.shape(), weight_shape = weight.shape(), params,
+            format](const GradContext& ctx) -> TensorList {
+             const Tensor& g = ctx[0];  // [N, O, OH, OW]
+             Tensor grad_input, grad_weight, grad_bias;
+             if (ctx.needs(0)) grad_input = backward_input(g, saved_weight.get(), input_shape, params, format);
+             if (ctx.needs(1)) grad_weight = backward_weight(g, saved_input.get(), weight_shape, params, format);
+             if (ctx.needs(2)) grad_bias = g.sum({0, 2, 3});
+             return {grad_input, grad_weight, grad_bias};
+           });
+  }
+  return out;
+}
+
+Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
+                             const Conv2dOptions& options) {
+  HG_CHECK(grad_output.defined() && weight.defined() && grad_output.dim() == 4 && input_shape.size() == 4,
+           "conv2d_backward_input: expected a 4-D grad_output and weight and a 4-D input shape, got {}, {} and {}",
+           grad_output.meta(), weight.meta(), shape_str(input_shape));
+  HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_input: expected a floating grad_output, got {}",
+           grad_output.meta());
+  check_operand("conv2d_backward_input", "weight", weight, grad_output);
+  Tensor probe = empty({0, input_shape[1], input_shape[2], input_shape[3]}, {.dtype = weight.dtype()});
+  Shape expected = conv2d_output_shape("conv2d_backward_input", probe, weight, options);
+  expected[0] = input_shape[0];
+  HG_CHECK(grad_output.shape() == expected,
+           "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
+           grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());
+  return backward_input(grad_output, weight, input_shape, params_of(options), suggest_memory_format(grad_output));
+}
+
+Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
+                              const Conv2dOptions& options) {
+  HG_CHECK(grad_output.defined() && input.defined() && grad_output.dim() == 4 && weight_shape.size() == 4,
+           "conv2d_backward_weight: expected a 4-D grad_output and input and a 4-D weight shape, got {}, {} and {}",
+           grad_output.meta(), input.meta(), shape_str(weight_shape));
+  HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_weight: expected a floating grad_output, got {}",
+           grad_output.meta());
+  check_operand("conv2d_backward_weight", "input", input, grad_output);
+  Tensor probe = empty(weight_shape, {.dtype = input.dtype()});
+  Shape expected = conv2d_output_shape("conv2d_backward_weight", input, probe, options);
+  HG_CHECK(grad_output.shape() == expected,
+           "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
+           grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));
+  return backward_weight(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
+}
+
+// ---- CPU kernels
+
+namespace {
+
+// One convolution problem in NCHW terms, with the matrix sizes of the GEMM formulation (top of file).
+struct Geometry {
+  int64_t N, C, H, W;    // input
+  int64_t O, kH, kW;     // weight [O, C / groups, kH, kW]
+  int64_t OH, OW;        // output
+  int64_t groups, Cg, Og;
+  int64_t K, L;          // K = Cg kH kW rows of col, L = OH OW columns
+  Conv2dParams p;
+  bool col_is_input;     // 1x1 kernel, stride 1, no padding: col is the input itself, no im2col needed
+
+  Geometry(const Shape& in, const Shape& w, const Shape& out, const Conv2dParams& params)
+      : N(in[0]), C(in[1]), H(in[2]), W(in[3]), O(w[0]), kH(w[2]), kW(w[3]), OH(out[2]), OW(out[3]),
+        groups(params.groups), Cg(in[1] / params.groups), Og(w[0] / params.groups), K(Cg * kH * kW),
+        L(out[2] * out[3]), p(params) {
+    col_is_input = kH == 1 && kW == 1 && p.stride[0] == 1 && p.stride[1] == 1 && p.padding[0] == 0 &&
+                   p.padding[1] == 0;
+  }
+  int64_t plane() const { return H * W; }
+};
+
+template <typename T> using Matrix = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+template <typename T>
+using ConstMatrix = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+template <typename T> using ConstVector = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>;
+
+// The outputs o in [0, count) whose input position o * stride + offset lies inside [0, size).
+std::pair<int64_t, int64_t> inside_range(int64_t offset, int64_t stride, int64_t size, int64_t count) {
+  int64_t lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  int64_t hi = size - 1 - offset < 0 ? 0 : (size - 1 - offset) / stride + 1;
+  lo = std::min(lo, count);
+  hi = std::clamp(hi, lo, count);
+  return {lo, hi};
+}
+
+// col [K, L] from one sample's group of channels x [Cg, H, W]:
+//   col[(c kH + kh) kW + kw][oh OW + ow] = x[c][oh sH - pH + kh dH][ow sW - pW + kw dW], 0 in the padding.
+template <typename T> void im2col(const T* x, T* col, const Geometry& g) {
+  const auto [sH, sW] = g.p.stride;
+  const auto [pH, pW] = g.p.padding;
+  const auto [dH, dW] = g.p.dilation;
+  for (int64_t c = 0; c < g.Cg; ++c) {
+    for (int64_t kh = 0; kh < g.kH; ++kh) {
+      for (int64_t kw = 0; kw < g.kW; ++kw) {
+        T* row = col + ((c * g.kH + kh) * g.kW + kw) * g.L;
+        const int64_t w_offset = kw * dW - pW;
+        const auto [lo, hi] = inside_range(w_offset, sW, g.W, g.OW);
+        for (int64_t oh = 0; oh < g.OH; ++oh) {
+          T* r = row + oh * g.OW;
+          const int64_t ih = oh * sH - pH + kh * dH;
+          if (ih < 0 || ih >= g.H) {
+            std::fill(r, r + g.OW, T(0));
+            continue;
+          }
+          const T* x_row = x + (c * g.H + ih) * g.W;
+          std::fill(r, r + lo, T(0));
+          if (sW == 1) {
+            std::copy(x_row + lo + w_offset, x_row + hi + w_offset, r + lo);
+          } else {
+            for (int64_t ow = lo; ow < hi; ++ow) r[ow] = x_row[ow * sW + w_offset];
+          }
+          std::fill(r + hi, r + g.OW, T(0));
+        }
+      }
+    }
+  }
+}
+
+// The adjoint of im2col: adds each entry of col [K, L] to the input position it was read from (dx [Cg, H, W]
+// must be zeroed first; positions covered by several windows receive several contributions).
+template <typename T> void col2im(const T* col, T* dx, const Geometry& g) {
+  const auto [sH, sW] = g.p.stride;
+  const auto [pH, pW] = g.p.padding;
+  const auto [dH, dW] = g.p.dilation;
+  for (int64_t c = 0; c < g.Cg; ++c) {
+    for (int64_t kh = 0; kh < g.kH; ++kh) {
+      for (int64_t kw = 0; kw < g.kW; ++kw) {
+        const T* row = col + ((c * g.kH + kh) * g.kW + kw) * g.L;
+        const int64_t w_offset = kw * dW - pW;
+        const auto [lo, hi] = inside_range(w_offset, sW, g.W, g.OW);
+        for (int64_t oh = 0; oh < g.OH; ++oh) {
+          const int64_t ih = oh * sH - pH + kh * dH;
+          if (ih < 0 || ih >= g.H) continue;
+          const T* r = row + oh * g.OW;
+          T* dx_row = dx + (c * g.H + ih) * g.W;
+          if (sW == 1) {
+            for (int64_t ow = lo; ow < hi; ++ow) dx_row[ow + w_offset] += r[ow];
+          } else {
+            for (int64_t ow = lo; ow < hi; ++ow) dx_row[ow * sW + w_offset] += r[ow];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Threads for a loop over the batch: one per sample up to the OpenMP limit. With fewer samples than threads
+// (and so one thread), the loop runs serially and Eigen spreads each GEMM over the threads instead.
+int batch_threads(int64_t N) {
+  const int max_threads = omp_get_max_threads();
+  return N >= max_threads ? max_threads : 1;
+}
+
+template <typename T> void forward_typed(T* out, const T* x, const T* w, const T* bias, const Geometry& g) {
+  auto sample = [&](int64_t n, std::vector<T>& col) {
+    for (int64_t gr = 0; gr < g.groups; ++gr) {
+      const T* xg = x + (n * g.C + gr * g.Cg) * g.plane();
+      const T* cols = xg;
+      if (!g.col_is_input) {
+        im2col(xg, col.data(), g);
+        cols = col.data();
+      }
+      Matrix<T> y(out + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);  // [Og, L]
+      y.noalias() = ConstMatrix<T>(w + gr * g.Og * g.K, g.Og, g.K) * ConstMatrix<T>(cols, g.K, g.L);
+      if (bias) y.colwise() += ConstVector<T>(bias + gr * g.Og, g.Og);
+    }
+  };
+  const int threads = batch_threads(g.N);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<T> col(g.col_is_input ? 0 : size_t(g.K * g.L));  // one buffer per thread, reused per sample
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < g.N; ++n) sample(n, col);
+  }
+}
+
+template <typename T> void backward_input_typed(T* dx, const T* dy, const T* w, const Geometry& g) {
+  auto sample = [&](int64_t n, std::vector<T>& col) {
+    for (int64_t gr = 0; gr < g.groups; ++gr) {
+      T* dxg = dx + (n * g.C + gr * g.Cg) * g.plane();
+      ConstMatrix<T> wg(w + gr * g.Og * g.K, g.Og, g.K);
+      ConstMatrix<T> dyg(dy + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);
+      if (g.col_is_input) {
+        Matrix<T>(dxg, g.K, g.L).noalias() = wg.transpose() * dyg;
+      } else {
+        Matrix<T>(col.data(), g.K, g.L).noalias() = wg.transpose() * dyg;
+        std::fill(dxg, dxg + g.Cg * g.plane(), T(0));
+        col2im(col.data(), dxg, g);
+      }
+    }
+  };
+  const int threads = batch_threads(g.N);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<T> col(g.col_is_input ? 0 : size_t(g.K * g.L));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < g.N; ++n) sample(n, col);
+  }
+}
+
+template <typename T> void backward_weight_typed(T* dw, const T* dy, const T* x, const Geometry& g) {
+  const int64_t weight_numel = g.O * g.K;
+  // Each thread sums its samples into its own copy of dW (thread 0 into dw itself); the copies are added
+  // at the end. Threads are capped so that the copies stay within a memory budget.
+  constexpr int64_t kPartialBudgetBytes = int64_t(256) << 20;
+  const int64_t affordable = 1 + kPartialBudgetBytes / std::max<int64_t>(1, weight_numel * int64_t(sizeof(T)));
+  const int threads = int(std::min<int64_t>(batch_threads(g.N), affordable));
+  std::vector<std::vector<T>> partial(size_t(threads > 1 ? threads - 1 : 0));
+  std::fill(dw, dw + weight_numel, T(0));
+
+  auto sample = [&](int64_t n, std::vector<T>& col, T* acc) {
+    for (int64_t gr = 0; gr < g.groups; ++gr) {
+      const T* xg = x + (n * g.C + gr * g.Cg) * g.plane();
+      const T* cols = xg;
+      if (!g.col_is_input) {
+        im2col(xg, col.data(), g);
+        cols = col.data();
+      }
+      ConstMatrix<T> dyg(dy + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);
+      Matrix<T>(acc + gr * g.Og * g.K, g.Og, g.K).noalias() += dyg * ConstMatrix<T>(cols, g.K, g.L).transpose();
+    }
+  };
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int tid = omp_get_thread_num();
+    T* acc = dw;
+    if (tid > 0) {
+      partial[size_t(tid - 1)].assign(size_t(weight_numel), T(0));
+      acc = partial[size_t(tid - 1)].data();
+    }
+    std::vector<T> col(g.col_is_input ? 0 : size_t(g.K * g.L));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < g.N; ++n) sample(n, col, acc);
+  }
+  for (const std::vector<T>& p : partial) {
+    for (int64_t i = 0; i < weight_numel; ++i) dw[i] += p[size_t(i)];
+  }
+}
+
+// The CPU kernels compute on NCHW-contiguous operands in float32 (float16/bfloat16 widened, so that
+// products accumulate in float32) or float64. Operands that are not so are converted first, and a result
+// computed elsewhere is copied (and rounded) into the output once at the end.
+DType compute_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
+
+Tensor prepared(const Tensor& t, DType compute) { return cast_nograd(t, compute).contiguous(); }
+
+template <typename Fn> void with_computed_output(const Tensor& out, DType compute, Fn&& fn) {
+  const bool direct = out.dtype() == compute && out.is_contiguous();
+  Tensor target = direct ? out : empty(out.shape(), {.dtype = compute});
+  fn(target);
+  if (!direct) copy_kernel[Device::cpu()](out, target);
+}
+
+template <typename T> const T* ptr(const Tensor& t) { return t.defined() ? static_cast<const T*>(t.data_ptr()) : nullptr; }
+template <typename T> T* mut(const Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+void conv2d_forward_cpu(const Tensor& out, const Tensor& input, const Tensor& weight, const Tensor& bias,
+                        const Conv2dParams& params) {
+  NoGradGuard no_grad;
+  const DType compute = compute_dtype(out.dtype());
+  const Geometry g(input.shape(), weight.shape(), out.shape(), params);
+  Tensor x = prepared(input, compute), w = prepared(weight, compute);
+  Tensor b = bias.defined() ? prepared(bias, compute) : Tensor();
+  with_computed_output(out, compute, [&](const Tensor& y) {
+    dispatch_floating(compute, "conv2d", [&]<typename T>() {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        forward_typed<T>(mut<T>(y), ptr<T>(x), ptr<T>(w), ptr<T>(b), g);
+      }
+    });
+  });
+}
+
+void conv2d_backward_input_cpu(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
+                               const Conv2dParams& params) {
+  NoGradGuard no_grad;
+  const DType compute = compute_dtype(grad_input.dtype());
+  const Geometry g(grad_input.shape(), weight.shape(), grad_output.shape(), params);
+  Tensor dy = prepared(grad_output, compute), w = prepared(weight, compute);
+  with_computed_output(grad_input, compute, [&](const Tensor& dx) {
+    dispatch_floating(compute, "conv2d backward", [&]<typename T>() {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        backward_input_typed<T>(mut<T>(dx), ptr<T>(dy), ptr<T>(w), g);
+      }
+    });
+  });
+}
+
+void conv2d_backward_weight_cpu(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input,
+                                const Conv2dParams& params) {
+  NoGradGuard no_grad;
+  const DType compute = compute_dtype(grad_weight.dtype());
+  const Geometry g(input.shape(), grad_weight.shape(), grad_output.shape(), params);
+  Tensor dy = prepared(grad_output, compute), x = prepared(input, compute);
+  with_computed_output(grad_weight, compute, [&](const Tensor& dw) {
+    dispatch_floating(compute, "conv2d backward", [&]<typename T>() {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        backward_weight_typed<T>(mut<T>(dw), ptr<T>(dy), ptr<T>(x), g);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(conv2d_forward_kernel, CPU, conv2d_forward_cpu);
+HG_REGISTER_KERNEL(conv2d_backward_input_kernel, CPU, conv2d_backward_input_cpu);
+HG_REGISTER_KERNEL(conv2d_backward_weight_kernel, CPU, conv2d_backward_weight_cpu);
+
+}  // namespace halfgrad

@@ -1,0 +1,107 @@
+#pragma once
+// 2-D convolution (torch.nn.functional.conv2d) and the channels_last (NHWC) memory format.
+//
+// Path from the public op to the kernels (ops/conv.cpp):
+//   conv2d                 ->  conv2d_forward_kernel[device]          CPU: im2col + Eigen GEMM (ops/conv.cpp)
+//   Conv2dBackward (node)  ->  conv2d_backward_input_kernel[device]   CUDA: cuDNN, algorithm benchmarked once
+//                          ->  conv2d_backward_weight_kernel[device]        per problem and cached (ops/conv.cu)
+//                          ->  grad_output.sum({0, 2, 3}) for the bias
+//
+// channels_last: halfgrad tensors are strided, so an NHWC tensor is a [N, C, H, W] tensor whose strides are
+// [H*W*C, 1, W*C, C]. conv2d keeps the layout of its input: a channels_last input gives a channels_last
+// output (and gradient), which on CUDA runs cuDNN's NHWC kernels, the layout tensor cores want.
+#include <array>
+#include <cstdint>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// (height, width): stride, padding, dilation, kernel and output sizes of 2-D ops.
+using Pair2d = std::array<int64_t, 2>;
+
+// ---- memory format
+
+enum class MemoryFormat : uint8_t {
+  Contiguous,    // NCHW: strides [C*H*W, H*W, W, 1]
+  ChannelsLast,  // NHWC: strides [H*W*C, 1, W*C, C]
+};
+const char* memory_format_name(MemoryFormat format);
+
+// Whether t is 4-D and dense in N, H, W, C order (the strides of size-1 dims do not matter, so a tensor
+// with C == 1 or H == W == 1 is both channels_last and contiguous).
+bool is_channels_last(const Tensor& t);
+// t laid out as NHWC: itself when already is_channels_last, else a copy (differentiable, like contiguous()).
+Tensor contiguous_channels_last(const Tensor& t);
+// The format an op should produce for input t: ChannelsLast when t is channels_last and not also
+// contiguous, else Contiguous (4-D tensors that are dense in neither layout are computed as NCHW).
+MemoryFormat suggest_memory_format(const Tensor& t);
+// t dense in `format` (itself when already so; differentiable).
+Tensor contiguous(const Tensor& t, MemoryFormat format);
+// An uninitialised 4-D [N, C, H, W] tensor laid out in `format`.
+Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format);
+
+// ---- conv2d
+
+struct Conv2dOptions {
+  Pair2d stride = {1, 1};
+  Pair2d padding = {0, 0};  // zeros on each side
+  Pair2d dilation = {1, 1};
+  int64_t groups = 1;
+};
+
+// torch.nn.functional.conv2d: input [N, C, H, W] (or unbatched [C, H, W]), weight [O, C/groups, kH, kW],
+// bias [O] or undefined (no bias) -> [N, O, OH, OW] with OH = (H + 2 pH - dH (kH - 1) - 1) / sH + 1 (and
+// OW likewise). Input, weight and bias must share a floating dtype and a device. The output has the
+// input's memory format (suggest_memory_format). Autocast category: "lower precision".
+//   conv2d(x, w);                                                  // stride 1, no padding
+//   conv2d(x, w, b, {.stride = {2, 2}, .padding = {1, 1}});
+//   conv2d(x, w, {}, {.padding = {1, 1}, .groups = 32});           // no bias
+// float16/bfloat16 accumulate in float32 on both devices. On CUDA, float32 convolutions may use TF32
+// tensor cores (as PyTorch's torch.backends.cudnn.allow_tf32, on by default): set_conv_allow_tf32(false)
+// computes in full float32.
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias = Tensor(),
+              const Conv2dOptions& options = {});
+
+// The two halves of conv2d's backward pass, as torch.nn.grad.conv2d_input / conv2d_weight (not
+// differentiable themselves). The gradient has the memory format suggested by grad_output (input grad)
+// or input (weight grad).
+Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
+                             const Conv2dOptions& options = {});
+Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
+                              const Conv2dOptions& options = {});
+
+// Whether float32 convolutions on CUDA may run on TF32 tensor cores (10-bit mantissa products, float32
+// accumulation). Default true, as PyTorch's cuDNN setting; cuda::set_allow_tf32 is the separate matmul switch.
+void set_conv_allow_tf32(bool allow);
+bool conv_allow_tf32();
+
+// One spatial dim of the output: (in + 2 pad - dilation (kernel - 1) - 1) / stride + 1; may be <= 0,
+// which callers report as an error.
+int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation);
+
+// ---- kernels (core/dispatch.h)
+// Every tensor is 4-D and dense in the same memory format (all NCHW-contiguous or all channels_last; the
+// op layer arranges that) and of one floating dtype; `out` / `grad_*` are written, never read. bias is
+// undefined or a contiguous [O]. Shapes are consistent with the params (the op layer checked them).
+struct Conv2dParams {
+  Pair2d stride = {1, 1};
+  Pair2d padding = {0, 0};
+  Pair2d dilation = {1, 1};
+  int64_t groups = 1;
+  bool allow_tf32 = true;  // float32 on CUDA only
+};
+
+using Conv2dForwardKernel = void (*)(const Tensor& out, const Tensor& input, const Tensor& weight,
+                                     const Tensor& bias, const Conv2dParams& params);
+using Conv2dBackwardInputKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output,
+                                           const Tensor& weight, const Conv2dParams& params);
+using Conv2dBackwardWeightKernel = void (*)(const Tensor& grad_weight, const Tensor& grad_output,
+                                            const Tensor& input, const Conv2dParams& params);
+
+extern KernelTable<Conv2dForwardKernel> conv2d_forward_kernel;
+extern KernelTable<Conv2dBackwardInputKernel> conv2d_backward_input_kernel;
+extern KernelTable<Conv2dBackwardWeightKernel> conv2d_backward_weight_kernel;
+
+}  // namespace halfgrad

@@ -1,0 +1,67 @@
+// dropout: the public op with its backward next to it, and the CPU kernel.
+#include "ops/dropout.h"
+
+#include <omp.h>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+
+namespace halfgrad {
+
+constinit KernelTable<DropoutKernel> dropout_kernel("dropout");
+
+Tensor dropout(const Tensor& x, double p, bool training) {
+  HG_AUTOCAST(dropout, x, p, training);
+  HG_CHECK(x.defined(), "dropout: the input is an undefined tensor");
+  HG_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability has to be between 0 and 1, got {} (input {})", p, x.meta());
+  HG_CHECK(x.is_floating_point(), "dropout: expected a floating-point input, got {}", x.meta());
+  if (!training || p == 0.0) return x;
+  if (p == 1.0) {
+    // Everything dropped: zeros, and zero gradients (x * 0 would keep nan and inf).
+    Tensor out = zeros(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+    record("DropoutBackward", {x}, {out}, [](const GradContext& g) -> TensorList { return {zeros_like(g[0])}; });
+    return out;
+  }
+
+  const GeneratorState state = next_random_counters(uint64_t((x.numel() + 3) / 4));
+  Tensor out = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+  if (x.numel() > 0) dropout_kernel[x.device()](out, x.detach().contiguous(), p, state);
+  // backward: the same mask and scale applied to the gradient, regenerated from the same counters.
+  record("DropoutBackward", {x}, {out}, [p, state](const GradContext& g) -> TensorList {
+    Tensor grad = g[0].contiguous();
+    Tensor grad_input = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()});
+    if (grad.numel() > 0) dropout_kernel[grad.device()](grad_input, grad, p, state);
+    return {grad_input};
+  });
+  return out;
+}
+
+// ---- CPU kernel: threads take runs of whole counters (4 elements each).
+namespace {
+
+template <typename T> void dropout_typed(T* out, const T* in, int64_t n, double p, GeneratorState state) {
+  using A = opmath_t<T>;
+  const float keep = float(1.0 - p);  // compared in float32, as the CUDA kernel does
+  const A scale = A(1.0 / (1.0 - p));
+  const int64_t counters = (n + 3) / 4;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t c = 0; c < counters; ++c) {
+    const Philox::U4 r = Philox::generate(state.seed, state.offset + uint64_t(c));
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = c * 4 + k;
+      if (i < n) out[i] = Philox::uniform(r.x[k]) < keep ? T(A(in[i]) * scale) : T(A(0));
+    }
+  }
+}
+
+void dropout_cpu(const Tensor& out, const Tensor& in, double p, GeneratorState state) {
+  dispatch_floating(in.dtype(), "dropout", [&]<typename T>() {
+    dropout_typed(out.data<T>(), in.data<T>(), in.numel(), p, state);
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(dropout_kernel, CPU, dropout_cpu);
+
+}  // namespace halfgrad

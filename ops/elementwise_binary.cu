@@ -1,0 +1,64 @@
+// Binary elementwise ops on CUDA (add, mul, comparisons, ...): the kernel behind binary_kernel. In its own
+// file, apart from ops/elementwise.cu, because it holds most of the elementwise instantiations (15 ops x 8
+// dtypes): two files compile in parallel. Arithmetic: ops/elementwise_math.h; loops: ops/cuda_loops.cuh.
+// elementwise_math.h compares with zero generically, which is pointless (and harmless) for unsigned types.
+#pragma nv_diag_suppress 186
+
+#include <type_traits>
+
+#include "ops/cuda_loops.cuh"
+#include "ops/elementwise.h"
+
+namespace halfgrad {
+namespace {
+
+// Op names for error messages (the order of BinaryOp).
+const char* binary_op_name(BinaryOp op) {
+  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
+                                   "gt", "ge", "logical_and", "logical_or"};
+  return names[int(op)];
+}
+
+// Load in the storage type, compute in opmath_t (float for float16/bfloat16), store.
+template <BinaryOp OP, typename T> struct BinaryFn {
+  __device__ T operator()(T a, T b) const { return T(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
+};
+template <BinaryOp OP, typename T> struct BinaryPredicateFn {
+  __device__ bool operator()(T a, T b) const { return bool(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
+};
+// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send: bool takes only the ops it allows and
+// integer division is true division (computed in float). Kernels are instantiated for these pairs only.
+template <BinaryOp OP, typename T> constexpr bool binary_supported() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return OP == BinaryOp::Add || OP == BinaryOp::Mul || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum ||
+           is_predicate(OP);
+  } else if constexpr (std::is_integral_v<T>) {
+    return OP != BinaryOp::Div;
+  } else {
+    return true;
+  }
+}
+
+// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value.
+void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const char* name = binary_op_name(op);
+  HG_CHECK(a.dtype() == b.dtype(), "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(),
+           b.meta());
+  dispatch_all(a.dtype(), name, [&]<typename T>() {
+    dispatch_binary_op(op, [&]<BinaryOp OP>() {
+      if constexpr (!binary_supported<OP, T>()) {
+        HG_FAIL("{}: no CUDA kernel for {} operands", name, a.meta());
+      } else if constexpr (is_predicate(OP)) {
+        cuda::launch_elementwise<bool, T, T>(name, out, BinaryPredicateFn<OP, T>{}, {a, b});
+      } else {
+        cuda::launch_elementwise<T, T, T>(name, out, BinaryFn<OP, T>{}, {a, b});
+      }
+    });
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(binary_kernel, CUDA, binary_cuda);
+
+}  // namespace halfgrad

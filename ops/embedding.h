@@ -1,0 +1,33 @@
+#pragma once
+// embedding: a lookup table. Row i of weight [V, D] is the vector of index i; out[..., :] = weight[indices[...], :].
+#include <cstdint>
+#include <optional>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// Autocast category: "unchanged" (the result has the weight's dtype).
+// indices: int64 (other integer dtypes are converted), any shape [...]; weight: [V, D] floating; the
+// result is [..., D]. padding_idx (negative counts from V, as in PyTorch): that row receives no gradient.
+// An index outside [0, V) is an error naming the index and V on the CPU; on CUDA it is a device-side
+// assertion (the kernel prints the index and V, and the CUDA context is lost, as in PyTorch): reproduce on
+// the CPU, or with HALFGRAD_CUDA_LAUNCH_BLOCKING=1, to locate it.
+// The gradient of weight is dense ([V, D], zero in rows no index selected); indices get none.
+Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int64_t> padding_idx = std::nullopt);
+
+// ---- kernels
+// Forward: out [n, D] = weight [V, D] rows at indices [n] (int64); all contiguous, out in weight's dtype.
+// Indices out of [0, V) are an error (CPU) or a device-side assertion (CUDA).
+using EmbeddingKernel = void (*)(const Tensor& out, const Tensor& weight, const Tensor& indices);
+// Backward: grad_weight [V, D] (float32 for float16/bfloat16/float32 gradients, float64 for float64;
+// zeroed by the caller) += grad [n, D] rows scattered to `indices` [n], skipping padding_idx (-1: none).
+// All contiguous. The CUDA kernel adds with atomics: sums of repeated indices may differ in the last bits
+// from run to run.
+using EmbeddingBackwardKernel = void (*)(const Tensor& grad_weight, const Tensor& grad, const Tensor& indices,
+                                         int64_t padding_idx);
+extern KernelTable<EmbeddingKernel> embedding_kernel;
+extern KernelTable<EmbeddingBackwardKernel> embedding_backward_kernel;
+
+}  // namespace halfgrad

@@ -1,0 +1,289 @@
+// Pooling on CUDA: max_pool2d, avg_pool2d, adaptive_avg_pool2d, forward and backward.
+//
+// One thread per output element in the forward kernels; one thread per input element in the backward ones,
+// gathering from the outputs whose windows cover it (no atomics: deterministic, and exact for float16).
+// Elements are numbered in the order of the output's memory format (N, C, H, W or N, H, W, C), so that
+// neighbouring threads touch neighbouring addresses in both layouts; every operand is addressed through its
+// own strides. Sums are accumulated in opmath_t (float for float16/bfloat16) and rounded once.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "core/cuda.h"
+#include "ops/pool.h"
+
+namespace halfgrad {
+namespace {
+
+constexpr int kBlock = 256;
+
+// The 4-D geometry a kernel needs: sizes of the input and output planes and everyone's strides.
+struct Geometry {
+  int64_t N, C, H, W, OH, OW;
+  int64_t in[4], out[4], aux[4];  // strides: input (or grad_input), output (or grad_output), indices
+  bool channels_last;             // number the threads' elements in NHWC order
+};
+
+int64_t stride_of(const Tensor& t, int d) { return t.defined() ? t.stride(d) : 0; }
+
+Geometry geometry(const Tensor& input, const Tensor& output, const Tensor& aux, const Tensor& ordered_by) {
+  Geometry g{input.size(0), input.size(1), input.size(2), input.size(3), output.size(2), output.size(3),
+             {}, {}, {}, suggest_memory_format(ordered_by) == MemoryFormat::ChannelsLast};
+  for (int d = 0; d < 4; ++d) {
+    g.in[d] = input.stride(d);
+    g.out[d] = output.stride(d);
+    g.aux[d] = stride_of(aux, d);
+  }
+  return g;
+}
+
+// Element `i` of a [N, C, P, Q] grid numbered in NCHW or NHWC order.
+struct Index4 {
+  int64_t n, c, p, q;
+};
+__device__ __forceinline__ Index4 unflatten(int64_t i, int64_t C, int64_t P, int64_t Q, bool channels_last) {
+  Index4 r;
+  if (channels_last) {
+    r.c = i % C;
+    i /= C;
+    r.q = i % Q;
+    i /= Q;
+    r.p = i % P;
+    r.n = i / P;
+  } else {
+    r.q = i % Q;
+    i /= Q;
+    r.p = i % P;
+    i /= P;
+    r.c = i % C;
+    r.n = i / C;
+  }
+  return r;
+}
+
+__device__ __forceinline__ int64_t offset(const int64_t (&s)[4], int64_t n, int64_t c, int64_t h, int64_t w) {
+  return n * s[0] + c * s[1] + h * s[2] + w * s[3];
+}
+
+#define HG_GRID_STRIDE_LOOP(i, total) \
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (total); i += int64_t(gridDim.x) * blockDim.x)
+
+unsigned grid_for(int64_t total) {
+  return unsigned(std::min<int64_t>((total + kBlock - 1) / kBlock, int64_t(1) << 20));
+}
+
+// ---- max
+
+template <typename T>
+__global__ void max_pool_kernel(const T* x, T* y, int64_t* indices, Geometry g, Pool2dParams p, int64_t total) {
+  using Acc = opmath_t<T>;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
+    Acc best = -std::numeric_limits<Acc>::infinity();
+    int64_t best_index = -1;
+    for (int64_t kh = 0; kh < p.kernel[0]; ++kh) {
+      const int64_t ih = o.p * p.stride[0] - p.padding[0] + kh * p.dilation[0];
+      if (ih < 0 || ih >= g.H) continue;
+      for (int64_t kw = 0; kw < p.kernel[1]; ++kw) {
+        const int64_t iw = o.q * p.stride[1] - p.padding[1] + kw * p.dilation[1];
+        if (iw < 0 || iw >= g.W) continue;
+        const Acc v = Acc(x[offset(g.in, o.n, o.c, ih, iw)]);
+        if (best_index < 0 || v > best || v != v) {  // first element, then larger; nan wins (as the CPU)
+          best = v;
+          best_index = ih * g.W + iw;
+        }
+      }
+    }
+    y[offset(g.out, o.n, o.c, o.p, o.q)] = T(best);
+    indices[offset(g.aux, o.n, o.c, o.p, o.q)] = best_index;
+  }
+}
+
+// The outputs along one dim whose windows (span = dilation (kernel - 1) + 1) can cover input position i.
+__device__ __forceinline__ void covering(int64_t i, int64_t pad, int64_t stride, int64_t span, int64_t count,
+                                         int64_t& first, int64_t& last) {
+  first = i + pad < span ? 0 : (i + pad - span) / stride + 1;
+  last = (i + pad) / stride + 1;
+  last = last < count ? last : count;
+}
+
+template <typename T>
+__global__ void max_pool_backward_kernel(T* dx, const T* dy, const int64_t* indices, Geometry g, Pool2dParams p,
+                                         int64_t total) {
+  using Acc = opmath_t<T>;
+  const int64_t span_h = p.dilation[0] * (p.kernel[0] - 1) + 1, span_w = p.dilation[1] * (p.kernel[1] - 1) + 1;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 e = unflatten(i, g.C, g.H, g.W, g.channels_last);
+    const int64_t me = e.p * g.W + e.q;
+    int64_t h0, h1, w0, w1;
+    covering(e.p, p.padding[0], p.stride[0], span_h, g.OH, h0, h1);
+    covering(e.q, p.padding[1], p.stride[1], span_w, g.OW, w0, w1);
+    Acc sum = 0;
+    for (int64_t oh = h0; oh < h1; ++oh) {
+      for (int64_t ow = w0; ow < w1; ++ow) {
+        if (indices[offset(g.aux, e.n, e.c, oh, ow)] == me) sum += Acc(dy[offset(g.out, e.n, e.c, oh, ow)]);
+      }
+    }
+    dx[offset(g.in, e.n, e.c, e.p, e.q)] = T(sum);
+  }
+}
+
+// ---- avg
+
+__device__ __forceinline__ int64_t avg_divisor(const AvgWindow& h, const AvgWindow& w, bool count_include_pad) {
+  return count_include_pad ? h.padded_size * w.padded_size : (h.end - h.start) * (w.end - w.start);
+}
+
+template <typename T> __global__ void avg_pool_kernel(const T* x, T* y, Geometry g, Pool2dParams p, int64_t total) {
+  using Acc = opmath_t<T>;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
+    const AvgWindow wh = avg_window(o.p, g.H, p.kernel[0], p.stride[0], p.padding[0]);
+    const AvgWindow ww = avg_window(o.q, g.W, p.kernel[1], p.stride[1], p.padding[1]);
+    const int64_t divisor = avg_divisor(wh, ww, p.count_include_pad);
+    Acc sum = 0;
+    for (int64_t ih = wh.start; ih < wh.end; ++ih) {
+      for (int64_t iw = ww.start; iw < ww.end; ++iw) sum += Acc(x[offset(g.in, o.n, o.c, ih, iw)]);
+    }
+    y[offset(g.out, o.n, o.c, o.p, o.q)] = T(divisor > 0 ? sum / Acc(divisor) : Acc(0));
+  }
+}
+
+template <typename T>
+__global__ void avg_pool_backward_kernel(T* dx, const T* dy, Geometry g, Pool2dParams p, int64_t total) {
+  using Acc = opmath_t<T>;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 e = unflatten(i, g.C, g.H, g.W, g.channels_last);
+    int64_t h0, h1, w0, w1;
+    covering(e.p, p.padding[0], p.stride[0], p.kernel[0], g.OH, h0, h1);
+    covering(e.q, p.padding[1], p.stride[1], p.kernel[1], g.OW, w0, w1);
+    Acc sum = 0;
+    for (int64_t oh = h0; oh < h1; ++oh) {
+      const AvgWindow wh = avg_window(oh, g.H, p.kernel[0], p.stride[0], p.padding[0]);
+      for (int64_t ow = w0; ow < w1; ++ow) {
+        const AvgWindow ww = avg_window(ow, g.W, p.kernel[1], p.stride[1], p.padding[1]);
+        const int64_t divisor = avg_divisor(wh, ww, p.count_include_pad);
+        if (divisor > 0) sum += Acc(dy[offset(g.out, e.n, e.c, oh, ow)]) / Acc(divisor);
+      }
+    }
+    dx[offset(g.in, e.n, e.c, e.p, e.q)] = T(sum);
+  }
+}
+
+// ---- adaptive avg
+
+template <typename T> __global__ void adaptive_avg_pool_kernel(const T* x, T* y, Geometry g, int64_t total) {
+  using Acc = opmath_t<T>;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
+    const int64_t h0 = adaptive_start(o.p, g.H, g.OH), h1 = adaptive_end(o.p, g.H, g.OH);
+    const int64_t w0 = adaptive_start(o.q, g.W, g.OW), w1 = adaptive_end(o.q, g.W, g.OW);
+    Acc sum = 0;
+    for (int64_t ih = h0; ih < h1; ++ih) {
+      for (int64_t iw = w0; iw < w1; ++iw) sum += Acc(x[offset(g.in, o.n, o.c, ih, iw)]);
+    }
+    y[offset(g.out, o.n, o.c, o.p, o.q)] = T(sum / Acc((h1 - h0) * (w1 - w0)));
+  }
+}
+
+template <typename T>
+__global__ void adaptive_avg_pool_backward_kernel(T* dx, const T* dy, Geometry g, int64_t total) {
+  using Acc = opmath_t<T>;
+  HG_GRID_STRIDE_LOOP(i, total) {
+    const Index4 e = unflatten(i, g.C, g.H, g.W, g.channels_last);
+    // Cells [floor(h OH / H), ceil((h + 1) OH / H)) are the only candidates; each is checked exactly.
+    const int64_t oh0 = (e.p * g.OH) / g.H, oh_end = ((e.p + 1) * g.OH + g.H - 1) / g.H;
+    const int64_t ow0 = (e.q * g.OW) / g.W, ow_end = ((e.q + 1) * g.OW + g.W - 1) / g.W;
+    const int64_t oh1 = oh_end < g.OH ? oh_end : g.OH, ow1 = ow_end < g.OW ? ow_end : g.OW;
+    Acc sum = 0;
+    for (int64_t oh = oh0; oh < oh1; ++oh) {
+      const int64_t h0 = adaptive_start(oh, g.H, g.OH), h1 = adaptive_end(oh, g.H, g.OH);
+      if (e.p < h0 || e.p >= h1) continue;
+      for (int64_t ow = ow0; ow < ow1; ++ow) {
+        const int64_t w0 = adaptive_start(ow, g.W, g.OW), w1 = adaptive_end(ow, g.W, g.OW);
+        if (e.q < w0 || e.q >= w1) continue;
+        sum += Acc(dy[offset(g.out, e.n, e.c, oh, ow)]) / Acc((h1 - h0) * (w1 - w0));
+      }
+    }
+    dx[offset(g.in, e.n, e.c, e.p, e.q)] = T(sum);
+  }
+}
+
+#undef HG_GRID_STRIDE_LOOP
+
+// ---- launchers
+
+template <typename T> T* ptr(const Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+template <typename Launch> void launch_floating(DType dtype, const char* op, Device device, Launch&& launch) {
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  dispatch_floating(dtype, op, [&]<typename T>() { launch.template operator()<T>(stream); });
+  HG_CUDA_CHECK_LAUNCH(op);
+}
+
+void max_pool2d_cuda(const Tensor& out, const Tensor& indices, const Tensor& input, const Pool2dParams& p) {
+  const Geometry g = geometry(input, out, indices, out);
+  const int64_t total = out.numel();
+  launch_floating(input.dtype(), "max_pool2d", input.device(), [&]<typename T>(cudaStream_t stream) {
+    max_pool_kernel<T><<<grid_for(total), kBlock, 0, stream>>>(ptr<const T>(input), ptr<T>(out),
+                                                                ptr<int64_t>(indices), g, p, total);
+  });
+}
+
+void max_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
+                              const Pool2dParams& p) {
+  const Geometry g = geometry(grad_input, grad_output, indices, grad_input);
+  const int64_t total = grad_input.numel();
+  launch_floating(grad_input.dtype(), "max_pool2d backward", grad_input.device(), [&]<typename T>(cudaStream_t s) {
+    max_pool_backward_kernel<T><<<grid_for(total), kBlock, 0, s>>>(ptr<T>(grad_input), ptr<const T>(grad_output),
+                                                                   ptr<const int64_t>(indices), g, p, total);
+  });
+}
+
+void avg_pool2d_cuda(const Tensor& out, const Tensor& input, const Pool2dParams& p) {
+  const Geometry g = geometry(input, out, Tensor(), out);
+  const int64_t total = out.numel();
+  launch_floating(input.dtype(), "avg_pool2d", input.device(), [&]<typename T>(cudaStream_t stream) {
+    avg_pool_kernel<T><<<grid_for(total), kBlock, 0, stream>>>(ptr<const T>(input), ptr<T>(out), g, p, total);
+  });
+}
+
+void avg_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, const Pool2dParams& p) {
+  const Geometry g = geometry(grad_input, grad_output, Tensor(), grad_input);
+  const int64_t total = grad_input.numel();
+  launch_floating(grad_input.dtype(), "avg_pool2d backward", grad_input.device(), [&]<typename T>(cudaStream_t s) {
+    avg_pool_backward_kernel<T><<<grid_for(total), kBlock, 0, s>>>(ptr<T>(grad_input), ptr<const T>(grad_output), g,
+                                                                   p, total);
+  });
+}
+
+void adaptive_avg_pool2d_cuda(const Tensor& out, const Tensor& input) {
+  const Geometry g = geometry(input, out, Tensor(), out);
+  const int64_t total = out.numel();
+  launch_floating(input.dtype(), "adaptive_avg_pool2d", input.device(), [&]<typename T>(cudaStream_t stream) {
+    adaptive_avg_pool_kernel<T><<<grid_for(total), kBlock, 0, stream>>>(ptr<const T>(input), ptr<T>(out), g, total);
+  });
+}
+
+void adaptive_avg_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_output) {
+  const Geometry g = geometry(grad_input, grad_output, Tensor(), grad_input);
+  const int64_t total = grad_input.numel();
+  launch_floating(grad_input.dtype(), "adaptive_avg_pool2d backward", grad_input.device(),
+                  [&]<typename T>(cudaStream_t s) {
+                    adaptive_avg_pool_backward_kernel<T><<<grid_for(total), kBlock, 0, s>>>(
+                        ptr<T>(grad_input), ptr<const T>(grad_output), g, total);
+                  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(max_pool2d_kernel, CUDA, max_pool2d_cuda);
+HG_REGISTER_KERNEL(max_pool2d_backward_kernel, CUDA, max_pool2d_backward_cuda);
+HG_REGISTER_KERNEL(avg_pool2d_kernel, CUDA, avg_pool2d_cuda);
+HG_REGISTER_KERNEL(avg_pool2d_backward_kernel, CUDA, avg_pool2d_backward_cuda);
+HG_REGISTER_KERNEL(adaptive_avg_pool2d_kernel, CUDA, adaptive_avg_pool2d_cuda);
+HG_REGISTER_KERNEL(adaptive_avg_pool2d_backward_kernel, CUDA, adaptive_avg_pool2d_backward_cuda);
+
+}  // namespace halfgrad

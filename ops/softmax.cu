@@ -1,0 +1,206 @@
+// softmax and log_softmax on CUDA: the kernels behind softmax_kernel and softmax_backward_kernel
+// (ops/softmax.h). The op layer hands over contiguous [outer, size, inner] tensors.
+//
+//   rows    (inner == 1, the usual last-dim softmax): TX threads share a row, ROWS rows per block. Short
+//           rows (size <= 1024): a warp per row, eight rows per block; long rows: a block of 512 per row.
+//           Forward reads the row twice: once for the running (max, sum of exp) pair, merged across
+//           threads with warp shuffles (and shared memory between warps), once to write.
+//   columns (inner > 1, softmax over a non-last dim): one thread per (outer, inner) column walks the
+//           softmax dim with stride `inner`; neighbouring threads read neighbouring columns (coalesced).
+// float16/bfloat16 are computed in float32; float64 in float64.
+#include <cuda_runtime.h>
+
+#include "core/cuda.h"
+#include "ops/softmax.h"
+
+namespace halfgrad {
+namespace {
+
+constexpr int kColumnThreads = 256;
+
+__device__ __forceinline__ float device_exp(float x) { return expf(x); }
+__device__ __forceinline__ double device_exp(double x) { return exp(x); }
+__device__ __forceinline__ float device_log(float x) { return logf(x); }
+__device__ __forceinline__ double device_log(double x) { return log(x); }
+
+// The softmax normaliser of a set of elements: their max m and s = sum exp(x - m). Two sets merge by
+// rescaling each sum to the larger max; one element x is the set {m = x, s = 1}. A nan anywhere makes s nan.
+template <typename A> struct MaxSum {
+  A m, s;
+};
+template <typename A> __device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
+  const A m = a.m > b.m ? a.m : b.m;
+  // (a.m == m also covers two empty sets, -inf and -inf, where a.m - m would be nan)
+  const A sa = a.m == m ? a.s : a.s * device_exp(a.m - m);
+  const A sb = b.m == m ? b.s : b.s * device_exp(b.m - m);
+  return {m, sa + sb};
+}
+template <typename A> __device__ __forceinline__ MaxSum<A> shuffle_xor(MaxSum<A> v, int mask) {
+  return {__shfl_xor_sync(0xffffffffu, v.m, mask), __shfl_xor_sync(0xffffffffu, v.s, mask)};
+}
+template <typename A> __device__ __forceinline__ A shuffle_xor(A v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+
+struct MergeOp {
+  template <typename A> __device__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
+};
+struct AddOp {
+  template <typename A> __device__ A operator()(A a, A b) const { return a + b; }
+};
+
+// Reduces v over the TX threads of a row (threadIdx.x); every thread of the row gets the result. TX is 32
+// (one warp per row, any number of rows per block) or a multiple of 32 with one row per block.
+template <int TX, typename V, typename Op> __device__ __forceinline__ V row_reduce(V v, Op op) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) v = op(v, shuffle_xor(v, mask));
+  if constexpr (TX > 32) {
+    __shared__ V partial[TX / 32];
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = partial[0];
+#pragma unroll
+    for (int w = 1; w < TX / 32; ++w) v = op(v, partial[w]);
+    __syncthreads();  // the partials may be reused by a second reduction
+  }
+  return v;
+}
+
+template <typename T, int TX, int ROWS>
+__global__ void __launch_bounds__(TX * ROWS) softmax_rows_kernel(T* out, const T* in, int64_t outer, int64_t size,
+                                                                 bool log) {
+  using A = opmath_t<T>;
+  const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
+  if (row >= outer) return;  // whole rows only: every thread of a row takes part in its reduction
+  const T* x = in + row * size;
+  T* y = out + row * size;
+  MaxSum<A> st{-INFINITY, A(0)};
+  for (int64_t j = threadIdx.x; j < size; j += TX) st = merge(st, MaxSum<A>{A(x[j]), A(1)});
+  st = row_reduce<TX>(st, MergeOp{});
+  if (log) {
+    const A log_sum = device_log(st.s);  // (x - m) - log_sum: x - m is exact, m + log_sum would round
+    for (int64_t j = threadIdx.x; j < size; j += TX) y[j] = T((A(x[j]) - st.m) - log_sum);
+  } else {
+    const A scale = A(1) / st.s;
+    for (int64_t j = threadIdx.x; j < size; j += TX) y[j] = T(device_exp(A(x[j]) - st.m) * scale);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kColumnThreads) softmax_columns_kernel(T* out, const T* in, int64_t outer,
+                                                                         int64_t size, int64_t inner, bool log) {
+  using A = opmath_t<T>;
+  const int64_t column = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (column >= outer * inner) return;
+  const int64_t o = column / inner, i = column % inner;
+  const T* x = in + o * size * inner + i;
+  T* y = out + o * size * inner + i;
+  MaxSum<A> st{-INFINITY, A(0)};
+  for (int64_t j = 0; j < size; ++j) st = merge(st, MaxSum<A>{A(x[j * inner]), A(1)});
+  if (log) {
+    const A log_sum = device_log(st.s);
+    for (int64_t j = 0; j < size; ++j) y[j * inner] = T((A(x[j * inner]) - st.m) - log_sum);
+  } else {
+    const A scale = A(1) / st.s;
+    for (int64_t j = 0; j < size; ++j) y[j * inner] = T(device_exp(A(x[j * inner]) - st.m) * scale);
+  }
+}
+
+// softmax: dx = y * (g - sum(g * y)); log_softmax: dx = g - exp(y) * sum(g).
+template <typename T, int TX, int ROWS>
+__global__ void __launch_bounds__(TX * ROWS) softmax_backward_rows_kernel(T* dx, const T* g, const T* y,
+                                                                          int64_t outer, int64_t size, bool log) {
+  using A = opmath_t<T>;
+  const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
+  if (row >= outer) return;
+  const int64_t base = row * size;
+  A r = 0;
+  for (int64_t j = threadIdx.x; j < size; j += TX) r += log ? A(g[base + j]) : A(g[base + j]) * A(y[base + j]);
+  r = row_reduce<TX>(r, AddOp{});
+  for (int64_t j = threadIdx.x; j < size; j += TX) {
+    const A gj = A(g[base + j]), yj = A(y[base + j]);
+    dx[base + j] = T(log ? gj - device_exp(yj) * r : yj * (gj - r));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kColumnThreads)
+    softmax_backward_columns_kernel(T* dx, const T* g, const T* y, int64_t outer, int64_t size, int64_t inner,
+                                    bool log) {
+  using A = opmath_t<T>;
+  const int64_t column = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (column >= outer * inner) return;
+  const int64_t base = (column / inner) * size * inner + column % inner;
+  A r = 0;
+  for (int64_t j = 0; j < size; ++j) {
+    const int64_t at = base + j * inner;
+    r += log ? A(g[at]) : A(g[at]) * A(y[at]);
+  }
+  for (int64_t j = 0; j < size; ++j) {
+    const int64_t at = base + j * inner;
+    const A gj = A(g[at]), yj = A(y[at]);
+    dx[at] = T(log ? gj - device_exp(yj) * r : yj * (gj - r));
+  }
+}
+
+// ---- launchers
+
+constexpr int64_t kWarpRowMax = 1024;  // rows up to this long get a warp each; longer ones a block each
+constexpr int kLongRowThreads = 512;
+
+unsigned blocks_for(int64_t items, int64_t per_block) { return unsigned((items + per_block - 1) / per_block); }
+
+void softmax_cuda(const Tensor& out, const Tensor& in, SoftmaxShape s, bool log) {
+  const char* name = log ? "log_softmax" : "softmax";
+  HG_CHECK(in.is_contiguous() && out.is_contiguous() && in.device() == out.device(),
+           "{}: softmax_cuda expects contiguous operands on one device, got {} and {}", name, in.meta(), out.meta());
+  cuda::DeviceGuard guard(in.device());
+  cudaStream_t stream = cuda::current_stream(in.device());
+  dispatch_floating(in.dtype(), name, [&]<typename T>() {
+    T* y = out.data<T>();
+    const T* x = in.data<T>();
+    if (s.inner == 1 && s.size <= kWarpRowMax) {
+      softmax_rows_kernel<T, 32, 8><<<blocks_for(s.outer, 8), dim3(32, 8), 0, stream>>>(y, x, s.outer, s.size, log);
+    } else if (s.inner == 1) {
+      softmax_rows_kernel<T, kLongRowThreads, 1>
+          <<<blocks_for(s.outer, 1), dim3(kLongRowThreads, 1), 0, stream>>>(y, x, s.outer, s.size, log);
+    } else {
+      softmax_columns_kernel<T><<<blocks_for(s.outer * s.inner, kColumnThreads), kColumnThreads, 0, stream>>>(
+          y, x, s.outer, s.size, s.inner, log);
+    }
+    HG_CUDA_CHECK_LAUNCH(name);
+  });
+}
+
+void softmax_backward_cuda(const Tensor& grad_in, const Tensor& grad_out, const Tensor& out, SoftmaxShape s, bool log) {
+  const char* name = log ? "log_softmax_backward" : "softmax_backward";
+  HG_CHECK(grad_in.is_contiguous() && grad_out.is_contiguous() && out.is_contiguous(),
+           "{}: softmax_backward_cuda expects contiguous operands, got {}, {} and {}", name, grad_in.meta(),
+           grad_out.meta(), out.meta());
+  cuda::DeviceGuard guard(out.device());
+  cudaStream_t stream = cuda::current_stream(out.device());
+  dispatch_floating(out.dtype(), name, [&]<typename T>() {
+    T* dx = grad_in.data<T>();
+    const T* g = grad_out.data<T>();
+    const T* y = out.data<T>();
+    if (s.inner == 1 && s.size <= kWarpRowMax) {
+      softmax_backward_rows_kernel<T, 32, 8>
+          <<<blocks_for(s.outer, 8), dim3(32, 8), 0, stream>>>(dx, g, y, s.outer, s.size, log);
+    } else if (s.inner == 1) {
+      softmax_backward_rows_kernel<T, kLongRowThreads, 1>
+          <<<blocks_for(s.outer, 1), dim3(kLongRowThreads, 1), 0, stream>>>(dx, g, y, s.outer, s.size, log);
+    } else {
+      softmax_backward_columns_kernel<T><<<blocks_for(s.outer * s.inner, kColumnThreads), kColumnThreads, 0, stream>>>(
+          dx, g, y, s.outer, s.size, s.inner, log);
+    }
+    HG_CUDA_CHECK_LAUNCH(name);
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(softmax_kernel, CUDA, softmax_cuda);
+HG_REGISTER_KERNEL(softmax_backward_kernel, CUDA, softmax_backward_cuda);
+
+}  // namespace halfgrad

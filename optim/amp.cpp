@@ -1,0 +1,124 @@
+#include "optim/amp.h"
+
+#include <map>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "core/log.h"
+#include "nn/layers.h"
+
+namespace halfgrad::amp {
+
+const char* opt_level_name(OptLevel level) {
+  constexpr const char* names[] = {"O0", "O1", "O2", "O3"};
+  return names[int(level)];
+}
+
+OptLevel parse_opt_level(const std::string& name) {
+  for (OptLevel l : {OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3})
+    if (name == opt_level_name(l)) return l;
+  HG_FAIL("amp: unknown opt level '{}' (expected O0, O1, O2 or O3)", name);
+}
+
+namespace {
+GradScalerOptions scaler_for(OptLevel level, GradScalerOptions options) {
+  options.enabled = options.enabled && (level == OptLevel::O1 || level == OptLevel::O2);
+  return options;
+}
+
+bool is_batch_norm(const nn::Module& m) { return dynamic_cast<const nn::BatchNorm2d*>(&m) != nullptr; }
+}  // namespace
+
+Amp::Amp(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, AmpOptions options)
+    : model_(&model), optimizer_(&optimizer), level_(level), options_(options),
+      scaler_(scaler_for(level, options.scaler)) {}
+
+Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, AmpOptions options) {
+  HG_CHECK(options.half_dtype == kFloat16 || options.half_dtype == kBFloat16,
+           "amp::initialize: half_dtype must be float16 or bfloat16, got {}", dtype_name(options.half_dtype));
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+    for (size_t p = 0; p < optimizer.param_group(g).params.size(); ++p)
+      HG_CHECK(optimizer.state(g, p).step == 0 && optimizer.state(g, p).buffers.empty(),
+               "amp::initialize: the {} optimizer has already stepped; initialize before training", optimizer.name());
+  Amp amp(model, optimizer, level, options);
+  if (level == OptLevel::O0 || level == OptLevel::O1) return amp;
+
+  // Convert the model; remember which float32 tensor became which half parameter (same names).
+  NamedTensors before = model.named_parameters();
+  if (level == OptLevel::O2) {
+    model.to(options.half_dtype, [](const nn::Module& m) { return !is_batch_norm(m); });
+  } else {
+    model.to(options.half_dtype);
+  }
+  NamedTensors after = model.named_parameters();
+  std::map<TensorImpl*, Tensor> converted;  // float32 tensor -> the model's parameter now
+  for (size_t i = 0; i < before.size(); ++i) converted.emplace(before[i].second.impl(), after[i].second);
+
+  // Rewire the optimizer. O2: it keeps (or gets) float32 masters, each paired with the model's half
+  // parameter. O3: it trains the model's half parameters directly.
+  for (optim::ParamGroupRef group : optimizer.param_groups()) {
+    for (Tensor& p : group.params) {
+      auto it = converted.find(p.impl());
+      Tensor model_param = it != converted.end() ? it->second : p;
+      if (level == OptLevel::O3) {
+        p = model_param;
+        continue;
+      }
+      if (model_param.same(p)) {
+        if (p.dtype() == kFloat32) continue;  // BatchNorm: stays float32, needs no master
+        Tensor master;  // an optimizer built on a half model: make its master
+        {
+          NoGradGuard no_grad;
+          master = p.to(kFloat32).clone();
+        }
+        master.requires_grad_();
+        amp.masters_.emplace_back(master, p);
+        p = master;
+      } else {
+        amp.masters_.emplace_back(p, model_param);  // the optimizer's float32 tensor is the master
+      }
+    }
+  }
+  logger().info("amp: {} with {} ({} master weights)", opt_level_name(level), dtype_name(options.half_dtype),
+                amp.masters_.size());
+  return amp;
+}
+
+Tensor Amp::forward(nn::Module& model, const Tensor& x) {
+  TensorList params = model.parameters();
+  DType model_dtype = params.empty() ? kFloat32 : params.front().dtype();
+  Tensor input = x.is_floating_point() ? x.to(model_dtype) : x;
+  if (level_ == OptLevel::O1) {
+    AutocastGuard autocast(options_.half_dtype);
+    return model.forward(input);
+  }
+  Tensor out = model.forward(input);
+  return level_ == OptLevel::O2 && out.is_floating_point() ? out.to(kFloat32) : out;
+}
+
+void Amp::backward(const Tensor& loss) { scaler_.scale(loss).backward(); }
+
+bool Amp::step() {
+  {
+    // O2: the half gradients become the masters' float32 gradients, where unscaling loses nothing.
+    NoGradGuard no_grad;
+    for (auto& [master, model_param] : masters_) {
+      Tensor g = model_param.grad();
+      master.set_grad(g.defined() ? g.to(kFloat32) : Tensor());
+    }
+  }
+  bool stepped = scaler_.step(*optimizer_);
+  if (stepped) {
+    NoGradGuard no_grad;
+    for (auto& [master, model_param] : masters_) model_param.copy_(master);
+  }
+  scaler_.update();
+  return stepped;
+}
+
+void Amp::zero_grad() {
+  model_->zero_grad();
+  optimizer_->zero_grad();
+}
+
+}  // namespace halfgrad::amp

@@ -1,0 +1,72 @@
+#pragma once
+// Mixed-precision training set-ups, by apex's opt levels:
+//
+//   O0  float32 everywhere; no loss scaling                        (the baseline)
+//   O1  float32 model; forward under autocast (ops run by their precision rule, core/autocast.h);
+//       dynamic loss scaling                                       ("AMP" in the benchmark tables)
+//   O2  model in half except BatchNorm; FP32 master weights in the optimizer: half gradients are copied to
+//       the float32 masters, unscaled and stepped there, and the masters copied back into the half model;
+//       dynamic loss scaling                                       (fastai's to_fp16)
+//   O3  everything in half, BatchNorm included; no master weights, no scaling  ("FP16" in the tables)
+//
+// Build the model and the optimizer in float32 first, then:
+//
+//   amp::Amp amp = amp::initialize(model, optimizer, amp::OptLevel::O2);
+//   for (auto [x, y] : batches) {
+//     Tensor out = amp.forward(model, x);        // input cast to the model's dtype, autocast for O1
+//     Tensor loss = cross_entropy(out, y);
+//     amp.backward(loss);                        // scaled backward
+//     amp.step();                                // masters, unscale, skip on overflow, copy back, update scale
+//     amp.zero_grad();
+//   }
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "nn/module.h"
+#include "optim/grad_scaler.h"
+#include "optim/optimizer.h"
+
+namespace halfgrad::amp {
+
+enum class OptLevel { O0, O1, O2, O3 };
+const char* opt_level_name(OptLevel level);
+OptLevel parse_opt_level(const std::string& name);  // "O0".."O3"; anything else is an error naming it
+
+struct AmpOptions {
+  DType half_dtype = kFloat16;   // or kBFloat16 (which needs no loss scaling, though it does no harm)
+  GradScalerOptions scaler = {}; // for O1 and O2; its `enabled` is forced off for O0 and O3
+};
+
+class Amp {
+ public:
+  // Runs model(x): x is cast to the dtype of the model's first parameter (half for O2/O3); O1 runs under an
+  // AutocastGuard; O2 returns the output in float32 (losses are computed in float32), as apex does.
+  Tensor forward(nn::Module& model, const Tensor& x);
+  // Backward of the (scaled, for O1/O2) loss.
+  void backward(const Tensor& loss);
+  // One optimizer step with everything the level needs; returns false when an overflow skipped it.
+  bool step();
+  void zero_grad();
+
+  OptLevel level() const { return level_; }
+  GradScaler& scaler() { return scaler_; }
+  // (master, model) pairs of O2: the optimizer's float32 tensor and the half parameter the model runs with.
+  const std::vector<std::pair<Tensor, Tensor>>& master_weights() const { return masters_; }
+
+ private:
+  friend Amp initialize(nn::Module&, optim::Optimizer&, OptLevel, AmpOptions);
+  Amp(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, AmpOptions options);
+
+  nn::Module* model_;
+  optim::Optimizer* optimizer_;
+  OptLevel level_;
+  AmpOptions options_;
+  GradScaler scaler_;
+  std::vector<std::pair<Tensor, Tensor>> masters_;
+};
+
+// Converts `model` as the level says and rewires `optimizer` (which must not have stepped yet) to train it.
+Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, AmpOptions options = {});
+
+}  // namespace halfgrad::amp

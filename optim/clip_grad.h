@@ -1,0 +1,28 @@
+#pragma once
+// Gradient clipping by the total norm (torch.nn.utils.clip_grad_norm_).
+//
+//   Tensor norm = clip_grad_norm_(model.parameters(), /*max_norm=*/1.0);
+//   if (step % 100 == 0) log(norm.item<double>());     // reading it is the only host synchronisation
+//
+// No host synchronisation: the norm is computed on the gradients' device (one fused pass over all gradients
+// of a dtype, optim/fused.h), the clip coefficient min(1, max_norm / (norm + 1e-6)) is computed there as a
+// 0-d tensor, and every gradient is multiplied by it (one more fused pass), whether or not it is below 1,
+// exactly as PyTorch does to avoid the sync. With loss scaling, unscale the gradients first
+// (GradScaler::unscale_). A non-finite norm makes the coefficient nan, and so every gradient: the step a
+// GradScaler would skip anyway.
+#include "core/tensor.h"
+
+namespace halfgrad::optim {
+
+// The total norm of the gradients of `params` (those without a gradient are left out), as if all of them
+// were concatenated into one vector: (sum |g|^p)^(1/p), or max |g| for norm_type = inf. A 0-d tensor on the
+// first gradient's device, float64 when every gradient is float64, else float32 (float16 gradients are
+// accumulated in float32, so a norm above 65504 does not overflow). 0 on the CPU when no parameter has a
+// gradient.
+Tensor grad_norm(const TensorList& params, double norm_type = 2.0);
+
+// Scales the gradients of `params` in place so that their total norm is at most max_norm, and returns the
+// total norm before clipping (as grad_norm). norm_type: any p > 0, or INFINITY.
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type = 2.0);
+
+}  // namespace halfgrad::optim

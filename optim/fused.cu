@@ -1,0 +1,408 @@
+// The fused optimizer kernels on CUDA (optim/fused.h says what each computes): multi-tensor apply.
+//
+// A launch covers a batch of tensors: for each, the pointers of its DEPTH operands (param, grad, state...),
+// its size and its own scalars (Adam's bias corrections) travel by value in the kernel's argument
+// (`TensorBatch`, under the classic 4 KB limit: 59 Adam tensors, 79 SGD-with-momentum tensors a batch), so there is no
+// host-to-device copy and no allocation. Each tensor is cut into chunks of kChunk elements; the blocks of
+// the launch walk the batch's chunks (grid-stride), finding a chunk's tensor by binary search over the
+// entries' first chunk. Inside a chunk each thread loads kVec-element vectors of every operand (when all
+// are aligned), runs the update in registers in opmath_t, and stores the operands the update writes.
+// ResNet-50 (161 tensors, 25.6M elements): 3 launches for SGD with momentum and for Adam.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/cuda.h"
+#include "optim/fused.h"
+
+// The tensor list is read in place from the kernel's parameter space: without __grid_constant__, indexing
+// it with a run-time value could make each thread copy all 4 KB of it to local memory.
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 11 || __CUDACC_VER_MINOR__ >= 7)
+#define HG_GRID_CONSTANT __grid_constant__
+#else
+#define HG_GRID_CONSTANT
+#endif
+
+namespace halfgrad::optim {
+namespace {
+
+constexpr int kBlock = 512;            // threads per block
+constexpr int64_t kChunk = 16384;      // elements a block takes at a time: 8 vectors per thread
+constexpr int kVec = 4;                // elements per vector load
+constexpr size_t kBatchBytes = 3840;   // the tensor list's share of the 4 KB kernel-argument limit
+
+// ---- the tensor list
+
+template <int DEPTH, typename Extra> struct TensorEntry {
+  void* ptr[DEPTH];     // param, grad, state tensors (in the order the update names them)
+  int64_t numel;
+  int64_t first_chunk;  // chunks of the entries before this one in the batch
+  Extra extra;          // per-tensor scalars
+};
+
+template <int DEPTH, typename Extra> struct TensorBatch {
+  using Entry = TensorEntry<DEPTH, Extra>;
+  static constexpr int kCapacity = int((kBatchBytes - 16) / sizeof(Entry));
+  Entry entries[kCapacity];
+  int num_tensors;
+  int64_t num_chunks;
+};
+
+struct NoExtra {};
+
+template <int DEPTH, typename Extra>
+__device__ __forceinline__ const TensorEntry<DEPTH, Extra>& entry_of_chunk(const TensorBatch<DEPTH, Extra>& batch,
+                                                                            int64_t chunk) {
+  int lo = 0, hi = batch.num_tensors - 1;  // the last entry whose first chunk is <= chunk
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (batch.entries[mid].first_chunk <= chunk)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return batch.entries[lo];
+}
+
+// Fills batches with the non-empty tensors of `lists` (lists[d][i] is operand d of tensor i) and calls
+// launch(batch) for each full batch and the last one.
+template <int DEPTH, typename Extra, typename ExtraOf, typename Launch>
+void for_each_batch(const std::array<const TensorList*, DEPTH>& lists, const ExtraOf& extra_of, const Launch& launch) {
+  using Batch = TensorBatch<DEPTH, Extra>;
+  Batch batch;
+  batch.num_tensors = 0;
+  batch.num_chunks = 0;
+  const TensorList& first = *lists[0];
+  for (size_t i = 0; i < first.size(); ++i) {
+    const int64_t numel = first[i].numel();
+    if (numel == 0) continue;
+    auto& e = batch.entries[batch.num_tensors++];
+    for (int d = 0; d < DEPTH; ++d) e.ptr[d] = (*lists[d])[i].data_ptr();
+    e.numel = numel;
+    e.first_chunk = batch.num_chunks;
+    e.extra = extra_of(i);
+    batch.num_chunks += (numel + kChunk - 1) / kChunk;
+    if (batch.num_tensors == Batch::kCapacity) {
+      launch(batch);
+      batch.num_tensors = 0;
+      batch.num_chunks = 0;
+    }
+  }
+  if (batch.num_tensors > 0) launch(batch);
+}
+
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// ---- the elementwise multi-tensor kernel: `op(values, extra)` updates one element's operands in place
+
+template <typename T, int DEPTH, typename Extra, typename Op>
+__global__ void __launch_bounds__(kBlock)
+    multi_tensor_kernel(const HG_GRID_CONSTANT TensorBatch<DEPTH, Extra> batch, const Op op) {
+  using M = opmath_t<T>;
+  for (int64_t chunk = blockIdx.x; chunk < batch.num_chunks; chunk += gridDim.x) {
+    const TensorEntry<DEPTH, Extra>& e = entry_of_chunk(batch, chunk);
+    const Extra extra = e.extra;
+    const int64_t begin = (chunk - e.first_chunk) * kChunk;
+    const int64_t n = min(kChunk, e.numel - begin);
+    T* ptr[DEPTH];
+    bool aligned = true;
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      ptr[d] = static_cast<T*>(e.ptr[d]) + begin;
+      aligned = aligned && reinterpret_cast<uintptr_t>(ptr[d]) % (sizeof(T) * kVec) == 0;
+    }
+    int64_t done = 0;
+    if (aligned) {
+      const int64_t vectors = n / kVec;
+      for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+        M r[kVec][DEPTH];
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+          const Vec<T, kVec> x = reinterpret_cast<const Vec<T, kVec>*>(ptr[d])[v];
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) r[k][d] = M(x.v[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) op(r[k], extra);
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+          if (!Op::writes(d)) continue;
+          Vec<T, kVec> x;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) x.v[k] = T(r[k][d]);
+          reinterpret_cast<Vec<T, kVec>*>(ptr[d])[v] = x;
+        }
+      }
+      done = vectors * kVec;
+    }
+    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+      M r[DEPTH];
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d) r[d] = M(ptr[d][i]);
+      op(r, extra);
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (Op::writes(d)) ptr[d][i] = T(r[d]);
+    }
+  }
+}
+
+template <typename T, int DEPTH, typename Extra, typename Op, typename ExtraOf>
+void launch_multi_tensor(const char* name, Device device, const std::array<const TensorList*, DEPTH>& lists,
+                         const ExtraOf& extra_of, const Op& op) {
+  static_assert(sizeof(TensorBatch<DEPTH, Extra>) + sizeof(Op) <= 4096, "kernel arguments over 4 KB");
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  for_each_batch<DEPTH, Extra>(lists, extra_of, [&](const TensorBatch<DEPTH, Extra>& batch) {
+    multi_tensor_kernel<T, DEPTH, Extra, Op><<<unsigned(batch.num_chunks), kBlock, 0, stream>>>(batch, op);
+    HG_CUDA_CHECK_LAUNCH(name);
+  });
+}
+
+// ---- SGD: operands p, g[, b]
+
+struct SGDExtra {
+  int32_t first_step;
+};
+
+template <typename M> struct SGDOp {
+  M lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov;
+  static constexpr __device__ bool writes(int d) { return d != 1; }  // not the gradient
+  template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
+    M g = r[1];
+    if (weight_decay != M(0)) g = g + weight_decay * r[0];
+    if constexpr (DEPTH == 3) {
+      const M b = extra.first_step ? g : momentum * r[2] + one_minus_dampening * g;
+      r[2] = b;
+      g = nesterov ? g + momentum * b : b;
+    }
+    r[0] = r[0] - lr * g;
+  }
+};
+
+void sgd_step_cuda(const SGDStepArgs& a) {
+  if (a.params.empty()) return;
+  const Device device = a.params[0].device();
+  dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    const SGDOp<M> op{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay), a.nesterov};
+    auto extra_of = [&](size_t i) { return SGDExtra{a.momentum != 0 && a.first_step[i] ? 1 : 0}; };
+    if (a.momentum != 0) {
+      launch_multi_tensor<T, 3, SGDExtra>("SGD.step", device, {&a.params, &a.grads, &a.momentum_buffers}, extra_of,
+                                          op);
+    } else {
+      launch_multi_tensor<T, 2, SGDExtra>("SGD.step", device, {&a.params, &a.grads}, extra_of, op);
+    }
+  });
+}
+
+// ---- Adam / AdamW: operands p, g, m, v[, v_max]
+
+struct AdamExtra {
+  double step_size, bias_correction2_sqrt;
+};
+
+template <typename M> struct AdamOp {
+  M beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor;
+  bool decoupled;
+  static constexpr __device__ bool writes(int d) { return d != 1; }
+  template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const AdamExtra& extra) const {
+    M p = r[0], g = r[1];
+    if (weight_decay != M(0)) {
+      if (decoupled)
+        p = p * decay_factor;
+      else
+        g = g + weight_decay * p;
+    }
+    const M m = beta1 * r[2] + one_minus_beta1 * g;
+    M v = beta2 * r[3] + one_minus_beta2 * g * g;
+    r[2] = m;
+    r[3] = v;
+    if constexpr (DEPTH == 5) {
+      v = r[4] < v ? v : r[4];  // std::max, as the CPU kernel and PyTorch's fused kernel
+      r[4] = v;
+    }
+    const M denom = sqrt(v) / M(extra.bias_correction2_sqrt) + eps;
+    r[0] = p - M(extra.step_size) * m / denom;
+  }
+};
+
+void adam_step_cuda(const AdamStepArgs& a) {
+  if (a.params.empty()) return;
+  const Device device = a.params[0].device();
+  dispatch_floating(a.params[0].dtype(), "Adam.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    const AdamOp<M> op{M(a.beta1), M(1 - a.beta1),       M(a.beta2),
+                       M(1 - a.beta2), M(a.eps), M(a.weight_decay), M(1 - a.lr * a.weight_decay),
+                       a.decoupled_weight_decay};
+    auto extra_of = [&](size_t i) { return AdamExtra{a.step_sizes[i], a.bias_correction2_sqrts[i]}; };
+    if (a.amsgrad) {
+      launch_multi_tensor<T, 5, AdamExtra>("Adam.step", device,
+                                           {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs, &a.max_exp_avg_sqs},
+                                           extra_of, op);
+    } else {
+      launch_multi_tensor<T, 4, AdamExtra>("Adam.step", device, {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs},
+                                           extra_of, op);
+    }
+  });
+}
+
+// ---- scale: x *= coefficient, the coefficient read on the device
+
+template <typename A> struct ScaleOp {
+  const A* coefficient;
+  static constexpr __device__ bool writes(int) { return true; }
+  template <typename M> __device__ __forceinline__ void operator()(M (&r)[1], const NoExtra&) const {
+    r[0] = r[0] * M(__ldg(coefficient));
+  }
+};
+
+void scale_cuda(const TensorList& tensors, const Tensor& coefficient) {
+  if (tensors.empty()) return;
+  const Device device = tensors[0].device();
+  HG_CHECK(coefficient.device() == device && coefficient.dtype() == accumulate_dtype(tensors[0].dtype()),
+           "scale: coefficient {} for {} tensors", coefficient.meta(), tensors[0].meta());
+  dispatch_floating(tensors[0].dtype(), "scale", [&]<typename T>() {
+    using A = opmath_t<T>;  // float, or double for float64: the accumulate dtype
+    launch_multi_tensor<T, 1, NoExtra>("scale", device, {&tensors}, [](size_t) { return NoExtra{}; },
+                                       ScaleOp<A>{coefficient.data<A>()});
+  });
+}
+
+// ---- norm: sum |x|^p (or max |x|) over all tensors; per-block partials, then one block combines them
+
+enum class NormKind { One, Two, P, Inf };
+
+template <NormKind K, typename A> __device__ __forceinline__ A norm_combine(A a, A b) {
+  if constexpr (K == NormKind::Inf) {
+    return (a != a || a > b) ? a : b;  // nan wins
+  } else {
+    return a + b;
+  }
+}
+
+template <NormKind K, typename A> __device__ __forceinline__ A norm_term(A x, A p) {
+  if constexpr (K == NormKind::Two) return x * x;
+  if constexpr (K == NormKind::P) return pow(fabs(x), p);
+  return fabs(x);
+}
+
+// The combination of every thread's value, in thread 0 (a fixed order: deterministic).
+template <NormKind K, typename A> __device__ A block_combine(A v) {
+  __shared__ A warp_results[kBlock / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = norm_combine<K>(v, __shfl_down_sync(0xffffffffu, v, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_results[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int(blockDim.x / 32) ? warp_results[lane] : A(0);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = norm_combine<K>(v, __shfl_down_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+template <typename T, NormKind K, typename A>
+__global__ void __launch_bounds__(kBlock)
+    norm_partials_kernel(const HG_GRID_CONSTANT TensorBatch<1, NoExtra> batch, A p, A* partials) {
+  A acc = 0;
+  for (int64_t chunk = blockIdx.x; chunk < batch.num_chunks; chunk += gridDim.x) {
+    const TensorEntry<1, NoExtra>& e = entry_of_chunk(batch, chunk);
+    const int64_t begin = (chunk - e.first_chunk) * kChunk;
+    const int64_t n = min(kChunk, e.numel - begin);
+    const T* x = static_cast<const T*>(e.ptr[0]) + begin;
+    int64_t done = 0;
+    if (reinterpret_cast<uintptr_t>(x) % (sizeof(T) * kVec) == 0) {
+      const int64_t vectors = n / kVec;
+      for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+        const Vec<T, kVec> xv = reinterpret_cast<const Vec<T, kVec>*>(x)[v];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) acc = norm_combine<K>(acc, norm_term<K>(A(xv.v[k]), p));
+      }
+      done = vectors * kVec;
+    }
+    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) acc = norm_combine<K>(acc, norm_term<K>(A(x[i]), p));
+  }
+  acc = block_combine<K>(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+template <NormKind K, typename A> __global__ void __launch_bounds__(kBlock)
+    norm_finish_kernel(const A* partials, int64_t count, A* out) {
+  A acc = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc = norm_combine<K>(acc, partials[i]);
+  acc = block_combine<K>(acc);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+constexpr int64_t kMaxNormBlocks = 1024;  // per launch: bounds the partials buffer
+
+void norm_cuda(const TensorList& tensors, double norm_type, const Tensor& out) {
+  const Device device = out.device();
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  const NormKind kind = std::isinf(norm_type) ? NormKind::Inf
+                        : norm_type == 1      ? NormKind::One
+                        : norm_type == 2      ? NormKind::Two
+                                              : NormKind::P;
+  dispatch_floating(out.dtype(), "grad norm", [&]<typename A>() {
+    if constexpr (std::is_same_v<A, float> || std::is_same_v<A, double>) {
+      auto with_kind = [&](auto launch) {
+        switch (kind) {
+          case NormKind::One: launch(std::integral_constant<NormKind, NormKind::One>{}); break;
+          case NormKind::Two: launch(std::integral_constant<NormKind, NormKind::Two>{}); break;
+          case NormKind::P: launch(std::integral_constant<NormKind, NormKind::P>{}); break;
+          case NormKind::Inf: launch(std::integral_constant<NormKind, NormKind::Inf>{}); break;
+        }
+      };
+      if (tensors.empty()) {
+        HG_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, sizeof(A), stream), "grad norm");
+        return;
+      }
+      dispatch_floating(tensors[0].dtype(), "grad norm", [&]<typename T>() {
+        // The batches first, to size the partials buffer; then all launches, then one block combines.
+        std::vector<TensorBatch<1, NoExtra>> batches;
+        for_each_batch<1, NoExtra>({&tensors}, [](size_t) { return NoExtra{}; },
+                                   [&](const TensorBatch<1, NoExtra>& b) { batches.push_back(b); });
+        int64_t count = 0;
+        for (const auto& b : batches) count += std::min(b.num_chunks, kMaxNormBlocks);
+        Tensor partials = empty({std::max<int64_t>(count, 1)}, {.dtype = out.dtype(), .device = device});
+        with_kind([&](auto kind_constant) {
+          constexpr NormKind K = decltype(kind_constant)::value;
+          A* dst = partials.data<A>();
+          for (const auto& b : batches) {
+            const int64_t blocks = std::min(b.num_chunks, kMaxNormBlocks);
+            norm_partials_kernel<T, K, A><<<unsigned(blocks), kBlock, 0, stream>>>(b, A(norm_type), dst);
+            HG_CUDA_CHECK_LAUNCH("grad norm");
+            dst += blocks;
+          }
+          if (count == 0) {
+            HG_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, sizeof(A), stream), "grad norm");
+            return;
+          }
+          norm_finish_kernel<K, A><<<1, kBlock, 0, stream>>>(partials.data<A>(), count, out.data<A>());
+          HG_CUDA_CHECK_LAUNCH("grad norm");
+        });
+      });
+    } else {
+      HG_FAIL("grad norm: output must be float32 or float64, got {}", out.meta());
+    }
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(sgd_step_kernel, CUDA, sgd_step_cuda);
+HG_REGISTER_KERNEL(adam_step_kernel, CUDA, adam_step_cuda);
+HG_REGISTER_KERNEL(norm_kernel, CUDA, norm_cuda);
+HG_REGISTER_KERNEL(scale_kernel, CUDA, scale_cuda);
+
+}  // namespace halfgrad::optim

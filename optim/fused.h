@@ -1,0 +1,82 @@
+#pragma once
+// The fused optimizer kernels. One call updates every parameter of one (group, device, dtype) with a single
+// pass over memory per element: weight decay, moments, bias correction and the parameter write happen in
+// registers, instead of a chain of tensor ops that each read and write whole tensors.
+//
+//   CPU  (optim/fused.cpp): the elements of all the tensors are cut into chunks that OpenMP threads take;
+//        each chunk is a plain indexed loop over contiguous arrays that the compiler vectorises.
+//   CUDA (optim/fused.cu): multi-tensor apply, as PyTorch's: the pointers, sizes and per-tensor scalars of up
+//        to several dozen tensors travel as one kernel argument, and the blocks of a launch walk the chunks
+//        of all of them. A ResNet-50 step (161 tensors) is 3-4 launches, not one or more per parameter.
+//
+// Callers (optim/sgd.cpp, optim/adam.cpp, optim/clip_grad.cpp) guarantee: every tensor of a call is
+// contiguous, on one device, of one floating dtype; params[i], grads[i] and the state tensors [i] have the
+// same number of elements. Arithmetic is in opmath_t (float for float16/bfloat16), rounded once on store.
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad::optim {
+
+// torch.optim.SGD, per element:
+//   g = grad + weight_decay * p                             (when weight_decay != 0)
+//   b = first_step ? g : momentum * b + (1 - dampening) * g (when momentum != 0)
+//   g = nesterov ? g + momentum * b : b                     (when momentum != 0)
+//   p = p - lr * g
+struct SGDStepArgs {
+  TensorList params, grads;
+  TensorList momentum_buffers;      // one per parameter when momentum != 0, else empty
+  std::vector<uint8_t> first_step;  // per parameter (with momentum): the buffer is new, so b = g
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+};
+
+// torch.optim.Adam / AdamW (PyTorch's update, eps outside the square root), per element:
+//   Adam:  g = grad + weight_decay * p                      (when weight_decay != 0)
+//   AdamW: p = p * (1 - lr * weight_decay)                  (when weight_decay != 0)
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g^2
+//   v_max = max(v_max, v)                                   (amsgrad; then v_max replaces v below)
+//   p = p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps)
+// with, from the parameter's own step count t (1 on its first step):
+//   step_size = lr / (1 - beta1^t),   bias_correction2_sqrt = sqrt(1 - beta2^t)
+struct AdamStepArgs {
+  TensorList params, grads, exp_avgs, exp_avg_sqs;
+  TensorList max_exp_avg_sqs;  // amsgrad only, else empty
+  std::vector<double> step_sizes, bias_correction2_sqrts;  // per parameter
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  bool decoupled_weight_decay = false;  // AdamW
+  bool amsgrad = false;
+};
+
+using SGDStepKernel = void (*)(const SGDStepArgs& args);
+using AdamStepKernel = void (*)(const AdamStepArgs& args);
+// out (0-d, on the tensors' device; float64 for float64 tensors, else float32) receives
+//   sum over all elements of |x|^norm_type   for a finite norm_type > 0,
+//   max over all elements of |x|              for norm_type = inf (nan if any element is nan).
+// Deterministic: the same inputs give the same bits, whatever the thread count.
+using NormKernel = void (*)(const TensorList& tensors, double norm_type, const Tensor& out);
+// tensors[i] *= coefficient, a 0-d tensor on the tensors' device (float64 for float64 tensors, else
+// float32), read there: no host synchronisation.
+using ScaleKernel = void (*)(const TensorList& tensors, const Tensor& coefficient);
+
+extern KernelTable<SGDStepKernel> sgd_step_kernel;
+extern KernelTable<AdamStepKernel> adam_step_kernel;
+extern KernelTable<NormKernel> norm_kernel;
+extern KernelTable<ScaleKernel> scale_kernel;
+
+// The dtype a norm or a scale coefficient is kept in for tensors of dtype t.
+inline DType accumulate_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
+
+// Calls f(std::bool_constant<b>{}...) : turns run-time flags into compile-time ones for kernel templates.
+template <typename F> decltype(auto) with_bools(F&& f) { return f(); }
+template <typename F, typename... Rest> decltype(auto) with_bools(F&& f, bool b, Rest... rest) {
+  if (b)
+    return with_bools([&](auto... flags) { return f(std::true_type{}, flags...); }, rest...);
+  return with_bools([&](auto... flags) { return f(std::false_type{}, flags...); }, rest...);
+}
+
+}  // namespace halfgrad::optim

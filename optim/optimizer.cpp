@@ -1,0 +1,295 @@
+// The Optimizer base: parameter groups seen generically, parameter checks, and the state a checkpoint
+// saves and loads.
+#include "optim/optimizer.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <set>
+#include <string_view>
+#include <unordered_set>
+
+#include "core/autograd.h"
+
+namespace halfgrad::optim {
+
+void Optimizer::zero_grad() {
+  for (const Tensor& p : parameters()) p.set_grad(Tensor());
+}
+
+TensorList Optimizer::parameters() const {
+  TensorList all;
+  for (size_t g = 0; g < num_param_groups(); ++g) {
+    const TensorList& params = group_params(g);
+    all.insert(all.end(), params.begin(), params.end());
+  }
+  return all;
+}
+
+std::vector<ParamGroupRef> Optimizer::param_groups() {
+  std::vector<ParamGroupRef> refs;
+  for (size_t g = 0; g < num_param_groups(); ++g) refs.push_back(param_group(g));
+  return refs;
+}
+
+ParamState& Optimizer::state(size_t group, size_t param) {
+  if (state_.size() <= group) state_.resize(group + 1);
+  std::vector<ParamState>& states = state_[group];
+  if (states.size() <= param) states.resize(param + 1);
+  return states[param];
+}
+
+void Optimizer::check_parameters() const {
+  std::unordered_set<const TensorImpl*> seen;
+  for (size_t g = 0; g < num_param_groups(); ++g) {
+    const TensorList& params = group_params(g);
+    for (size_t p = 0; p < params.size(); ++p) {
+      const Tensor& t = params[p];
+      HG_CHECK(t.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
+      HG_CHECK(t.is_floating_point(), "{}: parameters must be floating point, got {} (group {}, parameter {})", name_,
+               t.meta(), g, p);
+      HG_CHECK(t.is_leaf() && t.requires_grad(),
+               "{}: parameters must be leaves that require grad, got {} (group {}, parameter {})", name_, t.meta(), g,
+               p);
+      HG_CHECK(seen.insert(t.impl()).second,
+               "{}: a parameter appears more than once (group {}, parameter {}: {}); give each to one group only",
+               name_, g, p, t.meta());
+    }
+  }
+}
+
+std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
+  const TensorList& params = group_params(g);
+  std::vector<std::vector<StepItem>> buckets;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const Tensor& param = params[p];
+    HG_CHECK(param.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
+    Tensor grad = param.grad();
+    if (!grad.defined()) continue;
+    HG_CHECK(grad.shape() == param.shape() && grad.dtype() == param.dtype() && grad.device() == param.device(),
+             "{}: parameter {} of group {} is {} but its gradient is {}; the gradient must have the parameter's "
+             "shape, dtype and device",
+             name_, p, g, param.meta(), grad.meta());
+    HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
+             name_, p, g, param.meta());
+    check_inplace(param, name_);
+    StepItem item{p, param, grad.contiguous(), Tensor()};
+    if (!param.is_contiguous()) {
+      item.original = param;
+      item.param = param.contiguous();
+    }
+    auto same_kind = [&](const std::vector<StepItem>& b) {
+      return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
+    };
+    auto it = std::find_if(buckets.begin(), buckets.end(), same_kind);
+    if (it == buckets.end()) {
+      buckets.emplace_back();
+      it = buckets.end() - 1;
+    }
+    it->push_back(std::move(item));
+  }
+  return buckets;
+}
+
+void Optimizer::write_back(const std::vector<StepItem>& items) {
+  for (const StepItem& item : items)
+    if (item.original.defined()) {
+      Tensor original = item.original;
+      original.copy_(item.param);
+    }
+}
+
+Tensor& Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* created) {
+  ParamState& s = state(g, item.index);
+  if (s.buffers.size() <= k) s.buffers.resize(k + 1);
+  Tensor& buf = s.buffers[k];
+  const Tensor& p = item.param;
+  if (created) *created = !buf.defined();
+  if (!buf.defined()) {
+    buf = zeros(p.shape(), {.dtype = p.dtype(), .device = p.device()});
+  } else {
+    HG_CHECK(buf.shape() == p.shape() && buf.dtype() == p.dtype() && buf.device() == p.device(),
+             "{}: the {} of parameter {} of group {} is {} but the parameter is now {}; a parameter replaced after "
+             "the optimizer's first step must keep its shape, dtype and device",
+             name_, state_names(g).at(k), item.index, g, buf.meta(), p.meta());
+  }
+  return buf;
+}
+
+// ---- checkpoint state
+
+NamedTensors Optimizer::state_tensors() const {
+  NamedTensors out;
+  // param_group() hands out writable references; here they are only read.
+  auto& self = const_cast<Optimizer&>(*this);
+  for (size_t g = 0; g < num_param_groups(); ++g) {
+    ParamGroupRef group = self.param_group(g);
+    out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
+    out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
+  }
+  for (size_t g = 0; g < state_.size() && g < num_param_groups(); ++g) {
+    const std::vector<std::string> names = state_names(g);
+    for (size_t p = 0; p < state_[g].size(); ++p) {
+      const ParamState& s = state_[g][p];
+      if (counts_steps() && s.step > 0)
+        out.emplace_back(fmt::format("state.{}.{}.step", g, p), scalar_tensor(s.step, {.dtype = kInt64}));
+      for (size_t k = 0; k < s.buffers.size() && k < names.size(); ++k)
+        if (s.buffers[k].defined()) out.emplace_back(fmt::format("state.{}.{}.{}", g, p, names[k]), s.buffers[k]);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+std::vector<std::string_view> split_dots(std::string_view s) {
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  while (true) {
+    size_t dot = s.find('.', start);
+    parts.push_back(s.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start));
+    if (dot == std::string_view::npos) return parts;
+    start = dot + 1;
+  }
+}
+
+// A decimal index with nothing else around it.
+bool parse_index(std::string_view s, size_t& out) {
+  if (s.empty()) return false;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc() && end == s.data() + s.size();
+}
+
+}  // namespace
+
+void Optimizer::load_state_tensors(const NamedTensors& state) {
+  NoGradGuard no_grad;
+  const size_t num_groups = num_param_groups();
+  std::vector<std::string> errors;
+
+  // What the file holds, gathered and checked before anything in the optimizer changes.
+  struct GroupEntries {
+    double lr = NAN, momentum = NAN;
+    bool has_lr = false, has_momentum = false;
+    std::vector<ParamState> params;
+    std::vector<std::vector<bool>> have_buffer;  // [param][buffer]
+    std::vector<bool> have_step;
+  };
+  std::vector<GroupEntries> groups(num_groups);
+  std::vector<std::vector<std::string>> names(num_groups);
+  for (size_t g = 0; g < num_groups; ++g) {
+    names[g] = state_names(g);
+    size_t n = group_params(g).size();
+    groups[g].params.resize(n);
+    for (ParamState& s : groups[g].params) s.buffers.resize(names[g].size());
+    groups[g].have_buffer.assign(n, std::vector<bool>(names[g].size(), false));
+    groups[g].have_step.assign(n, false);
+  }
+
+  std::set<std::string> seen;
+  for (const auto& [name, t] : state) {
+    if (!seen.insert(name).second) {
+      errors.push_back(fmt::format("'{}' appears more than once", name));
+      continue;
+    }
+    if (!t.defined()) {
+      errors.push_back(fmt::format("'{}' is an undefined tensor", name));
+      continue;
+    }
+    std::vector<std::string_view> parts = split_dots(name);
+    size_t g = 0, p = 0;
+    if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) &&
+        (parts[2] == "lr" || parts[2] == "momentum")) {
+      if (g >= num_groups) {
+        errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
+      } else if (t.numel() != 1 || !t.is_floating_point()) {
+        errors.push_back(fmt::format("'{}' must be a one-element floating tensor, got {}", name, t.meta()));
+      } else if (parts[2] == "lr") {
+        groups[g].lr = t.item<double>();
+        groups[g].has_lr = true;
+      } else {
+        groups[g].momentum = t.item<double>();
+        groups[g].has_momentum = true;
+      }
+      continue;
+    }
+    if (!(parts.size() == 4 && parts[0] == "state" && parse_index(parts[1], g) && parse_index(parts[2], p))) {
+      errors.push_back(fmt::format("unexpected entry '{}' ({})", name, t.meta()));
+      continue;
+    }
+    if (g >= num_groups) {
+      errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
+      continue;
+    }
+    const TensorList& params = group_params(g);
+    if (p >= params.size()) {
+      errors.push_back(
+          fmt::format("'{}' names parameter {} of group {}, which has {} parameter(s)", name, p, g, params.size()));
+      continue;
+    }
+    const Tensor& param = params[p];
+    GroupEntries& ge = groups[g];
+    if (parts[3] == "step" && counts_steps()) {
+      if (t.numel() != 1 || !is_integral(t.dtype())) {
+        errors.push_back(fmt::format("'{}' must be a one-element integer tensor, got {}", name, t.meta()));
+      } else if (t.item<int64_t>() < 1) {
+        errors.push_back(fmt::format("'{}' is {}; a saved step count is at least 1", name, t.item<int64_t>()));
+      } else {
+        ge.params[p].step = t.item<int64_t>();
+        ge.have_step[p] = true;
+      }
+      continue;
+    }
+    size_t k = 0;
+    while (k < names[g].size() && names[g][k] != parts[3]) ++k;
+    if (k == names[g].size()) {
+      errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{}for group {}", name, name_,
+                                   counts_steps() ? "step, " : "", fmt::join(names[g], ", "),
+                                   names[g].empty() ? "nothing " : " ", g));
+      continue;
+    }
+    if (t.shape() != param.shape() || t.dtype() != param.dtype()) {
+      errors.push_back(fmt::format("'{}' is {} but parameter {} of group {} is {}", name, t.meta(), p, g, param.meta()));
+      continue;
+    }
+    // A copy on the parameter's device: the optimizer writes its state in place and must not write into
+    // the caller's tensors.
+    Tensor copy = empty(param.shape(), {.dtype = param.dtype(), .device = param.device()});
+    copy.copy_(t);
+    ge.params[p].buffers[k] = copy;
+    ge.have_buffer[p][k] = true;
+  }
+
+  for (size_t g = 0; g < num_groups; ++g) {
+    GroupEntries& ge = groups[g];
+    if (!ge.has_lr) errors.push_back(fmt::format("missing 'param_groups.{}.lr'", g));
+    if (!ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
+    // A parameter's state is all there or not there at all.
+    for (size_t p = 0; p < ge.params.size(); ++p) {
+      std::vector<std::string> present, missing;
+      if (counts_steps()) (ge.have_step[p] ? present : missing).push_back("step");
+      for (size_t k = 0; k < names[g].size(); ++k) (ge.have_buffer[p][k] ? present : missing).push_back(names[g][k]);
+      if (!present.empty() && !missing.empty())
+        errors.push_back(fmt::format("parameter {} of group {} has {} but not {}", p, g, fmt::join(present, ", "),
+                                     fmt::join(missing, ", ")));
+    }
+  }
+
+  if (!errors.empty())
+    HG_FAIL("{}: cannot load the optimizer state ({} problem{}):\n  - {}", name_, errors.size(),
+            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
+
+  state_.assign(num_groups, {});
+  for (size_t g = 0; g < num_groups; ++g) {
+    ParamGroupRef group = param_group(g);
+    group.lr = groups[g].lr;
+    group.momentum = groups[g].momentum;
+    for (size_t p = 0; p < groups[g].params.size(); ++p) {
+      bool any = groups[g].have_step[p];
+      for (bool b : groups[g].have_buffer[p]) any = any || b;
+      if (any) this->state(g, p) = std::move(groups[g].params[p]);
+    }
+  }
+}
+
+}  // namespace halfgrad::optim

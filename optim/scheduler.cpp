@@ -1,0 +1,204 @@
+#include "optim/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace halfgrad::optim {
+
+// ---- LRScheduler
+
+LRScheduler::LRScheduler(Optimizer& optimizer, const char* name) : optimizer_(optimizer), name_(name) {
+  for (ParamGroupRef g : optimizer.param_groups()) base_lrs_.push_back(g.lr);
+  HG_CHECK(!base_lrs_.empty(), "{}: the optimizer has no parameter groups", name);
+}
+
+void LRScheduler::step() { set_step(last_step_ + 1); }
+
+void LRScheduler::set_step(int64_t n) {
+  HG_CHECK(n >= 0, "{}: step {} is negative", name_, n);
+  HG_CHECK(optimizer_.num_param_groups() == base_lrs_.size(),
+           "{}: the optimizer has {} parameter groups but had {} when the scheduler was made", name_,
+           optimizer_.num_param_groups(), base_lrs_.size());
+  std::vector<double> lrs = lr_at(n);
+  std::vector<double> momenta = momentum_at(n);
+  for (size_t g = 0; g < lrs.size(); ++g) {
+    ParamGroupRef group = optimizer_.param_group(g);
+    group.lr = lrs[g];
+    if (!momenta.empty()) group.momentum = momenta[g];
+  }
+  last_step_ = n;
+  last_lr_ = std::move(lrs);
+}
+
+NamedTensors LRScheduler::state_tensors() const {
+  return {{"last_step", scalar_tensor(last_step_, {.dtype = kInt64})}};
+}
+
+void LRScheduler::load_state_tensors(const NamedTensors& state) {
+  std::vector<std::string> errors;
+  int64_t n = -1;
+  for (const auto& [name, t] : state) {
+    if (name != "last_step") {
+      errors.push_back(fmt::format("unexpected entry '{}'", name));
+    } else if (!t.defined() || t.numel() != 1 || !is_integral(t.dtype())) {
+      errors.push_back(fmt::format("'last_step' must be a one-element integer tensor, got {}",
+                                   t.defined() ? t.meta() : "an undefined tensor"));
+    } else {
+      n = t.item<int64_t>();
+      if (n < 0) errors.push_back(fmt::format("'last_step' is {}", n));
+    }
+  }
+  if (n < 0 && errors.empty()) errors.push_back("missing 'last_step'");
+  if (!errors.empty())
+    HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", name_, errors.size(),
+            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
+  set_step(n);
+}
+
+// ---- StepLR, MultiStepLR, CosineAnnealingLR
+
+StepLR::StepLR(Optimizer& optimizer, StepLROptions options) : LRScheduler(optimizer, "StepLR"), options_(options) {
+  HG_CHECK(options.step_size > 0, "StepLR: step_size must be positive, got {}", options.step_size);
+  start();
+}
+
+std::vector<double> StepLR::lr_at(int64_t n) const {
+  std::vector<double> lrs;
+  for (double base : base_lrs_) lrs.push_back(base * std::pow(options_.gamma, double(n / options_.step_size)));
+  return lrs;
+}
+
+MultiStepLR::MultiStepLR(Optimizer& optimizer, MultiStepLROptions options)
+    : LRScheduler(optimizer, "MultiStepLR"), options_(std::move(options)) {
+  HG_CHECK(std::is_sorted(options_.milestones.begin(), options_.milestones.end()),
+           "MultiStepLR: milestones must be increasing, got [{}]", fmt::join(options_.milestones, ", "));
+  start();
+}
+
+std::vector<double> MultiStepLR::lr_at(int64_t n) const {
+  // Milestones passed so far (PyTorch's bisect_right): at step == milestone the decay has happened.
+  const auto passed = std::upper_bound(options_.milestones.begin(), options_.milestones.end(), n) -
+                      options_.milestones.begin();
+  std::vector<double> lrs;
+  for (double base : base_lrs_) lrs.push_back(base * std::pow(options_.gamma, double(passed)));
+  return lrs;
+}
+
+CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROptions options)
+    : LRScheduler(optimizer, "CosineAnnealingLR"), options_(options) {
+  HG_CHECK(options.T_max > 0, "CosineAnnealingLR: T_max must be positive, got {}", options.T_max);
+  start();
+}
+
+std::vector<double> CosineAnnealingLR::lr_at(int64_t n) const {
+  const double eta_min = options_.eta_min;
+  std::vector<double> lrs;
+  for (double base : base_lrs_)
+    lrs.push_back(eta_min +
+                  (base - eta_min) * (1 + std::cos(std::numbers::pi * double(n) / double(options_.T_max))) / 2);
+  return lrs;
+}
+
+// ---- OneCycleLR
+
+namespace {
+enum { kInitial = 0, kMax = 1, kMin = 2 };
+}
+
+OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
+    : LRScheduler(optimizer, "OneCycleLR"), options_(std::move(options)) {
+  const OneCycleLROptions& o = options_;
+  total_steps_ = o.total_steps > 0 ? o.total_steps : o.epochs * o.steps_per_epoch;
+  HG_CHECK(total_steps_ > 0,
+           "OneCycleLR: give total_steps, or epochs and steps_per_epoch (got total_steps {}, epochs {}, "
+           "steps_per_epoch {})",
+           o.total_steps, o.epochs, o.steps_per_epoch);
+  HG_CHECK(o.pct_start >= 0 && o.pct_start <= 1, "OneCycleLR: pct_start must be in [0, 1], got {}", o.pct_start);
+  HG_CHECK(o.div_factor > 0 && o.final_div_factor > 0,
+           "OneCycleLR: div_factor and final_div_factor must be positive, got {} and {}", o.div_factor,
+           o.final_div_factor);
+  const size_t groups = base_lrs_.size();
+  HG_CHECK(o.max_lr.size() == 1 || o.max_lr.size() == groups,
+           "OneCycleLR: max_lr has {} values; give one for every group or one per group ({} groups)",
+           o.max_lr.size(), groups);
+  for (size_t g = 0; g < groups; ++g) max_lrs_.push_back(o.max_lr.size() == 1 ? o.max_lr[0] : o.max_lr[g]);
+
+  const double total = double(total_steps_);
+  if (o.three_phase) {
+    phases_ = {{o.pct_start * total - 1, kInitial, kMax, true, false},
+               {2 * o.pct_start * total - 2, kMax, kInitial, false, true},
+               {total - 1, kInitial, kMin, true, true}};
+  } else {
+    phases_ = {{o.pct_start * total - 1, kInitial, kMax, true, false}, {total - 1, kMax, kMin, false, true}};
+  }
+  start();
+}
+
+std::pair<const OneCycleLR::Phase*, double> OneCycleLR::locate(int64_t n) const {
+  HG_CHECK(n <= total_steps_, "OneCycleLR: tried to step {} times; total_steps is {}", n, total_steps_);
+  double start = 0;
+  for (size_t i = 0; i < phases_.size(); ++i) {
+    const Phase& phase = phases_[i];
+    if (double(n) <= phase.end_step || i + 1 == phases_.size()) {
+      // A phase of no length (pct_start * total_steps = 1) is over as soon as it starts.
+      double pct = phase.end_step == start ? 1.0 : (double(n) - start) / (phase.end_step - start);
+      return {&phase, pct};
+    }
+    start = phase.end_step;
+  }
+  return {&phases_.back(), 1.0};  // not reached
+}
+
+double OneCycleLR::anneal(double start, double end, double pct) const {
+  if (options_.anneal_strategy == OneCycleLROptions::Anneal::Linear) return (end - start) * pct + start;
+  return end + (start - end) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
+}
+
+std::vector<double> OneCycleLR::lr_at(int64_t n) const {
+  auto [phase, pct] = locate(n);
+  std::vector<double> lrs;
+  for (double max_lr : max_lrs_) {
+    const double initial = max_lr / options_.div_factor;
+    const double levels[3] = {initial, max_lr, initial / options_.final_div_factor};
+    lrs.push_back(anneal(levels[phase->start_lr], levels[phase->end_lr], pct));
+  }
+  return lrs;
+}
+
+std::vector<double> OneCycleLR::momentum_at(int64_t n) const {
+  if (!options_.cycle_momentum) return {};
+  auto [phase, pct] = locate(n);
+  auto level = [&](bool max) { return max ? options_.max_momentum : options_.base_momentum; };
+  return std::vector<double>(max_lrs_.size(),
+                             anneal(level(phase->start_momentum_max), level(phase->end_momentum_max), pct));
+}
+
+// ---- LinearWarmup
+
+LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after)
+    : LRScheduler(optimizer, "LinearWarmup"), options_(options), after_(std::move(after)) {
+  HG_CHECK(options.warmup_steps >= 0, "LinearWarmup: warmup_steps must not be negative, got {}",
+           options.warmup_steps);
+  HG_CHECK(options.start_factor >= 0 && options.start_factor <= 1,
+           "LinearWarmup: start_factor must be in [0, 1], got {}", options.start_factor);
+  HG_CHECK(!after_ || &after_->optimizer() == &optimizer,
+           "LinearWarmup: the scheduler after the warm-up ({}) drives another optimizer", after_->name());
+  start();
+}
+
+std::vector<double> LinearWarmup::lr_at(int64_t n) const {
+  const int64_t warmup = options_.warmup_steps;
+  if (n >= warmup) return after_ ? after_->lr_at(n - warmup) : base_lrs_;
+  std::vector<double> lrs = after_ ? after_->lr_at(0) : base_lrs_;
+  const double factor = options_.start_factor + (1 - options_.start_factor) * double(n) / double(warmup);
+  for (double& lr : lrs) lr *= factor;
+  return lrs;
+}
+
+std::vector<double> LinearWarmup::momentum_at(int64_t n) const {
+  if (!after_) return {};
+  return after_->momentum_at(std::max<int64_t>(0, n - options_.warmup_steps));
+}
+
+}  // namespace halfgrad::optim

@@ -1,0 +1,174 @@
+#pragma once
+// Learning-rate schedulers, with PyTorch's semantics (torch.optim.lr_scheduler).
+//
+//   optim::SGD opt(params, {.lr = 0.1, .momentum = 0.9});
+//   optim::CosineAnnealingLR sched(opt, {.T_max = epochs});   // sets the lr for step 0 at once
+//   for (int epoch = 0; epoch < epochs; ++epoch) {
+//     train_one_epoch(opt);
+//     sched.step();                                           // the lr for the next epoch
+//   }
+//
+// Every scheduler is a closed form: lr_at(n) gives each group's lr after n calls of step() (momentum_at(n)
+// the momentum, for OneCycleLR), computed from the groups' lr when the scheduler was made (base_lrs()).
+// So resuming needs only the step count (state_tensors / set_step), and schedulers compose (LinearWarmup).
+// Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
+// is the caller's choice.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "optim/optimizer.h"
+
+namespace halfgrad::optim {
+
+class LRScheduler {
+ public:
+  virtual ~LRScheduler() = default;
+  LRScheduler(const LRScheduler&) = delete;
+  LRScheduler& operator=(const LRScheduler&) = delete;
+
+  // Advances one step and sets each group's lr (and momentum) to the values for the new step.
+  void step();
+  // Jumps to step n and sets the groups as n calls of step() would have.
+  void set_step(int64_t n);
+  // PyTorch's last_epoch: the number of step() calls so far (0 after construction).
+  int64_t last_step() const { return last_step_; }
+  // Each group's lr as set by the last step() (or by the constructor).
+  const std::vector<double>& get_last_lr() const { return last_lr_; }
+  // Each group's lr when the scheduler was made.
+  const std::vector<double>& base_lrs() const { return base_lrs_; }
+
+  // The closed form: each group's lr at step n.
+  virtual std::vector<double> lr_at(int64_t n) const = 0;
+  // Each group's momentum (SGD momentum, Adam beta1) at step n; empty when the scheduler leaves it alone.
+  virtual std::vector<double> momentum_at(int64_t /*n*/) const { return {}; }
+
+  // For checkpoints: "last_step" (0-d int64). Loading sets the groups for that step.
+  NamedTensors state_tensors() const;
+  void load_state_tensors(const NamedTensors& state);
+
+  const char* name() const { return name_; }
+  Optimizer& optimizer() const { return optimizer_; }
+
+ protected:
+  LRScheduler(Optimizer& optimizer, const char* name);
+  // Derived constructors call this last: applies step 0, as PyTorch's constructors do.
+  void start() { set_step(0); }
+
+  Optimizer& optimizer_;
+  std::vector<double> base_lrs_;
+
+ private:
+  const char* name_;
+  int64_t last_step_ = 0;
+  std::vector<double> last_lr_;
+};
+
+// lr = base_lr * gamma^floor(n / step_size)
+struct StepLROptions {
+  int64_t step_size = 1;
+  double gamma = 0.1;
+};
+class StepLR : public LRScheduler {
+ public:
+  StepLR(Optimizer& optimizer, StepLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+
+ private:
+  StepLROptions options_;
+};
+
+// lr = base_lr * gamma^(number of milestones <= n)
+struct MultiStepLROptions {
+  std::vector<int64_t> milestones;  // increasing
+  double gamma = 0.1;
+};
+class MultiStepLR : public LRScheduler {
+ public:
+  MultiStepLR(Optimizer& optimizer, MultiStepLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+
+ private:
+  MultiStepLROptions options_;
+};
+
+// lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * n / T_max)) / 2      (PyTorch's closed form; periodic
+// past T_max, as PyTorch's)
+struct CosineAnnealingLROptions {
+  int64_t T_max = 1;
+  double eta_min = 0;
+};
+class CosineAnnealingLR : public LRScheduler {
+ public:
+  CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+
+ private:
+  CosineAnnealingLROptions options_;
+};
+
+// The 1cycle policy (Smith & Topin), as torch.optim.lr_scheduler.OneCycleLR and fastai's fit_one_cycle: the
+// lr rises from max_lr / div_factor to max_lr over the first pct_start of the steps, then anneals to
+// max_lr / div_factor / final_div_factor; the momentum moves the opposite way, max_momentum -> base_momentum
+// -> max_momentum. PyTorch's defaults; fastai's fit_one_cycle is pct_start = 0.25, final_div_factor = 1e5.
+// The constructor sets each group's lr to max_lr / div_factor (and momentum to max_momentum): the base lrs
+// are not used. Stepping past total_steps is an error.
+struct OneCycleLROptions {
+  std::vector<double> max_lr;  // one value for every group, or one per group
+  int64_t total_steps = 0;     // or, when 0, epochs * steps_per_epoch
+  int64_t epochs = 0;
+  int64_t steps_per_epoch = 0;
+  double pct_start = 0.3;
+  enum class Anneal { Cos, Linear } anneal_strategy = Anneal::Cos;
+  bool cycle_momentum = true;
+  double base_momentum = 0.85;
+  double max_momentum = 0.95;
+  double div_factor = 25;
+  double final_div_factor = 1e4;
+  bool three_phase = false;  // a third phase: back down to the initial lr, then to the minimum
+};
+class OneCycleLR : public LRScheduler {
+ public:
+  OneCycleLR(Optimizer& optimizer, OneCycleLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+  std::vector<double> momentum_at(int64_t n) const override;
+  int64_t total_steps() const { return total_steps_; }
+
+ private:
+  struct Phase {
+    double end_step;
+    int start_lr, end_lr;              // indices into {initial, max, min}
+    bool start_momentum_max, end_momentum_max;
+  };
+  // The phase step n is in and the fraction of it done.
+  std::pair<const Phase*, double> locate(int64_t n) const;
+  double anneal(double start, double end, double pct) const;
+
+  OneCycleLROptions options_;
+  int64_t total_steps_ = 0;
+  std::vector<double> max_lrs_;
+  std::vector<Phase> phases_;
+};
+
+// Linear warm-up: for n < warmup_steps, lr = target * (start_factor + (1 - start_factor) * n / warmup_steps);
+// from warmup_steps on, the scheduler `after` runs from its own step 0 (n - warmup_steps), or the lr stays
+// at the target when there is none. The target is `after`'s lr at its step 0, or the group's lr.
+// start_factor 0 makes step 0 an update with lr 0 (as transformers' linear warm-up); PyTorch's LinearLR
+// starts at 1/3.
+struct LinearWarmupOptions {
+  int64_t warmup_steps = 0;
+  double start_factor = 0;
+};
+class LinearWarmup : public LRScheduler {
+ public:
+  // `after` must drive the same optimizer; LinearWarmup owns it.
+  LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after = nullptr);
+  std::vector<double> lr_at(int64_t n) const override;
+  std::vector<double> momentum_at(int64_t n) const override;
+
+ private:
+  LinearWarmupOptions options_;
+  std::unique_ptr<LRScheduler> after_;
+};
+
+}  // namespace halfgrad::optim

@@ -1,0 +1,241 @@
+// Mixed precision: the casting table under autocast, the parameter-cast cache, and dynamic loss scaling.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "core/autocast.h"
+#include "halfgrad.h"
+#include "optim/grad_scaler.h"
+
+using namespace halfgrad;
+
+static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// Collects the trace lines written while it lives.
+struct TraceCapture {
+  std::vector<std::string> lines;
+  amp::TraceGuard guard;
+  TraceCapture() {
+    amp::set_trace_sink([this](const std::string& line) { lines.push_back(line); });
+  }
+  ~TraceCapture() { amp::set_trace_sink(nullptr); }
+  bool saw(const std::string& line) const { return std::find(lines.begin(), lines.end(), line) != lines.end(); }
+};
+
+TEST_CASE("autocast applies each op's rule from the table, as the trace shows") {
+  Tensor a = randn({4, 8}), b = randn({8, 3});
+  Tensor h = randn({4, 3}, {.dtype = kFloat16});
+  TraceCapture trace;
+  amp::AutocastGuard autocast(kFloat16);
+  CHECK(matmul(a, b).dtype() == kFloat16);                 // lower precision
+  CHECK(exp(h).dtype() == kFloat32);                       // float32
+  CHECK((h + randn({4, 3})).dtype() == kFloat32);          // promote
+  CHECK(relu(h).dtype() == kFloat16);                      // unchanged
+  CHECK(sum(h).dtype() == kFloat32);                       // float32 reduction
+  CHECK(trace.saw("matmul [lower precision] (float32, float32) -> (float16)"));
+  CHECK(trace.saw("exp [float32] (float16) -> (float32)"));
+  CHECK(trace.saw("add [promote] (float16, float32) -> (float32)"));
+  CHECK(trace.saw("relu [unchanged] (float16) -> (float16)"));
+  CHECK(trace.saw("sum [float32] (float16) -> (float32)"));
+}
+
+TEST_CASE("autocast casts only floating tensors that are not float64") {
+  amp::AutocastGuard autocast(kFloat16);
+  CHECK(matmul(randn({2, 2}, {.dtype = kFloat64}), randn({2, 2}, {.dtype = kFloat64})).dtype() == kFloat64);
+  CHECK(matmul(ones({2, 2}, {.dtype = kInt64}), ones({2, 2}, {.dtype = kInt64})).dtype() == kInt64);
+}
+
+TEST_CASE("bfloat16 autocast, and guards nest and can switch autocast off inside") {
+  Tensor a = randn({2, 2});
+  {
+    amp::AutocastGuard outer(kBFloat16);
+    CHECK(matmul(a, a).dtype() == kBFloat16);
+    {
+      amp::AutocastGuard off(kBFloat16, /*enabled=*/false);
+      CHECK(matmul(a, a).dtype() == kFloat32);
+    }
+    CHECK(amp::is_autocast_enabled());
+  }
+  CHECK_FALSE(amp::is_autocast_enabled());
+  CHECK(matmul(a, a).dtype() == kFloat32);
+}
+
+TEST_CASE("the trace alone changes nothing that runs") {
+  Tensor a = randn({2, 2});
+  TraceCapture trace;
+  CHECK(matmul(a, a).dtype() == kFloat32);
+  CHECK(trace.saw("matmul [lower precision] (float32, float32) -> (float32)"));
+}
+
+TEST_CASE("a float32 parameter is cast once per forward and its gradient arrives in float32") {
+  Tensor w = randn({8, 8}, {.requires_grad = true});
+  Tensor x = randn({4, 8});
+  Tensor loss;
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    Tensor h = linear(x, w).relu();
+    h = linear(h, w);  // the same weight again: the cached cast is reused
+    CHECK(amp::autocast_cache_size() == 1);
+    loss = mse_loss(h, zeros_like(h));  // float32 rule
+    CHECK(loss.dtype() == kFloat32);
+  }
+  CHECK(amp::autocast_cache_size() == 0);  // released with the outermost guard
+  loss.backward();
+  CHECK(w.grad().dtype() == kFloat32);
+  // Same computation in float32: the gradients agree to float16 accuracy.
+  Tensor w32 = w.detach().clone().requires_grad_();
+  Tensor h32 = linear(linear(x, w32).relu(), w32);
+  mse_loss(h32, zeros_like(h32)).backward();
+  double err = (w.grad() - w32.grad()).abs().max().item<double>() / w32.grad().abs().max().item<double>();
+  CHECK(err < 1e-2);
+}
+
+// ---- loss scaling
+
+// A float16 parameter whose true gradient (1e-8) is below float16's smallest subnormal (6e-8).
+static Tensor tiny_gradient_loss(const Tensor& w) {
+  Tensor x = full({4}, 1e-3, {.dtype = kFloat16});
+  return (w * x).sum().to(kFloat32) * 1e-5;  // d loss / d w = 1e-8; the loss in float32 as autocast makes it
+}
+
+TEST_CASE("a gradient that underflows float16 survives with loss scaling and vanishes without") {
+  Tensor w = ones({4}, {.dtype = kFloat16, .requires_grad = true});
+  tiny_gradient_loss(w).backward();
+  CHECK(values(w.grad()) == std::vector<double>{0, 0, 0, 0});
+
+  w.set_grad(Tensor());
+  amp::GradScaler scaler;
+  scaler.scale(tiny_gradient_loss(w)).backward();
+  Tensor unscaled = w.grad().to(kFloat32) / scaler.get_scale();  // as O2's float32 master gradients hold it
+  for (double g : values(unscaled)) CHECK(g == doctest::Approx(1e-8).epsilon(0.01));
+}
+
+TEST_CASE("an overflow skips the step, halves the scale and leaves the parameters unchanged") {
+  Tensor w = ones({3}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0.1});
+  amp::GradScaler scaler({.init_scale = 1024});
+  w.set_grad(tensor(std::vector<float>{1, INFINITY, 2}));
+  CHECK_FALSE(scaler.step(opt));
+  scaler.update();
+  CHECK(values(w) == std::vector<double>{1, 1, 1});
+  CHECK(scaler.get_scale() == 512);
+  CHECK(scaler.state().growth_tracker == 0);
+  w.set_grad(tensor(std::vector<float>{NAN, 0, 0}));
+  CHECK_FALSE(scaler.step(opt));
+  scaler.update();
+  CHECK(scaler.get_scale() == 256);
+}
+
+TEST_CASE("a clean step unscales the gradients before the update") {
+  Tensor w = ones({2}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler({.init_scale = 8});
+  scaler.scale((w * tensor(std::vector<float>{1, 2})).sum()).backward();
+  CHECK(values(w.grad()) == std::vector<double>{8, 16});
+  CHECK(scaler.step(opt));
+  CHECK(values(w) == std::vector<double>{0, -1});
+  scaler.update();
+}
+
+TEST_CASE("the scale grows after growth_interval clean steps in a row, and an overflow resets the count") {
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0});
+  amp::GradScaler scaler({.init_scale = 4, .growth_interval = 3});
+  auto iteration = [&](float g) {
+    w.set_grad(full({1}, g));
+    scaler.step(opt);
+    scaler.update();
+  };
+  iteration(1);
+  iteration(1);
+  CHECK(scaler.get_scale() == 4);
+  iteration(INFINITY);  // back off and reset the count
+  CHECK(scaler.get_scale() == 2);
+  iteration(1);
+  iteration(1);
+  CHECK(scaler.get_scale() == 2);
+  iteration(1);
+  CHECK(scaler.get_scale() == 4);
+  CHECK(scaler.state().growth_tracker == 0);
+}
+
+TEST_CASE("the scale never grows to infinity") {
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0});
+  amp::GradScaler scaler({.init_scale = 1e308, .growth_interval = 1});
+  w.set_grad(ones({1}));
+  scaler.step(opt);
+  scaler.update();
+  CHECK(scaler.get_scale() == 1e308);
+}
+
+TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler fixed({.init_scale = 128, .growth_interval = 1, .dynamic = false});
+  w.set_grad(full({1}, INFINITY));
+  CHECK_FALSE(fixed.step(opt));
+  fixed.update();
+  CHECK(fixed.get_scale() == 128);
+
+  amp::GradScaler off({.enabled = false});
+  Tensor loss = (w * 3).sum();
+  CHECK(off.scale(loss).same(loss));
+  w.set_grad(ones({1}));
+  CHECK(off.step(opt));
+  CHECK(values(w) == std::vector<double>{0});
+}
+
+TEST_CASE("unscale_ runs at most once per step") {
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler;
+  w.set_grad(ones({1}));
+  scaler.unscale_(opt);
+  CHECK_THROWS_WITH_AS(scaler.unscale_(opt), doctest::Contains("already called"), Error);
+  scaler.step(opt);
+  scaler.update();
+  w.set_grad(ones({1}));
+  scaler.unscale_(opt);  // a new iteration
+}
+
+TEST_CASE("scaler state round-trips") {
+  amp::GradScaler a({.init_scale = 64, .growth_interval = 10});
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0});
+  for (int i = 0; i < 3; ++i) {
+    w.set_grad(ones({1}));
+    a.step(opt);
+    a.update();
+  }
+  amp::GradScaler b({.growth_interval = 10});
+  b.load_state(a.state());
+  CHECK(b.state() == a.state());
+  CHECK(b.get_scale() == 64);
+  CHECK(b.state().growth_tracker == 3);
+  CHECK_THROWS_WITH_AS(b.load_state({.scale = -1}), doctest::Contains("invalid scale"), Error);
+}
+
+TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from gradient overflow") {
+  Tensor w = ones({2}, {.requires_grad = true});
+  Tensor v = ones({2}, {.requires_grad = true});
+  optim::SGD opt({w, v}, {.lr = 0});
+  {
+    amp::GradScaler scaler({.init_scale = 2, .warn_below_scale = 1.5});
+    scaler.set_parameter_names({{"layer.weight", w}, {"layer.bias", v}});
+    scaler.scale((w * 1).sum()).backward();
+    v.set_grad(full({2}, INFINITY));
+    scaler.step(opt);
+    scaler.update();
+    CHECK(scaler.diagnosis().find("'layer.bias'") != std::string::npos);
+    CHECK(scaler.diagnosis().find("backward pass overflowed") != std::string::npos);
+  }
+  {
+    opt.zero_grad();
+    amp::GradScaler scaler({.init_scale = 2, .warn_below_scale = 1.5});
+    scaler.scale((w * INFINITY).sum()).backward();
+    scaler.step(opt);
+    scaler.update();
+    CHECK(scaler.diagnosis().find("loss itself is inf/NaN") != std::string::npos);
+  }
+}

@@ -1,0 +1,114 @@
+// apex opt levels O0..O3 through amp::initialize: what is converted, the master weights, and a step.
+#include <doctest/doctest.h>
+
+#include <map>
+
+#include "halfgrad.h"
+#include "nn/layers.h"
+#include "optim/amp.h"
+
+using namespace halfgrad;
+
+namespace {
+// conv -> batch norm -> relu -> flatten -> linear: every kind of parameter O2 treats differently.
+std::shared_ptr<nn::Sequential> small_net() {
+  manual_seed(3);
+  return std::make_shared<nn::Sequential>(std::initializer_list<nn::ModulePtr>{
+      std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}), std::make_shared<nn::BatchNorm2d>(4),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(4 * 5 * 5, 2)});
+}
+
+std::map<std::string, DType> dtypes(const nn::Module& m) {
+  std::map<std::string, DType> out;
+  for (auto& [name, t] : m.named_parameters()) out[name] = t.dtype();
+  return out;
+}
+
+// One training iteration; returns the loss.
+double iterate(amp::Amp& amp, nn::Module& model, const Tensor& x, const Tensor& y) {
+  Tensor out = amp.forward(model, x);
+  Tensor loss = mse_loss(out.to(kFloat32), y);
+  amp.backward(loss);
+  amp.step();
+  amp.zero_grad();
+  return loss.item<double>();
+}
+}  // namespace
+
+TEST_CASE("O2 puts the model in half except BatchNorm and keeps float32 masters in the optimizer") {
+  auto net = small_net();
+  optim::SGD opt(net->parameters(), {.lr = 0.01, .momentum = 0.9});
+  TensorList fp32_params = net->parameters();
+  amp::Amp amp = amp::initialize(*net, opt, amp::OptLevel::O2);
+
+  auto d = dtypes(*net);
+  CHECK(d["0.weight"] == kFloat16);
+  CHECK(d["0.bias"] == kFloat16);
+  CHECK(d["1.weight"] == kFloat32);  // BatchNorm stays float32
+  CHECK(d["1.bias"] == kFloat32);
+  CHECK(net->named_buffers()[0].second.dtype() == kFloat32);  // running statistics too
+  CHECK(d["4.weight"] == kFloat16);
+  for (const Tensor& p : opt.parameters()) CHECK(p.dtype() == kFloat32);
+  CHECK(amp.master_weights().size() == 4);  // conv and linear weight and bias
+  for (auto& [master, model_param] : amp.master_weights()) {
+    CHECK(master.dtype() == kFloat32);
+    CHECK(model_param.dtype() == kFloat16);
+  }
+  CHECK(opt.parameters()[0].same(fp32_params[0]));  // the optimizer's own float32 tensors became the masters
+
+  // A step updates the masters in float32 and copies them into the half model.
+  Tensor x = randn({8, 3, 5, 5}), y = randn({8, 2});
+  iterate(amp, *net, x, y);
+  for (auto& [master, model_param] : amp.master_weights()) {
+    CHECK(to_vector<double>(master.to(kFloat16)) == to_vector<double>(model_param));
+    CHECK_FALSE(master.grad().defined());
+  }
+}
+
+TEST_CASE("O3 puts everything in half, BatchNorm included, without masters or scaling") {
+  auto net = small_net();
+  optim::SGD opt(net->parameters(), {.lr = 0.01});
+  amp::Amp amp = amp::initialize(*net, opt, amp::OptLevel::O3);
+  for (auto& [name, dt] : dtypes(*net)) CHECK_MESSAGE(dt == kFloat16, name);
+  for (const Tensor& p : opt.parameters()) CHECK(p.dtype() == kFloat16);
+  CHECK(amp.master_weights().empty());
+  CHECK_FALSE(amp.scaler().is_enabled());
+  Tensor before = net->parameters()[0].detach().clone();
+  iterate(amp, *net, randn({8, 3, 5, 5}), randn({8, 2}));
+  CHECK(to_vector<double>(before) != to_vector<double>(net->parameters()[0]));  // the optimizer trains the model
+}
+
+TEST_CASE("O0 and O1 leave the model in float32; O1 runs the forward under autocast") {
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
+    auto net = small_net();
+    optim::SGD opt(net->parameters(), {.lr = 0.01});
+    amp::Amp amp = amp::initialize(*net, opt, level);
+    for (auto& [name, dt] : dtypes(*net)) CHECK(dt == kFloat32);
+    Tensor out = amp.forward(*net, randn({2, 3, 5, 5}));
+    CHECK(out.dtype() == (level == amp::OptLevel::O1 ? kFloat16 : kFloat32));  // the last op is a linear
+    CHECK(amp.scaler().is_enabled() == (level == amp::OptLevel::O1));
+  }
+}
+
+TEST_CASE("every opt level trains: the loss falls on a fixed batch") {
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1, amp::OptLevel::O2, amp::OptLevel::O3}) {
+    CAPTURE(amp::opt_level_name(level));
+    auto net = small_net();
+    optim::SGD opt(net->parameters(), {.lr = 0.05, .momentum = 0.9});
+    amp::Amp amp = amp::initialize(*net, opt, level);
+    manual_seed(4);
+    Tensor x = randn({16, 3, 5, 5}), y = randn({16, 2});
+    double first = iterate(amp, *net, x, y), last = first;
+    for (int i = 0; i < 30; ++i) last = iterate(amp, *net, x, y);
+    CHECK(last < 0.5 * first);
+  }
+}
+
+TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown levels") {
+  auto net = small_net();
+  optim::SGD opt(net->parameters(), {.lr = 0.01, .momentum = 0.9});
+  for (Tensor& p : net->parameters()) p.set_grad(zeros_like(p));
+  opt.step();
+  CHECK_THROWS_WITH_AS(amp::initialize(*net, opt, amp::OptLevel::O2), doctest::Contains("already stepped"), Error);
+  CHECK_THROWS_WITH_AS(amp::parse_opt_level("O4"), doctest::Contains("'O4'"), Error);
+}

@@ -1,0 +1,308 @@
+// batch_norm: running statistics against a hand computation, outputs against a float64 reference in both
+// memory layouts (NCHW and channels last), float16/bfloat16 inputs with float32 parameters and statistics,
+// gradchecks in training and evaluation, errors, and CUDA against the CPU.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/cuda.h"
+#include "halfgrad.h"
+#include "ops/batch_norm.h"
+#include "tests/gradcheck.h"
+
+using namespace halfgrad;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
+
+namespace {
+
+std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// The same values stored channels last ([N, C, H, W] viewed over [N, H, W, C] memory).
+Tensor channels_last(const Tensor& t) {
+  Dims to{0}, back{0, t.dim() - 1};
+  for (int64_t d = 2; d < t.dim(); ++d) to.push_back(d);
+  to.push_back(1);
+  for (int64_t d = 1; d + 1 < t.dim(); ++d) back.push_back(d);
+  return t.permute(to).contiguous().permute(back);
+}
+
+bool is_channels_last_layout(const Tensor& t) {  // [N, C, H, W] with C innermost
+  return t.stride(1) == 1 && t.stride(t.dim() - 1) == t.size(1);
+}
+
+struct Reference {
+  std::vector<double> y, mean, var;  // var: biased
+};
+
+// batch_norm in float64 by its definition. Eval mode when running statistics are given.
+Reference reference_batch_norm(const Tensor& x, const std::vector<double>& weight, const std::vector<double>& bias,
+                               const std::vector<double>* running_mean, const std::vector<double>* running_var,
+                               double eps) {
+  std::vector<double> v = values(x);
+  const int64_t N = x.size(0), C = x.size(1), S = x.numel() / (N * C);
+  Reference r;
+  r.y.resize(v.size());
+  for (int64_t c = 0; c < C; ++c) {
+    double sum = 0, sq = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t s = 0; s < S; ++s) sum += v[size_t((n * C + c) * S + s)];
+    const double mean = sum / double(N * S);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t s = 0; s < S; ++s) sq += std::pow(v[size_t((n * C + c) * S + s)] - mean, 2);
+    r.mean.push_back(mean);
+    r.var.push_back(sq / double(N * S));
+    const double m = running_mean ? (*running_mean)[size_t(c)] : mean;
+    const double var = running_var ? (*running_var)[size_t(c)] : r.var.back();
+    const double w = weight.empty() ? 1.0 : weight[size_t(c)], b = bias.empty() ? 0.0 : bias[size_t(c)];
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t s = 0; s < S; ++s) {
+        const size_t i = size_t((n * C + c) * S + s);
+        r.y[i] = (v[i] - m) / std::sqrt(var + eps) * w + b;
+      }
+  }
+  return r;
+}
+
+void check_close(const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  int failures = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::abs(got[i] - want[i]) <= tol * (1 + std::abs(want[i]))) && failures++ < 5)
+      FAIL_CHECK("element " << i << ": got " << got[i] << ", want " << want[i]);
+  }
+  CHECK(failures == 0);
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm training updates the running statistics as computed by hand") {
+  // Channel 0 holds 1, 2, 5, 6 and channel 1 holds 3, 4, 7, 8: mean 3.5 and 5.5, biased variance 4.25,
+  // unbiased variance 4.25 * 4 / 3 = 17 / 3.
+  Tensor x = tensor<float>({1, 2, 3, 4, 5, 6, 7, 8}, {2, 2, 2});
+  Tensor running_mean = zeros({2}), running_var = ones({2});
+  Tensor y = batch_norm(x, running_mean, running_var, Tensor(), Tensor(), /*training=*/true, /*momentum=*/0.1, 1e-5);
+  CHECK(to_vector<float>(running_mean)[0] == doctest::Approx(0.35));
+  CHECK(to_vector<float>(running_mean)[1] == doctest::Approx(0.55));
+  CHECK(to_vector<float>(running_var)[0] == doctest::Approx(0.9 + 0.1 * 17.0 / 3.0));
+  CHECK(to_vector<float>(running_var)[1] == doctest::Approx(0.9 + 0.1 * 17.0 / 3.0));
+  // The output is normalised with the biased variance.
+  const double s = std::sqrt(4.25 + 1e-5);
+  check_close(values(y), {-2.5 / s, -1.5 / s, -2.5 / s, -1.5 / s, 1.5 / s, 2.5 / s, 1.5 / s, 2.5 / s}, 1e-6);
+  // A second step moves them again: running = 0.9 * running + 0.1 * batch statistic.
+  batch_norm(x, running_mean, running_var, Tensor(), Tensor(), true, 0.1, 1e-5);
+  CHECK(to_vector<float>(running_mean)[0] == doctest::Approx(0.9 * 0.35 + 0.35));
+  // momentum 1 replaces them with the batch statistics; the running tensors' version counters move.
+  const uint64_t version = running_mean.version();
+  batch_norm(x, running_mean, running_var, Tensor(), Tensor(), true, 1.0, 1e-5);
+  CHECK(values(running_mean) == std::vector<double>{3.5, 5.5});
+  CHECK(to_vector<float>(running_var)[1] == doctest::Approx(17.0 / 3.0));
+  CHECK(running_mean.version() > version);
+}
+
+TEST_CASE("batch_norm evaluation normalises with the running statistics and leaves them alone") {
+  Tensor x = tensor<double>({1, 2, 3, 4}, {2, 2});
+  Tensor running_mean = tensor<double>({1.0, -1.0}), running_var = tensor<double>({4.0, 0.25});
+  Tensor weight = tensor<double>({2.0, 3.0}), bias = tensor<double>({0.5, -0.5});
+  Tensor y = batch_norm(x, running_mean, running_var, weight, bias, /*training=*/false, 0.1, 0.0);
+  check_close(values(y), {(1 - 1) / 2.0 * 2 + 0.5, (2 + 1) / 0.5 * 3 - 0.5, (3 - 1) / 2.0 * 2 + 0.5, (4 + 1) / 0.5 * 3 - 0.5},
+              1e-12);
+  CHECK(values(running_mean) == std::vector<double>{1.0, -1.0});
+  CHECK(values(running_var) == std::vector<double>{4.0, 0.25});
+}
+
+TEST_CASE("batch_norm matches a float64 reference for every rank, both layouts, training and evaluation") {
+  manual_seed(401);
+  for (Shape shape : {Shape{8, 3}, Shape{4, 3, 5}, Shape{2, 3, 4, 5}, Shape{3, 16, 2, 2}, Shape{2, 4, 1, 1}}) {
+    for (bool cl : {false, true}) {
+      for (bool training : {true, false}) {
+        CAPTURE(shape_str(shape));
+        CAPTURE(cl);
+        CAPTURE(training);
+        const int64_t C = shape[1];
+        Tensor x = randn(shape, {.dtype = kFloat64}) * 2 + 3;
+        if (cl && shape.size() == 4) x = channels_last(x);
+        std::vector<double> w = values(randn({C}, {.dtype = kFloat64})), b = values(randn({C}, {.dtype = kFloat64}));
+        std::vector<double> rm = values(randn({C}, {.dtype = kFloat64})), rv = values(rand({C}, {.dtype = kFloat64}) + 0.5);
+        Tensor running_mean = tensor(rm), running_var = tensor(rv);
+        Tensor y = batch_norm(x, running_mean, running_var, tensor(w), tensor(b), training, 0.1, 1e-5);
+        Reference r = training ? reference_batch_norm(x, w, b, nullptr, nullptr, 1e-5)
+                               : reference_batch_norm(x, w, b, &rm, &rv, 1e-5);
+        check_close(values(y), r.y, 1e-10);
+        if (cl && shape.size() == 4 && shape[2] * shape[3] > 1) CHECK(is_channels_last_layout(y));
+        if (training) {
+          const double count = double(x.numel() / C);
+          std::vector<double> want_mean, want_var;
+          for (int64_t c = 0; c < C; ++c) {
+            want_mean.push_back(0.9 * rm[size_t(c)] + 0.1 * r.mean[size_t(c)]);
+            want_var.push_back(0.9 * rv[size_t(c)] + 0.1 * r.var[size_t(c)] * count / (count - 1));
+          }
+          check_close(values(running_mean), want_mean, 1e-12);
+          check_close(values(running_var), want_var, 1e-12);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("batch_norm gradients match finite differences in training and evaluation, both layouts") {
+  manual_seed(402);
+  for (bool training : {true, false}) {
+    for (bool affine : {true, false}) {
+      CAPTURE(training);
+      CAPTURE(affine);
+      Tensor rm = randn({3}, {.dtype = kFloat64}), rv = rand({3}, {.dtype = kFloat64}) + 0.5;
+      auto f = [&](const TensorList& in) {
+        return batch_norm(in[0], rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5);
+      };
+      Tensor w = affine ? leaf({3}) : Tensor(), b = affine ? leaf({3}) : Tensor();
+      gradcheck(f, {leaf({4, 3, 2, 3}, 2.0, 1.0), w, b});
+      gradcheck(f, {leaf({6, 3}), w, b});
+      gradcheck(f, {leaf({2, 3, 5}), w, b});
+      // channels-last input: the kernels run on the NHWC layout directly
+      Tensor x = leaf({2, 3, 3, 2});
+      gradcheck([&](const TensorList& in) { return f({channels_last(in[0]), in[1], in[2]}); }, {x, w, b});
+      // without running statistics in training: batch statistics only
+      if (training) {
+        gradcheck([&](const TensorList& in) { return batch_norm(in[0], Tensor(), Tensor(), in[1], in[2], true); },
+                  {leaf({3, 3, 2}), w, b});
+      }
+    }
+  }
+}
+
+TEST_CASE("batch_norm takes float16 and bfloat16 input with float32 parameters: float32 statistics, half output") {
+  manual_seed(403);
+  for (DType dt : {kFloat16, kBFloat16}) {
+    for (bool cl : {false, true}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(cl);
+      // Values around 100 with spread 1: sums of squares in float16 would be meaningless.
+      Tensor x = (randn({16, 4, 6, 6}) + 100.0).to(dt);
+      if (cl) x = channels_last(x);
+      Tensor weight = rand({4}) + 0.5, bias = randn({4});
+      Tensor running_mean = zeros({4}), running_var = ones({4});
+      Tensor y = batch_norm(x, running_mean, running_var, weight, bias, /*training=*/true);
+      CHECK(y.dtype() == dt);
+      CHECK(running_mean.dtype() == kFloat32);
+      Reference r = reference_batch_norm(x.to(kFloat64), values(weight), values(bias), nullptr, nullptr, 1e-5);
+      // One rounding of the output to dt (relative 2^-11 or 2^-8) on values of magnitude up to ~4.
+      check_close(values(y), r.y, dt == kFloat16 ? 2e-3 : 1.6e-2);
+      std::vector<double> want_mean;
+      for (double m : r.mean) want_mean.push_back(0.1 * m);
+      check_close(values(running_mean), want_mean, 1e-6);
+
+      // Gradients reach the half input (in its dtype) and the float32 parameters (in theirs).
+      Tensor xg = x.detach().requires_grad_(), wg = weight.detach().requires_grad_(), bg = bias.detach().requires_grad_();
+      Tensor g = randn({16, 4, 6, 6});
+      batch_norm(xg, Tensor(), Tensor(), wg, bg, true).backward(g.to(dt));
+      Tensor x64 = x.to(kFloat64).requires_grad_(), w64 = weight.to(kFloat64).requires_grad_(),
+             b64 = bias.to(kFloat64).requires_grad_();
+      batch_norm(x64, Tensor(), Tensor(), w64, b64, true).backward(g.to(dt).to(kFloat64));
+      CHECK(xg.grad().dtype() == dt);
+      CHECK(wg.grad().dtype() == kFloat32);
+      check_close(values(wg.grad()), values(w64.grad()), 1e-3);
+      check_close(values(bg.grad()), values(b64.grad()), 1e-4);
+      check_close(values(xg.grad()), values(x64.grad()), dt == kFloat16 ? 5e-3 : 3e-2);
+    }
+  }
+}
+
+TEST_CASE("batch_norm with everything in float16 (O3) converts parameters and statistics internally") {
+  manual_seed(404);
+  Tensor x = randn({8, 3, 4}).to(kFloat16);
+  Tensor running_mean = zeros({3}, {.dtype = kFloat16}), running_var = ones({3}, {.dtype = kFloat16});
+  Tensor weight = ones({3}, {.dtype = kFloat16}).requires_grad_();
+  Tensor y = batch_norm(x, running_mean, running_var, weight, zeros({3}, {.dtype = kFloat16}), true);
+  CHECK(y.dtype() == kFloat16);
+  Reference r = reference_batch_norm(x.to(kFloat64), {}, {}, nullptr, nullptr, 1e-5);
+  check_close(values(y), r.y, 2e-3);
+  std::vector<double> want_mean;
+  for (double m : r.mean) want_mean.push_back(0.1 * m);
+  check_close(values(running_mean), want_mean, 1e-3);
+  y.sum().backward();
+  CHECK(weight.grad().dtype() == kFloat16);
+}
+
+TEST_CASE("batch_norm under autocast is left alone: half activations with float32 parameters") {
+  Tensor x = randn({4, 2, 3}).to(kFloat16);
+  amp::AutocastGuard guard(kFloat16);
+  Tensor y = batch_norm(x, zeros({2}), ones({2}), ones({2}), zeros({2}), true);
+  CHECK(y.dtype() == kFloat16);
+  CHECK(batch_norm(randn({4, 2}), Tensor(), Tensor(), ones({2}), zeros({2}), true).dtype() == kFloat32);
+}
+
+TEST_CASE("batch_norm errors name the problem and the operands") {
+  CHECK_THROWS_WITH_AS(batch_norm(randn({1, 3}), zeros({3}), ones({3}), Tensor(), Tensor(), true),
+                       doctest::Contains("batch_norm: expected more than 1 value per channel when training, got input "
+                                         "float32[1, 3] cpu"), Error);
+  CHECK_THROWS_WITH_AS(batch_norm(randn({4, 3}), Tensor(), Tensor(), Tensor(), Tensor(), false),
+                       doctest::Contains("evaluation mode (training = false) normalises with running_mean and running_var"),
+                       Error);
+  CHECK_THROWS_WITH_AS(batch_norm(randn({4, 3}), Tensor(), Tensor(), ones({4}), Tensor(), true),
+                       doctest::Contains("batch_norm: expected weight to be a floating-point [3] tensor (one value per "
+                                         "channel of input float32[4, 3] cpu), got float32[4] cpu"), Error);
+  CHECK_THROWS_WITH_AS(batch_norm(randn({4}), Tensor(), Tensor(), Tensor(), Tensor(), true),
+                       doctest::Contains("expected a floating-point input of shape [N, C] or [N, C, ...], got float32[4]"),
+                       Error);
+  CHECK_THROWS_WITH_AS(batch_norm(randn({4, 3}), zeros({3}), Tensor(), Tensor(), Tensor(), true),
+                       doctest::Contains("must both be given"), Error);
+}
+
+TEST_CASE("batch_norm on a non-contiguous input (a transposed view) gives the contiguous result") {
+  manual_seed(405);
+  Tensor base = randn({5, 4, 3}, {.dtype = kFloat64});
+  Tensor x = base.transpose(0, 2);  // [3, 4, 5], neither NCHW-contiguous nor channels last
+  Tensor y = batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true);
+  check_close(values(y), values(batch_norm(x.contiguous(), Tensor(), Tensor(), Tensor(), Tensor(), true)), 1e-12);
+}
+
+TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 with float32 parameters") {
+#if HALFGRAD_WITH_CUDA
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(406);
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    for (Shape shape : {Shape{32, 16, 8, 8}, Shape{4, 64, 3, 3}, Shape{256, 10}, Shape{2, 3, 200, 200}}) {
+      for (bool cl : {false, true}) {
+        for (bool training : {true, false}) {
+          CAPTURE(dtype_name(dt));
+          CAPTURE(shape_str(shape));
+          CAPTURE(cl);
+          CAPTURE(training);
+          const int64_t C = shape[1];
+          DType pt = dt == kFloat64 ? kFloat64 : kFloat32;
+          Tensor x = (randn(shape) * 2 + 1).to(dt);
+          if (cl && shape.size() == 4) x = channels_last(x);
+          Tensor weight = (rand({C}) + 0.5).to(pt), bias = randn({C}).to(pt);
+          Tensor rm = randn({C}).to(pt), rv = (rand({C}) + 0.5).to(pt);
+          Tensor rm_g = rm.cuda(), rv_g = rv.cuda();
+          Tensor xc = x.detach().requires_grad_(), xg = x.detach().cuda().requires_grad_();
+          if (cl && shape.size() == 4) REQUIRE(is_channels_last_layout(xg));
+          Tensor wc = weight.detach().requires_grad_(), wg = weight.detach().cuda().requires_grad_();
+          Tensor bc = bias.detach().requires_grad_(), bg = bias.detach().cuda().requires_grad_();
+          Tensor yc = batch_norm(xc, rm, rv, wc, bc, training);
+          Tensor yg = batch_norm(xg, rm_g, rv_g, wg, bg, training);
+          if (cl && shape.size() == 4) CHECK(is_channels_last_layout(yg));
+          const double tol = dt == kFloat64 ? 1e-10 : dt == kFloat32 ? 1e-4 : dt == kFloat16 ? 4e-3 : 3e-2;
+          check_close(values(yg.cpu()), values(yc), tol);
+          check_close(values(rm_g.cpu()), values(rm), 1e-5);
+          check_close(values(rv_g.cpu()), values(rv), 1e-5);
+          Tensor g = randn(shape).to(dt);
+          yc.backward(g);
+          yg.backward(g.cuda());
+          check_close(values(xg.grad().cpu()), values(xc.grad()), tol * 4);
+          check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3);
+          check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
+        }
+      }
+    }
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}

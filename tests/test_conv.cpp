@@ -1,0 +1,500 @@
+// conv2d: values against a naive float64 loop for every option and dtype, memory layouts (strided inputs,
+// channels_last), errors, gradchecks of every input, the half-precision accumulation, autocast, and CUDA
+// against the CPU (skipped without a GPU).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/cuda.h"
+#include "halfgrad.h"
+#include "ops/conv.h"
+#include "tests/gradcheck.h"
+
+using namespace halfgrad;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
+
+namespace {
+
+// torch.nn.functional.conv2d computed the obvious way, in float64, from the operands' values. Also returns,
+// per output element, sum |x| |w| (+ |b|): the scale that a floating-point dot product's rounding error is
+// relative to.
+struct Reference {
+  Shape shape;
+  std::vector<double> values, magnitude;
+};
+
+Reference reference_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dOptions& o) {
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t O = w.size(0), Cg = w.size(1), kH = w.size(2), kW = w.size(3);
+  const int64_t Og = O / o.groups;
+  const int64_t OH = (H + 2 * o.padding[0] - o.dilation[0] * (kH - 1) - 1) / o.stride[0] + 1;
+  const int64_t OW = (W + 2 * o.padding[1] - o.dilation[1] * (kW - 1) - 1) / o.stride[1] + 1;
+  std::vector<double> xv = to_vector<double>(x), wv = to_vector<double>(w);
+  std::vector<double> bv = b.defined() ? to_vector<double>(b) : std::vector<double>(size_t(O), 0.0);
+  Reference r;
+  r.shape = {N, O, OH, OW};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t oc = 0; oc < O; ++oc) {
+      const int64_t group = oc / Og;
+      for (int64_t oh = 0; oh < OH; ++oh) {
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          double sum = bv[size_t(oc)], mag = std::abs(bv[size_t(oc)]);
+          for (int64_t c = 0; c < Cg; ++c) {
+            const int64_t ic = group * Cg + c;
+            for (int64_t kh = 0; kh < kH; ++kh) {
+              for (int64_t kw = 0; kw < kW; ++kw) {
+                const int64_t ih = oh * o.stride[0] - o.padding[0] + kh * o.dilation[0];
+                const int64_t iw = ow * o.stride[1] - o.padding[1] + kw * o.dilation[1];
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                const double p = xv[size_t(((n * C + ic) * H + ih) * W + iw)] *
+                                 wv[size_t(((oc * Cg + c) * kH + kh) * kW + kw)];
+                sum += p;
+                mag += std::abs(p);
+              }
+            }
+          }
+          r.values.push_back(sum);
+          r.magnitude.push_back(mag);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// Relative error allowed against sum |x||w|. The half types accumulate in float32, so only the final
+// rounding to 11 (float16) or 8 (bfloat16) significant bits shows; float32 sums of a few hundred products
+// stay within ~1e-6 of the magnitude.
+double tolerance(DType t) {
+  switch (t) {
+    case kFloat64: return 1e-12;
+    case kFloat32: return 1e-5;
+    case kFloat16: return 1e-3;
+    case kBFloat16: return 8e-3;
+    default: return 0;
+  }
+}
+
+void check_matches(const Tensor& got, const Reference& ref, DType dtype) {
+  REQUIRE(got.shape() == ref.shape);
+  REQUIRE(got.dtype() == dtype);
+  std::vector<double> g = to_vector<double>(got);
+  int failures = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double allowed = tolerance(dtype) * ref.magnitude[i] + 1e-300;
+    if (!(std::abs(g[i] - ref.values[i]) <= allowed) && failures++ < 3) {
+      FAIL_CHECK("element " << i << ": got " << g[i] << ", reference " << ref.values[i]);
+    }
+  }
+  CHECK(failures == 0);
+}
+
+Tensor random(const Shape& shape, DType dtype) { return randn(shape, {.dtype = kFloat64}).to(dtype); }
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+const std::vector<DType> kFloatTypes = {kFloat64, kFloat32, kFloat16, kBFloat16};
+
+// One convolution problem: input shape, weight shape, options, bias or not.
+struct Case {
+  const char* name;
+  Shape input, weight;
+  Conv2dOptions options;
+  bool bias = true;
+};
+
+const std::vector<Case> kCases = {
+    {"3x3, defaults", {2, 3, 7, 6}, {4, 3, 3, 3}, {}},
+    {"3x3, padding 1 (same size)", {2, 3, 6, 6}, {5, 3, 3, 3}, {.padding = {1, 1}}},
+    {"stride (2, 1), padding (1, 2)", {2, 3, 9, 7}, {4, 3, 3, 3}, {.stride = {2, 1}, .padding = {1, 2}}},
+    {"stride 3 with a 2x4 kernel", {1, 2, 10, 11}, {3, 2, 2, 4}, {.stride = {3, 3}}},
+    {"dilation (2, 3), padding (2, 1)", {2, 3, 9, 10}, {4, 3, 3, 3}, {.padding = {2, 1}, .dilation = {2, 3}}},
+    {"groups 2", {2, 4, 6, 5}, {6, 2, 3, 3}, {.padding = {1, 1}, .groups = 2}},
+    {"depthwise (groups = channels)", {2, 4, 6, 6}, {4, 1, 3, 3}, {.padding = {1, 1}, .groups = 4}},
+    {"depthwise, channel multiplier 2", {2, 3, 5, 6}, {6, 1, 3, 3}, {.stride = {2, 2}, .groups = 3}},
+    {"1x1 (the input is the column matrix)", {3, 5, 4, 3}, {7, 5, 1, 1}, {}},
+    {"1x1, stride 2 (downsample)", {2, 5, 7, 6}, {4, 5, 1, 1}, {.stride = {2, 2}}},
+    {"1x1 with padding", {2, 3, 4, 4}, {2, 3, 1, 1}, {.padding = {1, 1}}},
+    {"kernel as large as the padded input", {2, 2, 3, 4}, {3, 2, 5, 6}, {.padding = {1, 1}}},
+    {"no bias", {2, 3, 6, 6}, {4, 3, 3, 3}, {.stride = {2, 2}, .padding = {1, 1}}, false},
+    {"no bias, groups and dilation", {2, 6, 8, 8}, {6, 2, 3, 3}, {.padding = {2, 2}, .dilation = {2, 2}, .groups = 3},
+     false},
+    {"more samples than threads", {9, 4, 12, 12}, {8, 4, 3, 3}, {.padding = {1, 1}}},
+};
+
+}  // namespace
+
+TEST_CASE("conv2d matches a float64 reference for stride, padding, dilation, groups and bias in every float dtype") {
+  manual_seed(21);
+  for (DType dt : kFloatTypes) {
+    for (const Case& c : kCases) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(c.name);
+      Tensor x = random(c.input, dt), w = random(c.weight, dt);
+      Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
+      check_matches(conv2d(x, w, b, c.options), reference_conv2d(x, w, b, c.options), dt);
+    }
+  }
+}
+
+TEST_CASE("conv2d reads strided and channels_last inputs and keeps the input's memory format") {
+  manual_seed(22);
+  const Conv2dOptions o{.stride = {2, 1}, .padding = {1, 1}};
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    Tensor w = random({4, 3, 3, 3}, dt), b = random({4}, dt);
+
+    // Every other row and column of a larger tensor; a transposed H and W.
+    Tensor sliced = random({2, 3, 14, 12}, dt).slice(2, 0, 14, 2).slice(3, 1, 12, 2);  // [2, 3, 7, 6]
+    REQUIRE_FALSE(sliced.is_contiguous());
+    check_matches(conv2d(sliced, w, b, o), reference_conv2d(sliced, w, b, o), dt);
+    Tensor transposed = random({2, 3, 6, 7}, dt).transpose(2, 3);
+    check_matches(conv2d(transposed, w, b, o), reference_conv2d(transposed, w, b, o), dt);
+
+    // channels_last in, channels_last out, same values.
+    Tensor x = random({2, 3, 7, 6}, dt);
+    Tensor x_cl = contiguous_channels_last(x);
+    REQUIRE(is_channels_last(x_cl));
+    REQUIRE_FALSE(x_cl.is_contiguous());
+    Tensor y = conv2d(x_cl, w, b, o);
+    CHECK(is_channels_last(y));
+    CHECK(suggest_memory_format(y) == MemoryFormat::ChannelsLast);
+    check_matches(y, reference_conv2d(x, w, b, o), dt);
+    CHECK(to_vector<double>(y) == to_vector<double>(conv2d(x, w, b, o)));
+
+    // A channels_last weight with a contiguous input: the output follows the input.
+    Tensor y2 = conv2d(x, contiguous_channels_last(w), b, o);
+    CHECK(y2.is_contiguous());
+    check_matches(y2, reference_conv2d(x, w, b, o), dt);
+
+    // Broadcast (stride-0) bias and weight views.
+    Tensor wb = random({1, 3, 3, 3}, dt).expand({4, 3, 3, 3});
+    Tensor bb = random({1}, dt).expand({4});
+    check_matches(conv2d(x, wb, bb, o), reference_conv2d(x, wb, bb, o), dt);
+  }
+}
+
+TEST_CASE("conv2d takes an unbatched [C, H, W] input") {
+  manual_seed(23);
+  Tensor x = random({3, 6, 5}, kFloat64), w = random({2, 3, 3, 3}, kFloat64), b = random({2}, kFloat64);
+  Tensor y = conv2d(x, w, b, {.padding = {1, 1}});
+  CHECK(y.shape() == Shape{2, 6, 5});
+  Reference ref = reference_conv2d(x.unsqueeze(0), w, b, {.padding = {1, 1}});
+  ref.shape = {2, 6, 5};
+  check_matches(y, ref, kFloat64);
+}
+
+TEST_CASE("conv2d accumulates float16 and bfloat16 products in float32") {
+  // A 1x1 convolution over 4096 channels of ones: 4096 products of 1 * 1. A float16 running sum stops at
+  // 2048 (2049 is not representable); accumulated in float32 and rounded once, the sum is exactly 4096.
+  for (DType dt : {kFloat16, kBFloat16}) {
+    CAPTURE(dtype_name(dt));
+    Tensor x = ones({2, 4096, 3, 3}, {.dtype = dt}), w = ones({2, 4096, 1, 1}, {.dtype = dt});
+    for (double v : to_vector<double>(conv2d(x, w))) CHECK(v == 4096.0);
+    // The 3x3 path (im2col) too: 9 * 512 = 4608, representable in both types.
+    Tensor x3 = ones({1, 512, 3, 3}, {.dtype = dt}), w3 = ones({1, 512, 3, 3}, {.dtype = dt});
+    for (double v : to_vector<double>(conv2d(x3, w3))) CHECK(v == 4608.0);
+  }
+}
+
+TEST_CASE("conv2d errors name the op and the shapes") {
+  Tensor x = randn({2, 3, 8, 8}), w = randn({4, 3, 3, 3});
+  std::string e = error_of([&] { conv2d(x, randn({4, 2, 3, 3})); });
+  CHECK(contains(e, "conv2d"));
+  CHECK(contains(e, "[2, 3, 8, 8]"));
+  CHECK(contains(e, "[4, 2, 3, 3]"));
+  CHECK(contains(e, "3 channels"));
+
+  e = error_of([&] { conv2d(randn({1, 3, 2, 2}), w); });
+  CHECK(contains(e, "conv2d"));
+  CHECK(contains(e, "larger than the padded input"));
+  CHECK(contains(e, "[1, 3, 2, 2]"));
+  CHECK(contains(e, "[4, 3, 3, 3]"));
+  CHECK(error_of([&] { conv2d(randn({1, 3, 2, 2}), w, {}, {.padding = {1, 1}}); }) == "(no error)");
+  e = error_of([&] { conv2d(randn({1, 3, 5, 5}), w, {}, {.dilation = {3, 3}}); });  // 7x7 dilated kernel
+  CHECK(contains(e, "larger than the padded input"));
+
+  e = error_of([&] { conv2d(randn({3, 8, 8, 1, 1}), w); });
+  CHECK(contains(e, "conv2d"));
+  CHECK(contains(e, "4-D"));
+  CHECK(contains(e, "[3, 8, 8, 1, 1]"));
+  e = error_of([&] { conv2d(x, randn({4, 3, 3})); });
+  CHECK(contains(e, "weight must be 4-D"));
+  CHECK(contains(e, "[4, 3, 3]"));
+
+  e = error_of([&] { conv2d(x, randn({4, 1, 3, 3}), {}, {.groups = 2}); });
+  CHECK(contains(e, "not divisible by groups = 2"));
+  e = error_of([&] { conv2d(randn({2, 4, 8, 8}), randn({3, 2, 3, 3}), {}, {.groups = 2}); });
+  CHECK(contains(e, "output channels are not divisible"));
+  e = error_of([&] { conv2d(x, w, randn({3})); });
+  CHECK(contains(e, "bias"));
+  CHECK(contains(e, "[3]"));
+  e = error_of([&] { conv2d(x, w.to(kFloat64)); });
+  CHECK(contains(e, "same dtype"));
+  CHECK(contains(e, "float64"));
+  e = error_of([&] { conv2d(x.to(kInt64), w.to(kInt64)); });
+  CHECK(contains(e, "floating-point"));
+  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.stride = {0, 1}}); }), "stride must be positive"));
+  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.padding = {-1, 0}}); }), "padding must be non-negative"));
+  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.dilation = {1, 0}}); }), "dilation must be positive"));
+}
+
+TEST_CASE("conv2d gradients of input, weight and bias pass gradcheck") {
+  manual_seed(24);
+  struct GradCase {
+    const char* name;
+    Shape input, weight;
+    Conv2dOptions options;
+  };
+  const std::vector<GradCase> cases = {
+      {"3x3", {2, 2, 5, 4}, {3, 2, 3, 3}, {}},
+      {"stride and padding", {2, 2, 6, 5}, {3, 2, 3, 2}, {.stride = {2, 1}, .padding = {1, 1}}},
+      {"dilation", {1, 2, 7, 6}, {2, 2, 3, 2}, {.padding = {1, 2}, .dilation = {2, 2}}},
+      {"groups", {2, 4, 4, 4}, {4, 2, 2, 2}, {.stride = {2, 2}, .padding = {1, 0}, .groups = 2}},
+      {"depthwise", {2, 3, 5, 5}, {3, 1, 3, 3}, {.padding = {1, 1}, .groups = 3}},
+      {"1x1", {2, 3, 3, 4}, {2, 3, 1, 1}, {}},
+      {"1x1 stride 2", {2, 3, 5, 4}, {2, 3, 1, 1}, {.stride = {2, 2}}},
+  };
+  for (const GradCase& c : cases) {
+    CAPTURE(c.name);
+    Tensor x = leaf(c.input), w = leaf(c.weight), b = leaf({c.weight[0]});
+    gradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], in[2], c.options); }, {x, w, b});
+    gradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], Tensor(), c.options); }, {x, w});
+  }
+}
+
+TEST_CASE("conv2d gradients are right for channels_last and strided inputs, and for one input at a time") {
+  manual_seed(25);
+  const Conv2dOptions o{.stride = {1, 2}, .padding = {1, 1}};
+  Tensor w = leaf({3, 2, 3, 3}), b = leaf({3});
+  // channels_last leaves (gradcheck perturbs the leaf's own storage through its strides).
+  Tensor x_cl;
+  {
+    NoGradGuard no_grad;
+    x_cl = contiguous_channels_last(randn({2, 2, 5, 4}, {.dtype = kFloat64}));
+  }
+  x_cl.requires_grad_();
+  gradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], in[2], o); }, {x_cl, w, b});
+  // The gradient is computed in the input's layout.
+  Tensor y_cl = conv2d(x_cl.detach(), w.detach(), Tensor(), o);
+  CHECK(is_channels_last(y_cl));
+  CHECK(is_channels_last(conv2d_backward_input(y_cl, w.detach(), x_cl.shape(), o)));
+  CHECK(is_channels_last(conv2d_backward_weight(y_cl, x_cl.detach(), w.shape(), o)));
+  // A transposed input.
+  Tensor xt = leaf({2, 2, 4, 5});
+  gradcheck([&](const TensorList& in) { return conv2d(in[0].transpose(2, 3), in[1], in[2], o); }, {xt, w, b});
+  // Only the weight requires grad; only the input does.
+  Tensor x_const = randn({2, 2, 5, 4}, {.dtype = kFloat64});
+  gradcheck([&](const TensorList& in) { return conv2d(x_const, in[0], Tensor(), o); }, {w});
+  Tensor w_const = randn({3, 2, 3, 3}, {.dtype = kFloat64});
+  gradcheck([&](const TensorList& in) { return conv2d(in[0], w_const, Tensor(), o); }, {leaf({2, 2, 5, 4})});
+}
+
+TEST_CASE("conv2d_backward_input and conv2d_backward_weight match the autograd gradients") {
+  manual_seed(26);
+  const Conv2dOptions o{.stride = {2, 2}, .padding = {1, 1}, .groups = 2};
+  Tensor x = leaf({3, 4, 7, 6}), w = leaf({6, 2, 3, 3});
+  Tensor y = conv2d(x, w, Tensor(), o);
+  Tensor g = randn(y.shape(), {.dtype = kFloat64});
+  y.backward(g);
+  Tensor gx = conv2d_backward_input(g, w.detach(), x.shape(), o);
+  Tensor gw = conv2d_backward_weight(g, x.detach(), w.shape(), o);
+  CHECK(to_vector<double>(gx) == to_vector<double>(x.grad()));
+  CHECK(to_vector<double>(gw) == to_vector<double>(w.grad()));
+  CHECK(contains(error_of([&] { conv2d_backward_input(g, w.detach(), {3, 4, 9, 9}, o); }), "does not match"));
+}
+
+TEST_CASE("conv2d in float32 runs in float16 under autocast, and its gradients come back in float32") {
+  manual_seed(27);
+  Tensor x = randn({2, 3, 6, 6}), w = randn({4, 3, 3, 3}).requires_grad_(), b = randn({4}).requires_grad_();
+  Tensor y;
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    y = conv2d(x, w, b, {.padding = {1, 1}});
+  }
+  CHECK(y.dtype() == kFloat16);
+  Reference ref = reference_conv2d(x.to(kFloat16), w.detach().to(kFloat16), b.detach().to(kFloat16), {.padding = {1, 1}});
+  check_matches(y, ref, kFloat16);
+  y.to(kFloat32).sum().backward();
+  CHECK(w.grad().dtype() == kFloat32);
+  CHECK(b.grad().dtype() == kFloat32);
+}
+
+TEST_CASE("channels_last helpers: is_channels_last, contiguous_channels_last, empty in a format") {
+  Tensor x = randn({2, 3, 4, 5});
+  CHECK_FALSE(is_channels_last(x));
+  CHECK(suggest_memory_format(x) == MemoryFormat::Contiguous);
+  Tensor cl = contiguous_channels_last(x);
+  CHECK(cl.strides() == Shape{60, 1, 15, 3});
+  CHECK(is_channels_last(cl));
+  CHECK(suggest_memory_format(cl) == MemoryFormat::ChannelsLast);
+  CHECK(to_vector<float>(cl) == to_vector<float>(x));
+  CHECK(contiguous_channels_last(cl).same(cl));  // no copy when already channels_last
+  CHECK(contiguous(cl, MemoryFormat::Contiguous).is_contiguous());
+
+  // Size-1 dims: one channel, or a 1x1 image, is both layouts at once: computed as NCHW.
+  Tensor one_channel = randn({2, 1, 4, 5});
+  CHECK(is_channels_last(one_channel));
+  CHECK(suggest_memory_format(one_channel) == MemoryFormat::Contiguous);
+  CHECK(is_channels_last(randn({2, 8, 1, 1})));
+  CHECK_FALSE(is_channels_last(randn({2, 3, 4})));
+  CHECK_FALSE(is_channels_last(cl.slice(2, 0, 4, 2)));  // not dense
+
+  Tensor e = empty({2, 3, 4, 5}, {.dtype = kFloat16}, MemoryFormat::ChannelsLast);
+  CHECK(e.shape() == Shape{2, 3, 4, 5});
+  CHECK(e.strides() == Shape{60, 1, 15, 3});
+  CHECK(e.dtype() == kFloat16);
+  CHECK(empty({2, 3, 4, 5}, {}, MemoryFormat::Contiguous).is_contiguous());
+
+  // contiguous_channels_last is differentiable: the gradient flows back to the NCHW leaf.
+  Tensor leaf_x = randn({1, 2, 3, 3}).requires_grad_();
+  (contiguous_channels_last(leaf_x) * 3.0).sum().backward();
+  for (float v : to_vector<float>(leaf_x.grad())) CHECK(v == 3.0f);
+  CHECK(contains(error_of([&] { contiguous_channels_last(randn({2, 3})); }), "4-D"));
+}
+
+// ---- CUDA against the CPU (skipped without a GPU)
+
+namespace {
+
+// CUDA's cuDNN result against the CPU's for the same inputs, relative to the largest |value| of the CPU
+// result: cuDNN's algorithms sum in other orders, and its FFT and Winograd ones apply transforms that spread
+// rounding error across a tile (~10 float32 ulps of the scale). Half types: the rounding of the output
+// (2^-11 / 2^-8) plus those differences. TF32 is off in these tests, so float32 is full precision.
+double cuda_tolerance(DType t) {
+  switch (t) {
+    case kFloat64: return 1e-10;
+    case kFloat32: return 1e-4;
+    case kFloat16: return 4e-3;
+    case kBFloat16: return 3e-2;
+    default: return 0;
+  }
+}
+
+void check_cuda_close(const Tensor& got, const Tensor& want, DType dt, const std::string& what) {
+  INFO(what);
+  REQUIRE(got.defined());
+  CHECK(got.is_cuda());
+  REQUIRE(got.shape() == want.shape());
+  std::vector<double> a = to_vector<double>(got), b = to_vector<double>(want);
+  double scale = 0;
+  for (double v : b) scale = std::max(scale, std::abs(v));
+  int bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!(std::abs(a[i] - b[i]) <= cuda_tolerance(dt) * scale) && bad++ < 3) {
+      FAIL_CHECK("element " << i << ": cuda " << a[i] << " vs cpu " << b[i] << " (scale " << scale << ")");
+    }
+  }
+  CHECK_MESSAGE(bad == 0, bad << " of " << a.size() << " elements differ");
+}
+
+struct TF32Off {
+  bool previous = conv_allow_tf32();
+  TF32Off() { set_conv_allow_tf32(false); }
+  ~TF32Off() { set_conv_allow_tf32(previous); }
+};
+
+}  // namespace
+
+TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, NCHW and channels_last") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  TF32Off tf32_off;
+  manual_seed(28);
+  const Device gpu = Device::cuda(0);
+  for (DType dt : kFloatTypes) {
+    for (const Case& c : kCases) {
+      for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(c.name);
+        CAPTURE(memory_format_name(format));
+        Tensor x = contiguous(random(c.input, dt), format), w = random(c.weight, dt);
+        Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
+        Tensor gy;
+        Tensor xc = x.detach().requires_grad_(), wc = w.detach().requires_grad_();
+        Tensor bc = b.defined() ? b.detach().requires_grad_() : Tensor();
+        Tensor yc = conv2d(xc, wc, bc, c.options);
+        gy = random(yc.shape(), dt);
+        yc.backward(gy);
+
+        Tensor xg = contiguous(x.to(gpu), format).detach().requires_grad_(), wg = w.to(gpu).detach().requires_grad_();
+        Tensor bg = b.defined() ? b.to(gpu).detach().requires_grad_() : Tensor();
+        Tensor yg = conv2d(xg, wg, bg, c.options);
+        CHECK(suggest_memory_format(yg) == suggest_memory_format(yc));
+        yg.backward(gy.to(gpu));
+        check_cuda_close(yg, yc, dt, "output");
+        check_cuda_close(xg.grad(), xc.grad(), dt, "grad input");
+        check_cuda_close(wg.grad(), wc.grad(), dt, "grad weight");
+        if (b.defined()) check_cuda_close(bg.grad(), bc.grad(), dt, "grad bias");
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU; the cached algorithm gives the same result again") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  TF32Off tf32_off;
+  manual_seed(29);
+  const Device gpu = Device::cuda(0);
+  for (DType dt : {kFloat32, kFloat16}) {
+    for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(memory_format_name(format));
+      Tensor x = contiguous(random({8, 64, 16, 16}, dt), format), w = random({128, 64, 3, 3}, dt);
+      const Conv2dOptions o{.stride = {2, 2}, .padding = {1, 1}};
+      Tensor want = conv2d(x, w, {}, o);
+      Tensor xg = x.to(gpu), wg = w.to(gpu);
+      if (format == MemoryFormat::ChannelsLast) xg = contiguous_channels_last(xg);
+      Tensor first = conv2d(xg, wg, {}, o);
+      Tensor second = conv2d(xg, wg, {}, o);  // from the algorithm cache
+      check_cuda_close(first, want, dt, "first call");
+      CHECK(to_vector<double>(first) == to_vector<double>(second));
+    }
+  }
+}
+
+TEST_CASE("cuda: float32 conv2d uses TF32 only when allowed") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(30);
+  const Device gpu = Device::cuda(0);
+  Tensor x = random({16, 64, 16, 16}, kFloat32), w = random({64, 64, 3, 3}, kFloat32);
+  Tensor want = conv2d(x.to(kFloat64), w.to(kFloat64), {}, {.padding = {1, 1}});
+  bool previous = conv_allow_tf32();
+  set_conv_allow_tf32(false);
+  Tensor full = conv2d(x.to(gpu), w.to(gpu), {}, {.padding = {1, 1}});
+  set_conv_allow_tf32(true);
+  Tensor tf32 = conv2d(x.to(gpu), w.to(gpu), {}, {.padding = {1, 1}});
+  set_conv_allow_tf32(previous);
+  check_cuda_close(full, want.to(kFloat32), kFloat32, "tf32 off: full float32");
+  // TF32 rounds the operands to 10-bit mantissas: ~1e-3 relative error per product, averaging out over
+  // the 576-term sums to well below 1e-2 of the output scale.
+  std::vector<double> a = to_vector<double>(tf32), b = to_vector<double>(want);
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    scale = std::max(scale, std::abs(b[i]));
+    worst = std::max(worst, std::abs(a[i] - b[i]));
+  }
+  CHECK(worst <= 1e-2 * scale);
+}

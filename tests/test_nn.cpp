@@ -1,0 +1,574 @@
+// nn: Module registration and traversal, modes, conversion, Sequential, every layer against its functional op,
+// default initialisation, BatchNorm2d's running statistics, printing.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "core/cuda.h"
+#include "core/random.h"
+#include "halfgrad.h"
+#include "nn/checkpoint.h"
+#include "nn/init.h"
+#include "nn/layers.h"
+#include "nn/module.h"
+#include "ops/batch_norm.h"
+#include "ops/conv.h"
+#include "ops/dropout.h"
+#include "ops/embedding.h"
+#include "ops/pool.h"
+
+using namespace halfgrad;
+
+namespace {
+std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+std::vector<std::string> names(const NamedTensors& named) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : named) out.push_back(name);
+  return out;
+}
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && values(a) == values(b);
+}
+
+// torchvision's ResNet BasicBlock, reduced: the names its parameters get are the point.
+struct BasicBlock : nn::Module {
+  explicit BasicBlock(int64_t channels)
+      : conv1(register_module("conv1", std::make_shared<nn::Conv2d>(channels, channels, 3,
+                                                                    nn::Conv2dOptions{.padding = {1, 1}}, false))),
+        bn1(register_module("bn1", std::make_shared<nn::BatchNorm2d>(channels))) {}
+  Tensor forward(const Tensor& x) override { return (bn1->forward(conv1->forward(x)) + x).relu(); }
+  std::string type_name() const override { return "BasicBlock"; }
+  std::shared_ptr<nn::Conv2d> conv1;
+  std::shared_ptr<nn::BatchNorm2d> bn1;
+};
+
+struct TinyResNet : nn::Module {
+  TinyResNet()
+      : conv1(register_module("conv1", std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}))),
+        layer1(register_module("layer1", nn::sequential({std::make_shared<BasicBlock>(4), std::make_shared<BasicBlock>(4)}))),
+        pool(register_module("pool", std::make_shared<nn::AdaptiveAvgPool2d>(1))),
+        fc(register_module("fc", std::make_shared<nn::Linear>(4, 10))) {}
+  Tensor forward(const Tensor& x) override {  // x: (N, 3, H, W)
+    return fc->forward(pool->forward(layer1->forward(conv1->forward(x))).flatten(1));  // (N, 10)
+  }
+  std::string type_name() const override { return "TinyResNet"; }
+  std::shared_ptr<nn::Conv2d> conv1;
+  std::shared_ptr<nn::Sequential> layer1;
+  std::shared_ptr<nn::AdaptiveAvgPool2d> pool;
+  std::shared_ptr<nn::Linear> fc;
+};
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// Registration and traversal
+
+TEST_CASE("named_parameters and state_dict use PyTorch's dotted names and order") {
+  TinyResNet net;
+  CHECK(names(net.named_parameters()) == std::vector<std::string>{
+                                             "conv1.weight", "conv1.bias",                    //
+                                             "layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.bn1.bias",
+                                             "layer1.1.conv1.weight", "layer1.1.bn1.weight", "layer1.1.bn1.bias",
+                                             "fc.weight", "fc.bias"});
+  CHECK(names(net.named_buffers()) == std::vector<std::string>{
+                                          "layer1.0.bn1.running_mean", "layer1.0.bn1.running_var",
+                                          "layer1.0.bn1.num_batches_tracked", "layer1.1.bn1.running_mean",
+                                          "layer1.1.bn1.running_var", "layer1.1.bn1.num_batches_tracked"});
+  // state_dict: each module's parameters, then its buffers, then its children (torch's order).
+  std::vector<std::string> state = names(net.state_dict());
+  CHECK(state.size() == 16);
+  CHECK(state[2] == "layer1.0.conv1.weight");
+  CHECK(state[5] == "layer1.0.bn1.running_mean");
+  CHECK(state[7] == "layer1.0.bn1.num_batches_tracked");
+  CHECK(net.parameters().size() == 10);
+  CHECK(net.named_parameters(/*recurse=*/false).empty());
+  CHECK(net.fc->named_parameters(false).size() == 2);
+
+  std::vector<std::string> module_names;
+  for (auto& [name, m] : net.named_modules()) module_names.push_back(name + ":" + m->type_name());
+  CHECK(module_names == std::vector<std::string>{":TinyResNet", "conv1:Conv2d", "layer1:Sequential",
+                                                 "layer1.0:BasicBlock", "layer1.0.conv1:Conv2d", "layer1.0.bn1:BatchNorm2d",
+                                                 "layer1.1:BasicBlock", "layer1.1.conv1:Conv2d", "layer1.1.bn1:BatchNorm2d",
+                                                 "pool:AdaptiveAvgPool2d", "fc:Linear"});
+  CHECK(net.children().size() == 4);
+  CHECK(net.tensor_at("layer1.1.bn1.running_var").same(
+      std::static_pointer_cast<BasicBlock>((*net.layer1)[1])->bn1->running_var));
+  CHECK_THROWS_WITH_AS(net.tensor_at("layer1.7.bn1.weight"), doctest::Contains("no submodule '7'"), Error);
+}
+
+TEST_CASE("registration refuses empty, dotted and duplicate names and non-leaf parameters") {
+  nn::Module m;
+  m.register_parameter("w", zeros({2}));
+  CHECK_THROWS_WITH_AS(m.register_parameter("w", zeros({2})), doctest::Contains("already registered"), Error);
+  CHECK_THROWS_WITH_AS(m.register_buffer("w", zeros({2})), doctest::Contains("already registered"), Error);
+  CHECK_THROWS_WITH_AS(m.register_module("w", std::make_shared<nn::ReLU>()), doctest::Contains("already registered"),
+                       Error);
+  CHECK_THROWS_WITH_AS(m.register_parameter("a.b", zeros({2})), doctest::Contains("contains a '.'"), Error);
+  CHECK_THROWS_WITH_AS(m.register_parameter("", zeros({2})), doctest::Contains("empty"), Error);
+  Tensor leaf = ones({2}).requires_grad_();
+  CHECK_THROWS_WITH_AS(m.register_parameter("y", leaf * 2), doctest::Contains("leaf"), Error);
+  CHECK(m.named_parameters()[0].second.requires_grad());
+  Tensor& frozen = m.register_parameter("frozen", zeros({2}), /*requires_grad=*/false);
+  CHECK_FALSE(frozen.requires_grad());
+}
+
+TEST_CASE("a layer's member tensors and its registry are the same slots") {
+  nn::Linear lin(3, 2);
+  CHECK(lin.weight.same(lin.named_parameters()[0].second));
+  // Assigning the member replaces the registered parameter too...
+  Tensor replacement = zeros({2, 3}).requires_grad_();
+  lin.weight = replacement;
+  CHECK(lin.named_parameters()[0].second.same(replacement));
+  // ...and conversion writes the member.
+  lin.to(kFloat64);
+  CHECK(lin.weight.dtype() == kFloat64);
+  CHECK(lin.weight.same(lin.named_parameters()[0].second));
+  CHECK(lin.bias.same(lin.tensor_at("bias")));
+  nn::Linear no_bias(3, 2, /*bias=*/false);
+  CHECK_FALSE(no_bias.bias.defined());
+  CHECK(names(no_bias.named_parameters()) == std::vector<std::string>{"weight"});
+}
+
+TEST_CASE("train() and eval() reach every descendant") {
+  TinyResNet net;
+  for (nn::Module* m : net.modules()) CHECK(m->is_training());
+  net.eval();
+  for (nn::Module* m : net.modules()) CHECK_FALSE(m->is_training());
+  net.layer1->train();
+  CHECK_FALSE(net.is_training());
+  CHECK(net.layer1->is_training());
+  CHECK((*net.layer1)[0]->is_training());
+  CHECK(std::static_pointer_cast<BasicBlock>((*net.layer1)[1])->bn1->is_training());
+}
+
+TEST_CASE("apply visits every module, parents before children") {
+  TinyResNet net;
+  std::vector<std::string> seen;
+  net.apply([&](nn::Module& m) { seen.push_back(m.type_name()); });
+  CHECK(seen.size() == 11);
+  CHECK(seen.front() == "TinyResNet");
+  CHECK(seen[2] == "Sequential");
+  CHECK(seen[3] == "BasicBlock");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Conversion
+
+TEST_CASE("to(dtype) converts floating parameters and buffers, keeps requires_grad, grads and int buffers") {
+  TinyResNet net;
+  Tensor x = randn({2, 3, 4, 4});
+  net.forward(x).sum().backward();
+  Tensor old_weight = net.fc->weight;
+  std::vector<double> old_values = values(old_weight);
+
+  net.to(kFloat64);
+  for (auto& [name, p] : net.named_parameters()) {
+    CAPTURE(name);
+    CHECK(p.dtype() == kFloat64);
+    CHECK(p.requires_grad());
+    CHECK(p.is_leaf());
+    REQUIRE(p.grad().defined());
+    CHECK(p.grad().dtype() == kFloat64);
+  }
+  CHECK(values(net.fc->weight) == old_values);
+  CHECK_FALSE(net.fc->weight.same(old_weight));  // a new tensor: the old one (an optimizer's) is untouched
+  CHECK(old_weight.dtype() == kFloat32);
+  auto bn = std::static_pointer_cast<BasicBlock>((*net.layer1)[0])->bn1;
+  CHECK(bn->running_mean.dtype() == kFloat64);
+  CHECK(bn->num_batches_tracked.dtype() == kInt64);  // not floating: left alone
+
+  // Already in the target dtype: nothing changes, not even the tensor objects.
+  Tensor same_weight = net.fc->weight;
+  net.to(kFloat64);
+  CHECK(net.fc->weight.same(same_weight));
+  CHECK_THROWS_WITH_AS(net.to(kInt32), doctest::Contains("floating"), Error);
+
+  // The converted model still runs, in float64.
+  CHECK(net.forward(x.to(kFloat64)).dtype() == kFloat64);
+}
+
+TEST_CASE("to(dtype, select) converts only the modules chosen: the model in half except BatchNorm") {
+  TinyResNet net;
+  net.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });
+  for (auto& [name, t] : net.state_dict()) {
+    CAPTURE(name);
+    if (name.find("bn1.num_batches_tracked") != std::string::npos) CHECK(t.dtype() == kInt64);
+    else if (name.find("bn1") != std::string::npos) CHECK(t.dtype() == kFloat32);
+    else CHECK(t.dtype() == kFloat16);
+  }
+}
+
+TEST_CASE("tied weights are listed once and stay tied through to()") {
+  // The output layer reuses the embedding matrix, as language models do.
+  struct Tied : nn::Module {
+    std::shared_ptr<nn::Embedding> emb = register_module("emb", std::make_shared<nn::Embedding>(10, 4));
+    std::shared_ptr<nn::Linear> out = register_module("out", std::make_shared<nn::Linear>(4, 10, false));
+  } m;
+  m.out->weight = m.emb->weight;
+  CHECK(names(m.named_parameters()) == std::vector<std::string>{"emb.weight"});
+  CHECK(names(m.state_dict()) == std::vector<std::string>{"emb.weight", "out.weight"});
+  m.to(kFloat64);
+  CHECK(m.emb->weight.dtype() == kFloat64);
+  CHECK(m.out->weight.same(m.emb->weight));
+}
+
+TEST_CASE("zero_grad forgets every parameter's gradient") {
+  nn::Linear lin(3, 2);
+  lin.forward(randn({4, 3})).sum().backward();
+  CHECK(lin.weight.grad().defined());
+  CHECK(lin.bias.grad().defined());
+  lin.zero_grad();
+  CHECK_FALSE(lin.weight.grad().defined());
+  CHECK_FALSE(lin.bias.grad().defined());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Sequential and forward
+
+TEST_CASE("Sequential runs its children in order and names them by position") {
+  manual_seed(1);
+  auto l1 = std::make_shared<nn::Linear>(4, 8);
+  auto l2 = std::make_shared<nn::Linear>(8, 3);
+  auto seq = nn::sequential({l1, std::make_shared<nn::ReLU>(), l2});
+  CHECK(seq->size() == 3);
+  CHECK((*seq)[2] == l2);
+  CHECK(names(seq->named_parameters()) == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
+  Tensor x = randn({5, 4});
+  Tensor expected = linear(relu(linear(x, l1->weight, l1->bias)), l2->weight, l2->bias);
+  CHECK(bit_equal((*seq)(x), expected));
+  seq->push_back(std::make_shared<nn::Identity>());
+  CHECK(seq->named_children().back().first == "3");
+  CHECK_THROWS_WITH_AS((*seq)[4], doctest::Contains("out of range"), Error);
+
+  // Gradients reach every parameter through the chain.
+  seq->forward(x).sum().backward();
+  for (auto& [name, p] : seq->named_parameters()) CHECK_MESSAGE(p.grad().defined(), name);
+
+  // A module without a single-tensor forward says so.
+  nn::Module plain;
+  CHECK_THROWS_WITH_AS(plain.forward(x), doctest::Contains("no forward"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Each layer against its functional op
+
+TEST_CASE("layers compute what their functional ops compute") {
+  manual_seed(2);
+  Tensor image = randn({2, 4, 7, 7});  // (N, C, H, W)
+
+  SUBCASE("Linear") {
+    nn::Linear lin(7, 5);
+    CHECK(bit_equal(lin.forward(image), linear(image, lin.weight, lin.bias)));
+  }
+  SUBCASE("Conv2d with stride, padding, dilation and groups") {
+    Conv2dOptions o{.stride = {2, 1}, .padding = {1, 2}, .dilation = {1, 2}, .groups = 2};
+    nn::Conv2d conv(4, 6, Pair2d{3, 2}, o);
+    CHECK(conv.weight.shape() == Shape{6, 2, 3, 2});
+    CHECK(bit_equal(conv.forward(image), conv2d(image, conv.weight, conv.bias, o)));
+    nn::Conv2d no_bias(4, 6, 3, {}, false);
+    CHECK(bit_equal(no_bias.forward(image), conv2d(image, no_bias.weight)));
+  }
+  SUBCASE("ReLU, Flatten, Identity") {
+    CHECK(bit_equal(nn::ReLU().forward(image), relu(image)));
+    CHECK(nn::Flatten().forward(image).shape() == Shape{2, 4 * 7 * 7});
+    CHECK(nn::Flatten(2, 3).forward(image).shape() == Shape{2, 4, 49});
+    CHECK(nn::Identity().forward(image).same(image));
+  }
+  SUBCASE("pooling") {
+    MaxPool2dOptions mo{.stride = {2, 2}, .padding = {1, 1}};
+    CHECK(bit_equal(nn::MaxPool2d(3, mo).forward(image), max_pool2d(image, {3, 3}, mo)));
+    AvgPool2dOptions ao{.padding = {1, 1}, .count_include_pad = false};
+    CHECK(bit_equal(nn::AvgPool2d(Pair2d{2, 3}, ao).forward(image), avg_pool2d(image, {2, 3}, ao)));
+    CHECK(bit_equal(nn::AdaptiveAvgPool2d(Pair2d{3, 2}).forward(image), adaptive_avg_pool2d(image, {3, 2})));
+    CHECK(nn::AdaptiveAvgPool2d(1).forward(image).shape() == Shape{2, 4, 1, 1});
+  }
+  SUBCASE("Dropout: the seeded op in training, the identity in eval") {
+    nn::Dropout drop(0.3);
+    manual_seed(5);
+    Tensor a = drop.forward(image);
+    manual_seed(5);
+    CHECK(bit_equal(a, dropout(image, 0.3, true)));
+    CHECK(values(a) != values(image));
+    drop.eval();
+    CHECK(bit_equal(drop.forward(image), image));
+    CHECK_THROWS_AS(nn::Dropout(1.5), Error);
+  }
+  SUBCASE("Embedding, with a padding row that starts at zero") {
+    nn::Embedding emb(10, 3, /*padding_idx=*/-1);
+    CHECK(emb.padding_idx == 9);
+    CHECK(values(emb.weight[9]) == std::vector<double>{0, 0, 0});
+    Tensor idx = tensor(std::vector<int64_t>{1, 9, 4, 1}, Shape{2, 2});
+    CHECK(bit_equal(emb.forward(idx), embedding(idx, emb.weight, 9)));
+    CHECK(emb.forward(idx).shape() == Shape{2, 2, 3});
+  }
+  SUBCASE("BatchNorm2d in training and eval") {
+    nn::BatchNorm2d bn(4);
+    {
+      NoGradGuard no_grad;
+      bn.weight.copy_(tensor(std::vector<float>{1, 2, 3, 4}));
+      bn.bias.copy_(tensor(std::vector<float>{0, -1, 1, 0.5}));
+    }
+    Tensor mean = zeros({4}), var = ones({4});
+    Tensor expected = batch_norm(image, mean, var, bn.weight, bn.bias, true, 0.1, 1e-5);
+    CHECK(bit_equal(bn.forward(image), expected));
+    CHECK(bit_equal(bn.running_mean, mean));
+    CHECK(bit_equal(bn.running_var, var));
+    bn.eval();
+    CHECK(bit_equal(bn.forward(image), batch_norm(image, mean, var, bn.weight, bn.bias, false, 0.1, 1e-5)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// BatchNorm2d's running statistics, by hand
+
+TEST_CASE("BatchNorm2d updates running_mean/var with momentum and counts batches") {
+  // One channel, values 1..8 over (N=2, H=2, W=2): mean 4.5, unbiased variance 6.
+  Tensor x = arange(1, 9, 1, {.dtype = kFloat32}).view({2, 1, 2, 2});
+  nn::BatchNorm2d bn(1);
+  bn.forward(x);
+  CHECK(values(bn.running_mean)[0] == doctest::Approx(0.9 * 0 + 0.1 * 4.5));
+  CHECK(values(bn.running_var)[0] == doctest::Approx(0.9 * 1 + 0.1 * 6.0));
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 1);
+  bn.forward(x + 1.0);  // mean 5.5, variance 6
+  CHECK(values(bn.running_mean)[0] == doctest::Approx(0.9 * 0.45 + 0.1 * 5.5));
+  CHECK(values(bn.running_var)[0] == doctest::Approx(0.9 * 1.5 + 0.1 * 6.0));
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 2);
+
+  // Eval: normalise with the running statistics, which stay as they are.
+  bn.eval();
+  double rm = values(bn.running_mean)[0], rv = values(bn.running_var)[0];
+  Tensor y = bn.forward(x);
+  CHECK(values(y)[0] == doctest::Approx((1 - rm) / std::sqrt(rv + 1e-5)).epsilon(1e-5));
+  CHECK(values(bn.running_mean)[0] == rm);
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 2);
+
+  bn.reset_running_stats();
+  CHECK(values(bn.running_mean)[0] == 0);
+  CHECK(values(bn.running_var)[0] == 1);
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 0);
+}
+
+TEST_CASE("BatchNorm2d with momentum = nullopt keeps a cumulative average of the batch statistics") {
+  Tensor x = arange(1, 9, 1, {.dtype = kFloat32}).view({2, 1, 2, 2});
+  nn::BatchNorm2d bn(1, {.momentum = std::nullopt});
+  bn.forward(x);          // mean 4.5
+  bn.forward(x + 3.0);    // mean 7.5
+  bn.forward(x - 3.0);    // mean 1.5
+  CHECK(values(bn.running_mean)[0] == doctest::Approx((4.5 + 7.5 + 1.5) / 3));
+  CHECK(values(bn.running_var)[0] == doctest::Approx(6.0));
+}
+
+TEST_CASE("BatchNorm2d without running stats or affine parameters") {
+  Tensor x = randn({3, 2, 4, 4});
+  nn::BatchNorm2d bn(2, {.affine = false, .track_running_stats = false});
+  CHECK(bn.parameters().empty());
+  CHECK(bn.buffers().empty());
+  bn.eval();  // no running stats: batch statistics even in eval, as PyTorch
+  CHECK(bit_equal(bn.forward(x), batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true)));
+}
+
+TEST_CASE("BatchNorm2d takes float16 activations with float32 parameters (O2's BatchNorm)") {
+  nn::BatchNorm2d bn(2);
+  Tensor x = randn({4, 2, 3, 3});
+  Tensor y = bn.forward(x.to(kFloat16));
+  CHECK(y.dtype() == kFloat16);
+  CHECK(bn.running_mean.dtype() == kFloat32);
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Initialisation
+
+TEST_CASE("Linear and Conv2d default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias") {
+  manual_seed(0);
+  nn::Linear lin(400, 300);
+  double bound = 1.0 / std::sqrt(400.0);  // kaiming_uniform(a = sqrt(5)) reduces to this
+  std::vector<double> w = values(lin.weight);
+  double sum = 0, sq = 0, lo = 1, hi = -1;
+  for (double v : w) {
+    sum += v, sq += v * v;
+    lo = std::min(lo, v), hi = std::max(hi, v);
+  }
+  double mean = sum / double(w.size()), var = sq / double(w.size()) - mean * mean;
+  CHECK(lo >= -bound);
+  CHECK(hi <= bound);
+  CHECK(hi > 0.99 * bound);  // 120000 draws: the extremes come close to the bound
+  CHECK(lo < -0.99 * bound);
+  CHECK(std::abs(mean) < 0.01 * bound);           // std of the mean: bound / sqrt(3 * 120000) ~ 0.0017 bound
+  CHECK(var == doctest::Approx(bound * bound / 3).epsilon(0.02));  // uniform variance b^2 / 3
+  for (double v : values(lin.bias)) CHECK(std::abs(v) <= bound);
+
+  nn::Conv2d conv(16, 32, 3);  // fan_in = 16 * 3 * 3
+  double conv_bound = 1.0 / std::sqrt(16.0 * 9);
+  for (double v : values(conv.weight)) CHECK(std::abs(v) <= conv_bound);
+  for (double v : values(conv.bias)) CHECK(std::abs(v) <= conv_bound);
+  CHECK(values(conv.weight.abs().max())[0] > 0.95 * conv_bound);
+}
+
+TEST_CASE("default init is reproducible under manual_seed") {
+  manual_seed(42);
+  nn::Linear a(10, 10);
+  nn::Embedding ea(5, 4);
+  manual_seed(42);
+  nn::Linear b(10, 10);
+  nn::Embedding eb(5, 4);
+  CHECK(bit_equal(a.weight, b.weight));
+  CHECK(bit_equal(a.bias, b.bias));
+  CHECK(bit_equal(ea.weight, eb.weight));
+  nn::Linear c(10, 10);
+  CHECK_FALSE(bit_equal(a.weight, c.weight));
+}
+
+TEST_CASE("BatchNorm2d starts at weight 1, bias 0, mean 0, var 1; Embedding at N(0, 1)") {
+  nn::BatchNorm2d bn(3);
+  CHECK(values(bn.weight) == std::vector<double>{1, 1, 1});
+  CHECK(values(bn.bias) == std::vector<double>{0, 0, 0});
+  CHECK(values(bn.running_mean) == std::vector<double>{0, 0, 0});
+  CHECK(values(bn.running_var) == std::vector<double>{1, 1, 1});
+  CHECK(bn.num_batches_tracked.dim() == 0);
+  CHECK(bn.num_batches_tracked.item<int64_t>() == 0);
+
+  manual_seed(3);
+  nn::Embedding emb(1000, 100);
+  std::vector<double> w = values(emb.weight);
+  double sum = 0, sq = 0;
+  for (double v : w) sum += v, sq += v * v;
+  double mean = sum / double(w.size()), var = sq / double(w.size()) - mean * mean;
+  CHECK(std::abs(mean) < 0.01);  // std of the mean of 1e5 draws: 0.003
+  CHECK(var == doctest::Approx(1.0).epsilon(0.02));
+}
+
+TEST_CASE("kaiming and xavier initialisers have the documented spread") {
+  manual_seed(7);
+  auto stats = [](const Tensor& t) {
+    std::vector<double> v = values(t);
+    double sum = 0, sq = 0, absmax = 0;
+    for (double x : v) sum += x, sq += x * x, absmax = std::max(absmax, std::abs(x));
+    double mean = sum / double(v.size());
+    return std::tuple{mean, std::sqrt(sq / double(v.size()) - mean * mean), absmax};
+  };
+  Tensor w = empty({256, 128, 3, 3});  // fan_in 1152, fan_out 2304
+  double fan_in = 128 * 9, fan_out = 256 * 9;
+
+  nn::init::kaiming_normal_(w, 0, nn::init::FanMode::FanIn, nn::init::Nonlinearity::ReLU);
+  auto [m1, s1, a1] = stats(w);
+  CHECK(s1 == doctest::Approx(std::sqrt(2.0 / fan_in)).epsilon(0.01));
+  CHECK(std::abs(m1) < 0.01 * s1);  // std of the mean of 295k draws: s / 543
+
+  nn::init::kaiming_normal_(w, 0, nn::init::FanMode::FanOut, nn::init::Nonlinearity::ReLU);
+  auto [m2, s2, a2] = stats(w);
+  CHECK(s2 == doctest::Approx(std::sqrt(2.0 / fan_out)).epsilon(0.01));
+
+  nn::init::kaiming_uniform_(w, 0, nn::init::FanMode::FanIn, nn::init::Nonlinearity::ReLU);
+  auto [m3, s3, a3] = stats(w);
+  CHECK(a3 <= std::sqrt(6.0 / fan_in));
+  CHECK(s3 == doctest::Approx(std::sqrt(2.0 / fan_in)).epsilon(0.01));
+
+  nn::init::xavier_uniform_(w, 2.0);
+  auto [m4, s4, a4] = stats(w);
+  CHECK(a4 <= 2.0 * std::sqrt(6.0 / (fan_in + fan_out)));
+  CHECK(a4 > 0.99 * 2.0 * std::sqrt(6.0 / (fan_in + fan_out)));
+
+  nn::init::xavier_normal_(w);
+  auto [m5, s5, a5] = stats(w);
+  CHECK(s5 == doctest::Approx(std::sqrt(2.0 / (fan_in + fan_out))).epsilon(0.01));
+
+  CHECK(nn::init::calculate_gain(nn::init::Nonlinearity::Tanh) == doctest::Approx(5.0 / 3));
+  CHECK(nn::init::calculate_gain(nn::init::Nonlinearity::LeakyReLU, std::sqrt(5.0)) == doctest::Approx(std::sqrt(1.0 / 3)));
+  CHECK(nn::init::fan_in_and_fan_out(empty({5, 3})) == std::pair<int64_t, int64_t>{3, 5});
+  Tensor vec = empty({5});
+  CHECK_THROWS_WITH_AS(nn::init::xavier_uniform_(vec), doctest::Contains("2 dims"), Error);
+}
+
+TEST_CASE("initialisers fill parameters in place, without recording autograd, in any dtype") {
+  nn::Linear lin(4, 3, true, {.dtype = kFloat64});
+  CHECK(lin.weight.dtype() == kFloat64);
+  Tensor before = lin.weight;
+  nn::init::normal_(lin.weight, 0, 0.02);
+  CHECK(lin.weight.same(before));
+  CHECK(lin.weight.is_leaf());
+  CHECK(lin.weight.requires_grad());
+  nn::init::constant_(lin.bias, 0.5);
+  CHECK(values(lin.bias) == std::vector<double>{0.5, 0.5, 0.5});
+  Tensor h = empty({8, 8}, {.dtype = kBFloat16});
+  nn::init::uniform_(h, -1, 1);
+  for (double v : values(h)) CHECK(std::abs(v) <= 1.0);
+  nn::init::zeros_(h);
+  CHECK(values(h.abs().max())[0] == 0);
+  nn::init::ones_(h);
+  CHECK(values(h.min())[0] == 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Printing
+
+TEST_CASE("repr prints the module tree like PyTorch") {
+  auto seq = nn::sequential({std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(),
+                             nn::sequential({std::make_shared<nn::Dropout>(0.1), std::make_shared<nn::Linear>(8, 2, false)})});
+  CHECK(seq->repr() ==
+        "Sequential(\n"
+        "  (0): Linear(in_features=4, out_features=8, bias=true)\n"
+        "  (1): ReLU()\n"
+        "  (2): Sequential(\n"
+        "    (0): Dropout(p=0.1)\n"
+        "    (1): Linear(in_features=8, out_features=2, bias=false)\n"
+        "  )\n"
+        ")");
+  CHECK(nn::Conv2d(3, 16, 3, {.stride = {2, 2}, .padding = {1, 1}}, false).repr() ==
+        "Conv2d(3, 16, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), bias=false)");
+  CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=true, track_running_stats=true)");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CUDA
+
+TEST_CASE("to(cuda) moves a model, which then computes what it computes on the CPU and saves and loads") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(8);
+  TinyResNet cpu_net, gpu_net;
+  gpu_net.load_state_dict(cpu_net.state_dict());
+  gpu_net.to(Device::cuda());
+  for (auto& [name, t] : gpu_net.state_dict()) {
+    CAPTURE(name);
+    CHECK(t.is_cuda());
+    CHECK(t.dtype() == cpu_net.tensor_at(name).dtype());  // int64 num_batches_tracked moves too
+  }
+  for (auto& [name, p] : gpu_net.named_parameters()) CHECK_MESSAGE(p.requires_grad(), name);
+
+  Tensor x = randn({4, 3, 6, 6});
+  Tensor y_cpu = cpu_net.forward(x), y_gpu = gpu_net.forward(x.cuda());
+  CHECK(y_gpu.is_cuda());
+  // float32 convolutions on the GPU may use TF32 (10-bit mantissa products): compare loosely.
+  std::vector<double> a = values(y_cpu), b = values(y_gpu.cpu());
+  for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == doctest::Approx(a[i]).epsilon(2e-2).scale(1));
+  y_gpu.sum().backward();
+  for (auto& [name, p] : gpu_net.named_parameters()) {
+    CAPTURE(name);
+    REQUIRE(p.grad().defined());
+    CHECK(p.grad().is_cuda());
+  }
+  // The running statistics were updated on the GPU as on the CPU.
+  auto bn_cpu = std::static_pointer_cast<BasicBlock>((*cpu_net.layer1)[0])->bn1;
+  auto bn_gpu = std::static_pointer_cast<BasicBlock>((*gpu_net.layer1)[0])->bn1;
+  CHECK(bn_gpu->num_batches_tracked.cpu().item<int64_t>() == 1);
+  std::vector<double> rm_cpu = values(bn_cpu->running_mean), rm_gpu = values(bn_gpu->running_mean.cpu());
+  for (size_t i = 0; i < rm_cpu.size(); ++i) CHECK(rm_gpu[i] == doctest::Approx(rm_cpu[i]).epsilon(2e-2).scale(1));
+
+  // Checkpoints of a GPU model: saved from device memory, loaded into device memory.
+  std::string path = (std::filesystem::temp_directory_path() / "halfgrad_test_nn_gpu.safetensors").string();
+  nn::save(gpu_net, path);
+  TinyResNet back;
+  back.to(Device::cuda());
+  nn::load(back, path);
+  for (auto& [name, t] : gpu_net.state_dict()) {
+    CAPTURE(name);
+    CHECK(back.tensor_at(name).is_cuda());
+    CHECK(values(back.tensor_at(name).cpu()) == values(t.cpu()));
+  }
+  std::filesystem::remove(path);
+}

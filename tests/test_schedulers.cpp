@@ -1,0 +1,201 @@
+// Learning-rate schedulers: their curves against PyTorch's closed forms at several steps.
+//
+// The expected values were computed by hand with the formulas of torch/optim/lr_scheduler.py
+// (_get_closed_form_lr of StepLR, MultiStepLR, CosineAnnealingLR; OneCycleLR.get_lr with its phases), in
+// double precision: the tolerance is 1e-12 relative.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "halfgrad.h"
+#include "optim/adam.h"
+#include "optim/scheduler.h"
+#include "optim/sgd.h"
+
+using namespace halfgrad;
+
+namespace {
+
+struct Fixture {
+  Tensor a = ones({1}, {.requires_grad = true});
+  Tensor b = ones({1}, {.requires_grad = true});
+};
+
+// The lr of every group after each of `steps` calls of step() (index 0: after construction).
+std::vector<std::vector<double>> curve(optim::LRScheduler& s, int steps) {
+  std::vector<std::vector<double>> lrs = {s.get_last_lr()};
+  for (int i = 0; i < steps; ++i) {
+    s.step();
+    lrs.push_back(s.get_last_lr());
+  }
+  return lrs;
+}
+
+}  // namespace
+
+TEST_CASE("StepLR multiplies by gamma every step_size steps") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 0.1}}, {{f.b}, {.lr = 1.0}}});
+  optim::StepLR sched(opt, {.step_size = 3, .gamma = 0.5});
+  auto lrs = curve(sched, 7);
+  const double expected[] = {0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025};
+  for (int n = 0; n <= 7; ++n) {
+    CAPTURE(n);
+    CHECK(lrs[n][0] == doctest::Approx(expected[n]).epsilon(1e-12));
+    CHECK(lrs[n][1] == doctest::Approx(10 * expected[n]).epsilon(1e-12));
+  }
+  CHECK(opt.groups()[1].options.lr == doctest::Approx(0.25).epsilon(1e-12));  // the optimizer follows
+  CHECK(sched.last_step() == 7);
+}
+
+TEST_CASE("MultiStepLR decays at each milestone, including the milestone step itself") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 1.0});
+  optim::MultiStepLR sched(opt, {.milestones = {2, 5}, .gamma = 0.1});
+  auto lrs = curve(sched, 6);
+  const double expected[] = {1, 1, 0.1, 0.1, 0.1, 0.01, 0.01};
+  for (int n = 0; n <= 6; ++n) CHECK(lrs[n][0] == doctest::Approx(expected[n]).epsilon(1e-12));
+  CHECK_THROWS_WITH_AS(optim::MultiStepLR(opt, {.milestones = {5, 2}}), doctest::Contains("increasing"), Error);
+}
+
+TEST_CASE("CosineAnnealingLR follows PyTorch's closed form, periodic past T_max") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 0.1});
+  optim::CosineAnnealingLR sched(opt, {.T_max = 10, .eta_min = 0.001});
+  auto lrs = curve(sched, 20);
+  // eta_min + (0.1 - eta_min) * (1 + cos(pi n / 10)) / 2
+  const std::pair<int, double> expected[] = {{0, 0.1},   {1, 0.09757729755661011}, {5, 0.0505},
+                                             {9, 0.0034227024433899004}, {10, 0.001}, {15, 0.05049999999999999},
+                                             {20, 0.1}};
+  for (auto [n, lr] : expected) {
+    CAPTURE(n);
+    CHECK(lrs[n][0] == doctest::Approx(lr).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("OneCycleLR: PyTorch's curve for lr and momentum (SGD momentum)") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 123, .momentum = 0.9});
+  optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .total_steps = 10});
+  // Phases: steps 0..2 (0.3 * 10 - 1) warm up from 0.1/25 to 0.1, steps 2..9 anneal to 0.1/25/1e4;
+  // momentum 0.95 -> 0.85 -> 0.95.
+  const double lr[] = {0.0040000000000000036, 0.052000000000000005, 0.1, 0.09504846320134738, 0.0811745653949763,
+                       0.06112620219362893,   0.03887419780637107,  0.0188258346050237, 0.004951936798652629,
+                       4e-07,                 0.004951936798652624};
+  const double momentum[] = {0.95, 0.8999999999999999, 0.85, 0.854951556604879, 0.8688255099070633,
+                             0.8888739533021842, 0.9111260466978157, 0.9311744900929366, 0.945048443395121,
+                             0.95, 0.945048443395121};
+  CHECK(opt.groups()[0].options.lr == doctest::Approx(lr[0]).epsilon(1e-12));  // set by the constructor
+  for (int n = 0; n <= 10; ++n) {
+    CAPTURE(n);
+    if (n > 0) sched.step();
+    CHECK(sched.get_last_lr()[0] == doctest::Approx(lr[n]).epsilon(1e-12));
+    CHECK(opt.groups()[0].options.momentum == doctest::Approx(momentum[n]).epsilon(1e-12));
+  }
+  // PyTorch allows total_steps + 1 values (steps 0..total_steps) and refuses more.
+  CHECK_THROWS_WITH_AS(sched.step(), doctest::Contains("tried to step 11 times; total_steps is 10"), Error);
+}
+
+TEST_CASE("OneCycleLR cycles Adam's beta1, and takes epochs * steps_per_epoch, three phases, linear annealing") {
+  Fixture f;
+  SUBCASE("three phases, Adam") {
+    optim::Adam opt({f.a}, {.betas = {0.9, 0.99}});
+    optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .epochs = 2, .steps_per_epoch = 5, .three_phase = true});
+    CHECK(sched.total_steps() == 10);
+    const double lr[] = {0.0040000000000000036, 0.052000000000000005, 0.1, 0.052000000000000005, 0.004,
+                         0.0036180721853510196, 0.0026181721853510195, 0.0013822278146489802,
+                         0.0003823278146489803, 4e-07, 0.00038232781464897985};
+    const double beta1[] = {0.95, 0.8999999999999999, 0.85, 0.8999999999999999, 0.95, 0.95, 0.95, 0.95, 0.95,
+                            0.95, 0.95};
+    for (int n = 0; n <= 10; ++n) {
+      CAPTURE(n);
+      if (n > 0) sched.step();
+      CHECK(opt.groups()[0].options.lr == doctest::Approx(lr[n]).epsilon(1e-12));
+      CHECK(opt.groups()[0].options.betas.first == doctest::Approx(beta1[n]).epsilon(1e-12));
+      CHECK(opt.groups()[0].options.betas.second == 0.99);
+    }
+  }
+  SUBCASE("linear annealing, no momentum cycling, a max_lr per group") {
+    optim::SGD opt({{{f.a}, {.momentum = 0.7}}, {{f.b}, {.momentum = 0.7}}});
+    optim::OneCycleLR sched(opt, {.max_lr = {0.1, 1.0},
+                                  .total_steps = 10,
+                                  .anneal_strategy = optim::OneCycleLROptions::Anneal::Linear,
+                                  .cycle_momentum = false});
+    const double lr[] = {0.004, 0.052000000000000005, 0.1, 0.08571434285714286, 0.07142868571428572,
+                         0.05714302857142858, 0.042857371428571434, 0.028571714285714284, 0.014286057142857148,
+                         3.999999999976245e-07};
+    for (int n = 0; n <= 9; ++n) {
+      CAPTURE(n);
+      if (n > 0) sched.step();
+      CHECK(sched.get_last_lr()[0] == doctest::Approx(lr[n]).epsilon(1e-9));
+      CHECK(sched.get_last_lr()[1] == doctest::Approx(10 * lr[n]).epsilon(1e-9));
+      CHECK(opt.groups()[0].options.momentum == 0.7);
+    }
+  }
+  SUBCASE("errors") {
+    optim::SGD opt({{{f.a}, {}}, {{f.b}, {}}});
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}}), doctest::Contains("give total_steps"), Error);
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1, 0.2, 0.3}, .total_steps = 5}),
+                         doctest::Contains("max_lr has 3 values"), Error);
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}, .total_steps = 5, .pct_start = 1.5}),
+                         doctest::Contains("pct_start"), Error);
+  }
+}
+
+TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to another scheduler") {
+  Fixture f;
+  SUBCASE("alone: constant after the warm-up") {
+    optim::SGD opt({f.a}, {.lr = 0.4});
+    optim::LinearWarmup sched(opt, {.warmup_steps = 4});
+    auto lrs = curve(sched, 6);
+    const double expected[] = {0, 0.1, 0.2, 0.3, 0.4, 0.4, 0.4};
+    for (int n = 0; n <= 6; ++n) CHECK(lrs[n][0] == doctest::Approx(expected[n]).epsilon(1e-12));
+  }
+  SUBCASE("with a start factor, then cosine annealing from its step 0") {
+    optim::SGD opt({f.a}, {.lr = 0.1});
+    auto cosine = std::make_unique<optim::CosineAnnealingLR>(opt, optim::CosineAnnealingLROptions{.T_max = 10});
+    optim::LinearWarmup sched(opt, {.warmup_steps = 2, .start_factor = 0.5}, std::move(cosine));
+    auto lrs = curve(sched, 12);
+    CHECK(lrs[0][0] == doctest::Approx(0.05).epsilon(1e-12));   // 0.5 * 0.1
+    CHECK(lrs[1][0] == doctest::Approx(0.075).epsilon(1e-12));  // 0.75 * 0.1
+    CHECK(lrs[2][0] == doctest::Approx(0.1).epsilon(1e-12));    // cosine step 0
+    CHECK(lrs[3][0] == doctest::Approx(0.1 * (1 + std::cos(M_PI / 10)) / 2).epsilon(1e-12));
+    CHECK(lrs[7][0] == doctest::Approx(0.05).epsilon(1e-12));   // cosine step 5
+    CHECK(lrs[12][0] == doctest::Approx(0).epsilon(1e-12));     // cosine step 10
+    CHECK(opt.groups()[0].options.lr == doctest::Approx(0).epsilon(1e-12));
+  }
+  SUBCASE("errors") {
+    optim::SGD opt({f.a}, {.lr = 0.1});
+    optim::SGD other({f.b}, {.lr = 0.1});
+    CHECK_THROWS_WITH_AS(
+        optim::LinearWarmup(opt, {.warmup_steps = 2}, std::make_unique<optim::StepLR>(other, optim::StepLROptions{})),
+        doctest::Contains("drives another optimizer"), Error);
+    CHECK_THROWS_WITH_AS(optim::LinearWarmup(opt, {.warmup_steps = -1}), doctest::Contains("warmup_steps"), Error);
+  }
+}
+
+TEST_CASE("a scheduler's state is its step: loading it restores the lr of that step") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
+  optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .total_steps = 10});
+  for (int i = 0; i < 4; ++i) sched.step();
+  optim::NamedTensors state = sched.state_tensors();
+  REQUIRE(state.size() == 1);
+  CHECK(state[0].first == "last_step");
+  CHECK(state[0].second.item<int64_t>() == 4);
+
+  optim::SGD opt2({f.b}, {.lr = 0.1, .momentum = 0.9});
+  optim::OneCycleLR sched2(opt2, {.max_lr = {0.1}, .total_steps = 10});
+  sched2.load_state_tensors(state);
+  CHECK(sched2.last_step() == 4);
+  CHECK(opt2.groups()[0].options.lr == opt.groups()[0].options.lr);
+  CHECK(opt2.groups()[0].options.momentum == opt.groups()[0].options.momentum);
+  sched.step();
+  sched2.step();
+  CHECK(sched2.get_last_lr() == sched.get_last_lr());
+
+  CHECK_THROWS_WITH_AS(sched2.load_state_tensors({{"epoch", scalar_tensor(int64_t(3), {.dtype = kInt64})}}),
+                       doctest::Contains("unexpected entry 'epoch'"), Error);
+}

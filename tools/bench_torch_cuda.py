@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""The rows of tools/bench_cuda.cpp, measured with PyTorch on the same GPU, for comparison.
+
+Same sizes, same byte and flop counts, medians of CUDA-event timings after warm-up, random data.
+Usage: python3 tools/bench_torch_cuda.py [--elements N] [--repeats R] [--gemm-sizes 4096 8192]
+"""
+import argparse
+
+import torch
+
+
+def median_ms(fn, repeats, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def row(group, name, shape, value, unit, ms, pct=None):
+    p = f"{pct:5.1f}%" if pct is not None else ""
+    print(f"{group:<11} {name:<34} {shape:<22} {value:>9.1f} {unit:<7} {ms:>9.3f} ms  {p}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--elements", type=int, default=1 << 27)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--gemm-sizes", type=int, nargs="*", default=[4096, 8192])
+    args = ap.parse_args()
+    n, reps = args.elements // 4096 * 4096, args.repeats
+    dev = torch.device("cuda")
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}; {n} elements, medians of {reps} runs")
+
+    a32 = torch.randn(n, device=dev)
+    b32 = torch.empty_like(a32)
+    ms = median_ms(lambda: b32.copy_(a32), reps)
+    copy = 2 * n * 4 / (ms * 1e-3) / 1e9
+    row("copy", "copy_ device to device", f"{n * 4 >> 20} MiB", copy, "GB/s", ms, 100.0)
+
+    def bw(group, name, shape, nbytes, fn):
+        ms = median_ms(fn, reps)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        row(group, name, shape, gbs, "GB/s", ms, 100 * gbs / copy)
+
+    for dt, tname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        s = torch.tensor([], dtype=dt).element_size()
+        a = torch.randn(n, device=dev).to(dt)
+        b = torch.randn(n, device=dev).to(dt)
+        c = torch.randn(n, device=dev) > 0
+        sh = f"[{n}]"
+        bw("elementwise", f"{tname} add a + b", sh, 3 * n * s, lambda: a + b)
+        bw("elementwise", f"{tname} mul x * 2.5 (scalar)", sh, 2 * n * s, lambda: a * 2.5)
+        bw("elementwise", f"{tname} relu", sh, 2 * n * s, lambda: torch.relu(a))
+        if dt == torch.float32:
+            bw("elementwise", f"{tname} exp", sh, 2 * n * s, lambda: torch.exp(a))
+            bw("elementwise", f"{tname} sigmoid", sh, 2 * n * s, lambda: torch.sigmoid(a))
+            bw("elementwise", f"{tname} where(c, a, b)", sh, n * (1 + 3 * s), lambda: torch.where(c, a, b))
+            bw("elementwise", f"{tname} fill_", sh, n * s, lambda: a.fill_(1.5))
+            a = torch.randn(n, device=dev)
+            bw("cast", "float32 -> bfloat16", sh, n * 6, lambda: a.to(torch.bfloat16))
+            h = a.to(torch.bfloat16)
+            bw("cast", "bfloat16 -> float32", sh, n * 6, lambda: h.to(torch.float32))
+            cols, rows = 4096, n // 4096
+            m, v, m2 = a.view(rows, cols), torch.randn(cols, device=dev), b.view(rows, cols)
+            bw("elementwise", f"{tname} add [R, C] + [C] (broadcast)", f"[{rows}, {cols}]", (2 * n + cols) * s,
+               lambda: m + v)
+            bw("elementwise", f"{tname} add, both transposed", f"[{cols}, {rows}]", 3 * n * s, lambda: m.t() + m2.t())
+            bw("elementwise", f"{tname} contiguous() of a transpose", f"[{cols}, {rows}]", 2 * n * s,
+               lambda: m.t().contiguous())
+            st = a[::2]
+            bw("elementwise", f"{tname} relu of x[::2]", f"[{n // 2}]", n * s, lambda: torch.relu(st))
+
+    for dt, tname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        s = torch.tensor([], dtype=dt).element_size()
+        x = torch.randn(n, device=dev).to(dt)
+        cols, rows = 4096, n // 4096
+        m, mt = x.view(rows, cols), x.view(cols, rows)
+        bw("reduction", f"{tname} sum()", f"[{n}]", n * s, lambda: x.sum())
+        bw("reduction", f"{tname} sum(dim 1) (rows)", f"[{rows}, {cols}]", n * s, lambda: m.sum(1))
+        bw("reduction", f"{tname} sum(dim 0) (columns)", f"[{cols}, {rows}]", n * s, lambda: mt.sum(0))
+        bw("reduction", f"{tname} max(dim 1) values+indices", f"[{rows}, {cols}]", n * s, lambda: m.max(1))
+        bw("reduction", f"{tname} var(dim 1)", f"[{rows}, {cols}]", n * s, lambda: m.var(1))
+        bw("reduction", f"{tname} argmax over 4096 rows", f"[{cols}, {rows}]", n * s, lambda: mt.argmax(1))
+    del a32, b32
+
+    for size in args.gemm_sizes:
+        for name, dt, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
+                               ("fp16", torch.float16, False), ("bf16", torch.bfloat16, False)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            a = torch.randn(size, size, device=dev).to(dt)
+            b = torch.randn(size, size, device=dev).to(dt)
+            r = max(3, reps // 2 if size >= 8192 and dt == torch.float32 else reps)
+            ms = median_ms(lambda: a @ b, r)
+            row("gemm", f"{name} torch.matmul", f"{size}^3", 2 * size ** 3 / (ms * 1e-3) / 1e12, "TFLOP/s", ms)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: build halfgrad (Release, Ninja, CUDA for one architecture), run the whole
+# ctest suite (the CUDA tests included: on this machine they run instead of skipping), then the GPU
+# benchmark (build-gpu/bench_cuda, and tools/bench_torch_cuda.py when PyTorch is installed). Ends with a
+# summary; exits non-zero if the build or a test failed.
+#
+#   bash tools/gpu_check.sh                       # sm_90 (H100/H200), into build-gpu/
+#   CUDA_ARCH=80 bash tools/gpu_check.sh          # another GPU generation
+#   SKIP_BENCH=1 bash tools/gpu_check.sh          # build and test only
+#
+# Logs go to $OUT when it is set (the device tool's output folder), else to build-gpu/logs. A machine
+# without Eigen, fmt, spdlog, doctest and CLI11 that cannot install them uses the copies that
+# tools/pack_gpu_deps.sh puts in .deps/ (carry that folder along).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$PWD
+build=${BUILD_DIR:-build-gpu}
+arch=${CUDA_ARCH:-90}
+logs=${OUT:-$root/$build/logs}
+mkdir -p "$logs"
+export PATH="/usr/local/cuda/bin:$PATH"
+jobs=$(nproc)
+t0=$SECONDS
+summary=()
+failed=0
+
+step() { printf '\n=== %s (%ds)\n' "$*" $((SECONDS - t0)); }
+
+step "machine"
+{
+  date -u '+%Y-%m-%d %H:%M:%S UTC'
+  git -C "$root" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+  nvcc --version | tail -n 2
+  cmake --version | head -n 1
+  g++ --version | head -n 1
+  echo "$jobs cores"
+} 2>&1 | tee "$logs/configure.log"
+
+cmake_args=(-S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch"
+            -DHALFGRAD_CUDA=ON)
+if [[ -d .deps/usr ]]; then
+  echo "using the dependencies carried in .deps/usr"
+  cmake_args+=(-DCMAKE_PREFIX_PATH="$root/.deps/usr")
+  export LD_LIBRARY_PATH="$root/.deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# cuDNN: CMake looks in the toolkit and the system folders; else take it from wherever it is (a Python
+# wheel, /opt, ...), header and library.
+if [[ -z ${CUDNN_ROOT:-} ]] && ! ls /usr/local/cuda/include/cudnn.h /usr/include/cudnn.h \
+     /usr/include/x86_64-linux-gnu/cudnn.h >/dev/null 2>&1; then
+  header=$(find /usr /opt -name cudnn.h -not -path '*/proc/*' 2>/dev/null | head -n 1)
+  if [[ -n $header ]]; then
+    include_dir=$(dirname "$header")
+    library=$(find "$(dirname "$include_dir")" /usr/lib /usr/local/lib -name 'libcudnn.so*' 2>/dev/null | sort | head -n 1)
+    echo "cuDNN: $include_dir, ${library:-library not found}" | tee -a "$logs/configure.log"
+    cmake_args+=(-DCUDNN_INCLUDE_DIR="$include_dir")
+    if [[ -n $library ]]; then
+      cmake_args+=(-DCUDNN_LIBRARY="$library")
+      export LD_LIBRARY_PATH="$(dirname "$library")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+  fi
+fi
+
+step "configure"
+if ! cmake "${cmake_args[@]}" >>"$logs/configure.log" 2>&1; then
+  tail -n 40 "$logs/configure.log"
+  echo "gpu_check: configure FAILED (log: $logs/configure.log)"
+  exit 1
+fi
+grep -E "halfgrad [0-9.]+:" "$logs/configure.log"
+
+step "build (-j$jobs)"
+if cmake --build "$build" -j "$jobs" >"$logs/build.log" 2>&1; then
+  summary+=("build: ok ($(grep -c 'warning' "$logs/build.log") warning lines)")
+  grep -E 'warning' "$logs/build.log" | sort -u | head -n 20
+else
+  grep -E -B2 -A12 'error|FAILED' "$logs/build.log" | head -n 120
+  echo "gpu_check: build FAILED (log: $logs/build.log)"
+  exit 1
+fi
+
+step "tests (ctest)"
+ctest --test-dir "$build" --output-on-failure -j 8 --timeout 600 >"$logs/ctest.log" 2>&1
+ctest_rc=$?
+grep -E 'tests passed|tests failed|\*\*\*Failed|\*\*\*Exception|Timeout|Not Run' "$logs/ctest.log" | head -n 40
+summary+=("ctest: $(grep -E 'tests passed' "$logs/ctest.log" || echo 'no summary')")
+[[ $ctest_rc -eq 0 ]] || failed=1
+# The CUDA cases once more in one process, for their messages (device, errors measured, allocator).
+"$build/halfgrad_tests" --test-case='cuda:*' >"$logs/cuda_tests.log" 2>&1
+cuda_rc=$?
+grep -E 'MESSAGE|GPU 0|error [0-9]|skipped|test cases|assertions' "$logs/cuda_tests.log" | head -n 40
+summary+=("cuda tests: $(grep -E '^\[doctest\] test cases' "$logs/cuda_tests.log" | tr -s ' ')")
+[[ $cuda_rc -eq 0 ]] || failed=1
+
+if [[ -z ${SKIP_BENCH:-} ]]; then
+  step "benchmark (bench_cuda)"
+  "$build/bench_cuda" --csv "$logs/bench_cuda.csv" 2>&1 | tee "$logs/bench_cuda.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("bench_cuda: ok") || summary+=("bench_cuda: FAILED")
+  if python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    step "benchmark (PyTorch, same rows)"
+    python3 tools/bench_torch_cuda.py 2>&1 | tee "$logs/bench_torch_cuda.log"
+  fi
+fi
+
+step "summary"
+printf '%s\n' "${summary[@]}"
+echo "logs: $logs"
+exit $failed
