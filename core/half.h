@@ -9,6 +9,11 @@
 
 #if defined(__CUDACC__)
 #define HG_HOST_DEVICE __host__ __device__
+// In device code the conversions below use the GPU's conversion instructions (same rounding: to nearest,
+// ties to even); the portable bit manipulation costs enough instructions per element to make float16
+// kernels compute-bound (measured on an H200: float16 add at 61% of copy bandwidth, 100% with these).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #else
 #define HG_HOST_DEVICE
 #endif
@@ -32,7 +37,13 @@ struct BFloat16 {
   uint16_t bits = 0;
 
   BFloat16() = default;
-  HG_HOST_DEVICE BFloat16(float f) : bits(round_from_float(f)) {}
+  HG_HOST_DEVICE BFloat16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    bits = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+    bits = round_from_float(f);
+#endif
+  }
   HG_HOST_DEVICE operator float() const { return detail::bits_float(uint32_t(bits) << 16); }
 
   static HG_HOST_DEVICE BFloat16 from_bits(uint16_t b) {
@@ -53,8 +64,20 @@ struct Half {
   uint16_t bits = 0;
 
   Half() = default;
-  HG_HOST_DEVICE Half(float f) : bits(round_from_float(f)) {}
-  HG_HOST_DEVICE operator float() const { return to_float(bits); }
+  HG_HOST_DEVICE Half(float f) {
+#if defined(__CUDA_ARCH__)
+    bits = __half_as_ushort(__float2half_rn(f));
+#else
+    bits = round_from_float(f);
+#endif
+  }
+  HG_HOST_DEVICE operator float() const {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(bits));
+#else
+    return to_float(bits);
+#endif
+  }
 
   static HG_HOST_DEVICE Half from_bits(uint16_t b) {
     Half h;

@@ -65,6 +65,7 @@ Device Tensor::device() const { return impl()->storage->device(); }
 const std::shared_ptr<Storage>& Tensor::storage() const { return impl()->storage; }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // as PyTorch: an empty tensor has no layout to speak of
   int64_t expected = 1;
   for (int64_t d = dim() - 1; d >= 0; --d) {
     if (impl()->shape[d] == 1) continue;

@@ -19,6 +19,8 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/elementwise.h"
+#include "ops/matmul.h"
 #include "ops/reduce.h"
 
 namespace halfgrad {
@@ -263,6 +265,75 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   return backward_weight(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
 }
 
+// ---- pointwise convolutions as GEMMs (used by the CPU and the CUDA kernels)
+
+bool conv2d_is_pointwise(const Shape& weight_shape, const Conv2dParams& p) {
+  return p.groups == 1 && weight_shape[2] == 1 && weight_shape[3] == 1 && p.stride == Pair2d{1, 1} &&
+         p.padding == Pair2d{0, 0};
+}
+
+namespace {
+GemmArgs gemm_args(const Tensor& out) {
+  GemmArgs g;
+  g.ab_dtype = g.c_dtype = out.dtype();
+  g.device = out.device();
+  return g;
+}
+}  // namespace
+
+void conv2d_pointwise_forward(const Tensor& out, const Tensor& input, const Tensor& weight) {
+  const int64_t N = input.size(0), C = input.size(1), HW = input.size(2) * input.size(3), O = weight.size(0);
+  GemmArgs g = gemm_args(out);
+  if (is_channels_last(out) && is_channels_last(input)) {
+    // y [N*HW, O] = x [N*HW, C] w^T, w stored [O, C]
+    g.m = N * HW, g.n = O, g.k = C;
+    g.a = input.data_ptr(), g.lda = C;
+    g.b = weight.data_ptr(), g.ldb = C, g.trans_b = Trans::Yes;
+    g.c = out.data_ptr(), g.ldc = O;
+  } else {
+    // y[n] [O, HW] = w [O, C] x[n] [C, HW], for each sample n
+    g.batch = N, g.m = O, g.n = HW, g.k = C;
+    g.a = weight.data_ptr(), g.lda = C, g.stride_a = 0;
+    g.b = input.data_ptr(), g.ldb = HW, g.stride_b = C * HW;
+    g.c = out.data_ptr(), g.ldc = HW, g.stride_c = O * HW;
+  }
+  gemm_kernel[out.device()](g);
+}
+
+void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight) {
+  const int64_t N = grad_input.size(0), C = grad_input.size(1), HW = grad_input.size(2) * grad_input.size(3);
+  const int64_t O = weight.size(0);
+  GemmArgs g = gemm_args(grad_input);
+  if (is_channels_last(grad_input) && is_channels_last(grad_output)) {
+    // dx [N*HW, C] = dy [N*HW, O] w [O, C]
+    g.m = N * HW, g.n = C, g.k = O;
+    g.a = grad_output.data_ptr(), g.lda = O;
+    g.b = weight.data_ptr(), g.ldb = C;
+    g.c = grad_input.data_ptr(), g.ldc = C;
+  } else {
+    // dx[n] [C, HW] = w^T [C, O] dy[n] [O, HW]
+    g.batch = N, g.m = C, g.n = HW, g.k = O;
+    g.a = weight.data_ptr(), g.lda = C, g.trans_a = Trans::Yes, g.stride_a = 0;
+    g.b = grad_output.data_ptr(), g.ldb = HW, g.stride_b = O * HW;
+    g.c = grad_input.data_ptr(), g.ldc = HW, g.stride_c = C * HW;
+  }
+  gemm_kernel[grad_input.device()](g);
+}
+
+void conv2d_pointwise_backward_weight(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input) {
+  HG_CHECK(is_channels_last(grad_output) && is_channels_last(input),
+           "conv2d backward (weight): the pointwise GEMM needs channels_last operands, got {} and {}",
+           grad_output.meta(), input.meta());
+  const int64_t M = input.size(0) * input.size(2) * input.size(3), C = input.size(1), O = grad_weight.size(0);
+  // dw [O, C] = dy^T [O, N*HW] x [N*HW, C], dy stored [N*HW, O]
+  GemmArgs g = gemm_args(grad_weight);
+  g.m = O, g.n = C, g.k = M;
+  g.a = grad_output.data_ptr(), g.lda = O, g.trans_a = Trans::Yes;
+  g.b = input.data_ptr(), g.ldb = C;
+  g.c = grad_weight.data_ptr(), g.ldc = C;
+  gemm_kernel[grad_weight.device()](g);
+}
+
 // ---- CPU kernels
 
 namespace {
@@ -475,6 +546,11 @@ template <typename T> T* mut(const Tensor& t) { return static_cast<T*>(t.data_pt
 void conv2d_forward_cpu(const Tensor& out, const Tensor& input, const Tensor& weight, const Tensor& bias,
                         const Conv2dParams& params) {
   NoGradGuard no_grad;
+  if (conv2d_is_pointwise(weight.shape(), params)) {  // a GEMM in either layout, no im2col, no conversion
+    conv2d_pointwise_forward(out, input, weight);
+    if (bias.defined()) Tensor(out).add_(bias.view({1, -1, 1, 1}));  // a handle copy: the same tensor
+    return;
+  }
   const DType compute = compute_dtype(out.dtype());
   const Geometry g(input.shape(), weight.shape(), out.shape(), params);
   Tensor x = prepared(input, compute), w = prepared(weight, compute);
@@ -491,6 +567,10 @@ void conv2d_forward_cpu(const Tensor& out, const Tensor& input, const Tensor& we
 void conv2d_backward_input_cpu(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
                                const Conv2dParams& params) {
   NoGradGuard no_grad;
+  if (conv2d_is_pointwise(weight.shape(), params)) {
+    conv2d_pointwise_backward_input(grad_input, grad_output, weight);
+    return;
+  }
   const DType compute = compute_dtype(grad_input.dtype());
   const Geometry g(grad_input.shape(), weight.shape(), grad_output.shape(), params);
   Tensor dy = prepared(grad_output, compute), w = prepared(weight, compute);
@@ -506,6 +586,10 @@ void conv2d_backward_input_cpu(const Tensor& grad_input, const Tensor& grad_outp
 void conv2d_backward_weight_cpu(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input,
                                 const Conv2dParams& params) {
   NoGradGuard no_grad;
+  if (conv2d_is_pointwise(grad_weight.shape(), params) && is_channels_last(grad_output) && is_channels_last(input)) {
+    conv2d_pointwise_backward_weight(grad_weight, grad_output, input);
+    return;
+  }
   const DType compute = compute_dtype(grad_weight.dtype());
   const Geometry g(input.shape(), grad_weight.shape(), grad_output.shape(), params);
   Tensor dy = prepared(grad_output, compute), x = prepared(input, compute);

@@ -7,7 +7,10 @@
 //   half         float16/bfloat16 on tensor cores (CUDNN_TENSOR_OP_MATH), accumulated in float32 (compute
 //                type float); float32 may use TF32 tensor cores when conv_allow_tf32(), else FMA only
 //   layouts      NCHW or NHWC descriptors (the op layer hands dense operands of one format); NHWC is what
-//                the tensor-core kernels read natively
+//                the tensor-core kernels read natively. float64 NHWC problems run in NCHW (cuDNN has no
+//                algorithms for them).
+//   pointwise    float16/bfloat16 1x1 convolutions with stride 1 are cuBLAS GEMMs instead (ops/conv.h,
+//                conv2d_pointwise_*), except the NCHW weight gradient, which is no single GEMM
 //
 // The bias is added with cudnnAddTensor; its gradient is a sum over (N, H, W) done by the op layer.
 #include <cuda_runtime.h>
@@ -22,8 +25,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/cuda.h"
 #include "ops/conv.h"
+#include "ops/copy.h"
+#include "ops/elementwise.h"
 
 namespace halfgrad {
 namespace {
@@ -262,8 +268,31 @@ Choice forward_algorithm(cudnnHandle_t handle, const Problem& pb, const Tensor& 
   return choice;
 }
 
+// cuDNN has no float64 algorithms for NHWC (PyTorch never asks it for them either): such problems are
+// computed in NCHW and the result copied into the NHWC output.
+bool float64_nhwc(const Tensor& a, const Tensor& b, const Tensor& c) {
+  return a.dtype() == kFloat64 && (strictly_channels_last(a) || strictly_channels_last(b) || strictly_channels_last(c));
+}
+
 void conv2d_forward_cuda(const Tensor& out, const Tensor& input, const Tensor& weight, const Tensor& bias,
                          const Conv2dParams& params) {
+  if (float64_nhwc(out, input, weight)) {
+    NoGradGuard no_grad;
+    Tensor nchw = empty(out.shape(), {.dtype = out.dtype(), .device = out.device()});
+    conv2d_forward_cuda(nchw, input.contiguous(), weight.contiguous(), bias, params);
+    copy_kernel[out.device()](out, nchw);
+    return;
+  }
+  if (is_half(out.dtype()) && conv2d_is_pointwise(weight.shape(), params)) {
+    // cuBLAS runs these memory-bound products near the bandwidth limit; cuDNN's legacy algorithms for them
+    // were 2-4x slower in float16 on an H200 (tools/bench_conv, ResNet-50's 1x1 layers).
+    conv2d_pointwise_forward(out, input, weight);
+    if (bias.defined()) {
+      NoGradGuard no_grad;
+      Tensor(out).add_(bias.view({1, -1, 1, 1}));  // a handle copy: the same tensor
+    }
+    return;
+  }
   check_sizes("conv2d", {&out, &input, &weight});
   cuda::DeviceGuard guard(input.device());
   cudnnHandle_t handle = cudnn_handle(input.device().index);
@@ -319,6 +348,17 @@ Choice backward_data_algorithm(cudnnHandle_t handle, const Problem& pb, const Te
 
 void conv2d_backward_input_cuda(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
                                 const Conv2dParams& params) {
+  if (float64_nhwc(grad_input, grad_output, weight)) {
+    NoGradGuard no_grad;
+    Tensor nchw = empty(grad_input.shape(), {.dtype = grad_input.dtype(), .device = grad_input.device()});
+    conv2d_backward_input_cuda(nchw, grad_output.contiguous(), weight.contiguous(), params);
+    copy_kernel[grad_input.device()](grad_input, nchw);
+    return;
+  }
+  if (is_half(grad_input.dtype()) && conv2d_is_pointwise(weight.shape(), params)) {
+    conv2d_pointwise_backward_input(grad_input, grad_output, weight);
+    return;
+  }
   check_sizes("conv2d backward", {&grad_input, &grad_output, &weight});
   cuda::DeviceGuard guard(grad_input.device());
   cudnnHandle_t handle = cudnn_handle(grad_input.device().index);
@@ -365,6 +405,18 @@ Choice backward_filter_algorithm(cudnnHandle_t handle, const Problem& pb, const 
 
 void conv2d_backward_weight_cuda(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input,
                                  const Conv2dParams& params) {
+  if (float64_nhwc(grad_weight, grad_output, input)) {
+    NoGradGuard no_grad;
+    Tensor nchw = empty(grad_weight.shape(), {.dtype = grad_weight.dtype(), .device = grad_weight.device()});
+    conv2d_backward_weight_cuda(nchw, grad_output.contiguous(), input.contiguous(), params);
+    copy_kernel[grad_weight.device()](grad_weight, nchw);
+    return;
+  }
+  if (is_half(grad_weight.dtype()) && conv2d_is_pointwise(grad_weight.shape(), params) &&
+      is_channels_last(grad_output) && is_channels_last(input)) {
+    conv2d_pointwise_backward_weight(grad_weight, grad_output, input);
+    return;
+  }
   check_sizes("conv2d backward", {&grad_weight, &grad_output, &input});
   cuda::DeviceGuard guard(input.device());
   cudnnHandle_t handle = cudnn_handle(input.device().index);

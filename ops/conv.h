@@ -104,4 +104,16 @@ extern KernelTable<Conv2dForwardKernel> conv2d_forward_kernel;
 extern KernelTable<Conv2dBackwardInputKernel> conv2d_backward_input_kernel;
 extern KernelTable<Conv2dBackwardWeightKernel> conv2d_backward_weight_kernel;
 
+// ---- pointwise convolutions as matrix products (for the kernels of both devices; ops/conv.cpp)
+// A 1x1 convolution with stride 1, no padding and one group is a GEMM through gemm_kernel[device]
+// (ops/matmul.h): in NHWC, y [N*H*W, O] = x [N*H*W, C] w^T; in NCHW, one product per sample,
+// y[n] [O, H*W] = w [O, C] x[n] [C, H*W], as one strided-batched GEMM. Operands as the kernels above get
+// them; no bias. An operand that is dense in both layouts (C == 1 or H == W == 1) has the same memory either
+// way. The weight gradient is a single GEMM only in NHWC (dw = dy^T x over all N*H*W rows):
+// conv2d_pointwise_backward_weight requires is_channels_last operands.
+bool conv2d_is_pointwise(const Shape& weight_shape, const Conv2dParams& params);
+void conv2d_pointwise_forward(const Tensor& out, const Tensor& input, const Tensor& weight);
+void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight);
+void conv2d_pointwise_backward_weight(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input);
+
 }  // namespace halfgrad

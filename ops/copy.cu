@@ -224,6 +224,7 @@ void device_to_device(char* dst, int dst_device, const char* src, int src_device
 }
 
 void transfer_cuda(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() == 0 && src.numel() == 0) return;  // (an empty tensor need not count as contiguous)
   HG_CHECK(dst.dtype() == src.dtype() && dst.shape() == src.shape() && dst.is_contiguous() && src.is_contiguous(),
            "transfer: expected contiguous tensors of one dtype and shape, got {} -> {}", src.meta(), dst.meta());
   const size_t nbytes = size_t(dst.numel()) * element_size(dst.dtype());

@@ -218,6 +218,23 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
   return self;
 }
 
+// self = self op other, written straight into self by the kernel when nothing records the op and the
+// result has self's dtype (the common case: optimizer and loss-scaler updates). Otherwise `inplace`.
+template <typename Compute>
+Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
+  bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
+  DType common = binary_compute_dtype(op, promote_types(self.dtype(), other.dtype()));
+  bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
+  if (graph || common != self.dtype() || !device_ok ||
+      broadcast_shapes(self.shape(), other.shape(), name) != self.shape()) {
+    return inplace(self, name, {other}, compute);
+  }
+  check_inplace(self, name);
+  bool scalar = other.dim() == 0 && other.is_cpu() && !self.is_cpu();
+  binary_kernel[self.device()](op, self, self, scalar ? other : broadcast_view(other, self.shape(), name));
+  return self;
+}
+
 }  // namespace
 
 // ---- public ops
@@ -420,28 +437,36 @@ Tensor Tensor::logical_not() const { return halfgrad::logical_not(*this); }
 Tensor Tensor::isfinite() const { return halfgrad::isfinite(*this); }
 
 Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
+  if (alpha.to_double() == 1)
+    return binary_inplace(*this, BinaryOp::Add, "add_", other, [&](const Tensor& s) { return halfgrad::add(s, other); });
   return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
 }
 Tensor& Tensor::add_(const Scalar& other) {
-  return inplace(*this, "add_", {}, [&](const Tensor& s) { return s + other; });
+  return binary_inplace(*this, BinaryOp::Add, "add_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+                        [&](const Tensor& s) { return s + other; });
 }
 Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
+  if (alpha.to_double() == 1)
+    return binary_inplace(*this, BinaryOp::Sub, "sub_", other, [&](const Tensor& s) { return halfgrad::sub(s, other); });
   return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
 }
 Tensor& Tensor::sub_(const Scalar& other) {
-  return inplace(*this, "sub_", {}, [&](const Tensor& s) { return s - other; });
+  return binary_inplace(*this, BinaryOp::Sub, "sub_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+                        [&](const Tensor& s) { return s - other; });
 }
 Tensor& Tensor::mul_(const Tensor& other) {
-  return inplace(*this, "mul_", {other}, [&](const Tensor& s) { return halfgrad::mul(s, other); });
+  return binary_inplace(*this, BinaryOp::Mul, "mul_", other, [&](const Tensor& s) { return halfgrad::mul(s, other); });
 }
 Tensor& Tensor::mul_(const Scalar& other) {
-  return inplace(*this, "mul_", {}, [&](const Tensor& s) { return s * other; });
+  return binary_inplace(*this, BinaryOp::Mul, "mul_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+                        [&](const Tensor& s) { return s * other; });
 }
 Tensor& Tensor::div_(const Tensor& other) {
-  return inplace(*this, "div_", {other}, [&](const Tensor& s) { return halfgrad::div(s, other); });
+  return binary_inplace(*this, BinaryOp::Div, "div_", other, [&](const Tensor& s) { return halfgrad::div(s, other); });
 }
 Tensor& Tensor::div_(const Scalar& other) {
-  return inplace(*this, "div_", {}, [&](const Tensor& s) { return s / other; });
+  return binary_inplace(*this, BinaryOp::Div, "div_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+                        [&](const Tensor& s) { return s / other; });
 }
 Tensor& Tensor::neg_() { return inplace(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); }); }
 Tensor& Tensor::exp_() { return inplace(*this, "exp_", {}, [](const Tensor& s) { return halfgrad::exp(s); }); }

@@ -83,6 +83,17 @@ struct NllElements {
 // The accumulation dtype of a floating dtype.
 DType accumulation_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
 
+// A [C] tensor of class weights, checked; undefined stays undefined.
+Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t classes, const char* op) {
+  if (!weight.defined()) return weight;
+  HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
+           "{}: expected a floating-point weight of shape [{}] (one per class of input {}), got {}", op, classes,
+           input.meta(), weight.meta());
+  HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op, input.meta(),
+           weight.meta());
+  return weight.detach();
+}
+
 // `input` holds log-probabilities (nll_loss) or the log_softmax of the logits (cross_entropy).
 NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
                          const char* op) {
@@ -107,15 +118,8 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
            "the class dim {}), got {}", op, shape_str(target_shape), input.meta(), batched ? 1 : 0, target.meta());
 
   const DType acc = accumulation_dtype(input.dtype());
-  Tensor w;
-  if (weight.defined()) {
-    HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
-             "{}: expected a floating-point weight of shape [{}] (one per class of input {}), got {}", op, classes,
-             input.meta(), weight.meta());
-    HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op,
-             input.meta(), weight.meta());
-    w = cast_nograd(weight.detach(), acc).contiguous();
-  }
+  Tensor w = check_class_weight(weight, input, classes, op);
+  if (w.defined()) w = cast_nograd(w, acc).contiguous();
   Tensor t = cast_nograd(target.detach(), kInt64).contiguous();
   Tensor loss = empty(target_shape, {.dtype = acc, .device = input.device()});
   Tensor weights = empty(target_shape, {.dtype = acc, .device = input.device()});
@@ -141,7 +145,8 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
   return {loss, weights};
 }
 
-// Mean divides by the summed target weights (the number of targets not ignored, without class weights).
+// Mean divides by the summed target weights: with class weights, the sum of w[t_j] over the targets not
+// ignored; without, their number.
 Tensor reduce_nll(const NllElements& e, Reduction reduction) {
   switch (reduction) {
     case Reduction::None: return e.loss;
@@ -159,15 +164,6 @@ Tensor class_weight_view(const Tensor& w, int64_t ndim) {
   return w.view(shape);
 }
 
-Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t classes, const char* op) {
-  if (!weight.defined()) return weight;
-  HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
-           "{}: expected a floating-point weight of shape [{}] (one per class of input {}), got {}", op, classes,
-           input.meta(), weight.meta());
-  HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op, input.meta(),
-           weight.meta());
-  return weight.detach();
-}
 
 }  // namespace
 

@@ -8,7 +8,8 @@
 //   binary_cross_entropy               (probabilities, target, {weight, reduction}): refused under autocast
 //   binary_cross_entropy_with_logits   (logits, target, {weight, pos_weight, reduction})
 //
-// Options are aggregates, so a call names what it changes:
+// Options are aggregates, so a call names what it changes (every member has a default member initializer,
+// `{}` for tensors, so GCC 12's -Wmissing-field-initializers stays quiet about the ones left out):
 //   cross_entropy(logits, labels, {.ignore_index = 0, .label_smoothing = 0.1});
 //   nll_loss(log_probs, labels, {.weight = class_weights, .reduction = Reduction::Sum});
 // Forward and backward: ops/loss.cpp (nll_loss's gather/scatter kernels there and in ops/loss.cu; the other
@@ -43,7 +44,7 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 // w[t_j] over the elements not ignored (PyTorch's weighted mean; nan when every target is ignored).
 // Gradients flow to the input only (targets are indices; weights are constants, as in PyTorch).
 struct NllLossOptions {
-  Tensor weight;              // [C] or undefined
+  Tensor weight{};            // [C] or undefined
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::Mean;
 };
@@ -58,7 +59,7 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
 // Mean dividing by the number of samples N * d1 * ... * dk; ignore_index does not apply, and the target
 // receives a gradient when it requires one.
 struct CrossEntropyOptions {
-  Tensor weight;              // [C] or undefined
+  Tensor weight{};            // [C] or undefined
   int64_t ignore_index = -100;
   double label_smoothing = 0.0;  // in [0, 1]
   Reduction reduction = Reduction::Mean;
@@ -76,7 +77,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
 // saturates to exactly 0 or 1 and the log is -inf, so autocast has no safe dtype for it. This op has no
 // row in kCastRules on purpose.
 struct BinaryCrossEntropyOptions {
-  Tensor weight;  // broadcastable to the input, or undefined
+  Tensor weight{};  // broadcastable to the input, or undefined
   Reduction reduction = Reduction::Mean;
 };
 Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const BinaryCrossEntropyOptions& options = {});
@@ -87,8 +88,8 @@ Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const Bin
 //          = -w_i * (p * y_i * log(sigmoid(x_i)) + (1 - y_i) * log(1 - sigmoid(x_i)))
 // Differentiable in input and target. Autocast category: "float32".
 struct BinaryCrossEntropyWithLogitsOptions {
-  Tensor weight;      // broadcastable to the input, or undefined
-  Tensor pos_weight;  // broadcastable to the input, or undefined
+  Tensor weight{};      // broadcastable to the input, or undefined
+  Tensor pos_weight{};  // broadcastable to the input, or undefined
   Reduction reduction = Reduction::Mean;
 };
 Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,

@@ -432,7 +432,7 @@ bool parallel_over_batch(const GemmArgs& g) {
 // C (row-major) is computed in tiles of kMR rows x kNR columns, kept in 24 zmm accumulators while the
 // micro-kernel runs over kc steps of k: per step 4 vector loads of packed B, 6 broadcasts of packed A and
 // 24 FMAs. Loop nest, innermost last, with where each block lives:
-//   ic (kMC rows of A) -> pc (kKC of k) -> pack A block [kMC x kc]              (L3)
+//   ic (up to kMC rows of A) -> pc (kKC of k) -> pack A block [mc x kc]        (L3)
 //     -> jc (kNC columns of B) -> pack B block [kc x kNC]                      (L2)
 //       -> ir (kMR rows: one A micro-panel, L1) -> jr (kNR columns: B micro-panel streams from L2)
 // Threads share the packed blocks: they pack their share of the panels, meet at a barrier, then split the
@@ -443,7 +443,7 @@ constexpr int64_t kMR = 6;     // rows per tile: 6 x 4 = 24 accumulators, 4 B ve
 constexpr int64_t kNR = 64;    // columns per tile: 4 zmm of 16 floats
 constexpr int64_t kKC = 256;   // k per block: an A micro-panel is kKC x kMR x 4 B = 6 KiB (L1)
 constexpr int64_t kNC = 512;   // columns per B block: kKC x kNC x 4 B = 512 KiB (half of a 1 MiB L2)
-constexpr int64_t kMC = 170 * kMR;  // rows per A block (whole micro-panels): 1020 x kKC x 4 B, about 1 MiB
+constexpr int64_t kMC = 4096;  // at most this many rows per A block (4 MiB, L3); blocks are made equal
 
 // Element (r, c) of op(X) for a stored X (GemmArgs conventions).
 inline float at(const float* x, Trans trans, int64_t ld, int64_t r, int64_t c) {
@@ -466,6 +466,46 @@ void pack_a(const float* a, Trans trans, int64_t lda, int64_t row0, int64_t rows
   }
 }
 
+// The shuffles below through their masked forms with a full mask: the plain intrinsics start from
+// _mm512_undefined_ps(), on which GCC 12 warns (-Wuninitialized, GCC bug 105593).
+constexpr __mmask16 kAll = 0xffff;
+inline __m512 unpacklo(__m512 a, __m512 b) { return _mm512_mask_unpacklo_ps(a, kAll, a, b); }
+inline __m512 unpackhi(__m512 a, __m512 b) { return _mm512_mask_unpackhi_ps(a, kAll, a, b); }
+template <int Imm> inline __m512 shuffle(__m512 a, __m512 b) {
+  return _mm512_mask_shuffle_ps(a, kAll, a, b, Imm);
+}
+template <int Imm> inline __m512 shuffle_lanes(__m512 a, __m512 b) {
+  return _mm512_mask_shuffle_f32x4(a, kAll, a, b, Imm);
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for a 16 x 16 block: 16 row loads, four rounds of shuffles
+// (pairs, quads, 128-bit lanes twice), 16 row stores.
+inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = unpacklo(r[i], r[i + 1]);
+    t[i + 1] = unpackhi(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // per lane: [a0 b0 c0 d0], [a1 b1 c1 d1], [a2 ..], [a3 ..]
+    r[i] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i], t[i + 2]);
+    r[i + 1] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i], t[i + 2]);
+    r[i + 2] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i + 1], t[i + 3]);
+    r[i + 3] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i + 1], t[i + 3]);
+  }
+  // r[4q + c] now holds, for rows 4q..4q+3, columns c, c+4, c+8, c+12 in its four lanes.
+  for (int c = 0; c < 4; ++c) {
+    t[c] = shuffle_lanes<0x88>(r[c], r[4 + c]);            // columns c, c+8 of rows 0-7
+    t[4 + c] = shuffle_lanes<0xdd>(r[c], r[4 + c]);        // columns c+4, c+12 of rows 0-7
+    t[8 + c] = shuffle_lanes<0x88>(r[8 + c], r[12 + c]);   // columns c, c+8 of rows 8-15
+    t[12 + c] = shuffle_lanes<0xdd>(r[8 + c], r[12 + c]); // columns c+4, c+12 of rows 8-15
+  }
+  for (int c = 0; c < 8; ++c) {
+    _mm512_storeu_ps(dst + c * ld_dst, shuffle_lanes<0x88>(t[c], t[8 + c]));        // column c
+    _mm512_storeu_ps(dst + (c + 8) * ld_dst, shuffle_lanes<0xdd>(t[c], t[8 + c]));  // column c + 8
+  }
+}
+
 // B[pc .. pc + kc, col0 .. + kNR] as one micro-panel: step p holds kNR contiguous values of row p.
 void pack_b(const float* b, Trans trans, int64_t ldb, int64_t col0, int64_t cols, int64_t pc, int64_t kc, float* dst) {
   if (trans == Trans::No) {  // B stored k x n: rows are contiguous
@@ -479,9 +519,20 @@ void pack_b(const float* b, Trans trans, int64_t ldb, int64_t col0, int64_t cols
       }
     }
   } else {
-    for (int64_t j = 0; j < kNR; ++j) {
-      const float* src = b + (col0 + j) * ldb + pc;
-      for (int64_t p = 0; p < kc; ++p) dst[p * kNR + j] = j < cols ? src[p] : 0.0f;
+    // B stored n x k (a transposed weight: x W^T): a transpose, done 16 x 16 in registers. (Element by
+    // element it took as long as the GEMM itself: 64 source rows 4 KiB apart defeat the prefetchers.)
+    for (int64_t p0 = 0; p0 < kc; p0 += 16) {
+      const int64_t steps = std::min<int64_t>(16, kc - p0);
+      for (int64_t j0 = 0; j0 < kNR; j0 += 16) {
+        if (steps == 16 && j0 + 16 <= cols) {
+          transpose16(b + (col0 + j0) * ldb + pc + p0, ldb, dst + p0 * kNR + j0, kNR);
+          continue;
+        }
+        for (int64_t j = j0; j < j0 + 16; ++j) {  // edges: partial blocks
+          const float* src = b + (col0 + j) * ldb + pc + p0;
+          for (int64_t p = 0; p < steps; ++p) dst[(p0 + p) * kNR + j] = j < cols ? src[p] : 0.0f;
+        }
+      }
     }
   }
 }
@@ -532,7 +583,9 @@ std::vector<float>& buffer(int which) {
 // One product C = alpha op(A) op(B) + beta C, k > 0; `threads` > 1 splits it across an OpenMP team.
 void gemm(const GemmArgs& g, const float* a, const float* b, float* c, int threads) {
   const int64_t m = g.m, n = g.n, k = g.k;
-  const int64_t mc_max = std::min(kMC, (m + kMR - 1) / kMR * kMR);
+  // Equal A blocks of whole micro-panels (m = 4100 gives two blocks of 2052 rows, not 4096 and 4).
+  const int64_t m_blocks = (m + kMC - 1) / kMC;
+  const int64_t mc_max = ((m + m_blocks - 1) / m_blocks + kMR - 1) / kMR * kMR;
   const int64_t nc_max = std::min(kNC, (n + kNR - 1) / kNR * kNR);
   std::vector<float>& a_pack = buffer(0);
   std::vector<float>& b_pack = buffer(1);
@@ -543,8 +596,8 @@ void gemm(const GemmArgs& g, const float* a, const float* b, float* c, int threa
   const float alpha = float(g.alpha), beta = float(g.beta);
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  for (int64_t ic = 0; ic < m; ic += kMC) {
-    const int64_t mc = std::min(kMC, m - ic), a_panels = (mc + kMR - 1) / kMR;
+  for (int64_t ic = 0; ic < m; ic += mc_max) {
+    const int64_t mc = std::min(mc_max, m - ic), a_panels = (mc + kMR - 1) / kMR;
     for (int64_t pc = 0; pc < k; pc += kKC) {
       const int64_t kc = std::min(kKC, k - pc);
       const float block_beta = pc == 0 ? beta : 1.0f;  // later k blocks accumulate onto the first

@@ -135,10 +135,38 @@ void gemm_integer(const GemmArgs& g) {
   }
 }
 
+// k == 0, an empty sum: C = beta * C, and with beta == 0 C is write-only (zeros, whatever it held). Done
+// here rather than trusting every BLAS to treat a zero inner dimension so.
+template <typename T> __global__ void gemm_empty_sum_kernel(T* c, int64_t m, int64_t n, int64_t ldc, int64_t stride_c,
+                                                            int64_t batch, opmath_t<T> beta) {
+  const int64_t total = batch * m * n;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t bi = e / (m * n), i = e / n % m, j = e % n;
+    T& x = c[bi * stride_c + i * ldc + j];
+    x = beta == opmath_t<T>(0) ? T(0) : T(beta * opmath_t<T>(x));
+  }
+}
+
+void gemm_empty_sum(const GemmArgs& g) {
+  HG_CHECK(g.c_dtype == g.ab_dtype || is_floating(g.c_dtype), "matmul (cuda): output {} is not supported",
+           dtype_name(g.c_dtype));
+  cuda::DeviceGuard guard(g.device);
+  cudaStream_t stream = cuda::current_stream(g.device);
+  const int64_t total = g.batch * g.m * g.n;
+  const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
+  dispatch_numeric(g.c_dtype, "matmul", [&]<typename T>() {
+    gemm_empty_sum_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<T*>(g.c), g.m, g.n, g.ldc, g.stride_c, g.batch,
+                                                         opmath_t<T>(g.beta));
+    HG_CUDA_CHECK_LAUNCH("matmul");
+  });
+}
+
 void gemm_cuda(const GemmArgs& g) {
   HG_CHECK(g.device.is_cuda(), "matmul: CUDA kernel given device {}", g.device.str());
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
-  if (is_floating(g.ab_dtype)) {
+  if (g.k == 0) {
+    gemm_empty_sum(g);
+  } else if (is_floating(g.ab_dtype)) {
     gemm_cublas(g);
   } else {
     gemm_integer(g);

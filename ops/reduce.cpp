@@ -52,6 +52,9 @@ namespace {
 struct ReductionPlan {
   Tensor input;  // (outer, reduced, inner), contiguous: a view of x's memory when possible, else a copy
   int64_t outer = 1, reduced = 1, inner = 1;
+  // Layout (c) below: reduce x over first_stage (keepdim) and the result over the other reduced dims.
+  Tensor source;
+  Dims first_stage;
   std::vector<bool> mask;  // which of x's dims are reduced (empty for a 0-d x)
   Shape keep_shape;        // x's shape with the reduced dims set to 1
   Shape out_shape;         // keep_shape when keepdim, else x's shape without the reduced dims
@@ -82,14 +85,25 @@ bool contiguous_in_order(const Tensor& t, const Dims& order) {
   return true;
 }
 
+// The reductions that can run in stages (layout (c) below): a reduction of partial results is the result.
+bool can_stage(ReduceOp op) {
+  return op == ReduceOp::Sum || op == ReduceOp::Mean || op == ReduceOp::All || op == ReduceOp::Any;
+}
+
 // Chooses the cheapest [outer, reduced, inner] layout, in this order:
 //   a. x's memory is already [kept dims..., reduced dims...] (a contiguous x reduced over its trailing
 //      dims, or a transposed one reduced over what are its leading dims): no copy, inner = 1.
 //   b. the reduced dims are one block of consecutive dims (sum over dim 0 of [N, C], the reduction that
 //      sum_to in every broadcasting backward does): no copy when x is contiguous, inner > 1, and the kernel
 //      accumulates whole rows into an inner-wide accumulator instead of transposing.
-//   c. anything else: copy x with its reduced dims moved to the end, then as in (a).
-ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, const char* op) {
+//   c. a contiguous x whose reduced dims are several blocks (conv's bias gradient: [N, C, H, W] summed over
+//      {0, 2, 3}), for the ops that can be done in stages (sum, mean, all, any): reduce the last block
+//      first, then the result over the remaining dims; each stage reads memory in order, nothing is
+//      transposed. A mean of the first-stage means is the whole mean, since each of them averages as many elements.
+//      Not for float16/bfloat16, whose intermediate would be rounded to 16 bits.
+//   d. anything else: copy x with its reduced dims moved to the end, then as in (a).
+ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp reduce_op) {
+  const char* op = reduce_op_name(reduce_op);
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", op);
   const int64_t ndim = x.dim();
   ReductionPlan p;
@@ -138,6 +152,15 @@ ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, co
   bool consecutive = true;
   for (int64_t d = first + 1; first >= 0 && d < last; ++d) consecutive &= p.mask[size_t(d)] || x.size(d) == 1;
 
+  if (!consecutive && can_stage(reduce_op) && x.is_contiguous() && !is_half(x.dtype())) {  // (c)
+    int64_t start = last;  // the last block: back from `last` over reduced and size-1 dims
+    while (start > 0 && (p.mask[size_t(start - 1)] || x.size(start - 1) == 1)) --start;
+    for (int64_t d = start; d <= last; ++d)
+      if (p.mask[size_t(d)]) p.first_stage.push_back(d);
+    p.source = x.detach();
+    p.outer = kept_numel;
+    return p;
+  }
   if (consecutive) {  // (b)
     Tensor xc = x.detach().contiguous();
     p.outer = kept_numel;
@@ -148,7 +171,7 @@ ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, co
       for (int64_t d = last + 1; d < ndim; ++d) p.inner *= x.size(d);
     }
     p.input = flat_view(xc, {p.outer, p.reduced, p.inner});
-  } else {  // (c)
+  } else {  // (d)
     Tensor xc = x.detach().permute(order).contiguous();
     p.outer = kept_numel;
     p.input = flat_view(xc, {p.outer, p.reduced, 1});
@@ -160,6 +183,17 @@ ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, co
 void run_reduction(ReduceOp op, const ReductionPlan& p, const Tensor& values, const Tensor& indices,
                    int64_t correction = 0) {
   if (p.outer * p.inner == 0) return;  // no output elements
+  if (!p.first_stage.empty()) {  // layout (c): two reductions, the second possibly staged again
+    ReductionPlan first = plan_reduction(p.source, p.first_stage, /*keepdim=*/true, op);
+    Tensor partial = empty(first.out_shape, {.dtype = values.dtype(), .device = p.source.device()});
+    run_reduction(op, first, partial, indices, correction);
+    Dims rest;
+    for (size_t d = 0; d < p.mask.size(); ++d)
+      if (p.mask[d] && std::find(p.first_stage.begin(), p.first_stage.end(), int64_t(d)) == p.first_stage.end())
+        rest.push_back(int64_t(d));
+    run_reduction(op, plan_reduction(partial, rest, /*keepdim=*/true, op), values, indices, correction);
+    return;
+  }
   ReduceArgs args{.op = op,
                   .input = p.input,
                   .values = values.defined() ? flat_view(values, {p.outer, p.inner}) : Tensor(),
@@ -200,7 +234,7 @@ void check_floating(const Tensor& x, const char* op) {
 // Autocast category "float32": every op's first line applies its row of amp::kCastRules (core/autocast.h).
 Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
   HG_AUTOCAST(sum, x, dims, keepdim);
-  ReductionPlan p = plan_reduction(x, dims, keepdim, "sum");
+  ReductionPlan p = plan_reduction(x, dims, keepdim, ReduceOp::Sum);
   Tensor out = empty(p.out_shape, {.dtype = x.is_floating_point() ? x.dtype() : kInt64, .device = x.device()});
   run_reduction(ReduceOp::Sum, p, out, Tensor());
   // backward: every input element receives the gradient of the sum it went into.
@@ -214,7 +248,7 @@ Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
 Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
   HG_AUTOCAST(mean, x, dims, keepdim);
   check_floating(x, "mean");
-  ReductionPlan p = plan_reduction(x, dims, keepdim, "mean");
+  ReductionPlan p = plan_reduction(x, dims, keepdim, ReduceOp::Mean);
   Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
   run_reduction(ReduceOp::Mean, p, out, Tensor());
   // backward: as sum's, divided by the count.
@@ -230,7 +264,7 @@ Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
   HG_AUTOCAST(var, x, dims, correction, keepdim);
   check_floating(x, "var");
   HG_CHECK(correction >= 0, "var: correction must be non-negative, got {} for {}", correction, x.meta());
-  ReductionPlan p = plan_reduction(x, dims, keepdim, "var");
+  ReductionPlan p = plan_reduction(x, dims, keepdim, ReduceOp::Var);
   Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
   run_reduction(ReduceOp::Var, p, out, Tensor(), correction);
   // backward: d/dx_i sum_j (x_j - mean)^2 / (N - correction) = 2 (x_i - mean) / (N - correction); the
@@ -254,7 +288,7 @@ Tensor extreme_all(const Tensor& x, ReduceOp op) {
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
   HG_CHECK(x.numel() > 0, "{}: cannot reduce the empty tensor {} (there is no identity); use {}(dim) on a "
            "non-empty dim instead", name, x.meta(), name);
-  ReductionPlan p = plan_reduction(x, {}, false, name);
+  ReductionPlan p = plan_reduction(x, {}, false, op);
   Tensor out = empty({}, {.dtype = x.dtype(), .device = x.device()});
   run_reduction(op, p, out, Tensor());
   // backward: the gradient is split evenly among the elements equal to the result (as PyTorch's
@@ -288,7 +322,7 @@ std::pair<Tensor, Tensor> extreme_dim(const Tensor& x, int64_t dim, bool keepdim
   const char* name = reduce_op_name(op);
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
   const int64_t d = wrap_dim(dim, x.dim(), name);
-  ReductionPlan p = plan_reduction(x, {d}, keepdim, name);
+  ReductionPlan p = plan_reduction(x, {d}, keepdim, op);
   HG_CHECK(p.reduced > 0, "{}: cannot reduce over dim {} of {}, which has size 0 (there is no identity)", name, d,
            x.meta());
   Tensor values = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
@@ -306,7 +340,7 @@ Tensor extreme_index(const Tensor& x, int64_t dim, bool keepdim, ReduceOp op) {
   const char* name = reduce_op_name(op);
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
   const int64_t d = wrap_dim(dim, x.dim(), name);
-  ReductionPlan p = plan_reduction(x, {d}, keepdim, name);
+  ReductionPlan p = plan_reduction(x, {d}, keepdim, op);
   HG_CHECK(p.reduced > 0, "{}: cannot reduce over dim {} of {}, which has size 0 (there is no identity)", name, d,
            x.meta());
   Tensor indices = empty(p.out_shape, {.dtype = kInt64, .device = x.device()});
@@ -315,7 +349,7 @@ Tensor extreme_index(const Tensor& x, int64_t dim, bool keepdim, ReduceOp op) {
 }
 
 Tensor logical_reduction(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp op) {
-  ReductionPlan p = plan_reduction(x, dims, keepdim, reduce_op_name(op));
+  ReductionPlan p = plan_reduction(x, dims, keepdim, op);
   Tensor out = empty(p.out_shape, {.dtype = kBool, .device = x.device()});
   run_reduction(op, p, out, Tensor());
   return out;  // not differentiable
@@ -705,7 +739,10 @@ template <typename Rd> typename Rd::State extreme_row(const typename Rd::In* p, 
       block = wide;
     }
     const V e = block_extreme<Rd>(block, m);
-    if (b0 == 0 || Rd::takes(e, best.v)) best = {e, index_base + b0 + first_position<Rd>(block, e)};
+    if (b0 == 0 || Rd::takes(e, best.v)) {
+      const int64_t j = first_position<Rd>(block, e);
+      best = {block[j], index_base + b0 + j};  // block[j], not e: -0.0 and 0.0 tie, and the value must be x[index]
+    }
   }
   return best;
 }

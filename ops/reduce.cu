@@ -38,7 +38,7 @@ struct ReduceParams {
   int64_t* indices;  // output indices, or nullptr
   int64_t reduced;
   int64_t correction;  // var
-  bool flag;           // sum: divide by the count (mean); extreme: max (else min); logical: all (else any)
+  bool flag;           // sum: divide by the count (mean); logical: all (else any)
 };
 
 // (halfgrad::min, the reduction, hides CUDA's min)
@@ -56,6 +56,7 @@ template <typename V> __device__ __forceinline__ bool is_nan(V v) {
 
 // Sum and mean.
 template <typename T> struct SumReducer {
+  static constexpr bool kVectorAdd = false;
   using Acc = std::conditional_t<kIsFloat<T>, opmath_t<T>, int64_t>;
   using Out = std::conditional_t<kIsFloat<T>, T, int64_t>;
   struct State {
@@ -76,6 +77,7 @@ template <typename T> struct SumReducer {
 
 // Variance: Welford's running mean and sum of squared deviations; Chan et al.'s formula merges two.
 template <typename T> struct VarReducer {
+  static constexpr bool kVectorAdd = true;
   using Acc = opmath_t<T>;
   struct State {
     Acc mean, m2;
@@ -88,6 +90,22 @@ template <typename T> struct VarReducer {
     const Acc d = v - s.mean;
     s.mean += d / Acc(s.n);
     s.m2 += d * (v - s.mean);
+  }
+  // A whole vector at once: its own mean and squared deviations (two passes over registers), merged with
+  // Chan's formula: one division per vector instead of one per element (which made var compute-bound).
+  template <int VEC>
+  __device__ static void add_vec(State& s, const cuda::Vec<T, VEC>& x, int64_t, const ReduceParams& p) {
+    Acc v[VEC], sum = Acc(0);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      v[e] = Acc(x.v[e]);
+      sum += v[e];
+    }
+    const Acc mean = sum * (Acc(1) / Acc(VEC));
+    Acc m2 = Acc(0);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) m2 += (v[e] - mean) * (v[e] - mean);
+    merge(s, State{mean, m2, VEC}, p);
   }
   __device__ static void merge(State& a, const State& b, const ReduceParams&) {
     if (b.n == 0) return;
@@ -107,16 +125,19 @@ template <typename T> struct VarReducer {
   }
 };
 
-// Max or min with the index of its first occurrence; a nan beats every number. The merge is symmetric
-// (ties go to the lower index), so the order in which threads combine does not matter.
-template <typename T> struct ExtremeReducer {
+// Max (MAX) or min with the index of its first occurrence; a nan beats every number. The merge is
+// symmetric (ties go to the lower index), so the order in which threads combine does not matter; add() relies
+// on each thread seeing its elements in increasing index order (both kernels walk them so), so a strictly
+// better value is all it needs to test.
+template <typename T, bool MAX> struct ExtremeReducer {
+  static constexpr bool kVectorAdd = false;
   using V = opmath_t<T>;
   struct State {
     V v;
     int64_t i;  // < 0: nothing seen yet
   };
   __device__ static State identity(const ReduceParams&) { return {V(0), -1}; }
-  __device__ static void merge(State& a, const State& b, const ReduceParams& p) {
+  __device__ static void merge(State& a, const State& b, const ReduceParams&) {
     if (b.i < 0) return;
     if (a.i < 0) {
       a = b;
@@ -125,11 +146,14 @@ template <typename T> struct ExtremeReducer {
     const bool a_nan = is_nan(a.v), b_nan = is_nan(b.v);
     if (a_nan || b_nan) {
       if (b_nan && (!a_nan || b.i < a.i)) a = b;
-    } else if ((p.flag ? b.v > a.v : b.v < a.v) || (b.v == a.v && b.i < a.i)) {
+    } else if ((MAX ? b.v > a.v : b.v < a.v) || (b.v == a.v && b.i < a.i)) {
       a = b;
     }
   }
-  __device__ static void add(State& s, T x, int64_t index, const ReduceParams& p) { merge(s, State{V(x), index}, p); }
+  __device__ static void add(State& s, T x, int64_t index, const ReduceParams&) {
+    const V v = V(x);
+    if (s.i < 0 || (MAX ? v > s.v : v < s.v) || (is_nan(v) && !is_nan(s.v))) s = State{v, index};
+  }
   __device__ static void write(const State& s, int64_t pos, const ReduceParams& p) {
     if (p.values) static_cast<T*>(p.values)[pos] = T(s.v);
     if (p.indices) p.indices[pos] = s.i;
@@ -138,6 +162,7 @@ template <typename T> struct ExtremeReducer {
 
 // All or any: whether the elements are nonzero (nan counts as nonzero).
 template <typename T> struct LogicalReducer {
+  static constexpr bool kVectorAdd = false;
   struct State {
     uint8_t v;
   };
@@ -166,6 +191,7 @@ __device__ typename R::State block_merge(typename R::State s, int lane, int lane
   State* states = reinterpret_cast<State*>(raw);
   const int groups = kReduceThreads / lanes;
   auto at = [&](int l) -> State& { return lane_major ? states[l * groups + group] : states[group * lanes + l]; };
+  __syncthreads();  // a previous call's readers of the buffer are done
   at(lane) = s;
   __syncthreads();
   for (int stride = lanes / 2; stride > 0; stride /= 2) {
@@ -202,8 +228,12 @@ __global__ void __launch_bounds__(kReduceThreads)
 #pragma unroll 4
       for (int64_t k = tx; k < vectors; k += TX) {
         const cuda::Vec<T, VEC> x = v[k];
+        if constexpr (R::kVectorAdd) {
+          R::template add_vec<VEC>(s, x, start + k * VEC, p);
+        } else {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) R::add(s, x.v[e], start + k * VEC + e, p);
+          for (int e = 0; e < VEC; ++e) R::add(s, x.v[e], start + k * VEC + e, p);
+        }
       }
       for (int64_t j = start + vectors * VEC + tx; j < hi; j += TX) R::add(s, row[j], j, p);
     }
@@ -218,45 +248,65 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-// inner > 1. Block (BX, BY): column i = tile * BX + threadIdx.x of row block o, where blockIdx.x = o * tiles +
-// tile; threadIdx.y walks the reduced dim of split blockIdx.y in steps of BY.
-template <typename R, typename T>
+// inner > 1. Block (BX, BY): each thread owns CV adjacent columns i .. i + CV - 1, i = (tile * BX +
+// threadIdx.x) * CV, of row block o, where blockIdx.x = o * tiles + tile; threadIdx.y walks the reduced dim of
+// split blockIdx.y in steps of BY. CV > 1 for 8- and 16-bit types (inner a multiple of CV): one 4-byte load
+// covers the CV columns, instead of 1- or 2-byte loads that leave the memory system underused.
+template <typename R, typename T, int CV>
 __global__ void __launch_bounds__(kReduceThreads)
     reduce_columns_kernel(const T* in, int64_t reduced, int64_t inner, int64_t tiles, int64_t chunk, ReduceParams p,
                           typename R::State* partial) {
   using State = typename R::State;
   const int BX = int(blockDim.x), BY = int(blockDim.y), ty = int(threadIdx.y);
   const int64_t o = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-  const int64_t i = tile * BX + threadIdx.x;
+  const int64_t i = (tile * BX + threadIdx.x) * CV;
   const int split = int(blockIdx.y), splits = int(gridDim.y);
-  State s = R::identity(p);
+  State s[CV];
+#pragma unroll
+  for (int c = 0; c < CV; ++c) s[c] = R::identity(p);
   if (i < inner) {
     const int64_t lo = int64_t(split) * chunk, hi = smaller(reduced, lo + chunk);
     const T* column = in + o * reduced * inner + i;
 #pragma unroll 4
-    for (int64_t r = lo + ty; r < hi; r += BY) R::add(s, column[r * inner], r, p);
+    for (int64_t r = lo + ty; r < hi; r += BY) {
+      const cuda::Vec<T, CV> x = *reinterpret_cast<const cuda::Vec<T, CV>*>(column + r * inner);
+#pragma unroll
+      for (int c = 0; c < CV; ++c) R::add(s[c], x.v[c], r, p);
+    }
   }
-  const State r = block_merge<R>(s, ty, BY, int(threadIdx.x), p, /*lane_major=*/true);
-  if (ty == 0 && i < inner) {
-    const int64_t pos = o * inner + i;
-    if (splits == 1) {
-      R::write(r, pos, p);
-    } else {
-      partial[pos * splits + split] = r;
+#pragma unroll
+  for (int c = 0; c < CV; ++c) {
+    const State r = block_merge<R>(s[c], ty, BY, int(threadIdx.x), p, /*lane_major=*/true);
+    if (ty == 0 && i < inner) {
+      const int64_t pos = o * inner + i + c;
+      if (splits == 1) {
+        R::write(r, pos, p);
+      } else {
+        partial[pos * splits + split] = r;
+      }
     }
   }
 }
 
+// Block (TX, TY): output pos = blockIdx.x * TY + threadIdx.y; its `splits` states are merged by TX threads
+// (strided), then across them. (Merges are symmetric, so the order does not matter.)
 template <typename R>
-__global__ void reduce_partials_kernel(const typename R::State* partial, int64_t outputs, int splits, ReduceParams p) {
-  const int64_t pos = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (pos >= outputs) return;
-  typename R::State s = partial[pos * splits];
-  for (int k = 1; k < splits; ++k) R::merge(s, partial[pos * splits + k], p);
-  R::write(s, pos, p);
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_partials_kernel(const typename R::State* partial, int64_t outputs, int splits, ReduceParams p) {
+  const int tx = int(threadIdx.x), TX = int(blockDim.x);
+  const int64_t pos = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  typename R::State s = R::identity(p);
+  if (pos < outputs) {
+    for (int k = tx; k < splits; k += TX) R::merge(s, partial[pos * splits + k], p);
+  }
+  const typename R::State r = block_merge<R>(s, tx, TX, int(threadIdx.y), p, /*lane_major=*/false);
+  if (tx == 0 && pos < outputs) R::write(r, pos, p);
 }
 
 // ---- launch
+
+// Columns per thread in the columns kernel: as many as one 4-byte load holds.
+template <typename T> constexpr int kColumnVector = sizeof(T) < 4 ? int(4 / sizeof(T)) : 1;
 
 int multiprocessors(int device) {
   static std::vector<int> counts(size_t(cuda::device_count()), 0);
@@ -270,7 +320,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // How many pieces to cut the reduced dim into so that `blocks` blocks become enough to fill the GPU,
 // while each thread still gets at least kMinPerThread items of `per_item` elements.
 int64_t choose_splits(int64_t blocks, int64_t reduced, int64_t threads_along, int64_t per_item, int device) {
-  const int64_t target = 4 * int64_t(multiprocessors(device));
+  const int64_t target = 8 * int64_t(multiprocessors(device));  // 8 blocks of 256 threads fill an SM
   if (blocks >= target || reduced <= threads_along * per_item * kMinPerThread) return 1;
   return std::clamp<int64_t>(std::min(ceil_div(target, blocks), reduced / (threads_along * per_item * kMinPerThread)),
                              1, kMaxSplits);
@@ -287,6 +337,7 @@ template <typename R, typename T> void run_reduction(const ReduceArgs& a, const 
 
   dim3 grid, block;
   int64_t chunk = a.reduced, tiles = 0;
+  int column_vector = 1;
   constexpr int VEC = int(16 / sizeof(T));
   if (a.inner == 1) {
     int TX = 1;
@@ -301,9 +352,14 @@ template <typename R, typename T> void run_reduction(const ReduceArgs& a, const 
     grid = dim3(unsigned(groups), unsigned(splits));
     block = dim3(unsigned(TX), unsigned(TY));
   } else {
-    const int BX = int(std::min<int64_t>(32, std::bit_ceil(uint64_t(a.inner))));
+    // Columns in groups of kColumnVector<T> when the rows allow 4-byte loads.
+    if (kColumnVector<T> > 1 && a.inner % kColumnVector<T> == 0 &&
+        reinterpret_cast<uintptr_t>(in) % (kColumnVector<T> * sizeof(T)) == 0)
+      column_vector = kColumnVector<T>;
+    const int64_t groups = a.inner / column_vector;
+    const int BX = int(std::min<int64_t>(32, std::bit_ceil(uint64_t(groups))));
     const int BY = kReduceThreads / BX;
-    tiles = ceil_div(a.inner, BX);
+    tiles = ceil_div(groups, BX);
     int64_t splits = choose_splits(a.outer * tiles, a.reduced, BY, 1, device);
     if (splits > 1) {
       chunk = ceil_div(a.reduced, splits);
@@ -323,12 +379,18 @@ template <typename R, typename T> void run_reduction(const ReduceArgs& a, const 
   if (a.inner == 1) {
     reduce_rows_kernel<R, T, VEC><<<grid, block, 0, stream>>>(in, a.outer, a.reduced, chunk, p, partial);
   } else {
-    reduce_columns_kernel<R, T><<<grid, block, 0, stream>>>(in, a.reduced, a.inner, tiles, chunk, p, partial);
+    if (column_vector > 1) {
+      reduce_columns_kernel<R, T, kColumnVector<T>><<<grid, block, 0, stream>>>(in, a.reduced, a.inner, tiles, chunk,
+                                                                                p, partial);
+    } else {
+      reduce_columns_kernel<R, T, 1><<<grid, block, 0, stream>>>(in, a.reduced, a.inner, tiles, chunk, p, partial);
+    }
   }
   HG_CUDA_CHECK_LAUNCH(name);
   if (splits > 1) {
-    const int threads = 128;
-    reduce_partials_kernel<R><<<unsigned(ceil_div(outputs, threads)), threads, 0, stream>>>(partial, outputs, splits, p);
+    const int TX = int(std::min<uint64_t>(kReduceThreads, std::bit_ceil(uint64_t(splits)))), TY = kReduceThreads / TX;
+    reduce_partials_kernel<R><<<unsigned(ceil_div(outputs, TY)), dim3(unsigned(TX), unsigned(TY)), 0, stream>>>(
+        partial, outputs, splits, p);
     HG_CUDA_CHECK_LAUNCH(name);
   }
   // `workspace` goes back to the caching allocator here; later work on this stream is ordered after the
@@ -370,8 +432,11 @@ void reduce_cuda(const ReduceArgs& a) {
       case ReduceOp::ArgMax:
       case ReduceOp::Min:
       case ReduceOp::ArgMin:
-        p.flag = a.op == ReduceOp::Max || a.op == ReduceOp::ArgMax;
-        run_reduction<ExtremeReducer<T>, T>(a, p, name);
+        if (a.op == ReduceOp::Max || a.op == ReduceOp::ArgMax) {
+          run_reduction<ExtremeReducer<T, true>, T>(a, p, name);
+        } else {
+          run_reduction<ExtremeReducer<T, false>, T>(a, p, name);
+        }
         return;
       case ReduceOp::All:
       case ReduceOp::Any:

@@ -19,9 +19,9 @@ namespace {
 constexpr int kColumnThreads = 256;
 
 __device__ __forceinline__ float device_exp(float x) { return expf(x); }
-__device__ __forceinline__ double device_exp(double x) { return exp(x); }
+__device__ __forceinline__ double device_exp(double x) { return ::exp(x); }
 __device__ __forceinline__ float device_log(float x) { return logf(x); }
-__device__ __forceinline__ double device_log(double x) { return log(x); }
+__device__ __forceinline__ double device_log(double x) { return ::log(x); }
 
 // The softmax normaliser of a set of elements: their max m and s = sum exp(x - m). Two sets merge by
 // rescaling each sum to the larger max; one element x is the set {m = x, s = 1}. A nan anywhere makes s nan.

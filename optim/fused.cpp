@@ -3,7 +3,10 @@
 // The elements of all the tensors of a call are cut into chunks of kChunk; OpenMP threads take chunks
 // dynamically, so one large tensor and many small ones both keep every core busy. Inside a chunk the update
 // is one loop over contiguous arrays, with the options turned into template flags so that the loop has no
-// branches and vectorises (AVX-512 with -march=native).
+// branches and vectorises (AVX-512 with -march=native) for float32 and float64.
+// NOTE: the Adam loop vectorises only when compiled with -fno-math-errno: otherwise std::sqrt carries a
+// branch that sets errno for negative arguments, and GCC keeps such a loop scalar (a function attribute or
+// `#pragma GCC optimize` does not reach it; the command-line flag does).
 #include <omp.h>
 
 #include <algorithm>

@@ -112,6 +112,28 @@ void GradScaler::load_state(const GradScalerState& state) {
   for (auto& [device, t] : scale_tensors_) t.fill_(state_.scale);
 }
 
+std::vector<std::pair<std::string, Tensor>> GradScaler::state_tensors() const {
+  return {{"scaler.scale", scalar_tensor(state_.scale, {.dtype = kFloat64})},
+          {"scaler.growth_tracker", scalar_tensor(state_.growth_tracker, {.dtype = kInt64})}};
+}
+
+void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named) {
+  GradScalerState s;
+  int found = 0;
+  for (const auto& [name, t] : named) {
+    if (name == "scaler.scale") {
+      s.scale = t.item<double>();
+      ++found;
+    } else if (name == "scaler.growth_tracker") {
+      s.growth_tracker = t.item<int64_t>();
+      ++found;
+    }
+  }
+  HG_CHECK(found == 2, "GradScaler::load_state_tensors: expected scaler.scale and scaler.growth_tracker, found {} of them",
+           found);
+  load_state(s);
+}
+
 void GradScaler::set_parameter_names(std::vector<std::pair<std::string, Tensor>> named) { names_ = std::move(named); }
 
 // The "my loss is NaN" question, answered once: was the loss itself already inf/NaN (the forward pass

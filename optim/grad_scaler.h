@@ -59,6 +59,11 @@ class GradScaler {
   bool is_enabled() const { return options_.enabled; }
   GradScalerState state() const { return state_; }
   void load_state(const GradScalerState& state);
+  // The state as named 0-d tensors for training checkpoints (nn/checkpoint.h's `extra`):
+  // "scaler.scale" (float64) and "scaler.growth_tracker" (int64).
+  std::vector<std::pair<std::string, Tensor>> state_tensors() const;
+  // Reads the entries state_tensors() wrote from a checkpoint's named tensors (others are ignored).
+  void load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named);
   // Names for the overflow diagnosis (model.named_parameters()); without them parameters are numbered.
   void set_parameter_names(std::vector<std::pair<std::string, Tensor>> named);
   // The overflow diagnosis, once the scale fell below warn_below_scale (also logged as a warning).

@@ -214,6 +214,10 @@ TEST_CASE("scaler state round-trips") {
   CHECK(b.get_scale() == 64);
   CHECK(b.state().growth_tracker == 3);
   CHECK_THROWS_WITH_AS(b.load_state({.scale = -1}), doctest::Contains("invalid scale"), Error);
+  amp::GradScaler c({.growth_interval = 10});
+  c.load_state_tensors(a.state_tensors());  // as a training checkpoint carries it
+  CHECK(c.state() == a.state());
+  CHECK_THROWS_WITH_AS(c.load_state_tensors({}), doctest::Contains("scaler.scale"), Error);
 }
 
 TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from gradient overflow") {

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "core/autocast.h"
@@ -177,7 +178,8 @@ TEST_CASE("batch_norm takes float16 and bfloat16 input with float32 parameters: 
   manual_seed(403);
   for (DType dt : {kFloat16, kBFloat16}) {
     for (bool cl : {false, true}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
       CAPTURE(cl);
       // Values around 100 with spread 1: sums of squares in float16 would be meaningless.
       Tensor x = (randn({16, 4, 6, 6}) + 100.0).to(dt);
@@ -270,8 +272,9 @@ TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 w
     for (Shape shape : {Shape{32, 16, 8, 8}, Shape{4, 64, 3, 3}, Shape{256, 10}, Shape{2, 3, 200, 200}}) {
       for (bool cl : {false, true}) {
         for (bool training : {true, false}) {
-          CAPTURE(dtype_name(dt));
-          CAPTURE(shape_str(shape));
+          const std::string dtype = dtype_name(dt), dims = shape_str(shape);
+          CAPTURE(dtype);
+          CAPTURE(dims);
           CAPTURE(cl);
           CAPTURE(training);
           const int64_t C = shape[1];
@@ -281,7 +284,9 @@ TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 w
           Tensor weight = (rand({C}) + 0.5).to(pt), bias = randn({C}).to(pt);
           Tensor rm = randn({C}).to(pt), rv = (rand({C}) + 0.5).to(pt);
           Tensor rm_g = rm.cuda(), rv_g = rv.cuda();
-          Tensor xc = x.detach().requires_grad_(), xg = x.detach().cuda().requires_grad_();
+          // (.cuda() copies into a contiguous tensor: the channels-last layout is made again on the GPU)
+          Tensor xc = x.detach().requires_grad_();
+          Tensor xg = (cl && shape.size() == 4 ? channels_last(x.detach().cuda()) : x.detach().cuda()).requires_grad_();
           if (cl && shape.size() == 4) REQUIRE(is_channels_last_layout(xg));
           Tensor wc = weight.detach().requires_grad_(), wg = weight.detach().cuda().requires_grad_();
           Tensor bc = bias.detach().requires_grad_(), bg = bias.detach().cuda().requires_grad_();

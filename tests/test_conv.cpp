@@ -142,8 +142,8 @@ TEST_CASE("conv2d matches a float64 reference for stride, padding, dilation, gro
   manual_seed(21);
   for (DType dt : kFloatTypes) {
     for (const Case& c : kCases) {
-      CAPTURE(dtype_name(dt));
-      CAPTURE(c.name);
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
       Tensor x = random(c.input, dt), w = random(c.weight, dt);
       Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
       check_matches(conv2d(x, w, b, c.options), reference_conv2d(x, w, b, c.options), dt);
@@ -155,7 +155,7 @@ TEST_CASE("conv2d reads strided and channels_last inputs and keeps the input's m
   manual_seed(22);
   const Conv2dOptions o{.stride = {2, 1}, .padding = {1, 1}};
   for (DType dt : kFloatTypes) {
-    CAPTURE(dtype_name(dt));
+    INFO("dtype: " << dtype_name(dt));
     Tensor w = random({4, 3, 3, 3}, dt), b = random({4}, dt);
 
     // Every other row and column of a larger tensor; a transposed H and W.
@@ -188,6 +188,43 @@ TEST_CASE("conv2d reads strided and channels_last inputs and keeps the input's m
   }
 }
 
+TEST_CASE("conv2d in channels_last gives the NCHW values and gradients for every case and dtype") {
+  // Every case in both layouts: the channels_last paths (pointwise GEMMs in NHWC, layout conversions)
+  // against the reference, and their gradients against the NCHW ones.
+  manual_seed(31);
+  for (DType dt : kFloatTypes) {
+    for (const Case& c : kCases) {
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
+      Tensor x = random(c.input, dt), w = random(c.weight, dt);
+      Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
+      Tensor x_cl = contiguous_channels_last(x).detach().requires_grad_(), w_cl = contiguous_channels_last(w);
+      w_cl = w_cl.detach().requires_grad_();
+      Tensor y_cl = conv2d(x_cl, w_cl, b, c.options);
+      CHECK(is_channels_last(y_cl));  // (a [N, O, 1, 1] output is dense in both layouts)
+      check_matches(y_cl, reference_conv2d(x, w, b, c.options), dt);
+
+      Tensor xn = x.detach().requires_grad_(), wn = w.detach().requires_grad_();
+      Tensor yn = conv2d(xn, wn, b, c.options);
+      Tensor g = random(yn.shape(), dt);
+      yn.backward(g);
+      y_cl.backward(contiguous_channels_last(g));
+      // Both layouts sum the same products in float32 (float64); only the order may differ.
+      const double tol = dt == kFloat64 ? 1e-12 : dt == kFloat32 ? 1e-5 : dt == kFloat16 ? 2e-3 : 1.6e-2;
+      for (auto [got, want] : {std::pair{x_cl.grad(), xn.grad()}, std::pair{w_cl.grad(), wn.grad()}}) {
+        std::vector<double> a = to_vector<double>(got), e = to_vector<double>(want);
+        double scale = 0;
+        for (double v : e) scale = std::max(scale, std::abs(v));
+        int bad = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+          if (!(std::abs(a[i] - e[i]) <= tol * scale) && bad++ < 3) FAIL_CHECK("element " << i << ": " << a[i] << " vs " << e[i]);
+        }
+        CHECK(bad == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("conv2d takes an unbatched [C, H, W] input") {
   manual_seed(23);
   Tensor x = random({3, 6, 5}, kFloat64), w = random({2, 3, 3, 3}, kFloat64), b = random({2}, kFloat64);
@@ -202,7 +239,7 @@ TEST_CASE("conv2d accumulates float16 and bfloat16 products in float32") {
   // A 1x1 convolution over 4096 channels of ones: 4096 products of 1 * 1. A float16 running sum stops at
   // 2048 (2049 is not representable); accumulated in float32 and rounded once, the sum is exactly 4096.
   for (DType dt : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dt));
+    INFO("dtype: " << dtype_name(dt));
     Tensor x = ones({2, 4096, 3, 3}, {.dtype = dt}), w = ones({2, 4096, 1, 1}, {.dtype = dt});
     for (double v : to_vector<double>(conv2d(x, w))) CHECK(v == 4096.0);
     // The 3x3 path (im2col) too: 9 * 512 = 4608, representable in both types.
@@ -270,7 +307,7 @@ TEST_CASE("conv2d gradients of input, weight and bias pass gradcheck") {
       {"1x1 stride 2", {2, 3, 5, 4}, {2, 3, 1, 1}, {.stride = {2, 2}}},
   };
   for (const GradCase& c : cases) {
-    CAPTURE(c.name);
+    INFO("case: " << c.name);
     Tensor x = leaf(c.input), w = leaf(c.weight), b = leaf({c.weight[0]});
     gradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], in[2], c.options); }, {x, w, b});
     gradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], Tensor(), c.options); }, {x, w});
@@ -294,6 +331,17 @@ TEST_CASE("conv2d gradients are right for channels_last and strided inputs, and 
   CHECK(is_channels_last(y_cl));
   CHECK(is_channels_last(conv2d_backward_input(y_cl, w.detach(), x_cl.shape(), o)));
   CHECK(is_channels_last(conv2d_backward_weight(y_cl, x_cl.detach(), w.shape(), o)));
+  // A pointwise (1x1) convolution in channels_last: all three gradients are NHWC GEMMs.
+  {
+    Tensor x1;
+    {
+      NoGradGuard no_grad;
+      x1 = contiguous_channels_last(randn({2, 3, 4, 3}, {.dtype = kFloat64}));
+    }
+    x1.requires_grad_();
+    gradcheck([&](const TensorList& in) { return conv2d(contiguous_channels_last(in[0]), contiguous_channels_last(in[1]), in[2]); },
+              {x1, leaf({5, 3, 1, 1}), leaf({5})});
+  }
   // A transposed input.
   Tensor xt = leaf({2, 2, 4, 5});
   gradcheck([&](const TensorList& in) { return conv2d(in[0].transpose(2, 3), in[1], in[2], o); }, {xt, w, b});
@@ -421,9 +469,9 @@ TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, 
   for (DType dt : kFloatTypes) {
     for (const Case& c : kCases) {
       for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-        CAPTURE(dtype_name(dt));
-        CAPTURE(c.name);
-        CAPTURE(memory_format_name(format));
+        INFO("dtype: " << dtype_name(dt));
+        INFO("case: " << c.name);
+        INFO("format: " << memory_format_name(format));
         Tensor x = contiguous(random(c.input, dt), format), w = random(c.weight, dt);
         Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
         Tensor gy;
@@ -457,8 +505,8 @@ TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU; the cached algorithm gi
   const Device gpu = Device::cuda(0);
   for (DType dt : {kFloat32, kFloat16}) {
     for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-      CAPTURE(dtype_name(dt));
-      CAPTURE(memory_format_name(format));
+      INFO("dtype: " << dtype_name(dt));
+      INFO("format: " << memory_format_name(format));
       Tensor x = contiguous(random({8, 64, 16, 16}, dt), format), w = random({128, 64, 3, 3}, dt);
       const Conv2dOptions o{.stride = {2, 2}, .padding = {1, 1}};
       Tensor want = conv2d(x, w, {}, o);

@@ -216,7 +216,7 @@ TEST_CASE("cuda: unary ops match the CPU in every dtype they take") {
   }
   Tensor b = random({40}, kBool);
   check_close(logical_not(b.cuda()), logical_not(b), {0, 0}, "logical_not");
-  check_close(abs(b.cuda()), abs(b), {0, 0}, "abs of bool");
+  check_close(isfinite(b.cuda()), isfinite(b), {0, 0}, "isfinite of bool");
   // nan and inf pass through as on the CPU.
   Tensor special = tensor<float>({NAN, INFINITY, -INFINITY, -0.0f, 1.5f, -2.0f});
   for (Unary op : std::initializer_list<Unary>{relu, tanh, sigmoid, isfinite, abs, sign})
@@ -260,8 +260,8 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
       check_close(c.op(a.cuda(), b.cuda()), c.op(a, b), tol, "broadcast");
       Tensor at = random({37, 4}, dt);
       check_close(c.op(at.cuda().t(), b.cuda()), c.op(at.t(), b), tol, "transposed");
-      check_close(c.op(a.cuda().slice(2, 0, 37, 2), b.cuda().slice(1, 1, 37, 2)),
-                  c.op(a.slice(2, 0, 37, 2), b.slice(1, 1, 37, 2)), tol, "sliced");
+      check_close(c.op(a.cuda().slice(2, 1, 37, 2), b.cuda().slice(1, 0, 36, 2)),
+                  c.op(a.slice(2, 1, 37, 2), b.slice(1, 0, 36, 2)), tol, "sliced");
       Tensor s = random({}, dt);
       if (is_div) s = is_floating(dt) ? s.abs() + 0.5 : s.abs() + 1;
       check_close(c.op(a.cuda(), s), c.op(a, s), tol, "tensor op cpu scalar");
@@ -359,7 +359,8 @@ TEST_CASE("cuda: reductions match the CPU") {
   const std::vector<std::pair<Shape, Dims>> problems = {
       {{7, 300, 5}, {}},      {{7, 300, 5}, {1}},   {{7, 300, 5}, {2}},     {{7, 300, 5}, {0}},
       {{7, 300, 5}, {0, 2}},  {{3, 100000}, {1}},   {{100000, 3}, {0}},     {{1 << 20}, {}},
-      {{2048, 3}, {1}},       {{4, 4, 4, 4}, {1, 3}}, {{1, 1}, {}},         {{5, 0, 2}, {1}}};
+      {{2048, 3}, {1}},       {{4, 4, 4, 4}, {1, 3}}, {{1, 1}, {}},         {{5, 0, 2}, {1}},
+      {{3000, 64}, {0}}};  // columns grouped for 8/16-bit types, with splits
   for (const auto& [shape, dims] : problems) {
     for (DType dt : kFloatTypes) {
       CAPTURE(shape_str(shape));
@@ -607,7 +608,7 @@ TEST_CASE("cuda: work runs on the current stream; synchronize waits for it") {
     Tensor g = x.cuda();
     result = (g * 2).sum({1});  // upload, kernels and the result's allocation all on `stream`
     cuda::synchronize_stream(0);
-    check_close(result, (x * 2).sum({1}), {2e-5, 0}, "on a stream");
+    check_close(result, (x * 2).sum({1}), {1e-5, 1e-5}, "on a stream");  // sums of 100 terms of either sign
     result = Tensor();  // free while `stream` is current: the block returns to that stream's pool
   }
   CHECK(cuda::current_stream(0) == nullptr);

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "core/autocast.h"
@@ -138,7 +139,8 @@ TEST_CASE("CUDA dropout gives the CPU's mask for the same seed, forward and back
     return;
   }
   for (DType dt : {kFloat32, kFloat16, kFloat64}) {
-    CAPTURE(dtype_name(dt));
+    const std::string dtype = dtype_name(dt);
+    CAPTURE(dtype);
     Tensor x = (rand({1234, 7}) + 1.0).to(dt);
     Tensor xc = x.detach().requires_grad_(), xg = x.detach().cuda().requires_grad_();
     manual_seed(42);
@@ -228,7 +230,8 @@ TEST_CASE("CUDA embedding matches the CPU, forward and backward") {
   }
   manual_seed(207);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
-    CAPTURE(dtype_name(dt));
+    const std::string dtype = dtype_name(dt);
+    CAPTURE(dtype);
     Tensor weight = randn({50, 33}).to(dt);
     Tensor idx = randint(0, 50, {8, 16});
     Tensor wc = weight.detach().requires_grad_(), wg = weight.detach().cuda().requires_grad_();

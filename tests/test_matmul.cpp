@@ -164,6 +164,29 @@ TEST_CASE("matmul of large operands matches the reference (blocked and multi-thr
   }
 }
 
+TEST_CASE("float32 products larger than the GEMM's cache blocks match the reference, in every layout") {
+  // The AVX-512 float32 kernel (ops/matmul.cpp) blocks m by up to 4096, n by 512 and k by 256 and computes
+  // tiles of 6 x 64: these sizes cross every block boundary, with partial tiles at each edge.
+  manual_seed(20);
+  Tensor a = random({4099, 260}, kFloat32), b = random({260, 530}, kFloat32);
+  check_matches(matmul(a, b), reference_matmul(a, b), kFloat32);
+  // Transposed storage of either operand (the kernel packs both layouts), with k > 256.
+  Tensor at = random({520, 70}, kFloat32).t(), bt = random({100, 520}, kFloat32).t();  // [70, 520], [520, 100]
+  Tensor a2 = random({70, 520}, kFloat32), b2 = random({520, 100}, kFloat32);
+  check_matches(matmul(at, b2), reference_matmul(at, b2), kFloat32);
+  check_matches(matmul(a2, bt), reference_matmul(a2, bt), kFloat32);
+  check_matches(matmul(at, bt), reference_matmul(at, bt), kFloat32);
+  // Accumulating onto C (beta = 1): linear's fused bias, over several k blocks.
+  Tensor x = random({70, 600}, kFloat32), w = random({100, 600}, kFloat32), bias = random({100}, kFloat32);
+  Reference ref = reference_matmul(x, w.t());
+  std::vector<double> bv = to_vector<double>(bias);
+  for (size_t i = 0; i < ref.values.size(); ++i) {
+    ref.values[i] += bv[i % 100];
+    ref.magnitude[i] += std::abs(bv[i % 100]);
+  }
+  check_matches(linear(x, w, bias), ref, kFloat32);
+}
+
 TEST_CASE("matmul reads transposed, strided and broadcast operands correctly") {
   manual_seed(13);
   for (DType dt : kGemmDtypes) {

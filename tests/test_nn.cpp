@@ -524,7 +524,66 @@ TEST_CASE("repr prints the module tree like PyTorch") {
 // ---------------------------------------------------------------------------------------------------------
 // CUDA
 
-TEST_CASE("to(cuda) moves a model, which then computes what it computes on the CPU and saves and loads") {
+TEST_CASE("to(cuda) moves a model, which computes what it computes on the CPU, and saves and loads from the GPU") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  auto make = [] {
+    manual_seed(8);
+    return nn::sequential({std::make_shared<nn::Conv2d>(3, 8, 3, nn::Conv2dOptions{.padding = {1, 1}}),
+                           std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
+                           std::make_shared<nn::Conv2d>(8, 8, 3), std::make_shared<nn::AdaptiveAvgPool2d>(1),
+                           std::make_shared<nn::Flatten>(), std::make_shared<nn::Dropout>(0.5),
+                           std::make_shared<nn::Linear>(8, 4), std::make_shared<nn::BatchNorm2d>(4)});
+  };
+  auto cpu_net = make(), gpu_net = make();
+  gpu_net->to(Device::cuda());
+  for (auto& [name, t] : gpu_net->state_dict()) {
+    CAPTURE(name);
+    CHECK(t.is_cuda());
+    CHECK(t.dtype() == cpu_net->tensor_at(name).dtype());  // the int64 num_batches_tracked moves too
+    CHECK(values(t.cpu()) == values(cpu_net->tensor_at(name)));
+  }
+  for (auto& [name, p] : gpu_net->named_parameters()) CHECK_MESSAGE(p.requires_grad(), name);
+
+  // Run all but the final BatchNorm2d (its own test follows), in eval so that dropout is the identity.
+  cpu_net->eval();
+  gpu_net->eval();
+  auto run = [](nn::Sequential& net, Tensor x) {
+    for (size_t i = 0; i + 1 < net.size(); ++i) x = net[i]->forward(x);
+    return x;
+  };
+  Tensor x = randn({4, 3, 10, 10});
+  Tensor y_cpu = run(*cpu_net, x), y_gpu = run(*gpu_net, x.cuda());
+  CHECK(y_gpu.is_cuda());
+  // float32 convolutions on the GPU may use TF32 (10-bit mantissa products): compare loosely.
+  std::vector<double> a = values(y_cpu), b = values(y_gpu.cpu());
+  for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == doctest::Approx(a[i]).epsilon(2e-2).scale(1));
+  y_gpu.sum().backward();
+  for (size_t i = 0; i + 1 < gpu_net->size(); ++i)
+    for (auto& [name, p] : (*gpu_net)[i]->named_parameters()) {
+      CAPTURE(name);
+      REQUIRE(p.grad().defined());
+      CHECK(p.grad().is_cuda());
+    }
+
+  // Checkpoints of a GPU model: saved from device memory, loaded into device memory.
+  std::string path = (std::filesystem::temp_directory_path() / "halfgrad_test_nn_gpu.safetensors").string();
+  nn::save(*gpu_net, path);
+  manual_seed(77);
+  auto back = make();
+  back->to(Device::cuda());
+  nn::load(*back, path);
+  for (auto& [name, t] : gpu_net->state_dict()) {
+    CAPTURE(name);
+    CHECK(back->tensor_at(name).is_cuda());
+    CHECK(values(back->tensor_at(name).cpu()) == values(t.cpu()));
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("BatchNorm2d on the GPU normalises and updates its running statistics as on the CPU") {
   if (!cuda::is_available()) {
     MESSAGE("no GPU: skipped");
     return;
@@ -533,42 +592,18 @@ TEST_CASE("to(cuda) moves a model, which then computes what it computes on the C
   TinyResNet cpu_net, gpu_net;
   gpu_net.load_state_dict(cpu_net.state_dict());
   gpu_net.to(Device::cuda());
-  for (auto& [name, t] : gpu_net.state_dict()) {
-    CAPTURE(name);
-    CHECK(t.is_cuda());
-    CHECK(t.dtype() == cpu_net.tensor_at(name).dtype());  // int64 num_batches_tracked moves too
-  }
-  for (auto& [name, p] : gpu_net.named_parameters()) CHECK_MESSAGE(p.requires_grad(), name);
-
   Tensor x = randn({4, 3, 6, 6});
   Tensor y_cpu = cpu_net.forward(x), y_gpu = gpu_net.forward(x.cuda());
-  CHECK(y_gpu.is_cuda());
-  // float32 convolutions on the GPU may use TF32 (10-bit mantissa products): compare loosely.
   std::vector<double> a = values(y_cpu), b = values(y_gpu.cpu());
   for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == doctest::Approx(a[i]).epsilon(2e-2).scale(1));
-  y_gpu.sum().backward();
-  for (auto& [name, p] : gpu_net.named_parameters()) {
-    CAPTURE(name);
-    REQUIRE(p.grad().defined());
-    CHECK(p.grad().is_cuda());
-  }
-  // The running statistics were updated on the GPU as on the CPU.
   auto bn_cpu = std::static_pointer_cast<BasicBlock>((*cpu_net.layer1)[0])->bn1;
   auto bn_gpu = std::static_pointer_cast<BasicBlock>((*gpu_net.layer1)[0])->bn1;
+  CHECK(bn_gpu->running_mean.is_cuda());
   CHECK(bn_gpu->num_batches_tracked.cpu().item<int64_t>() == 1);
   std::vector<double> rm_cpu = values(bn_cpu->running_mean), rm_gpu = values(bn_gpu->running_mean.cpu());
   for (size_t i = 0; i < rm_cpu.size(); ++i) CHECK(rm_gpu[i] == doctest::Approx(rm_cpu[i]).epsilon(2e-2).scale(1));
-
-  // Checkpoints of a GPU model: saved from device memory, loaded into device memory.
-  std::string path = (std::filesystem::temp_directory_path() / "halfgrad_test_nn_gpu.safetensors").string();
-  nn::save(gpu_net, path);
-  TinyResNet back;
-  back.to(Device::cuda());
-  nn::load(back, path);
-  for (auto& [name, t] : gpu_net.state_dict()) {
-    CAPTURE(name);
-    CHECK(back.tensor_at(name).is_cuda());
-    CHECK(values(back.tensor_at(name).cpu()) == values(t.cpu()));
-  }
-  std::filesystem::remove(path);
+  // float16 activations with the float32 BatchNorm of O2.
+  gpu_net.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });
+  CHECK(gpu_net.forward(x.cuda().to(kFloat16)).dtype() == kFloat16);
+  CHECK(bn_gpu->running_mean.dtype() == kFloat32);
 }

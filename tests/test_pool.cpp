@@ -201,8 +201,8 @@ TEST_CASE("max_pool2d matches a float64 reference, with the argmax indices, in e
   manual_seed(41);
   for (DType dt : kFloatTypes) {
     for (const MaxCase& c : kMaxCases) {
-      CAPTURE(dtype_name(dt));
-      CAPTURE(c.name);
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
       Tensor x = random(c.input, dt);
       Shape shape;
       auto [values, indices] = reference_max_pool(x, c.kernel, c.options, shape);
@@ -244,8 +244,8 @@ TEST_CASE("avg_pool2d matches a float64 reference for padding, ceil_mode and cou
   manual_seed(42);
   for (DType dt : kFloatTypes) {
     for (const AvgCase& c : kAvgCases) {
-      CAPTURE(dtype_name(dt));
-      CAPTURE(c.name);
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
       Tensor x = random(c.input, dt);
       Shape shape;
       std::vector<double> want = reference_avg_pool(x, c.kernel, c.options, shape);
@@ -275,7 +275,7 @@ TEST_CASE("adaptive_avg_pool2d matches PyTorch's start/end windows") {
   manual_seed(43);
   for (DType dt : kFloatTypes) {
     for (const auto& [shape, size] : kAdaptiveCases) {
-      CAPTURE(dtype_name(dt));
+      INFO("dtype: " << dtype_name(dt));
       CAPTURE(shape_str(shape));
       Tensor x = random(shape, dt);
       Tensor y = adaptive_avg_pool2d(x, size);
@@ -297,7 +297,7 @@ TEST_CASE("adaptive_avg_pool2d matches PyTorch's start/end windows") {
 TEST_CASE("pooling keeps the channels_last format, reads strided inputs, and takes unbatched inputs") {
   manual_seed(44);
   for (DType dt : {kFloat32, kFloat16}) {
-    CAPTURE(dtype_name(dt));
+    INFO("dtype: " << dtype_name(dt));
     Tensor x = random({2, 3, 8, 7}, dt);
     Tensor cl = contiguous_channels_last(x);
     Tensor sliced = random({2, 3, 16, 7}, dt).slice(2, 0, 16, 2);
@@ -350,11 +350,11 @@ TEST_CASE("pooling errors name the op and the shapes") {
 TEST_CASE("pooling gradients pass gradcheck") {
   manual_seed(45);
   for (const MaxCase& c : kMaxCases) {
-    CAPTURE(c.name);
+    INFO("case: " << c.name);
     gradcheck([&](const TensorList& in) { return max_pool2d(in[0], c.kernel, c.options); }, {leaf(c.input)});
   }
   for (const AvgCase& c : kAvgCases) {
-    CAPTURE(c.name);
+    INFO("case: " << c.name);
     gradcheck([&](const TensorList& in) { return avg_pool2d(in[0], c.kernel, c.options); }, {leaf(c.input)});
   }
   for (const auto& [shape, size] : kAdaptiveCases) {
@@ -374,7 +374,7 @@ TEST_CASE("pooling gradients in float16 and bfloat16 accumulate in float32") {
   // adaptive_avg_pool2d to 1x1 over 1x1 cells repeated: each input element of a 1-row input pooled into
   // 4096 overlapping cells receives 4096 * (1/1) — with cells of one element, every share is exact.
   for (DType dt : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dt));
+    INFO("dtype: " << dtype_name(dt));
     Tensor x = ones({1, 1, 1, 1}, {.dtype = dt}).requires_grad_();
     adaptive_avg_pool2d(x, {64, 64}).sum().backward();  // 4096 cells, each the single input element
     CHECK(to_vector<double>(x.grad())[0] == 4096.0);
@@ -422,10 +422,10 @@ TEST_CASE("cuda: pooling forward and backward match the CPU in every dtype, NCHW
   };
   for (DType dt : kFloatTypes) {
     for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-      CAPTURE(dtype_name(dt));
-      CAPTURE(memory_format_name(format));
+      INFO("dtype: " << dtype_name(dt));
+      INFO("format: " << memory_format_name(format));
       for (const MaxCase& c : kMaxCases) {
-        CAPTURE(c.name);
+        INFO("case: " << c.name);
         compare([&](const Tensor& x) { return max_pool2d(x, c.kernel, c.options); }, c.input, dt, format);
         Tensor x = random(c.input, dt);
         auto [yc, ic] = max_pool2d_with_indices(x, c.kernel, c.options);
@@ -433,7 +433,7 @@ TEST_CASE("cuda: pooling forward and backward match the CPU in every dtype, NCHW
         CHECK(to_vector<int64_t>(ig) == to_vector<int64_t>(ic));
       }
       for (const AvgCase& c : kAvgCases) {
-        CAPTURE(c.name);
+        INFO("case: " << c.name);
         compare([&](const Tensor& x) { return avg_pool2d(x, c.kernel, c.options); }, c.input, dt, format);
       }
       for (const auto& [shape, size] : kAdaptiveCases) {

@@ -178,6 +178,33 @@ TEST_CASE("sum, mean, var, max, min, argmax and argmin match a float64 reference
   }
 }
 
+TEST_CASE("reductions over several separate blocks of dims (conv's bias gradient) match the reference") {
+  // A contiguous [N, C, H, W] summed over {0, 2, 3} runs in stages without a transposing copy; the
+  // answer must not depend on that.
+  manual_seed(7);
+  Tensor base = randn({3, 4, 5, 6}, {.dtype = kFloat64});
+  for (DType dtype : {kFloat64, kFloat32, kFloat16, kInt32, kBool}) {
+    Tensor x = dtype == kBool ? base.gt(0.3) : dtype == kInt32 ? base.mul(10).to(kInt32) : base.to(dtype);
+    for (const Dims& dims : std::vector<Dims>{{0, 2, 3}, {0, 2}, {1, 3}, {0, 3}, {-4, -1}, {0, 1, 3}}) {
+      const double tol = is_floating(dtype) ? tolerance(dtype) : 0;
+      const std::string what = fmt::format("{} over [{}]", dtype_name(dtype), fmt::join(dims, ", "));
+      check_close(values(x.sum(dims)), reference(x, dims, ref_sum), tol, "sum of " + what);
+      CHECK(x.sum(dims, true).dim() == 4);
+      if (is_floating(dtype)) check_close(values(x.mean(dims)), reference(x, dims, ref_mean), tol, "mean of " + what);
+      check_close(values(x.all(dims)), reference(x, dims, [](const auto& g) {
+                    return double(std::all_of(g.begin(), g.end(), [](double v) { return v != 0; }));
+                  }), 0, "all of " + what);
+      check_close(values(x.any(dims, true)), reference(x, dims, [](const auto& g) {
+                    return double(std::any_of(g.begin(), g.end(), [](double v) { return v != 0; }));
+                  }), 0, "any of " + what);
+    }
+  }
+  manual_seed(8);
+  Tensor g = leaf({2, 3, 2, 4});
+  gradcheck([](const TensorList& in) { return in[0].sum({0, 2, 3}); }, {g});
+  gradcheck([](const TensorList& in) { return in[0].mean({0, 3}, true); }, {g});
+}
+
 TEST_CASE("integer and bool sums give int64; max, min and argmax work on every dtype") {
   manual_seed(2);
   Tensor ints = randint(-50, 50, {6, 10, 14});

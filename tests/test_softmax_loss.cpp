@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "core/autocast.h"
@@ -99,7 +100,8 @@ TEST_CASE("softmax and log_softmax match a float64 reference along every dim and
   manual_seed(101);
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
     for (int64_t dim : {0, 1, 2, -1}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
       CAPTURE(dim);
       Tensor x = (randn({3, 5, 7}, {.dtype = kFloat64}) * 3).to(dt);
       const int64_t d = dim < 0 ? dim + 3 : dim;
@@ -507,7 +509,8 @@ TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, 
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     for (Shape shape : {Shape{7, 10}, Shape{3, 2000}, Shape{4, 5, 6}, Shape{64, 33}}) {
       for (int64_t dim : {-1, 1, 0}) {
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);
+        CAPTURE(dtype);
         CAPTURE(shape_str(shape));
         CAPTURE(dim);
         for (bool log : {false, true}) {
