@@ -159,7 +159,16 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
     // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
     // broadcast view: own a contiguous copy unless nothing else can see this one.
     bool sole_owner = grad.impl_ptr().use_count() == 1 && grad.storage().use_count() == 1;
-    stored = sole_owner && grad.is_contiguous() ? grad : grad.clone();
+    // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last
+    // leaf), so optimizers walk parameter and gradient in the same order and nothing transposes later.
+    MemoryFormat layout = suggest_memory_format(Tensor(leaf_));
+    bool matches = layout == MemoryFormat::ChannelsLast ? suggest_memory_format(grad) == layout : grad.is_contiguous();
+    if (sole_owner && matches) {
+      stored = grad;
+    } else {
+      stored = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()}, layout);
+      stored.copy_(grad);
+    }
   } else {
     stored = stored.add(grad);  // out of place: a previous .grad handed out stays as it was
   }

@@ -164,6 +164,46 @@ Tensor arange(double start, double end, double step, TensorOptions options) {
 
 Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, options); }
 
+// ---- memory formats
+
+const char* memory_format_name(MemoryFormat format) {
+  return format == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
+}
+
+bool is_channels_last(const Tensor& t) {
+  if (!t.defined() || t.dim() != 4) return false;
+  const Shape& size = t.shape();
+  const Shape& stride = t.strides();
+  int64_t expected = 1;
+  for (int d : {1, 3, 2, 0}) {  // C, W, H, N: innermost first
+    if (size[d] == 1) continue;
+    if (stride[d] != expected) return false;
+    expected *= size[d];
+  }
+  return true;
+}
+
+MemoryFormat suggest_memory_format(const Tensor& t) {
+  return is_channels_last(t) && !t.is_contiguous() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+}
+
+Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format) {
+  if (format == MemoryFormat::Contiguous) return empty(shape, options);
+  HG_CHECK(shape.size() == 4, "empty: the channels_last format needs a 4-D [N, C, H, W] shape, got {}",
+           shape_str(shape));
+  const bool requires_grad = options.requires_grad;
+  options.requires_grad = false;
+  Tensor nhwc = empty({shape[0], shape[2], shape[3], shape[1]}, options);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = nhwc.storage();
+  impl->shape = shape;
+  impl->strides = {shape[2] * shape[3] * shape[1], 1, shape[3] * shape[1], shape[1]};
+  impl->dtype = options.dtype;
+  Tensor t(std::move(impl));  // not a view: it owns its storage
+  if (requires_grad) t.requires_grad_();
+  return t;
+}
+
 // ---- random numbers
 
 namespace {

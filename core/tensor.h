@@ -240,6 +240,23 @@ Tensor tensor(const std::vector<T>& values, TensorOptions options = {.dtype = dt
 // A tensor's values as a host vector of T (converted), in row-major order.
 template <typename T> std::vector<T> to_vector(const Tensor& t);
 
+// ---- memory formats: the dense layouts an op may produce (4-D tensors only for channels_last)
+enum class MemoryFormat : uint8_t {
+  Contiguous,    // NCHW: strides [C*H*W, H*W, W, 1]
+  ChannelsLast,  // NHWC: strides [H*W*C, 1, W*C, C]
+};
+const char* memory_format_name(MemoryFormat format);
+
+// Whether t is 4-D and dense in N, H, W, C order (the strides of size-1 dims do not matter, so a tensor
+// with C == 1 or H == W == 1 is both channels_last and contiguous).
+bool is_channels_last(const Tensor& t);
+// The format an op should produce for input t: ChannelsLast when t is channels_last and not also
+// contiguous, else Contiguous (4-D tensors that are dense in neither layout are computed as NCHW).
+MemoryFormat suggest_memory_format(const Tensor& t);
+// An uninitialised 4-D [N, C, H, W] tensor laid out in `format`.
+Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format);
+
+
 // Reproducible random numbers: one seeded global generator (Philox), like torch.manual_seed.
 void manual_seed(uint64_t seed);
 

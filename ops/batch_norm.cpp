@@ -26,7 +26,7 @@ namespace {
 
 // Whether t [N, C, d1, ..., dk] is stored channels last: C innermost, then dk, ..., d1, then N (size-1
 // dims may have any stride). Every contiguous [N, C] (and [N, C, 1, 1]) tensor is.
-bool is_channels_last(const Tensor& t) {
+bool is_channels_last_nd(const Tensor& t) {
   int64_t expected = 1;
   auto next = [&](int64_t d) {
     if (t.size(d) == 1) return true;
@@ -55,7 +55,7 @@ Tensor empty_in_layout(const Shape& shape, DType dtype, Device device, bool chan
 Tensor in_layout(const Tensor& t, bool channels_last) {
   Tensor d = t.detach();
   if (!channels_last) return d.contiguous();
-  if (is_channels_last(d)) return d;
+  if (is_channels_last_nd(d)) return d;
   Tensor out = empty_in_layout(d.shape(), d.dtype(), d.device(), true);
   copy_kernel[d.device()](out, d);
   return out;
@@ -103,7 +103,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
            "batch_norm: expected more than 1 value per channel when training, got input {} ({} per channel)",
            input.meta(), shape.per_channel());
   // A channels-last input stays so (what tensor-core convolutions produce); anything else becomes planes.
-  shape.channels_last = shape.spatial == 1 || (!input.is_contiguous() && is_channels_last(input));
+  shape.channels_last = shape.spatial == 1 || (!input.is_contiguous() && is_channels_last_nd(input));
 
   const DType acc = accumulation_dtype(input.dtype());
   auto parameter = [&](const Tensor& t) { return t.defined() ? cast_nograd(t.detach(), acc).contiguous() : Tensor(); };

@@ -7,6 +7,8 @@
 //   dcol   [K, L]    =  W^T dout          dx = col2im(dcol): each column added back where it came from
 //   dW     [O/g, K] +=  dout col^T        summed over the batch
 //   db     [O]       =  dout summed over N, OH, OW
+// 1x1 convolutions with stride 1 and one group skip im2col: they are GEMMs over the input itself, in either
+// layout (conv2d_pointwise_*, shared with the CUDA kernels, which use them for float16/bfloat16).
 #include "ops/conv.h"
 
 #include <omp.h>
@@ -31,23 +33,6 @@ KernelTable<Conv2dBackwardWeightKernel> conv2d_backward_weight_kernel("conv2d ba
 
 // ---- memory format
 
-const char* memory_format_name(MemoryFormat format) {
-  return format == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
-}
-
-bool is_channels_last(const Tensor& t) {
-  if (!t.defined() || t.dim() != 4) return false;
-  const Shape& size = t.shape();
-  const Shape& stride = t.strides();
-  int64_t expected = 1;
-  for (int d : {1, 3, 2, 0}) {  // C, W, H, N: innermost first
-    if (size[d] == 1) continue;
-    if (stride[d] != expected) return false;
-    expected *= size[d];
-  }
-  return true;
-}
-
 Tensor contiguous_channels_last(const Tensor& t) {
   HG_CHECK(t.defined() && t.dim() == 4, "contiguous_channels_last: expected a 4-D [N, C, H, W] tensor, got {}",
            t.defined() ? t.meta() : "an undefined tensor");
@@ -57,29 +42,8 @@ Tensor contiguous_channels_last(const Tensor& t) {
   return t.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
 }
 
-MemoryFormat suggest_memory_format(const Tensor& t) {
-  return is_channels_last(t) && !t.is_contiguous() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-}
-
 Tensor contiguous(const Tensor& t, MemoryFormat format) {
   return format == MemoryFormat::ChannelsLast ? contiguous_channels_last(t) : t.contiguous();
-}
-
-Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format) {
-  if (format == MemoryFormat::Contiguous) return empty(shape, options);
-  HG_CHECK(shape.size() == 4, "empty: the channels_last format needs a 4-D [N, C, H, W] shape, got {}",
-           shape_str(shape));
-  const bool requires_grad = options.requires_grad;
-  options.requires_grad = false;
-  Tensor nhwc = empty({shape[0], shape[2], shape[3], shape[1]}, options);
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = nhwc.storage();
-  impl->shape = shape;
-  impl->strides = {shape[2] * shape[3] * shape[1], 1, shape[3] * shape[1], shape[1]};
-  impl->dtype = options.dtype;
-  Tensor t(std::move(impl));  // not a view: it owns its storage
-  if (requires_grad) t.requires_grad_();
-  return t;
 }
 
 // ---- conv2d

@@ -21,27 +21,12 @@ namespace halfgrad {
 // (height, width): stride, padding, dilation, kernel and output sizes of 2-D ops.
 using Pair2d = std::array<int64_t, 2>;
 
-// ---- memory format
+// ---- memory format (MemoryFormat, is_channels_last, suggest_memory_format: core/tensor.h)
 
-enum class MemoryFormat : uint8_t {
-  Contiguous,    // NCHW: strides [C*H*W, H*W, W, 1]
-  ChannelsLast,  // NHWC: strides [H*W*C, 1, W*C, C]
-};
-const char* memory_format_name(MemoryFormat format);
-
-// Whether t is 4-D and dense in N, H, W, C order (the strides of size-1 dims do not matter, so a tensor
-// with C == 1 or H == W == 1 is both channels_last and contiguous).
-bool is_channels_last(const Tensor& t);
 // t laid out as NHWC: itself when already is_channels_last, else a copy (differentiable, like contiguous()).
 Tensor contiguous_channels_last(const Tensor& t);
-// The format an op should produce for input t: ChannelsLast when t is channels_last and not also
-// contiguous, else Contiguous (4-D tensors that are dense in neither layout are computed as NCHW).
-MemoryFormat suggest_memory_format(const Tensor& t);
 // t dense in `format` (itself when already so; differentiable).
 Tensor contiguous(const Tensor& t, MemoryFormat format);
-// An uninitialised 4-D [N, C, H, W] tensor laid out in `format`.
-Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format);
-
 // ---- conv2d
 
 struct Conv2dOptions {

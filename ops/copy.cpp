@@ -12,7 +12,7 @@ KernelTable<CopyKernel> transfer_kernel("transfer between devices");
 
 Tensor cast_nograd(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
-  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()});
+  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()}, suggest_memory_format(t));
   copy_kernel[t.device()](out, t);
   return out;
 }
@@ -74,10 +74,18 @@ Tensor& Tensor::copy_(const Tensor& src) {
   return *this;
 }
 
-Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
+  copy_kernel[device()](out, *this);
+  if (any_requires_grad({this})) {
+    record("ContiguousBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+  }
+  return out;
+}
 
 Tensor Tensor::clone() const {
-  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()}, suggest_memory_format(*this));
   copy_kernel[device()](out, *this);
   if (any_requires_grad({this})) {
     record("CloneBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });

@@ -42,7 +42,8 @@ Tensor unary_forward(UnaryOp op, const Tensor& x) {
            "{}: not supported for bool tensors ({})", name, x.meta());
   DType compute = needs_floating(op) && !x.is_floating_point() ? kDefaultFloat : x.dtype();
   Tensor in = cast_nograd(x, compute);
-  Tensor out = empty(x.shape(), {.dtype = is_predicate(op) ? kBool : compute, .device = x.device()});
+  Tensor out = empty(x.shape(), {.dtype = is_predicate(op) ? kBool : compute, .device = x.device()},
+                     suggest_memory_format(x));  // an NHWC activation stays NHWC
   unary_kernel[x.device()](op, out, in);
   return out;
 }
@@ -54,7 +55,10 @@ Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compu
   bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
   Device device = a_scalar ? b.device() : a.device();
   if (!a_scalar && !b_scalar) check_same_device(name, a, b);
-  Tensor out = empty(shape, {.dtype = is_predicate(op) ? kBool : compute, .device = device});
+  // The output takes the layout of the operand that has the output's shape (a, else b).
+  const Tensor& layout = a.shape() == shape ? a : b;
+  Tensor out = empty(shape, {.dtype = is_predicate(op) ? kBool : compute, .device = device},
+                     layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t, bool scalar) {
     Tensor c = cast_nograd(t, compute);
     return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, name);
@@ -354,7 +358,8 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   check_same_device("where", a, b);
   DType common = promote_types(a.dtype(), b.dtype());
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
-  Tensor out = empty(shape, {.dtype = common, .device = a.device()});
+  Tensor out = empty(shape, {.dtype = common, .device = a.device()},
+                     a.shape() == shape ? suggest_memory_format(a) : MemoryFormat::Contiguous);
   where_kernel[a.device()](out, broadcast_view(condition, shape, "where"),
                            broadcast_view(cast_nograd(a, common), shape, "where"),
                            broadcast_view(cast_nograd(b, common), shape, "where"));

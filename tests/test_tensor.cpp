@@ -189,3 +189,20 @@ TEST_CASE("mismatched operands give errors that name the op and each operand") {
   CHECK_THROWS_WITH_AS(ones({2}).data<double>(), doctest::Contains("float32[2] cpu"), Error);
   CHECK_THROWS_WITH_AS(ones({2}, {.dtype = kBool}) - ones({2}, {.dtype = kBool}), doctest::Contains("sub: not supported for bool"), Error);
 }
+
+TEST_CASE("elementwise ops, casts and clone keep a channels_last layout; contiguous() gives NCHW") {
+  Tensor x = randn({2, 3, 4, 5}).permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});  // NHWC memory
+  REQUIRE(is_channels_last(x));
+  REQUIRE_FALSE(x.is_contiguous());
+  CHECK(is_channels_last(relu(x)));
+  CHECK(is_channels_last(x * 2 + x));
+  CHECK(is_channels_last(x.to(kFloat16)));
+  CHECK(is_channels_last(x.clone()));
+  CHECK(x.contiguous().is_contiguous());
+  CHECK(to_vector<float>(relu(x)) == to_vector<float>(relu(x.contiguous())));
+  // The gradient of an NHWC leaf is stored as it arrives: no transposing copy.
+  Tensor leaf = x.detach().requires_grad_();
+  (leaf * 3).sum().backward();
+  CHECK(is_channels_last(leaf.grad()));
+  CHECK(to_vector<float>(leaf.grad()) == std::vector<float>(120, 3.0f));
+}
