@@ -243,3 +243,68 @@ TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from g
     CHECK(scaler.diagnosis().find("loss itself is inf/NaN") != std::string::npos);
   }
 }
+
+// ---- on the GPU
+
+#include "core/cuda.h"
+
+TEST_CASE("cuda: the fused unscale pass divides every gradient and finds an inf among many tensors") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(5);
+  TensorList params;
+  for (int i = 0; i < 300; ++i) {  // more chunks than one launch carries
+    Tensor p = randn({int64_t(1000 + 97 * i)}, {.dtype = kFloat16, .device = Device::cuda()});
+    p.requires_grad_();
+    params.push_back(p);
+  }
+  optim::SGD opt(params, {.lr = 0});
+  amp::GradScaler scaler({.init_scale = 1024});
+  for (Tensor& p : params) p.set_grad(randn(p.shape(), {.dtype = kFloat16, .device = Device::cuda()}) * 1024);
+  std::vector<Tensor> expected;
+  for (Tensor& p : params) expected.push_back(p.grad().to(kFloat32).cpu() / 1024);
+  CHECK(scaler.step(opt));  // unscale_ inside; no overflow
+  for (size_t i = 0; i < params.size(); ++i) {
+    double err = (params[i].grad().to(kFloat32).cpu() - expected[i]).abs().max().item<double>();
+    CHECK(err < 1e-3);
+  }
+  scaler.update();
+  CHECK(scaler.get_scale() == 1024);
+
+  Tensor last = params.back().grad();
+  {
+    NoGradGuard no_grad;
+    last.narrow(0, last.numel() - 1, 1).fill_(INFINITY);  // the very last element of the last chunk
+  }
+  CHECK_FALSE(scaler.step(opt));
+  scaler.update();
+  CHECK(scaler.get_scale() == 512);
+}
+
+TEST_CASE("cuda: O2 trains a small convolutional net on the GPU with float32 masters") {
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(6);
+  auto net = nn::sequential({std::make_shared<nn::Conv2d>(3, 8, 3, nn::Conv2dOptions{.padding = {1, 1}}),
+                             std::make_shared<nn::BatchNorm2d>(8), std::make_shared<nn::ReLU>(),
+                             std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(8 * 6 * 6, 4)});
+  net->to(Device::cuda());
+  optim::SGD opt(net->parameters(), {.lr = 0.05, .momentum = 0.9});
+  amp::Amp amp = amp::initialize(*net, opt, amp::OptLevel::O2);
+  Tensor x = randn({32, 3, 6, 6}, {.device = Device::cuda()}), y = randn({32, 4}, {.device = Device::cuda()});
+  double first = 0, last = 0;
+  for (int i = 0; i < 40; ++i) {
+    Tensor loss = mse_loss(amp.forward(*net, x), y);
+    amp.backward(loss);
+    amp.step();
+    amp.zero_grad();
+    (i == 0 ? first : last) = loss.item<double>();
+  }
+  CHECK(net->parameters()[0].dtype() == kFloat16);
+  CHECK(net->parameters()[0].is_cuda());
+  CHECK(last < 0.5 * first);
+}
