@@ -2,6 +2,7 @@
 #include "ops/copy.h"
 
 #include "core/autograd.h"
+#include "ops/elementwise_math.h"
 #include "ops/loops.h"
 #include "ops/shape.h"
 
@@ -94,21 +95,11 @@ Tensor Tensor::clone() const {
 }
 
 namespace {
-template <typename To, typename From> To convert(From x) {
-  if constexpr (std::is_same_v<To, From>) {
-    return x;
-  } else if constexpr (std::is_same_v<To, bool>) {
-    return opmath_t<From>(x) != opmath_t<From>(0);
-  } else {
-    return To(opmath_t<To>(opmath_t<From>(x)));
-  }
-}
-
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   HG_CHECK(src.is_cpu() && dst.is_cpu(), "copy: cpu kernel given {} -> {}", src.meta(), dst.meta());
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
     dispatch_all(src.dtype(), "copy", [&]<typename From>() {
-      cpu::map<To, From>(dst, [](From x) { return convert<To>(x); }, {src});
+      cpu::map<To, From>(dst, [](From x) { return convert_value<To>(x); }, {src});
     });
   });
 }

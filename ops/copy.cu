@@ -12,23 +12,16 @@
 
 #include "ops/copy.h"
 #include "ops/cuda_loops.cuh"
+#include "ops/elementwise_math.h"
 
 namespace halfgrad {
 namespace {
 
 // ---- copy_kernel: dst[i] = convert(src[i]), both on one GPU, src viewed to dst's shape
 
-// The conversion rule of the CPU kernel (ops/copy.cpp): through the compute types, bool is "nonzero".
+// The conversion rule shared with the CPU kernel (convert_value, ops/elementwise_math.h).
 template <typename To, typename From> struct ConvertFn {
-  __device__ To operator()(From x) const {
-    if constexpr (std::is_same_v<To, From>) {
-      return x;
-    } else if constexpr (std::is_same_v<To, bool>) {
-      return opmath_t<From>(x) != opmath_t<From>(0);
-    } else {
-      return To(opmath_t<To>(opmath_t<From>(x)));
-    }
-  }
+  __device__ To operator()(From x) const { return convert_value<To>(x); }
 };
 
 void copy_cuda(const Tensor& dst, const Tensor& src) {

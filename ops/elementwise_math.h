@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/dtype.h"
 #include "core/half.h"
 
 namespace halfgrad {
@@ -64,6 +65,18 @@ template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T
   else if constexpr (OP == BinaryOp::Ge) return a >= b;
   else if constexpr (OP == BinaryOp::LogicalAnd) return bool(a) && bool(b);
   else if constexpr (OP == BinaryOp::LogicalOr) return bool(a) || bool(b);
+}
+
+// The conversion rule of every dtype-converting copy (CPU and CUDA): through the compute types, so halves
+// convert via float; bool is "nonzero".
+template <typename To, typename From> HG_HOST_DEVICE inline To convert_value(From x) {
+  if constexpr (std::is_same_v<To, From>) {
+    return x;
+  } else if constexpr (std::is_same_v<To, bool>) {
+    return opmath_t<From>(x) != opmath_t<From>(0);
+  } else {
+    return To(opmath_t<To>(opmath_t<From>(x)));
+  }
 }
 
 // Turns a run-time op into a compile-time one: fn.template operator()<OP>().
