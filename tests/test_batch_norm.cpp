@@ -10,10 +10,12 @@
 #include "core/autocast.h"
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 #include "ops/batch_norm.h"
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using halfgrad::testing::check_close;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
@@ -67,15 +69,6 @@ Reference reference_batch_norm(const Tensor& x, const std::vector<double>& weigh
   return r;
 }
 
-void check_close(const std::vector<double>& got, const std::vector<double>& want, double tol) {
-  REQUIRE(got.size() == want.size());
-  int failures = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!(std::abs(got[i] - want[i]) <= tol * (1 + std::abs(want[i]))) && failures++ < 5)
-      FAIL_CHECK("element " << i << ": got " << got[i] << ", want " << want[i]);
-  }
-  CHECK(failures == 0);
-}
 
 }  // namespace
 

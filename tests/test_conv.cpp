@@ -11,10 +11,12 @@
 #include "core/autocast.h"
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 #include "ops/conv.h"
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using namespace halfgrad::testing;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
@@ -94,20 +96,6 @@ void check_matches(const Tensor& got, const Reference& ref, DType dtype) {
   CHECK(failures == 0);
 }
 
-Tensor random(const Shape& shape, DType dtype) { return randn(shape, {.dtype = kFloat64}).to(dtype); }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-const std::vector<DType> kFloatTypes = {kFloat64, kFloat32, kFloat16, kBFloat16};
 
 // One convolution problem: input shape, weight shape, options, bias or not.
 struct Case {

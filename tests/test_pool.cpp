@@ -11,30 +11,18 @@
 
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 #include "ops/conv.h"
 #include "ops/pool.h"
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using namespace halfgrad::testing;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
 namespace {
 
-const std::vector<DType> kFloatTypes = {kFloat64, kFloat32, kFloat16, kBFloat16};
-
-Tensor random(const Shape& shape, DType dtype) { return randn(shape, {.dtype = kFloat64}).to(dtype); }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // PyTorch's output size rule, written out independently of ops/pool.cpp.
 int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool ceil_mode) {

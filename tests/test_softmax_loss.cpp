@@ -11,11 +11,13 @@
 #include "core/autocast.h"
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 #include "ops/loss.h"
 #include "ops/softmax.h"
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using halfgrad::testing::check_close;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
@@ -43,15 +45,6 @@ std::vector<double> reference_softmax(const Tensor& x, int64_t dim, bool log) {
   return out;
 }
 
-void check_close(const std::vector<double>& got, const std::vector<double>& want, double tol) {
-  REQUIRE(got.size() == want.size());
-  int failures = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!(std::abs(got[i] - want[i]) <= tol * (1 + std::abs(want[i]))) && failures++ < 5)
-      FAIL_CHECK("element " << i << ": got " << got[i] << ", want " << want[i]);
-  }
-  CHECK(failures == 0);
-}
 
 // The tolerance of a result rounded once to dt from float32 (or float64) arithmetic.
 double rounding(DType dt) {
