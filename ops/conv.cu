@@ -1,32 +1,41 @@
-// conv2d on CUDA through cuDNN: forward (cudnnConvolutionForward), backward data and backward filter.
+// conv2d on CUDA through cuDNN's graph API (the backend API PyTorch reaches through cudnn-frontend): forward,
+// backward data and backward filter, each a one-operation graph.
 //
-//   algorithms   benchmarked once per problem with cudnnFind*AlgorithmEx (every algorithm run on the real
-//                buffers, the fastest that fits the workspace kept) and cached in a map keyed by the whole
-//                problem: device, dtype, layout, all sizes, stride/padding/dilation/groups, math mode
+//   candidates   the engine configurations cuDNN's heuristics rank for the graph (modes A and FALLBACK), less
+//                those whose numerics we do not accept (below); for float16/bfloat16 1x1 convolutions with
+//                stride 1, also the same product as one cuBLAS GEMM (ops/conv.cpp, conv2d_pointwise_*)
+//   autotuning   the first time a problem is seen every candidate runs on the real buffers (one warm-up, then
+//                the median of three, timed with CUDA events) and the fastest is cached for the problem: device,
+//                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
+//                address alignment (an engine may need 16-byte aligned data). PyTorch's cudnn.benchmark does the
+//                same over its top candidates.
+//   numerics     accepted: tensor cores for float16/bfloat16, and for float32 only when conv_allow_tf32();
+//                refused: engines that down-convert inputs or reduce in reduced precision (float16/bfloat16
+//                products accumulate in float32, as on the CPU)
 //   workspace    a uint8 tensor from the caching allocator (no cudaMalloc per call)
-//   half         float16/bfloat16 on tensor cores (CUDNN_TENSOR_OP_MATH), accumulated in float32 (compute
-//                type float); float32 may use TF32 tensor cores when conv_allow_tf32(), else FMA only
-//   layouts      NCHW or NHWC descriptors (the op layer hands dense operands of one format); NHWC is what
-//                the tensor-core kernels read natively. float64 NHWC problems run in NCHW (cuDNN has no
-//                algorithms for them).
-//   pointwise    float16/bfloat16 1x1 convolutions with stride 1 are cuBLAS GEMMs instead (ops/conv.h,
-//                conv2d_pointwise_*), except the NCHW weight gradient, which is no single GEMM
+//   layouts      NCHW or NHWC strides on the same [N, C, H, W] descriptors (the op layer hands dense operands of
+//                one format); NHWC is what the tensor-core kernels read natively. float64 NHWC problems run in
+//                NCHW (cuDNN has no float64 engines for NHWC) and the result is copied into the NHWC output.
 //
-// The bias is added with cudnnAddTensor; its gradient is a sum over (N, H, W) done by the op layer.
+// The bias is added afterwards (out += bias per channel); its gradient is a sum over (N, H, W) done by the op
+// layer. Run with HALFGRAD_LOG=debug to see each problem's candidates and choice.
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
 #include <algorithm>
 #include <array>
 #include <climits>
-#include <string>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/autograd.h"
 #include "core/cuda.h"
+#include "core/log.h"
 #include "ops/conv.h"
 #include "ops/copy.h"
 #include "ops/elementwise.h"
@@ -59,152 +68,318 @@ cudnnDataType_t cudnn_type(DType t) {
   }
 }
 
-// ---- descriptors (RAII)
+// ---- backend descriptors (RAII): created with a type, filled with attributes, finalized
 
-struct TensorDesc {
-  cudnnTensorDescriptor_t desc = nullptr;
-  // A dense 4-D tensor in NCHW or NHWC (size-1 dims' strides do not matter for a dense tensor).
-  TensorDesc(const Tensor& t, bool nhwc) {
-    HG_CUDNN_CHECK(cudnnCreateTensorDescriptor(&desc), "conv2d");
-    HG_CUDNN_CHECK(cudnnSetTensor4dDescriptor(desc, nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
-                                              cudnn_type(t.dtype()), int(t.size(0)), int(t.size(1)),
-                                              int(t.size(2)), int(t.size(3))),
-                   "conv2d");
+class Descriptor {
+ public:
+  Descriptor(cudnnBackendDescriptorType_t type, const char* op) : op_(op) {
+    HG_CUDNN_CHECK(cudnnBackendCreateDescriptor(type, &desc_), op);
   }
-  ~TensorDesc() { cudnnDestroyTensorDescriptor(desc); }
-  TensorDesc(const TensorDesc&) = delete;
-  TensorDesc& operator=(const TensorDesc&) = delete;
+  ~Descriptor() {
+    if (desc_ != nullptr) cudnnBackendDestroyDescriptor(desc_);
+  }
+  Descriptor(const Descriptor&) = delete;
+  Descriptor& operator=(const Descriptor&) = delete;
+
+  cudnnBackendDescriptor_t get() const { return desc_; }
+  cudnnBackendDescriptor_t* address() { return &desc_; }
+
+  template <typename T> Descriptor& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
+                                       int64_t count, const T* values) {
+    HG_CUDNN_CHECK(cudnnBackendSetAttribute(desc_, name, type, count, values), op_);
+    return *this;
+  }
+  Descriptor& set(cudnnBackendAttributeName_t name, const Descriptor& value) {
+    cudnnBackendDescriptor_t d = value.get();
+    return set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &d);
+  }
+  Descriptor& set(cudnnBackendAttributeName_t name, int64_t value) { return set(name, CUDNN_TYPE_INT64, 1, &value); }
+  void finalize() { HG_CUDNN_CHECK(cudnnBackendFinalize(desc_), op_); }
+  // For descriptors that may legitimately not finalize (an engine that does not support the problem).
+  bool try_finalize() { return cudnnBackendFinalize(desc_) == CUDNN_STATUS_SUCCESS; }
+
+ private:
+  cudnnBackendDescriptor_t desc_ = nullptr;
+  const char* op_;
 };
 
-struct FilterDesc {
-  cudnnFilterDescriptor_t desc = nullptr;
-  FilterDesc(const Tensor& w, bool nhwc) {
-    HG_CUDNN_CHECK(cudnnCreateFilterDescriptor(&desc), "conv2d");
-    HG_CUDNN_CHECK(cudnnSetFilter4dDescriptor(desc, cudnn_type(w.dtype()), nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
-                                              int(w.size(0)), int(w.size(1)), int(w.size(2)), int(w.size(3))),
-                   "conv2d");
-  }
-  ~FilterDesc() { cudnnDestroyFilterDescriptor(desc); }
-  FilterDesc(const FilterDesc&) = delete;
-  FilterDesc& operator=(const FilterDesc&) = delete;
-};
+// ---- one problem: three operands in the forward's roles (x [N, C, H, W], w [O, C/g, kH, kW], y [N, O, OH, OW]),
+// whichever of them is being computed
 
-// The math mode the problem may use: tensor cores for the half types; TF32 or strict FMA for float32.
-cudnnMathType_t math_type(DType t, bool allow_tf32) {
-  if (t == kFloat16 || t == kBFloat16) return CUDNN_TENSOR_OP_MATH;
-  if (t == kFloat32) return allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
-  return CUDNN_DEFAULT_MATH;
+enum class Direction { Forward, BackwardData, BackwardFilter };
+
+const char* name_of(Direction d) {
+  switch (d) {
+    case Direction::Forward: return "conv2d";
+    case Direction::BackwardData: return "conv2d backward (input)";
+    case Direction::BackwardFilter: return "conv2d backward (weight)";
+  }
+  return "conv2d";
 }
 
-struct ConvDesc {
-  cudnnConvolutionDescriptor_t desc = nullptr;
-  ConvDesc(const Conv2dParams& p, DType dtype) {
-    HG_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&desc), "conv2d");
-    // Products of float16/bfloat16 (and float32) operands accumulate in float32; float64 in float64.
-    const cudnnDataType_t compute = dtype == kFloat64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
-    HG_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(desc, int(p.padding[0]), int(p.padding[1]), int(p.stride[0]),
-                                                   int(p.stride[1]), int(p.dilation[0]), int(p.dilation[1]),
-                                                   CUDNN_CROSS_CORRELATION, compute),
-                   "conv2d");
-    HG_CUDNN_CHECK(cudnnSetConvolutionGroupCount(desc, int(p.groups)), "conv2d");
-    HG_CUDNN_CHECK(cudnnSetConvolutionMathType(desc, math_type(dtype, p.allow_tf32)), "conv2d");
-  }
-  ~ConvDesc() { cudnnDestroyConvolutionDescriptor(desc); }
-  ConvDesc(const ConvDesc&) = delete;
-  ConvDesc& operator=(const ConvDesc&) = delete;
-};
-
-// ---- one problem: the operands' descriptors, built once per call
+// The variant pack's names for the operands.
+constexpr int64_t kUidX = 'x', kUidW = 'w', kUidY = 'y';
 
 // NHWC only (a tensor with C == 1 or H == W == 1 is dense in both layouts and may be described as either).
 bool strictly_channels_last(const Tensor& t) { return is_channels_last(t) && !t.is_contiguous(); }
 
+// The largest power of two (at most 16) that divides the address: engines that load 16 bytes at a time need it.
+int64_t alignment_of(const Tensor& t) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t a = 16;
+  while (a > 1 && address % uintptr_t(a) != 0) a /= 2;
+  return a;
+}
+
+using ProblemKey = std::array<int64_t, 22>;
+
 struct Problem {
-  const char* op;
-  int device;
+  Direction direction;
+  const Tensor& x;
+  const Tensor& w;
+  const Tensor& y;
+  const Conv2dParams& params;
   bool nhwc;
   DType dtype;
-  Conv2dParams params;
-  // x [N, C, H, W], w [O, C/g, kH, kW], y [N, O, OH, OW]: the forward's roles, whichever is being computed.
-  TensorDesc x, y;
-  FilterDesc w;
-  ConvDesc conv;
-  std::array<int64_t, 20> key;
-  const Tensor& input_;  // for error messages (the problem lives only during the call)
-  const Tensor& weight_;
-  const Tensor& output_;
 
-  Problem(const char* op_name, const Tensor& input, const Tensor& weight, const Tensor& output, const Conv2dParams& p)
-      : op(op_name),
-        device(input.device().index),
+  Problem(Direction d, const Tensor& x_, const Tensor& w_, const Tensor& y_, const Conv2dParams& p)
+      : direction(d), x(x_), w(w_), y(y_), params(p),
         // The op layer hands all operands dense in one format: NHWC if any of them is NHWC only.
-        nhwc(strictly_channels_last(input) || strictly_channels_last(weight) || strictly_channels_last(output)),
-        dtype(input.dtype()),
-        params(p),
-        x(input, nhwc),
-        y(output, nhwc),
-        w(weight, nhwc),
-        conv(p, input.dtype()),
-        key{device, int64_t(dtype), int64_t(nhwc), input.size(0), input.size(1), input.size(2), input.size(3),
-            weight.size(0), weight.size(2), weight.size(3), p.stride[0], p.stride[1], p.padding[0], p.padding[1],
-            p.dilation[0], p.dilation[1], p.groups, int64_t(math_type(input.dtype(), p.allow_tf32)), 0, 0},
-        input_(input),
-        weight_(weight),
-        output_(output) {}
+        nhwc(strictly_channels_last(x_) || strictly_channels_last(w_) || strictly_channels_last(y_)),
+        dtype(x_.dtype()) {}
+
+  const char* op() const { return name_of(direction); }
+  int device() const { return x.device().index; }
+  bool tf32() const { return dtype == kFloat32 && params.allow_tf32; }
+
+  ProblemKey key() const {
+    return {int64_t(direction), device(), int64_t(dtype), int64_t(nhwc), x.size(0), x.size(1), x.size(2),
+            x.size(3), w.size(0), w.size(1), w.size(2), w.size(3), params.stride[0], params.stride[1],
+            params.padding[0], params.padding[1], params.dilation[0], params.dilation[1], int64_t(tf32()),
+            alignment_of(x), alignment_of(w), alignment_of(y)};
+  }
 
   std::string str() const {
     return fmt::format("input {}, weight {}, output {}, stride ({}, {}), padding ({}, {}), dilation ({}, {}), "
-                       "groups {}, layout {}", input_.meta(), weight_.meta(), output_.meta(), params.stride[0],
-                       params.stride[1], params.padding[0], params.padding[1], params.dilation[0], params.dilation[1],
-                       params.groups, nhwc ? "NHWC" : "NCHW");
+                       "groups {}, layout {}", x.meta(), w.meta(), y.meta(), params.stride[0], params.stride[1],
+                       params.padding[0], params.padding[1], params.dilation[0], params.dilation[1], params.groups,
+                       nhwc ? "NHWC" : "NCHW");
   }
 };
 
-// The legacy cuDNN API takes int sizes, and its kernels index with 32-bit offsets.
-void check_sizes(const char* op, std::initializer_list<const Tensor*> tensors) {
-  for (const Tensor* t : tensors) {
-    HG_CHECK(t->numel() <= INT_MAX,
-             "{} (cuda): {} has more than 2^31 - 1 elements, which cuDNN's convolutions do not take; split the "
-             "batch", op, t->meta());
+// A [N, C, H, W]-ordered descriptor with the dense strides of the problem's layout (size-1 dims of a dense
+// tensor may carry any stride; cuDNN wants the canonical ones).
+void describe(Descriptor& d, const Tensor& t, int64_t uid, bool nhwc) {
+  const int64_t n = t.size(0), c = t.size(1), h = t.size(2), w = t.size(3);
+  const std::array<int64_t, 4> dims{n, c, h, w};
+  const std::array<int64_t, 4> strides = nhwc ? std::array<int64_t, 4>{h * w * c, 1, w * c, c}
+                                              : std::array<int64_t, 4>{c * h * w, h * w, w, 1};
+  const cudnnDataType_t type = cudnn_type(t.dtype());
+  d.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type)
+      .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data())
+      .set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data())
+      .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, uid)
+      .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, alignment_of(t));
+  d.finalize();
+}
+
+// Each direction's operation and the attribute names of its operands: x, w and y in the forward's roles (the
+// backward data operation computes x from y and w, the backward filter operation w from x and y).
+struct OperationAttributes {
+  cudnnBackendDescriptorType_t type;
+  cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
+};
+
+const OperationAttributes& operation_attributes(Direction d) {
+  static const OperationAttributes forward{
+      CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA};
+  static const OperationAttributes backward_data{
+      CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA};
+  static const OperationAttributes backward_filter{
+      CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA};
+  switch (d) {
+    case Direction::Forward: return forward;
+    case Direction::BackwardData: return backward_data;
+    case Direction::BackwardFilter: return backward_filter;
+  }
+  return forward;
+}
+
+// The problem as a finalized one-operation graph; the descriptors it refers to live as long as it does.
+struct Graph {
+  Descriptor x, w, y, conv, operation, graph;
+
+  Graph(const Problem& pb, cudnnHandle_t handle)
+      : x(CUDNN_BACKEND_TENSOR_DESCRIPTOR, pb.op()),
+        w(CUDNN_BACKEND_TENSOR_DESCRIPTOR, pb.op()),
+        y(CUDNN_BACKEND_TENSOR_DESCRIPTOR, pb.op()),
+        conv(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR, pb.op()),
+        operation(operation_attributes(pb.direction).type, pb.op()),
+        graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, pb.op()) {
+    describe(x, pb.x, kUidX, pb.nhwc);
+    describe(w, pb.w, kUidW, pb.nhwc);  // groups follow from x's C over w's C / groups
+    describe(y, pb.y, kUidY, pb.nhwc);
+
+    // Products of float16/bfloat16 (and float32) operands accumulate in float32; float64 in float64.
+    const bool is_double = pb.dtype == kFloat64;
+    const cudnnDataType_t compute = is_double ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+    const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+    const Conv2dParams& p = pb.params;
+    conv.set(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, int64_t(2))
+        .set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute)
+        .set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode)
+        .set(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, p.stride.data())
+        .set(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, p.padding.data())
+        .set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, p.padding.data())
+        .set(CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, p.dilation.data());
+    conv.finalize();
+
+    // alpha = 1, beta = 0: the output is written, never read.
+    const float f_one = 1, f_zero = 0;
+    const double d_one = 1, d_zero = 0;
+    const cudnnBackendAttributeType_t scalar = is_double ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
+    const void* one = is_double ? static_cast<const void*>(&d_one) : &f_one;
+    const void* zero = is_double ? static_cast<const void*>(&d_zero) : &f_zero;
+    const OperationAttributes& names = operation_attributes(pb.direction);
+    operation.set(names.x, x)
+        .set(names.w, w)
+        .set(names.y, y)
+        .set(names.conv, conv)
+        .set(names.alpha, scalar, 1, one)
+        .set(names.beta, scalar, 1, zero);
+    operation.finalize();
+    cudnnBackendDescriptor_t op = operation.get();
+    graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op)
+        .set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    graph.finalize();
+  }
+};
+
+// ---- candidates
+
+// One way to compute a problem: a finalized execution plan (with the engine configuration and graph it was
+// built from), or the cuBLAS GEMM of a pointwise convolution (plan == nullptr).
+struct Candidate {
+  std::shared_ptr<Graph> graph;
+  std::shared_ptr<Descriptor> config, plan;
+  int64_t workspace = 0;
+  std::string label;  // "engine 12" or "cuBLAS GEMM"
+};
+
+bool is_pointwise_gemm(const Problem& pb) {
+  if (!is_half(pb.dtype) || !conv2d_is_pointwise(pb.w.shape(), pb.params)) return false;
+  // The NCHW weight gradient is no single GEMM (ops/conv.h).
+  return pb.direction != Direction::BackwardFilter || (is_channels_last(pb.y) && is_channels_last(pb.x));
+}
+
+// Whether an engine's numerics fit the problem's contract.
+bool acceptable(const Descriptor& engine, const Problem& pb) {
+  std::array<cudnnBackendNumericalNote_t, CUDNN_NUMERICAL_NOTE_TYPE_COUNT> notes{};
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               int64_t(notes.size()), &count, notes.data()) != CUDNN_STATUS_SUCCESS) {
+    return false;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    switch (notes[size_t(i)]) {
+      case CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS:
+      case CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION: return false;
+      case CUDNN_NUMERICAL_NOTE_TENSOR_CORE:
+        if (pb.dtype == kFloat32 && !pb.params.allow_tf32) return false;
+        break;
+      default: break;
+    }
+  }
+  return true;
+}
+
+// The engine configurations cuDNN's heuristics rank for the graph in `mode`, finalized into plans where the
+// engine supports the problem and its numerics are acceptable.
+void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& graph, const Problem& pb,
+                    cudnnHandle_t handle, cudnnBackendHeurMode_t mode) {
+  Descriptor heuristics(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, pb.op());
+  heuristics.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph->graph)
+      .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+  if (!heuristics.try_finalize()) return;
+  int64_t count = 0;
+  HG_CUDNN_CHECK(cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                          CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
+                 pb.op());
+  std::vector<std::shared_ptr<Descriptor>> configs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i) {
+    configs.push_back(std::make_shared<Descriptor>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, pb.op()));
+    raw.push_back(configs.back()->get());
+  }
+  int64_t returned = 0;
+  HG_CUDNN_CHECK(cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                          CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned, raw.data()),
+                 pb.op());
+  for (int64_t i = 0; i < returned; ++i) {
+    Descriptor engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR, pb.op());
+    int64_t got = 0;
+    if (cudnnBackendGetAttribute(configs[size_t(i)]->get(), CUDNN_ATTR_ENGINECFG_ENGINE,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got, engine.address()) != CUDNN_STATUS_SUCCESS ||
+        !acceptable(engine, pb)) {
+      continue;
+    }
+    int64_t index = -1;
+    cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &index);
+    auto plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, pb.op());
+    plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *configs[size_t(i)])
+        .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    if (!plan->try_finalize()) continue;  // the engine does not take this problem
+    int64_t workspace = 0;
+    HG_CUDNN_CHECK(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64,
+                                            1, &got, &workspace),
+                   pb.op());
+    out.push_back(Candidate{graph, configs[size_t(i)], plan, workspace, fmt::format("engine {}", index)});
   }
 }
 
-// ---- algorithm choice: benchmarked once per problem, then cached
-
-struct Choice {
-  int algo = 0;
-  size_t workspace = 0;
-  cudnnMathType_t math = CUDNN_DEFAULT_MATH;
-};
-
-template <typename Perf> struct AlgoCache {
-  std::mutex mutex;
-  std::map<std::array<int64_t, 20>, Choice> choices;
-
-  bool find(const std::array<int64_t, 20>& key, Choice& out) {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = choices.find(key);
-    if (it == choices.end()) return false;
-    out = it->second;
-    return true;
+void run_gemm(const Problem& pb) {
+  switch (pb.direction) {
+    case Direction::Forward: conv2d_pointwise_forward(pb.y, pb.x, pb.w); break;
+    case Direction::BackwardData: conv2d_pointwise_backward_input(pb.x, pb.y, pb.w); break;
+    case Direction::BackwardFilter: conv2d_pointwise_backward_weight(pb.w, pb.y, pb.x); break;
   }
-  void insert(const std::array<int64_t, 20>& key, const Choice& c) {
-    std::lock_guard<std::mutex> lock(mutex);
-    choices[key] = c;
-  }
-};
+}
 
-AlgoCache<cudnnConvolutionFwdAlgoPerf_t> forward_cache;
-AlgoCache<cudnnConvolutionBwdDataAlgoPerf_t> backward_data_cache;
-AlgoCache<cudnnConvolutionBwdFilterAlgoPerf_t> backward_filter_cache;
+void* data_of(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// Runs one candidate on the problem's buffers with `workspace` (at least c.workspace bytes).
+void execute(const Candidate& c, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
+  if (!c.plan) {
+    run_gemm(pb);
+    return;
+  }
+  const std::array<int64_t, 3> uids{kUidX, kUidW, kUidY};
+  const std::array<void*, 3> pointers{pb.x.data_ptr(), pb.w.data_ptr(), pb.y.data_ptr()};
+  void* ws = data_of(workspace);
+  Descriptor pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, pb.op());
+  pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, pointers.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+  pack.finalize();
+  HG_CUDNN_CHECK(cudnnBackendExecute(handle, c.plan->get(), pack.get()), pb.op());
+}
 
 // A workspace of up to `bytes` from the caching allocator; when that much is not available, the largest
-// power-of-two fraction of it that is (the benchmark then skips the algorithms that need more).
-Tensor workspace_up_to(size_t bytes, Device device, size_t& got) {
+// power-of-two fraction of it that is (autotuning then skips the candidates that need more).
+Tensor workspace_up_to(int64_t bytes, Device device, int64_t& got) {
   got = bytes;
   while (got > 0) {
     try {
-      return empty({int64_t(got)}, {.dtype = kUInt8, .device = device});
+      return empty({got}, {.dtype = kUInt8, .device = device});
     } catch (const OutOfMemory&) {
       got /= 2;
     }
@@ -212,67 +387,106 @@ Tensor workspace_up_to(size_t bytes, Device device, size_t& got) {
   return Tensor();
 }
 
-Tensor workspace(size_t bytes, Device device) {
-  if (bytes == 0) return Tensor();
-  return empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device});
-}
-
-void* data_of(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
-
-// The fastest algorithm that ran successfully; its own math mode (cuDNN may report a narrower one than
-// the descriptor allowed) is kept with it.
-template <typename Perf> Choice best_of(const std::vector<Perf>& perf, int returned, const Problem& pb) {
-  for (int i = 0; i < returned; ++i) {
-    const Perf& p = perf[size_t(i)];
-    if (p.status != CUDNN_STATUS_SUCCESS) continue;
-    // Strict float32: never accept a result obtained on tensor cores.
-    if (pb.dtype == kFloat32 && !pb.params.allow_tf32 && p.mathType == CUDNN_TENSOR_OP_MATH) continue;
-    return Choice{int(p.algo), p.memory, p.mathType};
+// Median milliseconds of three runs of a candidate after one warm-up, or a negative number when it failed.
+float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
+  const cudaStream_t stream = cuda::current_stream(pb.device());
+  try {
+    execute(c, pb, handle, workspace);
+  } catch (const Error& e) {
+    logger().debug("{}: {} failed to run ({}); skipped", pb.op(), c.label, e.what());
+    return -1;
   }
-  HG_FAIL("{} (cuda): cuDNN found no algorithm that runs for {} ({} tried)", pb.op, pb.str(), returned);
-}
-
-// Scaling factors: float for float/half/bfloat16 data, double for double.
-struct Scalars {
-  float f_one = 1, f_zero = 0;
-  double d_one = 1, d_zero = 0;
-  bool is_double;
-  explicit Scalars(DType t) : is_double(t == kFloat64) {}
-  const void* one() const { return is_double ? static_cast<const void*>(&d_one) : &f_one; }
-  const void* zero() const { return is_double ? static_cast<const void*>(&d_zero) : &f_zero; }
-};
-
-// ---- forward
-
-Choice forward_algorithm(cudnnHandle_t handle, const Problem& pb, const Tensor& x, const Tensor& w, const Tensor& y) {
-  Choice choice;
-  if (forward_cache.find(pb.key, choice)) return choice;
-  size_t most = 0;
-  for (int a = 0; a < CUDNN_CONVOLUTION_FWD_ALGO_COUNT; ++a) {
-    size_t bytes = 0;
-    if (cudnnGetConvolutionForwardWorkspaceSize(handle, pb.x.desc, pb.w.desc, pb.conv.desc, pb.y.desc,
-                                                cudnnConvolutionFwdAlgo_t(a), &bytes) == CUDNN_STATUS_SUCCESS)
-      most = std::max(most, bytes);
+  std::array<float, 3> ms{};
+  cudaEvent_t start = nullptr, stop = nullptr;
+  HG_CUDA_CHECK(cudaEventCreate(&start), pb.op());
+  HG_CUDA_CHECK(cudaEventCreate(&stop), pb.op());
+  for (float& t : ms) {
+    HG_CUDA_CHECK(cudaEventRecord(start, stream), pb.op());
+    execute(c, pb, handle, workspace);
+    HG_CUDA_CHECK(cudaEventRecord(stop, stream), pb.op());
+    HG_CUDA_CHECK(cudaEventSynchronize(stop), pb.op());
+    HG_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop), pb.op());
   }
-  size_t got = 0;
-  Tensor ws = workspace_up_to(most, x.device(), got);
-  int count = 0, returned = 0;
-  HG_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(handle, &count), pb.op);
-  std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(size_t(std::max(count, 1)));
-  HG_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, pb.x.desc, x.data_ptr(), pb.w.desc, w.data_ptr(),
-                                                        pb.conv.desc, pb.y.desc, y.data_ptr(), int(perf.size()),
-                                                        &returned, perf.data(), data_of(ws), got),
-                 pb.op);
-  choice = best_of(perf, returned, pb);
-  forward_cache.insert(pb.key, choice);
-  return choice;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[1];
 }
 
-// cuDNN has no float64 algorithms for NHWC (PyTorch never asks it for them either): such problems are
-// computed in NCHW and the result copied into the NHWC output.
+// ---- the choice per problem: autotuned once, then cached
+
+std::mutex g_choices_mutex;
+std::map<ProblemKey, Candidate> g_choices;
+
+Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
+  std::vector<Candidate> candidates;
+  if (is_pointwise_gemm(pb)) candidates.push_back(Candidate{nullptr, nullptr, nullptr, 0, "cuBLAS GEMM"});
+  auto graph = std::make_shared<Graph>(pb, handle);
+  add_candidates(candidates, graph, pb, handle, CUDNN_HEUR_MODE_A);
+  add_candidates(candidates, graph, pb, handle, CUDNN_HEUR_MODE_FALLBACK);
+  HG_CHECK(!candidates.empty(), "{} (cuda): cuDNN has no engine for {} whose numerics are acceptable", pb.op(),
+           pb.str());
+
+  int64_t most = 0;
+  for (const Candidate& c : candidates) most = std::max(most, c.workspace);
+  int64_t got = 0;
+  Tensor workspace = workspace_up_to(most, pb.x.device(), got);
+  const Candidate* best = nullptr;
+  float best_ms = 0;
+  std::string report;
+  for (const Candidate& c : candidates) {
+    if (c.workspace > got) continue;
+    const float ms = time_candidate(c, pb, handle, workspace);
+    report += fmt::format(" {} {:.3f} ms;", c.label, ms);
+    if (ms >= 0 && (best == nullptr || ms < best_ms)) {
+      best = &c;
+      best_ms = ms;
+    }
+  }
+  HG_CHECK(best != nullptr, "{} (cuda): none of the {} candidate engines ran for {} (workspace available: {} bytes)",
+           pb.op(), candidates.size(), pb.str(), got);
+  logger().debug("{} (cuda): {} -> {} ({:.3f} ms);{}", pb.op(), pb.str(), best->label, best_ms, report);
+  return *best;
+}
+
+Candidate choice_for(const Problem& pb, cudnnHandle_t handle) {
+  const ProblemKey key = pb.key();
+  {
+    std::lock_guard<std::mutex> lock(g_choices_mutex);
+    auto it = g_choices.find(key);
+    if (it != g_choices.end()) return it->second;
+  }
+  Candidate c = autotune(pb, handle);
+  std::lock_guard<std::mutex> lock(g_choices_mutex);
+  return g_choices.emplace(key, std::move(c)).first->second;
+}
+
+// The legacy-sized limit cuDNN's convolution kernels still index with.
+void check_sizes(const Problem& pb) {
+  for (const Tensor* t : {&pb.x, &pb.w, &pb.y}) {
+    HG_CHECK(t->numel() <= INT_MAX,
+             "{} (cuda): {} has more than 2^31 - 1 elements, which cuDNN's convolutions do not take; split the "
+             "batch", pb.op(), t->meta());
+  }
+}
+
+void run(Direction direction, const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params) {
+  const Problem pb(direction, x, w, y, params);
+  check_sizes(pb);
+  cuda::DeviceGuard guard(x.device());
+  cudnnHandle_t handle = cudnn_handle(pb.device());
+  const Candidate c = choice_for(pb, handle);
+  const Tensor workspace = c.workspace > 0 ? empty({c.workspace}, {.dtype = kUInt8, .device = x.device()}) : Tensor();
+  execute(c, pb, handle, workspace);
+}
+
+// cuDNN has no float64 engines for NHWC (PyTorch never asks it for them either): such problems are computed in
+// NCHW and the result copied into the NHWC output.
 bool float64_nhwc(const Tensor& a, const Tensor& b, const Tensor& c) {
   return a.dtype() == kFloat64 && (strictly_channels_last(a) || strictly_channels_last(b) || strictly_channels_last(c));
 }
+
+// ---- the three kernels
 
 void conv2d_forward_cuda(const Tensor& out, const Tensor& input, const Tensor& weight, const Tensor& bias,
                          const Conv2dParams& params) {
@@ -283,67 +497,11 @@ void conv2d_forward_cuda(const Tensor& out, const Tensor& input, const Tensor& w
     copy_kernel[out.device()](out, nchw);
     return;
   }
-  if (is_half(out.dtype()) && conv2d_is_pointwise(weight.shape(), params)) {
-    // cuBLAS runs these memory-bound products near the bandwidth limit; cuDNN's legacy algorithms for them
-    // were 2-4x slower in float16 on an H200 (tools/bench_conv, ResNet-50's 1x1 layers).
-    conv2d_pointwise_forward(out, input, weight);
-    if (bias.defined()) {
-      NoGradGuard no_grad;
-      Tensor(out).add_(bias.view({1, -1, 1, 1}));  // a handle copy: the same tensor
-    }
-    return;
-  }
-  check_sizes("conv2d", {&out, &input, &weight});
-  cuda::DeviceGuard guard(input.device());
-  cudnnHandle_t handle = cudnn_handle(input.device().index);
-  Problem pb("conv2d", input, weight, out, params);
-  const Choice c = forward_algorithm(handle, pb, input, weight, out);
-  HG_CUDNN_CHECK(cudnnSetConvolutionMathType(pb.conv.desc, c.math), "conv2d");
-  Tensor ws = workspace(c.workspace, input.device());
-  const Scalars s(input.dtype());
-  HG_CUDNN_CHECK(cudnnConvolutionForward(handle, s.one(), pb.x.desc, input.data_ptr(), pb.w.desc, weight.data_ptr(),
-                                         pb.conv.desc, cudnnConvolutionFwdAlgo_t(c.algo), data_of(ws), c.workspace,
-                                         s.zero(), pb.y.desc, out.data_ptr()),
-                 "conv2d");
+  run(Direction::Forward, input, weight, out, params);
   if (bias.defined()) {
-    // [1, O, 1, 1]: the same memory in either layout.
-    cudnnTensorDescriptor_t bias_desc = nullptr;
-    HG_CUDNN_CHECK(cudnnCreateTensorDescriptor(&bias_desc), "conv2d");
-    cudnnStatus_t status = cudnnSetTensor4dDescriptor(bias_desc, pb.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
-                                                      cudnn_type(bias.dtype()), 1, int(bias.size(0)), 1, 1);
-    if (status == CUDNN_STATUS_SUCCESS) {
-      status = cudnnAddTensor(handle, s.one(), bias_desc, bias.data_ptr(), s.one(), pb.y.desc, out.data_ptr());
-    }
-    cudnnDestroyTensorDescriptor(bias_desc);
-    HG_CUDNN_CHECK(status, "conv2d (bias)");
+    NoGradGuard no_grad;
+    Tensor(out).add_(bias.view({1, -1, 1, 1}));  // a handle copy: the same tensor
   }
-}
-
-// ---- backward data: grad_input from grad_output and the weight
-
-Choice backward_data_algorithm(cudnnHandle_t handle, const Problem& pb, const Tensor& w, const Tensor& dy,
-                               const Tensor& dx) {
-  Choice choice;
-  if (backward_data_cache.find(pb.key, choice)) return choice;
-  size_t most = 0;
-  for (int a = 0; a < CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT; ++a) {
-    size_t bytes = 0;
-    if (cudnnGetConvolutionBackwardDataWorkspaceSize(handle, pb.w.desc, pb.y.desc, pb.conv.desc, pb.x.desc,
-                                                     cudnnConvolutionBwdDataAlgo_t(a), &bytes) == CUDNN_STATUS_SUCCESS)
-      most = std::max(most, bytes);
-  }
-  size_t got = 0;
-  Tensor ws = workspace_up_to(most, dx.device(), got);
-  int count = 0, returned = 0;
-  HG_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(handle, &count), pb.op);
-  std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(size_t(std::max(count, 1)));
-  HG_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, pb.w.desc, w.data_ptr(), pb.y.desc, dy.data_ptr(),
-                                                             pb.conv.desc, pb.x.desc, dx.data_ptr(), int(perf.size()),
-                                                             &returned, perf.data(), data_of(ws), got),
-                 pb.op);
-  choice = best_of(perf, returned, pb);
-  backward_data_cache.insert(pb.key, choice);
-  return choice;
 }
 
 void conv2d_backward_input_cuda(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
@@ -355,52 +513,7 @@ void conv2d_backward_input_cuda(const Tensor& grad_input, const Tensor& grad_out
     copy_kernel[grad_input.device()](grad_input, nchw);
     return;
   }
-  if (is_half(grad_input.dtype()) && conv2d_is_pointwise(weight.shape(), params)) {
-    conv2d_pointwise_backward_input(grad_input, grad_output, weight);
-    return;
-  }
-  check_sizes("conv2d backward", {&grad_input, &grad_output, &weight});
-  cuda::DeviceGuard guard(grad_input.device());
-  cudnnHandle_t handle = cudnn_handle(grad_input.device().index);
-  Problem pb("conv2d backward (input)", grad_input, weight, grad_output, params);
-  const Choice c = backward_data_algorithm(handle, pb, weight, grad_output, grad_input);
-  HG_CUDNN_CHECK(cudnnSetConvolutionMathType(pb.conv.desc, c.math), "conv2d backward (input)");
-  Tensor ws = workspace(c.workspace, grad_input.device());
-  const Scalars s(grad_input.dtype());
-  HG_CUDNN_CHECK(cudnnConvolutionBackwardData(handle, s.one(), pb.w.desc, weight.data_ptr(), pb.y.desc,
-                                              grad_output.data_ptr(), pb.conv.desc,
-                                              cudnnConvolutionBwdDataAlgo_t(c.algo), data_of(ws), c.workspace,
-                                              s.zero(), pb.x.desc, grad_input.data_ptr()),
-                 "conv2d backward (input)");
-}
-
-// ---- backward filter: grad_weight from grad_output and the input
-
-Choice backward_filter_algorithm(cudnnHandle_t handle, const Problem& pb, const Tensor& x, const Tensor& dy,
-                                 const Tensor& dw) {
-  Choice choice;
-  if (backward_filter_cache.find(pb.key, choice)) return choice;
-  size_t most = 0;
-  for (int a = 0; a < CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT; ++a) {
-    size_t bytes = 0;
-    if (cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, pb.x.desc, pb.y.desc, pb.conv.desc, pb.w.desc,
-                                                       cudnnConvolutionBwdFilterAlgo_t(a),
-                                                       &bytes) == CUDNN_STATUS_SUCCESS)
-      most = std::max(most, bytes);
-  }
-  size_t got = 0;
-  Tensor ws = workspace_up_to(most, dw.device(), got);
-  int count = 0, returned = 0;
-  HG_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &count), pb.op);
-  std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(size_t(std::max(count, 1)));
-  HG_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, pb.x.desc, x.data_ptr(), pb.y.desc,
-                                                               dy.data_ptr(), pb.conv.desc, pb.w.desc, dw.data_ptr(),
-                                                               int(perf.size()), &returned, perf.data(), data_of(ws),
-                                                               got),
-                 pb.op);
-  choice = best_of(perf, returned, pb);
-  backward_filter_cache.insert(pb.key, choice);
-  return choice;
+  run(Direction::BackwardData, grad_input, weight, grad_output, params);
 }
 
 void conv2d_backward_weight_cuda(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input,
@@ -412,24 +525,7 @@ void conv2d_backward_weight_cuda(const Tensor& grad_weight, const Tensor& grad_o
     copy_kernel[grad_weight.device()](grad_weight, nchw);
     return;
   }
-  if (is_half(grad_weight.dtype()) && conv2d_is_pointwise(grad_weight.shape(), params) &&
-      is_channels_last(grad_output) && is_channels_last(input)) {
-    conv2d_pointwise_backward_weight(grad_weight, grad_output, input);
-    return;
-  }
-  check_sizes("conv2d backward", {&grad_weight, &grad_output, &input});
-  cuda::DeviceGuard guard(input.device());
-  cudnnHandle_t handle = cudnn_handle(input.device().index);
-  Problem pb("conv2d backward (weight)", input, grad_weight, grad_output, params);
-  const Choice c = backward_filter_algorithm(handle, pb, input, grad_output, grad_weight);
-  HG_CUDNN_CHECK(cudnnSetConvolutionMathType(pb.conv.desc, c.math), "conv2d backward (weight)");
-  Tensor ws = workspace(c.workspace, input.device());
-  const Scalars s(input.dtype());
-  HG_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle, s.one(), pb.x.desc, input.data_ptr(), pb.y.desc,
-                                                grad_output.data_ptr(), pb.conv.desc,
-                                                cudnnConvolutionBwdFilterAlgo_t(c.algo), data_of(ws), c.workspace,
-                                                s.zero(), pb.w.desc, grad_weight.data_ptr()),
-                 "conv2d backward (weight)");
+  run(Direction::BackwardFilter, input, grad_weight, grad_output, params);
 }
 
 }  // namespace

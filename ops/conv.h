@@ -3,8 +3,8 @@
 //
 // Path from the public op to the kernels (ops/conv.cpp):
 //   conv2d                 ->  conv2d_forward_kernel[device]          CPU: im2col + Eigen GEMM (ops/conv.cpp)
-//   Conv2dBackward (node)  ->  conv2d_backward_input_kernel[device]   CUDA: cuDNN, algorithm benchmarked once
-//                          ->  conv2d_backward_weight_kernel[device]        per problem and cached (ops/conv.cu)
+//   Conv2dBackward (node)  ->  conv2d_backward_input_kernel[device]   CUDA: cuDNN's graph API, engines autotuned
+//                          ->  conv2d_backward_weight_kernel[device]        once per problem, cached (ops/conv.cu)
 //                          ->  grad_output.sum({0, 2, 3}) for the bias
 //
 // channels_last: halfgrad tensors are strided, so an NHWC tensor is a [N, C, H, W] tensor whose strides are

@@ -7,7 +7,9 @@
 //               whose input is the data) and grad weight; the gradients are reset before each step, so no
 //               accumulation is timed. --direct times the three kernels' ops without autograd instead.
 //   timing      CUDA events around each step on the current stream, after --warmup steps (the first one
-//               benchmarks cuDNN's algorithms for the shape); the median of --iters steps
+//               autotunes cuDNN's engines for the shape); the median of --iters steps (tools/bench_layers.h).
+//               "host ms" is the median time the host took to issue a step: when it is close to "ms", the
+//               step is bound by the host, not by the GPU.
 //   TFLOP/s     2 * N * O * OH * OW * (C / groups) * kH * kW per product, times 3 (forward, grad input,
 //               grad weight), or 2 for the stem
 //   data        random normal inputs; weights scaled by 1/sqrt(fan_in) so that float16 stays finite
@@ -25,9 +27,7 @@
 #include "halfgrad.h"
 #include "ops/conv.h"
 
-#if HALFGRAD_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
+#include "tools/bench_layers.h"
 
 using namespace halfgrad;
 
@@ -81,48 +81,12 @@ const std::vector<Layer> kLayers = {
     {"resnet50", "layer4 3x3", 512, 512, 3, 1, 4},
 };
 
-struct Settings {
-  int64_t batch = 256;
-  int iters = 50;
-  int warmup = 10;
-  std::string net = "all", dtype = "all", layout = "all";
+struct Settings : bench::LayerSettings {
   bool tf32 = true;
   bool direct = false;
 };
 
 #if HALFGRAD_WITH_CUDA
-
-void check(cudaError_t status, const char* what) {
-  HG_CHECK(status == cudaSuccess, "bench_conv: {} failed: {}", what, cudaGetErrorString(status));
-}
-
-// Median milliseconds of `step` over `iters` runs, each between two CUDA events on the current stream.
-template <typename Step> double median_ms(Step&& step, const Settings& s) {
-  cudaStream_t stream = cuda::current_stream(0);
-  for (int i = 0; i < s.warmup; ++i) step();
-  cuda::synchronize();
-  std::vector<cudaEvent_t> start(size_t(s.iters)), stop(size_t(s.iters));
-  for (int i = 0; i < s.iters; ++i) {
-    check(cudaEventCreate(&start[size_t(i)]), "cudaEventCreate");
-    check(cudaEventCreate(&stop[size_t(i)]), "cudaEventCreate");
-  }
-  for (int i = 0; i < s.iters; ++i) {
-    check(cudaEventRecord(start[size_t(i)], stream), "cudaEventRecord");
-    step();
-    check(cudaEventRecord(stop[size_t(i)], stream), "cudaEventRecord");
-  }
-  cuda::synchronize();
-  std::vector<double> ms;
-  for (int i = 0; i < s.iters; ++i) {
-    float t = 0;
-    check(cudaEventElapsedTime(&t, start[size_t(i)], stop[size_t(i)]), "cudaEventElapsedTime");
-    ms.push_back(t);
-    cudaEventDestroy(start[size_t(i)]);
-    cudaEventDestroy(stop[size_t(i)]);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // Random normal values of `shape` on the GPU, scaled, in `dtype` and `format`.
 Tensor random_gpu(const Shape& shape, DType dtype, MemoryFormat format, double scale = 1.0) {
@@ -131,7 +95,7 @@ Tensor random_gpu(const Shape& shape, DType dtype, MemoryFormat format, double s
   return contiguous(t, format);
 }
 
-double run_layer(const Layer& l, DType dtype, MemoryFormat format, const Settings& s) {
+bench::StepTimes run_layer(const Layer& l, DType dtype, MemoryFormat format, const Settings& s) {
   const Conv2dOptions options{.stride = {l.stride, l.stride}, .padding = {l.kernel / 2, l.kernel / 2}};
   const bool input_grad = l.in_channels != 3;  // the stem's input is the data
   Tensor x = random_gpu({s.batch, l.in_channels, l.size, l.size}, dtype, format);
@@ -143,23 +107,23 @@ double run_layer(const Layer& l, DType dtype, MemoryFormat format, const Setting
   w.requires_grad_();
 
   if (s.direct) {
-    return median_ms(
+    return bench::time_steps(
         [&] {
           NoGradGuard no_grad;
           Tensor y = conv2d(x, w, {}, options);
           if (input_grad) conv2d_backward_input(dy, w, x.shape(), options);
           conv2d_backward_weight(dy, x, w.shape(), options);
         },
-        s);
+        s.warmup, s.iters);
   }
-  return median_ms(
+  return bench::time_steps(
       [&] {
         if (input_grad) x.set_grad(Tensor());
         w.set_grad(Tensor());
         Tensor y = conv2d(x, w, {}, options);
         y.backward(dy);
       },
-      s);
+      s.warmup, s.iters);
 }
 
 int run(const Settings& s) {
@@ -168,27 +132,21 @@ int run(const Settings& s) {
              "steps; float32 TF32 {}; {}\n",
              cuda::device_name(0), s.batch, s.iters, s.warmup, s.tf32 ? "allowed" : "off",
              s.direct ? "direct op calls (no autograd)" : "through autograd");
-  fmt::print("{:<9} {:<22} {:<26} {:<8} {:<6} {:>10} {:>9}\n", "net", "layer", "shape (C->O, k, s, HxW)", "dtype",
-             "layout", "ms", "TFLOP/s");
+  fmt::print("{:<9} {:<22} {:<26} {:<8} {:<6} {:>10} {:>9} {:>8}\n", "net", "layer", "shape (C->O, k, s, HxW)",
+             "dtype", "layout", "ms", "TFLOP/s", "host ms");
   for (const Layer& l : kLayers) {
     if (s.net != "all" && s.net != l.net) continue;
-    for (DType dtype : {kFloat32, kFloat16}) {
-      const char* dname = dtype == kFloat32 ? "fp32" : "fp16";
-      if (s.dtype != "all" && s.dtype != dname) continue;
-      for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-        const char* lname = format == MemoryFormat::Contiguous ? "NCHW" : "NHWC";
-        if (s.layout != "all" && s.layout != (format == MemoryFormat::Contiguous ? "nchw" : "nhwc")) continue;
-        const double ms = run_layer(l, dtype, format, s);
-        const int64_t out = conv_output_size(l.size, l.kernel, l.stride, l.kernel / 2, 1);
-        const double flops = 2.0 * double(s.batch) * double(l.out_channels) * double(out * out) *
-                             double(l.in_channels * l.kernel * l.kernel) * (l.in_channels == 3 ? 2 : 3);
-        const std::string shape = fmt::format("{}->{}, {}x{}, s{}, {}x{}", l.in_channels, l.out_channels, l.kernel,
-                                              l.kernel, l.stride, l.size, l.size);
-        fmt::print("{:<9} {:<22} {:<26} {:<8} {:<6} {:>10.3f} {:>9.1f}\n", l.net, l.name, shape, dname, lname, ms,
-                   flops / (ms * 1e-3) / 1e12);
-        std::fflush(stdout);
-      }
-    }
+    bench::for_each_case(s, [&](DType dtype, const char* dname, MemoryFormat format, const char* lname) {
+      const bench::StepTimes t = run_layer(l, dtype, format, s);
+      const int64_t out = conv_output_size(l.size, l.kernel, l.stride, l.kernel / 2, 1);
+      const double flops = 2.0 * double(s.batch) * double(l.out_channels) * double(out * out) *
+                           double(l.in_channels * l.kernel * l.kernel) * (l.in_channels == 3 ? 2 : 3);
+      const std::string shape = fmt::format("{}->{}, {}x{}, s{}, {}x{}", l.in_channels, l.out_channels, l.kernel,
+                                            l.kernel, l.stride, l.size, l.size);
+      fmt::print("{:<9} {:<22} {:<26} {:<8} {:<6} {:>10.3f} {:>9.1f} {:>8.3f}\n", l.net, l.name, shape, dname,
+                 lname, t.ms, flops / (t.ms * 1e-3) / 1e12, t.host_ms);
+      std::fflush(stdout);
+    });
   }
   return 0;
 }
@@ -201,35 +159,13 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"conv2d forward + backward on the GPU for the ResNet-18/50 CIFAR shapes (compare with "
                "tools/bench_conv_torch.py)"};
-  app.add_option("--batch", s.batch, "batch size")->check(CLI::PositiveNumber);
-  app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", s.warmup, "untimed steps before timing (the first benchmarks cuDNN's algorithms)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--net", s.net, "resnet18, resnet50 or all")->check(CLI::IsMember({"all", "resnet18", "resnet50"}));
-  app.add_option("--dtype", s.dtype, "fp32, fp16 or all")->check(CLI::IsMember({"all", "fp32", "fp16"}));
-  app.add_option("--layout", s.layout, "nchw, nhwc or all")->check(CLI::IsMember({"all", "nchw", "nhwc"}));
+  bench::add_layer_options(app, s);
   app.add_option("--tf32", s.tf32, "let float32 convolutions use TF32 tensor cores (PyTorch's default: true)");
   app.add_flag("--direct", s.direct, "time conv2d + conv2d_backward_input + conv2d_backward_weight without autograd");
   CLI11_PARSE(app, argc, argv);
-
-  if (!cuda::is_available()) {
 #if HALFGRAD_WITH_CUDA
-    fmt::print(stderr, "bench_conv: no CUDA GPU is visible (cuda::device_count() = {}); this benchmark needs one.\n",
-               cuda::device_count());
+  return bench::run_on_gpu("bench_conv", [&] { return run(s); });
 #else
-    fmt::print(stderr, "bench_conv: this halfgrad was built without the CUDA backend (HALFGRAD_CUDA=OFF or no "
-                       "CUDA toolkit/cuDNN found); this benchmark needs a CUDA build and a GPU.\n");
-#endif
-    return 1;
-  }
-#if HALFGRAD_WITH_CUDA
-  try {
-    return run(s);
-  } catch (const Error& e) {
-    fmt::print(stderr, "bench_conv: {}\n", e.what());
-    return 1;
-  }
-#else
-  return 1;
+  return bench::run_on_gpu("bench_conv", [] { return 1; });
 #endif
 }

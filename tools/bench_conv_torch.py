@@ -14,12 +14,12 @@ The project does not depend on PyTorch: this script is only for comparing.
 """
 import argparse
 import math
-import statistics
 import sys
 
 try:
     import torch
     import torch.nn.functional as F
+    from torch_bench_layers import add_layer_arguments, cases, time_steps
 except ImportError as e:  # not an error: the comparison is optional
     print(f"bench_conv_torch: PyTorch is not importable by {sys.executable} ({e}); nothing to compare.")
     sys.exit(0)
@@ -67,20 +67,6 @@ LAYERS = [
 ]
 
 
-def median_ms(step, iters, warmup):
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    stop = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        start[i].record()
-        step()
-        stop[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, stop))
-
-
 def run_layer(layer, dtype, memory_format, args):
     _, _, cin, cout, k, stride, size = layer
     pad = k // 2
@@ -100,17 +86,12 @@ def run_layer(layer, dtype, memory_format, args):
         y = F.conv2d(x, w, None, stride, pad)
         y.backward(dy)
 
-    return median_ms(step, args.iters, args.warmup)
+    return time_steps(step, args.warmup, args.iters)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--net", choices=["all", "resnet18", "resnet50"], default="all")
-    parser.add_argument("--dtype", choices=["all", "fp32", "fp16"], default="all")
-    parser.add_argument("--layout", choices=["all", "nchw", "nhwc"], default="all")
+    add_layer_arguments(parser, iters=50)
     parser.add_argument("--no-tf32", action="store_true", help="full float32 convolutions (no TF32)")
     args = parser.parse_args()
 
@@ -124,23 +105,18 @@ def main():
           f"+ backward on {torch.cuda.get_device_name(0)}, batch {args.batch}, median of {args.iters} steps after "
           f"{args.warmup} warm-up steps; float32 TF32 {'off' if args.no_tf32 else 'allowed'}; through autograd")
     print(f"{'net':<9} {'layer':<22} {'shape (C->O, k, s, HxW)':<26} {'dtype':<8} {'layout':<6} {'ms':>10} "
-          f"{'TFLOP/s':>9}")
+          f"{'TFLOP/s':>9} {'host ms':>8}")
     for layer in LAYERS:
         net, name, cin, cout, k, stride, size = layer
         if args.net not in ("all", net):
             continue
-        for dname, dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
-            if args.dtype not in ("all", dname):
-                continue
-            for lname, memory_format in (("NCHW", torch.contiguous_format), ("NHWC", torch.channels_last)):
-                if args.layout not in ("all", lname.lower()):
-                    continue
-                ms = run_layer(layer, dtype, memory_format, args)
-                out = (size + 2 * (k // 2) - (k - 1) - 1) // stride + 1
-                flops = 2.0 * args.batch * cout * out * out * cin * k * k * (2 if cin == 3 else 3)
-                shape = f"{cin}->{cout}, {k}x{k}, s{stride}, {size}x{size}"
-                print(f"{net:<9} {name:<22} {shape:<26} {dname:<8} {lname:<6} {ms:>10.3f} "
-                      f"{flops / (ms * 1e-3) / 1e12:>9.1f}", flush=True)
+        for dname, dtype, lname, memory_format in cases(args):
+            ms, host_ms = run_layer(layer, dtype, memory_format, args)
+            out = (size + 2 * (k // 2) - (k - 1) - 1) // stride + 1
+            flops = 2.0 * args.batch * cout * out * out * cin * k * k * (2 if cin == 3 else 3)
+            shape = f"{cin}->{cout}, {k}x{k}, s{stride}, {size}x{size}"
+            print(f"{net:<9} {name:<22} {shape:<26} {dname:<8} {lname:<6} {ms:>10.3f} "
+                  f"{flops / (ms * 1e-3) / 1e12:>9.1f} {host_ms:>8.3f}", flush=True)
     return 0
 
 
