@@ -1,23 +1,31 @@
 // batch_norm on CUDA: the kernels behind batch_norm_forward_kernel and batch_norm_backward_kernel
-// (ops/batch_norm.h), for both layouts (planes = NCHW, channels last = NHWC and [N, C]).
+// (ops/batch_norm.h), for both layouts (planes = NCHW, rows = channels last: NHWC and [N, C]).
 //
 // Forward (training): 1. per-channel partial statistics, 2. finalize, 3. apply.
 //   1. reduce: the M = N * S values of each channel are cut into `splits` ranges so that there are enough
-//      blocks to fill the GPU; each block reduces its range with Welford's algorithm per thread and Chan's
-//      merge across threads, and writes one partial state.
-//        planes:        block (256) per (channel, split); element m of channel c is (m / S, c, m % S).
-//        channels last: block (32 channels x 8 rows) per (32-channel tile, split); neighbouring threads
-//                       read neighbouring channels of a row (coalesced).
-//   2. finalize (one thread per channel): merges the splits, writes mean and invstd (saved for backward)
-//      and updates the running statistics in place.
-//   3. apply: y = (x - mean[c]) * invstd[c] * weight[c] + bias[c], elementwise.
-// Forward (eval): 2'. invstd from the running variance, 3. apply.
+//      blocks to fill the GPU; each block reduces its range and writes one partial state per channel.
+//        planes: block (256 threads) per (channel, split); a channel is N planes of S contiguous values.
+//        rows:   block (tx channel vectors x ty rows) per (channel tile, split); neighbouring threads read
+//                neighbouring channels of a row (coalesced).
+//      Statistics are Welford states (count, mean, sum of squared deviations), built a chunk at a time: each
+//      thread loads kUnroll vectors, takes the chunk's exact mean and squared deviations in registers (two
+//      passes over them) and merges the chunk into its state with Chan's formula: two divisions per chunk
+//      instead of one per value, and no sum-of-squares cancellation when the mean is large next to the spread.
+//   2. finalize (one warp per channel): merges the splits, writes mean and invstd (saved for backward),
+//      updates the running statistics in place, and writes scale = invstd * weight, shift = bias.
+//   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise.
+// Forward (eval): 2'. mean, invstd, scale, shift from the running statistics, 3. apply.
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
-// Inputs are float16/bfloat16/float32 (statistics in float32) or float64 (in float64).
+//
+// Loads and stores are 16 bytes wide (8 float16/bfloat16, 4 float32, 2 float64 values) when the contiguous
+// dimension (S for planes, C for rows) is a multiple of that and the data are 16-byte aligned; otherwise one
+// value at a time. Inputs are float16/bfloat16/float32 (statistics in float32) or float64 (in float64).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <numeric>
 #include <type_traits>
 
 #include "core/cuda.h"
@@ -27,14 +35,18 @@
 namespace halfgrad {
 namespace {
 
+using cuda::IntDivider;
+using cuda::Vec;
+
 constexpr int kThreads = 256;
-constexpr int kTileChannels = 32, kTileRows = 8;  // channels-last reduction block
-constexpr int64_t kMinPerThread = 16;             // a split leaves each thread at least this many elements
+constexpr int kUnroll = 4;                // vectors in flight per thread, and per Welford chunk
+constexpr int64_t kMinVectorsPerThread = 8;  // a split leaves each thread at least this many vectors
 
 template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <typename T> constexpr int kVector = int(16 / sizeof(T));  // values per 16-byte access
 
 // (halfgrad::min, the reduction, would hide CUDA's min wherever ops/reduce.h is visible)
-template <typename I> __device__ __forceinline__ I smaller(I a, I b) { return a < b ? a : b; }
+template <typename I> __host__ __device__ __forceinline__ I smaller(I a, I b) { return a < b ? a : b; }
 
 int multiprocessors(int device) {
   static int cached[64] = {};
@@ -47,66 +59,127 @@ int multiprocessors(int device) {
   return cached[device];
 }
 
-// ---- reducers: what a channel's elements are reduced to
+template <typename T, int V> __device__ __forceinline__ Vec<T, V> load(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+template <typename T, int V> __device__ __forceinline__ void store(T* p, const Vec<T, V>& v) {
+  *reinterpret_cast<Vec<T, V>*>(p) = v;
+}
 
-// Welford: count, mean and sum of squared deviations; Chan et al.'s formula merges two.
+// ---- reducers: what a channel's values are reduced to. Each takes chunks: v[input][0..k) are the chunk's
+// values of its inputs (k >= 1), all of channel c.
+
+// a / b for the statistics: float's fast division (two instructions, within 2 ulp) keeps the per-chunk merges
+// off the critical path of a memory-bound pass; float64 divides exactly.
+template <typename A> __device__ __forceinline__ A divide(A a, A b) {
+  if constexpr (std::is_same_v<A, float>) {
+    return __fdividef(a, b);
+  } else {
+    return a / b;
+  }
+}
+
+// n is 32-bit (reduce_channels checks that a channel has fewer than 2^31 values): converting a 64-bit count to
+// floating point is a slow multi-cycle instruction, and every chunk's merge converts three.
+template <typename A> struct Moments {
+  A mean, m2;
+  uint32_t n;
+};
+
+// Chan et al.: the moments of the union of two disjoint sets.
+template <typename A> __device__ __forceinline__ Moments<A> merge_moments(const Moments<A>& a, const Moments<A>& b) {
+  if (b.n == 0) return a;
+  if (a.n == 0) return b;
+  const uint32_t n = a.n + b.n;
+  const A d = b.mean - a.mean, fb = divide(A(b.n), A(n));
+  return {a.mean + d * fb, a.m2 + b.m2 + d * d * A(a.n) * fb, n};
+}
+
 template <typename T> struct StatsReducer {
+  using Input = T;
   using A = acc_t<T>;
-  struct State {
-    A mean, m2;
-    int64_t n;
-  };
-  const T* x;
+  using State = Moments<A>;
+  static constexpr int kInputs = 1;
+  const T* in[kInputs];
 
   __device__ static State identity() { return {A(0), A(0), 0}; }
-  __device__ void add(State& s, int64_t at, int64_t) const {
-    const A v = A(x[at]);
-    s.n += 1;
-    const A d = v - s.mean;
-    s.mean += d / A(s.n);
-    s.m2 += d * (v - s.mean);
-  }
-  __device__ static State merge(State a, const State& b) {
-    if (b.n == 0) return a;
-    if (a.n == 0) return b;
-    const int64_t n = a.n + b.n;
-    const A d = b.mean - a.mean, fb = A(b.n) / A(n);
-    return {a.mean + d * fb, a.m2 + b.m2 + d * d * A(a.n) * fb, n};
+  __device__ static State merge(const State& a, const State& b) { return merge_moments(a, b); }
+  template <int N> __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t) const {
+    A sum = 0;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (e < k) sum += v[0][e];
+    const A mean = divide(sum, A(k));
+    A m2 = 0;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < k) {
+        const A d = v[0][e] - mean;
+        m2 += d * d;
+      }
+    }
+    s = merge_moments(s, State{mean, m2, uint32_t(k)});
   }
 };
 
 // sum(g) and sum(g * (x - mean[c])).
 template <typename T> struct GradSumsReducer {
+  using Input = T;
   using A = acc_t<T>;
   struct State {
     A dy, dy_xmu;
   };
-  const T* g;
-  const T* x;
+  static constexpr int kInputs = 2;
+  const T* in[kInputs];  // g, x
   const A* mean;
 
   __device__ static State identity() { return {A(0), A(0)}; }
-  __device__ void add(State& s, int64_t at, int64_t c) const {
-    const A dy = A(g[at]);
-    s.dy += dy;
-    s.dy_xmu += dy * (A(x[at]) - mean[c]);
+  __device__ static State merge(const State& a, const State& b) { return {a.dy + b.dy, a.dy_xmu + b.dy_xmu}; }
+  template <int N> __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t c) const {
+    const A m = mean[c];
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < k) {
+        s.dy += v[0][e];
+        s.dy_xmu += v[0][e] * (v[1][e] - m);
+      }
+    }
   }
-  __device__ static State merge(State a, const State& b) { return {a.dy + b.dy, a.dy_xmu + b.dy_xmu}; }
 };
 
 // ---- 1. reduction kernels: one partial state per (channel, split), at partial[c * splits + split]
 
-template <typename R>
+// planes: vector q of a channel is vector q % (S / V) of plane (q / (S / V), c).
+template <typename R, int V>
 __global__ void __launch_bounds__(kThreads)
-    reduce_planes_kernel(R r, int64_t channels, cuda::IntDivider spatial, uint32_t per_channel, uint32_t chunk,
+    reduce_planes_kernel(R r, uint32_t channels, IntDivider plane_vectors, uint32_t vectors, uint32_t chunk,
                          typename R::State* partial) {
+  using T = typename R::Input;
+  using A = typename R::A;
   using State = typename R::State;
-  const int64_t c = blockIdx.x;
-  const uint32_t lo = blockIdx.y * chunk, hi = smaller(per_channel, lo + chunk);
+  const uint32_t c = blockIdx.x;
+  const uint32_t lo = blockIdx.y * chunk, hi = smaller(vectors, lo + chunk);
+  const int64_t plane = int64_t(plane_vectors.divisor) * V;
   State s = R::identity();
-  for (uint32_t m = lo + threadIdx.x; m < hi; m += kThreads) {
-    const uint32_t n = spatial.div(m), i = m - n * spatial.divisor;
-    r.add(s, (int64_t(n) * channels + c) * int64_t(spatial.divisor) + i, c);
+  for (uint32_t q0 = lo + threadIdx.x; q0 < hi; q0 += kThreads * kUnroll) {
+    A v[R::kInputs][kUnroll * V];
+    int k = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t q = q0 + u * kThreads;
+      if (q < hi) {  // the valid vectors are a prefix: q grows with u
+        const uint32_t n = plane_vectors.div(q), i = q - n * plane_vectors.divisor;
+        const int64_t at = (int64_t(n) * channels + c) * plane + int64_t(i) * V;
+#pragma unroll
+        for (int j = 0; j < R::kInputs; ++j) {
+          const Vec<T, V> x = load<T, V>(r.in[j] + at);
+#pragma unroll
+          for (int e = 0; e < V; ++e) v[j][u * V + e] = A(x.v[e]);
+        }
+        k += V;
+      }
+    }
+    r.add(s, v, k, c);
   }
   __shared__ alignas(16) unsigned char raw[kThreads * sizeof(State)];
   State* states = reinterpret_cast<State*>(raw);
@@ -116,81 +189,182 @@ __global__ void __launch_bounds__(kThreads)
     if (int(threadIdx.x) < stride) states[threadIdx.x] = R::merge(states[threadIdx.x], states[threadIdx.x + stride]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) partial[c * gridDim.y + blockIdx.y] = states[0];
+  if (threadIdx.x == 0) partial[int64_t(c) * gridDim.y + blockIdx.y] = states[0];
 }
 
-template <typename R>
-__global__ void __launch_bounds__(kTileChannels * kTileRows)
+// rows: thread (x, y) of a block reads channels [V * (blockIdx.x * blockDim.x + x), + V) of rows lo + y,
+// lo + y + blockDim.y, ...; blockDim.x * blockDim.y == kThreads, both powers of two.
+template <typename R, int V>
+__global__ void __launch_bounds__(kThreads)
     reduce_rows_kernel(R r, int64_t channels, int64_t rows, int64_t chunk, typename R::State* partial) {
+  using T = typename R::Input;
+  using A = typename R::A;
   using State = typename R::State;
-  const int64_t c = int64_t(blockIdx.x) * kTileChannels + threadIdx.x;
+  const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t lo = int64_t(blockIdx.y) * chunk, hi = smaller(rows, lo + chunk);
-  State s = R::identity();
-  if (c < channels)
-    for (int64_t m = lo + threadIdx.y; m < hi; m += kTileRows) r.add(s, m * channels + c, c);
-  __shared__ alignas(16) unsigned char raw[kTileChannels * kTileRows * sizeof(State)];
+  State s[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) s[e] = R::identity();
+  if (c0 < channels) {
+    for (int64_t m0 = lo + threadIdx.y; m0 < hi; m0 += int64_t(blockDim.y) * kUnroll) {
+      A v[V][R::kInputs][kUnroll];
+      int k = 0;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t m = m0 + int64_t(u) * blockDim.y;
+        if (m < hi) {
+#pragma unroll
+          for (int j = 0; j < R::kInputs; ++j) {
+            const Vec<T, V> x = load<T, V>(r.in[j] + m * channels + c0);
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e][j][u] = A(x.v[e]);
+          }
+          ++k;
+        }
+      }
+      if (k > 0) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) r.add(s[e], v[e], k, c0 + e);
+      }
+    }
+  }
+  __shared__ alignas(16) unsigned char raw[kThreads * V * sizeof(State)];
   State* states = reinterpret_cast<State*>(raw);
-  states[threadIdx.y * kTileChannels + threadIdx.x] = s;
+  const unsigned me = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int e = 0; e < V; ++e) states[me * V + e] = s[e];
   __syncthreads();
-  if (threadIdx.y == 0 && c < channels) {
-    for (int y = 1; y < kTileRows; ++y) s = R::merge(s, states[y * kTileChannels + threadIdx.x]);
-    partial[c * gridDim.y + blockIdx.y] = s;
+  for (unsigned stride = blockDim.y / 2; stride > 0; stride /= 2) {
+    if (threadIdx.y < stride) {
+      const unsigned other = me + stride * blockDim.x;
+#pragma unroll
+      for (int e = 0; e < V; ++e) states[me * V + e] = R::merge(states[me * V + e], states[other * V + e]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && c0 < channels) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) partial[(c0 + e) * gridDim.y + blockIdx.y] = states[threadIdx.x * V + e];
   }
 }
 
+// 16-byte accesses when the contiguous dimension is a multiple of the vector and every pointer is aligned (the
+// per-channel arrays are our own allocations, whose alignment the caching allocator guarantees).
+template <typename T> int vector_width(const BatchNormShape& s, std::initializer_list<const void*> pointers) {
+  const int64_t contiguous = s.channels_last ? s.channels : s.spatial;
+  if (contiguous % kVector<T> != 0) return 1;
+  for (const void* p : pointers)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  return kVector<T>;
+}
+
 // Runs the reduction of `r` over every channel; returns the partial states ([C, splits]) in `workspace`.
-template <typename R>
-typename R::State* reduce_channels(const R& r, const BatchNormShape& s, Device device, cudaStream_t stream,
-                                   Tensor& workspace, int& splits_out) {
+template <typename R, int V>
+typename R::State* reduce_channels_vec(const R& r, const BatchNormShape& s, Device device, cudaStream_t stream,
+                                       Tensor& workspace, int& splits_out) {
   using State = typename R::State;
   const int64_t C = s.channels, M = s.per_channel();
   const int64_t target = 4 * int64_t(multiprocessors(device.index));
+  int64_t splits = 1, chunk = 0;
   dim3 grid, block;
-  int64_t chunk = 0, splits = 1;
+  HG_CHECK(M < (int64_t(1) << 31) && C < (int64_t(1) << 31),
+           "batch_norm: {} values per channel ({} channels) are more than the CUDA kernels handle (2^31); split the "
+           "batch", M, C);
   if (!s.channels_last) {
-    HG_CHECK(M < (int64_t(1) << 31) && s.spatial < (int64_t(1) << 31),
-             "batch_norm: {} values per channel are more than the CUDA kernel handles (2^31)", M);
-    splits = std::clamp<int64_t>((target + C - 1) / C, 1, std::max<int64_t>(1, M / (kThreads * kMinPerThread)));
-    chunk = (M + splits - 1) / splits;
-    splits = (M + chunk - 1) / chunk;
+    const int64_t vectors = M / V;  // S % V == 0
+    splits = std::clamp<int64_t>((target + C - 1) / C, 1,
+                                 std::max<int64_t>(1, vectors / (kThreads * kMinVectorsPerThread)));
+    chunk = (vectors + splits - 1) / splits;
+    splits = (vectors + chunk - 1) / chunk;
     grid = dim3(unsigned(C), unsigned(splits));
     block = dim3(kThreads);
   } else {
-    const int64_t tiles = (C + kTileChannels - 1) / kTileChannels;
-    splits = std::clamp<int64_t>((target + tiles - 1) / tiles, 1, std::max<int64_t>(1, M / (kTileRows * kMinPerThread)));
+    const int64_t channel_vectors = C / V;  // C % V == 0
+    int64_t tx = 1;
+    while (tx < 32 && tx < channel_vectors) tx *= 2;
+    const int64_t ty = kThreads / tx, tiles = (channel_vectors + tx - 1) / tx;
+    splits = std::clamp<int64_t>((target + tiles - 1) / tiles, 1, std::max<int64_t>(1, M / (ty * kMinVectorsPerThread)));
     chunk = (M + splits - 1) / splits;
     splits = (M + chunk - 1) / chunk;
     grid = dim3(unsigned(tiles), unsigned(splits));
-    block = dim3(kTileChannels, kTileRows);
+    block = dim3(unsigned(tx), unsigned(ty));
   }
   workspace = empty({C * splits * int64_t(sizeof(State))}, {.dtype = kUInt8, .device = device});
   State* partial = static_cast<State*>(workspace.data_ptr());
   if (!s.channels_last) {
-    reduce_planes_kernel<R><<<grid, block, 0, stream>>>(r, C, cuda::IntDivider(uint32_t(s.spatial)), uint32_t(M),
-                                                        uint32_t(chunk), partial);
+    reduce_planes_kernel<R, V><<<grid, block, 0, stream>>>(r, uint32_t(C), IntDivider(uint32_t(s.spatial / V)),
+                                                           uint32_t(M / V), uint32_t(chunk), partial);
   } else {
-    reduce_rows_kernel<R><<<grid, block, 0, stream>>>(r, C, M, chunk, partial);
+    reduce_rows_kernel<R, V><<<grid, block, 0, stream>>>(r, C, M, chunk, partial);
   }
   HG_CUDA_CHECK_LAUNCH("batch_norm");
   splits_out = int(splits);
   return partial;
 }
 
-// ---- 2. finalize kernels, one thread per channel
+template <typename R>
+typename R::State* reduce_channels(const R& r, const BatchNormShape& s, Device device, cudaStream_t stream,
+                                   Tensor& workspace, int& splits) {
+  using T = typename R::Input;
+  int v = 1;
+  if constexpr (R::kInputs == 1) {
+    v = vector_width<T>(s, {r.in[0]});
+  } else {
+    v = vector_width<T>(s, {r.in[0], r.in[1]});
+  }
+  if (v == kVector<T>) return reduce_channels_vec<R, kVector<T>>(r, s, device, stream, workspace, splits);
+  return reduce_channels_vec<R, 1>(r, s, device, stream, workspace, splits);
+}
+
+// ---- 2. finalize kernels, one warp per channel: the lanes merge the channel's splits (neighbouring lanes read
+// neighbouring partial states), then a shuffle tree merges the lanes. (One thread per channel walking hundreds of
+// splits one dependent load at a time took 0.15 ms for a 128-channel NHWC layer.) `affine` is [2C]: scale, then
+// shift, for the apply pass.
+
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+template <typename S> __device__ __forceinline__ S shuffle_down(const S& s, int offset) {
+  static_assert(sizeof(S) % sizeof(int) == 0, "states are made of 32-bit words");
+  int words[sizeof(S) / sizeof(int)];
+  memcpy(words, &s, sizeof(S));
+#pragma unroll
+  for (int& w : words) w = __shfl_down_sync(0xffffffffu, w, offset);
+  S out;
+  memcpy(&out, words, sizeof(S));
+  return out;
+}
+
+// The merge of partial[c * splits + 0 .. splits), in lane 0 of the calling warp.
+template <typename R>
+__device__ __forceinline__ typename R::State merge_splits(const typename R::State* partial, int splits, int64_t c) {
+  typename R::State s = R::identity();
+  for (int k = int(threadIdx.x % 32); k < splits; k += 32) s = R::merge(s, partial[c * splits + k]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) s = R::merge(s, shuffle_down(s, offset));
+  return s;
+}
+
+__device__ __forceinline__ int64_t warp_channel() {
+  return int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     finalize_stats_kernel(const typename StatsReducer<T>::State* partial, int splits, int64_t channels,
-                          acc_t<T>* save_mean, acc_t<T>* save_invstd, acc_t<T>* running_mean, acc_t<T>* running_var,
-                          double momentum, double eps) {
+                          const acc_t<T>* weight, const acc_t<T>* bias, acc_t<T>* save_mean, acc_t<T>* save_invstd,
+                          acc_t<T>* running_mean, acc_t<T>* running_var, acc_t<T>* affine, double momentum,
+                          double eps) {
   using A = acc_t<T>;
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  auto s = partial[c * splits];
-  for (int k = 1; k < splits; ++k) s = StatsReducer<T>::merge(s, partial[c * splits + k]);
+  const int64_t c = warp_channel();
+  if (c >= channels) return;  // whole warps leave together
+  const auto s = merge_splits<StatsReducer<T>>(partial, splits, c);
+  if (threadIdx.x % 32 != 0) return;
   const A var = s.m2 / A(s.n);  // biased: what normalises the batch
+  const A invstd = A(1) / ::sqrt(var + A(eps));
   save_mean[c] = s.mean;
-  save_invstd[c] = A(1) / ::sqrt(var + A(eps));
+  save_invstd[c] = invstd;
+  affine[c] = invstd * (weight ? weight[c] : A(1));
+  affine[channels + c] = bias ? bias[c] : A(0);
   if (running_mean) {
     const A m = A(momentum);
     running_mean[c] = (A(1) - m) * running_mean[c] + m * s.mean;
@@ -200,12 +374,15 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename A>
 __global__ void __launch_bounds__(kThreads)
-    eval_stats_kernel(int64_t channels, const A* running_mean, const A* running_var, A* save_mean, A* save_invstd,
-                      double eps) {
+    eval_stats_kernel(int64_t channels, const A* running_mean, const A* running_var, const A* weight, const A* bias,
+                      A* save_mean, A* save_invstd, A* affine, double eps) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= channels) return;
+  const A invstd = A(1) / ::sqrt(running_var[c] + A(eps));
   save_mean[c] = running_mean[c];
-  save_invstd[c] = A(1) / ::sqrt(running_var[c] + A(eps));
+  save_invstd[c] = invstd;
+  affine[c] = invstd * (weight ? weight[c] : A(1));
+  affine[channels + c] = bias ? bias[c] : A(0);
 }
 
 // coef[c] = alpha, coef[C + c] = beta, coef[2C + c] = gamma (ops/batch_norm.cpp's CPU kernel says why).
@@ -215,11 +392,10 @@ __global__ void __launch_bounds__(kThreads)
                          const acc_t<T>* invstd, const acc_t<T>* weight, acc_t<T>* grad_weight, acc_t<T>* grad_bias,
                          acc_t<T>* coef, int64_t count, bool training) {
   using A = acc_t<T>;
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t c = warp_channel();
   if (c >= channels) return;
-  typename GradSumsReducer<T>::State s = GradSumsReducer<T>::identity();
-  if (partial)
-    for (int k = 0; k < splits; ++k) s = GradSumsReducer<T>::merge(s, partial[c * splits + k]);
+  const auto s = partial ? merge_splits<GradSumsReducer<T>>(partial, splits, c) : GradSumsReducer<T>::identity();
+  if (threadIdx.x % 32 != 0) return;
   const A is = invstd[c];
   if (grad_weight) grad_weight[c] = s.dy_xmu * is;
   if (grad_bias) grad_bias[c] = s.dy;
@@ -234,7 +410,7 @@ __global__ void __launch_bounds__(kThreads)
 // ---- 3. elementwise kernels over one piece of fewer than 2^31 elements (whole samples)
 
 struct ChannelOf {  // the channel of element i of a piece
-  cuda::IntDivider spatial, channels;
+  IntDivider spatial, channels;
   bool channels_last;
   __device__ __forceinline__ uint32_t operator()(uint32_t i) const {
     const uint32_t q = channels_last ? i : spatial.div(i);
@@ -242,39 +418,106 @@ struct ChannelOf {  // the channel of element i of a piece
   }
 };
 
-template <typename T>
+// The per-channel constants of the V values of a vector starting at channel c: in rows the lanes are channels
+// c .. c + V - 1 (one vector load from a [C] array, whose 16-byte-aligned allocation and c % V == 0 keep it
+// aligned), in planes all lanes are channel c.
+template <typename A, int V, bool kRows> struct PerChannel {
+  A v[V];
+  __device__ __forceinline__ PerChannel(const A* p, uint32_t c) {
+    if constexpr (kRows) {
+      const Vec<A, V> x = load<A, V>(p + c);
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = x.v[e];
+    } else {
+      const A x = p[c];
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = x;
+    }
+  }
+};
+
+// Rows: the launch makes the grid's stride a multiple of C / V vectors (for_each_piece), so every vector a
+// thread visits starts at the same channel and the thread loads its per-channel constants once; loading them per
+// vector moved more bytes through L1 than the data (float32 constants for float16 values). Planes: one channel
+// per vector, looked up each time.
+template <typename T, int V, bool kRows>
 __global__ void __launch_bounds__(kThreads)
-    apply_forward_kernel(T* y, const T* x, uint32_t count, ChannelOf channel_of, const acc_t<T>* mean,
-                         const acc_t<T>* invstd, const acc_t<T>* weight, const acc_t<T>* bias) {
+    apply_forward_kernel(T* __restrict__ y, const T* __restrict__ x, uint32_t vectors, ChannelOf channel_of,
+                         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ affine, uint32_t channels) {
   using A = acc_t<T>;
-  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < count; i += gridDim.x * kThreads) {
-    const uint32_t c = channel_of(i);
-    const A scale = invstd[c] * (weight ? weight[c] : A(1));
-    y[i] = T((A(x[i]) - mean[c]) * scale + (bias ? bias[c] : A(0)));
+  const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
+  if (first >= vectors) return;
+  uint32_t c = channel_of(first * V);
+  PerChannel<A, V, kRows> m(mean, c), scale(affine, c), shift(affine + channels, c);
+  for (uint32_t q = first; q < vectors; q += gridDim.x * kThreads) {
+    const uint32_t i = q * V;
+    if constexpr (!kRows) {
+      c = channel_of(i);
+      m = PerChannel<A, V, kRows>(mean, c);
+      scale = PerChannel<A, V, kRows>(affine, c);
+      shift = PerChannel<A, V, kRows>(affine + channels, c);
+    }
+    const Vec<T, V> xv = load<T, V>(x + i);
+    Vec<T, V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e) out.v[e] = T((A(xv.v[e]) - m.v[e]) * scale.v[e] + shift.v[e]);
+    store<T, V>(y + i, out);
   }
 }
 
-template <typename T>
+template <typename T, int V, bool kRows>
 __global__ void __launch_bounds__(kThreads)
-    apply_backward_kernel(T* grad_input, const T* g, const T* x, uint32_t count, ChannelOf channel_of,
-                          const acc_t<T>* mean, const acc_t<T>* coef, int64_t channels) {
+    apply_backward_kernel(T* __restrict__ grad_input, const T* __restrict__ g, const T* __restrict__ x,
+                          uint32_t vectors, ChannelOf channel_of, const acc_t<T>* __restrict__ mean,
+                          const acc_t<T>* __restrict__ coef, uint32_t channels) {
   using A = acc_t<T>;
-  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < count; i += gridDim.x * kThreads) {
-    const uint32_t c = channel_of(i);
-    grad_input[i] = T(A(g[i]) * coef[c] + (A(x[i]) - mean[c]) * coef[channels + c] + coef[2 * channels + c]);
+  const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
+  if (first >= vectors) return;
+  uint32_t c = channel_of(first * V);
+  PerChannel<A, V, kRows> m(mean, c), alpha(coef, c), beta(coef + channels, c), gamma(coef + 2 * channels, c);
+  for (uint32_t q = first; q < vectors; q += gridDim.x * kThreads) {
+    const uint32_t i = q * V;
+    if constexpr (!kRows) {
+      c = channel_of(i);
+      m = PerChannel<A, V, kRows>(mean, c);
+      alpha = PerChannel<A, V, kRows>(coef, c);
+      beta = PerChannel<A, V, kRows>(coef + channels, c);
+      gamma = PerChannel<A, V, kRows>(coef + 2 * channels, c);
+    }
+    const Vec<T, V> gv = load<T, V>(g + i), xv = load<T, V>(x + i);
+    Vec<T, V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      out.v[e] = T(A(gv.v[e]) * alpha.v[e] + (A(xv.v[e]) - m.v[e]) * beta.v[e] + gamma.v[e]);
+    store<T, V>(grad_input + i, out);
   }
 }
 
-// Calls launch(first_element, count, blocks) for runs of whole samples of fewer than 2^31 elements.
-template <typename Launch> void for_each_piece(const BatchNormShape& s, Device device, const Launch& launch) {
+// Calls launch(first_element, count, blocks) for runs of whole samples of fewer than 2^31 elements; blocks
+// covers count / v vectors. In rows, blocks * kThreads is a multiple of the C / v vectors of a row (the apply
+// kernels rely on it): whole samples start at channel 0, and a stride of whole rows keeps every thread on its
+// channels.
+template <typename Launch> void for_each_piece(const BatchNormShape& s, Device device, int v, const Launch& launch) {
   const int64_t sample = s.channels * s.spatial;
   HG_CHECK(sample < (int64_t(1) << 31), "batch_norm: one sample of {} elements is more than the CUDA kernels handle "
            "(2^31)", sample);
   const int64_t per_piece = std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / sample);
   const int64_t max_blocks = 16 * int64_t(multiprocessors(device.index));
+  const int64_t row_vectors = s.channels / v;
+  const int64_t period = s.channels_last ? row_vectors / std::gcd(row_vectors, int64_t(kThreads)) : 1;
   for (int64_t n0 = 0; n0 < s.batch; n0 += per_piece) {
     const int64_t count = std::min(per_piece, s.batch - n0) * sample;
-    launch(n0 * sample, uint32_t(count), unsigned(std::min<int64_t>(max_blocks, (count + kThreads - 1) / kThreads)));
+    const int64_t blocks = std::min<int64_t>(max_blocks, (count / v + kThreads - 1) / kThreads);
+    launch(n0 * sample, uint32_t(count), unsigned((blocks + period - 1) / period * period));
+  }
+}
+
+// Calls fn.template operator()<V, kRows>() for the vector width v and the layout.
+template <typename T, typename Fn> void with_vector_and_layout(int v, bool rows, const Fn& fn) {
+  if (v == kVector<T>) {
+    rows ? fn.template operator()<kVector<T>, true>() : fn.template operator()<kVector<T>, false>();
+  } else {
+    rows ? fn.template operator()<1, true>() : fn.template operator()<1, false>();
   }
 }
 
@@ -282,36 +525,44 @@ template <typename T> const acc_t<T>* ptr(const Tensor& t) { return t.defined() 
 template <typename T> acc_t<T>* mutable_ptr(const Tensor& t) { return t.defined() ? t.data<acc_t<T>>() : nullptr; }
 
 unsigned channel_blocks(int64_t channels) { return unsigned((channels + kThreads - 1) / kThreads); }
+unsigned warp_channel_blocks(int64_t channels) { return unsigned((channels + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+ChannelOf channel_of(const BatchNormShape& s) {
+  return {IntDivider(uint32_t(s.spatial)), IntDivider(uint32_t(s.channels)), s.channels_last};
+}
 
 template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
+  using A = acc_t<T>;
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::current_stream(device);
   const T* x = a.input.data<T>();
-  acc_t<T>* save_mean = a.save_mean.data<acc_t<T>>();
-  acc_t<T>* save_invstd = a.save_invstd.data<acc_t<T>>();
-
-  Tensor workspace;  // freed when this returns; later work on the stream is ordered after the kernels
+  A* save_mean = a.save_mean.data<A>();
+  A* save_invstd = a.save_invstd.data<A>();
+  // Freed when this returns; later work on the stream is ordered after the kernels.
+  Tensor workspace, affine = empty({2 * s.channels}, {.dtype = a.save_mean.dtype(), .device = device});
   if (a.training) {
     int splits = 1;
-    auto* partial = reduce_channels(StatsReducer<T>{x}, s, device, stream, workspace, splits);
-    finalize_stats_kernel<T><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
-        partial, splits, s.channels, save_mean, save_invstd, mutable_ptr<T>(a.running_mean),
-        mutable_ptr<T>(a.running_var), a.momentum, a.eps);
+    auto* partial = reduce_channels(StatsReducer<T>{{x}}, s, device, stream, workspace, splits);
+    finalize_stats_kernel<T><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
+        partial, splits, s.channels, ptr<T>(a.weight), ptr<T>(a.bias), save_mean, save_invstd,
+        mutable_ptr<T>(a.running_mean), mutable_ptr<T>(a.running_var), affine.data<A>(), a.momentum, a.eps);
   } else {
-    eval_stats_kernel<acc_t<T>><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
-        s.channels, ptr<T>(a.running_mean), ptr<T>(a.running_var), save_mean, save_invstd, a.eps);
+    eval_stats_kernel<A><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
+        s.channels, ptr<T>(a.running_mean), ptr<T>(a.running_var), ptr<T>(a.weight), ptr<T>(a.bias), save_mean,
+        save_invstd, affine.data<A>(), a.eps);
   }
   HG_CUDA_CHECK_LAUNCH("batch_norm");
 
-  const ChannelOf channel_of{cuda::IntDivider(uint32_t(s.spatial)), cuda::IntDivider(uint32_t(s.channels)),
-                             s.channels_last};
   T* y = a.output.data<T>();
-  for_each_piece(s, device, [&](int64_t first, uint32_t count, unsigned blocks) {
-    apply_forward_kernel<T><<<blocks, kThreads, 0, stream>>>(y + first, x + first, count, channel_of, save_mean,
-                                                             save_invstd, ptr<T>(a.weight), ptr<T>(a.bias));
-    HG_CUDA_CHECK_LAUNCH("batch_norm");
+  const int v = vector_width<T>(s, {x, y});
+  with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
+    for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
+      apply_forward_kernel<T, V, kRows><<<blocks, kThreads, 0, stream>>>(
+          y + first, x + first, count / V, channel_of(s), save_mean, affine.data<A>(), uint32_t(s.channels));
+      HG_CUDA_CHECK_LAUNCH("batch_norm");
+    });
   });
 }
 
@@ -329,21 +580,22 @@ template <typename T> void backward_typed(const BatchNormBackwardArgs& a) {
   Tensor workspace, coef;
   const typename GradSumsReducer<T>::State* partial = nullptr;
   int splits = 0;
-  if (need_sums) partial = reduce_channels(GradSumsReducer<T>{g, x, mean}, s, device, stream, workspace, splits);
+  if (need_sums) partial = reduce_channels(GradSumsReducer<T>{{g, x}, mean}, s, device, stream, workspace, splits);
   if (a.grad_input.defined()) coef = empty({3 * s.channels}, {.dtype = a.save_mean.dtype(), .device = device});
-  finalize_grad_kernel<T><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
+  finalize_grad_kernel<T><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
       partial, splits, s.channels, a.save_invstd.data<A>(), ptr<T>(a.weight), mutable_ptr<T>(a.grad_weight),
       mutable_ptr<T>(a.grad_bias), coef.defined() ? coef.data<A>() : nullptr, s.per_channel(), a.training);
   HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
   if (!a.grad_input.defined()) return;
 
-  const ChannelOf channel_of{cuda::IntDivider(uint32_t(s.spatial)), cuda::IntDivider(uint32_t(s.channels)),
-                             s.channels_last};
   T* gi = a.grad_input.data<T>();
-  for_each_piece(s, device, [&](int64_t first, uint32_t count, unsigned blocks) {
-    apply_backward_kernel<T><<<blocks, kThreads, 0, stream>>>(gi + first, g + first, x + first, count, channel_of,
-                                                              mean, coef.data<A>(), s.channels);
-    HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
+  const int v = vector_width<T>(s, {gi, g, x});
+  with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
+    for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
+      apply_backward_kernel<T, V, kRows><<<blocks, kThreads, 0, stream>>>(
+          gi + first, g + first, x + first, count / V, channel_of(s), mean, coef.data<A>(), uint32_t(s.channels));
+      HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
+    });
   });
 }
 

@@ -304,3 +304,79 @@ TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 w
   MESSAGE("built without CUDA: skipped");
 #endif
 }
+
+TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a mean far larger than the spread") {
+#if HALFGRAD_WITH_CUDA
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(407);
+  // The kernels read 16 bytes at a time when the contiguous dim (S in NCHW, C in NHWC) is a multiple of the
+  // vector (8 halves, 4 floats, 2 doubles) and the data are 16-byte aligned, else one value at a time.
+  // [8, 24, 4, 4]: S = 16 and C = 24 take the vector path in both layouts; [6, 5, 3, 7]: S = 21, C = 5 do not;
+  // offset 1: the same sizes one element past an aligned address, which must fall back to single values.
+  for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+    for (Shape shape : {Shape{8, 24, 4, 4}, Shape{6, 5, 3, 7}}) {
+      for (bool cl : {false, true}) {
+        for (int64_t offset : {0, 1}) {
+          const std::string dtype = dtype_name(dt), dims = shape_str(shape);
+          CAPTURE(dtype);
+          CAPTURE(dims);
+          CAPTURE(cl);
+          CAPTURE(offset);
+          const int64_t C = shape[1];
+          DType pt = dt == kFloat64 ? kFloat64 : kFloat32;
+          Tensor x = (randn(shape) * 3 + 2).to(dt), g = randn(shape).to(dt);
+          Tensor weight = (rand({C}) + 0.5).to(pt), bias = randn({C}).to(pt);
+          // The GPU copies laid out as asked, starting `offset` elements into their storage.
+          auto on_gpu = [&](const Tensor& t) {
+            Tensor storage = zeros({t.numel() + offset}, {.dtype = dt, .device = Device::cuda(0)});
+            Tensor flat = storage.narrow(0, offset, t.numel());
+            Tensor placed = cl ? flat.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2})
+                               : flat.view(shape);
+            NoGradGuard no_grad;
+            placed.copy_(t.cuda());
+            return placed;
+          };
+          Tensor xg = on_gpu(x).requires_grad_(), gg = on_gpu(g);
+          REQUIRE(xg.offset() == offset);
+          if (cl) REQUIRE(is_channels_last_layout(xg));
+          Tensor wg = weight.cuda().requires_grad_(), bg = bias.cuda().requires_grad_();
+          Tensor xc = x.detach().requires_grad_(), wc = weight.detach().requires_grad_(), bc = bias.detach().requires_grad_();
+          Tensor yg = batch_norm(xg, Tensor(), Tensor(), wg, bg, true);
+          Tensor yc = batch_norm(xc, Tensor(), Tensor(), wc, bc, true);
+          yg.backward(gg);
+          yc.backward(g);
+          const double tol = dt == kFloat64 ? 1e-10 : dt == kFloat32 ? 1e-4 : 4e-3;
+          check_close(values(yg.cpu()), values(yc), tol);
+          check_close(values(xg.grad().cpu()), values(xc.grad()), tol * 4);
+          check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3);
+          check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
+        }
+      }
+    }
+  }
+
+  // float32 values around 1000 with spread 0.1: a sum-of-squares variance would lose every digit
+  // (E[x^2] - E[x]^2 with E[x^2] ~ 1e6 in float32 has an error near 0.1, the variance is 0.01).
+  for (bool cl : {false, true}) {
+    CAPTURE(cl);
+    Tensor x = randn({64, 16, 8, 8}) * 0.1 + 1000.0;
+    Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
+    Tensor rm = zeros({16}, {.device = Device::cuda(0)}), rv = ones({16}, {.device = Device::cuda(0)});
+    Tensor y = batch_norm(xg, rm, rv, Tensor(), Tensor(), true, 1.0, 0.0);
+    Reference r = reference_batch_norm(x.to(kFloat64), std::vector<double>(16, 1.0), std::vector<double>(16, 0.0),
+                                       nullptr, nullptr, 0.0);
+    // The input's own rounding (ulp(1000) = 6e-5, 6e-4 of the spread) is in the reference too; what is left is
+    // the statistics' error.
+    check_close(values(y.cpu()), r.y, 2e-3);
+    const double n = 64 * 8 * 8;
+    std::vector<double> unbiased;
+    for (double v : r.var) unbiased.push_back(v * n / (n - 1));
+    check_close(values(rv.cpu()), unbiased, 1e-3);
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}

@@ -136,7 +136,7 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
   fi
   # The layer and optimizer benchmarks of the layers issue, each next to PyTorch's rows, in one log (the
   # device tool brings back at most eight files).
-  for bench in bench_conv bench_optim; do
+  for bench in bench_conv bench_batch_norm bench_optim; do
     [[ -x $build/$bench ]] || continue
     step "benchmark ($bench)"
     "$build/$bench" 2>&1 | tee -a "$logs/bench_layers.log"
