@@ -19,36 +19,20 @@
 #include "nn/layers.h"
 #include "nn/module.h"
 #include "optim/sgd.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory per test, removed afterwards.
-struct TempDir {
-  fs::path path;
-  // in_memory: under /dev/shm where there is one, for tests that write thousands of small files.
-  explicit TempDir(bool in_memory = false) {
-    static int counter = 0;
-    fs::path base = in_memory && fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
-    path = base / fmt::format("halfgrad_test_checkpoint_{}_{}", ::getpid(), counter++);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  // Files whose name says they are a writer's temporary file.
-  int temp_files() const {
-    int n = 0;
-    for (const auto& e : fs::directory_iterator(path)) n += e.path().filename().string().find(".tmp-") != std::string::npos;
-    return n;
-  }
-};
+// Files in `dir` whose name says they are a writer's temporary file.
+int temp_files(const TempDir& dir) {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) n += e.path().filename().string().find(".tmp-") != std::string::npos;
+  return n;
+}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -225,7 +209,7 @@ TEST_CASE("save_safetensors refuses bad names before touching the file") {
   CHECK_THROWS_WITH_AS(save_safetensors(path, {{"", t}}), doctest::Contains("empty"), Error);
   CHECK_THROWS_WITH_AS(save_safetensors(path, {{"u", Tensor()}}), doctest::Contains("'u' is undefined"), Error);
   CHECK_FALSE(fs::exists(path));
-  CHECK(dir.temp_files() == 0);
+  CHECK(temp_files(dir) == 0);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -257,7 +241,7 @@ TEST_CASE("a write that fails half-way leaves the existing checkpoint untouched 
   CHECK(contains(message, path));
   CHECK(contains(message, "unchanged"));
   CHECK(read_bytes(path) == before);
-  CHECK(dir.temp_files() == 0);
+  CHECK(temp_files(dir) == 0);
   CHECK(load_safetensors(path).find("old").defined());
 }
 
@@ -272,7 +256,7 @@ TEST_CASE("an exception while producing the contents leaves the existing file un
                                          }),
                        doctest::Contains("simulated crash"), Error);
   CHECK(read_bytes(path) == "precious");
-  CHECK(dir.temp_files() == 0);
+  CHECK(temp_files(dir) == 0);
 }
 
 TEST_CASE("a successful write replaces the file whole and keeps its permissions") {
@@ -287,7 +271,7 @@ TEST_CASE("a successful write replaces the file whole and keeps its permissions"
   SafetensorsContents c = load_safetensors(path);
   REQUIRE(c.tensors.size() == 1);
   CHECK(c.tensors[0].first == "b");
-  CHECK(dir.temp_files() == 0);
+  CHECK(temp_files(dir) == 0);
 }
 
 TEST_CASE("writing where no file can be created is an error that names the path") {

@@ -17,8 +17,10 @@
 #include "ops/dropout.h"
 #include "ops/embedding.h"
 #include "ops/pool.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::bit_equal;
 
 namespace {
 std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
@@ -27,10 +29,6 @@ std::vector<std::string> names(const NamedTensors& named) {
   std::vector<std::string> out;
   for (const auto& [name, t] : named) out.push_back(name);
   return out;
-}
-
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && values(a) == values(b);
 }
 
 // torchvision's ResNet BasicBlock, reduced: the names its parameters get are the point.

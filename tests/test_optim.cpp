@@ -18,8 +18,10 @@
 #include "optim/adam.h"
 #include "optim/clip_grad.h"
 #include "optim/sgd.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::bit_equal;
 using optim::NamedTensors;
 
 namespace {
@@ -45,11 +47,6 @@ double worst_error(const Tensor& a, const Tensor& b, double rtol, double atol) {
   double worst = 0;
   for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(x[i] - y[i]) / (atol + rtol * std::abs(y[i])));
   return worst;
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  std::vector<double> x = values(a), y = values(b);
-  return x == y;
 }
 
 }  // namespace
@@ -422,7 +419,7 @@ TEST_CASE("continuing from loaded state gives exactly the results of uninterrupt
       p3.set_grad(grad_of(p3, s));
       opt3.step();
     }
-    CHECK(bitwise_equal(p1, p3));
+    CHECK(bit_equal(p1, p3));
   };
   SUBCASE("SGD with nesterov momentum") {
     check([](Tensor& p) { return optim::SGD({p}, {.lr = 0.1, .momentum = 0.9, .nesterov = true}); });

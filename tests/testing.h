@@ -2,9 +2,13 @@
 // Small helpers the op tests share (gradcheck has its own header, tests/gradcheck.h).
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "halfgrad.h"
@@ -24,6 +28,33 @@ inline std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "(no error)";
+}
+
+// A fresh directory per test, removed afterwards (with whatever the test left in it).
+struct TempDir {
+  std::filesystem::path path;
+  // in_memory: under /dev/shm where there is one, for tests that write thousands of small files.
+  explicit TempDir(bool in_memory = false) {
+    namespace fs = std::filesystem;
+    static int counter = 0;
+    const fs::path base = in_memory && fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
+    path = base / fmt::format("halfgrad_test_{}_{}", ::getpid(), counter++);
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all, std::filesystem::perm_options::add, ec);
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// Same dtype, shape and values (each compared exactly, as float64).
+inline bool bit_equal(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && to_vector<double>(a) == to_vector<double>(b);
 }
 
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }

@@ -1,0 +1,176 @@
+// CIFAR binary readers (data/cifar.h).
+#include "data/cifar.h"
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+
+#include "core/error.h"
+
+namespace halfgrad::data {
+
+namespace {
+
+constexpr int64_t kPixels = 3 * 32 * 32;
+
+struct Format {
+  const char* name;     // for errors
+  int64_t label_bytes;  // before the pixels
+  int64_t label_byte;   // which of them is the label
+  int64_t classes;      // labels are 0 .. classes - 1
+  std::vector<std::string> names;
+};
+
+std::vector<char> read_file(const std::filesystem::path& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  HG_CHECK(in.good(), "{}: cannot open {}", what, path.string());
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  HG_CHECK(size >= 0, "{}: cannot read the size of {}", what, path.string());
+  std::vector<char> bytes(static_cast<size_t>(size));
+  in.seekg(0);
+  in.read(bytes.data(), size);
+  HG_CHECK(in.gcount() == size, "{}: {} ended after {} of its {} bytes", what, path.string(), in.gcount(), size);
+  return bytes;
+}
+
+ImageDataset read_records(const std::vector<std::filesystem::path>& files, const Format& f) {
+  HG_CHECK(!files.empty(), "{}: no files given", f.name);
+  const int64_t record = f.label_bytes + kPixels;
+  std::vector<std::vector<char>> contents;
+  int64_t count = 0;
+  for (const auto& path : files) {
+    contents.push_back(read_file(path, f.name));
+    const auto size = int64_t(contents.back().size());
+    HG_CHECK(size % record == 0,
+             "{}: {} has {} bytes, not a whole number of {}-byte records: the record at offset {} is cut short "
+             "(truncated or not a {} binary file)",
+             f.name, path.string(), size, record, size / record * record, f.name);
+    count += size / record;
+  }
+  ImageDataset d;
+  d.images = empty({count, 3, 32, 32}, {.dtype = kUInt8});
+  d.labels = empty({count}, {.dtype = kInt64});
+  d.classes = f.names;
+  auto* pixels = d.images.data<uint8_t>();
+  auto* labels = d.labels.data<int64_t>();
+  int64_t n = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const char* bytes = contents[i].data();
+    const auto records = int64_t(contents[i].size()) / record;
+    for (int64_t r = 0; r < records; ++r, ++n) {
+      const char* at = bytes + r * record;
+      const int64_t label = static_cast<uint8_t>(at[f.label_byte]);
+      HG_CHECK(label < f.classes, "{}: {} offset {}: label {} is not in 0..{}", f.name, files[i].string(),
+               r * record + f.label_byte, label, f.classes - 1);
+      labels[n] = label;
+      std::memcpy(pixels + n * kPixels, at + f.label_bytes, kPixels);
+    }
+  }
+  return d;
+}
+
+Format cifar100_format(Cifar100Labels labels) {
+  return labels == Cifar100Labels::Fine ? Format{"cifar100", 2, 1, 100, cifar100_fine_classes()}
+                                        : Format{"cifar100", 2, 0, 20, cifar100_coarse_classes()};
+}
+
+std::vector<std::filesystem::path> existing(const std::filesystem::path& dir, const std::vector<std::string>& names,
+                                            const char* what) {
+  std::vector<std::filesystem::path> files;
+  for (const auto& name : names) {
+    files.push_back(dir / name);
+    HG_CHECK(std::filesystem::is_regular_file(files.back()),
+             "{}: {} not found (expected the official binary files "
+             "in {})",
+             what, files.back().string(), dir.string());
+  }
+  return files;
+}
+
+}  // namespace
+
+ImageDataset read_cifar10(const std::vector<std::filesystem::path>& files) {
+  return read_records(files, Format{"cifar10", 1, 0, 10, cifar10_classes()});
+}
+
+ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifar100Labels labels) {
+  return read_records(files, cifar100_format(labels));
+}
+
+ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
+  const std::vector<std::string> names =
+      split == Split::Train ? std::vector<std::string>{"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin",
+                                                       "data_batch_4.bin", "data_batch_5.bin"}
+                            : std::vector<std::string>{"test_batch.bin"};
+  return read_cifar10(existing(directory, names, "cifar10"));
+}
+
+ImageDataset load_cifar100(const std::filesystem::path& directory, Split split, Cifar100Labels labels) {
+  return read_cifar100(existing(directory, {split == Split::Train ? "train.bin" : "test.bin"}, "cifar100"), labels);
+}
+
+const std::vector<std::string>& cifar10_classes() {
+  static const std::vector<std::string> names = {"airplane", "automobile", "bird",  "cat",  "deer",
+                                                 "dog",      "frog",       "horse", "ship", "truck"};
+  return names;
+}
+
+const std::vector<std::string>& cifar100_fine_classes() {
+  static const std::vector<std::string> names = {
+      "apple",      "aquarium_fish", "baby",         "bear",       "beaver",      "bed",         "bee",
+      "beetle",     "bicycle",       "bottle",       "bowl",       "boy",         "bridge",      "bus",
+      "butterfly",  "camel",         "can",          "castle",     "caterpillar", "cattle",      "chair",
+      "chimpanzee", "clock",         "cloud",        "cockroach",  "couch",       "crab",        "crocodile",
+      "cup",        "dinosaur",      "dolphin",      "elephant",   "flatfish",    "forest",      "fox",
+      "girl",       "hamster",       "house",        "kangaroo",   "keyboard",    "lamp",        "lawn_mower",
+      "leopard",    "lion",          "lizard",       "lobster",    "man",         "maple_tree",  "motorcycle",
+      "mountain",   "mouse",         "mushroom",     "oak_tree",   "orange",      "orchid",      "otter",
+      "palm_tree",  "pear",          "pickup_truck", "pine_tree",  "plain",       "plate",       "poppy",
+      "porcupine",  "possum",        "rabbit",       "raccoon",    "ray",         "road",        "rocket",
+      "rose",       "sea",           "seal",         "shark",      "shrew",       "skunk",       "skyscraper",
+      "snail",      "snake",         "spider",       "squirrel",   "streetcar",   "sunflower",   "sweet_pepper",
+      "table",      "tank",          "telephone",    "television", "tiger",       "tractor",     "train",
+      "trout",      "tulip",         "turtle",       "wardrobe",   "whale",       "willow_tree", "wolf",
+      "woman",      "worm",
+  };
+  return names;
+}
+
+const std::vector<std::string>& cifar100_coarse_classes() {
+  static const std::vector<std::string> names = {
+      "aquatic_mammals",
+      "fish",
+      "flowers",
+      "food_containers",
+      "fruit_and_vegetables",
+      "household_electrical_devices",
+      "household_furniture",
+      "insects",
+      "large_carnivores",
+      "large_man-made_outdoor_things",
+      "large_natural_outdoor_scenes",
+      "large_omnivores_and_herbivores",
+      "medium_mammals",
+      "non-insect_invertebrates",
+      "people",
+      "reptiles",
+      "small_mammals",
+      "trees",
+      "vehicles_1",
+      "vehicles_2",
+  };
+  return names;
+}
+
+int64_t cifar100_coarse_of(int64_t fine_label) {
+  static const int64_t coarse[100] = {4,  1,  14, 8,  0,  6,  7,  7,  18, 3,  3,  14, 9,  18, 7,  11, 3,  9,  7,  11,
+                                      6,  11, 5,  10, 7,  6,  13, 15, 3,  15, 0,  11, 1,  10, 12, 14, 16, 9,  11, 5,
+                                      5,  19, 8,  8,  15, 13, 14, 17, 18, 10, 16, 4,  17, 4,  2,  0,  17, 4,  18, 17,
+                                      10, 3,  2,  12, 12, 16, 12, 1,  9,  19, 2,  10, 0,  1,  16, 12, 9,  13, 15, 13,
+                                      16, 19, 2,  4,  6,  19, 5,  5,  8,  19, 18, 1,  2,  15, 6,  0,  17, 8,  14, 13};
+  HG_CHECK(fine_label >= 0 && fine_label < 100, "cifar100_coarse_of: fine label {} is not in 0..99", fine_label);
+  return coarse[fine_label];
+}
+
+}  // namespace halfgrad::data
