@@ -126,7 +126,7 @@ Batch ImageLoader::make_batch(const std::vector<int64_t>& all, int64_t epoch, in
   return batch;
 }
 
-ImageLoader::Epoch ImageLoader::epoch(int64_t epoch) const { return Epoch(*this, epoch); }
+ImageLoader::Epoch ImageLoader::epoch(int64_t epoch) const& { return Epoch(*this, epoch); }
 
 ImageLoader::Epoch::Epoch(const ImageLoader& loader, int64_t epoch)
     : loader_(loader),
@@ -134,16 +134,24 @@ ImageLoader::Epoch::Epoch(const ImageLoader& loader, int64_t epoch)
       total_(loader.batches_per_epoch()),
       window_(int64_t(std::max(loader.options().workers, 1)) * loader.options().prefetch),
       order_(loader.order(epoch)) {
-  for (int w = 0; w < loader.options().workers; ++w) workers_.emplace_back([this] { work(); });
+  try {
+    for (int w = 0; w < loader.options().workers; ++w) workers_.emplace_back([this] { work(); });
+  } catch (...) {  // a thread that could not start: stop and join the ones that did, then report
+    stop_workers();
+    throw;
+  }
 }
 
-ImageLoader::Epoch::~Epoch() {
+ImageLoader::Epoch::~Epoch() { stop_workers(); }
+
+void ImageLoader::Epoch::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   room_.notify_all();
   for (std::thread& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ImageLoader::Epoch::work() {
@@ -173,7 +181,15 @@ void ImageLoader::Epoch::work() {
 
 std::optional<Batch> ImageLoader::Epoch::next() {
   if (next_to_give_ >= total_) return std::nullopt;
-  if (workers_.empty()) return loader_.make_batch(order_, epoch_, next_to_give_++);
+  if (workers_.empty()) {
+    try {
+      Batch b = loader_.make_batch(order_, epoch_, next_to_give_);
+      ++next_to_give_;
+      return b;
+    } catch (const std::exception& e) {
+      HG_FAIL("ImageLoader: making batch {} of epoch {} failed: {}", next_to_give_, epoch_, e.what());
+    }
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   made_.wait(lock, [&] { return ready_.count(next_to_give_) > 0 || (error_ && error_batch_ <= next_to_give_); });
   auto it = ready_.find(next_to_give_);

@@ -70,8 +70,10 @@ class ImageLoader {
   std::vector<int64_t> order(int64_t epoch) const;
 
   class Epoch;
-  // One pass over the data; the workers start now and stop when the Epoch is destroyed.
-  Epoch epoch(int64_t epoch) const;
+  // One pass over the data; the workers start now and stop when the Epoch is destroyed. The Epoch refers to this
+  // loader, which must outlive it (hence no epoch() on a temporary loader).
+  Epoch epoch(int64_t epoch) const&;
+  Epoch epoch(int64_t epoch) const&& = delete;
 
  private:
   Batch make_batch(const std::vector<int64_t>& order, int64_t epoch, int64_t k) const;
@@ -108,6 +110,7 @@ class ImageLoader::Epoch {
 
  private:
   void work();
+  void stop_workers();
 
   const ImageLoader& loader_;
   int64_t epoch_, total_;

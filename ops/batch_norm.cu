@@ -508,7 +508,12 @@ template <typename Launch> void for_each_piece(const BatchNormShape& s, Device d
   for (int64_t n0 = 0; n0 < s.batch; n0 += per_piece) {
     const int64_t count = std::min(per_piece, s.batch - n0) * sample;
     const int64_t blocks = std::min<int64_t>(max_blocks, (count / v + kThreads - 1) / kThreads);
-    launch(n0 * sample, uint32_t(count), unsigned((blocks + period - 1) / period * period));
+    const int64_t rounded = (blocks + period - 1) / period * period;
+    // The kernels' stride (blocks * kThreads) is 32-bit; only a channels-last input with an odd channel count near
+    // 2^24 or more could need more.
+    HG_CHECK(rounded * kThreads < (int64_t(1) << 32), "batch_norm: {} channels in the channels-last layout need a "
+             "grid the CUDA kernels cannot launch; use the NCHW layout", s.channels);
+    launch(n0 * sample, uint32_t(count), unsigned(rounded));
   }
 }
 

@@ -4,7 +4,7 @@
 //   candidates   the engine configurations cuDNN's heuristics rank for the graph (modes A and FALLBACK), less
 //                those whose numerics we do not accept (below); for float16/bfloat16 1x1 convolutions with
 //                stride 1, also the same product as one cuBLAS GEMM (ops/conv.cpp, conv2d_pointwise_*)
-//   autotuning   the first time a problem is seen every candidate runs on the real buffers (one warm-up, then
+//   autotuning   the first time a thread sees a problem every candidate runs on the real buffers (one warm-up, then
 //                the median of three, timed with CUDA events) and the fastest is cached for the problem: device,
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
 //                address alignment (an engine may need 16-byte aligned data). PyTorch's cudnn.benchmark does the
@@ -27,7 +27,6 @@
 #include <climits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -387,36 +386,43 @@ Tensor workspace_up_to(int64_t bytes, Device device, int64_t& got) {
   return Tensor();
 }
 
-// Median milliseconds of three runs of a candidate after one warm-up, or a negative number when it failed.
+// CUDA events, destroyed with their owner.
+struct Event {
+  cudaEvent_t event = nullptr;
+  explicit Event(const char* op) { HG_CUDA_CHECK(cudaEventCreate(&event), op); }
+  ~Event() { cudaEventDestroy(event); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+// Median milliseconds of three runs of a candidate after one warm-up, or a negative number when it failed to run
+// (that candidate is then skipped, not the problem).
 float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
   const cudaStream_t stream = cuda::current_stream(pb.device());
   try {
     execute(c, pb, handle, workspace);
+    std::array<float, 3> ms{};
+    const Event start(pb.op()), stop(pb.op());
+    for (float& t : ms) {
+      HG_CUDA_CHECK(cudaEventRecord(start.event, stream), pb.op());
+      execute(c, pb, handle, workspace);
+      HG_CUDA_CHECK(cudaEventRecord(stop.event, stream), pb.op());
+      HG_CUDA_CHECK(cudaEventSynchronize(stop.event), pb.op());
+      HG_CUDA_CHECK(cudaEventElapsedTime(&t, start.event, stop.event), pb.op());
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[1];
   } catch (const Error& e) {
     logger().debug("{}: {} failed to run ({}); skipped", pb.op(), c.label, e.what());
     return -1;
   }
-  std::array<float, 3> ms{};
-  cudaEvent_t start = nullptr, stop = nullptr;
-  HG_CUDA_CHECK(cudaEventCreate(&start), pb.op());
-  HG_CUDA_CHECK(cudaEventCreate(&stop), pb.op());
-  for (float& t : ms) {
-    HG_CUDA_CHECK(cudaEventRecord(start, stream), pb.op());
-    execute(c, pb, handle, workspace);
-    HG_CUDA_CHECK(cudaEventRecord(stop, stream), pb.op());
-    HG_CUDA_CHECK(cudaEventSynchronize(stop), pb.op());
-    HG_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop), pb.op());
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[1];
 }
 
-// ---- the choice per problem: autotuned once, then cached
+// ---- the choice per problem: autotuned once per host thread, then cached
 
-std::mutex g_choices_mutex;
-std::map<ProblemKey, Candidate> g_choices;
+// Per thread, as PyTorch's benchmark cache: a plan is finalized with its thread's cuDNN handle, and cuDNN does not
+// promise that every engine's plan may run concurrently from several threads.
+thread_local std::map<ProblemKey, Candidate> t_choices;
 
 Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
   std::vector<Candidate> candidates;
@@ -451,14 +457,9 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
 
 Candidate choice_for(const Problem& pb, cudnnHandle_t handle) {
   const ProblemKey key = pb.key();
-  {
-    std::lock_guard<std::mutex> lock(g_choices_mutex);
-    auto it = g_choices.find(key);
-    if (it != g_choices.end()) return it->second;
-  }
-  Candidate c = autotune(pb, handle);
-  std::lock_guard<std::mutex> lock(g_choices_mutex);
-  return g_choices.emplace(key, std::move(c)).first->second;
+  auto it = t_choices.find(key);
+  if (it == t_choices.end()) it = t_choices.emplace(key, autotune(pb, handle)).first;
+  return it->second;
 }
 
 // The legacy-sized limit cuDNN's convolution kernels still index with.
