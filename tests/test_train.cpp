@@ -1,0 +1,82 @@
+// tools/train.h: train_classifier end to end on CIFAR-10 files the test writes, where the class is visible in the
+// images (bright or dark), so a few epochs must learn it; the checkpoint it writes loads back.
+#include <doctest/doctest.h>
+
+#include <fstream>
+
+#include "halfgrad.h"
+#include "nn/checkpoint.h"
+#include "tests/testing.h"
+#include "tools/train.h"
+
+using namespace halfgrad;
+using halfgrad::testing::contains;
+using halfgrad::testing::error_of;
+using halfgrad::testing::TempDir;
+
+namespace {
+
+// A CIFAR-10 binary file of n records: label i % 2; class 1 images bright, class 0 dark, with noise.
+void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
+  manual_seed(seed);
+  const std::vector<double> noise = to_vector<double>(rand({n, 3072}) * 60.0);
+  std::ofstream out(path, std::ios::binary);
+  for (int64_t i = 0; i < n; ++i) {
+    out.put(char(i % 2));
+    for (int64_t b = 0; b < 3072; ++b) out.put(char(uint8_t((i % 2 ? 150 : 30) + noise[size_t(i * 3072 + b)])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("train_classifier learns a visible class on CPU, reports every epoch and writes a loadable checkpoint") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 16, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 40, 9);
+  train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 16, .lr = 0.05,
+                                 .workers = 2, .seed = 3, .checkpoint = dir.file("last.safetensors")};
+  std::vector<int64_t> reported;
+  const auto stats = train::train_classifier(config, [&](const train::EpochStats& s) { reported.push_back(s.epoch); });
+  REQUIRE(stats.size() == 3);
+  CHECK(reported == std::vector<int64_t>{0, 1, 2});
+  for (const auto& s : stats) {
+    CHECK(std::isfinite(s.train_loss));
+    CHECK(s.seconds > 0);
+    CHECK(s.images_per_second > 0);
+    CHECK(s.peak_memory_bytes == 0);  // CPU
+    CHECK(s.skipped_steps == 0);
+    CHECK(s.loss_scale == 1);  // O0: no loss scaling
+  }
+  CHECK(stats.back().train_accuracy > 0.9);
+  CHECK(stats.back().test_accuracy > 0.9);
+  CHECK(stats.back().test_loss < stats.front().train_loss);
+
+  nn::TrainingCheckpoint ck = nn::load_training_checkpoint(config.checkpoint);
+  CHECK(ck.epoch == 3);
+  CHECK(ck.step == 15);  // 80 images in batches of 16, 3 epochs
+  CHECK(ck.metadata.at("model") == "vgg11");
+  auto net = models::vgg11();
+  CHECK(net->load_state_dict(ck.model).missing_keys.empty());
+}
+
+TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad settings") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 4, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 4, 9);
+  for (amp::OptLevel level : {amp::OptLevel::O1, amp::OptLevel::O2}) {
+    CAPTURE(amp::opt_level_name(level));
+    train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 1, .batch_size = 10,
+                                   .opt_level = level, .workers = 0, .checkpoint = ""};
+    const auto stats = train::train_classifier(config);
+    REQUIRE(stats.size() == 1);
+    CHECK(std::isfinite(stats[0].train_loss));
+    CHECK(stats[0].loss_scale > 1);  // dynamic loss scaling is on at O1 and O2
+  }
+  train::ClassifierConfig bad{.model = "resnet9", .data_dir = dir.path, .checkpoint = ""};
+  CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown model \"resnet9\""));
+  bad.model = "vgg11";
+  bad.dataset = "cifar100";
+  CHECK(contains(error_of([&] { train::train_classifier(bad); }), "train.bin not found"));
+  bad.dataset = "mnist";
+  CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown dataset \"mnist\""));
+}

@@ -1,0 +1,155 @@
+// Training an image classifier (tools/train.h).
+#include "tools/train.h"
+
+#include <chrono>
+#include <memory>
+
+#include "core/autograd.h"
+#include "core/cuda.h"
+#include "core/cuda_allocator.h"
+#include "core/error.h"
+#include "data/cifar.h"
+#include "data/loader.h"
+#include "models/resnet.h"
+#include "models/vgg.h"
+#include "nn/checkpoint.h"
+#include "ops/conv.h"
+#include "ops/loss.h"
+#include "ops/reduce.h"
+#include "optim/scheduler.h"
+#include "optim/sgd.h"
+
+namespace halfgrad::train {
+
+namespace {
+
+std::shared_ptr<nn::Module> make_model(const std::string& name, int64_t classes) {
+  if (name == "resnet18") return models::resnet18({.num_classes = classes});
+  if (name == "resnet34") return models::resnet34({.num_classes = classes});
+  if (name == "resnet50") return models::resnet50({.num_classes = classes});
+  if (name == "resnet101") return models::resnet101({.num_classes = classes});
+  if (name == "resnet152") return models::resnet152({.num_classes = classes});
+  if (name == "vgg11") return models::vgg11({.num_classes = classes});
+  if (name == "vgg13") return models::vgg13({.num_classes = classes});
+  if (name == "vgg16") return models::vgg16({.num_classes = classes});
+  if (name == "vgg19") return models::vgg19({.num_classes = classes});
+  HG_FAIL("train: unknown model \"{}\" (resnet18, resnet34, resnet50, resnet101, resnet152, vgg11, vgg13, vgg16, "
+          "vgg19)", name);
+}
+
+// The first n images of d (all when n is 0 or more than there are).
+data::ImageDataset first(data::ImageDataset d, int64_t n) {
+  if (n <= 0 || n >= d.size()) return d;
+  d.images = d.images.narrow(0, 0, n).contiguous();
+  d.labels = d.labels.narrow(0, 0, n).contiguous();
+  return d;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch) {
+  HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
+           c.dataset);
+  HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
+           c.batch_size);
+  HG_CHECK(c.schedule == "onecycle" || c.schedule == "cosine" || c.schedule == "constant",
+           "train: unknown schedule \"{}\" (onecycle, cosine, constant)", c.schedule);
+  HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
+           c.device.str());
+  const bool cifar10 = c.dataset == "cifar10";
+  const float(&mean)[3] = cifar10 ? data::kCifar10Mean : data::kCifar100Mean;
+  const float(&std)[3] = cifar10 ? data::kCifar10Std : data::kCifar100Std;
+  auto load = [&](data::Split split) {
+    return cifar10 ? data::load_cifar10(c.data_dir, split) : data::load_cifar100(c.data_dir, split);
+  };
+  data::ImageLoader train_loader(first(load(data::Split::Train), c.limit_train), data::ImageTransform::cifar_train(mean, std),
+                                 {.batch_size = c.batch_size, .shuffle = true, .workers = c.workers, .seed = c.seed});
+  data::ImageLoader test_loader(first(load(data::Split::Test), c.limit_test), data::ImageTransform::cifar_eval(mean, std),
+                                {.batch_size = c.batch_size, .workers = c.workers});
+  const int64_t classes = cifar10 ? 10 : 100;
+
+  manual_seed(c.seed);
+  std::shared_ptr<nn::Module> model = make_model(c.model, classes);
+  model->to(c.device);
+  optim::SGD sgd(model->parameters(), {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay});
+  amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
+  const int64_t steps_per_epoch = train_loader.batches_per_epoch();
+  std::unique_ptr<optim::LRScheduler> schedule;
+  if (c.schedule == "onecycle") {
+    schedule = std::make_unique<optim::OneCycleLR>(
+        sgd, optim::OneCycleLROptions{.max_lr = {c.lr}, .epochs = c.epochs, .steps_per_epoch = steps_per_epoch});
+  } else if (c.schedule == "cosine") {
+    schedule = std::make_unique<optim::CosineAnnealingLR>(
+        sgd, optim::CosineAnnealingLROptions{.T_max = c.epochs * steps_per_epoch});
+  }
+
+  auto to_device = [&](const data::Batch& b) {
+    Tensor x = b.inputs.to(c.device);
+    if (c.channels_last) x = contiguous_channels_last(x);
+    return std::pair{x, b.targets.to(c.device)};
+  };
+  std::vector<EpochStats> all;
+  int64_t step = 0;
+  for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+    EpochStats s{.epoch = epoch};
+    if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
+    model->train();
+    const auto t0 = std::chrono::steady_clock::now();
+    // Sums stay on the device until the epoch ends: no host synchronisation per step.
+    Tensor loss_sum = zeros({}, {.device = c.device}), correct = zeros({}, {.dtype = kInt64, .device = c.device});
+    int64_t seen = 0;
+    for (const data::Batch& batch : train_loader.epoch(epoch)) {
+      auto [x, y] = to_device(batch);
+      Tensor logits = amp.forward(*model, x);
+      Tensor loss = cross_entropy(logits, y);
+      amp.backward(loss);
+      if (!amp.step()) ++s.skipped_steps;
+      amp.zero_grad();
+      if (schedule) schedule->step();
+      ++step;
+      NoGradGuard no_grad;
+      loss_sum.add_(loss.detach().to(kFloat32), double(y.size(0)));
+      correct.add_(argmax(logits.detach(), 1).eq(y).to(kInt64).sum());
+      seen += y.size(0);
+    }
+    if (c.device.is_cuda()) cuda::synchronize(c.device.index);
+    s.seconds = seconds_since(t0);
+    s.images_per_second = double(seen) / s.seconds;
+    s.train_loss = loss_sum.item<double>() / double(seen);
+    s.train_accuracy = correct.item<double>() / double(seen);
+
+    model->eval();
+    {
+      NoGradGuard no_grad;
+      Tensor test_loss = zeros({}, {.device = c.device}), test_correct = zeros({}, {.dtype = kInt64, .device = c.device});
+      int64_t tested = 0;
+      for (const data::Batch& batch : test_loader.epoch(0)) {
+        auto [x, y] = to_device(batch);
+        Tensor logits = amp.forward(*model, x).to(kFloat32);
+        test_loss.add_(cross_entropy(logits, y), double(y.size(0)));
+        test_correct.add_(argmax(logits, 1).eq(y).to(kInt64).sum());
+        tested += y.size(0);
+      }
+      s.test_loss = test_loss.item<double>() / double(std::max<int64_t>(tested, 1));
+      s.test_accuracy = test_correct.item<double>() / double(std::max<int64_t>(tested, 1));
+    }
+    if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
+    s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+    if (!c.checkpoint.empty()) {
+      nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
+                                .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .step = step,
+                                .rng = generator_state(), .metadata = {{"model", c.model}, {"dataset", c.dataset},
+                                                                       {"opt_level", amp::opt_level_name(c.opt_level)}}};
+      nn::save_training_checkpoint(c.checkpoint, ck);
+    }
+    all.push_back(s);
+    if (on_epoch) on_epoch(s);
+  }
+  return all;
+}
+
+}  // namespace halfgrad::train

@@ -1,0 +1,53 @@
+#pragma once
+// Training an image classifier on CIFAR-10/100 end to end, what `halfgrad train-classifier` runs: the data
+// (data/cifar.h, data/loader.h), the model (models/), SGD with momentum and weight decay under a schedule, a
+// mixed-precision level (optim/amp.h: O0 float32, O1 autocast, O2 half model with float32 masters, O3 pure half),
+// and per-epoch figures: loss and accuracy on both splits, time, throughput, peak GPU memory, skipped steps.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "optim/amp.h"
+
+namespace halfgrad::train {
+
+struct ClassifierConfig {
+  std::string model = "resnet18";  // resnet18/34/50/101/152, vgg11/13/16/19
+  std::string dataset = "cifar10";  // cifar10 or cifar100 (official binary files in data_dir)
+  std::filesystem::path data_dir;
+  int64_t epochs = 30;
+  int64_t batch_size = 128;
+  double lr = 0.1;  // the peak lr of the one-cycle schedule, the starting lr of the others
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  std::string schedule = "onecycle";  // onecycle, cosine or constant
+  amp::OptLevel opt_level = amp::OptLevel::O0;
+  DType half_dtype = kFloat16;
+  Device device = Device::cpu();
+  bool channels_last = false;  // feed NHWC batches (the layout tensor-core convolutions read)
+  int workers = 4;
+  uint64_t seed = 0;
+  int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
+  std::string checkpoint;  // when set, a training checkpoint is written there after every epoch
+};
+
+struct EpochStats {
+  int64_t epoch = 0;
+  double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
+  double seconds = 0;            // training part of the epoch, synchronized
+  double images_per_second = 0;  // training images over those seconds
+  int64_t peak_memory_bytes = 0;  // the CUDA allocator's peak during the epoch (0 on the CPU)
+  int64_t skipped_steps = 0;      // optimizer steps skipped for overflow (dynamic loss scaling)
+  double loss_scale = 1;          // at the end of the epoch (1 without loss scaling: O0, O3)
+};
+
+// Trains as configured and returns one EpochStats per epoch; on_epoch (if set) sees each as it is done.
+// Errors (an unknown model, a missing file, bad options) are halfgrad::Error naming what is wrong.
+std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
+                                         const std::function<void(const EpochStats&)>& on_epoch = {});
+
+}  // namespace halfgrad::train
