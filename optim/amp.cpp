@@ -88,25 +88,35 @@ Tensor Amp::forward(nn::Module& model, const Tensor& x) {
   TensorList params = model.parameters();
   DType model_dtype = params.empty() ? kFloat32 : params.front().dtype();
   Tensor input = x.is_floating_point() ? x.to(model_dtype) : x;
-  if (level_ == OptLevel::O1) {
-    AutocastGuard autocast(options_.half_dtype);
-    return model.forward(input);
-  }
-  Tensor out = model.forward(input);
+  Tensor out = run([&] { return model.forward(input); });
   return level_ == OptLevel::O2 && out.is_floating_point() ? out.to(kFloat32) : out;
 }
 
 void Amp::backward(const Tensor& loss) { scaler_.scale(loss).backward(); }
 
-bool Amp::step() {
-  {
-    // O2: the half gradients become the masters' float32 gradients, where unscaling loses nothing.
-    NoGradGuard no_grad;
-    for (auto& [master, model_param] : masters_) {
-      Tensor g = model_param.grad();
-      master.set_grad(g.defined() ? g.to(kFloat32) : Tensor());
-    }
+// O2: the half gradients become the masters' float32 gradients, where unscaling loses nothing.
+void Amp::gather_master_grads() {
+  if (masters_have_grads_) return;
+  NoGradGuard no_grad;
+  for (auto& [master, model_param] : masters_) {
+    Tensor g = model_param.grad();
+    master.set_grad(g.defined() ? g.to(kFloat32) : Tensor());
   }
+  masters_have_grads_ = true;
+}
+
+TensorList Amp::unscale_() {
+  gather_master_grads();
+  scaler_.unscale_(*optimizer_);
+  TensorList params;
+  for (const optim::ParamGroupRef& group : optimizer_->param_groups())
+    for (const Tensor& p : group.params) params.push_back(p);
+  return params;
+}
+
+bool Amp::step() {
+  gather_master_grads();
+  masters_have_grads_ = false;
   bool stepped = scaler_.step(*optimizer_);
   if (stepped) {
     NoGradGuard no_grad;

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/autocast.h"
 #include "nn/module.h"
 #include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
@@ -43,8 +44,23 @@ class Amp {
   // Runs model(x): x is cast to the dtype of the model's first parameter (half for O2/O3); O1 runs under an
   // AutocastGuard; O2 returns the output in float32 (losses are computed in float32), as apex does.
   Tensor forward(nn::Module& model, const Tensor& x);
+  // Runs fn() as a forward pass of the level: under autocast for O1, as it is otherwise. For models whose forward
+  // takes more than one tensor (a language model and its recurrent state); the caller casts its own inputs.
+  template <typename Fn> decltype(auto) run(Fn&& fn) {
+    if (level_ == OptLevel::O1) {
+      AutocastGuard autocast(options_.half_dtype);
+      return fn();
+    }
+    return fn();
+  }
   // Backward of the (scaled, for O1/O2) loss.
   void backward(const Tensor& loss);
+  // Unscales the gradients the optimizer will use (O2: its float32 master weights' gradients) and returns those
+  // parameters, for clipping before step(), which then does not unscale again (torch.cuda.amp's unscale_):
+  //   amp.backward(loss);
+  //   optim::clip_grad_norm_(amp.unscale_(), 0.25);
+  //   amp.step();
+  TensorList unscale_();
   // One optimizer step with everything the level needs; returns false when an overflow skipped it.
   bool step();
   void zero_grad();
@@ -64,6 +80,9 @@ class Amp {
   AmpOptions options_;
   GradScaler scaler_;
   std::vector<std::pair<Tensor, Tensor>> masters_;
+  bool masters_have_grads_ = false;  // O2: the half gradients of this step were copied to the masters
+
+  void gather_master_grads();
 };
 
 // Converts `model` as the level says and rewires `optimizer` (which must not have stepped yet) to train it.

@@ -1,11 +1,13 @@
 // apex opt levels O0..O3 through amp::initialize: what is converted, the master weights, and a step.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <map>
 
 #include "halfgrad.h"
 #include "nn/layers.h"
 #include "optim/amp.h"
+#include "optim/clip_grad.h"
 
 using namespace halfgrad;
 
@@ -111,4 +113,44 @@ TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown
   opt.step();
   CHECK_THROWS_WITH_AS(amp::initialize(*net, opt, amp::OptLevel::O2), doctest::Contains("already stepped"), Error);
   CHECK_THROWS_WITH_AS(amp::parse_opt_level("O4"), doctest::Contains("'O4'"), Error);
+}
+
+TEST_CASE("unscale_ hands the optimizer's unscaled gradients over for clipping, and step does not unscale again") {
+  for (amp::OptLevel level : {amp::OptLevel::O1, amp::OptLevel::O2}) {
+    CAPTURE(amp::opt_level_name(level));
+    Tensor x = randn({8, 3, 5, 5}), y = randn({8, 2});
+    // The float32 reference: the same net, loss and clipping without amp.
+    auto reference = small_net();
+    std::vector<std::vector<double>> initial;
+    for (const Tensor& p : reference->parameters()) initial.push_back(to_vector<double>(p));
+    optim::SGD ref_opt(reference->parameters(), {.lr = 0.1});
+    mse_loss(reference->forward(x), y).backward();
+    const Tensor ref_norm = optim::clip_grad_norm_(reference->parameters(), 0.01);
+    ref_opt.step();
+
+    auto net = small_net();
+    optim::SGD opt(net->parameters(), {.lr = 0.1});
+    amp::Amp amp = amp::initialize(*net, opt, level);
+    amp.backward(mse_loss(amp.forward(*net, x).to(kFloat32), y));
+    TensorList params = amp.unscale_();
+    REQUIRE(params.size() == opt.parameters().size());
+    for (const Tensor& p : params) CHECK(p.dtype() == kFloat32);  // O2: the masters, not the half parameters
+    const Tensor norm = optim::clip_grad_norm_(params, 0.01);
+    // The norm of the unscaled gradients: the float32 one up to half-precision arithmetic, not scale times it.
+    CHECK(norm.item<double>() == doctest::Approx(ref_norm.item<double>()).epsilon(0.02));
+    CHECK(amp.step());
+    // The update is the clipped step of the float32 reference: a second unscaling would shrink it to nothing.
+    TensorList ref_params = reference->parameters();
+    double diff = 0, size = 0;
+    for (size_t i = 0; i < ref_params.size(); ++i) {
+      const std::vector<double> got = to_vector<double>(params[i]), want = to_vector<double>(ref_params[i]);
+      for (size_t k = 0; k < got.size(); ++k) {
+        const double step_want = want[k] - initial[i][k], step_got = got[k] - initial[i][k];
+        diff += (step_got - step_want) * (step_got - step_want);
+        size += step_want * step_want;
+      }
+    }
+    CHECK(size > 0);
+    CHECK(std::sqrt(diff / size) < 0.05);
+  }
 }

@@ -80,3 +80,58 @@ TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad
   bad.dataset = "mnist";
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown dataset \"mnist\""));
 }
+
+TEST_CASE("train_language_model follows main.py: perplexity falls on a predictable text, the best model is tested") {
+  TempDir dir;
+  {
+    // Sentences over a small vocabulary where each word mostly determines the next.
+    std::string text;
+    const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "then", "slept", "well"};
+    for (int line = 0; line < 60; ++line) {
+      text += " ";
+      for (int w = 0; w < 10; ++w) text += std::string(words[(line + w) % 10]) + " ";
+      text += "\n";
+    }
+    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  }
+  train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 16, .hidden_size = 16, .num_layers = 1,
+                                    .dropout = 0, .epochs = 4, .batch_size = 4, .eval_batch_size = 2, .bptt = 8,
+                                    .checkpoint = dir.file("lm.safetensors")};
+  std::vector<double> lrs;
+  const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) { lrs.push_back(s.lr); });
+  REQUIRE(result.epochs.size() == 4);
+  CHECK(lrs.front() == 20);  // main.py's lr
+  const auto& first = result.epochs.front();
+  const auto& last = result.epochs.back();
+  CHECK(first.train_loss > std::log(5.0));  // starts near log(11): ten words and <eos>
+  CHECK(last.valid_loss < 0.5 * first.train_loss);
+  CHECK(std::isfinite(result.test_loss));
+  CHECK(result.test_loss <= last.valid_loss + 1e-9);  // the test split is the same text; the best model is used
+  CHECK(last.tokens_per_second > 0);
+  for (size_t e = 1; e < lrs.size(); ++e) CHECK((lrs[e] == lrs[e - 1] || lrs[e] == lrs[e - 1] / 4));
+  CHECK(std::filesystem::is_regular_file(config.checkpoint));
+
+  // O1 and O2: autocast or a half model, dynamic loss scaling, unscaled gradients clipped.
+  for (amp::OptLevel level : {amp::OptLevel::O1, amp::OptLevel::O2}) {
+    CAPTURE(amp::opt_level_name(level));
+    config.opt_level = level;
+    config.epochs = 2;
+    config.checkpoint = "";
+    const auto mixed = train::train_language_model(config);
+    CHECK(mixed.epochs.back().valid_loss < 0.7 * mixed.epochs.front().train_loss);
+    CHECK(mixed.epochs.back().loss_scale > 1);
+  }
+}
+
+TEST_CASE("train_language_model runs on the shipped WikiText-2 with a GRU") {
+  train::LanguageModelConfig config{.rnn = "gru", .data_dir = {}, .embedding_size = 16, .hidden_size = 16, .num_layers = 1,
+                                    .dropout = 0, .epochs = 1, .batch_size = 4, .eval_batch_size = 4, .bptt = 16,
+                                    .limit_tokens = 3000, .checkpoint = ""};
+  const auto result = train::train_language_model(config);
+  REQUIRE(result.epochs.size() == 1);
+  // A uniform guess over 33,278 words costs log(33278) = 10.4 per token.
+  CHECK(result.epochs[0].train_loss < 10.6);
+  CHECK(result.epochs[0].valid_loss < 10.4);
+  train::LanguageModelConfig bad{.rnn = "transformer", .data_dir = {}, .checkpoint = ""};
+  CHECK(contains(error_of([&] { train::train_language_model(bad); }), "unknown recurrent layer \"transformer\""));
+}

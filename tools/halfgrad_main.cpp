@@ -1,7 +1,9 @@
 // The halfgrad command-line program: `info` tells what this build is; `train-classifier` trains ResNet/VGG on
-// CIFAR-10/100 with a chosen mixed-precision level and prints one line of figures per epoch.
+// CIFAR-10/100 and `train-lm` an RNN/GRU/LSTM language model on WikiText-2, each with a chosen mixed-precision
+// level, printing one line of figures per epoch.
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <fstream>
 #include <iostream>
 
@@ -15,20 +17,38 @@ using namespace halfgrad;
 
 namespace {
 
+DType parse_half(const std::string& half) {
+  HG_CHECK(half == "float16" || half == "bfloat16", "--half must be float16 or bfloat16, got {}", half);
+  return half == "float16" ? kFloat16 : kBFloat16;
+}
+
+Device parse_device(const std::string& device) {
+  if (device == "cpu") return Device::cpu();
+  if (device == "cuda") return Device::cuda(0);
+  HG_CHECK(device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+               device.find_first_not_of("0123456789", 5) == std::string::npos,
+           "--device must be cpu, cuda or cuda:N, got {}", device);
+  return Device::cuda(std::stoi(device.substr(5)));
+}
+
+// The per-epoch CSV file with its header line, or a closed stream when no path was given.
+std::ofstream open_csv(const std::string& path, const char* command, const char* header) {
+  std::ofstream csv;
+  if (path.empty()) return csv;
+  csv.open(path);
+  HG_CHECK(csv.good(), "{}: cannot write {}", command, path);
+  csv << header << "\n";
+  return csv;
+}
+
 int run_train_classifier(train::ClassifierConfig config, const std::string& opt_level, const std::string& half,
                          const std::string& device, const std::string& csv_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
-  HG_CHECK(half == "float16" || half == "bfloat16", "train-classifier: --half must be float16 or bfloat16, got {}",
-           half);
-  config.half_dtype = half == "float16" ? kFloat16 : kBFloat16;
-  config.device = device == "cpu" ? Device::cpu() : Device::cuda(device == "cuda" ? 0 : std::stoi(device.substr(5)));
-  std::ofstream csv;
-  if (!csv_path.empty()) {
-    csv.open(csv_path);
-    HG_CHECK(csv.good(), "train-classifier: cannot write {}", csv_path);
-    csv << "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,peak_memory_bytes,"
-           "skipped_steps,loss_scale\n";
-  }
+  config.half_dtype = parse_half(half);
+  config.device = parse_device(device);
+  std::ofstream csv = open_csv(csv_path, "train-classifier",
+                               "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,"
+                               "peak_memory_bytes,skipped_steps,loss_scale");
   fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}\n", config.model,
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
              config.channels_last ? ", channels_last" : "");
@@ -49,6 +69,42 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
       csv.flush();
     }
   });
+  return 0;
+}
+
+int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level, const std::string& half,
+                 const std::string& device, const std::string& csv_path) {
+  config.opt_level = amp::parse_opt_level(opt_level);
+  config.half_dtype = parse_half(half);
+  config.device = parse_device(device);
+  std::ofstream csv = open_csv(csv_path, "train-lm",
+                               "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,"
+                               "peak_memory_bytes,skipped_steps,loss_scale");
+  fmt::print("train-lm: {} {}x{} ({} layers, dropout {}{}) on {} ({}), {} epochs, batch {}, bptt {}, lr {}, clip {}, "
+             "opt level {}\n", config.rnn, config.embedding_size, config.hidden_size, config.num_layers, config.dropout,
+             config.tie_weights ? ", tied" : "",
+             config.data_dir.empty() ? "the shipped WikiText-2" : config.data_dir.string(), config.device.str(),
+             config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level);
+  std::fflush(stdout);
+  const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
+    if (s.epoch == 0) {
+      fmt::print("{:>5} {:>8} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "lr",
+                 "train loss", "train ppl", "valid loss", "valid ppl", "seconds", "tokens/s", "peak MiB", "skipped",
+                 "loss scale");
+    }
+    fmt::print("{:>5} {:>8.4g} {:>10.4f} {:>9.2f} {:>10.4f} {:>9.2f} {:>8.2f} {:>9.0f} {:>10.1f} {:>7} {:>10.0f}\n",
+               s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss), s.valid_loss, std::exp(s.valid_loss), s.seconds,
+               s.tokens_per_second, double(s.peak_memory_bytes) / (1 << 20), s.skipped_steps, s.loss_scale);
+    std::fflush(stdout);
+    if (csv.is_open()) {
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss),
+                         s.valid_loss, std::exp(s.valid_loss), s.seconds, s.tokens_per_second, s.peak_memory_bytes,
+                         s.skipped_steps, s.loss_scale);
+      csv.flush();
+    }
+  });
+  fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
+             std::exp(result.test_loss));
   return 0;
 }
 
@@ -87,6 +143,35 @@ int main(int argc, char** argv) {
   tc->add_option("--checkpoint", config.checkpoint, "write a training checkpoint (safetensors) after every epoch");
   tc->add_option("--csv", csv_path, "also write the per-epoch figures to this CSV file");
   int rc = 0;
+  train::LanguageModelConfig lm;
+  std::string lm_data_dir, lm_csv;
+  CLI::App* tl = app.add_subcommand("train-lm", "Train an RNN/GRU/LSTM word language model (pytorch/examples' "
+                                    "word_language_model) on WikiText-2");
+  tl->add_option("--rnn", lm.rnn, "lstm, gru, rnn_tanh or rnn_relu")->capture_default_str();
+  tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)");
+  tl->add_option("--emsize", lm.embedding_size)->capture_default_str();
+  tl->add_option("--nhid", lm.hidden_size)->capture_default_str();
+  tl->add_option("--nlayers", lm.num_layers)->capture_default_str();
+  tl->add_option("--dropout", lm.dropout)->capture_default_str();
+  tl->add_flag("--tied", lm.tie_weights, "tie the encoder and decoder weights");
+  tl->add_option("--epochs", lm.epochs)->capture_default_str();
+  tl->add_option("--batch-size", lm.batch_size)->capture_default_str();
+  tl->add_option("--eval-batch-size", lm.eval_batch_size)->capture_default_str();
+  tl->add_option("--bptt", lm.bptt)->capture_default_str();
+  tl->add_option("--lr", lm.lr)->capture_default_str();
+  tl->add_option("--clip", lm.clip)->capture_default_str();
+  tl->add_option("--opt-level", opt_level, "O0, O1, O2 or O3")->capture_default_str();
+  tl->add_option("--half", half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
+  tl->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+  tl->add_option("--seed", lm.seed)->capture_default_str();
+  tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)");
+  tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss (safetensors)");
+  tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
+  tl->callback([&] {
+    lm.data_dir = lm_data_dir;
+    rc = run_train_lm(lm, opt_level, half, device, lm_csv);
+  });
+
   tc->callback([&] {
     config.data_dir = data_dir;
     rc = run_train_classifier(config, opt_level, half, device, csv_path);

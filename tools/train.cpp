@@ -2,6 +2,7 @@
 #include "tools/train.h"
 
 #include <chrono>
+#include <limits>
 #include <memory>
 
 #include "core/autograd.h"
@@ -10,12 +11,15 @@
 #include "core/error.h"
 #include "data/cifar.h"
 #include "data/loader.h"
+#include "data/text.h"
+#include "models/language_model.h"
 #include "models/resnet.h"
 #include "models/vgg.h"
 #include "nn/checkpoint.h"
 #include "ops/conv.h"
 #include "ops/loss.h"
 #include "ops/reduce.h"
+#include "optim/clip_grad.h"
 #include "optim/scheduler.h"
 #include "optim/sgd.h"
 
@@ -150,6 +154,111 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (on_epoch) on_epoch(s);
   }
   return all;
+}
+
+namespace {
+
+nn::RecurrentKind recurrent_kind(const std::string& name) {
+  if (name == "lstm") return nn::RecurrentKind::LSTM;
+  if (name == "gru") return nn::RecurrentKind::GRU;
+  if (name == "rnn_tanh") return nn::RecurrentKind::RNNTanh;
+  if (name == "rnn_relu") return nn::RecurrentKind::RNNReLU;
+  HG_FAIL("train: unknown recurrent layer \"{}\" (lstm, gru, rnn_tanh, rnn_relu)", name);
+}
+
+Tensor first_tokens(const Tensor& ids, int64_t n) { return n > 0 && n < ids.size(0) ? ids.narrow(0, 0, n) : ids; }
+
+// The windows of a batchified source, as main.py walks them: rows 0, bptt, 2 bptt, ... while a next row exists.
+template <typename Fn> void for_each_window(const Tensor& source, int64_t bptt, Fn&& fn) {
+  for (int64_t i = 0; i + 1 < source.size(0); i += bptt) fn(data::bptt_batch(source, i, bptt));
+}
+
+}  // namespace
+
+LanguageModelResult train_language_model(const LanguageModelConfig& c,
+                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch) {
+  HG_CHECK(c.epochs >= 1 && c.batch_size >= 1 && c.eval_batch_size >= 1 && c.bptt >= 1,
+           "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
+           c.eval_batch_size, c.bptt);
+  HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
+           c.device.str());
+  const nn::RecurrentKind kind = recurrent_kind(c.rnn);
+  const data::Corpus corpus =
+      data::load_corpus(c.data_dir.empty() ? data::default_data_directory() / "wikitext-2" : c.data_dir);
+  const Tensor train_data = data::batchify(first_tokens(corpus.train, c.limit_tokens), c.batch_size).to(c.device);
+  const Tensor valid_data = data::batchify(first_tokens(corpus.valid, c.limit_tokens), c.eval_batch_size).to(c.device);
+  const Tensor test_data = data::batchify(first_tokens(corpus.test, c.limit_tokens), c.eval_batch_size).to(c.device);
+  const int64_t vocab = corpus.vocab.size();
+
+  manual_seed(c.seed);
+  models::LanguageModel model(vocab, {.kind = kind, .embedding_size = c.embedding_size, .hidden_size = c.hidden_size,
+                                      .num_layers = c.num_layers, .dropout = c.dropout, .tie_weights = c.tie_weights});
+  model.to(c.device);
+  optim::SGD sgd(model.parameters(), {.lr = c.lr});
+  amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
+
+  // Mean cross-entropy per token over a batchified split, the state carried from window to window.
+  auto evaluate = [&](const Tensor& source) {
+    model.eval();
+    NoGradGuard no_grad;
+    Tensor total = zeros({}, {.device = c.device}), h, cell;
+    for_each_window(source, c.bptt, [&](const data::TextBatch& b) {
+      auto out = amp.run([&] { return model.forward(b.input, h, cell); });
+      h = out.h;
+      cell = out.c;
+      total.add_(cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), b.target), double(b.input.size(0)));
+    });
+    return total.item<double>() / double(source.size(0) - 1);
+  };
+
+  LanguageModelResult result;
+  double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
+  NamedTensors best_state;
+  for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+    LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
+    if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
+    model.train();
+    const auto t0 = std::chrono::steady_clock::now();
+    Tensor total = zeros({}, {.device = c.device}), h, cell;
+    int64_t tokens = 0;
+    for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
+      // Truncated BPTT: the state goes on, its history does not.
+      if (h.defined()) h = h.detach();
+      if (cell.defined()) cell = cell.detach();
+      auto out = amp.run([&] { return model.forward(b.input, h, cell); });
+      h = out.h;
+      cell = out.c;
+      Tensor loss = cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), b.target);
+      amp.backward(loss);
+      optim::clip_grad_norm_(amp.unscale_(), c.clip);
+      if (!amp.step()) ++s.skipped_steps;
+      amp.zero_grad();
+      NoGradGuard no_grad;
+      total.add_(loss.detach(), double(b.target.numel()));
+      tokens += b.target.numel();
+    });
+    if (c.device.is_cuda()) cuda::synchronize(c.device.index);
+    s.seconds = seconds_since(t0);
+    s.tokens_per_second = double(tokens) / s.seconds;
+    s.train_loss = total.item<double>() / double(tokens);
+    s.valid_loss = evaluate(valid_data);
+    if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
+    s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+    if (s.valid_loss < best_valid) {
+      best_valid = s.valid_loss;
+      best_state.clear();
+      for (const auto& [name, t] : model.state_dict()) best_state.emplace_back(name, t.detach().clone());
+      if (!c.checkpoint.empty()) nn::save(model, c.checkpoint, {{"rnn", c.rnn}, {"vocab_size", std::to_string(vocab)}});
+    } else {
+      lr /= 4;  // main.py: anneal when the validation loss did not improve
+      for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
+    }
+    result.epochs.push_back(s);
+    if (on_epoch) on_epoch(s);
+  }
+  model.load_state_dict(best_state);
+  result.test_loss = evaluate(test_data);
+  return result;
 }
 
 }  // namespace halfgrad::train

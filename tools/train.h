@@ -50,4 +50,41 @@ struct EpochStats {
 std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
                                          const std::function<void(const EpochStats&)>& on_epoch = {});
 
+// A word-level language model on WikiText-2 (or any corpus in its format), what `halfgrad train-lm` runs, as
+// pytorch/examples' word_language_model/main.py: batchified text, truncated backpropagation through time with the
+// state carried (detached) from window to window, gradient clipping, plain SGD whose lr is divided by 4 whenever the
+// validation loss does not improve; the same defaults. Perplexity = exp(loss).
+struct LanguageModelConfig {
+  std::string rnn = "lstm";  // rnn_tanh, rnn_relu, gru, lstm
+  std::filesystem::path data_dir;  // train.txt, valid.txt, test.txt; empty: the WikiText-2 halfgrad ships
+  int64_t embedding_size = 200, hidden_size = 200, num_layers = 2;
+  double dropout = 0.2;
+  bool tie_weights = false;
+  int64_t epochs = 40, batch_size = 20, eval_batch_size = 10, bptt = 35;
+  double lr = 20, clip = 0.25;
+  amp::OptLevel opt_level = amp::OptLevel::O0;
+  DType half_dtype = kFloat16;
+  Device device = Device::cpu();
+  uint64_t seed = 1111;
+  int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
+  std::string checkpoint;    // when set, the model with the best validation loss is saved there
+};
+
+struct LanguageModelEpochStats {
+  int64_t epoch = 0;
+  double train_loss = 0, valid_loss = 0;  // mean cross-entropy per token (perplexity = exp)
+  double lr = 0;                          // the lr the epoch trained with
+  double seconds = 0, tokens_per_second = 0;
+  int64_t peak_memory_bytes = 0, skipped_steps = 0;
+  double loss_scale = 1;
+};
+
+struct LanguageModelResult {
+  std::vector<LanguageModelEpochStats> epochs;
+  double test_loss = 0;  // of the model with the best validation loss
+};
+
+LanguageModelResult train_language_model(const LanguageModelConfig& config,
+                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch = {});
+
 }  // namespace halfgrad::train
