@@ -135,3 +135,28 @@ TEST_CASE("train_language_model runs on the shipped WikiText-2 with a GRU") {
   train::LanguageModelConfig bad{.rnn = "transformer", .data_dir = {}, .checkpoint = ""};
   CHECK(contains(error_of([&] { train::train_language_model(bad); }), "unknown recurrent layer \"transformer\""));
 }
+
+TEST_CASE("sweep_classifier runs every opt level and batch size and names them as the experiments' tables do") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 8, 9);
+  train::ClassifierConfig base{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .workers = 0, .checkpoint = ""};
+  std::vector<std::string> seen;
+  const auto rows = train::sweep_classifier(base, {amp::OptLevel::O0, amp::OptLevel::O3}, {8, 20},
+                                            [&](const train::SweepRow& r) {
+                                              seen.push_back(fmt::format("{} {}", train::precision_name(r.opt_level),
+                                                                         r.batch_size));
+                                            });
+  CHECK(seen == std::vector<std::string>{"FP32 8", "FP32 20", "FP16 8", "FP16 20"});
+  REQUIRE(rows.size() == 4);
+  for (const auto& r : rows) {
+    CHECK_FALSE(r.out_of_memory);
+    CHECK(r.seconds_per_epoch > 0);
+    CHECK(r.images_per_second > 0);
+    CHECK(r.final_test_accuracy >= 0);
+    CHECK(r.final_test_accuracy <= 1);
+  }
+  CHECK(std::string(train::precision_name(amp::OptLevel::O1)) == "AMP");
+  CHECK(std::string(train::precision_name(amp::OptLevel::O2)) == "O2");
+  CHECK(contains(error_of([&] { train::sweep_classifier(base, {}, {8}); }), "at least one opt level"));
+}

@@ -1,11 +1,13 @@
 // The halfgrad command-line program: `info` tells what this build is; `train-classifier` trains ResNet/VGG on
 // CIFAR-10/100 and `train-lm` an RNN/GRU/LSTM language model on WikiText-2, each with a chosen mixed-precision
-// level, printing one line of figures per epoch.
+// level, printing one line of figures per epoch; `sweep-classifier` runs the FP32 / AMP / O2 / FP16 comparison.
 #include <CLI/CLI.hpp>
 
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -72,6 +74,43 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   return 0;
 }
 
+int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::string>& levels,
+                         const std::vector<int64_t>& batch_sizes, const std::string& half, const std::string& device,
+                         const std::string& csv_path) {
+  std::vector<amp::OptLevel> parsed;
+  for (const std::string& l : levels) parsed.push_back(amp::parse_opt_level(l));
+  config.half_dtype = parse_half(half);
+  config.device = parse_device(device);
+  std::ofstream csv = open_csv(csv_path, "sweep-classifier",
+                               "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,"
+                               "peak_memory_bytes,final_train_accuracy,final_test_accuracy,final_test_loss,"
+                               "skipped_steps");
+  fmt::print("sweep-classifier: {} on {} ({}), {} epochs per run, lr {} ({}){}\n", config.model, config.dataset,
+             config.device.str(), config.epochs, config.lr, config.schedule,
+             config.channels_last ? ", channels_last" : "");
+  fmt::print("{:<9} {:>6} {:>11} {:>9} {:>10} {:>10} {:>9} {:>9}\n", "precision", "batch", "s / epoch", "images/s",
+             "peak MiB", "train acc", "test acc", "skipped");
+  std::fflush(stdout);
+  train::sweep_classifier(config, parsed, batch_sizes, [&](const train::SweepRow& r) {
+    const char* name = train::precision_name(r.opt_level);
+    if (r.out_of_memory) {
+      fmt::print("{:<9} {:>6} {:>11}\n", name, r.batch_size, "out of memory");
+    } else {
+      fmt::print("{:<9} {:>6} {:>11.2f} {:>9.0f} {:>10.1f} {:>10.4f} {:>9.4f} {:>9}\n", name, r.batch_size,
+                 r.seconds_per_epoch, r.images_per_second, double(r.peak_memory_bytes) / (1 << 20),
+                 r.final_train_accuracy, r.final_test_accuracy, r.skipped_steps);
+    }
+    std::fflush(stdout);
+    if (csv.is_open()) {
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", name, amp::opt_level_name(r.opt_level), r.batch_size,
+                         r.out_of_memory ? 1 : 0, r.seconds_per_epoch, r.images_per_second, r.peak_memory_bytes,
+                         r.final_train_accuracy, r.final_test_accuracy, r.final_test_loss, r.skipped_steps);
+      csv.flush();
+    }
+  });
+  return 0;
+}
+
 int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level, const std::string& half,
                  const std::string& device, const std::string& csv_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
@@ -118,33 +157,64 @@ int main(int argc, char** argv) {
   CLI::App* info = app.add_subcommand("info", "Print the version and the backends compiled into this build");
   info->callback([] { std::cout << halfgrad::build_summary() << "\n"; });
 
-  train::ClassifierConfig config;
-  std::string opt_level = "O0", half = "float16", device = "cpu", csv_path, data_dir;
-  CLI::App* tc = app.add_subcommand("train-classifier", "Train ResNet/VGG on CIFAR-10/100 (official binary files)");
-  tc->add_option("--model", config.model, "resnet18/34/50/101/152, vgg11/13/16/19")->capture_default_str();
-  tc->add_option("--dataset", config.dataset, "cifar10 or cifar100")->capture_default_str();
-  tc->add_option("--data-dir", data_dir, "folder with data_batch_1..5.bin and test_batch.bin (CIFAR-10) or "
-                 "train.bin and test.bin (CIFAR-100)")->required();
-  tc->add_option("--epochs", config.epochs)->capture_default_str();
-  tc->add_option("--batch-size", config.batch_size)->capture_default_str();
-  tc->add_option("--lr", config.lr, "peak lr (onecycle) or starting lr")->capture_default_str();
-  tc->add_option("--momentum", config.momentum)->capture_default_str();
-  tc->add_option("--weight-decay", config.weight_decay)->capture_default_str();
-  tc->add_option("--schedule", config.schedule, "onecycle, cosine or constant")->capture_default_str();
-  tc->add_option("--opt-level", opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 masters), O3 (half)")
-      ->capture_default_str();
-  tc->add_option("--half", half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
-  tc->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
-  tc->add_flag("--channels-last", config.channels_last, "feed NHWC batches");
-  tc->add_option("--workers", config.workers, "data loading threads")->capture_default_str();
-  tc->add_option("--seed", config.seed)->capture_default_str();
-  tc->add_option("--limit-train", config.limit_train, "use the first N training images (0: all)");
-  tc->add_option("--limit-test", config.limit_test, "use the first N test images (0: all)");
-  tc->add_option("--checkpoint", config.checkpoint, "write a training checkpoint (safetensors) after every epoch");
-  tc->add_option("--csv", csv_path, "also write the per-epoch figures to this CSV file");
   int rc = 0;
+  // What the classifier subcommands share; strings are parsed when the subcommand runs.
+  struct ClassifierArgs {
+    train::ClassifierConfig config;
+    std::string opt_level = "O0", half = "float16", device = "cpu", csv_path, data_dir;
+  };
+  auto add_classifier_options = [](CLI::App* sub, ClassifierArgs& a) {
+    train::ClassifierConfig& c = a.config;
+    sub->add_option("--model", c.model, "resnet18/34/50/101/152, vgg11/13/16/19")->capture_default_str();
+    sub->add_option("--dataset", c.dataset, "cifar10 or cifar100")->capture_default_str();
+    sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin and test_batch.bin (CIFAR-10) or "
+                    "train.bin and test.bin (CIFAR-100)")->required();
+    sub->add_option("--epochs", c.epochs)->capture_default_str();
+    sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->capture_default_str();
+    sub->add_option("--momentum", c.momentum)->capture_default_str();
+    sub->add_option("--weight-decay", c.weight_decay)->capture_default_str();
+    sub->add_option("--schedule", c.schedule, "onecycle, cosine or constant")->capture_default_str();
+    sub->add_option("--half", a.half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
+    sub->add_option("--device", a.device, "cpu, cuda or cuda:N")->capture_default_str();
+    sub->add_flag("--channels-last", c.channels_last, "feed NHWC batches");
+    sub->add_option("--workers", c.workers, "data loading threads")->capture_default_str();
+    sub->add_option("--seed", c.seed)->capture_default_str();
+    sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)");
+    sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)");
+    sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file");
+  };
+
+  ClassifierArgs train_args;
+  CLI::App* tc = app.add_subcommand("train-classifier", "Train ResNet/VGG on CIFAR-10/100 (official binary files)");
+  add_classifier_options(tc, train_args);
+  tc->add_option("--batch-size", train_args.config.batch_size)->capture_default_str();
+  tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
+                 "masters), O3 (half)")->capture_default_str();
+  tc->add_option("--checkpoint", train_args.config.checkpoint, "write a training checkpoint (safetensors) after "
+                 "every epoch");
+  tc->callback([&] {
+    train_args.config.data_dir = train_args.data_dir;
+    rc = run_train_classifier(train_args.config, train_args.opt_level, train_args.half, train_args.device,
+                              train_args.csv_path);
+  });
+
+  ClassifierArgs sweep_args;
+  std::vector<std::string> levels = {"O0", "O1", "O2", "O3"};
+  std::vector<int64_t> batch_sizes = {128};
+  CLI::App* sc = app.add_subcommand("sweep-classifier", "The FP32 / AMP / O2 / FP16 comparison: train-classifier "
+                                    "once per opt level and batch size, one row each");
+  add_classifier_options(sc, sweep_args);
+  sc->add_option("--opt-levels", levels, "opt levels to run")->delimiter(',')->capture_default_str();
+  sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
+      ->delimiter(',')->capture_default_str();
+  sc->callback([&] {
+    sweep_args.config.data_dir = sweep_args.data_dir;
+    rc = run_sweep_classifier(sweep_args.config, levels, batch_sizes, sweep_args.half, sweep_args.device,
+                              sweep_args.csv_path);
+  });
+
   train::LanguageModelConfig lm;
-  std::string lm_data_dir, lm_csv;
+  std::string lm_data_dir, lm_csv, lm_opt_level = "O0", lm_half = "float16", lm_device = "cpu";
   CLI::App* tl = app.add_subcommand("train-lm", "Train an RNN/GRU/LSTM word language model (pytorch/examples' "
                                     "word_language_model) on WikiText-2");
   tl->add_option("--rnn", lm.rnn, "lstm, gru, rnn_tanh or rnn_relu")->capture_default_str();
@@ -160,21 +230,16 @@ int main(int argc, char** argv) {
   tl->add_option("--bptt", lm.bptt)->capture_default_str();
   tl->add_option("--lr", lm.lr)->capture_default_str();
   tl->add_option("--clip", lm.clip)->capture_default_str();
-  tl->add_option("--opt-level", opt_level, "O0, O1, O2 or O3")->capture_default_str();
-  tl->add_option("--half", half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
-  tl->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+  tl->add_option("--opt-level", lm_opt_level, "O0, O1, O2 or O3")->capture_default_str();
+  tl->add_option("--half", lm_half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
+  tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
   tl->add_option("--seed", lm.seed)->capture_default_str();
   tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)");
   tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss (safetensors)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
   tl->callback([&] {
     lm.data_dir = lm_data_dir;
-    rc = run_train_lm(lm, opt_level, half, device, lm_csv);
-  });
-
-  tc->callback([&] {
-    config.data_dir = data_dir;
-    rc = run_train_classifier(config, opt_level, half, device, csv_path);
+    rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv);
   });
 
   try {

@@ -1,6 +1,7 @@
 // Training an image classifier (tools/train.h).
 #include "tools/train.h"
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <memory>
@@ -154,6 +155,55 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (on_epoch) on_epoch(s);
   }
   return all;
+}
+
+const char* precision_name(amp::OptLevel level) {
+  switch (level) {
+    case amp::OptLevel::O0: return "FP32";
+    case amp::OptLevel::O1: return "AMP";
+    case amp::OptLevel::O2: return "O2";
+    case amp::OptLevel::O3: return "FP16";
+  }
+  return "?";
+}
+
+std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels,
+                                       const std::vector<int64_t>& batch_sizes,
+                                       const std::function<void(const SweepRow&)>& on_row) {
+  HG_CHECK(!levels.empty() && !batch_sizes.empty(), "sweep: give at least one opt level and one batch size");
+  std::vector<SweepRow> rows;
+  for (amp::OptLevel level : levels) {
+    for (int64_t batch : batch_sizes) {
+      ClassifierConfig config = base;
+      config.opt_level = level;
+      config.batch_size = batch;
+      SweepRow row{.opt_level = level, .batch_size = batch};
+      if (config.device.is_cuda()) cuda::empty_cache();  // each run starts from an empty cache
+      try {
+        const std::vector<EpochStats> epochs = train_classifier(config);
+        const size_t from = epochs.size() > 1 ? 1 : 0;
+        double seconds = 0, images = 0;
+        for (size_t e = from; e < epochs.size(); ++e) {
+          seconds += epochs[e].seconds;
+          images += epochs[e].images_per_second * epochs[e].seconds;
+        }
+        for (const EpochStats& e : epochs) {
+          row.peak_memory_bytes = std::max(row.peak_memory_bytes, e.peak_memory_bytes);
+          row.skipped_steps += e.skipped_steps;
+        }
+        row.seconds_per_epoch = seconds / double(epochs.size() - from);
+        row.images_per_second = images / seconds;
+        row.final_train_accuracy = epochs.back().train_accuracy;
+        row.final_test_accuracy = epochs.back().test_accuracy;
+        row.final_test_loss = epochs.back().test_loss;
+      } catch (const OutOfMemory&) {
+        row.out_of_memory = true;
+      }
+      rows.push_back(row);
+      if (on_row) on_row(row);
+    }
+  }
+  return rows;
 }
 
 namespace {

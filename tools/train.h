@@ -50,6 +50,29 @@ struct EpochStats {
 std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
                                          const std::function<void(const EpochStats&)>& on_epoch = {});
 
+// The benchmark sweep of the mixed-precision experiments: the same training run at each opt level (FP32 = O0,
+// AMP = O1, O2 = half model with float32 masters, FP16 = O3) and batch size, one row each: time per epoch,
+// throughput, peak GPU memory, final accuracy. A run that does not fit in GPU memory is a row saying so, which is
+// how the largest batch size of each precision shows.
+struct SweepRow {
+  amp::OptLevel opt_level = amp::OptLevel::O0;
+  int64_t batch_size = 0;
+  bool out_of_memory = false;
+  double seconds_per_epoch = 0;  // mean over the epochs after the first (which includes cuDNN's autotuning), or
+                                 // the first when there is one epoch
+  double images_per_second = 0;  // over the same epochs
+  int64_t peak_memory_bytes = 0;  // the most of any epoch
+  double final_train_accuracy = 0, final_test_accuracy = 0, final_test_loss = 0;
+  int64_t skipped_steps = 0;
+};
+
+// The precision's name in the experiments' tables: FP32, AMP, O2, FP16.
+const char* precision_name(amp::OptLevel level);
+
+std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels,
+                                       const std::vector<int64_t>& batch_sizes,
+                                       const std::function<void(const SweepRow&)>& on_row = {});
+
 // A word-level language model on WikiText-2 (or any corpus in its format), what `halfgrad train-lm` runs, as
 // pytorch/examples' word_language_model/main.py: batchified text, truncated backpropagation through time with the
 // state carried (detached) from window to window, gradient clipping, plain SGD whose lr is divided by 4 whenever the
