@@ -9,6 +9,9 @@
 #   SKIP_BENCH=1 bash tools/gpu_check.sh          # build and test only
 #   SANITIZE=1 bash tools/gpu_check.sh            # also the CUDA tests under compute-sanitizer memcheck
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
+#   TRAIN=1 CIFAR_DIR=dir bash tools/gpu_check.sh # also train on the GPU: a short FP32/AMP/O2/FP16 sweep on the
+#                                                 # CIFAR-10 binary files in dir (if given) and one short epoch of
+#                                                 # the WikiText-2 language model at O0 and O1
 #
 # Logs go to $OUT when it is set (the device tool's output folder), else to build-gpu/logs. A machine
 # without Eigen, fmt, spdlog, doctest and CLI11 that cannot install them uses the copies that
@@ -145,6 +148,23 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
       step "benchmark ($bench, PyTorch)"
       python3 tools/${bench}_torch.py 2>&1 | tee -a "$logs/bench_layers.log"
     fi
+  done
+fi
+
+if [[ -n ${TRAIN:-} ]]; then
+  cli="$build/halfgrad"
+  if [[ -n ${CIFAR_DIR:-} ]]; then
+    step "training sweep (ResNet-18, CIFAR-10 in $CIFAR_DIR)"
+    "$cli" sweep-classifier --model resnet18 --data-dir "$CIFAR_DIR" --device cuda --epochs "${TRAIN_EPOCHS:-3}" \
+      --opt-levels O0,O1,O2,O3 --batch-sizes "${TRAIN_BATCHES:-128,512}" --channels-last --workers 4 \
+      --csv "$logs/sweep.csv" 2>&1 | tee "$logs/train.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("sweep: ok") || { summary+=("sweep: FAILED"); failed=1; }
+  fi
+  for level in O0 O1; do
+    step "language model ($level, one short epoch)"
+    "$cli" train-lm --device cuda --opt-level $level --epochs 1 --limit-tokens "${TRAIN_TOKENS:-200000}" 2>&1 \
+      | tee -a "$logs/train.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("train-lm $level: ok") || { summary+=("train-lm $level: FAILED"); failed=1; }
   done
 fi
 
