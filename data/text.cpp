@@ -10,7 +10,7 @@
 namespace halfgrad::data {
 
 int64_t Vocabulary::add(std::string_view word) {
-  auto it = ids_.find(std::string(word));
+  auto it = ids_.find(word);
   if (it != ids_.end()) return it->second;
   const int64_t id = size();
   words_.emplace_back(word);
@@ -19,12 +19,12 @@ int64_t Vocabulary::add(std::string_view word) {
 }
 
 int64_t Vocabulary::id(std::string_view word) const {
-  auto it = ids_.find(std::string(word));
+  auto it = ids_.find(word);
   HG_CHECK(it != ids_.end(), "Vocabulary: \"{}\" is not among its {} words", word, size());
   return it->second;
 }
 
-bool Vocabulary::contains(std::string_view word) const { return ids_.count(std::string(word)) > 0; }
+bool Vocabulary::contains(std::string_view word) const { return ids_.find(word) != ids_.end(); }
 
 const std::string& Vocabulary::word(int64_t id) const {
   HG_CHECK(id >= 0 && id < size(), "Vocabulary: id {} is out of range for {} words", id, size());

@@ -12,6 +12,7 @@
 //     ...
 //   }
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -31,7 +32,12 @@ class Vocabulary {
   int64_t size() const { return int64_t(words_.size()); }
 
  private:
-  std::unordered_map<std::string, int64_t> ids_;
+  // Looked up by string_view (C++20 heterogeneous lookup): no std::string is built for a word already known.
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, int64_t, Hash, std::equal_to<>> ids_;
   std::vector<std::string> words_;
 };
 

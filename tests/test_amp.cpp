@@ -5,11 +5,11 @@
 
 #include "core/autocast.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 #include "optim/grad_scaler.h"
 
 using namespace halfgrad;
-
-static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+using halfgrad::testing::values;
 
 // Collects the trace lines written while it lives.
 struct TraceCapture {

@@ -3,12 +3,12 @@
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
-
-static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 TEST_CASE("backward of a scalar accumulates d(out)/d(leaf) into .grad") {
   Tensor x = tensor(std::vector<double>{1, 2, 3}).requires_grad_();

@@ -15,13 +15,12 @@
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::check_close;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
 namespace {
-
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // The same values stored channels last ([N, C, H, W] viewed over [N, H, W, C] memory).
 Tensor channels_last(const Tensor& t) {

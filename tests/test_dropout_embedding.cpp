@@ -14,13 +14,14 @@
 #include "ops/dropout.h"
 #include "ops/embedding.h"
 #include "tests/gradcheck.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
 namespace {
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------

@@ -5,12 +5,12 @@
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
-
-static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // max |a - b| / max(1, |b|) over all elements.
 static double max_rel_error(const Tensor& a, const Tensor& b) {

@@ -20,11 +20,10 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::bit_equal;
 
 namespace {
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
-
 std::vector<std::string> names(const NamedTensors& named) {
   std::vector<std::string> out;
   for (const auto& [name, t] : named) out.push_back(name);

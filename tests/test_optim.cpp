@@ -21,12 +21,11 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::bit_equal;
 using optim::NamedTensors;
 
 namespace {
-
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // Sets p.grad to g and runs one step.
 void step_with(optim::Optimizer& opt, Tensor& p, std::vector<double> g) {

@@ -12,14 +12,14 @@
 #include "halfgrad.h"
 #include "ops/reduce.h"
 #include "tests/gradcheck.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
 namespace {
-
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // Reduces x over `dims` (empty: all) the slow obvious way, in float64 on the host: fn receives the
 // elements of each output, in order along the reduced dims. Outputs come in row-major order.

@@ -12,13 +12,12 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
 using halfgrad::testing::gradcheck;
 
 namespace {
-
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 Tensor param(const nn::Module& m, const std::string& name) {
   for (const auto& [n, t] : m.named_parameters())

@@ -17,13 +17,12 @@
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 using halfgrad::testing::check_close;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
 namespace {
-
-std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
 // softmax over `dim` of a row-major tensor, in float64, the obvious way.
 std::vector<double> reference_softmax(const Tensor& x, int64_t dim, bool log) {

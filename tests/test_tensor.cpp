@@ -2,10 +2,10 @@
 #include <doctest/doctest.h>
 
 #include "halfgrad.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
-
-static std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+using halfgrad::testing::values;
 
 TEST_CASE("a tensor is storage seen through shape, strides and offset") {
   Tensor t = arange(12, {.dtype = kFloat32}).view({3, 4});

@@ -52,9 +52,12 @@ struct TempDir {
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
 
+// A tensor's values as float64, in row-major order (any dtype, device or layout).
+inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
 // Same dtype, shape and values (each compared exactly, as float64).
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && to_vector<double>(a) == to_vector<double>(b);
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && values(a) == values(b);
 }
 
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
