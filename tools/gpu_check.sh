@@ -8,6 +8,10 @@
 #   CUDA_ARCH=80 bash tools/gpu_check.sh          # another GPU generation
 #   SKIP_BENCH=1 bash tools/gpu_check.sh          # build and test only
 #   SANITIZE=1 bash tools/gpu_check.sh            # also the CUDA tests under compute-sanitizer memcheck
+#   SANITIZE_CASES='*batch_norm*' ...             # memcheck only the test cases matching (doctest filter)
+#   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all four)
+#   NCU=1 ...                                     # also Nsight Compute figures for the float16 channels-last
+#                                                 # batch_norm kernels (appended to bench_layers.log)
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
 #   TRAIN=1 CIFAR_DIR=dir bash tools/gpu_check.sh # also train on the GPU: a short FP32/AMP/O2/FP16 sweep on the
 #                                                 # CIFAR-10 binary files in dir (if given) and one short epoch of
@@ -123,13 +127,14 @@ summary+=("cuda tests: $(grep -E '^\[doctest\] test cases' "$logs/cuda_tests.log
 if [[ -n ${SANITIZE:-} ]] && command -v compute-sanitizer >/dev/null; then
   step "CUDA tests under compute-sanitizer memcheck"
   timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 3 "$tests_bin" \
-    --test-case='cuda:*' --test-case-exclude='*2^31*,*out of memory*' >"$logs/sanitizer.log" 2>&1
+    --test-case="${SANITIZE_CASES:-cuda:*}" --test-case-exclude='*2^31*,*out of memory*' >"$logs/sanitizer.log" 2>&1
   sanitizer_rc=$?
   grep -E 'ERROR SUMMARY|Invalid|test cases' "$logs/sanitizer.log" | head -n 20
   summary+=("memcheck: rc $sanitizer_rc ($(grep -E 'ERROR SUMMARY' "$logs/sanitizer.log" | tail -n 1))")
 fi
 
-if [[ -z ${SKIP_BENCH:-} ]]; then
+benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim} "
+if [[ -z ${SKIP_BENCH:-} && $benches == *" bench_cuda "* ]]; then
   step "benchmark (bench_cuda)"
   "$build/bench_cuda" --csv "$logs/bench_cuda.csv" 2>&1 | tee "$logs/bench_cuda.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("bench_cuda: ok") || summary+=("bench_cuda: FAILED")
@@ -137,10 +142,12 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
     step "benchmark (PyTorch, same rows)"
     python3 tools/bench_torch_cuda.py 2>&1 | tee "$logs/bench_torch_cuda.log"
   fi
+fi
+if [[ -z ${SKIP_BENCH:-} ]]; then
   # The layer and optimizer benchmarks of the layers issue, each next to PyTorch's rows, in one log (the
   # device tool brings back at most eight files).
   for bench in bench_conv bench_batch_norm bench_optim; do
-    [[ -x $build/$bench ]] || continue
+    [[ $benches == *" $bench "* && -x $build/$bench ]] || continue
     step "benchmark ($bench)"
     "$build/$bench" 2>&1 | tee -a "$logs/bench_layers.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("$bench: ok") || summary+=("$bench: FAILED")
@@ -149,6 +156,15 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
       python3 tools/${bench}_torch.py 2>&1 | tee -a "$logs/bench_layers.log"
     fi
   done
+fi
+
+if [[ -n ${NCU:-} ]] && command -v ncu >/dev/null; then
+  step "Nsight Compute: batch_norm kernels, float16 channels_last"
+  # Clocks left as they run (not locked to base): the figures then compare with the benchmark's.
+  ncu --clock-control none -c 48 -k 'regex:reduce_rows|reduce_planes|finalize_|apply_' \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers \
+    "$build/bench_batch_norm" --net resnet50 --dtype fp16 --layout nhwc --warmup 1 --iters 1 >>"$logs/bench_layers.log" 2>&1
+  summary+=("ncu: rc $?")
 fi
 
 if [[ -n ${TRAIN:-} ]]; then
