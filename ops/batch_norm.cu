@@ -120,6 +120,48 @@ template <typename T> struct StatsReducer {
     }
     s = merge_moments(s, State{mean, m2, uint32_t(k)});
   }
+
+  // Rows: the V lanes of a thread (V neighbouring channels) see the same rows, so they share one count, and the
+  // two divisions of a chunk merge serve all V lanes.
+  template <int V> struct Lanes {
+    A mean[V], m2[V];
+    uint32_t n;
+  };
+  template <int V> __device__ static Lanes<V> lanes_identity() {
+    Lanes<V> s;
+#pragma unroll
+    for (int e = 0; e < V; ++e) s.mean[e] = s.m2[e] = A(0);
+    s.n = 0;
+    return s;
+  }
+  template <int V> __device__ static State lane(const Lanes<V>& s, int e) { return {s.mean[e], s.m2[e], s.n}; }
+  // v[0][u]: the chunk's row u (u < k, k >= 1), lane e's value at .v[e]; kept as loaded (half the registers of
+  // float16 values widened up front) and widened where used.
+  template <int V, int U>
+  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t) const {
+    const A inv_k = divide(A(1), A(k)), fb = divide(A(k), A(s.n + uint32_t(k))), na = A(s.n);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      A sum = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u < k) sum += A(v[0][u].v[e]);
+      const A mean = sum * inv_k;
+      A m2 = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < k) {
+          const A d = A(v[0][u].v[e]) - mean;
+          m2 += d * d;
+        }
+      }
+      // Chan's merge of (n, mean[e], m2[e]) with (k, mean, m2); with n == 0 it gives (k, mean, m2).
+      const A d = mean - s.mean[e];
+      s.mean[e] += d * fb;
+      s.m2[e] += m2 + d * d * na * fb;
+    }
+    s.n += uint32_t(k);
+  }
 };
 
 // sum(g) and sum(g * (x - mean[c])).
@@ -142,6 +184,33 @@ template <typename T> struct GradSumsReducer {
       if (e < k) {
         s.dy += v[0][e];
         s.dy_xmu += v[0][e] * (v[1][e] - m);
+      }
+    }
+  }
+
+  // Rows: one state per lane (the sums need no shared count).
+  template <int V> struct Lanes {
+    State s[V];
+  };
+  template <int V> __device__ static Lanes<V> lanes_identity() {
+    Lanes<V> s;
+#pragma unroll
+    for (int e = 0; e < V; ++e) s.s[e] = identity();
+    return s;
+  }
+  template <int V> __device__ static State lane(const Lanes<V>& s, int e) { return s.s[e]; }
+  template <int V, int U>
+  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t c0) const {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const A m = mean[c0 + e];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < k) {
+          const A g = A(v[0][u].v[e]);
+          s.s[e].dy += g;
+          s.s[e].dy_xmu += g * (A(v[1][u].v[e]) - m);
+        }
       }
     }
   }
@@ -194,45 +263,39 @@ __global__ void __launch_bounds__(kThreads)
 
 // rows: thread (x, y) of a block reads channels [V * (blockIdx.x * blockDim.x + x), + V) of rows lo + y,
 // lo + y + blockDim.y, ...; blockDim.x * blockDim.y == kThreads, both powers of two.
+// At most 64 registers: 4 blocks per multiprocessor, the loads in flight a memory-bound pass needs.
 template <typename R, int V>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     reduce_rows_kernel(R r, int64_t channels, int64_t rows, int64_t chunk, typename R::State* partial) {
   using T = typename R::Input;
-  using A = typename R::A;
   using State = typename R::State;
   const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t lo = int64_t(blockIdx.y) * chunk, hi = smaller(rows, lo + chunk);
-  State s[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) s[e] = R::identity();
+  // kUnroll vectors in flight per thread whatever the number of inputs: the two-input gradient sums hold half
+  // as many rows (107 registers with 8 lanes x 2 inputs x 4 rows; 2 blocks per multiprocessor).
+  constexpr int kRowsUnroll = kUnroll / R::kInputs;
+  auto s = R::template lanes_identity<V>();
   if (c0 < channels) {
-    for (int64_t m0 = lo + threadIdx.y; m0 < hi; m0 += int64_t(blockDim.y) * kUnroll) {
-      A v[V][R::kInputs][kUnroll];
+    for (int64_t m0 = lo + threadIdx.y; m0 < hi; m0 += int64_t(blockDim.y) * kRowsUnroll) {
+      Vec<T, V> v[R::kInputs][kRowsUnroll];
       int k = 0;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kRowsUnroll; ++u) {
         const int64_t m = m0 + int64_t(u) * blockDim.y;
         if (m < hi) {
 #pragma unroll
-          for (int j = 0; j < R::kInputs; ++j) {
-            const Vec<T, V> x = load<T, V>(r.in[j] + m * channels + c0);
-#pragma unroll
-            for (int e = 0; e < V; ++e) v[e][j][u] = A(x.v[e]);
-          }
+          for (int j = 0; j < R::kInputs; ++j) v[j][u] = load<T, V>(r.in[j] + m * channels + c0);
           ++k;
         }
       }
-      if (k > 0) {
-#pragma unroll
-        for (int e = 0; e < V; ++e) r.add(s[e], v[e], k, c0 + e);
-      }
+      if (k > 0) r.add_rows(s, v, k, c0);
     }
   }
   __shared__ alignas(16) unsigned char raw[kThreads * V * sizeof(State)];
   State* states = reinterpret_cast<State*>(raw);
   const unsigned me = threadIdx.y * blockDim.x + threadIdx.x;
 #pragma unroll
-  for (int e = 0; e < V; ++e) states[me * V + e] = s[e];
+  for (int e = 0; e < V; ++e) states[me * V + e] = R::lane(s, e);
   __syncthreads();
   for (unsigned stride = blockDim.y / 2; stride > 0; stride /= 2) {
     if (threadIdx.y < stride) {
@@ -246,6 +309,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < V; ++e) partial[(c0 + e) * gridDim.y + blockIdx.y] = states[threadIdx.x * V + e];
   }
+}
+
+// Blocks of kThreads threads of `kernel` that a multiprocessor holds at once (the first device asked decides: the
+// answer depends on the architecture, the same for every GPU of a machine in practice).
+template <typename Kernel> int64_t resident_blocks_per_sm(Kernel kernel) {
+  static const int per_sm = [&] {
+    int n = 0;
+    HG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0), "batch_norm");
+    return std::max(n, 1);
+  }();
+  return per_sm;
 }
 
 // 16-byte accesses when the contiguous dimension is a multiple of the vector and every pointer is aligned (the
@@ -283,7 +357,10 @@ typename R::State* reduce_channels_vec(const R& r, const BatchNormShape& s, Devi
     int64_t tx = 1;
     while (tx < 32 && tx < channel_vectors) tx *= 2;
     const int64_t ty = kThreads / tx, tiles = (channel_vectors + tx - 1) / tx;
-    splits = std::clamp<int64_t>((target + tiles - 1) / tiles, 1, std::max<int64_t>(1, M / (ty * kMinVectorsPerThread)));
+    // One full wave of blocks: with 4 blocks per multiprocessor asked for and 2-3 fitting, the last third of a
+    // wave ran alone (ncu: 27% of warps active in the float16 NHWC reductions).
+    const int64_t wave = resident_blocks_per_sm(reduce_rows_kernel<R, V>) * int64_t(multiprocessors(device.index));
+    splits = std::clamp<int64_t>(wave / tiles, 1, std::max<int64_t>(1, M / (ty * kMinVectorsPerThread)));
     chunk = (M + splits - 1) / splits;
     splits = (M + chunk - 1) / chunk;
     grid = dim3(unsigned(tiles), unsigned(splits));
@@ -334,11 +411,23 @@ template <typename S> __device__ __forceinline__ S shuffle_down(const S& s, int 
   return out;
 }
 
-// The merge of partial[c * splits + 0 .. splits), in lane 0 of the calling warp.
+// The merge of partial[c * splits + 0 .. splits), in lane 0 of the calling warp. Each lane loads kBatch states
+// before merging any: a loop of load-then-merge waits out one L2 latency per state (the Welford merge's branches
+// kept the compiler from overlapping them; ncu: 9.5 us for the statistics' finalize vs 4 us for the gradients').
 template <typename R>
 __device__ __forceinline__ typename R::State merge_splits(const typename R::State* partial, int splits, int64_t c) {
+  constexpr int kBatch = 8;
   typename R::State s = R::identity();
-  for (int k = int(threadIdx.x % 32); k < splits; k += 32) s = R::merge(s, partial[c * splits + k]);
+  for (int k0 = int(threadIdx.x % 32); k0 < splits; k0 += 32 * kBatch) {
+    typename R::State b[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int k = k0 + 32 * j;
+      b[j] = k < splits ? partial[c * splits + k] : R::identity();
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) s = R::merge(s, b[j]);
+  }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) s = R::merge(s, shuffle_down(s, offset));
   return s;
