@@ -15,7 +15,8 @@
 #                                                 # batch_norm kernels (appended to bench_layers.log)
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
 #   TRAIN=1 CIFAR_DIR=dir bash tools/gpu_check.sh # also train on the GPU: a short FP32/AMP/O2/FP16 sweep on the
-#                                                 # CIFAR-10 binary files in dir (if given) and one short epoch of
+#                                                 # CIFAR-10 binary files in dir (if given), a longer O1 run on
+#                                                 # them (TRAIN_LONG_EPOCHS, 15), and one short epoch of
 #                                                 # the WikiText-2 language model at O0 and O1
 #
 # Logs go to $OUT when it is set (the device tool's output folder), else to build-gpu/logs. A machine
@@ -46,6 +47,11 @@ step "machine"
   g++ --version | head -n 1
   echo "$jobs cores"
 } 2>&1 | tee "$logs/configure.log"
+
+# PyTorch brings its own cuDNN: the comparison scripts run with the library path this script was started with,
+# not the one it sets up for halfgrad (a system cuDNN older than PyTorch's stops PyTorch's cuDNN calls).
+inherited_library_path=${LD_LIBRARY_PATH:-}
+torch_python() { LD_LIBRARY_PATH=$inherited_library_path python3 "$@"; }
 
 cmake_args=(-S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch"
             -DHALFGRAD_CUDA=ON)
@@ -147,7 +153,7 @@ if [[ -z ${SKIP_BENCH:-} && $benches == *" bench_cuda "* ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("bench_cuda: ok") || summary+=("bench_cuda: FAILED")
   if [[ ${TORCH_BENCH:-1} != 0 ]] && python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
     step "benchmark (PyTorch, same rows)"
-    python3 tools/bench_torch_cuda.py 2>&1 | tee "$logs/bench_torch_cuda.log"
+    torch_python tools/bench_torch_cuda.py 2>&1 | tee "$logs/bench_torch_cuda.log"
   fi
 fi
 if [[ -z ${SKIP_BENCH:-} ]]; then
@@ -160,7 +166,7 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
     [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("$bench: ok") || summary+=("$bench: FAILED")
     if [[ ${TORCH_BENCH:-1} != 0 && -f tools/${bench}_torch.py ]] && python3 -c 'import torch' >/dev/null 2>&1; then
       step "benchmark ($bench, PyTorch)"
-      python3 tools/${bench}_torch.py 2>&1 | tee -a "$logs/bench_layers.log"
+      torch_python tools/${bench}_torch.py 2>&1 | tee -a "$logs/bench_layers.log"
     fi
   done
 fi
@@ -182,6 +188,12 @@ if [[ -n ${TRAIN:-} ]]; then
       --opt-levels O0,O1,O2,O3 --batch-sizes "${TRAIN_BATCHES:-128,512}" --channels-last --workers 4 \
       --csv "$logs/sweep.csv" 2>&1 | tee "$logs/train.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("sweep: ok") || { summary+=("sweep: FAILED"); failed=1; }
+  fi
+  if [[ -n ${CIFAR_DIR:-} ]]; then
+    step "training (ResNet-18, O1, ${TRAIN_LONG_EPOCHS:-15} epochs)"
+    "$cli" train-classifier --model resnet18 --data-dir "$CIFAR_DIR" --device cuda --epochs "${TRAIN_LONG_EPOCHS:-15}" \
+      --batch-size 128 --opt-level O1 --channels-last --workers 4 2>&1 | tee -a "$logs/train.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("train-classifier O1: ok") || { summary+=("train-classifier O1: FAILED"); failed=1; }
   fi
   for level in O0 O1; do
     step "language model ($level, one short epoch)"

@@ -187,10 +187,9 @@ std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::
           seconds += epochs[e].seconds;
           images += epochs[e].images_per_second * epochs[e].seconds;
         }
-        for (const EpochStats& e : epochs) {
-          row.peak_memory_bytes = std::max(row.peak_memory_bytes, e.peak_memory_bytes);
-          row.skipped_steps += e.skipped_steps;
-        }
+        for (size_t e = from; e < epochs.size(); ++e)
+          row.peak_memory_bytes = std::max(row.peak_memory_bytes, epochs[e].peak_memory_bytes);
+        for (const EpochStats& e : epochs) row.skipped_steps += e.skipped_steps;
         row.seconds_per_epoch = seconds / double(epochs.size() - from);
         row.images_per_second = images / seconds;
         row.final_train_accuracy = epochs.back().train_accuracy;

@@ -61,7 +61,7 @@ struct SweepRow {
   double seconds_per_epoch = 0;  // mean over the epochs after the first (which includes cuDNN's autotuning), or
                                  // the first when there is one epoch
   double images_per_second = 0;  // over the same epochs
-  int64_t peak_memory_bytes = 0;  // the most of any epoch
+  int64_t peak_memory_bytes = 0;  // the most of the same epochs: steady state, without the autotuning's workspaces
   double final_train_accuracy = 0, final_test_accuracy = 0, final_test_loss = 0;
   int64_t skipped_steps = 0;
 };
