@@ -8,8 +8,9 @@
 
 namespace halfgrad {
 
-// A device's memory allocator. The CPU one is 64-byte aligned malloc; the CUDA one is the caching
-// allocator of the CUDA backend, which registers itself at start-up (see set_allocator).
+// A device's memory allocator. The CPU one is 64-byte aligned malloc with a cache of large freed blocks (below);
+// the CUDA one is the caching allocator of the CUDA backend, which registers itself at start-up (see
+// set_allocator).
 class Allocator {
  public:
   virtual ~Allocator() = default;
@@ -19,6 +20,20 @@ class Allocator {
 
 Allocator* allocator_for(Device device);  // throws if the device type has no backend in this build
 void set_allocator(DeviceType type, Allocator* allocator);
+
+// ---- the CPU allocator's cache
+// Freed CPU blocks of 1 MiB or more are kept, up to a limit, and handed to the next request of their size class
+// (sizes rounded up by at most 1/8). malloc returns such blocks to the kernel at free and gets fresh mappings,
+// which the kernel zero-fills page by page on first touch: a training loop that frees and reallocates the same
+// ~90 MB temporaries every step spent a quarter of its time in page faults. Smaller blocks go back to malloc.
+//
+// The limit is 1 GiB, or HALFGRAD_CPU_CACHE_MB (0 turns the cache off) read at the first allocation, or
+// set_cpu_cache_limit. A block that would take the cache over the limit is freed; an allocation that fails
+// empties the cache and tries again.
+void set_cpu_cache_limit(size_t bytes);  // frees cached blocks beyond the new limit
+size_t cpu_cache_limit();
+size_t cpu_cached_bytes();  // held in the cache now, free for reuse
+void empty_cpu_cache();     // frees every cached block
 
 class Storage {
  public:

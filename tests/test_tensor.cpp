@@ -1,6 +1,8 @@
 // Tensors: storage, views, dtypes and promotion, factories, printing, errors.
 #include <doctest/doctest.h>
 
+#include <vector>
+
 #include "halfgrad.h"
 #include "tests/testing.h"
 
@@ -205,4 +207,43 @@ TEST_CASE("elementwise ops, casts and clone keep a channels_last layout; contigu
   (leaf * 3).sum().backward();
   CHECK(is_channels_last(leaf.grad()));
   CHECK(to_vector<float>(leaf.grad()) == std::vector<float>(120, 3.0f));
+}
+
+TEST_CASE("the CPU allocator keeps large freed blocks for the next request of their size class, up to its limit") {
+  struct LimitGuard {  // the limit is process-wide: leave it as found
+    size_t saved = cpu_cache_limit();
+    ~LimitGuard() { set_cpu_cache_limit(saved); }
+  } guard;
+  constexpr size_t MiB = size_t(1) << 20;
+  empty_cpu_cache();
+  set_cpu_cache_limit(16 * MiB);
+  const void* first = nullptr;
+  {
+    Tensor a = full({1 << 20}, 7.0);  // 4 MiB of float32
+    first = a.data_ptr();
+  }
+  CHECK(cpu_cached_bytes() == 4 * MiB);
+  {
+    Tensor b = zeros({(1 << 20) - 16});  // 64 bytes less: the same size class, so the same block
+    CHECK(b.data_ptr() == first);
+    CHECK(cpu_cached_bytes() == 0);
+    CHECK(b.sum().item<double>() == 0.0);  // and what was in it is not seen through zeros()
+  }
+  {
+    Tensor small = empty({1000});  // under 1 MiB: back to malloc, not cached
+  }
+  CHECK(cpu_cached_bytes() == 4 * MiB);
+  {
+    std::vector<Tensor> five;
+    for (int i = 0; i < 5; ++i) five.push_back(empty({1 << 20}));
+    CHECK(cpu_cached_bytes() == 0);  // the first took the cached block
+  }
+  CHECK(cpu_cached_bytes() == 16 * MiB);  // four kept, the fifth over the limit freed
+  set_cpu_cache_limit(8 * MiB);
+  CHECK(cpu_cached_bytes() == 8 * MiB);
+  empty_cpu_cache();
+  CHECK(cpu_cached_bytes() == 0);
+  set_cpu_cache_limit(0);  // off
+  { Tensor c = empty({1 << 20}); }
+  CHECK(cpu_cached_bytes() == 0);
 }

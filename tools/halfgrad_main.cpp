@@ -3,10 +3,6 @@
 // level, printing one line of figures per epoch; `sweep-classifier` runs the FP32 / AMP / O2 / FP16 comparison.
 #include <CLI/CLI.hpp>
 
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
-
 #include <cmath>
 #include <fstream>
 #include <iostream>
@@ -153,21 +149,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
 
 }  // namespace
 
-// Training allocates the same large temporaries every step (a language model's logits are ~90 MB). glibc serves
-// blocks above its mmap threshold (32 MB at most by default) with fresh mappings, which the kernel zero-fills page
-// by page on first touch and unmaps at free: a quarter of a CPU language-model step went into page faults. Keeping
-// such blocks in the heap lets free() hand them to the next step: 2,554 -> 5,320 tokens/s for a 32x32 LSTM on the
-// 2-core machine. A program of your own can do the same (mallopt, or GLIBC_TUNABLES=glibc.malloc.mmap_threshold=
-// ...:glibc.malloc.trim_threshold=...). CUDA memory has its own caching allocator (core/cuda_allocator.h).
-void keep_large_blocks_in_the_heap() {
-#ifdef __GLIBC__
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-#endif
-}
-
 int main(int argc, char** argv) {
-  keep_large_blocks_in_the_heap();
   CLI::App app{"halfgrad: a C++ deep-learning framework with dynamic-graph autograd and mixed precision"};
   app.require_subcommand(1);
   app.set_version_flag("--version", halfgrad::version());
