@@ -120,4 +120,10 @@ struct Half {
   }
 };
 
+// ---- bulk conversions of contiguous arrays on the CPU: the hardware's F16C instructions, 8 values at a time,
+// when the build targets them (HALFGRAD_NATIVE on any x86 of the last decade), else the scalar code above. Same
+// results (round to nearest even, overflow to infinity), except that a NaN keeps its payload's top bits here.
+void half_to_float(const Half* src, float* dst, int64_t n);
+void float_to_half(const float* src, Half* dst, int64_t n);
+
 }  // namespace halfgrad

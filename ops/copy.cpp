@@ -1,6 +1,8 @@
 // Copies and casts: Tensor::to, copy_, contiguous, clone, and the CPU copy kernel that converts dtypes.
 #include "ops/copy.h"
 
+#include <algorithm>
+
 #include "core/autograd.h"
 #include "ops/elementwise_math.h"
 #include "ops/loops.h"
@@ -95,8 +97,29 @@ Tensor Tensor::clone() const {
 }
 
 namespace {
+// float16 <-> float32 between contiguous tensors of one shape (what autocast's casts are): the hardware's
+// conversion instructions, in blocks over the threads.
+bool copy_half_float(const Tensor& dst, const Tensor& src) {
+  const bool widen = dst.dtype() == kFloat32 && src.dtype() == kFloat16;
+  const bool narrow = dst.dtype() == kFloat16 && src.dtype() == kFloat32;
+  if (!(widen || narrow) || !dst.is_contiguous() || !src.is_contiguous() || dst.shape() != src.shape()) return false;
+  const int64_t n = dst.numel();
+  constexpr int64_t kBlock = 1 << 14;
+#pragma omp parallel for if (n > 4 * kBlock)
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t count = std::min(kBlock, n - i);
+    if (widen) {
+      half_to_float(src.data<Half>() + i, dst.data<float>() + i, count);
+    } else {
+      float_to_half(src.data<float>() + i, dst.data<Half>() + i, count);
+    }
+  }
+  return true;
+}
+
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   HG_CHECK(src.is_cpu() && dst.is_cpu(), "copy: cpu kernel given {} -> {}", src.meta(), dst.meta());
+  if (copy_half_float(dst, src)) return;
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
     dispatch_all(src.dtype(), "copy", [&]<typename From>() {
       cpu::map<To, From>(dst, [](From x) { return convert_value<To>(x); }, {src});

@@ -1,6 +1,8 @@
 // Tensors: storage, views, dtypes and promotion, factories, printing, errors.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "halfgrad.h"
@@ -246,4 +248,38 @@ TEST_CASE("the CPU allocator keeps large freed blocks for the next request of th
   set_cpu_cache_limit(0);  // off
   { Tensor c = empty({1 << 20}); }
   CHECK(cpu_cached_bytes() == 0);
+}
+
+TEST_CASE("bulk float16 conversions give the scalar conversions' results, tails and all") {
+  // Every one of the 65,536 half values widens as Half::to_float widens it (NaNs to NaNs).
+  std::vector<Half> all(65536);
+  for (uint32_t b = 0; b < 65536; ++b) all[b] = Half::from_bits(uint16_t(b));
+  std::vector<float> wide(all.size());
+  half_to_float(all.data(), wide.data(), int64_t(all.size()));
+  int mismatches = 0;
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float want = Half::to_float(uint16_t(b));
+    if (std::isnan(want) ? !std::isnan(wide[b]) : std::memcmp(&want, &wide[b], 4) != 0) ++mismatches;
+  }
+  CHECK(mismatches == 0);
+  // Narrowing: normals, ties, values that round to the subnormals, to zero, to the largest half and past it, and
+  // infinities; 1,003 values so that the vector loop leaves a tail.
+  manual_seed(409);
+  std::vector<float> floats;
+  for (double v : values(randn({1003}) * 3000.0)) floats.push_back(float(v));
+  const std::vector<float> special = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -1e9f, 1e-8f, 5.96e-8f, 2.98e-8f,
+                                      3e-5f, 6.1e-5f, 1.0009765625f, 1.00048828125f, INFINITY, -INFINITY};
+  for (size_t i = 0; i < special.size(); ++i) floats[i * 61] = special[i];
+  floats[5] = NAN;  // inside the first block of 8
+  std::vector<Half> narrow(floats.size());
+  float_to_half(floats.data(), narrow.data(), int64_t(floats.size()));
+  mismatches = 0;
+  for (size_t i = 0; i < floats.size(); ++i) {
+    if (std::isnan(floats[i])) {
+      mismatches += !std::isnan(float(narrow[i]));
+    } else {
+      mismatches += narrow[i].bits != Half(floats[i]).bits;
+    }
+  }
+  CHECK(mismatches == 0);
 }
