@@ -126,26 +126,17 @@ Tensor conv2d_forward(const Tensor& input, const Tensor& weight, const Tensor& b
   return out;
 }
 
-Tensor backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
-                      const Conv2dParams& params, MemoryFormat format) {
+// One gradient, the input's (other = weight) or the weight's (other = input): a `shape` tensor in grad_output's
+// dtype and device, laid out as `format`; zero when grad_output has no elements.
+template <typename Kernel>
+Tensor gradient(KernelTable<Kernel>& kernel, const Tensor& grad_output, const Tensor& other, const Shape& shape,
+                const Conv2dParams& params, MemoryFormat format) {
   NoGradGuard no_grad;
-  Tensor grad_input = empty(input_shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
-  if (grad_input.numel() == 0) return grad_input;
-  if (grad_output.numel() == 0) return grad_input.zero_();
-  conv2d_backward_input_kernel[grad_output.device()](grad_input, dense(grad_output, format), dense(weight, format),
-                                                     params);
-  return grad_input;
-}
-
-Tensor backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
-                       const Conv2dParams& params, MemoryFormat format) {
-  NoGradGuard no_grad;
-  Tensor grad_weight = empty(weight_shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
-  if (grad_weight.numel() == 0) return grad_weight;
-  if (grad_output.numel() == 0) return grad_weight.zero_();
-  conv2d_backward_weight_kernel[grad_output.device()](grad_weight, dense(grad_output, format), dense(input, format),
-                                                      params);
-  return grad_weight;
+  Tensor grad = empty(shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
+  if (grad.numel() == 0) return grad;
+  if (grad_output.numel() == 0) return grad.zero_();
+  kernel[grad_output.device()](grad, dense(grad_output, format), dense(other, format), params);
+  return grad;
 }
 
 }  // namespace
@@ -187,8 +178,13 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
             format](const GradContext& ctx) -> TensorList {
              const Tensor& g = ctx[0];  // [N, O, OH, OW]
              Tensor grad_input, grad_weight, grad_bias;
-             if (ctx.needs(0)) grad_input = backward_input(g, saved_weight.get(), input_shape, params, format);
-             if (ctx.needs(1)) grad_weight = backward_weight(g, saved_input.get(), weight_shape, params, format);
+             if (ctx.needs(0)) {
+               grad_input = gradient(conv2d_backward_input_kernel, g, saved_weight.get(), input_shape, params, format);
+             }
+             if (ctx.needs(1)) {
+               grad_weight =
+                   gradient(conv2d_backward_weight_kernel, g, saved_input.get(), weight_shape, params, format);
+             }
              if (ctx.needs(2)) grad_bias = g.sum({0, 2, 3});
              return {grad_input, grad_weight, grad_bias};
            });
@@ -210,7 +206,8 @@ Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
            grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());
-  return backward_input(grad_output, weight, input_shape, params_of(options), suggest_memory_format(grad_output));
+  return gradient(conv2d_backward_input_kernel, grad_output, weight, input_shape, params_of(options),
+                  suggest_memory_format(grad_output));
 }
 
 Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
@@ -226,7 +223,8 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
            grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));
-  return backward_weight(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
+  return gradient(conv2d_backward_weight_kernel, grad_output, input, weight_shape, params_of(options),
+                  suggest_memory_format(input));
 }
 
 // ---- pointwise convolutions as GEMMs (used by the CPU and the CUDA kernels)
