@@ -1,4 +1,4 @@
-// conv2d: checks, forward, backward and the CPU kernels (im2col + Eigen GEMM); the channels_last helpers.
+// conv2d: checks, forward, backward and the CPU kernels (im2col + gemm_kernel); the channels_last helpers.
 // The CUDA kernels (cuDNN) are in ops/conv.cu.
 //
 // The convolution as matrix products (one sample, one group; K = C/groups * kH * kW, L = OH * OW):
@@ -321,8 +321,6 @@ struct Geometry {
 };
 
 template <typename T> using Matrix = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-template <typename T>
-using ConstMatrix = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 template <typename T> using ConstVector = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>;
 
 // The outputs o in [0, count) whose input position o * stride + offset lies inside [0, size).
@@ -396,10 +394,25 @@ template <typename T> void col2im(const T* col, T* dx, const Geometry& g) {
 }
 
 // Threads for a loop over the batch: one per sample up to the OpenMP limit. With fewer samples than threads
-// (and so one thread), the loop runs serially and Eigen spreads each GEMM over the threads instead.
+// (and so one thread), the loop runs serially and each GEMM spreads over the threads instead.
 int batch_threads(int64_t N) {
   const int max_threads = omp_get_max_threads();
   return N >= max_threads ? max_threads : 1;
+}
+
+// Row-major C [m x n] = op(A) op(B), or += when accumulating, in the calling thread's share of the work: through
+// gemm_kernel, so float32 gets our AVX-512 GEMM where it suits (ops/matmul.cpp), Eigen's otherwise.
+template <typename T>
+void product(T* c, int64_t m, int64_t n, int64_t k, const T* a, Trans ta, const T* b, Trans tb, bool accumulate) {
+  GemmArgs p;
+  p.ab_dtype = p.c_dtype = dtype_of<T>();
+  p.trans_a = ta, p.trans_b = tb;
+  p.m = m, p.n = n, p.k = k;
+  p.a = a, p.lda = ta == Trans::No ? k : m;
+  p.b = b, p.ldb = tb == Trans::No ? n : k;
+  p.c = c, p.ldc = n;
+  p.beta = accumulate ? 1.0 : 0.0;
+  gemm_kernel[Device::cpu()](p);
 }
 
 template <typename T> void forward_typed(T* out, const T* x, const T* w, const T* bias, const Geometry& g) {
@@ -411,9 +424,9 @@ template <typename T> void forward_typed(T* out, const T* x, const T* w, const T
         im2col(xg, col.data(), g);
         cols = col.data();
       }
-      Matrix<T> y(out + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);  // [Og, L]
-      y.noalias() = ConstMatrix<T>(w + gr * g.Og * g.K, g.Og, g.K) * ConstMatrix<T>(cols, g.K, g.L);
-      if (bias) y.colwise() += ConstVector<T>(bias + gr * g.Og, g.Og);
+      T* y = out + (n * g.O + gr * g.Og) * g.L;  // [Og, L] = w [Og, K] cols [K, L]
+      product(y, g.Og, g.L, g.K, w + gr * g.Og * g.K, Trans::No, cols, Trans::No, false);
+      if (bias) Matrix<T>(y, g.Og, g.L).colwise() += ConstVector<T>(bias + gr * g.Og, g.Og);
     }
   };
   const int threads = batch_threads(g.N);
@@ -429,12 +442,11 @@ template <typename T> void backward_input_typed(T* dx, const T* dy, const T* w, 
   auto sample = [&](int64_t n, std::vector<T>& col) {
     for (int64_t gr = 0; gr < g.groups; ++gr) {
       T* dxg = dx + (n * g.C + gr * g.Cg) * g.plane();
-      ConstMatrix<T> wg(w + gr * g.Og * g.K, g.Og, g.K);
-      ConstMatrix<T> dyg(dy + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);
-      if (g.col_is_input) {
-        Matrix<T>(dxg, g.K, g.L).noalias() = wg.transpose() * dyg;
-      } else {
-        Matrix<T>(col.data(), g.K, g.L).noalias() = wg.transpose() * dyg;
+      const T* wg = w + gr * g.Og * g.K;                   // [Og, K]
+      const T* dyg = dy + (n * g.O + gr * g.Og) * g.L;     // [Og, L]
+      T* cols = g.col_is_input ? dxg : col.data();         // [K, L] = w^T dy
+      product(cols, g.K, g.L, g.Og, wg, Trans::Yes, dyg, Trans::No, false);
+      if (!g.col_is_input) {
         std::fill(dxg, dxg + g.Cg * g.plane(), T(0));
         col2im(col.data(), dxg, g);
       }
@@ -467,8 +479,9 @@ template <typename T> void backward_weight_typed(T* dw, const T* dy, const T* x,
         im2col(xg, col.data(), g);
         cols = col.data();
       }
-      ConstMatrix<T> dyg(dy + (n * g.O + gr * g.Og) * g.L, g.Og, g.L);
-      Matrix<T>(acc + gr * g.Og * g.K, g.Og, g.K).noalias() += dyg * ConstMatrix<T>(cols, g.K, g.L).transpose();
+      // acc [Og, K] += dy [Og, L] cols^T, cols stored [K, L]
+      product(acc + gr * g.Og * g.K, g.Og, g.K, g.L, dy + (n * g.O + gr * g.Og) * g.L, Trans::No, cols, Trans::Yes,
+              true);
     }
   };
 #pragma omp parallel num_threads(threads) if (threads > 1)
