@@ -3,8 +3,9 @@
 //
 // Every product ends in one call shape, a (batched, strided) GEMM
 //     C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]        b = 0 .. batch-1
-// described by GemmArgs and run by gemm_kernel[device]. The CPU kernel (ops/matmul.cpp) is Eigen's GEMM;
-// the CUDA kernel is cuBLAS (cublasGemmStridedBatchedEx or cublasLt), whose arguments GemmArgs mirrors.
+// described by GemmArgs and run by gemm_kernel[device]. The CPU kernel (ops/matmul.cpp) is our AVX-512 GEMM for
+// float32 products large enough for it, Eigen's otherwise; the CUDA kernel is cuBLAS (cublasGemmStridedBatchedEx
+// or cublasLt), whose arguments GemmArgs mirrors. conv2d's CPU kernels use it too.
 #include <cstdint>
 
 #include "core/dispatch.h"
@@ -51,7 +52,7 @@ struct GemmArgs {
 };
 
 using GemmKernel = void (*)(const GemmArgs&);
-extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp (Eigen); CUDA: ops/matmul.cu (cuBLAS)
+extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp; CUDA: ops/matmul.cu (cuBLAS)
 
 // ---- ops
 // Autocast category of all three: "lower precision" (under autocast they run in float16/bfloat16).
