@@ -105,14 +105,14 @@ bool copy_half_float(const Tensor& dst, const Tensor& src) {
   if (!(widen || narrow) || !dst.is_contiguous() || !src.is_contiguous() || dst.shape() != src.shape()) return false;
   const int64_t n = dst.numel();
   constexpr int64_t kBlock = 1 << 14;
+  auto blocks = [&](auto convert, const auto* from, auto* to) {
 #pragma omp parallel for if (n > 4 * kBlock)
-  for (int64_t i = 0; i < n; i += kBlock) {
-    const int64_t count = std::min(kBlock, n - i);
-    if (widen) {
-      half_to_float(src.data<Half>() + i, dst.data<float>() + i, count);
-    } else {
-      float_to_half(src.data<float>() + i, dst.data<Half>() + i, count);
-    }
+    for (int64_t i = 0; i < n; i += kBlock) convert(from + i, to + i, std::min(kBlock, n - i));
+  };
+  if (widen) {
+    blocks(half_to_float, src.data<Half>(), dst.data<float>());
+  } else {
+    blocks(float_to_half, src.data<float>(), dst.data<Half>());
   }
   return true;
 }

@@ -186,9 +186,8 @@ std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::
         for (size_t e = from; e < epochs.size(); ++e) {
           seconds += epochs[e].seconds;
           images += epochs[e].images_per_second * epochs[e].seconds;
-        }
-        for (size_t e = from; e < epochs.size(); ++e)
           row.peak_memory_bytes = std::max(row.peak_memory_bytes, epochs[e].peak_memory_bytes);
+        }
         for (const EpochStats& e : epochs) row.skipped_steps += e.skipped_steps;
         row.seconds_per_epoch = seconds / double(epochs.size() - from);
         row.images_per_second = images / seconds;
