@@ -1,8 +1,9 @@
-// The CUDA runtime layer (core/cuda.h): devices, streams, cuBLAS handles, error checks.
+// The CUDA runtime layer (core/cuda.h): devices, streams, cuBLAS and cuDNN handles, timing, error checks.
 // Compiled in every build; without HALFGRAD_WITH_CUDA it reports that no GPU is available.
 #include "core/cuda.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -167,6 +168,45 @@ cublasHandle_t cublas_handle(int device) {
   return s.handle;
 }
 
+cudnnHandle_t cudnn_handle(int device) {
+  check_device_index(device, "cuda::cudnn_handle");
+  // As cuBLAS's: one per device and host thread, never destroyed.
+  thread_local std::vector<cudnnHandle_t> handles;
+  if (handles.empty()) handles.resize(size_t(count_devices()));
+  cudnnHandle_t& handle = handles[size_t(device)];
+  if (!handle) HG_CUDNN_CHECK(cudnnCreate(&handle));
+  HG_CUDNN_CHECK(cudnnSetStream(handle, current_stream(device)));
+  return handle;
+}
+
+namespace {
+// A CUDA event, destroyed with its owner (also when the timed call throws).
+struct Event {
+  cudaEvent_t event = nullptr;
+  explicit Event(const char* op) { HG_CUDA_CHECK(cudaEventCreate(&event), op); }
+  ~Event() { cudaEventDestroy(event); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+}  // namespace
+
+float median_run_ms(int device, const std::function<void()>& run, const char* op, int calls) {
+  calls = std::max(calls, 1);
+  const cudaStream_t stream = current_stream(device);
+  run();
+  const Event start(op), stop(op);
+  std::array<float, 3> ms{};
+  for (float& t : ms) {
+    HG_CUDA_CHECK(cudaEventRecord(start.event, stream), op);
+    for (int i = 0; i < calls; ++i) run();
+    HG_CUDA_CHECK(cudaEventRecord(stop.event, stream), op);
+    HG_CUDA_CHECK(cudaEventSynchronize(stop.event), op);
+    HG_CUDA_CHECK(cudaEventElapsedTime(&t, start.event, stop.event), op);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[1] / float(calls);
+}
+
 void set_allow_tf32(bool allow) { tf32_allowed = allow; }
 bool allow_tf32() { return tf32_allowed; }
 
@@ -227,6 +267,8 @@ void synchronize_stream(int) { no_cuda("cuda::synchronize_stream"); }
 StreamGuard::StreamGuard(int, cudaStream_t) : device_(0), previous_(nullptr) { no_cuda("cuda::StreamGuard"); }
 StreamGuard::~StreamGuard() = default;
 cublasHandle_t cublas_handle(int) { no_cuda("cuda::cublas_handle"); }
+cudnnHandle_t cudnn_handle(int) { no_cuda("cuda::cudnn_handle"); }
+float median_run_ms(int, const std::function<void()>&, const char*, int) { no_cuda("cuda::median_run_ms"); }
 void set_allow_tf32(bool) {}
 bool allow_tf32() { return false; }
 

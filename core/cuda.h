@@ -1,6 +1,6 @@
 #pragma once
-// The CUDA runtime layer: devices, the current stream of each device, the cuBLAS handle of each device,
-// and checked calls.
+// The CUDA runtime layer: devices, the current stream of each device, the cuBLAS and cuDNN handles of each
+// device, timing for autotuning, and checked calls.
 //
 // This header includes no CUDA header, so any file may include it, in a build with or without CUDA. In a
 // build without CUDA (HALFGRAD_WITH_CUDA undefined) is_available() is false, device_count() is 0 and
@@ -20,6 +20,7 @@
 // HALFGRAD_CUDA_LAUNCH_BLOCKING=1 every launch check synchronizes, so the error names the right kernel.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "core/device.h"
@@ -28,6 +29,7 @@
 // legal C++), so that this header needs none of them.
 typedef struct CUstream_st* cudaStream_t;
 typedef struct cublasContext* cublasHandle_t;
+typedef struct cudnnContext* cudnnHandle_t;
 
 namespace halfgrad::cuda {
 
@@ -81,6 +83,19 @@ class StreamGuard {
 // The cuBLAS handle of `device` (created on first use, one per device and host thread), bound to the
 // device's current stream and with its workspace set. The caller must have made `device` current.
 cublasHandle_t cublas_handle(int device);
+
+// ---- cuDNN
+// The cuDNN handle of `device` (created on first use, one per device and host thread), bound to the device's
+// current stream. The caller must have made `device` current.
+cudnnHandle_t cudnn_handle(int device);
+
+// ---- autotuning
+// The milliseconds one call of `run` takes on the current stream of `device`: one warm-up call, then the
+// median of three samples, each `calls` back-to-back calls between two CUDA events (several calls per sample
+// when one call is short enough for the host's launch jitter to show). Waits for the stream. Throws what
+// `run` throws. Used where a problem has several implementations and the fastest is kept (conv2d,
+// batch_norm).
+float median_run_ms(int device, const std::function<void()>& run, const char* op, int calls = 1);
 
 // float32 matmul precision: false (the default) computes in full float32; true lets cuBLAS use TF32
 // tensor cores (10-bit mantissa products, float32 accumulation), several times faster on Ampere+.

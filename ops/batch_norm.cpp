@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -18,6 +19,12 @@ namespace halfgrad {
 
 constinit KernelTable<BatchNormForwardKernel> batch_norm_forward_kernel("batch_norm");
 constinit KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel("batch_norm_backward");
+
+namespace {
+std::atomic<BatchNormBackend> g_backend{BatchNormBackend::Auto};
+}
+void set_batch_norm_backend(BatchNormBackend backend) { g_backend = backend; }
+BatchNormBackend batch_norm_backend() { return g_backend; }
 
 // =====================================================================================================
 // 1. Layouts
@@ -137,7 +144,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   // caller's input when it already was, so an in-place change to it is still caught).
   record("BatchNormBackward", {input, weight, bias}, {args.output},
          [x = SavedTensor(args.input, "batch_norm"), w = SavedTensor(args.weight, "batch_norm"),
-          mean = args.save_mean, invstd = args.save_invstd, shape, training](const GradContext& g) -> TensorList {
+          mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
@@ -146,6 +153,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
            b.save_mean = mean;
            b.save_invstd = invstd;
            b.training = training;
+           b.eps = eps;
            const Tensor& xs = b.input;
            if (g.needs(0)) b.grad_input = empty_in_layout(xs.shape(), xs.dtype(), xs.device(), shape.channels_last);
            if (g.needs(1)) b.grad_weight = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});

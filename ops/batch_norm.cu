@@ -18,17 +18,25 @@
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
 //
+// 4. cuDNN's kernels (the ones PyTorch calls), the second implementation of training, and the choice between
+//    the two per problem (BatchNormBackend in ops/batch_norm.h).
+//
 // Loads and stores are 16 bytes wide (8 float16/bfloat16, 4 float32, 2 float64 values) when the contiguous
 // dimension (S for planes, C for rows) is a multiple of that and the data are 16-byte aligned; otherwise one
 // value at a time. Inputs are float16/bfloat16/float32 (statistics in float32) or float64 (in float64).
 #include <cuda_runtime.h>
+#include <cudnn.h>
 
 #include <algorithm>
+#include <climits>
+#include <compare>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <type_traits>
 
 #include "core/cuda.h"
+#include "core/log.h"
 #include "ops/batch_norm.h"
 #include "ops/cuda_loops.cuh"
 
@@ -693,12 +701,193 @@ template <typename T> void backward_typed(const BatchNormBackwardArgs& a) {
   });
 }
 
-void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
+// ---- 4. cuDNN's kernels, through the legacy batch normalization API (what reaches them; PyTorch calls the same
+// functions with the same modes). Channels last: CUDNN_BATCHNORM_SPATIAL_PERSISTENT, one kernel per direction
+// that keeps each block's share of the activation on chip between the statistics and the normalisation, so the
+// activation is read once, not twice. Planes: CUDNN_BATCHNORM_SPATIAL, whose single-read kernels do the same for
+// small planes. On larger shapes cuDNN's kernels are slower than ours. Same semantics as ours: biased variance to
+// normalise, unbiased for the running variance, saved mean and 1 / sqrt(var + eps).
+
+cudnnBatchNormMode_t cudnn_mode(const BatchNormShape& s) {
+  return s.channels_last ? CUDNN_BATCHNORM_SPATIAL_PERSISTENT : CUDNN_BATCHNORM_SPATIAL;
+}
+
+bool aligned16(const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// What cuDNN's kernels take (ops/batch_norm.h, BatchNormBackend::Cudnn). The 16-byte conditions are ours: its
+// kernels load vectors, and misaligned channels-last data stopped the GPU with cudaErrorMisalignedAddress.
+bool cudnn_takes(const BatchNormShape& s, DType dtype, std::initializer_list<const Tensor*> per_element) {
+  if (s.spatial <= 1 || (dtype != DType::Float16 && dtype != DType::Float32)) return false;
+  const int64_t row = s.channels_last ? s.channels : s.spatial;  // the contiguous run of one (n, s) or (n, c)
+  if (s.batch * s.channels * s.spatial > INT_MAX || row * int64_t(element_size(dtype)) % 16 != 0) return false;
+  return std::all_of(per_element.begin(), per_element.end(), [](const Tensor* t) { return aligned16(*t); });
+}
+
+struct CudnnTensor {
+  cudnnTensorDescriptor_t desc = nullptr;
+  CudnnTensor() { HG_CUDNN_CHECK(cudnnCreateTensorDescriptor(&desc), "batch_norm"); }
+  ~CudnnTensor() { cudnnDestroyTensorDescriptor(desc); }
+  CudnnTensor(const CudnnTensor&) = delete;
+  CudnnTensor& operator=(const CudnnTensor&) = delete;
+};
+
+// One call's cuDNN setting: the handle, the activation as [N, C, S, 1] (NHWC or NCHW) and the [1, C, 1, 1] float32
+// parameters cuDNN derives from it. cuDNN's reserve space (state handed from the forward to the backward) must
+// be empty for batch normalisation alone: halfgrad keeps only the saved mean and invstd between the two.
+struct CudnnProblem {
+  cudnnHandle_t handle;
+  cudnnBatchNormMode_t mode;
+  CudnnTensor x, param;
+  CudnnProblem(const BatchNormShape& s, const Tensor& input, const char* op)
+      : handle(cuda::cudnn_handle(input.device().index)), mode(cudnn_mode(s)) {
+    HG_CUDNN_CHECK(cudnnSetTensor4dDescriptor(x.desc, s.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
+                                              input.dtype() == DType::Float16 ? CUDNN_DATA_HALF : CUDNN_DATA_FLOAT,
+                                              int(s.batch), int(s.channels), int(s.spatial), 1),
+                   op);
+    HG_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(param.desc, x.desc, mode), op);
+    size_t reserve = 0;
+    HG_CUDNN_CHECK(cudnnGetBatchNormalizationTrainingExReserveSpaceSize(handle, mode, CUDNN_BATCHNORM_OPS_BN,
+                                                                        nullptr, x.desc, &reserve),
+                   op);
+    HG_CHECK(reserve == 0, "{} (cuda): cuDNN asks for {} bytes of reserve space, which halfgrad does not keep", op,
+             reserve);
+  }
+};
+
+void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// The workspace cuDNN asks for, from the caching allocator.
+Tensor cudnn_workspace(size_t bytes, Device device) {
+  return bytes ? empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device}) : Tensor();
+}
+
+// weight and bias, which cuDNN needs: the caller's, or 1 and 0.
+Tensor or_filled(const Tensor& t, int64_t channels, Device device, float value) {
+  if (t.defined()) return t;
+  Tensor filled = empty({channels}, {.dtype = DType::Float32, .device = device});
+  filled.fill_(value);
+  return filled;
+}
+
+void cudnn_forward(const BatchNormForwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  const Device device = a.input.device();
+  const CudnnProblem p(s, a.input, "batch_norm");
+  size_t bytes = 0;
+  HG_CUDNN_CHECK(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
+                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, p.x.desc, nullptr, p.x.desc, p.param.desc, nullptr,
+                     &bytes),
+                 "batch_norm");
+  const Tensor workspace = cudnn_workspace(bytes, device);
+  const Tensor weight = or_filled(a.weight, s.channels, device, 1), bias = or_filled(a.bias, s.channels, device, 0);
+  const float one = 1, zero = 0;
+  HG_CUDNN_CHECK(cudnnBatchNormalizationForwardTrainingEx(
+                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, &one, &zero, p.x.desc, a.input.data_ptr(), nullptr,
+                     nullptr, p.x.desc, a.output.data_ptr(), p.param.desc, weight.data_ptr(), bias.data_ptr(),
+                     a.momentum, data_or_null(a.running_mean), data_or_null(a.running_var), a.eps,
+                     a.save_mean.data_ptr(), a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes,
+                     nullptr, 0),
+                 "batch_norm");
+}
+
+void cudnn_backward(const BatchNormBackwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  const Device device = a.input.device();
+  const CudnnProblem p(s, a.input, "batch_norm_backward");
+  size_t bytes = 0;
+  HG_CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
+                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, p.x.desc, nullptr, p.x.desc, nullptr, p.x.desc,
+                     p.param.desc, nullptr, &bytes),
+                 "batch_norm_backward");
+  const Tensor workspace = cudnn_workspace(bytes, device);
+  const Tensor weight = or_filled(a.weight, s.channels, device, 1);
+  // cuDNN always writes both parameter gradients.
+  auto gradient = [&](const Tensor& t) {
+    return t.defined() ? t : empty({s.channels}, {.dtype = DType::Float32, .device = device});
+  };
+  const Tensor grad_weight = gradient(a.grad_weight), grad_bias = gradient(a.grad_bias);
+  const float one = 1, zero = 0;
+  HG_CUDNN_CHECK(cudnnBatchNormalizationBackwardEx(
+                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, &one, &zero, &one, &zero, p.x.desc,
+                     a.input.data_ptr(), nullptr, nullptr, p.x.desc, a.grad_output.data_ptr(), nullptr, nullptr,
+                     p.x.desc, a.grad_input.data_ptr(), p.param.desc, weight.data_ptr(), nullptr,
+                     grad_weight.data_ptr(), grad_bias.data_ptr(), a.eps, a.save_mean.data_ptr(),
+                     a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes, nullptr, 0),
+                 "batch_norm_backward");
+}
+
+// ---- the choice between ours and cuDNN's, per problem and host thread (as conv2d's algorithm choice)
+struct ChoiceKey {
+  int device;
+  DType dtype;
+  bool channels_last, backward;
+  int64_t batch, channels, spatial;
+  auto operator<=>(const ChoiceKey&) const = default;
+};
+thread_local std::map<ChoiceKey, bool> t_cudnn_chosen;
+
+// Whether cuDNN runs a problem it takes. Auto times both the first time (8 calls per sample: one call of a small
+// shape is 20-50 us, within the host's launch jitter); a cuDNN failure there means ours.
+bool choose_cudnn(const ChoiceKey& key, const std::function<void()>& own, const std::function<void()>& cudnn,
+                  const char* op) {
+  switch (batch_norm_backend()) {
+    case BatchNormBackend::Own: return false;
+    case BatchNormBackend::Cudnn: return true;
+    case BatchNormBackend::Auto: break;
+  }
+  if (auto it = t_cudnn_chosen.find(key); it != t_cudnn_chosen.end()) return it->second;
+  constexpr int kCalls = 8;
+  const float own_ms = cuda::median_run_ms(key.device, own, op, kCalls);
+  float cudnn_ms = -1;
+  try {
+    cudnn_ms = cuda::median_run_ms(key.device, cudnn, op, kCalls);
+  } catch (const Error& e) {
+    logger().debug("{} (cuda): cuDNN failed to run [{}, {}, {}] ({}); ours is used", op, key.batch, key.channels,
+                   key.spatial, e.what());
+  }
+  const bool chosen = cudnn_ms >= 0 && cudnn_ms < own_ms;
+  logger().debug("{} (cuda): {} {} [{}, {}, {}] ours {:.4f} ms, cuDNN {:.4f} ms -> {}", op, dtype_name(key.dtype),
+                 key.channels_last ? "channels last" : "planes", key.batch, key.channels, key.spatial, own_ms, cudnn_ms,
+                 chosen ? "cuDNN" : "ours");
+  return t_cudnn_chosen.emplace(key, chosen).first->second;
+}
+
+void own_forward(const BatchNormForwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm", [&]<typename T>() { forward_typed<T>(a); });
 }
 
-void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
+void own_backward(const BatchNormBackwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() { backward_typed<T>(a); });
+}
+
+void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  if (!a.training || !cudnn_takes(s, a.input.dtype(), {&a.input, &a.output})) return own_forward(a);
+  cuda::DeviceGuard guard(a.input.device());
+  // The timing runs leave the running statistics alone: only the real call below updates them.
+  BatchNormForwardArgs timed = a;
+  timed.running_mean = timed.running_var = Tensor();
+  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false, s.batch, s.channels, s.spatial};
+  if (choose_cudnn(key, [&] { own_forward(timed); }, [&] { cudnn_forward(timed); }, "batch_norm")) {
+    cudnn_forward(a);
+  } else {
+    own_forward(a);
+  }
+}
+
+void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
+  const BatchNormShape& s = a.shape;
+  if (!a.training || !a.grad_input.defined() ||
+      !cudnn_takes(s, a.input.dtype(), {&a.input, &a.grad_output, &a.grad_input})) {
+    return own_backward(a);
+  }
+  cuda::DeviceGuard guard(a.input.device());
+  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true, s.batch, s.channels, s.spatial};
+  if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
+    cudnn_backward(a);
+  } else {
+    own_backward(a);
+  }
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 //   batch_norm  ->  checks, input seen as [N, C, S] in one of two memory layouts, parameters in the
 //                   accumulation dtype  ->  batch_norm_forward_kernel[device]
 //   backward    ->  batch_norm_backward_kernel[device]
-// CPU kernels: ops/batch_norm.cpp; CUDA kernels (our own, both layouts): ops/batch_norm.cu.
+// CPU kernels: ops/batch_norm.cpp; CUDA kernels: ops/batch_norm.cu, our own for both layouts, and cuDNN's as a
+// second implementation of training (BatchNormBackend below).
 #include <cstdint>
 
 #include "core/dispatch.h"
@@ -67,7 +68,22 @@ struct BatchNormBackwardArgs {
   Tensor grad_input;                   // or undefined: not wanted
   Tensor grad_weight, grad_bias;       // or undefined: not wanted
   bool training = true;
+  double eps = 1e-5;                   // the forward's (cuDNN's backward takes it; save_invstd already has it)
 };
+
+// ---- which CUDA implementation runs training (set for the whole process; default Auto). cuDNN's kernels, the
+// ones PyTorch calls, keep a block's share of the activation on chip between the statistics and the
+// normalisation; they are faster than ours on the smaller shapes and slower on the larger.
+//   Auto   the first time a host thread meets a problem (device, dtype, layout, direction, N, C, spatial size)
+//          that both take, both run on its buffers and the faster is kept for it, as conv2d keeps its fastest
+//          algorithm
+//   Own    always ours
+//   Cudnn  cuDNN's wherever it takes the problem: float16/float32, spatial size > 1, contiguous runs (channels in
+//          channels last, planes in NCHW) of whole 16-byte vectors, 16-byte aligned data, fewer than 2^31
+//          elements; the backward also needs the input's gradient. Everything else runs ours in every mode.
+enum class BatchNormBackend { Auto, Own, Cudnn };
+void set_batch_norm_backend(BatchNormBackend backend);
+BatchNormBackend batch_norm_backend();
 
 using BatchNormForwardKernel = void (*)(const BatchNormForwardArgs& args);
 using BatchNormBackwardKernel = void (*)(const BatchNormBackwardArgs& args);

@@ -28,7 +28,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -41,21 +40,6 @@
 
 namespace halfgrad {
 namespace {
-
-// ---- the cuDNN handle: one per (device, host thread), created on first use, bound to the current stream
-// at each use. core/cuda.h has no cuDNN handle (only cuBLAS's); this is conv's own. Handles are never
-// destroyed: at process exit the CUDA context may already be gone.
-cudnnHandle_t cudnn_handle(int device) {
-  thread_local std::unordered_map<int, cudnnHandle_t> handles;
-  auto it = handles.find(device);
-  if (it == handles.end()) {
-    cudnnHandle_t handle = nullptr;
-    HG_CUDNN_CHECK(cudnnCreate(&handle), "conv2d");
-    it = handles.emplace(device, handle).first;
-  }
-  HG_CUDNN_CHECK(cudnnSetStream(it->second, cuda::current_stream(device)), "conv2d");
-  return it->second;
-}
 
 cudnnDataType_t cudnn_type(DType t) {
   switch (t) {
@@ -386,32 +370,11 @@ Tensor workspace_up_to(int64_t bytes, Device device, int64_t& got) {
   return Tensor();
 }
 
-// CUDA events, destroyed with their owner.
-struct Event {
-  cudaEvent_t event = nullptr;
-  explicit Event(const char* op) { HG_CUDA_CHECK(cudaEventCreate(&event), op); }
-  ~Event() { cudaEventDestroy(event); }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
-
-// Median milliseconds of three runs of a candidate after one warm-up, or a negative number when it failed to run
-// (that candidate is then skipped, not the problem).
+// Milliseconds per run of a candidate (cuda::median_run_ms), or a negative number when it failed to run (that
+// candidate is then skipped, not the problem).
 float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
-  const cudaStream_t stream = cuda::current_stream(pb.device());
   try {
-    execute(c, pb, handle, workspace);
-    std::array<float, 3> ms{};
-    const Event start(pb.op()), stop(pb.op());
-    for (float& t : ms) {
-      HG_CUDA_CHECK(cudaEventRecord(start.event, stream), pb.op());
-      execute(c, pb, handle, workspace);
-      HG_CUDA_CHECK(cudaEventRecord(stop.event, stream), pb.op());
-      HG_CUDA_CHECK(cudaEventSynchronize(stop.event), pb.op());
-      HG_CUDA_CHECK(cudaEventElapsedTime(&t, start.event, stop.event), pb.op());
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[1];
+    return cuda::median_run_ms(pb.device(), [&] { execute(c, pb, handle, workspace); }, pb.op());
   } catch (const Error& e) {
     logger().debug("{}: {} failed to run ({}); skipped", pb.op(), c.label, e.what());
     return -1;
@@ -475,7 +438,7 @@ void run(Direction direction, const Tensor& x, const Tensor& w, const Tensor& y,
   const Problem pb(direction, x, w, y, params);
   check_sizes(pb);
   cuda::DeviceGuard guard(x.device());
-  cudnnHandle_t handle = cudnn_handle(pb.device());
+  cudnnHandle_t handle = cuda::cudnn_handle(pb.device());
   const Candidate c = choice_for(pb, handle);
   const Tensor workspace = c.workspace > 0 ? empty({c.workspace}, {.dtype = kUInt8, .device = x.device()}) : Tensor();
   execute(c, pb, handle, workspace);

@@ -68,6 +68,34 @@ Reference reference_batch_norm(const Tensor& x, const std::vector<double>& weigh
   return r;
 }
 
+// Sets which CUDA implementation runs channels-last training batch_norm, for a scope.
+struct BackendGuard {
+  BatchNormBackend previous = batch_norm_backend();
+  explicit BackendGuard(BatchNormBackend backend) { set_batch_norm_backend(backend); }
+  ~BackendGuard() { set_batch_norm_backend(previous); }
+};
+
+#if HALFGRAD_WITH_CUDA
+// float32 values around 1000 with spread 0.1 through CUDA batch_norm, NCHW or channels last: a sum-of-squares
+// variance would lose every digit (E[x^2] - E[x]^2 with E[x^2] ~ 1e6 in float32 has an error near 0.1, the
+// variance is 0.01).
+void check_mean_far_larger_than_spread(bool cl) {
+  CAPTURE(cl);
+  Tensor x = randn({64, 16, 8, 8}) * 0.1 + 1000.0;
+  Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
+  Tensor rm = zeros({16}, {.device = Device::cuda(0)}), rv = ones({16}, {.device = Device::cuda(0)});
+  Tensor y = batch_norm(xg, rm, rv, Tensor(), Tensor(), true, 1.0, 0.0);
+  Reference r = reference_batch_norm(x.to(kFloat64), std::vector<double>(16, 1.0), std::vector<double>(16, 0.0),
+                                     nullptr, nullptr, 0.0);
+  // The input's own rounding (ulp(1000) = 6e-5, 6e-4 of the spread) is in the reference too; what is left is
+  // the statistics' error.
+  check_close(values(y.cpu()), r.y, 2e-3);
+  const double n = 64 * 8 * 8;
+  std::vector<double> unbiased;
+  for (double v : r.var) unbiased.push_back(v * n / (n - 1));
+  check_close(values(rv.cpu()), unbiased, 1e-3);
+}
+#endif
 
 }  // namespace
 
@@ -311,6 +339,7 @@ TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a 
     return;
   }
   manual_seed(407);
+  const BackendGuard own(BatchNormBackend::Own);  // ours, whatever Auto would pick (cuDNN's: the next case)
   // The kernels read 16 bytes at a time when the contiguous dim (S in NCHW, C in NHWC) is a multiple of the
   // vector (8 halves, 4 floats, 2 doubles) and the data are 16-byte aligned, else one value at a time.
   // [8, 24, 4, 4]: S = 16 and C = 24 take the vector path in both layouts; [6, 5, 3, 7]: S = 21, C = 5 do not;
@@ -357,23 +386,98 @@ TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a 
     }
   }
 
-  // float32 values around 1000 with spread 0.1: a sum-of-squares variance would lose every digit
-  // (E[x^2] - E[x]^2 with E[x^2] ~ 1e6 in float32 has an error near 0.1, the variance is 0.01).
-  for (bool cl : {false, true}) {
-    CAPTURE(cl);
-    Tensor x = randn({64, 16, 8, 8}) * 0.1 + 1000.0;
-    Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
-    Tensor rm = zeros({16}, {.device = Device::cuda(0)}), rv = ones({16}, {.device = Device::cuda(0)});
-    Tensor y = batch_norm(xg, rm, rv, Tensor(), Tensor(), true, 1.0, 0.0);
-    Reference r = reference_batch_norm(x.to(kFloat64), std::vector<double>(16, 1.0), std::vector<double>(16, 0.0),
-                                       nullptr, nullptr, 0.0);
-    // The input's own rounding (ulp(1000) = 6e-5, 6e-4 of the spread) is in the reference too; what is left is
-    // the statistics' error.
-    check_close(values(y.cpu()), r.y, 2e-3);
-    const double n = 64 * 8 * 8;
-    std::vector<double> unbiased;
-    for (double v : r.var) unbiased.push_back(v * n / (n - 1));
-    check_close(values(rv.cpu()), unbiased, 1e-3);
+  for (bool cl : {false, true}) check_mean_far_larger_than_spread(cl);
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+TEST_CASE("CUDA batch_norm through cuDNN's kernels, and Auto's choice, match the CPU in both layouts") {
+#if HALFGRAD_WITH_CUDA
+  if (!cuda::is_available()) {
+    MESSAGE("no GPU: skipped");
+    return;
+  }
+  manual_seed(408);
+  // float16/float32 training with contiguous runs (channels last: C, NCHW: H * W) of whole 16-byte vectors goes to
+  // cuDNN (Cudnn) or to the faster of cuDNN and ours (Auto). The offsets: 0 and 16 bytes into the storage are
+  // taken by cuDNN; 8 bytes is not (misaligned), nor are runs of 6 or 25 or 49 values, nor spatial size 1: those
+  // run ours.
+  for (BatchNormBackend backend : {BatchNormBackend::Cudnn, BatchNormBackend::Auto}) {
+    const BackendGuard guard(backend);
+    for (DType dt : {kFloat32, kFloat16}) {
+      for (Shape shape : {Shape{32, 64, 8, 8}, Shape{16, 32, 7, 7}, Shape{8, 128, 4, 4}, Shape{8, 6, 5, 5},
+                          Shape{64, 32, 1, 1}}) {
+        for (int64_t offset_bytes : {0, 8, 16}) {
+          for (bool cl : {true, false}) {
+            for (bool affine : {true, false}) {
+              const std::string dtype = dtype_name(dt), dims = shape_str(shape);
+              CAPTURE(int(backend));
+              CAPTURE(dtype);
+              CAPTURE(dims);
+              CAPTURE(offset_bytes);
+              CAPTURE(cl);
+              CAPTURE(affine);
+              const int64_t C = shape[1], offset = offset_bytes / int64_t(element_size(dt));
+              Tensor x = (randn(shape) * 2 + 1).to(dt), g = randn(shape).to(dt);
+              Tensor weight = rand({C}) + 0.5, bias = randn({C});
+              Tensor rm = randn({C}), rv = rand({C}) + 0.5;
+              Tensor rm_g = rm.cuda(), rv_g = rv.cuda();
+              auto on_gpu = [&](const Tensor& t) {  // in the layout, `offset` elements into its storage
+                Tensor storage = zeros({t.numel() + offset}, {.dtype = dt, .device = Device::cuda(0)});
+                Tensor flat = storage.narrow(0, offset, t.numel());
+                Tensor placed = cl ? flat.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2})
+                                   : flat.view(shape);
+                NoGradGuard no_grad;
+                placed.copy_(t.cuda());
+                return placed;
+              };
+              Tensor xg = on_gpu(x).requires_grad_(), gg = on_gpu(g);
+              if (cl) REQUIRE(is_channels_last_layout(xg));
+              Tensor xc = x.detach().requires_grad_();
+              Tensor wc = weight.detach().requires_grad_(), wg = weight.cuda().requires_grad_();
+              Tensor bc = bias.detach().requires_grad_(), bg = bias.cuda().requires_grad_();
+              Tensor yc = affine ? batch_norm(xc, rm, rv, wc, bc, true)
+                                 : batch_norm(xc, rm, rv, Tensor(), Tensor(), true);
+              Tensor yg = affine ? batch_norm(xg, rm_g, rv_g, wg, bg, true)
+                                 : batch_norm(xg, rm_g, rv_g, Tensor(), Tensor(), true);
+              if (cl) CHECK(is_channels_last_layout(yg));
+              const double tol = dt == kFloat32 ? 1e-4 : 4e-3;
+              check_close(values(yg.cpu()), values(yc), tol);
+              // One update each (Auto's timing runs must not have moved them).
+              check_close(values(rm_g.cpu()), values(rm), 1e-5);
+              check_close(values(rv_g.cpu()), values(rv), 1e-5);
+              yc.backward(g);
+              yg.backward(gg);
+              check_close(values(xg.grad().cpu()), values(xc.grad()), tol * 4);
+              if (affine) {
+                check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3);
+                check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Only the parameters' gradients wanted (cuDNN always computes the input's): ours runs, and is right.
+  {
+    const BackendGuard guard(BatchNormBackend::Cudnn);
+    Tensor x = randn({16, 32, 4, 4}), g = randn({16, 32, 4, 4});
+    Tensor w = rand({32}) + 0.5, b = randn({32});
+    Tensor wc = w.detach().requires_grad_(), bc = b.detach().requires_grad_();
+    Tensor wg = w.cuda().requires_grad_(), bg = b.cuda().requires_grad_();
+    batch_norm(x, Tensor(), Tensor(), wc, bc, true).backward(g);
+    batch_norm(channels_last(x.cuda()), Tensor(), Tensor(), wg, bg, true).backward(channels_last(g.cuda()));
+    check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3);
+    check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
+  }
+
+  // A mean far larger than the spread, through cuDNN: its statistics must hold up as ours do.
+  {
+    const BackendGuard guard(BatchNormBackend::Cudnn);
+    for (bool cl : {false, true}) check_mean_far_larger_than_spread(cl);
   }
 #else
   MESSAGE("built without CUDA: skipped");

@@ -9,6 +9,8 @@
 //               gradients reset before each step
 //   timing      CUDA events around each step, the median of --iters steps after --warmup (tools/bench_layers.h);
 //               "host ms" is the host's time to issue a step (close to "ms": bound by the host)
+//   --backend   which implementation runs (ops/batch_norm.h, BatchNormBackend): auto (the default: the faster,
+//               measured at the first step), own, or cudnn (cuDNN's kernels, which PyTorch calls)
 //   GB/s        the fewest bytes a step must move over its time: x read and y written by the forward, x and dy
 //               read and dx written by the backward (5 passes over an activation); the statistics' reads are
 //               extra passes this count leaves out, so 100% of copy bandwidth is not reachable
@@ -45,6 +47,7 @@ const std::vector<Shape2> kShapes = {
 
 struct Settings : bench::LayerSettings {
   Settings() { iters = 100; }
+  std::string backend = "auto";
 };
 
 #if HALFGRAD_WITH_CUDA
@@ -75,9 +78,12 @@ bench::StepTimes run_shape(const Shape2& b, DType dtype, MemoryFormat format, co
 }
 
 int run(const Settings& s) {
+  set_batch_norm_backend(s.backend == "own"     ? BatchNormBackend::Own
+                         : s.backend == "cudnn" ? BatchNormBackend::Cudnn
+                                                : BatchNormBackend::Auto);
   fmt::print("bench_batch_norm: halfgrad batch_norm forward + backward (training) on {}, batch {}, median of {} "
-             "steps after {} warm-up steps; parameters and statistics in float32\n",
-             cuda::device_name(0), s.batch, s.iters, s.warmup);
+             "steps after {} warm-up steps; parameters and statistics in float32; backend {}\n",
+             cuda::device_name(0), s.batch, s.iters, s.warmup, s.backend);
   fmt::print("{:<9} {:<20} {:<8} {:<6} {:>10} {:>9} {:>8}\n", "net", "shape (N, C, HxW)", "dtype", "layout", "ms",
              "GB/s", "host ms");
   for (const Shape2& b : kShapes) {
@@ -103,6 +109,8 @@ int main(int argc, char** argv) {
   CLI::App app{"batch_norm forward + backward on the GPU for the ResNet-18/50 CIFAR shapes (compare with "
                "tools/bench_batch_norm_torch.py)"};
   bench::add_layer_options(app, s);
+  app.add_option("--backend", s.backend, "implementation: auto, own or cudnn")
+      ->check(CLI::IsMember({"auto", "own", "cudnn"}));
   CLI11_PARSE(app, argc, argv);
 #if HALFGRAD_WITH_CUDA
   return bench::run_on_gpu("bench_batch_norm", [&] { return run(s); });
