@@ -6,11 +6,14 @@
 //
 // out and the inputs are viewed to one shape (broadcast inputs have stride 0); an input may instead be a
 // 0-d CPU tensor, a scalar that is passed to the kernel by value. Two kernels:
-//   - contiguous: every tensor operand is contiguous (and suitably aligned): each thread loads and stores
-//     16-byte vectors, UNROLL of them in flight, no index arithmetic;
-//   - strided: dims are coalesced as in ops/loops.h, and each element's byte offsets are computed from its
-//     linear index with 32-bit division by precomputed magic numbers. Problems of 2^31 elements or more are
-//     split along their outermost dim into launches that fit.
+//   - flat: out fills a range of memory without gaps (contiguous, channels last, any order of its dims) and every
+//     tensor input has out's strides (and all are suitably aligned): element i of each is at the same place in
+//     its range, so each thread loads and stores 16-byte vectors of the ranges, UNROLL of them in flight, no
+//     index arithmetic;
+//   - strided: dims are ordered by out's strides, innermost (smallest) first, so neighbouring threads touch
+//     neighbouring addresses whatever the layout, then coalesced as in ops/loops.h; each element's byte offsets
+//     are computed from its linear index with 32-bit division by precomputed magic numbers. Problems of 2^31
+//     elements or more are split along their outermost dim into launches that fit.
 // The functor is a plain struct with a __device__ operator()(In...) -> Out (not an extended lambda: those
 // cannot be defined inside the generic lambdas of the dtype switch).
 
@@ -92,9 +95,8 @@ template <typename T> __device__ __forceinline__ T load_at(const InArg<T>& a, in
 }
 
 template <int VEC, typename F, typename Out, typename... In, size_t... K>
-__device__ __forceinline__ void contiguous_body(int64_t n, const F& f, Out* out,
-                                                const ::cuda::std::tuple<InArg<In>...>& in,
-                                                ::cuda::std::index_sequence<K...>) {
+__device__ __forceinline__ void flat_body(int64_t n, const F& f, Out* out, const ::cuda::std::tuple<InArg<In>...>& in,
+                                          ::cuda::std::index_sequence<K...>) {
   const int64_t first = int64_t(blockIdx.x) * kElementwiseUnroll * blockDim.x + threadIdx.x;  // in vectors
   // All loads of this thread first, then the math and the stores: UNROLL independent loads in flight.
   ::cuda::std::tuple<Vec<In, VEC>...> loaded[kElementwiseUnroll];
@@ -119,8 +121,8 @@ __device__ __forceinline__ void contiguous_body(int64_t n, const F& f, Out* out,
 
 template <int VEC, typename F, typename Out, typename... In>
 __global__ void __launch_bounds__(kElementwiseBlock)
-    elementwise_contiguous_kernel(int64_t n, F f, Out* out, InArg<In>... in) {
-  contiguous_body<VEC>(n, f, out, ::cuda::std::tuple<InArg<In>...>(in...), ::cuda::std::index_sequence_for<In...>{});
+    elementwise_flat_kernel(int64_t n, F f, Out* out, InArg<In>... in) {
+  flat_body<VEC>(n, f, out, ::cuda::std::tuple<InArg<In>...>(in...), ::cuda::std::index_sequence_for<In...>{});
 }
 
 template <typename F, typename Out, typename... In, size_t... K>
@@ -209,6 +211,38 @@ template <int N, typename Launch> void for_each_32bit_piece(StridedProblem<N> p,
   for_each_32bit_piece(second, launch);
 }
 
+// Whether t's elements fill numel() consecutive slots from data_ptr() in some order of its dims (contiguous,
+// channels last, a permutation of either): then an elementwise loop may walk that range instead of the indices.
+inline bool fills_its_range(const Tensor& t) {
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) != 1) dims.push_back(d);
+  std::sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return t.stride(a) < t.stride(b); });
+  int64_t expected = 1;
+  for (int64_t d : dims) {
+    if (t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+// Whether a and b (of one shape) step the same way through memory (size-1 dims aside).
+inline bool same_strides(const Tensor& a, const Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  return true;
+}
+
+// The permutation of out's dims that orders them by stride, outermost (largest) first, as coalesce() reads them:
+// its innermost dim is then the one whose neighbours are neighbours in out's memory. Ties keep their order.
+inline std::vector<size_t> memory_order(const Tensor& out) {
+  std::vector<size_t> order(size_t(out.dim()));
+  for (size_t d = 0; d < order.size(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return out.stride(int64_t(a)) > out.stride(int64_t(b)); });
+  return order;
+}
+
 template <typename T> InArg<T> make_in_arg(const Tensor& t) {
   if (t.is_cpu()) return InArg<T>{nullptr, *static_cast<const T*>(t.data_ptr())};  // a scalar by value
   return InArg<T>{static_cast<const T*>(t.data_ptr()), T()};
@@ -237,42 +271,53 @@ void launch_elementwise(const char* op, const Tensor& out, F f, const std::array
     return ::cuda::std::tuple<InArg<In>...>(make_in_arg<In>(inputs[K])...);
   }(std::index_sequence_for<In...>{});
 
-  // Contiguous fast path: 16-byte vectors of the widest operand type.
+  // Flat fast path: 16-byte vectors of the widest operand type.
   constexpr size_t widest = std::max({sizeof(Out), sizeof(In)...});
   constexpr int VEC = int(16 / widest) > 0 ? int(16 / widest) : 1;
-  bool contiguous = out.is_contiguous() && reinterpret_cast<uintptr_t>(out.data_ptr()) % (VEC * sizeof(Out)) == 0;
+  bool flat = fills_its_range(out) && reinterpret_cast<uintptr_t>(out.data_ptr()) % (VEC * sizeof(Out)) == 0;
   {
     constexpr size_t in_sizes[NIN + 1] = {sizeof(In)..., 0};
-    for (int k = 0; k < NIN && contiguous; ++k) {
+    for (int k = 0; k < NIN && flat; ++k) {
       const Tensor& t = inputs[size_t(k)];
       if (t.is_cpu()) continue;  // a scalar
-      contiguous = t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % (VEC * in_sizes[k]) == 0;
+      flat = same_strides(t, out) && reinterpret_cast<uintptr_t>(t.data_ptr()) % (VEC * in_sizes[k]) == 0;
     }
   }
-  if (contiguous) {
+  if (flat) {
     int64_t vectors = (n + VEC - 1) / VEC;
     int64_t blocks = (vectors + int64_t(kElementwiseBlock) * kElementwiseUnroll - 1) /
                      (int64_t(kElementwiseBlock) * kElementwiseUnroll);
     [&]<size_t... K>(std::index_sequence<K...>) {
-      elementwise_contiguous_kernel<VEC, F, Out, In...><<<unsigned(blocks), kElementwiseBlock, 0, stream>>>(
+      elementwise_flat_kernel<VEC, F, Out, In...><<<unsigned(blocks), kElementwiseBlock, 0, stream>>>(
           n, f, static_cast<Out*>(out.data_ptr()), ::cuda::std::get<K>(args)...);
     }(std::index_sequence_for<In...>{});
     HG_CUDA_CHECK_LAUNCH(op);
     return;
   }
 
+  // Shape and strides with the dims in out's memory order.
+  const std::vector<size_t> order = memory_order(out);
+  auto permuted = [&](const Shape& v) {
+    Shape p(order.size());
+    for (size_t d = 0; d < order.size(); ++d) p[d] = v[order[d]];
+    return p;
+  };
+  const Shape shape = permuted(out.shape());
+  std::array<Shape, N> permuted_strides;
   std::array<const Shape*, N> strides{};
   std::array<int64_t, N> element_sizes{int64_t(sizeof(Out)), int64_t(sizeof(In))...};
   std::array<char*, N> base{};
-  strides[0] = &out.strides();
+  permuted_strides[0] = permuted(out.strides());
+  strides[0] = &permuted_strides[0];
   base[0] = static_cast<char*>(out.data_ptr());
   for (int k = 0; k < NIN; ++k) {
     const Tensor& t = inputs[size_t(k)];
     if (t.is_cpu()) continue;
-    strides[size_t(k + 1)] = &t.strides();
+    permuted_strides[size_t(k + 1)] = permuted(t.strides());
+    strides[size_t(k + 1)] = &permuted_strides[size_t(k + 1)];
     base[size_t(k + 1)] = static_cast<char*>(t.data_ptr());
   }
-  StridedProblem<N> problem = coalesce<N>(out.shape(), strides, element_sizes, base);
+  StridedProblem<N> problem = coalesce<N>(shape, strides, element_sizes, base);
   HG_CHECK(int(problem.sizes.size()) <= kMaxCoalescedDims,
            "{}: {} has {} dims that cannot be merged; the CUDA kernels handle up to {}", op, out.meta(),
            problem.sizes.size(), kMaxCoalescedDims);

@@ -332,6 +332,31 @@ TEST_CASE("cuda: elementwise kernels at vector-path edges: sizes, offsets and la
   }
 }
 
+TEST_CASE("cuda: elementwise ops over channels-last, permuted and mixed layouts match the CPU and keep the layout") {
+  // Operands that fill their memory in another order than NCHW (channels last, a permutation) run as one flat
+  // range; others (broadcast bias, mixed layouts, gaps) in the order of the output's memory. Both must be right.
+  SKIP_WITHOUT_GPU();
+  manual_seed(16);
+  for (DType dt : {kFloat32, kFloat16}) {
+    CAPTURE(dtype_name(dt));
+    const Tolerance tol = op_tolerance(dt);
+    Tensor a = random({4, 24, 5, 6}, dt), b = random({4, 24, 5, 6}, dt), bias = random({24, 1, 1}, dt);
+    Tensor a_cl = contiguous_channels_last(a.cuda()), b_cl = contiguous_channels_last(b.cuda());
+    Tensor sum = a_cl + b_cl;
+    CHECK(sum.stride(1) == 1);  // the result is channels last too
+    check_close(sum, a + b, tol, "both channels last");
+    check_close(relu(a_cl), relu(a), tol, "unary, channels last");
+    check_close(where(a_cl.gt(0.0), a_cl, b_cl), where(a.gt(0.0), a, b), tol, "where, channels last");
+    check_close(a_cl + bias.cuda(), a + bias, tol, "channels last + broadcast bias");
+    check_close(a_cl * b.cuda(), a * b, tol, "channels last * NCHW");
+    Tensor p = random({6, 5, 24, 4}, dt);  // dense, dims permuted: [4, 24, 5, 6] over [6, 5, 24, 4] memory
+    check_close(p.cuda().permute({3, 2, 1, 0}) - b.cuda().permute({0, 1, 3, 2}).contiguous().permute({0, 1, 3, 2}),
+                p.permute({3, 2, 1, 0}) - b, tol, "permuted and transposed");
+    Tensor wide = random({4, 24, 5, 12}, dt);  // every other column: a gap in the memory
+    check_close(a_cl + wide.cuda().slice(3, 0, 12, 2), a + wide.slice(3, 0, 12, 2), tol, "channels last + sliced");
+  }
+}
+
 TEST_CASE("cuda: a strided op over more than 2^31 elements is split correctly") {
   SKIP_WITHOUT_GPU();
 #if HALFGRAD_WITH_CUDA

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""bench_train_step_torch: tools/bench_train_step.cpp's measurement in PyTorch on the same GPU, in the same rows.
+
+    python3 tools/bench_train_step_torch.py [--model resnet18|resnet50] [--batch 128,512] [--opt-levels O0,O1,O3]
+                                            [--nchw] [--iters 30] [--warmup 5]
+
+One step: logits = model(x); loss = cross_entropy(logits, y); backward; SGD step (momentum 0.9, weight decay 5e-4,
+PyTorch's default foreach implementation); zero_grad. The model is torchvision's ResNet with the CIFAR stem (3x3
+stride-1 convolution, no max pool), written out here so that torchvision is not needed. Levels: O0 float32; O1
+torch.autocast(float16) with a GradScaler; O3 the model and inputs in float16. O2 (half model with float32 master
+weights) has no PyTorch equivalent without apex: its rows are left out. cudnn.benchmark on, TF32 off for
+convolutions (halfgrad's float32 runs in full float32). Timing: tools/torch_bench_layers.py. The project does not
+depend on PyTorch: this script is only for comparing.
+"""
+import argparse
+import sys
+
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch_bench_layers import time_steps
+except ImportError as e:  # not an error: the comparison is optional
+    print(f"bench_train_step_torch: PyTorch is not importable by {sys.executable} ({e}); nothing to compare.")
+    sys.exit(0)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes, planes, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or in_planes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, in_planes, planes, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.downsample = None
+        if stride != 1 or in_planes != planes * 4:
+            self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes * 4, 1, stride, bias=False),
+                                            nn.BatchNorm2d(planes * 4))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, block, blocks, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, in_planes = [], 64
+        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), blocks)):
+            for j in range(n):
+                layers.append(block(in_planes, planes, 2 if (i > 0 and j == 0) else 1))
+                in_planes = planes * block.expansion
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(in_planes, classes)
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet18", "resnet50"], default="resnet18")
+    parser.add_argument("--batch", default="128,512")
+    parser.add_argument("--opt-levels", default="O0,O1,O3")
+    parser.add_argument("--nchw", action="store_true")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = torch.device("cuda")
+    fmt = torch.contiguous_format if args.nchw else torch.channels_last
+    print(f"bench_train_step_torch: PyTorch {torch.__version__} {args.model} training step (CIFAR, 10 classes) on "
+          f"{torch.cuda.get_device_name(0)}, {'NCHW' if args.nchw else 'channels_last'}, data on the GPU, median of "
+          f"{args.iters} steps after {args.warmup} warm-up steps")
+    print(f"{'model':<9} {'batch':>6} {'level':<6} {'ms':>9} {'images/s':>10} {'host ms':>9} {'peak MiB':>9}")
+    for batch in (int(b) for b in args.batch.split(",")):
+        for level in args.opt_levels.split(","):
+            if level not in ("O0", "O1", "O3"):
+                print(f"{args.model:<9} {batch:>6} {level:<6} (no PyTorch equivalent without apex)")
+                continue
+            torch.manual_seed(0)
+            blocks = (BasicBlock, (2, 2, 2, 2)) if args.model == "resnet18" else (Bottleneck, (3, 4, 6, 3))
+            model = ResNet(*blocks).to(gpu, memory_format=fmt)
+            half = level == "O3"
+            if half:
+                model.half()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+            scaler = torch.amp.GradScaler("cuda", enabled=level == "O1")
+            x = torch.randn(batch, 3, 32, 32, device=gpu).contiguous(memory_format=fmt)
+            if half:
+                x = x.half()
+            y = torch.randint(0, 10, (batch,), device=gpu)
+
+            def step():
+                with torch.autocast("cuda", dtype=torch.float16, enabled=level == "O1"):
+                    loss = F.cross_entropy(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ms, host_ms = time_steps(step, args.warmup, args.iters)
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            print(f"{args.model:<9} {batch:>6} {level:<6} {ms:>9.2f} {batch / (ms * 1e-3):>10.0f} {host_ms:>9.2f} "
+                  f"{peak:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
