@@ -15,6 +15,7 @@
 #include "core/tensor.h"
 
 #if HALFGRAD_WITH_CUDA
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -80,7 +81,8 @@ struct StepTimes {
 
 // Runs `step` `warmup` times, then `iters` times between two events each. Steps are not synchronized one by
 // one, so the events time a step by its kernels when the host issues them faster than they run, and by the host
-// when it cannot keep the GPU fed: `ms` is the larger of the two, host_ms says which one it was.
+// when it cannot keep the GPU fed: `ms` is the larger of the two, host_ms says which one it was. The timed steps
+// are the profiler's range: `ncu --profile-from-start off` (or nsys's --capture-range=cudaProfilerApi) sees only them.
 template <typename Step> StepTimes time_steps(Step&& step, int warmup, int iters) {
   const cudaStream_t stream = cuda::current_stream(0);
   auto check = [](cudaError_t status, const char* what) {
@@ -94,6 +96,7 @@ template <typename Step> StepTimes time_steps(Step&& step, int warmup, int iters
     check(cudaEventCreate(&stop[size_t(i)]), "cudaEventCreate");
   }
   std::vector<double> host(static_cast<size_t>(iters)), gpu(static_cast<size_t>(iters));
+  check(cudaProfilerStart(), "cudaProfilerStart");
   for (int i = 0; i < iters; ++i) {
     check(cudaEventRecord(start[size_t(i)], stream), "cudaEventRecord");
     const auto t0 = std::chrono::steady_clock::now();
@@ -102,6 +105,7 @@ template <typename Step> StepTimes time_steps(Step&& step, int warmup, int iters
     check(cudaEventRecord(stop[size_t(i)], stream), "cudaEventRecord");
   }
   cuda::synchronize();
+  check(cudaProfilerStop(), "cudaProfilerStop");
   for (int i = 0; i < iters; ++i) {
     float t = 0;
     check(cudaEventElapsedTime(&t, start[size_t(i)], stop[size_t(i)]), "cudaEventElapsedTime");
