@@ -2,15 +2,19 @@
 // CPU loops over strided operands: the machinery behind every elementwise kernel on the CPU.
 //
 // An elementwise op has N operands (the output first) already viewed to one common shape (broadcast
-// inputs have stride 0). The loop merges dims that are contiguous in every operand, so a contiguous or
-// simply broadcast problem becomes one flat run the compiler vectorises, then splits the elements into
-// ranges that OpenMP threads walk independently.
+// inputs have stride 0). The loop orders the dims by the output's strides (innermost: the smallest), so that
+// a channels-last or otherwise permuted output is walked in its memory order, and merges dims that are
+// contiguous in every operand: a dense problem whose operands share one layout (contiguous, channels last) or a
+// simply broadcast one becomes one flat run the compiler vectorises. It then splits the elements into ranges
+// that OpenMP threads walk independently.
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -26,10 +30,15 @@ template <int N> struct StridedLoop {
     const Shape& full = operands[0].shape();
     numel = numel_of(full);
     for (int k = 0; k < N; ++k) base[k] = static_cast<char*>(operands[k].data_ptr());
-    // Walk dims innermost-first, merging dim d into the run when every operand steps over it contiguously.
+    // Walk dims innermost-first in the output's memory order (ties keep the logical order), merging dim d into
+    // the run when every operand steps over it contiguously.
+    std::vector<int64_t> order;
+    for (int64_t d = int64_t(full.size()) - 1; d >= 0; --d) order.push_back(d);
+    const Shape& out_strides = operands[0].strides();
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return out_strides[a] < out_strides[b]; });
     std::array<Shape, N> strides;
     Shape sizes;
-    for (int64_t d = int64_t(full.size()) - 1; d >= 0; --d) {
+    for (int64_t d : order) {
       if (full[d] == 1) continue;
       bool merge = !sizes.empty();
       for (int k = 0; k < N && merge; ++k) {

@@ -91,6 +91,28 @@ TEST_CASE("binary ops broadcast over strided inputs and match the reference") {
   CHECK(max_rel_error(add(a, b, 2.5), reference([](double x, double y) { return x + 2.5 * y; }, bv)) < 1e-15);
 }
 
+TEST_CASE("elementwise ops over channels-last, permuted and mixed layouts equal the NCHW results") {
+  // The loop walks the output's memory order: a channels-last problem is one flat run, a mix of layouts or a
+  // broadcast bias over channels last is strided. Every element must land where its indices say.
+  manual_seed(3);
+  Tensor a = randn({3, 8, 5, 7}, {.dtype = kFloat64}), b = randn({3, 8, 5, 7}, {.dtype = kFloat64});
+  Tensor bias = randn({8, 1, 1}, {.dtype = kFloat64});
+  Tensor a_cl = contiguous_channels_last(a), b_cl = contiguous_channels_last(b);
+  Tensor sum = a_cl + b_cl;
+  CHECK(sum.stride(1) == 1);  // the result stays channels last
+  CHECK(values(sum) == values(a + b));
+  CHECK(values(relu(a_cl)) == values(relu(a)));
+  CHECK(values(where(a_cl.gt(0.0), a_cl, b_cl)) == values(where(a.gt(0.0), a, b)));
+  CHECK(values(a_cl + bias) == values(a + bias));
+  CHECK(values(a_cl * b) == values(a * b));
+  Tensor p = randn({7, 5, 8, 3}, {.dtype = kFloat64});  // [3, 8, 5, 7] over [7, 5, 8, 3] memory
+  CHECK(values(p.permute({3, 2, 1, 0}) - b_cl) == values(p.permute({3, 2, 1, 0}).contiguous() - b));
+  Tensor y = contiguous_channels_last(a.clone());
+  REQUIRE(y.stride(1) == 1);
+  y.add_(b);  // in place into channels-last memory from an NCHW operand
+  CHECK(values(y) == values(a + b));
+}
+
 TEST_CASE("scalar operands on either side") {
   Tensor x = tensor(std::vector<double>{1, 2, 4});
   CHECK(values(x + 1) == std::vector<double>{2, 3, 5});

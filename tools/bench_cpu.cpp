@@ -196,6 +196,12 @@ int main(int argc, char** argv) {
     bw_row("exp", 2 * bytes, [&] { a.exp(); });
     bw_row("relu", 2 * bytes, [&] { a.relu(); });
     bw_row("sum (all elements)", bytes, [&] { a.sum().item<double>(); });
+    // The same 16M values as [64, 64, 64, 64] stored channels last (what channels-last training hands relu and the
+    // residual add): the loop must walk them in memory order.
+    Tensor a_cl = contiguous_channels_last(a.view({64, 64, 64, 64}));
+    Tensor b_cl = contiguous_channels_last(b.view({64, 64, 64, 64}));
+    bw_row("add, channels last", 3 * bytes, [&] { a_cl.add(b_cl); });
+    bw_row("relu, channels last", 2 * bytes, [&] { a_cl.relu(); });
   }
   if (example_runs > 0) {
     std::vector<double> times;

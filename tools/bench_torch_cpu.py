@@ -112,6 +112,10 @@ def main():
         bw_row("exp", 2 * nbytes, lambda: torch.exp(a))
         bw_row("relu", 2 * nbytes, lambda: torch.relu(a))
         bw_row("sum (all elements)", nbytes, lambda: a.sum().item())
+        a_cl = a.view(64, 64, 64, 64).contiguous(memory_format=torch.channels_last)
+        b_cl = b.view(64, 64, 64, 64).contiguous(memory_format=torch.channels_last)
+        bw_row("add, channels last", 3 * nbytes, lambda: a_cl + b_cl)
+        bw_row("relu, channels last", 2 * nbytes, lambda: torch.relu(a_cl))
 
     if args.example_runs > 0:
         linear_regression_seconds(20)  # warm-up
