@@ -10,7 +10,7 @@
 #   SANITIZE=1 bash tools/gpu_check.sh            # also the CUDA tests under compute-sanitizer memcheck
 #   SANITIZE_CASES='*batch_norm*' ...             # memcheck only the test cases matching (doctest filter)
 #   CTEST_REGEX='cuda|CUDA' CUDA_RERUN=0 ...      # only the GPU tests, once
-#   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all four)
+#   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all five)
 #   NCU=1 ...                                     # also Nsight Compute figures for the float16 channels-last
 #                                                 # batch_norm kernels (appended to bench_layers.log)
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
@@ -146,7 +146,7 @@ if [[ -n ${SANITIZE:-} ]] && command -v compute-sanitizer >/dev/null; then
   summary+=("memcheck: rc $sanitizer_rc ($(grep -E 'ERROR SUMMARY' "$logs/sanitizer.log" | tail -n 1))")
 fi
 
-benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim} "
+benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim bench_train_step} "
 if [[ -z ${SKIP_BENCH:-} && $benches == *" bench_cuda "* ]]; then
   step "benchmark (bench_cuda)"
   "$build/bench_cuda" --csv "$logs/bench_cuda.csv" 2>&1 | tee "$logs/bench_cuda.log"
@@ -157,9 +157,9 @@ if [[ -z ${SKIP_BENCH:-} && $benches == *" bench_cuda "* ]]; then
   fi
 fi
 if [[ -z ${SKIP_BENCH:-} ]]; then
-  # The layer and optimizer benchmarks of the layers issue, each next to PyTorch's rows, in one log (the
+  # The layer, optimizer and training-step benchmarks, each next to PyTorch's rows, in one log (the
   # device tool brings back at most eight files).
-  for bench in bench_conv bench_batch_norm bench_optim; do
+  for bench in bench_conv bench_batch_norm bench_optim bench_train_step; do
     [[ $benches == *" $bench "* && -x $build/$bench ]] || continue
     step "benchmark ($bench)"
     "$build/$bench" 2>&1 | tee -a "$logs/bench_layers.log"
