@@ -496,10 +496,11 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
   dispatch_all(in.dtype(), unary_name(op), [&]<typename T>() {
     dispatch_unary_op(op, [&]<UnaryOp OP>() {
       using M = opmath_t<T>;
+      // auto operands: float16 arrives as float in contiguous runs (cpu::map)
       if constexpr (is_predicate(OP)) {
-        cpu::map<bool, T>(out, [](T x) { return bool(unary_math<OP>(M(x))); }, {in});
+        cpu::map<bool, T>(out, [](auto x) { return bool(unary_math<OP>(M(x))); }, {in});
       } else if constexpr (!std::is_same_v<T, bool>) {
-        cpu::map<T, T>(out, [](T x) { return T(unary_math<OP>(M(x))); }, {in});
+        cpu::map<T, T>(out, [](auto x) { return cpu::widened_t<T>(unary_math<OP>(M(x))); }, {in});
       } else {
         HG_FAIL("{}: not supported for bool tensors", unary_name(op));
       }
@@ -512,9 +513,10 @@ void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       using M = opmath_t<T>;
       if constexpr (is_predicate(OP)) {
-        cpu::map<bool, T, T>(out, [](T x, T y) { return bool(binary_math<OP>(M(x), M(y))); }, {a, b});
+        cpu::map<bool, T, T>(out, [](auto x, auto y) { return bool(binary_math<OP>(M(x), M(y))); }, {a, b});
       } else {
-        cpu::map<T, T, T>(out, [](T x, T y) { return T(binary_math<OP>(M(x), M(y))); }, {a, b});
+        cpu::map<T, T, T>(
+            out, [](auto x, auto y) { return cpu::widened_t<T>(binary_math<OP>(M(x), M(y))); }, {a, b});
       }
     });
   });
@@ -522,7 +524,7 @@ void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b
 
 void where_cpu(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b) {
   dispatch_all(out.dtype(), "where", [&]<typename T>() {
-    cpu::map<T, bool, T, T>(out, [](bool c, T x, T y) { return c ? x : y; }, {condition, a, b});
+    cpu::map<T, bool, T, T>(out, [](bool c, auto x, auto y) { return c ? x : y; }, {condition, a, b});
   });
 }
 

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -113,8 +114,25 @@ template <int N> struct StridedLoop {
   }
 };
 
+// float16 values are handed to the functor as float in contiguous runs (see map).
+template <typename T> using widened_t = std::conditional_t<std::is_same_v<T, Half>, float, T>;
+
+// p[0..n) as widened_t<T>: converted into `buffer` for float16, else p itself.
+template <typename T> const widened_t<T>* widen(const T* p, int64_t n, widened_t<T>* buffer) {
+  if constexpr (std::is_same_v<T, Half>) {
+    half_to_float(p, buffer, n);
+    return buffer;
+  } else {
+    return p;
+  }
+}
+
 // out[i] = f(in0[i], in1[i], ...) with the storage types given; f computes on loaded values.
-// Contiguous runs (and runs where an input is a broadcast scalar) get a plain indexed loop that vectorises.
+// Contiguous runs (and runs where an input is a broadcast scalar) get a plain indexed loop that vectorises. In a
+// contiguous run with float16 operands, blocks of them are widened to float (and the result narrowed) by the bulk
+// F16C conversions of core/half.h, so f sees float there and its loop vectorises too; one value at a time, a
+// float16 conversion is several instructions and f's selects become branches. f must therefore take its float16
+// operands as float or auto (a functor that takes Half gets exact float16 values either way).
 template <typename Out, typename... In, typename F>
 void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs) {
   constexpr int N = 1 + int(sizeof...(In));
@@ -128,6 +146,22 @@ void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs
       bool contiguous = s[0] == int64_t(sizeof(Out)) && ((s[K + 1] == int64_t(sizeof(In))) && ...);
       if (contiguous) {
         std::tuple<const In*...> in{reinterpret_cast<const In*>(p[K + 1])...};
+        if constexpr (std::is_same_v<Out, Half> || (std::is_same_v<In, Half> || ...)) {
+          constexpr int64_t kBlock = 512;
+          std::tuple<std::array<widened_t<In>, kBlock>...> wide_in;
+          std::array<widened_t<Out>, kBlock> wide_out;
+          for (int64_t b = 0; b < n; b += kBlock) {
+            const int64_t len = std::min(kBlock, n - b);
+            std::tuple<const widened_t<In>*...> w{widen(std::get<K>(in) + b, len, std::get<K>(wide_in).data())...};
+            if constexpr (std::is_same_v<Out, Half>) {
+              for (int64_t i = 0; i < len; ++i) wide_out[size_t(i)] = f(std::get<K>(w)[i]...);
+              float_to_half(wide_out.data(), o + b, len);
+            } else {
+              for (int64_t i = 0; i < len; ++i) o[b + i] = f(std::get<K>(w)[i]...);
+            }
+          }
+          return;
+        }
         for (int64_t i = 0; i < n; ++i) o[i] = f(std::get<K>(in)[i]...);
         return;
       }

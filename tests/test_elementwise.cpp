@@ -113,6 +113,23 @@ TEST_CASE("elementwise ops over channels-last, permuted and mixed layouts equal 
   CHECK(values(y) == values(a + b));
 }
 
+TEST_CASE("float16 elementwise ops over blocks of widened values give float32's results rounded to float16") {
+  // Contiguous float16 runs are widened 512 values at a time; 1,500 values leave a partial last block, and a
+  // transposed view takes the one-value-at-a-time path. Each result is float32's, rounded once.
+  manual_seed(4);
+  Tensor a32 = randn({1500}), b32 = randn({1500});
+  Tensor a = a32.to(kFloat16), b = b32.to(kFloat16);
+  Tensor a_exact = a.to(kFloat32), b_exact = b.to(kFloat32);  // the float16 values, in float32
+  CHECK(values(a + b) == values((a_exact + b_exact).to(kFloat16)));
+  CHECK(values(a * b) == values((a_exact * b_exact).to(kFloat16)));
+  CHECK(values(relu(a)) == values(relu(a_exact).to(kFloat16)));
+  CHECK(values(exp(a)) == values(exp(a_exact).to(kFloat16)));
+  CHECK(values(a.gt(b)) == values(a_exact.gt(b_exact)));
+  CHECK(values(where(a.gt(0.0), a, b)) == values(where(a_exact.gt(0.0), a_exact, b_exact).to(kFloat16)));
+  Tensor at = a.view({30, 50}).t(), bt = b.view({30, 50}).t();
+  CHECK(values(at + bt) == values((a_exact.view({30, 50}).t() + b_exact.view({30, 50}).t()).to(kFloat16)));
+}
+
 TEST_CASE("scalar operands on either side") {
   Tensor x = tensor(std::vector<double>{1, 2, 4});
   CHECK(values(x + 1) == std::vector<double>{2, 3, 5});

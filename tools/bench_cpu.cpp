@@ -187,9 +187,10 @@ int main(int argc, char** argv) {
     constexpr int64_t n = int64_t(1) << 24;  // 16M float32 = 64 MiB per tensor: far beyond the caches
     Tensor a = randn({n}), b = randn({n});
     const double bytes = 4.0 * double(n);
-    auto bw_row = [&](const std::string& name, double traffic, const std::function<void()>& fn) {
+    auto bw_row = [&](const std::string& name, double traffic, const std::function<void()>& fn,
+                      const char* shape = "16M fp32") {
       double t = median_seconds(fn, repeats);
-      row(name, "16M fp32", traffic / t * 1e-9, "GB/s", t);
+      row(name, shape, traffic / t * 1e-9, "GB/s", t);
     };
     bw_row("add (a + b)", 3 * bytes, [&] { a.add(b); });
     bw_row("mul by scalar (a * 2)", 2 * bytes, [&] { a.mul(2.0); });
@@ -202,6 +203,10 @@ int main(int argc, char** argv) {
     Tensor b_cl = contiguous_channels_last(b.view({64, 64, 64, 64}));
     bw_row("add, channels last", 3 * bytes, [&] { a_cl.add(b_cl); });
     bw_row("relu, channels last", 2 * bytes, [&] { a_cl.relu(); });
+    // float16 storage, float32 arithmetic (what O1/O3 do on the CPU): half the bytes, two conversions per value.
+    Tensor a16 = a.to(kFloat16), b16 = b.to(kFloat16);
+    bw_row("add, float16", 3 * bytes / 2, [&] { a16.add(b16); }, "16M fp16");
+    bw_row("relu, float16", 2 * bytes / 2, [&] { a16.relu(); }, "16M fp16");
   }
   if (example_runs > 0) {
     std::vector<double> times;

@@ -103,9 +103,9 @@ def main():
         a, b = torch.randn(n), torch.randn(n)
         nbytes = 4.0 * n
 
-        def bw_row(name, traffic, fn):
+        def bw_row(name, traffic, fn, shape="16M fp32"):
             t = median_seconds(fn, args.repeats)
-            row(name, "16M fp32", traffic / t * 1e-9, "GB/s", t)
+            row(name, shape, traffic / t * 1e-9, "GB/s", t)
 
         bw_row("add (a + b)", 3 * nbytes, lambda: a + b)
         bw_row("mul by scalar (a * 2)", 2 * nbytes, lambda: a * 2.0)
@@ -116,6 +116,9 @@ def main():
         b_cl = b.view(64, 64, 64, 64).contiguous(memory_format=torch.channels_last)
         bw_row("add, channels last", 3 * nbytes, lambda: a_cl + b_cl)
         bw_row("relu, channels last", 2 * nbytes, lambda: torch.relu(a_cl))
+        a16, b16 = a.half(), b.half()
+        bw_row("add, float16", 3 * nbytes / 2, lambda: a16 + b16, "16M fp16")
+        bw_row("relu, float16", 2 * nbytes / 2, lambda: torch.relu(a16), "16M fp16")
 
     if args.example_runs > 0:
         linear_regression_seconds(20)  # warm-up
