@@ -715,12 +715,13 @@ cudnnBatchNormMode_t cudnn_mode(const BatchNormShape& s) {
 bool aligned16(const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // What cuDNN's kernels take (ops/batch_norm.h, BatchNormBackend::Cudnn). The 16-byte conditions are ours: its
-// kernels load vectors, and misaligned channels-last data stopped the GPU with cudaErrorMisalignedAddress.
-bool cudnn_takes(const BatchNormShape& s, DType dtype, std::initializer_list<const Tensor*> per_element) {
+// kernels load vectors, and misaligned channels-last data stopped the GPU with cudaErrorMisalignedAddress. They
+// cover every operand, the per-channel ones too (a caller's float32 weight may be a view at any offset).
+bool cudnn_takes(const BatchNormShape& s, DType dtype, std::initializer_list<const Tensor*> operands) {
   if (s.spatial <= 1 || (dtype != DType::Float16 && dtype != DType::Float32)) return false;
   const int64_t row = s.channels_last ? s.channels : s.spatial;  // the contiguous run of one (n, s) or (n, c)
   if (s.batch * s.channels * s.spatial > INT_MAX || row * int64_t(element_size(dtype)) % 16 != 0) return false;
-  return std::all_of(per_element.begin(), per_element.end(), [](const Tensor* t) { return aligned16(*t); });
+  return std::all_of(operands.begin(), operands.end(), [](const Tensor* t) { return aligned16(*t); });
 }
 
 struct CudnnTensor {
@@ -862,7 +863,11 @@ void own_backward(const BatchNormBackwardArgs& a) {
 
 void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   const BatchNormShape& s = a.shape;
-  if (!a.training || !cudnn_takes(s, a.input.dtype(), {&a.input, &a.output})) return own_forward(a);
+  if (!a.training || !cudnn_takes(s, a.input.dtype(),
+                                  {&a.input, &a.output, &a.weight, &a.bias, &a.running_mean, &a.running_var,
+                                   &a.save_mean, &a.save_invstd})) {
+    return own_forward(a);
+  }
   cuda::DeviceGuard guard(a.input.device());
   // The timing runs leave the running statistics alone: only the real call below updates them.
   BatchNormForwardArgs timed = a;
@@ -878,7 +883,9 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
 void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
-      !cudnn_takes(s, a.input.dtype(), {&a.input, &a.grad_output, &a.grad_input})) {
+      !cudnn_takes(s, a.input.dtype(),
+                   {&a.input, &a.grad_output, &a.grad_input, &a.weight, &a.save_mean, &a.save_invstd, &a.grad_weight,
+                    &a.grad_bias})) {
     return own_backward(a);
   }
   cuda::DeviceGuard guard(a.input.device());

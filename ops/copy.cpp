@@ -117,12 +117,26 @@ bool copy_half_float(const Tensor& dst, const Tensor& src) {
   return true;
 }
 
+// A copy within one dtype moves bits: NaN payloads and signed zeros arrive as they were, whatever the layout.
+template <typename Bits> void copy_bits(const Tensor& dst, const Tensor& src) {
+  cpu::map<Bits, Bits>(dst, [](Bits x) { return x; }, {src});
+}
+
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   HG_CHECK(src.is_cpu() && dst.is_cpu(), "copy: cpu kernel given {} -> {}", src.meta(), dst.meta());
   if (copy_half_float(dst, src)) return;
+  if (dst.dtype() == src.dtype()) {
+    switch (element_size(dst.dtype())) {
+      case 1: return copy_bits<uint8_t>(dst, src);
+      case 2: return copy_bits<uint16_t>(dst, src);
+      case 4: return copy_bits<uint32_t>(dst, src);
+      default: return copy_bits<uint64_t>(dst, src);
+    }
+  }
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
     dispatch_all(src.dtype(), "copy", [&]<typename From>() {
-      cpu::map<To, From>(dst, [](From x) { return convert_value<To>(x); }, {src});
+      // auto: float16 arrives as float in contiguous runs (cpu::map)
+      cpu::map<To, From>(dst, [](auto x) { return convert_value<To>(x); }, {src});
     });
   });
 }

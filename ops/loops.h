@@ -118,7 +118,7 @@ template <int N> struct StridedLoop {
 template <typename T> using widened_t = std::conditional_t<std::is_same_v<T, Half>, float, T>;
 
 // p[0..n) as widened_t<T>: converted into `buffer` for float16, else p itself.
-template <typename T> const widened_t<T>* widen(const T* p, int64_t n, widened_t<T>* buffer) {
+template <typename T> const widened_t<T>* widen(const T* p, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<T, Half>) {
     half_to_float(p, buffer, n);
     return buffer;
@@ -148,14 +148,14 @@ void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs
         std::tuple<const In*...> in{reinterpret_cast<const In*>(p[K + 1])...};
         if constexpr (std::is_same_v<Out, Half> || (std::is_same_v<In, Half> || ...)) {
           constexpr int64_t kBlock = 512;
-          std::tuple<std::array<widened_t<In>, kBlock>...> wide_in;
-          std::array<widened_t<Out>, kBlock> wide_out;
+          // Left uninitialised: a run may be a few values long.
+          float wide_in[std::max<size_t>(sizeof...(In), 1)][kBlock], wide_out[kBlock];
           for (int64_t b = 0; b < n; b += kBlock) {
             const int64_t len = std::min(kBlock, n - b);
-            std::tuple<const widened_t<In>*...> w{widen(std::get<K>(in) + b, len, std::get<K>(wide_in).data())...};
+            std::tuple<const widened_t<In>*...> w{widen(std::get<K>(in) + b, len, wide_in[K])...};
             if constexpr (std::is_same_v<Out, Half>) {
-              for (int64_t i = 0; i < len; ++i) wide_out[size_t(i)] = f(std::get<K>(w)[i]...);
-              float_to_half(wide_out.data(), o + b, len);
+              for (int64_t i = 0; i < len; ++i) wide_out[i] = f(std::get<K>(w)[i]...);
+              float_to_half(wide_out, o + b, len);
             } else {
               for (int64_t i = 0; i < len; ++i) o[b + i] = f(std::get<K>(w)[i]...);
             }

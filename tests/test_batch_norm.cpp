@@ -474,6 +474,38 @@ TEST_CASE("CUDA batch_norm through cuDNN's kernels, and Auto's choice, match the
     check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
   }
 
+  // Auto may pick cuDNN for one direction and ours for the other: each backward must take the other's saved mean
+  // and invstd (1 / sqrt(var + eps)). A float32 weight that is a view 4 bytes past an aligned address is not
+  // taken by cuDNN (ours runs both directions).
+  for (bool cl : {true, false}) {
+    for (int variant = 0; variant < 3; ++variant) {  // cuDNN then ours, ours then cuDNN, misaligned weight
+      const bool cudnn_forward = variant != 1, misaligned = variant == 2;
+      CAPTURE(cl);
+      CAPTURE(variant);
+      Tensor x = randn({16, 32, 4, 4}) * 2 + 1, g = randn({16, 32, 4, 4});
+      Tensor w_storage = rand({36}) + 0.5, b = randn({32});
+      const int64_t w_offset = misaligned ? 1 : 0;
+      Tensor w = w_storage.narrow(0, w_offset, 32);
+      Tensor xc = x.detach().requires_grad_(), wc = w.detach().requires_grad_(), bc = b.detach().requires_grad_();
+      Tensor xg = (cl ? channels_last(x.cuda()) : x.cuda()).requires_grad_();
+      Tensor wg = w_storage.cuda().narrow(0, w_offset, 32).detach().requires_grad_(), bg = b.cuda().requires_grad_();
+      REQUIRE((reinterpret_cast<uintptr_t>(wg.data_ptr()) % 16 != 0) == misaligned);
+      Tensor yc = batch_norm(xc, Tensor(), Tensor(), wc, bc, true);
+      Tensor yg;
+      {
+        const BackendGuard guard(cudnn_forward ? BatchNormBackend::Cudnn : BatchNormBackend::Own);
+        yg = batch_norm(xg, Tensor(), Tensor(), wg, bg, true);
+      }
+      const BackendGuard guard(cudnn_forward && !misaligned ? BatchNormBackend::Own : BatchNormBackend::Cudnn);
+      yc.backward(g);
+      yg.backward(cl ? channels_last(g.cuda()) : g.cuda());
+      check_close(values(yg.cpu()), values(yc), 1e-4);
+      check_close(values(xg.grad().cpu()), values(xc.grad()), 4e-4);
+      check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3);
+      check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3);
+    }
+  }
+
   // A mean far larger than the spread, through cuDNN: its statistics must hold up as ours do.
   {
     const BackendGuard guard(BatchNormBackend::Cudnn);

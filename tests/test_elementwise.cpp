@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
@@ -128,6 +129,22 @@ TEST_CASE("float16 elementwise ops over blocks of widened values give float32's 
   CHECK(values(where(a.gt(0.0), a, b)) == values(where(a_exact.gt(0.0), a_exact, b_exact).to(kFloat16)));
   Tensor at = a.view({30, 50}).t(), bt = b.view({30, 50}).t();
   CHECK(values(at + bt) == values((a_exact.view({30, 50}).t() + b_exact.view({30, 50}).t()).to(kFloat16)));
+}
+
+TEST_CASE("a copy within one dtype keeps every bit, NaN payloads and signed zeros, in any layout") {
+  // A float16 clone once widened and narrowed its values, which turns every NaN into the canonical one.
+  std::vector<uint16_t> bits = {0x7c01, 0x7d00, 0xfe01, 0x8000, 0x0001, 0x3c00, 0x7bff, 0xfc00};
+  Tensor h = empty({8}, {.dtype = kFloat16});
+  std::memcpy(h.data_ptr(), bits.data(), bits.size() * sizeof(uint16_t));
+  auto bits_of = [](const Tensor& t) {
+    Tensor c = t.is_contiguous() ? t : t.contiguous();
+    std::vector<uint16_t> out(size_t(c.numel()));
+    std::memcpy(out.data(), c.data_ptr(), out.size() * sizeof(uint16_t));
+    return out;
+  };
+  CHECK(bits_of(h.clone()) == bits);
+  Tensor back = h.view({2, 4}).t().contiguous().t().contiguous();  // through the strided path and back
+  CHECK(bits_of(back) == bits);
 }
 
 TEST_CASE("scalar operands on either side") {
