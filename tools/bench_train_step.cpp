@@ -8,7 +8,7 @@
 //   timing      CUDA events around each step, the median of --iters steps after --warmup (tools/bench_layers.h; the
 //               first warm-up step autotunes cuDNN). "host ms" is the host's time to issue a step: when it is close to
 //               "ms", the step is bound by the host, not the GPU
-//   memory      the caching allocator's peak over the timed steps
+//   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
 //
 //   bench_train_step [--model resnet18|resnet50] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
 #include <CLI/CLI.hpp>
