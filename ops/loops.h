@@ -114,6 +114,17 @@ template <int N> struct StridedLoop {
   }
 };
 
+// N copies of one value, for a broadcast operand in a contiguous run (see map). Left uninitialised until filled:
+// the user-provided constructor keeps std::tuple from zeroing it.
+template <typename T, int64_t N> struct Repeated {
+  T values[N];
+  Repeated() {}
+  const T* fill(T v) {
+    for (int64_t i = 0; i < N; ++i) values[i] = v;
+    return values;
+  }
+};
+
 // float16 values are handed to the functor as float in contiguous runs (see map).
 template <typename T> using widened_t = std::conditional_t<std::is_same_v<T, Half>, float, T>;
 
@@ -165,22 +176,19 @@ void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs
         for (int64_t i = 0; i < n; ++i) o[i] = f(std::get<K>(in)[i]...);
         return;
       }
-      if constexpr (sizeof...(In) == 2) {
-        // x op scalar and scalar op x: hoist the broadcast value so the loop still vectorises.
-        using A = std::tuple_element_t<0, std::tuple<In...>>;
-        using B = std::tuple_element_t<1, std::tuple<In...>>;
-        if (s[0] == int64_t(sizeof(Out)) && s[1] == int64_t(sizeof(A)) && s[2] == 0) {
-          const A* a = reinterpret_cast<const A*>(p[1]);
-          const B b = *reinterpret_cast<const B*>(p[2]);
-          for (int64_t i = 0; i < n; ++i) o[i] = f(a[i], b);
-          return;
+      // A contiguous run where some inputs are broadcast (stride 0, e.g. a scalar): each such value is repeated
+      // into a block of its own once, so that the loop reads every operand contiguously and still vectorises.
+      if ((s[0] == int64_t(sizeof(Out))) && ((s[K + 1] == int64_t(sizeof(In)) || s[K + 1] == 0) && ...)) {
+        constexpr int64_t kBlock = 512;
+        std::tuple<Repeated<In, kBlock>...> repeated;
+        std::tuple<const In*...> src{(s[K + 1] == 0 ? std::get<K>(repeated).fill(*reinterpret_cast<const In*>(p[K + 1]))
+                                                    : reinterpret_cast<const In*>(p[K + 1]))...};
+        for (int64_t b = 0; b < n; b += kBlock) {
+          const int64_t len = std::min(kBlock, n - b);
+          std::tuple<const In*...> at{(s[K + 1] == 0 ? std::get<K>(src) : std::get<K>(src) + b)...};
+          for (int64_t i = 0; i < len; ++i) o[b + i] = f(std::get<K>(at)[i]...);
         }
-        if (s[0] == int64_t(sizeof(Out)) && s[1] == 0 && s[2] == int64_t(sizeof(B))) {
-          const A a = *reinterpret_cast<const A*>(p[1]);
-          const B* b = reinterpret_cast<const B*>(p[2]);
-          for (int64_t i = 0; i < n; ++i) o[i] = f(a, b[i]);
-          return;
-        }
+        return;
       }
       {
         for (int64_t i = 0; i < n; ++i)

@@ -179,6 +179,27 @@ TEST_CASE("where and clamp") {
   CHECK_THROWS_WITH_AS(where(x, x, x), doctest::Contains("where: condition must be bool"), Error);
 }
 
+TEST_CASE("where over long runs with broadcast operands matches the element-by-element definition") {
+  // 1,300 values: several of the loop's 512-value blocks and a tail, with scalars in any operand position
+  // (each is repeated into a block of its own so that the loop vectorises).
+  manual_seed(5);
+  Tensor a = randn({1300}, {.dtype = kFloat64}), b = randn({1300}, {.dtype = kFloat64});
+  Tensor c = a.gt(b);
+  const std::vector<double> av = values(a), bv = values(b);
+  std::vector<double> want_ab, want_a0, want_0b;
+  for (size_t i = 0; i < av.size(); ++i) {
+    const bool ci = av[i] > bv[i];
+    want_ab.push_back(ci ? av[i] : bv[i]);
+    want_a0.push_back(ci ? av[i] : 0.0);
+    want_0b.push_back(ci ? 0.0 : bv[i]);
+  }
+  CHECK(values(where(c, a, b)) == want_ab);
+  CHECK(values(where(c, a, 0.0)) == want_a0);
+  CHECK(values(where(c, 0.0, b)) == want_0b);
+  Tensor all_true = ones({}, {.dtype = kBool}).expand({1300});  // a broadcast condition
+  CHECK(values(where(all_true, a, b)) == av);
+}
+
 TEST_CASE("NaN propagates through relu, maximum and clamp as in PyTorch") {
   Tensor x = tensor(std::vector<float>{NAN, 1});
   CHECK(std::isnan(values(relu(x))[0]));
