@@ -36,7 +36,8 @@ template <int N> struct StridedLoop {
     std::vector<int64_t> order;
     for (int64_t d = int64_t(full.size()) - 1; d >= 0; --d) order.push_back(d);
     const Shape& out_strides = operands[0].strides();
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return out_strides[a] < out_strides[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return out_strides[a] < out_strides[b]; });
     std::array<Shape, N> strides;
     Shape sizes;
     for (int64_t d : order) {
@@ -119,8 +120,8 @@ template <int N> struct StridedLoop {
 template <typename T, int64_t N> struct Repeated {
   T values[N];
   Repeated() {}
-  const T* fill(T v) {
-    for (int64_t i = 0; i < N; ++i) values[i] = v;
+  const T* fill(T v, int64_t count) {  // the first `count` (at most N): a run may be shorter than a block
+    for (int64_t i = 0; i < count; ++i) values[i] = v;
     return values;
   }
 };
@@ -180,9 +181,11 @@ void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs
       // into a block of its own once, so that the loop reads every operand contiguously and still vectorises.
       if ((s[0] == int64_t(sizeof(Out))) && ((s[K + 1] == int64_t(sizeof(In)) || s[K + 1] == 0) && ...)) {
         constexpr int64_t kBlock = 512;
+        const int64_t filled = std::min(kBlock, n);
         std::tuple<Repeated<In, kBlock>...> repeated;
-        std::tuple<const In*...> src{(s[K + 1] == 0 ? std::get<K>(repeated).fill(*reinterpret_cast<const In*>(p[K + 1]))
-                                                    : reinterpret_cast<const In*>(p[K + 1]))...};
+        std::tuple<const In*...> src{
+            (s[K + 1] == 0 ? std::get<K>(repeated).fill(*reinterpret_cast<const In*>(p[K + 1]), filled)
+                           : reinterpret_cast<const In*>(p[K + 1]))...};
         for (int64_t b = 0; b < n; b += kBlock) {
           const int64_t len = std::min(kBlock, n - b);
           std::tuple<const In*...> at{(s[K + 1] == 0 ? std::get<K>(src) : std::get<K>(src) + b)...};
