@@ -27,6 +27,7 @@
 #include "ops/matmul.h"
 #include "ops/pool.h"
 #include "ops/reduce.h"
+#include "ops/rnn.h"
 #include "ops/shape.h"
 #include "ops/softmax.h"
 #include "ops/stack.h"

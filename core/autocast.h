@@ -33,8 +33,7 @@ struct OpRule {
 inline constexpr OpRule kCastRules[] = {
     // lower precision: the matrix products that tensor cores run
     {"matmul", CastRule::LowerPrecision}, {"linear", CastRule::LowerPrecision}, {"bmm", CastRule::LowerPrecision},
-    {"conv2d", CastRule::LowerPrecision}, {"rnn_cell", CastRule::LowerPrecision},
-    {"gru_cell", CastRule::LowerPrecision}, {"lstm_cell", CastRule::LowerPrecision},
+    {"conv2d", CastRule::LowerPrecision}, {"rnn", CastRule::LowerPrecision},
     // float32: exponentials, powers, softmax, losses, norms and sum-like reductions
     {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32},
     {"softmax", CastRule::Float32}, {"log_softmax", CastRule::Float32},
@@ -131,6 +130,8 @@ template <typename T> void collect_dtypes(const T& arg, std::vector<DType>& out)
   } else if constexpr (requires { arg.first; arg.second; }) {
     collect_dtypes(arg.first, out);
     collect_dtypes(arg.second, out);
+  } else if constexpr (requires { arg.tensors(); }) {  // a result struct of several tensors (RnnResult)
+    collect_dtypes(arg.tensors(), out);
   }
 }
 

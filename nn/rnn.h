@@ -9,17 +9,17 @@
 //   out.output;                                  // [T, B, 200]: the last layer's h at every step
 //   auto next = lstm.forward(x2, out.h, out.c);  // carry the state on (detach it for truncated BPTT)
 //
-// Built from the differentiable ops (one GEMM for a layer's input projections over all steps, then one small GEMM
-// and a few elementwise ops per step), so autograd, autocast and both devices come with them.
+// forward is one call of the rnn op (ops/rnn.h): the whole stack over the whole sequence, one autograd node.
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "nn/module.h"
+#include "ops/rnn.h"
 
 namespace halfgrad::nn {
 
-enum class RecurrentKind { RNNTanh, RNNReLU, GRU, LSTM };
+using RecurrentKind = RnnKind;
 
 struct RecurrentOptions {
   int64_t num_layers = 1;
@@ -49,9 +49,8 @@ class Recurrent : public Module {
   const RecurrentOptions options;
 
  private:
-  int64_t gates() const;
-  // Each layer's registered parameters (their registry slots; biases are undefined without bias).
-  std::vector<Tensor*> weight_ih_, weight_hh_, bias_ih_, bias_hh_;
+  // The registered parameters' slots in the rnn op's order (per layer w_ih, w_hh[, b_ih, b_hh]).
+  std::vector<Tensor*> weights_;
 };
 
 class RNN : public Recurrent {

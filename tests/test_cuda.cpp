@@ -14,20 +14,13 @@
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
 #include "halfgrad.h"
+#include "tests/testing.h"
 
 #if HALFGRAD_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
 
 using namespace halfgrad;
-
-#define SKIP_WITHOUT_GPU()                        \
-  do {                                            \
-    if (!cuda::is_available()) {                  \
-      MESSAGE("no GPU (or no CUDA): skipped");    \
-      return;                                     \
-    }                                             \
-  } while (0)
 
 namespace {
 

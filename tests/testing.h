@@ -11,7 +11,18 @@
 #include <system_error>
 #include <vector>
 
+#include "core/cuda.h"
 #include "halfgrad.h"
+
+// The first line of every test that needs a GPU: it skips (with a message) when none is available, so the test
+// passes in a build without CUDA and on a machine without a GPU (CI).
+#define SKIP_WITHOUT_GPU()                       \
+  do {                                           \
+    if (!::halfgrad::cuda::is_available()) {     \
+      MESSAGE("no GPU (or no CUDA): skipped");   \
+      return;                                    \
+    }                                            \
+  } while (0)
 
 namespace halfgrad::testing {
 

@@ -1,0 +1,415 @@
+// rnn: checks, the forward and backward drivers (device-generic: GEMMs through gemm_kernel, one step kernel per
+// time step), the autograd node, and the CPU step kernels. The CUDA step kernels are in ops/rnn.cu; the gate
+// arithmetic both run is ops/rnn_cell.h.
+//
+// Per layer l (T steps, B rows, H units, G gates; x the layer's input [T B, in]):
+//   forward    gi [T B, G H] = x W_ih^T                                   one GEMM
+//              per t: gh = h_{t-1} W_hh^T; cell(gi[t], gh)                one step kernel
+//   backward   per t, last first: dh_t += dgh[t+1] W_hh; cell backward   one step kernel
+//                                 -> dgi[t], dgh[t]
+//              dh_0 += dgh[0] W_hh; dx = dgi W_ih; dW_ih = dgi^T x;       GEMMs
+//              dW_hh = dgh^T [h0; y_0 .. y_{T-2}]; db = column sums
+// What forward keeps for backward, per layer: its input, its outputs, h0, the cell states (LSTM), the gate
+// activations, and GRU's W_hn h + b_hn. Dropout masks are regenerated from their Philox counters.
+#include "ops/rnn.h"
+
+#include <omp.h>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "core/cuda.h"
+#include "ops/copy.h"
+#include "ops/dropout.h"
+#include "ops/matmul.h"
+#include "ops/rnn_cell.h"
+#include "ops/stack.h"
+
+namespace halfgrad {
+
+constinit KernelTable<RnnStepForwardKernel> rnn_step_forward_kernel("rnn step");
+constinit KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel("rnn step backward");
+
+DType rnn_acc_dtype(DType storage) { return storage == kFloat64 ? kFloat64 : kFloat32; }
+
+void rnn_gemm(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, bool trans_a,
+              const void* b, bool trans_b, void* c, double beta) {
+  if (m == 0 || n == 0) return;
+  GemmArgs g;
+  g.ab_dtype = ab, g.c_dtype = c_dtype, g.device = device;
+  g.m = m, g.n = n, g.k = k;
+  g.a = a, g.trans_a = trans_a ? Trans::Yes : Trans::No, g.lda = trans_a ? m : k;
+  g.b = b, g.trans_b = trans_b ? Trans::Yes : Trans::No, g.ldb = trans_b ? k : n;
+  g.c = c, g.ldc = n;
+  g.beta = beta;
+  gemm_kernel[device](g);
+}
+
+const char* rnn_kind_name(RnnKind kind) {
+  switch (kind) {
+    case RnnKind::RNNTanh:
+      return "RNN_TANH";
+    case RnnKind::RNNReLU:
+      return "RNN_RELU";
+    case RnnKind::GRU:
+      return "GRU";
+    case RnnKind::LSTM:
+      return "LSTM";
+  }
+  return "RNN";
+}
+
+int64_t rnn_gates(RnnKind kind) {
+  switch (kind) {
+    case RnnKind::GRU:
+      return 3;
+    case RnnKind::LSTM:
+      return 4;
+    default:
+      return 1;
+  }
+}
+
+namespace {
+
+// The problem's sizes and dtypes.
+struct Problem {
+  RnnKind kind;
+  int64_t T, B, I, H, L, G;  // G: G H columns of the gate matrices
+  bool bias;
+  DType storage, acc;  // see ops/rnn.h's Precision
+  Device device;
+  int64_t in(int64_t layer) const { return layer == 0 ? I : H; }
+};
+
+// The storage dtype the drivers compute with: the CPU's kernels have no half GEMM with float32 output, so
+// float16/bfloat16 are widened there once per call.
+DType storage_dtype(DType dtype, Device device) { return device.is_cpu() && is_half(dtype) ? kFloat32 : dtype; }
+
+// Element `index` of a dense tensor viewed as rows of `row` elements: the address of row `index`.
+void* row_ptr(const Tensor& t, int64_t index, int64_t row) {
+  return static_cast<char*>(t.data_ptr()) + index * row * int64_t(element_size(t.dtype()));
+}
+
+Tensor dense(const Tensor& t, DType dtype) {
+  NoGradGuard no_grad;
+  return cast_nograd(t, dtype).contiguous();
+}
+
+// Row-major C [m, n] = op(A) op(B) + beta C in the problem's dtypes, every operand dense (ldc = n).
+void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, Trans ta, const void* b,
+          Trans tb, void* c, double beta = 0) {
+  rnn_gemm(p.device, p.storage, c_dtype, m, n, k, a, ta == Trans::Yes, b, tb == Trans::Yes, c, beta);
+}
+
+struct LayerWeights {
+  Tensor w_ih, w_hh, b_ih, b_hh;  // storage dtype, dense; biases undefined without bias
+};
+
+// The weights as backward reads them: an in-place change after the forward (an optimizer step before
+// backward) is an error instead of a wrong gradient.
+struct SavedWeights {
+  SavedTensor w_ih, w_hh, b_ih, b_hh;
+  explicit SavedWeights(const LayerWeights& w)
+      : w_ih(w.w_ih, "RnnBackward"),
+        w_hh(w.w_hh, "RnnBackward"),
+        b_ih(w.b_ih, "RnnBackward"),
+        b_hh(w.b_hh, "RnnBackward") {}
+  LayerWeights get() const {
+    return {w_ih.get(), w_hh.get(), b_ih.defined() ? b_ih.get() : Tensor(), b_hh.defined() ? b_hh.get() : Tensor()};
+  }
+};
+
+// What one layer's forward keeps for its backward (all dense).
+struct LayerSaved {
+  SavedTensor x;    // S [T, B, in]: the layer's input (after dropout, above layer 0)
+  SavedTensor out;  // S [T, B, H]: h at every step
+  SavedTensor h0;   // S [B, H]
+  Tensor cells;     // A [T + 1, B, H] (LSTM): c0, then c after each step
+  Tensor gates;     // A [T, B, G H]
+  Tensor hn;        // A [T, B, H] (GRU)
+};
+
+struct Forward {
+  TensorList out, h, c;  // per layer: [T, B, H] (S), [B, H] (S), [B, H] (A); dropped once the results exist
+
+  std::vector<LayerSaved> saved;
+  std::vector<GeneratorState> dropout_states;  // per layer below the top, when dropout ran
+};
+
+Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, const Tensor& c0,
+                    const std::vector<LayerWeights>& w, const RnnOptions& o, bool save) {
+  const bool lstm = p.kind == RnnKind::LSTM, gru = p.kind == RnnKind::GRU;
+  const TensorOptions storage{.dtype = p.storage, .device = p.device}, acc{.dtype = p.acc, .device = p.device};
+  const int64_t GH = p.G * p.H;
+  Forward f;
+  Tensor x = input;
+  for (int64_t l = 0; l < p.L; ++l) {
+    Tensor gi = empty({p.T, p.B, GH}, acc), gh = empty({p.B, GH}, acc);
+    Tensor out = empty({p.T, p.B, p.H}, storage);
+    Tensor cells = lstm ? empty({p.T + 1, p.B, p.H}, acc) : Tensor();
+    Tensor gates = save ? empty({p.T, p.B, GH}, acc) : empty({1, p.B, GH}, acc);
+    Tensor hn = gru ? (save ? empty({p.T, p.B, p.H}, acc) : empty({1, p.B, p.H}, acc)) : Tensor();
+    const Tensor h_first = h0[l];
+    if (lstm) cells[0].copy_(c0[l]);
+    gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
+    for (int64_t t = 0; t < p.T; ++t) {
+      const int64_t keep = save ? t : 0;  // without a graph to train, one step's worth of scratch
+      const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
+                                 .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
+                                 .gh = gh.data_ptr(), .b_ih = p.bias ? w[l].b_ih.data_ptr() : nullptr,
+                                 .b_hh = p.bias ? w[l].b_hh.data_ptr() : nullptr,
+                                 .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
+                                 .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
+                                 .h = row_ptr(out, t, p.B * p.H),
+                                 .c = lstm ? row_ptr(cells, t + 1, p.B * p.H) : nullptr,
+                                 .gates = save ? row_ptr(gates, keep, p.B * GH) : nullptr,
+                                 .hn = save && gru ? row_ptr(hn, keep, p.B * p.H) : nullptr};
+      rnn_step_forward_kernel[p.device](a);
+    }
+    f.out.push_back(out);
+    f.h.push_back(p.T == 0 ? h_first : out[p.T - 1]);
+    if (lstm) f.c.push_back(cells[p.T]);
+    if (save) {
+      f.saved.push_back({SavedTensor(x, "RnnBackward"), SavedTensor(out, "RnnBackward"),
+                         SavedTensor(h_first, "RnnBackward"), cells, gates, hn});
+    }
+    x = out;
+    if (l + 1 < p.L && o.training && o.dropout > 0 && out.numel() > 0) {
+      const GeneratorState state = next_random_counters(uint64_t((out.numel() + 3) / 4));
+      x = empty(out.shape(), storage);
+      dropout_kernel[p.device](x, out, o.dropout, state);
+      f.dropout_states.push_back(state);
+    }
+  }
+  return f;
+}
+
+struct Gradients {
+  Tensor input, h0, c0;  // S [T, B, I], S [L, B, H], A [L, B, H]
+  std::vector<LayerWeights> weights;
+};
+
+// needs: input, h0, c0, then each weight in the op's order (what the node's inputs want).
+Gradients run_backward(const Problem& p, const Forward& f, const std::vector<LayerWeights>& w, const RnnOptions& o,
+                       const Tensor& grad_output, const Tensor& grad_h, const Tensor& grad_c,
+                       const std::vector<bool>& needs) {
+  const bool lstm = p.kind == RnnKind::LSTM, gru = p.kind == RnnKind::GRU;
+  const TensorOptions storage{.dtype = p.storage, .device = p.device};
+  const int64_t GH = p.G * p.H, per_layer = p.bias ? 4 : 2;
+  auto wants = [&](int64_t layer, int64_t which) { return bool(needs[size_t(3 + layer * per_layer + which)]); };
+  // The lowest layer a wanted gradient comes from: the backward pass stops there.
+  int64_t lowest = needs[0] || needs[1] || needs[2] ? 0 : p.L;
+  for (int64_t l = 0; l < p.L; ++l)
+    for (int64_t k = 0; k < per_layer; ++k)
+      if (wants(l, k)) lowest = std::min(lowest, l);
+
+  Gradients g;
+  g.weights.resize(size_t(p.L));
+  TensorList dh0(size_t(p.L)), dc0(size_t(p.L));
+  Tensor dy = grad_output;  // S [T, B, H], the gradient of the current layer's output
+  for (int64_t l = p.L - 1; l >= lowest; --l) {
+    const LayerSaved& s = f.saved[size_t(l)];
+    const Tensor x = s.x.get(), out = s.out.get(), h_first = s.h0.get();
+    Tensor dh = dense(grad_h[l], p.acc).clone(), dc = lstm ? dense(grad_c[l], p.acc).clone() : Tensor();
+    Tensor dgi = empty({p.T, p.B, GH}, storage), dgh = gru ? empty({p.T, p.B, GH}, storage) : dgi;
+    for (int64_t t = p.T - 1; t >= 0; --t) {
+      const RnnStepBackwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
+                                  .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
+                                  .dgh_next = t + 1 < p.T ? row_ptr(dgh, t + 1, p.B * GH) : nullptr,
+                                  .dy = row_ptr(dy, t, p.B * p.H), .dh = dh.data_ptr(),
+                                  .dc = lstm ? dc.data_ptr() : nullptr, .gates = row_ptr(s.gates, t, p.B * GH),
+                                  .c = lstm ? row_ptr(s.cells, t + 1, p.B * p.H) : nullptr,
+                                  .c_prev = lstm ? row_ptr(s.cells, t, p.B * p.H) : nullptr,
+                                  .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
+                                  .hn = gru ? row_ptr(s.hn, t, p.B * p.H) : nullptr,
+                                  .dgi = row_ptr(dgi, t, p.B * GH), .dgh = gru ? row_ptr(dgh, t, p.B * GH) : nullptr};
+      rnn_step_backward_kernel[p.device](a);
+    }
+    // h0's gradient through the first step's product.
+    gemm(p, p.acc, p.B, p.H, GH, dgh.data_ptr(), Trans::No, w[l].w_hh.data_ptr(), Trans::No, dh.data_ptr(), 1.0);
+    dh0[size_t(l)] = dh;
+    if (lstm) dc0[size_t(l)] = dc;
+    LayerWeights& gw = g.weights[size_t(l)];
+    const int64_t in = p.in(l), rows = p.T * p.B;
+    if (wants(l, 0)) {
+      gw.w_ih = empty({GH, in}, storage);
+      gemm(p, p.storage, GH, in, rows, dgi.data_ptr(), Trans::Yes, x.data_ptr(), Trans::No, gw.w_ih.data_ptr());
+    }
+    if (wants(l, 1)) {
+      gw.w_hh = empty({GH, p.H}, storage);
+      gemm(p, p.storage, GH, p.H, p.B, dgh.data_ptr(), Trans::Yes, h_first.data_ptr(), Trans::No, gw.w_hh.data_ptr());
+      gemm(p, p.storage, GH, p.H, rows - p.B, row_ptr(dgh, 1, p.B * GH), Trans::Yes, out.data_ptr(), Trans::No,
+           gw.w_hh.data_ptr(), 1.0);
+    }
+    if (p.bias && wants(l, 2)) gw.b_ih = dgi.view({rows, GH}).sum({0});
+    if (p.bias && wants(l, 3)) gw.b_hh = dgh.view({rows, GH}).sum({0});
+    if (l > lowest || (l == 0 && needs[0])) {
+      Tensor dx = empty({p.T, p.B, in}, storage);
+      gemm(p, p.storage, rows, in, GH, dgi.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::No, dx.data_ptr());
+      if (l > 0 && !f.dropout_states.empty()) {  // through the dropout below this layer
+        Tensor through = empty(dx.shape(), storage);
+        if (dx.numel() > 0) dropout_kernel[p.device](through, dx, o.dropout, f.dropout_states[size_t(l - 1)]);
+        dx = through;
+      }
+      dy = dx;
+    }
+  }
+  if (needs[0]) g.input = dy;
+  if (needs[1]) g.h0 = stack(dh0, 0);
+  if (needs[2]) g.c0 = stack(dc0, 0);
+  return g;
+}
+
+void check_inputs(const Tensor& input, const Tensor& h0, const Tensor& c0, const TensorList& weights,
+                  const RnnOptions& o) {
+  const char* op = rnn_kind_name(o.kind);
+  HG_CHECK(o.num_layers >= 1, "rnn ({}): num_layers must be positive, got {}", op, o.num_layers);
+  HG_CHECK(o.dropout >= 0 && o.dropout < 1, "rnn ({}): dropout must be in [0, 1), got {}", op, o.dropout);
+  HG_CHECK(input.defined() && input.dim() == 3 && input.is_floating_point(),
+           "rnn ({}): expected a floating input [T, B, input_size], got {}", op,
+           input.defined() ? input.meta() : "an undefined tensor");
+  const int64_t L = o.num_layers;
+  HG_CHECK(weights.size() == size_t(2 * L) || weights.size() == size_t(4 * L),
+           "rnn ({}): expected 2 or 4 weights per layer for {} layers, got {} tensors", op, L, weights.size());
+  const int64_t per_layer = int64_t(weights.size()) / L, G = rnn_gates(o.kind);
+  HG_CHECK(weights[0].defined() && weights[0].dim() == 2 && weights[0].size(0) % G == 0,
+           "rnn ({}): weight_ih_l0 must be [{} * hidden, input_size], got {}", op, G,
+           weights[0].defined() ? weights[0].meta() : "an undefined tensor");
+  HG_CHECK(input.size(0) >= 1, "rnn ({}): expected a sequence of at least one step, got input {}", op, input.meta());
+  const int64_t H = weights[0].size(0) / G, B = input.size(1);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t in = l == 0 ? input.size(2) : H;
+    const std::string k = std::to_string(l);
+    const std::pair<std::string, Shape> expected[] = {{"weight_ih_l" + k, {G * H, in}},
+                                                      {"weight_hh_l" + k, {G * H, H}},
+                                                      {"bias_ih_l" + k, {G * H}},
+                                                      {"bias_hh_l" + k, {G * H}}};
+    for (int64_t i = 0; i < per_layer; ++i) {
+      const Tensor& w = weights[size_t(l * per_layer + i)];
+      const auto& [name, shape] = expected[i];
+      HG_CHECK(w.defined() && w.shape() == shape, "rnn ({}): {} must be {} for input {} and hidden size {}, got {}", op,
+               name, shape_str(shape), input.meta(), H, w.defined() ? w.meta() : "an undefined tensor");
+      HG_CHECK(w.dtype() == input.dtype() && w.device() == input.device(),
+               "rnn ({}): {} {} and input {} must have the same dtype and device", op, name, w.meta(), input.meta());
+    }
+  }
+  for (auto [s, name] : {std::pair{&h0, "h0"}, {&c0, "c0"}}) {
+    if (!s->defined()) continue;
+    HG_CHECK(s->shape() == Shape({L, B, H}), "rnn ({}): {} must be [num_layers, batch, hidden] = [{}, {}, {}], got {}",
+             op, name, L, B, H, s->meta());
+    HG_CHECK(s->dtype() == input.dtype() && s->device() == input.device(),
+             "rnn ({}): {} {} and input {} must have the same dtype and device", op, name, s->meta(), input.meta());
+  }
+  HG_CHECK(o.kind == RnnKind::LSTM || !c0.defined(), "rnn ({}): only an LSTM takes a cell state c0", op);
+}
+
+}  // namespace
+
+RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const TensorList& weights,
+              const RnnOptions& options) {
+  HG_AUTOCAST(rnn, input, h0, c0, weights, options);
+  check_inputs(input, h0, c0, weights, options);
+  const RnnKind kind = options.kind;
+  const bool lstm = kind == RnnKind::LSTM;
+  const int64_t L = options.num_layers, per_layer = int64_t(weights.size()) / L, G = rnn_gates(kind);
+  const DType dtype = input.dtype(), storage = storage_dtype(dtype, input.device());
+  const Problem p{kind, input.size(0),  input.size(1), input.size(2),      weights[0].size(0) / G, L,
+                  G,    per_layer == 4, storage,       rnn_acc_dtype(storage), input.device()};
+
+  std::vector<LayerWeights> w(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor* lw = &weights[size_t(l * per_layer)];
+    w[size_t(l)] = {dense(lw[0], storage), dense(lw[1], storage), p.bias ? dense(lw[2], storage) : Tensor(),
+                    p.bias ? dense(lw[3], storage) : Tensor()};
+  }
+  const TensorOptions state{.dtype = storage, .device = p.device};
+  const Tensor h_init = h0.defined() ? dense(h0, storage) : zeros({L, p.B, p.H}, state);
+  const Tensor c_init = !lstm          ? Tensor()
+                        : c0.defined() ? dense(c0, p.acc)
+                                       : zeros({L, p.B, p.H}, {.dtype = p.acc, .device = p.device});
+  TensorList inputs{input, h0, c0};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  const bool save = any_requires_grad(inputs);
+
+  cuda::DeviceGuard device(p.device);
+  auto f = std::make_shared<Forward>();
+  {
+    NoGradGuard no_grad;
+    *f = run_forward(p, dense(input, storage), h_init, c_init, w, options, save);
+  }
+  RnnResult result;
+  {
+    NoGradGuard no_grad;
+    result.output = cast_nograd(f->out.back(), dtype);
+    result.h = cast_nograd(stack(f->h, 0), dtype);
+    if (lstm) result.c = cast_nograd(stack(f->c, 0), dtype);
+  }
+  // The results hold the node and the node holds f: f must not hold the results.
+  f->out.clear(), f->h.clear(), f->c.clear();
+  if (save) {
+    std::vector<SavedWeights> saved_w(w.begin(), w.end());
+    record("RnnBackward", inputs, result.tensors(),
+           [p, f, saved_w, options, dtype](const GradContext& ctx) -> TensorList {
+             cuda::DeviceGuard device(p.device);
+             std::vector<LayerWeights> w;
+             for (const SavedWeights& s : saved_w) w.push_back(s.get());
+             std::vector<bool> needs;
+             for (size_t i = 0; i < 3 + w.size() * (p.bias ? 4 : 2); ++i) needs.push_back(ctx.needs(i));
+             const Tensor grad_c = p.kind == RnnKind::LSTM ? ctx[2] : Tensor();
+             const Gradients g = run_backward(p, *f, w, options, dense(ctx[0], p.storage), ctx[1], grad_c, needs);
+             auto back = [&](const Tensor& t) { return t.defined() ? cast_nograd(t, dtype) : Tensor(); };
+             TensorList grads{back(g.input), back(g.h0), back(g.c0)};
+             for (const LayerWeights& lw : g.weights) {
+               grads.push_back(back(lw.w_ih)), grads.push_back(back(lw.w_hh));
+               if (p.bias) grads.push_back(back(lw.b_ih)), grads.push_back(back(lw.b_hh));
+             }
+             return grads;
+           });
+  }
+  return result;
+}
+
+// ---- CPU kernels: rows of hidden units, each element through the shared cell arithmetic; threads over the
+// elements when there are enough of them to pay for the fork.
+namespace {
+
+template <typename Cell>
+void for_each_unit(int64_t B, int64_t H, RnnKind kind, const Cell& cell) {
+  rnn_cell::dispatch_kind(kind, [&]<RnnKind K>() {
+    const int64_t n = B * H;
+#pragma omp parallel for schedule(static) if (n >= 32768)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < H; ++j) cell.template operator()<K>(b, j);
+  });
+}
+
+template <typename S> constexpr bool kCpuStorage = std::is_same_v<S, float> || std::is_same_v<S, double>;
+
+void rnn_step_forward_cpu(const RnnStepForwardArgs& a) {
+  const int64_t GH = rnn_gates(a.kind) * a.hidden;
+  rnn_gemm(a.device, a.storage, a.storage, a.batch, GH, a.hidden, a.h_prev, false, a.w_hh, true, a.gh, 0.0);
+  dispatch_floating(a.storage, "rnn step", [&]<typename S>() {
+    HG_CHECK(kCpuStorage<S>, "rnn step (cpu): {} operands are widened to float32 before the kernels",
+             dtype_name(a.storage));
+    if constexpr (kCpuStorage<S>) for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Forward<S>(a));
+  });
+}
+
+void rnn_step_backward_cpu(const RnnStepBackwardArgs& a) {
+  const int64_t GH = rnn_gates(a.kind) * a.hidden;
+  if (a.dgh_next) {
+    rnn_gemm(a.device, a.storage, a.storage, a.batch, a.hidden, GH, a.dgh_next, false, a.w_hh, false, a.dh, 1.0);
+  }
+  dispatch_floating(a.storage, "rnn step backward", [&]<typename S>() {
+    HG_CHECK(kCpuStorage<S>, "rnn step backward (cpu): {} operands are widened to float32 before the kernels",
+             dtype_name(a.storage));
+    if constexpr (kCpuStorage<S>) for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a));
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(rnn_step_forward_kernel, CPU, rnn_step_forward_cpu);
+HG_REGISTER_KERNEL(rnn_step_backward_kernel, CPU, rnn_step_backward_cpu);
+
+}  // namespace halfgrad

@@ -1,0 +1,118 @@
+#pragma once
+// rnn: a whole recurrent stack (RNN tanh/relu, GRU, LSTM; unidirectional) over a whole sequence as ONE op and
+// ONE autograd node, as torch's _cudnn_rnn: inputs, initial states and every layer's weights in; the last layer's
+// output at every step and each layer's final states out. nn::RNN / GRU / LSTM (nn/rnn.h) are built on it.
+//
+// Path from the op to its kernels (ops/rnn.cpp):
+//   rnn              ->  per layer: one GEMM for the input projections of all T steps (gemm_kernel[device]),
+//                        then per step one GEMM for the recurrent projection and rnn_cell_forward_kernel[device],
+//                        which adds the biases and runs every gate nonlinearity and the state update in one pass
+//   RnnBackward      ->  per layer, steps in reverse: rnn_cell_backward_kernel[device] (the gates' gradients) and
+//                        one GEMM for the recurrent gradient; then one GEMM each for the input gradient and the two
+//                        weight gradients over all steps, and a sum over rows for each bias
+// The gate arithmetic itself is written once, for both devices, in ops/rnn_cell.h; the CPU kernels are in
+// ops/rnn.cpp, the CUDA kernels in ops/rnn.cu. Dropout between layers is dropout_kernel with its own Philox
+// counters (ops/dropout.h), the same stream the dropout op would draw.
+//
+// Precision: every GEMM takes its operands in the storage dtype (the input's: float16, bfloat16, float32 or
+// float64) and accumulates in float32 (float64 for float64); the gate pre-activations, the cell state and all
+// gate arithmetic are float32 (float64). On the CPU float16/bfloat16 operands are widened to float32 once per
+// call and the results rounded back at the end; on CUDA the hidden state of each step is stored in the storage
+// dtype (the next step's GEMM operand), as cuDNN does. Autocast category: "lower precision".
+#include <cstdint>
+
+#include "core/dispatch.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+// The recurrence (torch.nn's equations; W x + b terms per gate; gate orders as PyTorch's and cuDNN's):
+//   RNNTanh  h' = tanh(W_ih x + b_ih + W_hh h + b_hh)                    (RNNReLU: relu instead of tanh)
+//   GRU      r = σ(.. r ..), z = σ(.. z ..), n = tanh(W_in x + b_in + r (W_hn h + b_hn)), h' = (1 - z) n + z h
+//   LSTM     i, f, o = σ(..), g = tanh(..), c' = f c + i g, h' = o tanh(c')
+enum class RnnKind { RNNTanh, RNNReLU, GRU, LSTM };
+const char* rnn_kind_name(RnnKind kind);  // "RNN_TANH", "RNN_RELU", "GRU", "LSTM"
+int64_t rnn_gates(RnnKind kind);          // 1, 1, 3, 4
+
+struct RnnOptions {
+  RnnKind kind = RnnKind::LSTM;
+  int64_t num_layers = 1;
+  double dropout = 0;  // on the output of every layer but the last, when training; in [0, 1)
+  bool training = true;
+};
+
+struct RnnResult {
+  Tensor output;  // [T, B, H]: the last layer's h at every step
+  Tensor h;       // [num_layers, B, H]: each layer's h after the last step
+  Tensor c;       // LSTM: [num_layers, B, H], each layer's cell state after the last step; else undefined
+  TensorList tensors() const { return c.defined() ? TensorList{output, h, c} : TensorList{output, h}; }
+};
+
+// input [T, B, I]; h0 (and, for an LSTM, c0) [num_layers, B, H] or undefined for zeros; weights: per layer
+// w_ih [G H, in], w_hh [G H, H] and, with biases, b_ih [G H], b_hh [G H] (4 tensors a layer, or 2 without
+// biases), in torch.nn.RNNBase's order; in = I for layer 0, H above. Every tensor has the input's floating dtype
+// and device.
+RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const TensorList& weights,
+              const RnnOptions& options);
+
+// ---- kernels (core/dispatch.h): one time step of one layer, over a batch of B rows and H hidden units.
+// Pointers are raw and dense: rows of G H values (gate k's unit j at k H + j) or of H values. `S` is the storage
+// dtype (GEMM operands: h, weights, gradients of the pre-activations), `A` = float32 (float64 for float64) the
+// accumulation dtype (pre-activations, cell states, saved gates). ops/rnn_cell.h says what the cell computes.
+//
+// A step is the recurrent product and the cell: forward gh = h_prev W_hh^T, then the cell; backward dh +=
+// dgh_next W_hh (the gradient reaching h through the next step's product), then the cell's backward. Both devices
+// run them as a GEMM (rnn_gemm) and one pass over the units.
+struct RnnStepForwardArgs {
+  RnnKind kind;
+  DType storage;
+  Device device;
+  int64_t batch, hidden;
+  const void* w_hh;    // S [G H, H]
+  const void* gi;      // A [B, G H]: W_ih x (no bias)
+  void* gh;            // A [B, G H]: scratch, written with W_hh h_prev (no bias) and then read by the cell
+  const void* b_ih;    // S [G H] or null
+  const void* b_hh;    // S [G H] or null
+  const void* h_prev;  // S [B, H]
+  const void* c_prev;  // A [B, H] (LSTM)
+  void* h;             // S [B, H]
+  void* c;             // A [B, H] (LSTM)
+  void* gates;         // A [B, G H]: the activations, saved for backward; null when not training a graph
+  void* hn;            // A [B, H]: GRU's W_hn h + b_hn, saved for backward; null likewise
+};
+
+struct RnnStepBackwardArgs {
+  RnnKind kind;
+  DType storage;
+  Device device;
+  int64_t batch, hidden;
+  const void* w_hh;      // S [G H, H]
+  const void* dgh_next;  // S [B, G H]: the next step's recurrent pre-activation gradients; null at the last step
+  const void* dy;        // S [B, H]: the gradient of this step's output from above
+  void* dh;              // A [B, H]: in, the part of h's gradient that does not go through W_hh (from the next
+                         // step's cell: GRU dh z, else 0; at the last step the final state's gradient); out, the
+                         // same part for h_prev
+  void* dc;              // A [B, H] (LSTM): in, c's gradient from the next step; out, c_prev's
+  const void* gates;     // A [B, G H]: saved activations
+  const void* c;         // A [B, H] (LSTM): this step's cell state
+  const void* c_prev;    // A [B, H] (LSTM)
+  const void* h_prev;    // S [B, H] (GRU)
+  const void* hn;        // A [B, H] (GRU)
+  void* dgi;             // S [B, G H]: the gradient of W_ih x's pre-activations
+  void* dgh;             // S [B, G H]: GRU, of W_hh h's (differs in the n gate); null for the others (== dgi)
+};
+
+using RnnStepForwardKernel = void (*)(const RnnStepForwardArgs&);
+using RnnStepBackwardKernel = void (*)(const RnnStepBackwardArgs&);
+extern KernelTable<RnnStepForwardKernel> rnn_step_forward_kernel;
+extern KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel;
+
+// The accumulation dtype A of a storage dtype S: float64 for float64, else float32.
+DType rnn_acc_dtype(DType storage);
+
+// The recurrent-product helper both devices' step kernels use: dense row-major C [m, n] = op(A) op(B) + beta C
+// through gemm_kernel[device], A and B in `ab`, C in `c_dtype`.
+void rnn_gemm(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, bool trans_a,
+              const void* b, bool trans_b, void* c, double beta);
+
+}  // namespace halfgrad
