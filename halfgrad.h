@@ -10,6 +10,7 @@
 #include "data/loader.h"
 #include "data/text.h"
 #include "models/language_model.h"
+#include "models/language_model_checkpoint.h"
 #include "models/resnet.h"
 #include "models/vgg.h"
 #include "nn/checkpoint.h"

@@ -1,9 +1,11 @@
 // The halfgrad command-line program: `info` tells what this build is; `train-classifier` trains ResNet/VGG on
 // CIFAR-10/100 and `train-lm` an RNN/GRU/LSTM language model on WikiText-2, each with a chosen mixed-precision
-// level, printing one line of figures per epoch; `sweep-classifier` runs the FP32 / AMP / O2 / FP16 comparison.
+// level, printing one line of figures per epoch; `sweep-classifier` runs the FP32 / AMP / O2 / FP16 comparison;
+// `generate` samples text from a language model that `train-lm --save` wrote.
 #include <CLI/CLI.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -147,6 +149,47 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   return 0;
 }
 
+// Words to --outf or, streamed, to stdout; progress every log_interval words to stdout as generate.py prints it, or
+// to stderr when the words themselves go to stdout. --outf is written whole or not at all: the text goes to
+// "<outf>.partial" (opened before the first word is drawn, so an unwritable place fails at once), renamed at the end.
+int run_generate(train::GenerateConfig config, const std::string& device, const std::string& outf,
+                 int64_t log_interval) {
+  HG_CHECK(log_interval >= 0, "generate: --log-interval must be >= 0 (0: no progress lines), got {}", log_interval);
+  config.device = parse_device(device);
+  const std::string partial = outf + ".partial";
+  std::ofstream out;
+  if (!outf.empty()) {
+    out.open(partial, std::ios::binary);
+    HG_CHECK(out.is_open(), "generate: cannot write {} (for --outf {})", partial, outf);
+  }
+  std::FILE* progress = outf.empty() ? stderr : stdout;
+  std::vector<std::string> words;
+  try {
+    words = train::generate_words(config, [&](int64_t i, const std::string& word) {
+      if (outf.empty()) {
+        fmt::print("{}{}", word, train::separator_after_word(i));
+        if (i + 1 == config.words && train::separator_after_word(i) != '\n') fmt::print("\n");  // end the last line
+        std::fflush(stdout);
+      }
+      if (log_interval > 0 && i % log_interval == 0) {
+        fmt::print(progress, "| Generated {}/{} words\n", i, config.words);
+        std::fflush(progress);
+      }
+    });
+  } catch (...) {
+    if (out.is_open()) out.close(), std::filesystem::remove(partial);
+    throw;
+  }
+  if (!outf.empty()) {
+    out << train::generated_text(words);
+    out.close();
+    if (!out.good()) std::filesystem::remove(partial);
+    HG_CHECK(out.good(), "generate: writing {} failed", partial);
+    std::filesystem::rename(partial, outf);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -235,12 +278,27 @@ int main(int argc, char** argv) {
   tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
   tl->add_option("--seed", lm.seed)->capture_default_str();
   tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)");
-  tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss (safetensors)");
+  tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss, its architecture and "
+                 "vocabulary (safetensors; for generate)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
   tl->callback([&] {
     lm.data_dir = lm_data_dir;
     rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv);
   });
+
+  train::GenerateConfig gen;
+  std::string gen_device = "cpu", gen_outf;
+  int64_t gen_log_interval = 100;
+  CLI::App* tg = app.add_subcommand("generate", "Sample text from a language model saved by train-lm --save "
+                                    "(pytorch/examples' generate.py)");
+  tg->add_option("--checkpoint", gen.checkpoint, "the model (safetensors, from train-lm --save)")->required();
+  tg->add_option("--words", gen.words, "number of words to generate")->capture_default_str();
+  tg->add_option("--temperature", gen.temperature, "higher: more diverse (>= 1e-3)")->capture_default_str();
+  tg->add_option("--seed", gen.seed)->capture_default_str();
+  tg->add_option("--device", gen_device, "cpu, cuda or cuda:N")->capture_default_str();
+  tg->add_option("--outf", gen_outf, "write the text to this file (default: stdout)");
+  tg->add_option("--log-interval", gen_log_interval, "a progress line every N words (0: none)")->capture_default_str();
+  tg->callback([&] { rc = run_generate(gen, gen_device, gen_outf, gen_log_interval); });
 
   try {
     CLI11_PARSE(app, argc, argv);

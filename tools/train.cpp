@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <memory>
 
@@ -10,16 +11,20 @@
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
 #include "core/error.h"
+#include "core/random.h"
 #include "data/cifar.h"
 #include "data/loader.h"
 #include "data/text.h"
 #include "models/language_model.h"
+#include "models/language_model_checkpoint.h"
 #include "models/resnet.h"
 #include "models/vgg.h"
 #include "nn/checkpoint.h"
 #include "ops/conv.h"
+#include "ops/elementwise.h"
 #include "ops/loss.h"
 #include "ops/reduce.h"
+#include "ops/softmax.h"
 #include "optim/clip_grad.h"
 #include "optim/scheduler.h"
 #include "optim/sgd.h"
@@ -296,7 +301,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       best_valid = s.valid_loss;
       best_state.clear();
       for (const auto& [name, t] : model.state_dict()) best_state.emplace_back(name, t.detach().clone());
-      if (!c.checkpoint.empty()) nn::save(model, c.checkpoint, {{"rnn", c.rnn}, {"vocab_size", std::to_string(vocab)}});
+      if (!c.checkpoint.empty()) models::save_language_model(model, corpus.vocab, c.checkpoint);
     } else {
       lr /= 4;  // main.py: anneal when the validation loss did not improve
       for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
@@ -307,6 +312,68 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   model.load_state_dict(best_state);
   result.test_loss = evaluate(test_data);
   return result;
+}
+
+namespace {
+
+// A uniform double in [0, 1) from the global generator: 53 bits of one Philox block.
+double next_uniform() {
+  const GeneratorState s = next_random_counters(1);
+  const Philox::U4 r = Philox::generate(s.seed, s.offset);
+  return double((uint64_t(r.x[0]) << 21) | (r.x[1] >> 11)) * 0x1p-53;
+}
+
+// The index i with cdf(i - 1) <= u * total < cdf(i), over the weights' running sum (zero weights never chosen);
+// -1 when the weights do not sum to a positive finite number.
+int64_t sample_index(const std::vector<float>& weights, double u) {
+  double total = 0;
+  for (float w : weights) total += w;
+  if (!(std::isfinite(total) && total > 0)) return -1;
+  const double target = u * total;
+  double cdf = 0;
+  int64_t last = -1;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (!(weights[i] > 0)) continue;
+    cdf += weights[i];
+    last = int64_t(i);
+    if (target < cdf) return last;
+  }
+  return last;  // u * total rounded up to the total
+}
+
+}  // namespace
+
+std::vector<std::string> generate_words(const GenerateConfig& c, const OnWord& on_word) {
+  HG_CHECK(c.temperature >= 1e-3, "generate: temperature must be >= 1e-3, got {}", c.temperature);
+  HG_CHECK(c.words >= 0, "generate: words must be >= 0, got {}", c.words);
+  HG_CHECK(c.device.is_cpu() || cuda::is_available(), "generate: {} asked for, but no CUDA GPU is visible",
+           c.device.str());
+  models::LoadedLanguageModel lm = models::load_language_model(c.checkpoint, c.device);
+  lm.model->eval();
+  NoGradGuard no_grad;
+  manual_seed(c.seed);  // after building the model, whose initialisation draws numbers too
+  const int64_t vocab = lm.vocab.size();
+  Tensor input = randint(0, vocab, {1, 1}).to(c.device);  // [T = 1, B = 1]
+  Tensor h, cell;
+  std::vector<std::string> words;
+  for (int64_t i = 0; i < c.words; ++i) {
+    auto out = lm.model->forward(input, h, cell);
+    h = out.h;
+    cell = out.c;
+    const std::vector<float> p = to_vector<float>(softmax(out.logits.reshape({vocab}) / c.temperature, 0));
+    const int64_t id = sample_index(p, next_uniform());
+    HG_CHECK(id >= 0, "generate: '{}': the model's probabilities for word {} are not finite", c.checkpoint, i);
+    input = full({1, 1}, id, {.dtype = kInt64, .device = c.device});
+    words.push_back(lm.vocab.word(id));
+    if (on_word) on_word(i, words.back());
+  }
+  return words;
+}
+
+std::string generated_text(const std::vector<std::string>& words) {
+  std::string text;
+  for (size_t i = 0; i < words.size(); ++i) text += words[i] + separator_after_word(int64_t(i));
+  return text;
 }
 
 }  // namespace halfgrad::train

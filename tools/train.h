@@ -90,7 +90,8 @@ struct LanguageModelConfig {
   Device device = Device::cpu();
   uint64_t seed = 1111;
   int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
-  std::string checkpoint;    // when set, the model with the best validation loss is saved there
+  std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
+                             // architecture and vocabulary (models/language_model_checkpoint.h)
 };
 
 struct LanguageModelEpochStats {
@@ -109,5 +110,32 @@ struct LanguageModelResult {
 
 LanguageModelResult train_language_model(const LanguageModelConfig& config,
                                          const std::function<void(const LanguageModelEpochStats&)>& on_epoch = {});
+
+// Text sampled from a language model that train_language_model saved, what `halfgrad generate` runs, as
+// pytorch/examples' word_language_model/generate.py: in eval mode and without autograd, the first input is a
+// uniformly random word id, then each step feeds the last word and the recurrent state on, and draws the next word
+// from softmax(logits / temperature). The draws come from halfgrad's generator (core/random.h) reseeded with
+// `seed`: the start word from randint, each next word from one Philox block (53 bits, a uniform double in [0, 1))
+// by inverse CDF over the probabilities copied to the host, so a seed gives the same words on every run and
+// thread count (the CPU and CUDA logits may differ in the last bits, and so, rarely, the words). The numbers
+// differ from torch.multinomial's, the distribution does not. generate.py exponentiates without subtracting the
+// maximum, which overflows at low temperatures; softmax does not.
+struct GenerateConfig {
+  std::string checkpoint;  // written by train_language_model (train-lm --save)
+  int64_t words = 1000;    // how many to generate (>= 0)
+  double temperature = 1.0;  // >= 1e-3, generate.py's limit; higher: more diverse
+  uint64_t seed = 1111;
+  Device device = Device::cpu();
+};
+
+// The generated words, in order; on_word (if set) sees each as it is drawn (index from 0), for streaming output and
+// progress. Errors (the checkpoint, the settings) are halfgrad::Error naming what is wrong.
+using OnWord = std::function<void(int64_t index, const std::string& word)>;
+std::vector<std::string> generate_words(const GenerateConfig& config, const OnWord& on_word = {});
+
+// What generate.py writes after word `index`: a newline after every 20th word, else a space.
+inline char separator_after_word(int64_t index) { return index % 20 == 19 ? '\n' : ' '; }
+// The words as generate.py writes them: each followed by separator_after_word.
+std::string generated_text(const std::vector<std::string>& words);
 
 }  // namespace halfgrad::train
