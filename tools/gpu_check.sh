@@ -10,7 +10,7 @@
 #   SANITIZE=1 bash tools/gpu_check.sh            # also the CUDA tests under compute-sanitizer memcheck
 #   SANITIZE_CASES='*batch_norm*' ...             # memcheck only the test cases matching (doctest filter)
 #   CTEST_REGEX='cuda|CUDA' CUDA_RERUN=0 ...      # only the GPU tests, once
-#   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all five)
+#   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all six)
 #   NCU=1 ...                                     # also Nsight Compute figures for the float16 channels-last
 #                                                 # batch_norm kernels (appended to bench_layers.log)
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
@@ -146,7 +146,7 @@ if [[ -n ${SANITIZE:-} ]] && command -v compute-sanitizer >/dev/null; then
   summary+=("memcheck: rc $sanitizer_rc ($(grep -E 'ERROR SUMMARY' "$logs/sanitizer.log" | tail -n 1))")
 fi
 
-benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim bench_train_step} "
+benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim bench_train_step bench_lm_step} "
 if [[ -z ${SKIP_BENCH:-} && $benches == *" bench_cuda "* ]]; then
   step "benchmark (bench_cuda)"
   "$build/bench_cuda" --csv "$logs/bench_cuda.csv" 2>&1 | tee "$logs/bench_cuda.log"
@@ -169,6 +169,23 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
       torch_python tools/${bench}_torch.py 2>&1 | tee -a "$logs/bench_layers.log"
     fi
   done
+  # The word language model's training step (O0, O1; PyTorch float32 and autocast + GradScaler), per model: model,
+  # nhid (= emsize), layers, batch. Appended to the same log (the eight-file limit).
+  if [[ $benches == *" bench_lm_step "* && -x $build/bench_lm_step ]]; then
+    lm_ok=1
+    for config in "lstm 200 2 20" "lstm 650 2 20" "gru 650 2 20" "lstm 1500 2 64"; do
+      read -r lm_model lm_nhid lm_layers lm_batch <<<"$config"
+      lm_args=(--model "$lm_model" --nhid "$lm_nhid" --nlayers "$lm_layers" --batch "$lm_batch")
+      step "benchmark (bench_lm_step ${lm_args[*]})"
+      "$build/bench_lm_step" "${lm_args[@]}" 2>&1 | tee -a "$logs/bench_layers.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || lm_ok=0
+      if [[ ${TORCH_BENCH:-1} != 0 ]] && python3 -c 'import torch' >/dev/null 2>&1; then
+        step "benchmark (bench_lm_step ${lm_args[*]}, PyTorch)"
+        torch_python tools/bench_lm_step_torch.py "${lm_args[@]}" 2>&1 | tee -a "$logs/bench_layers.log"
+      fi
+    done
+    [[ $lm_ok -eq 1 ]] && summary+=("bench_lm_step: ok") || summary+=("bench_lm_step: FAILED")
+  fi
 fi
 
 if [[ -n ${NCU:-} ]] && command -v ncu >/dev/null; then
