@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -207,6 +208,73 @@ float median_run_ms(int device, const std::function<void()>& run, const char* op
   return ms[1] / float(calls);
 }
 
+namespace {
+
+struct CachedGraph {
+  cudaGraphExec_t exec = nullptr;
+  uint64_t last_use = 0;
+};
+
+// Per host thread, never destroyed (as the handles: destroying at exit races the driver's teardown).
+struct GraphCache {
+  std::map<std::pair<int, std::vector<uint64_t>>, CachedGraph> graphs;
+  uint64_t uses = 0;
+  std::vector<cudaStream_t> capture_streams;  // per device: the legacy default stream cannot be captured
+};
+
+constexpr size_t kMaxCachedGraphs = 64;
+
+cudaGraphExec_t capture(int device, const std::function<void()>& launches, GraphCache& cache) {
+  if (cache.capture_streams.empty()) cache.capture_streams.resize(size_t(count_devices()), nullptr);
+  cudaStream_t& side = cache.capture_streams[size_t(device)];
+  if (!side) HG_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cuda graph");
+  cudaGraph_t graph = nullptr;
+  {
+    StreamGuard on_side(device, side);
+    HG_CUDA_CHECK(cudaStreamBeginCapture(side, cudaStreamCaptureModeThreadLocal), "cuda graph");
+    try {
+      launches();
+    } catch (...) {
+      cudaStreamEndCapture(side, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      throw;
+    }
+    HG_CUDA_CHECK(cudaStreamEndCapture(side, &graph), "cuda graph");
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  HG_CUDA_CHECK(instantiated, "cuda graph");
+  return exec;
+}
+
+}  // namespace
+
+void run_as_graph(int device, const std::vector<uint64_t>& key, const std::function<void()>& launches) {
+  DeviceGuard guard(device);
+  const cudaStream_t stream = current_stream(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  HG_CUDA_CHECK(cudaStreamIsCapturing(stream, &status), "cuda graph");
+  if (status != cudaStreamCaptureStatusNone || launch_blocking()) {
+    launches();
+    return;
+  }
+  static thread_local GraphCache& cache = *new GraphCache;
+  auto it = cache.graphs.find({device, key});
+  if (it == cache.graphs.end()) {
+    if (cache.graphs.size() >= kMaxCachedGraphs) {
+      auto oldest = std::min_element(cache.graphs.begin(), cache.graphs.end(),
+                                     [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; });
+      cudaGraphExecDestroy(oldest->second.exec);
+      cache.graphs.erase(oldest);
+    }
+    it = cache.graphs.emplace(std::pair{device, key}, CachedGraph{capture(device, launches, cache), 0}).first;
+  }
+  it->second.last_use = ++cache.uses;
+  HG_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream), "cuda graph");
+}
+
 void set_allow_tf32(bool allow) { tf32_allowed = allow; }
 bool allow_tf32() { return tf32_allowed; }
 
@@ -269,6 +337,7 @@ StreamGuard::~StreamGuard() = default;
 cublasHandle_t cublas_handle(int) { no_cuda("cuda::cublas_handle"); }
 cudnnHandle_t cudnn_handle(int) { no_cuda("cuda::cudnn_handle"); }
 float median_run_ms(int, const std::function<void()>&, const char*, int) { no_cuda("cuda::median_run_ms"); }
+void run_as_graph(int, const std::vector<uint64_t>&, const std::function<void()>&) { no_cuda("cuda::run_as_graph"); }
 void set_allow_tf32(bool) {}
 bool allow_tf32() { return false; }
 

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/device.h"
 
@@ -96,6 +97,17 @@ cudnnHandle_t cudnn_handle(int device);
 // `run` throws. Used where a problem has several implementations and the fastest is kept (conv2d,
 // batch_norm).
 float median_run_ms(int device, const std::function<void()>& run, const char* op, int calls = 1);
+
+// ---- graphs
+// Runs `launches` (work queued on the current stream of `device`: kernels and cuBLAS calls, no allocation, no
+// synchronisation, no host-side effect) as one CUDA graph: the first time `key` is met on this host thread the work
+// is captured and instantiated, later it is replayed with one launch. The key must name everything the work depends
+// on: sizes, dtypes and every device pointer, since a replay launches the captured kernels with the captured
+// arguments (values are read when the graph runs, so new data at the same addresses is fine). Used where many
+// small launches repeat from step to step (the time loop of ops/rnn.cpp), where the launches, not the GPU, bound
+// the time. The 64 graphs used last are kept per thread. The work runs directly, uncaptured, when the stream is
+// already being captured (it then joins that graph) or with HALFGRAD_CUDA_LAUNCH_BLOCKING=1.
+void run_as_graph(int device, const std::vector<uint64_t>& key, const std::function<void()>& launches);
 
 // float32 matmul precision: false (the default) computes in full float32; true lets cuBLAS use TF32
 // tensor cores (10-bit mantissa products, float32 accumulation), several times faster on Ampere+.

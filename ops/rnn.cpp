@@ -15,6 +15,9 @@
 
 #include <omp.h>
 
+#include <functional>
+#include <initializer_list>
+
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/cuda.h"
@@ -101,6 +104,19 @@ void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, cons
   rnn_gemm(p.device, p.storage, c_dtype, m, n, k, a, ta == Trans::Yes, b, tb == Trans::Yes, c, beta);
 }
 
+// Runs one layer's time loop (T step kernels, forward or backward): on CUDA as one graph, replayed while the
+// problem and its buffers stay the same (cuda::run_as_graph; in a training loop the caching allocator hands out the
+// same blocks step after step), so T x 2 launches cost one; on the CPU as it is. `key` names the sizes and every
+// buffer the loop touches (null for those it leaves alone).
+void run_time_loop(const Problem& p, bool forward, std::initializer_list<const void*> buffers,
+                   const std::function<void()>& loop) {
+  if (!p.device.is_cuda()) return loop();
+  std::vector<uint64_t> key{uint64_t(forward), uint64_t(p.kind), uint64_t(p.storage), uint64_t(p.T), uint64_t(p.B),
+                            uint64_t(p.H)};
+  for (const void* b : buffers) key.push_back(reinterpret_cast<uintptr_t>(b));
+  cuda::run_as_graph(p.device.index, key, loop);
+}
+
 struct LayerWeights {
   Tensor w_ih, w_hh, b_ih, b_hh;  // storage dtype, dense; biases undefined without bias
 };
@@ -152,20 +168,24 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
     const Tensor h_first = h0[l];
     if (lstm) cells[0].copy_(c0[l]);
     gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
-    for (int64_t t = 0; t < p.T; ++t) {
-      const int64_t keep = save ? t : 0;  // without a graph to train, one step's worth of scratch
-      const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
-                                 .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
-                                 .gh = gh.data_ptr(), .b_ih = p.bias ? w[l].b_ih.data_ptr() : nullptr,
-                                 .b_hh = p.bias ? w[l].b_hh.data_ptr() : nullptr,
-                                 .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
-                                 .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
-                                 .h = row_ptr(out, t, p.B * p.H),
-                                 .c = lstm ? row_ptr(cells, t + 1, p.B * p.H) : nullptr,
-                                 .gates = save ? row_ptr(gates, keep, p.B * GH) : nullptr,
-                                 .hn = save && gru ? row_ptr(hn, keep, p.B * p.H) : nullptr};
-      rnn_step_forward_kernel[p.device](a);
-    }
+    const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
+    run_time_loop(p, true, {ptr(w[l].w_hh), ptr(w[l].b_ih), ptr(w[l].b_hh), ptr(gi), ptr(gh), ptr(h_first), ptr(out),
+                            ptr(cells), save ? ptr(gates) : nullptr, save ? ptr(hn) : nullptr}, [&] {
+      for (int64_t t = 0; t < p.T; ++t) {
+        const int64_t keep = save ? t : 0;  // without a graph to train, one step's worth of scratch
+        const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
+                                   .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
+                                   .gh = gh.data_ptr(), .b_ih = p.bias ? w[l].b_ih.data_ptr() : nullptr,
+                                   .b_hh = p.bias ? w[l].b_hh.data_ptr() : nullptr,
+                                   .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
+                                   .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
+                                   .h = row_ptr(out, t, p.B * p.H),
+                                   .c = lstm ? row_ptr(cells, t + 1, p.B * p.H) : nullptr,
+                                   .gates = save ? row_ptr(gates, keep, p.B * GH) : nullptr,
+                                   .hn = save && gru ? row_ptr(hn, keep, p.B * p.H) : nullptr};
+        rnn_step_forward_kernel[p.device](a);
+      }
+    });
     f.out.push_back(out);
     f.h.push_back(p.T == 0 ? h_first : out[p.T - 1]);
     if (lstm) f.c.push_back(cells[p.T]);
@@ -212,19 +232,23 @@ Gradients run_backward(const Problem& p, const Forward& f, const std::vector<Lay
     const Tensor x = s.x.get(), out = s.out.get(), h_first = s.h0.get();
     Tensor dh = dense(grad_h[l], p.acc).clone(), dc = lstm ? dense(grad_c[l], p.acc).clone() : Tensor();
     Tensor dgi = empty({p.T, p.B, GH}, storage), dgh = gru ? empty({p.T, p.B, GH}, storage) : dgi;
-    for (int64_t t = p.T - 1; t >= 0; --t) {
-      const RnnStepBackwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
-                                  .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
-                                  .dgh_next = t + 1 < p.T ? row_ptr(dgh, t + 1, p.B * GH) : nullptr,
-                                  .dy = row_ptr(dy, t, p.B * p.H), .dh = dh.data_ptr(),
-                                  .dc = lstm ? dc.data_ptr() : nullptr, .gates = row_ptr(s.gates, t, p.B * GH),
-                                  .c = lstm ? row_ptr(s.cells, t + 1, p.B * p.H) : nullptr,
-                                  .c_prev = lstm ? row_ptr(s.cells, t, p.B * p.H) : nullptr,
-                                  .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
-                                  .hn = gru ? row_ptr(s.hn, t, p.B * p.H) : nullptr,
-                                  .dgi = row_ptr(dgi, t, p.B * GH), .dgh = gru ? row_ptr(dgh, t, p.B * GH) : nullptr};
-      rnn_step_backward_kernel[p.device](a);
-    }
+    const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
+    run_time_loop(p, false, {ptr(w[l].w_hh), ptr(dgh), ptr(dy), ptr(dh), ptr(dc), ptr(s.gates), ptr(s.cells),
+                             ptr(h_first), ptr(out), ptr(s.hn), ptr(dgi)}, [&] {
+      for (int64_t t = p.T - 1; t >= 0; --t) {
+        const RnnStepBackwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
+                                    .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
+                                    .dgh_next = t + 1 < p.T ? row_ptr(dgh, t + 1, p.B * GH) : nullptr,
+                                    .dy = row_ptr(dy, t, p.B * p.H), .dh = dh.data_ptr(),
+                                    .dc = lstm ? dc.data_ptr() : nullptr, .gates = row_ptr(s.gates, t, p.B * GH),
+                                    .c = lstm ? row_ptr(s.cells, t + 1, p.B * p.H) : nullptr,
+                                    .c_prev = lstm ? row_ptr(s.cells, t, p.B * p.H) : nullptr,
+                                    .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
+                                    .hn = gru ? row_ptr(s.hn, t, p.B * p.H) : nullptr,
+                                    .dgi = row_ptr(dgi, t, p.B * GH), .dgh = gru ? row_ptr(dgh, t, p.B * GH) : nullptr};
+        rnn_step_backward_kernel[p.device](a);
+      }
+    });
     // h0's gradient through the first step's product.
     gemm(p, p.acc, p.B, p.H, GH, dgh.data_ptr(), Trans::No, w[l].w_hh.data_ptr(), Trans::No, dh.data_ptr(), 1.0);
     dh0[size_t(l)] = dh;

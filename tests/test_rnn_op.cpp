@@ -362,3 +362,30 @@ TEST_CASE("cuda: rnn's outputs and gradients match the CPU for every kind and dt
     }
   }
 }
+
+TEST_CASE("cuda: rnn called again on the same buffers (a replayed time loop) reads the new values") {
+  SKIP_WITHOUT_GPU();
+  for (RnnKind kind : {RnnKind::GRU, RnnKind::LSTM}) {
+    const std::string kind_name = rnn_kind_name(kind);
+    CAPTURE(kind_name);
+    manual_seed(39);
+    const Inputs in = make_inputs(kind, 6, 4, 5, 24, 2, true, true, 0.2);
+    TensorList gpu;
+    for (const Tensor& t : in.all()) gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
+    const RnnOptions o{.kind = kind, .num_layers = 2};
+    for (int round = 0; round < 4; ++round) {
+      CAPTURE(round);
+      {  // new values in the same tensors: the same addresses, so the time loops replay their graphs
+        NoGradGuard no_grad;
+        for (Tensor t : gpu)
+          if (t.defined()) t.copy_(randn(t.shape(), {.dtype = kFloat64}).mul(0.3));
+      }
+      TensorList cpu;
+      for (const Tensor& t : gpu) cpu.push_back(t.defined() ? t.detach().cpu().requires_grad_() : Tensor());
+      const RnnResult want = rnn(cpu[0], cpu[1], cpu[2], TensorList(cpu.begin() + 3, cpu.end()), o);
+      const RnnResult got = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
+      check_same(got.tensors(), want.tensors(), 1e-10);
+      check_same(gradients_of(got, gpu), gradients_of(want, cpu), 1e-10);
+    }
+  }
+}
