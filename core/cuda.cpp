@@ -215,7 +215,8 @@ struct CachedGraph {
   uint64_t last_use = 0;
 };
 
-// Per host thread, never destroyed (as the handles: destroying at exit races the driver's teardown).
+// Per host thread, never destroyed (as the handles: destroying at exit races the driver's teardown); so a thread
+// that ends leaves its graphs (at most kMaxCachedGraphs) and capture streams behind.
 struct GraphCache {
   std::map<std::pair<int, std::vector<uint64_t>>, CachedGraph> graphs;
   uint64_t uses = 0;
@@ -255,21 +256,29 @@ void run_as_graph(int device, const std::vector<uint64_t>& key, const std::funct
   DeviceGuard guard(device);
   const cudaStream_t stream = current_stream(device);
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  HG_CUDA_CHECK(cudaStreamIsCapturing(stream, &status), "cuda graph");
-  if (status != cudaStreamCaptureStatusNone || launch_blocking()) {
-    launches();
-    return;
-  }
+  // Asking fails on the legacy default stream while another thread captures in global mode: run directly then.
+  const bool asked = cudaStreamIsCapturing(stream, &status) == cudaSuccess;
+  if (!asked) (void)cudaGetLastError();
+  if (!asked || status != cudaStreamCaptureStatusNone || launch_blocking()) return launches();
   static thread_local GraphCache& cache = *new GraphCache;
   auto it = cache.graphs.find({device, key});
   if (it == cache.graphs.end()) {
+    cudaGraphExec_t exec = nullptr;
+    try {
+      exec = capture(device, launches, cache);
+    } catch (const Error&) {
+      // Work that cannot be captured (a library call the capture refuses) still runs, uncaptured; nothing ran
+      // during the failed capture. If the work itself is at fault, this raises its error again.
+      (void)cudaGetLastError();
+      return launches();
+    }
     if (cache.graphs.size() >= kMaxCachedGraphs) {
       auto oldest = std::min_element(cache.graphs.begin(), cache.graphs.end(),
                                      [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; });
       cudaGraphExecDestroy(oldest->second.exec);
       cache.graphs.erase(oldest);
     }
-    it = cache.graphs.emplace(std::pair{device, key}, CachedGraph{capture(device, launches, cache), 0}).first;
+    it = cache.graphs.emplace(std::pair{device, key}, CachedGraph{exec, 0}).first;
   }
   it->second.last_use = ++cache.uses;
   HG_CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream), "cuda graph");

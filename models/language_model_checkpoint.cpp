@@ -1,6 +1,7 @@
 // Language model checkpoints with their architecture and vocabulary (models/language_model_checkpoint.h).
 #include "models/language_model_checkpoint.h"
 
+#include <algorithm>
 #include <charconv>
 #include <string_view>
 #include <system_error>
@@ -8,6 +9,7 @@
 #include "core/error.h"
 #include "core/serialize.h"
 #include "nn/checkpoint.h"
+#include "ops/rnn.h"
 
 namespace halfgrad::models {
 
@@ -117,14 +119,26 @@ LoadedLanguageModel load_language_model(const std::string& path, Device device) 
   HG_CHECK(loaded.vocab.size() == vocab_size, "load_language_model: '{}': metadata \"halfgrad.vocab\" has {} words, "
            "\"halfgrad.vocab_size\" says {}", path, loaded.vocab.size(), vocab_size);
 
+  // The sizes against the tensors before anything is built: corrupt metadata must not allocate a huge model.
+  const int64_t gates = rnn_gates(options.kind);
+  const std::pair<const char*, Shape> sized[] = {
+      {"encoder.weight", {vocab_size, options.embedding_size}},
+      {"rnn.weight_hh_l0", {gates * options.hidden_size, options.hidden_size}}};
+  for (const auto& [name, shape] : sized) {
+    auto t = std::find_if(contents.tensors.begin(), contents.tensors.end(),
+                          [&](const auto& named) { return named.first == name; });
+    HG_CHECK(t != contents.tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"", path, name);
+    HG_CHECK(t->second.shape() == shape, "load_language_model: '{}': \"{}\" is {}, but the metadata's sizes make it {}",
+             path, name, t->second.meta(), shape_str(shape));
+  }
   try {
     loaded.model = std::make_shared<LanguageModel>(vocab_size, options);
     // Checks every name and shape (the metadata's sizes against the tensors'); O2/O3 files hold half tensors.
     loaded.model->load_state_dict(contents.tensors, {.convert_dtypes = true});
+    loaded.model->to(device);
   } catch (const Error& e) {
     HG_FAIL("load_language_model: '{}': {}", path, e.what());
   }
-  loaded.model->to(device);
   return loaded;
 }
 

@@ -60,12 +60,7 @@ RecurrentOutput Recurrent::forward(const Tensor& input, const Tensor& h0, const 
   HG_CHECK(input.defined() && input.dim() == 3 && input.size(2) == input_size && is_floating(input.dtype()),
            "{}: expected a floating input [{}, {}], got {}", op, options.batch_first ? "B, T" : "T, B", input_size,
            input.defined() ? input.meta() : "an undefined tensor");
-  const Shape state_shape{options.num_layers, input.size(options.batch_first ? 0 : 1), hidden_size};
-  for (auto [s, name] : {std::pair{&h0, "h0"}, {&c0, "c0"}}) {
-    HG_CHECK(!s->defined() || s->shape() == state_shape,
-             "{}: {} must be [num_layers, batch, hidden] = {}, got {}", op, name, shape_str(state_shape), s->meta());
-  }
-  HG_CHECK(kind == RecurrentKind::LSTM || !c0.defined(), "{}: only an LSTM takes a cell state c0", op);
+  // The states, the weights and the options are the op's to check (ops/rnn.cpp).
   TensorList weights;
   for (Tensor* w : weights_) weights.push_back(*w);
   const RnnResult r = rnn(options.batch_first ? input.transpose(0, 1) : input, h0, c0, weights,

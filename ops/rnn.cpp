@@ -13,8 +13,6 @@
 // activations, and GRU's W_hn h + b_hn. Dropout masks are regenerated from their Philox counters.
 #include "ops/rnn.h"
 
-#include <omp.h>
-
 #include <functional>
 #include <initializer_list>
 
@@ -98,6 +96,12 @@ Tensor dense(const Tensor& t, DType dtype) {
   return cast_nograd(t, dtype).contiguous();
 }
 
+// A dense copy in `dtype` that nothing else shares (the backward pass writes into it).
+Tensor owned(const Tensor& t, DType dtype) {
+  Tensor d = dense(t, dtype);
+  return d.storage() == t.storage() ? d.clone() : d;
+}
+
 // Row-major C [m, n] = op(A) op(B) + beta C in the problem's dtypes, every operand dense (ldc = n).
 void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, Trans ta, const void* b,
           Trans tb, void* c, double beta = 0) {
@@ -106,13 +110,14 @@ void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, cons
 
 // Runs one layer's time loop (T step kernels, forward or backward): on CUDA as one graph, replayed while the
 // problem and its buffers stay the same (cuda::run_as_graph; in a training loop the caching allocator hands out the
-// same blocks step after step), so T x 2 launches cost one; on the CPU as it is. `key` names the sizes and every
-// buffer the loop touches (null for those it leaves alone).
+// same blocks step after step), so T x 2 launches cost one; on the CPU as it is. The graph's key: the sizes, the
+// float32 GEMMs' TF32 setting (read by gemm_kernel when the work is captured) and `buffers`, every buffer the loop
+// touches (null for those it leaves alone).
 void run_time_loop(const Problem& p, bool forward, std::initializer_list<const void*> buffers,
                    const std::function<void()>& loop) {
   if (!p.device.is_cuda()) return loop();
   std::vector<uint64_t> key{uint64_t(forward), uint64_t(p.kind), uint64_t(p.storage), uint64_t(p.T), uint64_t(p.B),
-                            uint64_t(p.H)};
+                            uint64_t(p.H), uint64_t(cuda::allow_tf32())};
   for (const void* b : buffers) key.push_back(reinterpret_cast<uintptr_t>(b));
   cuda::run_as_graph(p.device.index, key, loop);
 }
@@ -163,16 +168,16 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
     Tensor gi = empty({p.T, p.B, GH}, acc), gh = empty({p.B, GH}, acc);
     Tensor out = empty({p.T, p.B, p.H}, storage);
     Tensor cells = lstm ? empty({p.T + 1, p.B, p.H}, acc) : Tensor();
-    Tensor gates = save ? empty({p.T, p.B, GH}, acc) : empty({1, p.B, GH}, acc);
-    Tensor hn = gru ? (save ? empty({p.T, p.B, p.H}, acc) : empty({1, p.B, p.H}, acc)) : Tensor();
+    // Without a graph to train, the activations are not kept.
+    Tensor gates = save ? empty({p.T, p.B, GH}, acc) : Tensor();
+    Tensor hn = save && gru ? empty({p.T, p.B, p.H}, acc) : Tensor();
     const Tensor h_first = h0[l];
     if (lstm) cells[0].copy_(c0[l]);
     gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
     const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
     run_time_loop(p, true, {ptr(w[l].w_hh), ptr(w[l].b_ih), ptr(w[l].b_hh), ptr(gi), ptr(gh), ptr(h_first), ptr(out),
-                            ptr(cells), save ? ptr(gates) : nullptr, save ? ptr(hn) : nullptr}, [&] {
+                            ptr(cells), ptr(gates), ptr(hn)}, [&] {
       for (int64_t t = 0; t < p.T; ++t) {
-        const int64_t keep = save ? t : 0;  // without a graph to train, one step's worth of scratch
         const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
                                    .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
                                    .gh = gh.data_ptr(), .b_ih = p.bias ? w[l].b_ih.data_ptr() : nullptr,
@@ -181,13 +186,13 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
                                    .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
                                    .h = row_ptr(out, t, p.B * p.H),
                                    .c = lstm ? row_ptr(cells, t + 1, p.B * p.H) : nullptr,
-                                   .gates = save ? row_ptr(gates, keep, p.B * GH) : nullptr,
-                                   .hn = save && gru ? row_ptr(hn, keep, p.B * p.H) : nullptr};
+                                   .gates = save ? row_ptr(gates, t, p.B * GH) : nullptr,
+                                   .hn = save && gru ? row_ptr(hn, t, p.B * p.H) : nullptr};
         rnn_step_forward_kernel[p.device](a);
       }
     });
     f.out.push_back(out);
-    f.h.push_back(p.T == 0 ? h_first : out[p.T - 1]);
+    f.h.push_back(out[p.T - 1]);
     if (lstm) f.c.push_back(cells[p.T]);
     if (save) {
       f.saved.push_back({SavedTensor(x, "RnnBackward"), SavedTensor(out, "RnnBackward"),
@@ -230,7 +235,7 @@ Gradients run_backward(const Problem& p, const Forward& f, const std::vector<Lay
   for (int64_t l = p.L - 1; l >= lowest; --l) {
     const LayerSaved& s = f.saved[size_t(l)];
     const Tensor x = s.x.get(), out = s.out.get(), h_first = s.h0.get();
-    Tensor dh = dense(grad_h[l], p.acc).clone(), dc = lstm ? dense(grad_c[l], p.acc).clone() : Tensor();
+    Tensor dh = owned(grad_h[l], p.acc), dc = lstm ? owned(grad_c[l], p.acc) : Tensor();
     Tensor dgi = empty({p.T, p.B, GH}, storage), dgh = gru ? empty({p.T, p.B, GH}, storage) : dgi;
     const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
     run_time_loop(p, false, {ptr(w[l].w_hh), ptr(dgh), ptr(dy), ptr(dh), ptr(dc), ptr(s.gates), ptr(s.cells),
@@ -411,23 +416,29 @@ template <typename S> constexpr bool kCpuStorage = std::is_same_v<S, float> || s
 
 void rnn_step_forward_cpu(const RnnStepForwardArgs& a) {
   const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  rnn_gemm(a.device, a.storage, a.storage, a.batch, GH, a.hidden, a.h_prev, false, a.w_hh, true, a.gh, 0.0);
   dispatch_floating(a.storage, "rnn step", [&]<typename S>() {
     HG_CHECK(kCpuStorage<S>, "rnn step (cpu): {} operands are widened to float32 before the kernels",
              dtype_name(a.storage));
-    if constexpr (kCpuStorage<S>) for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Forward<S>(a));
+    if constexpr (kCpuStorage<S>) {
+      rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, false, a.w_hh, true,
+               a.gh, 0.0);
+      for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Forward<S>(a));
+    }
   });
 }
 
 void rnn_step_backward_cpu(const RnnStepBackwardArgs& a) {
   const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  if (a.dgh_next) {
-    rnn_gemm(a.device, a.storage, a.storage, a.batch, a.hidden, GH, a.dgh_next, false, a.w_hh, false, a.dh, 1.0);
-  }
   dispatch_floating(a.storage, "rnn step backward", [&]<typename S>() {
     HG_CHECK(kCpuStorage<S>, "rnn step backward (cpu): {} operands are widened to float32 before the kernels",
              dtype_name(a.storage));
-    if constexpr (kCpuStorage<S>) for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a));
+    if constexpr (kCpuStorage<S>) {
+      if (a.dgh_next) {
+        rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, false, a.w_hh,
+                 false, a.dh, 1.0);
+      }
+      for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a));
+    }
   });
 }
 

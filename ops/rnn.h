@@ -5,13 +5,14 @@
 //
 // Path from the op to its kernels (ops/rnn.cpp):
 //   rnn              ->  per layer: one GEMM for the input projections of all T steps (gemm_kernel[device]),
-//                        then per step one GEMM for the recurrent projection and rnn_cell_forward_kernel[device],
-//                        which adds the biases and runs every gate nonlinearity and the state update in one pass
-//   RnnBackward      ->  per layer, steps in reverse: rnn_cell_backward_kernel[device] (the gates' gradients) and
-//                        one GEMM for the recurrent gradient; then one GEMM each for the input gradient and the two
+//                        then per step rnn_step_forward_kernel[device]: the recurrent GEMM, then one pass that adds
+//                        the biases and runs every gate nonlinearity and the state update
+//   RnnBackward      ->  per layer, steps in reverse: rnn_step_backward_kernel[device] (the recurrent gradient's
+//                        GEMM, then the gates' gradients); then one GEMM each for the input gradient and the two
 //                        weight gradients over all steps, and a sum over rows for each bias
 // The gate arithmetic itself is written once, for both devices, in ops/rnn_cell.h; the CPU kernels are in
-// ops/rnn.cpp, the CUDA kernels in ops/rnn.cu. Dropout between layers is dropout_kernel with its own Philox
+// ops/rnn.cpp, the CUDA kernels in ops/rnn.cu. On CUDA each layer's time loop runs as one CUDA graph, replayed
+// while its buffers repeat (cuda::run_as_graph). Dropout between layers is dropout_kernel with its own Philox
 // counters (ops/dropout.h), the same stream the dropout op would draw.
 //
 // Precision: every GEMM takes its operands in the storage dtype (the input's: float16, bfloat16, float32 or

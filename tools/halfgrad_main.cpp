@@ -5,7 +5,6 @@
 #include <CLI/CLI.hpp>
 
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -14,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/serialize.h"
 #include "core/version.h"
 #include "tools/train.h"
 
@@ -150,42 +150,26 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
 }
 
 // Words to --outf or, streamed, to stdout; progress every log_interval words to stdout as generate.py prints it, or
-// to stderr when the words themselves go to stdout. --outf is written whole or not at all: the text goes to
-// "<outf>.partial" (opened before the first word is drawn, so an unwritable place fails at once), renamed at the end.
+// to stderr when the words themselves go to stdout. --outf is replaced whole or not at all (write_file_atomic).
 int run_generate(train::GenerateConfig config, const std::string& device, const std::string& outf,
                  int64_t log_interval) {
   HG_CHECK(log_interval >= 0, "generate: --log-interval must be >= 0 (0: no progress lines), got {}", log_interval);
   config.device = parse_device(device);
-  const std::string partial = outf + ".partial";
-  std::ofstream out;
-  if (!outf.empty()) {
-    out.open(partial, std::ios::binary);
-    HG_CHECK(out.is_open(), "generate: cannot write {} (for --outf {})", partial, outf);
-  }
   std::FILE* progress = outf.empty() ? stderr : stdout;
-  std::vector<std::string> words;
-  try {
-    words = train::generate_words(config, [&](int64_t i, const std::string& word) {
-      if (outf.empty()) {
-        fmt::print("{}{}", word, train::separator_after_word(i));
-        if (i + 1 == config.words && train::separator_after_word(i) != '\n') fmt::print("\n");  // end the last line
-        std::fflush(stdout);
-      }
-      if (log_interval > 0 && i % log_interval == 0) {
-        fmt::print(progress, "| Generated {}/{} words\n", i, config.words);
-        std::fflush(progress);
-      }
-    });
-  } catch (...) {
-    if (out.is_open()) out.close(), std::filesystem::remove(partial);
-    throw;
-  }
+  const std::vector<std::string> words = train::generate_words(config, [&](int64_t i, const std::string& word) {
+    if (outf.empty()) {
+      fmt::print("{}{}", word, train::separator_after_word(i));
+      if (i + 1 == config.words && train::separator_after_word(i) != '\n') fmt::print("\n");  // end the last line
+      std::fflush(stdout);
+    }
+    if (log_interval > 0 && i % log_interval == 0) {
+      fmt::print(progress, "| Generated {}/{} words\n", i, config.words);
+      std::fflush(progress);
+    }
+  });
   if (!outf.empty()) {
-    out << train::generated_text(words);
-    out.close();
-    if (!out.good()) std::filesystem::remove(partial);
-    HG_CHECK(out.good(), "generate: writing {} failed", partial);
-    std::filesystem::rename(partial, outf);
+    const std::string text = train::generated_text(words);
+    write_file_atomic(outf, [&](const WriteBytes& write) { write(text.data(), text.size()); });
   }
   return 0;
 }
