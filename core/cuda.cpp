@@ -273,8 +273,8 @@ void run_as_graph(int device, const std::vector<uint64_t>& key, const std::funct
       return launches();
     }
     if (cache.graphs.size() >= kMaxCachedGraphs) {
-      auto oldest = std::min_element(cache.graphs.begin(), cache.graphs.end(),
-                                     [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; });
+      auto by_use = [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; };
+      auto oldest = std::min_element(cache.graphs.begin(), cache.graphs.end(), by_use);
       cudaGraphExecDestroy(oldest->second.exec);
       cache.graphs.erase(oldest);
     }

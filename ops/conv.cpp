@@ -404,15 +404,7 @@ int batch_threads(int64_t N) {
 // gemm_kernel, so float32 gets our AVX-512 GEMM where it suits (ops/matmul.cpp), Eigen's otherwise.
 template <typename T>
 void product(T* c, int64_t m, int64_t n, int64_t k, const T* a, Trans ta, const T* b, Trans tb, bool accumulate) {
-  GemmArgs p;
-  p.ab_dtype = p.c_dtype = dtype_of<T>();
-  p.trans_a = ta, p.trans_b = tb;
-  p.m = m, p.n = n, p.k = k;
-  p.a = a, p.lda = ta == Trans::No ? k : m;
-  p.b = b, p.ldb = tb == Trans::No ? n : k;
-  p.c = c, p.ldc = n;
-  p.beta = accumulate ? 1.0 : 0.0;
-  gemm_kernel[Device::cpu()](p);
+  gemm_dense(Device::cpu(), dtype_of<T>(), dtype_of<T>(), m, n, k, a, ta, b, tb, c, accumulate ? 1.0 : 0.0);
 }
 
 template <typename T> void forward_typed(T* out, const T* x, const T* w, const T* bias, const Geometry& g) {

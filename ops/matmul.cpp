@@ -25,6 +25,19 @@ namespace halfgrad {
 
 KernelTable<GemmKernel> gemm_kernel("gemm");
 
+void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a,
+                Trans trans_a, const void* b, Trans trans_b, void* c, double beta) {
+  if (m == 0 || n == 0) return;
+  GemmArgs g;
+  g.ab_dtype = ab, g.c_dtype = c_dtype, g.device = device;
+  g.m = m, g.n = n, g.k = k;
+  g.a = a, g.trans_a = trans_a, g.lda = trans_a == Trans::Yes ? m : k;
+  g.b = b, g.trans_b = trans_b, g.ldb = trans_b == Trans::Yes ? k : n;
+  g.c = c, g.ldc = n;
+  g.beta = beta;
+  gemm_kernel[device](g);
+}
+
 namespace {
 
 // ---- operands: a tensor seen as a stack of matrices (batch..., rows, cols), without copying it

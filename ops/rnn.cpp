@@ -32,19 +32,6 @@ constinit KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel("rnn step 
 
 DType rnn_acc_dtype(DType storage) { return storage == kFloat64 ? kFloat64 : kFloat32; }
 
-void rnn_gemm(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, bool trans_a,
-              const void* b, bool trans_b, void* c, double beta) {
-  if (m == 0 || n == 0) return;
-  GemmArgs g;
-  g.ab_dtype = ab, g.c_dtype = c_dtype, g.device = device;
-  g.m = m, g.n = n, g.k = k;
-  g.a = a, g.trans_a = trans_a ? Trans::Yes : Trans::No, g.lda = trans_a ? m : k;
-  g.b = b, g.trans_b = trans_b ? Trans::Yes : Trans::No, g.ldb = trans_b ? k : n;
-  g.c = c, g.ldc = n;
-  g.beta = beta;
-  gemm_kernel[device](g);
-}
-
 const char* rnn_kind_name(RnnKind kind) {
   switch (kind) {
     case RnnKind::RNNTanh:
@@ -80,6 +67,7 @@ struct Problem {
   DType storage, acc;  // see ops/rnn.h's Precision
   Device device;
   int64_t in(int64_t layer) const { return layer == 0 ? I : H; }
+  int64_t per_layer() const { return bias ? 4 : 2; }  // weights per layer
 };
 
 // The storage dtype the drivers compute with: the CPU's kernels have no half GEMM with float32 output, so
@@ -90,6 +78,8 @@ DType storage_dtype(DType dtype, Device device) { return device.is_cpu() && is_h
 void* row_ptr(const Tensor& t, int64_t index, int64_t row) {
   return static_cast<char*>(t.data_ptr()) + index * row * int64_t(element_size(t.dtype()));
 }
+
+const void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 Tensor dense(const Tensor& t, DType dtype) {
   NoGradGuard no_grad;
@@ -105,7 +95,7 @@ Tensor owned(const Tensor& t, DType dtype) {
 // Row-major C [m, n] = op(A) op(B) + beta C in the problem's dtypes, every operand dense (ldc = n).
 void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, Trans ta, const void* b,
           Trans tb, void* c, double beta = 0) {
-  rnn_gemm(p.device, p.storage, c_dtype, m, n, k, a, ta == Trans::Yes, b, tb == Trans::Yes, c, beta);
+  gemm_dense(p.device, p.storage, c_dtype, m, n, k, a, ta, b, tb, c, beta);
 }
 
 // Runs one layer's time loop (T step kernels, forward or backward): on CUDA as one graph, replayed while the
@@ -150,11 +140,16 @@ struct LayerSaved {
   Tensor hn;        // A [T, B, H] (GRU)
 };
 
-struct Forward {
-  TensorList out, h, c;  // per layer: [T, B, H] (S), [B, H] (S), [B, H] (A); dropped once the results exist
-
-  std::vector<LayerSaved> saved;
+// What the autograd node keeps: per layer what its backward reads, and the dropout counters between layers.
+struct Saved {
+  std::vector<LayerSaved> layers;              // when training a graph
   std::vector<GeneratorState> dropout_states;  // per layer below the top, when dropout ran
+};
+
+struct Forward {
+  Tensor output;  // S [T, B, H]: the last layer's h at every step
+  TensorList h, c;  // per layer: [B, H] (S), [B, H] (A)
+  Saved saved;
 };
 
 Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, const Tensor& c0,
@@ -173,15 +168,15 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
     Tensor hn = save && gru ? empty({p.T, p.B, p.H}, acc) : Tensor();
     const Tensor h_first = h0[l];
     if (lstm) cells[0].copy_(c0[l]);
-    gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
-    const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
-    run_time_loop(p, true, {ptr(w[l].w_hh), ptr(w[l].b_ih), ptr(w[l].b_hh), ptr(gi), ptr(gh), ptr(h_first), ptr(out),
-                            ptr(cells), ptr(gates), ptr(hn)}, [&] {
+    const LayerWeights& lw = w[size_t(l)];
+    gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, lw.w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
+    run_time_loop(p, true, {lw.w_hh.data_ptr(), data_or_null(lw.b_ih), data_or_null(lw.b_hh), gi.data_ptr(),
+                            gh.data_ptr(), h_first.data_ptr(), out.data_ptr(), data_or_null(cells),
+                            data_or_null(gates), data_or_null(hn)}, [&] {
       for (int64_t t = 0; t < p.T; ++t) {
         const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
-                                   .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
-                                   .gh = gh.data_ptr(), .b_ih = p.bias ? w[l].b_ih.data_ptr() : nullptr,
-                                   .b_hh = p.bias ? w[l].b_hh.data_ptr() : nullptr,
+                                   .hidden = p.H, .w_hh = lw.w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
+                                   .gh = gh.data_ptr(), .b_ih = data_or_null(lw.b_ih), .b_hh = data_or_null(lw.b_hh),
                                    .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
                                    .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
                                    .h = row_ptr(out, t, p.B * p.H),
@@ -191,11 +186,11 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
         rnn_step_forward_kernel[p.device](a);
       }
     });
-    f.out.push_back(out);
+    f.output = out;
     f.h.push_back(out[p.T - 1]);
     if (lstm) f.c.push_back(cells[p.T]);
     if (save) {
-      f.saved.push_back({SavedTensor(x, "RnnBackward"), SavedTensor(out, "RnnBackward"),
+      f.saved.layers.push_back({SavedTensor(x, "RnnBackward"), SavedTensor(out, "RnnBackward"),
                          SavedTensor(h_first, "RnnBackward"), cells, gates, hn});
     }
     x = out;
@@ -203,7 +198,7 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
       const GeneratorState state = next_random_counters(uint64_t((out.numel() + 3) / 4));
       x = empty(out.shape(), storage);
       dropout_kernel[p.device](x, out, o.dropout, state);
-      f.dropout_states.push_back(state);
+      f.saved.dropout_states.push_back(state);
     }
   }
   return f;
@@ -215,17 +210,17 @@ struct Gradients {
 };
 
 // needs: input, h0, c0, then each weight in the op's order (what the node's inputs want).
-Gradients run_backward(const Problem& p, const Forward& f, const std::vector<LayerWeights>& w, const RnnOptions& o,
+Gradients run_backward(const Problem& p, const Saved& f, const std::vector<LayerWeights>& w, const RnnOptions& o,
                        const Tensor& grad_output, const Tensor& grad_h, const Tensor& grad_c,
                        const std::vector<bool>& needs) {
   const bool lstm = p.kind == RnnKind::LSTM, gru = p.kind == RnnKind::GRU;
   const TensorOptions storage{.dtype = p.storage, .device = p.device};
-  const int64_t GH = p.G * p.H, per_layer = p.bias ? 4 : 2;
-  auto wants = [&](int64_t layer, int64_t which) { return bool(needs[size_t(3 + layer * per_layer + which)]); };
+  const int64_t GH = p.G * p.H;
+  auto wants = [&](int64_t layer, int64_t which) { return bool(needs[size_t(3 + layer * p.per_layer() + which)]); };
   // The lowest layer a wanted gradient comes from: the backward pass stops there.
   int64_t lowest = needs[0] || needs[1] || needs[2] ? 0 : p.L;
   for (int64_t l = 0; l < p.L; ++l)
-    for (int64_t k = 0; k < per_layer; ++k)
+    for (int64_t k = 0; k < p.per_layer(); ++k)
       if (wants(l, k)) lowest = std::min(lowest, l);
 
   Gradients g;
@@ -233,13 +228,13 @@ Gradients run_backward(const Problem& p, const Forward& f, const std::vector<Lay
   TensorList dh0(size_t(p.L)), dc0(size_t(p.L));
   Tensor dy = grad_output;  // S [T, B, H], the gradient of the current layer's output
   for (int64_t l = p.L - 1; l >= lowest; --l) {
-    const LayerSaved& s = f.saved[size_t(l)];
+    const LayerSaved& s = f.layers[size_t(l)];
     const Tensor x = s.x.get(), out = s.out.get(), h_first = s.h0.get();
     Tensor dh = owned(grad_h[l], p.acc), dc = lstm ? owned(grad_c[l], p.acc) : Tensor();
     Tensor dgi = empty({p.T, p.B, GH}, storage), dgh = gru ? empty({p.T, p.B, GH}, storage) : dgi;
-    const auto ptr = [](const Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
-    run_time_loop(p, false, {ptr(w[l].w_hh), ptr(dgh), ptr(dy), ptr(dh), ptr(dc), ptr(s.gates), ptr(s.cells),
-                             ptr(h_first), ptr(out), ptr(s.hn), ptr(dgi)}, [&] {
+    run_time_loop(p, false, {w[l].w_hh.data_ptr(), dgh.data_ptr(), dy.data_ptr(), dh.data_ptr(), data_or_null(dc),
+                             s.gates.data_ptr(), data_or_null(s.cells), h_first.data_ptr(), out.data_ptr(),
+                             data_or_null(s.hn), dgi.data_ptr()}, [&] {
       for (int64_t t = p.T - 1; t >= 0; --t) {
         const RnnStepBackwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
                                     .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
@@ -361,31 +356,27 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
   const bool save = any_requires_grad(inputs);
 
   cuda::DeviceGuard device(p.device);
-  auto f = std::make_shared<Forward>();
-  {
-    NoGradGuard no_grad;
-    *f = run_forward(p, dense(input, storage), h_init, c_init, w, options, save);
-  }
   RnnResult result;
+  auto saved = std::make_shared<Saved>();  // the node's; it holds none of the results, which hold the node
   {
     NoGradGuard no_grad;
-    result.output = cast_nograd(f->out.back(), dtype);
-    result.h = cast_nograd(stack(f->h, 0), dtype);
-    if (lstm) result.c = cast_nograd(stack(f->c, 0), dtype);
+    Forward f = run_forward(p, dense(input, storage), h_init, c_init, w, options, save);
+    result.output = cast_nograd(f.output, dtype);
+    result.h = cast_nograd(stack(f.h, 0), dtype);
+    if (lstm) result.c = cast_nograd(stack(f.c, 0), dtype);
+    *saved = std::move(f.saved);
   }
-  // The results hold the node and the node holds f: f must not hold the results.
-  f->out.clear(), f->h.clear(), f->c.clear();
   if (save) {
     std::vector<SavedWeights> saved_w(w.begin(), w.end());
     record("RnnBackward", inputs, result.tensors(),
-           [p, f, saved_w, options, dtype](const GradContext& ctx) -> TensorList {
+           [p, saved, saved_w, options, dtype](const GradContext& ctx) -> TensorList {
              cuda::DeviceGuard device(p.device);
              std::vector<LayerWeights> w;
              for (const SavedWeights& s : saved_w) w.push_back(s.get());
              std::vector<bool> needs;
-             for (size_t i = 0; i < 3 + w.size() * (p.bias ? 4 : 2); ++i) needs.push_back(ctx.needs(i));
+             for (size_t i = 0; i < size_t(3 + p.L * p.per_layer()); ++i) needs.push_back(ctx.needs(i));
              const Tensor grad_c = p.kind == RnnKind::LSTM ? ctx[2] : Tensor();
-             const Gradients g = run_backward(p, *f, w, options, dense(ctx[0], p.storage), ctx[1], grad_c, needs);
+             const Gradients g = run_backward(p, *saved, w, options, dense(ctx[0], p.storage), ctx[1], grad_c, needs);
              auto back = [&](const Tensor& t) { return t.defined() ? cast_nograd(t, dtype) : Tensor(); };
              TensorList grads{back(g.input), back(g.h0), back(g.c0)};
              for (const LayerWeights& lw : g.weights) {
@@ -420,8 +411,8 @@ void rnn_step_forward_cpu(const RnnStepForwardArgs& a) {
     HG_CHECK(kCpuStorage<S>, "rnn step (cpu): {} operands are widened to float32 before the kernels",
              dtype_name(a.storage));
     if constexpr (kCpuStorage<S>) {
-      rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, false, a.w_hh, true,
-               a.gh, 0.0);
+      gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, Trans::No, a.w_hh,
+                 Trans::Yes, a.gh, 0.0);
       for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Forward<S>(a));
     }
   });
@@ -434,8 +425,8 @@ void rnn_step_backward_cpu(const RnnStepBackwardArgs& a) {
              dtype_name(a.storage));
     if constexpr (kCpuStorage<S>) {
       if (a.dgh_next) {
-        rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, false, a.w_hh,
-                 false, a.dh, 1.0);
+        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, Trans::No,
+                   a.w_hh, Trans::No, a.dh, 1.0);
       }
       for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a));
     }

@@ -1,11 +1,12 @@
 // rnn on CUDA: the step kernels behind rnn_step_forward_kernel / rnn_step_backward_kernel (ops/rnn.h): cuBLAS for
-// the recurrent product (rnn_gemm), then cell_kernel, one thread per (row, hidden unit), running the arithmetic of
+// the recurrent product (gemm_dense), then cell_kernel, one thread per (row, hidden unit), running the arithmetic of
 // ops/rnn_cell.h. ops/rnn.cpp drives them.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "core/cuda.h"
+#include "ops/matmul.h"
 #include "ops/rnn.h"
 #include "ops/rnn_cell.h"
 
@@ -37,7 +38,8 @@ template <typename Cell> void launch_cell(const Cell& cell, RnnKind kind, int64_
 void rnn_step_forward_cuda(const RnnStepForwardArgs& a) {
   cuda::DeviceGuard guard(a.device);
   const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, false, a.w_hh, true, a.gh, 0.0);
+  gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, Trans::No, a.w_hh,
+             Trans::Yes, a.gh, 0.0);
   dispatch_floating(a.storage, "rnn step", [&]<typename S>() {
     launch_cell(rnn_cell::Forward<S>(a), a.kind, a.batch, a.hidden, a.device, "rnn step");
   });
@@ -47,8 +49,8 @@ void rnn_step_backward_cuda(const RnnStepBackwardArgs& a) {
   cuda::DeviceGuard guard(a.device);
   const int64_t GH = rnn_gates(a.kind) * a.hidden;
   if (a.dgh_next) {
-    rnn_gemm(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, false, a.w_hh, false, a.dh,
-             1.0);
+    gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, Trans::No, a.w_hh,
+               Trans::No, a.dh, 1.0);
   }
   dispatch_floating(a.storage, "rnn step backward", [&]<typename S>() {
     launch_cell(rnn_cell::Backward<S>(a), a.kind, a.batch, a.hidden, a.device, "rnn step backward");

@@ -63,7 +63,7 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
 //
 // A step is the recurrent product and the cell: forward gh = h_prev W_hh^T, then the cell; backward dh +=
 // dgh_next W_hh (the gradient reaching h through the next step's product), then the cell's backward. Both devices
-// run them as a GEMM (rnn_gemm) and one pass over the units.
+// run them as a GEMM (gemm_dense, ops/matmul.h) and one pass over the units.
 struct RnnStepForwardArgs {
   RnnKind kind;
   DType storage;
@@ -111,9 +111,5 @@ extern KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel;
 // The accumulation dtype A of a storage dtype S: float64 for float64, else float32.
 DType rnn_acc_dtype(DType storage);
 
-// The recurrent-product helper both devices' step kernels use: dense row-major C [m, n] = op(A) op(B) + beta C
-// through gemm_kernel[device], A and B in `ab`, C in `c_dtype`.
-void rnn_gemm(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, bool trans_a,
-              const void* b, bool trans_b, void* c, double beta);
 
 }  // namespace halfgrad

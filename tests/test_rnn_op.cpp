@@ -374,7 +374,8 @@ TEST_CASE("cuda: rnn called again on the same buffers (a replayed time loop) rea
     manual_seed(39);
     const Inputs in = make_inputs(kind, 6, 4, 5, 24, 2, true, true, 0.2);
     TensorList gpu;
-    for (const Tensor& t : in.all()) gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
+    for (const Tensor& t : in.all())
+      gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
     const RnnOptions o{.kind = kind, .num_layers = 2};
     for (int round = 0; round < 4; ++round) {
       CAPTURE(round);
