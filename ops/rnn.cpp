@@ -1,11 +1,11 @@
-// rnn: checks, the forward and backward drivers (device-generic: GEMMs through gemm_kernel, one step kernel per
-// time step), the autograd node, and the CPU step kernels. The CUDA step kernels are in ops/rnn.cu; the gate
-// arithmetic both run is ops/rnn_cell.h.
+// rnn: checks, the forward and backward drivers (device-generic: GEMMs through gemm_kernel, one loop kernel per
+// layer and direction), the autograd node, and the CPU loop kernels. The CUDA loop kernels are in ops/rnn.cu; the
+// gate arithmetic both run is ops/rnn_cell.h.
 //
 // Per layer l (T steps, B rows, H units, G gates; x the layer's input [T B, in]):
 //   forward    gi [T B, G H] = x W_ih^T                                   one GEMM
-//              per t: gh = h_{t-1} W_hh^T; cell(gi[t], gh)                one step kernel
-//   backward   per t, last first: dh_t += dgh[t+1] W_hh; cell backward   one step kernel
+//              per t: gh = h_{t-1} W_hh^T; cell(gi[t], gh)                the loop kernel
+//   backward   per t, last first: dh_t += dgh[t+1] W_hh; cell backward   the loop kernel
 //                                 -> dgi[t], dgh[t]
 //              dh_0 += dgh[0] W_hh; dx = dgi W_ih; dW_ih = dgi^T x;       GEMMs
 //              dW_hh = dgh^T [h0; y_0 .. y_{T-2}]; db = column sums
@@ -13,8 +13,7 @@
 // activations, and GRU's W_hn h + b_hn. Dropout masks are regenerated from their Philox counters.
 #include "ops/rnn.h"
 
-#include <functional>
-#include <initializer_list>
+#include <atomic>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
@@ -27,8 +26,14 @@
 
 namespace halfgrad {
 
-constinit KernelTable<RnnStepForwardKernel> rnn_step_forward_kernel("rnn step");
-constinit KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel("rnn step backward");
+constinit KernelTable<RnnLoopForwardKernel> rnn_loop_forward_kernel("rnn");
+constinit KernelTable<RnnLoopBackwardKernel> rnn_loop_backward_kernel("rnn backward");
+
+namespace {
+std::atomic<RnnCudaLoop> g_cuda_loop{RnnCudaLoop::Fastest};
+}  // namespace
+void set_rnn_cuda_loop(RnnCudaLoop loop) { g_cuda_loop.store(loop); }
+RnnCudaLoop rnn_cuda_loop() { return g_cuda_loop.load(std::memory_order_relaxed); }
 
 DType rnn_acc_dtype(DType storage) { return storage == kFloat64 ? kFloat64 : kFloat32; }
 
@@ -79,7 +84,7 @@ void* row_ptr(const Tensor& t, int64_t index, int64_t row) {
   return static_cast<char*>(t.data_ptr()) + index * row * int64_t(element_size(t.dtype()));
 }
 
-const void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 Tensor dense(const Tensor& t, DType dtype) {
   NoGradGuard no_grad;
@@ -96,20 +101,6 @@ Tensor owned(const Tensor& t, DType dtype) {
 void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, Trans ta, const void* b,
           Trans tb, void* c, double beta = 0) {
   gemm_dense(p.device, p.storage, c_dtype, m, n, k, a, ta, b, tb, c, beta);
-}
-
-// Runs one layer's time loop (T step kernels, forward or backward): on CUDA as one graph, replayed while the
-// problem and its buffers stay the same (cuda::run_as_graph; in a training loop the caching allocator hands out the
-// same blocks step after step), so T x 2 launches cost one; on the CPU as it is. The graph's key: the sizes, the
-// float32 GEMMs' TF32 setting (read by gemm_kernel when the work is captured) and `buffers`, every buffer the loop
-// touches (null for those it leaves alone).
-void run_time_loop(const Problem& p, bool forward, std::initializer_list<const void*> buffers,
-                   const std::function<void()>& loop) {
-  if (!p.device.is_cuda()) return loop();
-  std::vector<uint64_t> key{uint64_t(forward), uint64_t(p.kind), uint64_t(p.storage), uint64_t(p.T), uint64_t(p.B),
-                            uint64_t(p.H), uint64_t(cuda::allow_tf32())};
-  for (const void* b : buffers) key.push_back(reinterpret_cast<uintptr_t>(b));
-  cuda::run_as_graph(p.device.index, key, loop);
 }
 
 struct LayerWeights {
@@ -170,22 +161,12 @@ Forward run_forward(const Problem& p, const Tensor& input, const Tensor& h0, con
     if (lstm) cells[0].copy_(c0[l]);
     const LayerWeights& lw = w[size_t(l)];
     gemm(p, p.acc, p.T * p.B, GH, p.in(l), x.data_ptr(), Trans::No, lw.w_ih.data_ptr(), Trans::Yes, gi.data_ptr());
-    run_time_loop(p, true, {lw.w_hh.data_ptr(), data_or_null(lw.b_ih), data_or_null(lw.b_hh), gi.data_ptr(),
-                            gh.data_ptr(), h_first.data_ptr(), out.data_ptr(), data_or_null(cells),
-                            data_or_null(gates), data_or_null(hn)}, [&] {
-      for (int64_t t = 0; t < p.T; ++t) {
-        const RnnStepForwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
-                                   .hidden = p.H, .w_hh = lw.w_hh.data_ptr(), .gi = row_ptr(gi, t, p.B * GH),
-                                   .gh = gh.data_ptr(), .b_ih = data_or_null(lw.b_ih), .b_hh = data_or_null(lw.b_hh),
-                                   .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
-                                   .c_prev = lstm ? row_ptr(cells, t, p.B * p.H) : nullptr,
-                                   .h = row_ptr(out, t, p.B * p.H),
-                                   .c = lstm ? row_ptr(cells, t + 1, p.B * p.H) : nullptr,
-                                   .gates = save ? row_ptr(gates, t, p.B * GH) : nullptr,
-                                   .hn = save && gru ? row_ptr(hn, t, p.B * p.H) : nullptr};
-        rnn_step_forward_kernel[p.device](a);
-      }
-    });
+    rnn_loop_forward_kernel[p.device]({.kind = p.kind, .storage = p.storage, .device = p.device, .steps = p.T,
+                                       .batch = p.B, .hidden = p.H, .w_hh = lw.w_hh.data_ptr(), .gi = gi.data_ptr(),
+                                       .gh = gh.data_ptr(), .b_ih = data_or_null(lw.b_ih),
+                                       .b_hh = data_or_null(lw.b_hh), .h0 = h_first.data_ptr(),
+                                       .out = out.data_ptr(), .cells = data_or_null(cells),
+                                       .gates = data_or_null(gates), .hn = data_or_null(hn)});
     f.output = out;
     f.h.push_back(out[p.T - 1]);
     if (lstm) f.c.push_back(cells[p.T]);
@@ -232,23 +213,12 @@ Gradients run_backward(const Problem& p, const Saved& f, const std::vector<Layer
     const Tensor x = s.x.get(), out = s.out.get(), h_first = s.h0.get();
     Tensor dh = owned(grad_h[l], p.acc), dc = lstm ? owned(grad_c[l], p.acc) : Tensor();
     Tensor dgi = empty({p.T, p.B, GH}, storage), dgh = gru ? empty({p.T, p.B, GH}, storage) : dgi;
-    run_time_loop(p, false, {w[l].w_hh.data_ptr(), dgh.data_ptr(), dy.data_ptr(), dh.data_ptr(), data_or_null(dc),
-                             s.gates.data_ptr(), data_or_null(s.cells), h_first.data_ptr(), out.data_ptr(),
-                             data_or_null(s.hn), dgi.data_ptr()}, [&] {
-      for (int64_t t = p.T - 1; t >= 0; --t) {
-        const RnnStepBackwardArgs a{.kind = p.kind, .storage = p.storage, .device = p.device, .batch = p.B,
-                                    .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
-                                    .dgh_next = t + 1 < p.T ? row_ptr(dgh, t + 1, p.B * GH) : nullptr,
-                                    .dy = row_ptr(dy, t, p.B * p.H), .dh = dh.data_ptr(),
-                                    .dc = lstm ? dc.data_ptr() : nullptr, .gates = row_ptr(s.gates, t, p.B * GH),
-                                    .c = lstm ? row_ptr(s.cells, t + 1, p.B * p.H) : nullptr,
-                                    .c_prev = lstm ? row_ptr(s.cells, t, p.B * p.H) : nullptr,
-                                    .h_prev = t == 0 ? h_first.data_ptr() : row_ptr(out, t - 1, p.B * p.H),
-                                    .hn = gru ? row_ptr(s.hn, t, p.B * p.H) : nullptr,
-                                    .dgi = row_ptr(dgi, t, p.B * GH), .dgh = gru ? row_ptr(dgh, t, p.B * GH) : nullptr};
-        rnn_step_backward_kernel[p.device](a);
-      }
-    });
+    rnn_loop_backward_kernel[p.device]({.kind = p.kind, .storage = p.storage, .device = p.device, .steps = p.T,
+                                        .batch = p.B, .hidden = p.H, .w_hh = w[l].w_hh.data_ptr(),
+                                        .dy = dy.data_ptr(), .dh = dh.data_ptr(), .dc = data_or_null(dc),
+                                        .gates = s.gates.data_ptr(), .cells = data_or_null(s.cells),
+                                        .h0 = h_first.data_ptr(), .out = out.data_ptr(), .hn = data_or_null(s.hn),
+                                        .dgi = dgi.data_ptr(), .dgh = gru ? dgh.data_ptr() : nullptr});
     // h0's gradient through the first step's product.
     gemm(p, p.acc, p.B, p.H, GH, dgh.data_ptr(), Trans::No, w[l].w_hh.data_ptr(), Trans::No, dh.data_ptr(), 1.0);
     dh0[size_t(l)] = dh;
@@ -389,8 +359,8 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
   return result;
 }
 
-// ---- CPU kernels: rows of hidden units, each element through the shared cell arithmetic; threads over the
-// elements when there are enough of them to pay for the fork.
+// ---- CPU kernels: per step a GEMM, then rows of hidden units, each element through the shared cell arithmetic;
+// threads over the elements when there are enough of them to pay for the fork.
 namespace {
 
 template <typename Cell>
@@ -405,37 +375,43 @@ void for_each_unit(int64_t B, int64_t H, RnnKind kind, const Cell& cell) {
 
 template <typename S> constexpr bool kCpuStorage = std::is_same_v<S, float> || std::is_same_v<S, double>;
 
-void rnn_step_forward_cpu(const RnnStepForwardArgs& a) {
-  const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  dispatch_floating(a.storage, "rnn step", [&]<typename S>() {
-    HG_CHECK(kCpuStorage<S>, "rnn step (cpu): {} operands are widened to float32 before the kernels",
-             dtype_name(a.storage));
+// Per step: the recurrent product (gemm_dense), then the cell over every unit.
+void rnn_loop_forward_cpu(const RnnLoopForwardArgs& a) {
+  const int64_t G = rnn_gates(a.kind), GH = G * a.hidden;
+  dispatch_floating(a.storage, "rnn", [&]<typename S>() {
+    HG_CHECK(kCpuStorage<S>, "rnn (cpu): {} operands are widened to float32 before the kernels", dtype_name(a.storage));
     if constexpr (kCpuStorage<S>) {
-      gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, Trans::No, a.w_hh,
-                 Trans::Yes, a.gh, 0.0);
-      for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Forward<S>(a));
+      for (int64_t t = 0; t < a.steps; ++t) {
+        const rnn_cell::Forward<S> cell(a, G, t);
+        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
+                   a.w_hh, Trans::Yes, a.gh, 0.0);
+        for_each_unit(a.batch, a.hidden, a.kind, cell);
+      }
     }
   });
 }
 
-void rnn_step_backward_cpu(const RnnStepBackwardArgs& a) {
-  const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  dispatch_floating(a.storage, "rnn step backward", [&]<typename S>() {
-    HG_CHECK(kCpuStorage<S>, "rnn step backward (cpu): {} operands are widened to float32 before the kernels",
+void rnn_loop_backward_cpu(const RnnLoopBackwardArgs& a) {
+  const int64_t G = rnn_gates(a.kind), GH = G * a.hidden;
+  dispatch_floating(a.storage, "rnn backward", [&]<typename S>() {
+    HG_CHECK(kCpuStorage<S>, "rnn backward (cpu): {} operands are widened to float32 before the kernels",
              dtype_name(a.storage));
     if constexpr (kCpuStorage<S>) {
-      if (a.dgh_next) {
-        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, Trans::No,
-                   a.w_hh, Trans::No, a.dh, 1.0);
+      for (int64_t t = a.steps - 1; t >= 0; --t) {
+        if (t + 1 < a.steps) {
+          const rnn_cell::Backward<S> next(a, G, t + 1);
+          gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, next.recurrent_gradient(),
+                     Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
+        }
+        for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a, G, t));
       }
-      for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a));
     }
   });
 }
 
 }  // namespace
 
-HG_REGISTER_KERNEL(rnn_step_forward_kernel, CPU, rnn_step_forward_cpu);
-HG_REGISTER_KERNEL(rnn_step_backward_kernel, CPU, rnn_step_backward_cpu);
+HG_REGISTER_KERNEL(rnn_loop_forward_kernel, CPU, rnn_loop_forward_cpu);
+HG_REGISTER_KERNEL(rnn_loop_backward_kernel, CPU, rnn_loop_backward_cpu);
 
 }  // namespace halfgrad

@@ -1,11 +1,37 @@
-// rnn on CUDA: the step kernels behind rnn_step_forward_kernel / rnn_step_backward_kernel (ops/rnn.h): cuBLAS for
-// the recurrent product (gemm_dense), then cell_kernel, one thread per (row, hidden unit), running the arithmetic of
-// ops/rnn_cell.h. ops/rnn.cpp drives them.
+// rnn on CUDA: the loop kernels behind rnn_loop_forward_kernel / rnn_loop_backward_kernel (ops/rnn.h), one layer's
+// T steps each, in one of two ways; both run the cell arithmetic of ops/rnn_cell.h. ops/rnn.cpp drives them.
+//
+//   persistent   one cooperative launch for the whole loop. Block k owns `units` consecutive hidden units j (the
+//                units spread over every SM) and keeps the part of W_hh they need in shared memory for all T steps:
+//                forward, the G rows g H + j (the recurrent products of its own gates), backward, the columns j (the
+//                recurrent gradient reaching its own units). Per step every block copies the previous step's h of
+//                all units from L2 into shared memory (forward) or reads the next step's pre-activation gradients
+//                from L2 (backward), computes its products on CUDA cores (a warp: 4 batch rows by 4 rows or by the
+//                block's units, the lanes over the reduction, then a shuffle reduction), runs the cell of its own
+//                units, and waits at a grid-wide barrier (about 1 µs on an H200). Measured on the H200 (LM shapes,
+//                batch 20, 35 steps): 4-9 µs a step, where cuBLAS's GEMM of a batch of 20 by a 650-unit LSTM's W_hh
+//                alone takes ~10 µs in float32 (latency, not arithmetic) and ~6 µs in float16. Taken when the blocks
+//                fit on the GPU at once (one per SM), the slices fit in shared memory and, backward, a block has at
+//                most 8 units (H <= 8 x the SMs).
+//   steps        per step a cuBLAS GEMM (gemm_dense) and cell_kernel, one thread per (row, unit); the T steps
+//                are captured once as a CUDA graph and replayed while the buffers repeat (cuda::run_as_graph).
+//                Where the persistent kernel does not fit, or is slower.
+//   choosing     RnnCudaLoop::Fastest (ops/rnn.h): the first forward of a problem on a thread runs both and keeps the
+//                faster for the problem's forward and backward (HALFGRAD_LOG=debug prints the times).
+//
+// The persistent kernels accumulate each product in A (float32, float64 for float64) in a different order than
+// cuBLAS: the two ways agree to rounding.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <functional>
+#include <map>
 
 #include "core/cuda.h"
+#include "core/log.h"
 #include "ops/matmul.h"
 #include "ops/rnn.h"
 #include "ops/rnn_cell.h"
@@ -13,53 +39,467 @@
 namespace halfgrad {
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)); }
+namespace cg = cooperative_groups;
 
 cudaStream_t stream_of(Device device) { return cuda::current_stream(device); }
 
-template <RnnKind K, typename Cell> __global__ void __launch_bounds__(kThreads) cell_kernel(Cell cell, int64_t n,
-                                                                                           int64_t H) {
+// ---- steps: cuBLAS + a cell kernel per step, replayed as a graph
+
+constexpr int kCellThreads = 256;
+
+unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + kCellThreads - 1) / kCellThreads, 65535)); }
+
+template <RnnKind K, typename Cell>
+__global__ void __launch_bounds__(kCellThreads) cell_kernel(Cell cell, int64_t n, int64_t H) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
     cell.template operator()<K>(e / H, e % H);
 }
 
-template <typename Cell> void launch_cell(const Cell& cell, RnnKind kind, int64_t B, int64_t H, Device device,
-                                          const char* op) {
+template <typename Cell>
+void launch_cell(const Cell& cell, RnnKind kind, int64_t B, int64_t H, Device device, const char* op) {
   const int64_t n = B * H;
   if (n == 0) return;
   rnn_cell::dispatch_kind(kind, [&]<RnnKind K>() {
-    cell_kernel<K><<<grid_for(n), kThreads, 0, stream_of(device)>>>(cell, n, H);
+    cell_kernel<K><<<grid_for(n), kCellThreads, 0, stream_of(device)>>>(cell, n, H);
     HG_CUDA_CHECK_LAUNCH(op);
   });
 }
 
-void rnn_step_forward_cuda(const RnnStepForwardArgs& a) {
-  cuda::DeviceGuard guard(a.device);
-  const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, a.h_prev, Trans::No, a.w_hh,
-             Trans::Yes, a.gh, 0.0);
-  dispatch_floating(a.storage, "rnn step", [&]<typename S>() {
-    launch_cell(rnn_cell::Forward<S>(a), a.kind, a.batch, a.hidden, a.device, "rnn step");
+// The graph's key: the direction, the sizes, the float32 GEMMs' TF32 setting (read by gemm_kernel when the work is
+// captured) and every buffer the loop touches (null for those it leaves alone).
+template <typename Args>
+std::vector<uint64_t> graph_key(const Args& a, bool forward, std::initializer_list<const void*> buffers) {
+  std::vector<uint64_t> key{uint64_t(forward),  uint64_t(a.kind),   uint64_t(a.storage),
+                            uint64_t(a.steps), uint64_t(a.batch), uint64_t(a.hidden), uint64_t(cuda::allow_tf32())};
+  for (const void* b : buffers) key.push_back(reinterpret_cast<uintptr_t>(b));
+  return key;
+}
+
+void forward_steps(const RnnLoopForwardArgs& a) {
+  const int64_t G = rnn_gates(a.kind), GH = G * a.hidden;
+  const auto key = graph_key(a, true, {a.w_hh, a.gi, a.gh, a.b_ih, a.b_hh, a.h0, a.out, a.cells, a.gates, a.hn});
+  cuda::run_as_graph(a.device.index, key, [&] {
+    dispatch_floating(a.storage, "rnn", [&]<typename S>() {
+      for (int64_t t = 0; t < a.steps; ++t) {
+        const rnn_cell::Forward<S> cell(a, G, t);
+        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
+                   a.w_hh, Trans::Yes, a.gh, 0.0);
+        launch_cell(cell, a.kind, a.batch, a.hidden, a.device, "rnn");
+      }
+    });
   });
 }
 
-void rnn_step_backward_cuda(const RnnStepBackwardArgs& a) {
-  cuda::DeviceGuard guard(a.device);
-  const int64_t GH = rnn_gates(a.kind) * a.hidden;
-  if (a.dgh_next) {
-    gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, a.dgh_next, Trans::No, a.w_hh,
-               Trans::No, a.dh, 1.0);
+void backward_steps(const RnnLoopBackwardArgs& a) {
+  const int64_t G = rnn_gates(a.kind), GH = G * a.hidden;
+  const auto key = graph_key(a, false, {a.w_hh, a.dy, a.dh, a.dc, a.gates, a.cells, a.h0, a.out, a.hn, a.dgi, a.dgh});
+  cuda::run_as_graph(a.device.index, key, [&] {
+    dispatch_floating(a.storage, "rnn backward", [&]<typename S>() {
+      for (int64_t t = a.steps - 1; t >= 0; --t) {
+        if (t + 1 < a.steps) {
+          const rnn_cell::Backward<S> next(a, G, t + 1);
+          gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, next.recurrent_gradient(),
+                     Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
+        }
+        launch_cell(rnn_cell::Backward<S>(a, G, t), a.kind, a.batch, a.hidden, a.device, "rnn backward");
+      }
+    });
+  });
+}
+
+// ---- persistent: the whole loop in one cooperative launch
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+// A warp's share of a step's products: kTile batch rows by kTile W_hh rows (forward) or by all the block's units
+// (backward), each lane summing over every 32nd 16-byte chunk (forward) or element (backward) of the reduction.
+constexpr int kTile = 4;
+
+template <RnnKind K> constexpr int kGates = K == RnnKind::LSTM ? 4 : K == RnnKind::GRU ? 3 : 1;
+template <typename S> constexpr int kVec = 16 / int(sizeof(S));  // elements in a 16-byte load
+
+HG_HOST_DEVICE inline int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// A load that bypasses L1: the data was written by other blocks during this launch.
+template <typename S> __device__ S load_cg(const S* p) {
+  S s;
+  if constexpr (sizeof(S) == 2) {
+    const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    memcpy(&s, &v, 2);
+  } else if constexpr (sizeof(S) == 4) {
+    const unsigned v = __ldcg(reinterpret_cast<const unsigned*>(p));
+    memcpy(&s, &v, 4);
+  } else if constexpr (sizeof(S) == 8) {
+    const unsigned long long v = __ldcg(reinterpret_cast<const unsigned long long*>(p));
+    memcpy(&s, &v, 8);
+  } else {
+    static_assert(sizeof(S) == 16, "loads of 2, 4, 8 or 16 bytes");
+    const int4 v = __ldcg(reinterpret_cast<const int4*>(p));
+    memcpy(&s, &v, 16);
   }
-  dispatch_floating(a.storage, "rnn step backward", [&]<typename S>() {
-    launch_cell(rnn_cell::Backward<S>(a), a.kind, a.batch, a.hidden, a.device, "rnn step backward");
+  return s;
+}
+
+// N consecutive elements of shared memory (N sizeof(S) bytes, aligned to that size when it is 8 or 16 bytes and up)
+// widened to A, with the fewest loads.
+template <typename S, int N, typename A> __device__ void load_widened(const S* p, A (&out)[N]) {
+  S s[N];
+  constexpr int kBytes = N * int(sizeof(S));
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < kBytes / 16; ++c) {
+      const int4 v = reinterpret_cast<const int4*>(p)[c];
+      memcpy(reinterpret_cast<char*>(s) + 16 * c, &v, 16);
+    }
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int c = 0; c < kBytes / 8; ++c) {
+      const int2 v = reinterpret_cast<const int2*>(p)[c];
+      memcpy(reinterpret_cast<char*>(s) + 8 * c, &v, 8);
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < N; ++v) s[v] = p[v];
+  }
+#pragma unroll
+  for (int v = 0; v < N; ++v) out[v] = A(s[v]);
+}
+
+// One level of warp_sum: lanes `offset` apart swap halves of the first n values and add them. Written as a template
+// so that every index is a constant and the values stay in registers.
+template <int n, int offset, int N, typename A> __device__ void warp_sum_level(A (&v)[N], int lane) {
+  if constexpr (n > 1) {
+    const bool upper = lane & offset;
+#pragma unroll
+    for (int k = 0; k < n / 2; ++k) {
+      const A give = upper ? v[k] : v[k + n / 2];
+      const A keep = upper ? v[k + n / 2] : v[k];
+      v[k] = keep + __shfl_xor_sync(0xffffffffu, give, offset);
+    }
+    warp_sum_level<n / 2, offset / 2>(v, lane);
+  }
+}
+
+// Sums each of N values (16 or 32) over the warp's 32 lanes with N shuffles instead of 5 N: at each level a lane keeps
+// half its values and adds its partner's copies of them. Afterwards lane l holds the total of value l (N = 32) or of
+// value l / 2 (N = 16, both lanes of a pair).
+template <int N, typename A> __device__ A warp_sum(A (&v)[N]) {
+  static_assert(N == 16 || N == 32, "the levels assume 16 or 32 values and 32 lanes");
+  warp_sum_level<N, 16>(v, int(threadIdx.x % 32));
+  return N == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
+}
+
+// Copies `rows` rows of `cols` elements from global memory (written by other blocks during this launch) into shared
+// rows of `stride` elements, kDepth loads per thread in flight at a time. Element e0 + d kThreads of the sequence
+// is (row, col) of the rows, followed step by step rather than divided.
+template <int kDepth, typename T> __device__ void copy_rows(T* dst, int stride, const T* src, int rows, int cols) {
+  const int n = rows * cols;
+  int row = int(threadIdx.x) / cols, col = int(threadIdx.x) % cols;
+  for (int e0 = threadIdx.x; e0 < n; e0 += kThreads * kDepth) {
+    T v[kDepth];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d)
+      if (e0 + d * kThreads < n) v[d] = load_cg(src + e0 + d * kThreads);
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (e0 + d * kThreads < n) dst[row * stride + col] = v[d];
+      for (col += kThreads; col >= cols; col -= cols) ++row;
+    }
+  }
+}
+
+// h_prev into shared memory: as 16-byte chunks where the rows are dense and aligned, else 32 elements per thread at
+// a time (a layer of 650 units and a batch of 20 in one round trip).
+template <typename S> __device__ void stage_rows(S* dst, int stride, const S* src, int rows, int cols) {
+  const int n = rows * cols;
+  if (stride == cols && reinterpret_cast<uintptr_t>(src) % 16 == 0 && n % kVec<S> == 0) {
+    const int chunks = n / kVec<S>;
+    return copy_rows<8>(reinterpret_cast<int4*>(dst), chunks, reinterpret_cast<const int4*>(src), 1, chunks);
+  }
+  copy_rows<32>(dst, stride, src, rows, cols);
+}
+
+// The forward's shared memory, in elements of S: w [rows][stride], row g U + u = W_hh's row g H + j0 + u (U the
+// block's units), then h_prev [h_rows][stride]; rows and columns padded with zeros to whole tiles and 16-byte
+// chunks, so the products need no bounds.
+struct ForwardLayout {
+  int stride, rows, h_rows;
+  HG_HOST_DEVICE ForwardLayout(int64_t G, int64_t units, int64_t H, int64_t B, int vec)
+      : stride(round_up(int(H), vec)), rows(round_up(int(G * units), kTile)), h_rows(round_up(int(B), kTile)) {}
+  HG_HOST_DEVICE size_t w_elements() const { return size_t(rows) * stride; }
+  HG_HOST_DEVICE size_t elements() const { return w_elements() + size_t(h_rows) * stride; }
+};
+
+template <typename S, RnnKind K>
+__global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopForwardArgs a, int units) {
+  using A = opmath_t<S>;
+  constexpr int G = kGates<K>, V = kVec<S>;
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int H = int(a.hidden), B = int(a.batch), T = int(a.steps);
+  const int j0 = int(blockIdx.x) * units, U = min(units, H - j0), R = G * U;
+  const ForwardLayout layout(G, units, H, B, V);
+  const int stride = layout.stride;
+  S* w = reinterpret_cast<S*>(shared);
+  S* h = w + layout.w_elements();
+  const S* w_hh = static_cast<const S*>(a.w_hh);
+#pragma unroll 8
+  for (int e = threadIdx.x; e < layout.rows * stride; e += kThreads) {
+    const int r = e / stride, k = e % stride;
+    w[e] = r < R && k < H ? w_hh[size_t((r / U) * H + j0 + r % U) * H + k] : S(A(0));
+  }
+  for (int e = threadIdx.x; e < layout.h_rows * stride; e += kThreads) h[e] = S(A(0));
+  __syncthreads();
+  A* gh = static_cast<A*>(a.gh);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunks = stride / V, b_tiles = layout.h_rows / kTile, r_tiles = layout.rows / kTile;
+  const cg::grid_group grid = cg::this_grid();
+  for (int t = 0; t < T; ++t) {
+    const rnn_cell::Forward<S> cell(a, G, t);
+    stage_rows(h, stride, cell.h_prev, B, H);
+    __syncthreads();
+    for (int task = warp; task < b_tiles * r_tiles; task += kWarps) {
+      const int b0 = (task / r_tiles) * kTile, r0 = (task % r_tiles) * kTile;
+      const S* h_rows = h + b0 * stride;
+      const S* w_rows = w + r0 * stride;
+      A acc[kTile * kTile] = {};
+      for (int c = lane; c < chunks; c += 32) {
+        A hv[kTile][V], wv[kTile][V];
+#pragma unroll
+        for (int i = 0; i < kTile; ++i) load_widened<S, V>(h_rows + i * stride + c * V, hv[i]);
+#pragma unroll
+        for (int q = 0; q < kTile; ++q) load_widened<S, V>(w_rows + q * stride + c * V, wv[q]);
+#pragma unroll
+        for (int i = 0; i < kTile; ++i)
+#pragma unroll
+          for (int q = 0; q < kTile; ++q)
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[i * kTile + q] += hv[i][v] * wv[q][v];
+      }
+      const A sum = warp_sum<kTile * kTile>(acc);
+      const int b = b0 + (lane / 2) / kTile, r = r0 + (lane / 2) % kTile;
+      if (lane % 2 == 0 && b < B && r < R) gh[b * G * H + (r / U) * H + j0 + r % U] = sum;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < B * U; e += kThreads) cell.template operator()<K>(e / U, j0 + e % U);
+    grid.sync();
+  }
+}
+
+// The backward's shared memory: w [G H][UP] (A-aligned), w[r][u] = W_hh[r][j0 + u], zero for u >= U; then the
+// step's sums [B][UP] in A, to which the warps sharing a batch tile add their parts.
+template <typename S, typename A> HG_HOST_DEVICE size_t backward_weights_bytes(int64_t G, int64_t H, int up) {
+  return (size_t(G * H * up) * sizeof(S) + sizeof(A) - 1) / sizeof(A) * sizeof(A);
+}
+
+template <typename S, RnnKind K, int UP>
+__global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBackwardArgs a, int units) {
+  using A = opmath_t<S>;
+  constexpr int G = kGates<K>;
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int H = int(a.hidden), B = int(a.batch), T = int(a.steps), GH = G * H;
+  const int j0 = int(blockIdx.x) * units, U = min(units, H - j0);
+  S* w = reinterpret_cast<S*>(shared);
+  A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));
+  const S* w_hh = static_cast<const S*>(a.w_hh);
+#pragma unroll 8
+  for (int e = threadIdx.x; e < GH * UP; e += kThreads) {
+    const int r = e / UP, u = e % UP;
+    w[e] = u < U ? w_hh[size_t(r) * H + j0 + u] : S(A(0));
+  }
+  A* dh = static_cast<A*>(a.dh);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Batch tiles by slices of the reduction: enough tasks for every warp.
+  const int b_tiles = (B + kTile - 1) / kTile, splits = max(1, kWarps / b_tiles);
+  const int slice = round_up((GH + splits - 1) / splits, 32);
+  const cg::grid_group grid = cg::this_grid();
+  for (int t = T - 1; t >= 0; --t) {
+    if (t + 1 < T) {
+      for (int e = threadIdx.x; e < B * UP; e += kThreads) sums[e] = A(0);
+      __syncthreads();
+      const S* next = rnn_cell::Backward<S>(a, G, t + 1).recurrent_gradient();
+      for (int task = warp; task < b_tiles * splits; task += kWarps) {
+        const int b0 = (task / splits) * kTile, r_begin = (task % splits) * slice, r_end = min(GH, r_begin + slice);
+        const S* rows[kTile];  // rows past the batch read its last row; their sums are dropped
+#pragma unroll
+        for (int i = 0; i < kTile; ++i) rows[i] = next + size_t(min(b0 + i, B - 1)) * GH;
+        A acc[kTile * UP] = {};
+        // The gradients come from L2: kDepth elements' loads are issued before their products.
+        constexpr int kDepth = 4;
+        for (int r0 = r_begin + lane; r0 < r_end; r0 += 32 * kDepth) {
+          A dv[kDepth][kTile];
+#pragma unroll
+          for (int d = 0; d < kDepth; ++d)
+#pragma unroll
+            for (int i = 0; i < kTile; ++i) dv[d][i] = r0 + 32 * d < r_end ? A(load_cg(rows[i] + r0 + 32 * d)) : A(0);
+#pragma unroll
+          for (int d = 0; d < kDepth; ++d) {
+            const int r = min(r0 + 32 * d, r_end - 1);  // beyond the end dv is 0
+            A wv[UP];
+            load_widened<S, UP>(w + r * UP, wv);
+#pragma unroll
+            for (int i = 0; i < kTile; ++i)
+#pragma unroll
+              for (int u = 0; u < UP; ++u) acc[i * UP + u] += dv[d][i] * wv[u];
+          }
+        }
+        const A sum = warp_sum<kTile * UP>(acc);
+        const int value = kTile * UP == 32 ? lane : lane / 2, b = b0 + value / UP, u = value % UP;
+        if ((kTile * UP == 32 || lane % 2 == 0) && b < B && u < U) atomicAdd(&sums[b * UP + u], sum);
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < B * U; e += kThreads) dh[(e / U) * H + j0 + e % U] += sums[(e / U) * UP + e % U];
+      __syncthreads();
+    }
+    const rnn_cell::Backward<S> cell(a, G, t);
+    for (int e = threadIdx.x; e < B * U; e += kThreads) cell.template operator()<K>(e / U, j0 + e % U);
+    grid.sync();
+  }
+}
+
+// How a problem splits over the blocks; blocks == 0 when the persistent kernel cannot run it.
+struct Plan {
+  int blocks = 0, units = 0;
+  size_t smem = 0;
+};
+
+// Computed once per kernel, device and sizes: the shared memory and co-residency checks query the device.
+template <typename Kernel>
+Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, int64_t B) {
+  using Key = std::array<int64_t, 5>;
+  thread_local std::map<std::pair<const void*, Key>, Plan> plans;
+  const std::pair<const void*, Key> key{reinterpret_cast<const void*>(kernel), {device, units, int64_t(smem), H, B}};
+  const auto found = plans.find(key);
+  if (found != plans.end()) return found->second;
+  int sms = 0, max_smem = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "rnn");
+  Plan plan;
+  if (smem <= size_t(max_smem)) {
+    HG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "rnn");
+    int per_sm = 0;
+    HG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem), "rnn");
+    const int64_t blocks = (H + units - 1) / units;
+    if (blocks <= int64_t(per_sm) * sms) plan = {int(blocks), int(units), smem};
+  }
+  plans[key] = plan;
+  return plan;
+}
+
+// The units per block: the hidden units spread over every SM.
+int64_t units_per_block(int device, int64_t H) {
+  int sms = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
+  return (H + sms - 1) / sms;
+}
+
+template <typename Args> bool persistent_allowed(const Args& a) {
+  return rnn_cuda_loop() != RnnCudaLoop::Steps && a.batch > 0 && a.hidden > 0 &&
+         a.batch * a.hidden * rnn_gates(a.kind) * 8 <= INT32_MAX && a.steps <= INT32_MAX;
+}
+
+template <typename Args> void launch_cooperative(void (*kernel)(Args, int), const Args& a, const Plan& plan,
+                                                 const char* op) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = plan.smem;
+  config.stream = stream_of(a.device);
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  HG_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, plan.units), op);
+  HG_CUDA_CHECK_LAUNCH(op);
+}
+
+// The forward kernel's plan; launched when `launch`. False when the problem does not fit it.
+template <typename S, RnnKind K> bool forward_persistent(const RnnLoopForwardArgs& a, bool launch) {
+  if (!persistent_allowed(a)) return false;
+  const int64_t units = units_per_block(a.device.index, a.hidden);
+  const ForwardLayout layout(kGates<K>, units, a.hidden, a.batch, kVec<S>);
+  const Plan plan = plan_for(persistent_forward_kernel<S, K>, a.device.index, units, layout.elements() * sizeof(S),
+                             a.hidden, a.batch);
+  if (plan.blocks == 0) return false;
+  if (launch) launch_cooperative(persistent_forward_kernel<S, K>, a, plan, "rnn");
+  return true;
+}
+
+template <typename S, RnnKind K, int UP>
+bool backward_persistent_up(const RnnLoopBackwardArgs& a, int64_t units, bool launch) {
+  using A = opmath_t<S>;
+  const size_t smem = backward_weights_bytes<S, A>(kGates<K>, a.hidden, UP) + size_t(a.batch * UP) * sizeof(A);
+  const Plan plan = plan_for(persistent_backward_kernel<S, K, UP>, a.device.index, units, smem, a.hidden, a.batch);
+  if (plan.blocks == 0) return false;
+  if (launch) launch_cooperative(persistent_backward_kernel<S, K, UP>, a, plan, "rnn backward");
+  return true;
+}
+
+// The backward kernel holds all of a block's units in registers: 4 or 8 of them.
+template <typename S, RnnKind K> bool backward_persistent(const RnnLoopBackwardArgs& a, bool launch) {
+  if (!persistent_allowed(a)) return false;
+  const int64_t units = units_per_block(a.device.index, a.hidden);
+  if (units <= 4) return backward_persistent_up<S, K, 4>(a, units, launch);
+  if (units <= 8) return backward_persistent_up<S, K, 8>(a, units, launch);
+  return false;
+}
+
+// ---- choosing per problem, as conv2d and batch_norm do: the first time a thread meets a forward problem that the
+// persistent kernel takes, both ways run on the real buffers (the forward loop only writes its outputs and scratch,
+// so running it again changes nothing) and the faster is kept for the problem's forward and backward.
+
+using ChoiceKey = std::array<int64_t, 7>;
+template <typename Args> ChoiceKey choice_key(const Args& a) {
+  return {a.device.index, int64_t(a.kind), int64_t(a.storage), a.steps, a.batch, a.hidden, int64_t(cuda::allow_tf32())};
+}
+thread_local std::map<ChoiceKey, bool> t_persistent_chosen;
+
+bool choose_persistent(const RnnLoopForwardArgs& a, const std::function<void()>& persistent) {
+  if (rnn_cuda_loop() == RnnCudaLoop::Persistent) return true;
+  const ChoiceKey key = choice_key(a);
+  if (auto it = t_persistent_chosen.find(key); it != t_persistent_chosen.end()) return it->second;
+  const float persistent_ms = cuda::median_run_ms(a.device.index, persistent, "rnn");
+  const float steps_ms = cuda::median_run_ms(a.device.index, [&] { forward_steps(a); }, "rnn");
+  const bool chosen = persistent_ms < steps_ms;
+  logger().debug("rnn (cuda): {} {} T {} B {} H {}: persistent {:.4f} ms, steps {:.4f} ms -> {}", rnn_kind_name(a.kind),
+                 dtype_name(a.storage), a.steps, a.batch, a.hidden, persistent_ms, steps_ms,
+                 chosen ? "persistent" : "steps");
+  return t_persistent_chosen.emplace(key, chosen).first->second;
+}
+
+// Calls fn.template operator()<S, K>() with the storage type and the kind as template arguments.
+template <typename Fn> void dispatch_loop(DType storage, RnnKind kind, const char* op, Fn&& fn) {
+  dispatch_floating(storage, op, [&]<typename S>() {
+    rnn_cell::dispatch_kind(kind, [&]<RnnKind K>() { fn.template operator()<S, K>(); });
+  });
+}
+
+void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
+  cuda::DeviceGuard guard(a.device);
+  dispatch_loop(a.storage, a.kind, "rnn", [&]<typename S, RnnKind K>() {
+    if (forward_persistent<S, K>(a, false) && choose_persistent(a, [&] { forward_persistent<S, K>(a, true); })) {
+      forward_persistent<S, K>(a, true);
+    } else {
+      forward_steps(a);
+    }
+  });
+}
+
+void rnn_loop_backward_cuda(const RnnLoopBackwardArgs& a) {
+  cuda::DeviceGuard guard(a.device);
+  dispatch_loop(a.storage, a.kind, "rnn backward", [&]<typename S, RnnKind K>() {
+    // The forward's choice for the same problem; a backward without one (another thread ran the forward) takes
+    // the persistent kernel where it fits.
+    const auto it = t_persistent_chosen.find(choice_key(a));
+    const bool steps_chosen = rnn_cuda_loop() == RnnCudaLoop::Fastest && it != t_persistent_chosen.end() && !it->second;
+    if (!steps_chosen && backward_persistent<S, K>(a, true)) return;
+    backward_steps(a);
   });
 }
 
 }  // namespace
 
-HG_REGISTER_KERNEL(rnn_step_forward_kernel, CUDA, rnn_step_forward_cuda);
-HG_REGISTER_KERNEL(rnn_step_backward_kernel, CUDA, rnn_step_backward_cuda);
+HG_REGISTER_KERNEL(rnn_loop_forward_kernel, CUDA, rnn_loop_forward_cuda);
+HG_REGISTER_KERNEL(rnn_loop_backward_kernel, CUDA, rnn_loop_backward_cuda);
 
 }  // namespace halfgrad

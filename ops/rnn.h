@@ -5,15 +5,15 @@
 //
 // Path from the op to its kernels (ops/rnn.cpp):
 //   rnn              ->  per layer: one GEMM for the input projections of all T steps (gemm_kernel[device]),
-//                        then per step rnn_step_forward_kernel[device]: the recurrent GEMM, then one pass that adds
-//                        the biases and runs every gate nonlinearity and the state update
-//   RnnBackward      ->  per layer, steps in reverse: rnn_step_backward_kernel[device] (the recurrent gradient's
-//                        GEMM, then the gates' gradients); then one GEMM each for the input gradient and the two
-//                        weight gradients over all steps, and a sum over rows for each bias
-// The gate arithmetic itself is written once, for both devices, in ops/rnn_cell.h; the CPU kernels are in
-// ops/rnn.cpp, the CUDA kernels in ops/rnn.cu. On CUDA each layer's time loop runs as one CUDA graph, replayed
-// while its buffers repeat (cuda::run_as_graph). Dropout between layers is dropout_kernel with its own Philox
-// counters (ops/dropout.h), the same stream the dropout op would draw.
+//                        then rnn_loop_forward_kernel[device], the T steps: each the recurrent product, then one
+//                        pass that adds the biases and runs every gate nonlinearity and the state update
+//   RnnBackward      ->  per layer: rnn_loop_backward_kernel[device], the steps in reverse (the recurrent
+//                        gradient's product, then the gates' gradients); then one GEMM each for the input gradient
+//                        and the two weight gradients over all steps, and a sum over rows for each bias
+// The gate arithmetic itself is written once, for both devices, in ops/rnn_cell.h; the CPU loops are in
+// ops/rnn.cpp (per step a GEMM and a pass over the units), the CUDA ones in ops/rnn.cu (a persistent kernel, or
+// per step cuBLAS and a cell kernel replayed as a CUDA graph; set_rnn_cuda_loop below). Dropout between
+// layers is dropout_kernel with its own Philox counters (ops/dropout.h), the same stream the dropout op would draw.
 //
 // Precision: every GEMM takes its operands in the storage dtype (the input's: float16, bfloat16, float32 or
 // float64) and accumulates in float32 (float64 for float64); the gate pre-activations, the cell state and all
@@ -56,57 +56,63 @@ struct RnnResult {
 RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const TensorList& weights,
               const RnnOptions& options);
 
-// ---- kernels (core/dispatch.h): one time step of one layer, over a batch of B rows and H hidden units.
-// Pointers are raw and dense: rows of G H values (gate k's unit j at k H + j) or of H values. `S` is the storage
-// dtype (GEMM operands: h, weights, gradients of the pre-activations), `A` = float32 (float64 for float64) the
-// accumulation dtype (pre-activations, cell states, saved gates). ops/rnn_cell.h says what the cell computes.
+// How CUDA runs a layer's time loop (ops/rnn.cu). Persistent: one kernel per layer and direction wherever the
+// problem fits it: every block keeps a slice of W_hh on chip for all T steps and owns a few hidden units, and the
+// blocks meet at a grid-wide barrier after each step. Steps: per step a cuBLAS GEMM and a cell kernel, the T steps
+// captured once as a CUDA graph and replayed. Fastest (the default): the first time a problem is met both run and
+// the faster is kept, as conv2d and batch_norm choose their algorithms. All three compute the same arithmetic.
+enum class RnnCudaLoop { Fastest, Persistent, Steps };
+void set_rnn_cuda_loop(RnnCudaLoop loop);
+RnnCudaLoop rnn_cuda_loop();
+
+// ---- kernels (core/dispatch.h): one layer's whole time loop, T steps over a batch of B rows and H hidden units.
+// Pointers are raw and dense: rows of G H values (gate k's unit j at k H + j) or of H values; a sequence [T, ...]
+// is its T steps' rows one after the other. `S` is the storage dtype (GEMM operands: h, weights, gradients of the
+// pre-activations), `A` = float32 (float64 for float64) the accumulation dtype (pre-activations, cell states,
+// saved gates). ops/rnn_cell.h says what the cell computes.
 //
 // A step is the recurrent product and the cell: forward gh = h_prev W_hh^T, then the cell; backward dh +=
-// dgh_next W_hh (the gradient reaching h through the next step's product), then the cell's backward. Both devices
-// run them as a GEMM (gemm_dense, ops/matmul.h) and one pass over the units.
-struct RnnStepForwardArgs {
+// dgh_next W_hh (the gradient reaching h through the next step's product), then the cell's backward.
+struct RnnLoopForwardArgs {
   RnnKind kind;
   DType storage;
   Device device;
-  int64_t batch, hidden;
-  const void* w_hh;    // S [G H, H]
-  const void* gi;      // A [B, G H]: W_ih x (no bias)
-  void* gh;            // A [B, G H]: scratch, written with W_hh h_prev (no bias) and then read by the cell
-  const void* b_ih;    // S [G H] or null
-  const void* b_hh;    // S [G H] or null
-  const void* h_prev;  // S [B, H]
-  const void* c_prev;  // A [B, H] (LSTM)
-  void* h;             // S [B, H]
-  void* c;             // A [B, H] (LSTM)
-  void* gates;         // A [B, G H]: the activations, saved for backward; null when not training a graph
-  void* hn;            // A [B, H]: GRU's W_hn h + b_hn, saved for backward; null likewise
+  int64_t steps, batch, hidden;
+  const void* w_hh;  // S [G H, H]
+  const void* gi;    // A [T, B, G H]: W_ih x (no bias)
+  void* gh;          // A [B, G H]: scratch for each step's W_hh h_prev (no bias), read by the cell
+  const void* b_ih;  // S [G H] or null
+  const void* b_hh;  // S [G H] or null
+  const void* h0;    // S [B, H]
+  void* out;         // S [T, B, H]: h after each step
+  void* cells;       // A [T + 1, B, H] (LSTM): in, c0 in row 0; out, c after each step in rows 1..T
+  void* gates;       // A [T, B, G H]: the activations, saved for backward; null when not training a graph
+  void* hn;          // A [T, B, H]: GRU's W_hn h + b_hn, saved for backward; null likewise
 };
 
-struct RnnStepBackwardArgs {
+struct RnnLoopBackwardArgs {
   RnnKind kind;
   DType storage;
   Device device;
-  int64_t batch, hidden;
-  const void* w_hh;      // S [G H, H]
-  const void* dgh_next;  // S [B, G H]: the next step's recurrent pre-activation gradients; null at the last step
-  const void* dy;        // S [B, H]: the gradient of this step's output from above
-  void* dh;              // A [B, H]: in, the part of h's gradient that does not go through W_hh (from the next
-                         // step's cell: GRU dh z, else 0; at the last step the final state's gradient); out, the
-                         // same part for h_prev
-  void* dc;              // A [B, H] (LSTM): in, c's gradient from the next step; out, c_prev's
-  const void* gates;     // A [B, G H]: saved activations
-  const void* c;         // A [B, H] (LSTM): this step's cell state
-  const void* c_prev;    // A [B, H] (LSTM)
-  const void* h_prev;    // S [B, H] (GRU)
-  const void* hn;        // A [B, H] (GRU)
-  void* dgi;             // S [B, G H]: the gradient of W_ih x's pre-activations
-  void* dgh;             // S [B, G H]: GRU, of W_hh h's (differs in the n gate); null for the others (== dgi)
+  int64_t steps, batch, hidden;
+  const void* w_hh;   // S [G H, H]
+  const void* dy;     // S [T, B, H]: the gradient of each step's output from above
+  void* dh;           // A [B, H]: in, the final state's gradient; out, the part of h0's gradient that does not go
+                      // through the first step's W_hh (GRU dh z, else 0)
+  void* dc;           // A [B, H] (LSTM): in, c_T's gradient; out, c0's
+  const void* gates;  // A [T, B, G H]: saved activations
+  const void* cells;  // A [T + 1, B, H] (LSTM): c0, then c after each step
+  const void* h0;     // S [B, H]
+  const void* out;    // S [T, B, H]: h after each step (GRU's h_prev)
+  const void* hn;     // A [T, B, H] (GRU)
+  void* dgi;          // S [T, B, G H]: the gradients of W_ih x's pre-activations
+  void* dgh;          // S [T, B, G H]: GRU, of W_hh h's (differs in the n gate); null for the others (== dgi)
 };
 
-using RnnStepForwardKernel = void (*)(const RnnStepForwardArgs&);
-using RnnStepBackwardKernel = void (*)(const RnnStepBackwardArgs&);
-extern KernelTable<RnnStepForwardKernel> rnn_step_forward_kernel;
-extern KernelTable<RnnStepBackwardKernel> rnn_step_backward_kernel;
+using RnnLoopForwardKernel = void (*)(const RnnLoopForwardArgs&);
+using RnnLoopBackwardKernel = void (*)(const RnnLoopBackwardArgs&);
+extern KernelTable<RnnLoopForwardKernel> rnn_loop_forward_kernel;
+extern KernelTable<RnnLoopBackwardKernel> rnn_loop_backward_kernel;
 
 // The accumulation dtype A of a storage dtype S: float64 for float64, else float32.
 DType rnn_acc_dtype(DType storage);

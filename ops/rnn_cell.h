@@ -1,7 +1,7 @@
 #pragma once
 // The gate arithmetic of one recurrent step, once for both devices: the CPU loops (ops/rnn.cpp) and the CUDA
-// kernels (ops/rnn.cu) call these for each (row b, hidden unit j). S is the storage type, A = opmath_t<S> the
-// type every value is computed in. The equations are those of ops/rnn.h; the backward follows from them:
+// kernels (ops/rnn.cu) call these for each (row b, hidden unit j) of step t. S is the storage type, A =
+// opmath_t<S> the type every value is computed in. The equations are those of ops/rnn.h; the backward follows from them:
 //
 //   LSTM  tc = tanh(c'); dh = dy + dh'; dc = dc' + dh o (1 - tc^2)
 //         d(pre_i) = dc g i (1 - i), d(pre_f) = dc c f (1 - f), d(pre_g) = dc i (1 - g^2),
@@ -42,19 +42,20 @@ struct Forward {
   S* h;
   A *c, *gates, *hn;
 
-  explicit Forward(const RnnStepForwardArgs& a)
+  // Step t of a layer's loop (ops/rnn.h); G = rnn_gates(a.kind).
+  HG_HOST_DEVICE Forward(const RnnLoopForwardArgs& a, int64_t gates_per_unit, int64_t t)
       : H(a.hidden),
-        G(rnn_gates(a.kind)),
-        gi(static_cast<const A*>(a.gi)),
+        G(gates_per_unit),
+        gi(static_cast<const A*>(a.gi) + t * a.batch * G * H),
         gh(static_cast<const A*>(a.gh)),
         b_ih(static_cast<const S*>(a.b_ih)),
         b_hh(static_cast<const S*>(a.b_hh)),
-        h_prev(static_cast<const S*>(a.h_prev)),
-        c_prev(static_cast<const A*>(a.c_prev)),
-        h(static_cast<S*>(a.h)),
-        c(static_cast<A*>(a.c)),
-        gates(static_cast<A*>(a.gates)),
-        hn(static_cast<A*>(a.hn)) {}
+        h_prev(t == 0 ? static_cast<const S*>(a.h0) : static_cast<const S*>(a.out) + (t - 1) * a.batch * H),
+        c_prev(a.cells ? static_cast<const A*>(a.cells) + t * a.batch * H : nullptr),
+        h(static_cast<S*>(a.out) + t * a.batch * H),
+        c(a.cells ? static_cast<A*>(a.cells) + (t + 1) * a.batch * H : nullptr),
+        gates(a.gates ? static_cast<A*>(a.gates) + t * a.batch * G * H : nullptr),
+        hn(a.hn ? static_cast<A*>(a.hn) + t * a.batch * H : nullptr) {}
 
   // Gate k's input and recurrent terms with their biases, for unit j of row b.
   HG_HOST_DEVICE A input_term(int64_t b, int64_t k, int64_t j) const {
@@ -109,21 +110,24 @@ struct Backward {
   const A* hn;
   S *dgi, *dgh;
 
-  explicit Backward(const RnnStepBackwardArgs& a)
+  // Step t of a layer's loop (ops/rnn.h); G = rnn_gates(a.kind).
+  HG_HOST_DEVICE Backward(const RnnLoopBackwardArgs& a, int64_t gates_per_unit, int64_t t)
       : H(a.hidden),
-        G(rnn_gates(a.kind)),
-        dy(static_cast<const S*>(a.dy)),
+        G(gates_per_unit),
+        dy(static_cast<const S*>(a.dy) + t * a.batch * H),
         dh(static_cast<A*>(a.dh)),
         dc(static_cast<A*>(a.dc)),
-        gates(static_cast<const A*>(a.gates)),
-        c(static_cast<const A*>(a.c)),
-        c_prev(static_cast<const A*>(a.c_prev)),
-        h_prev(static_cast<const S*>(a.h_prev)),
-        hn(static_cast<const A*>(a.hn)),
-        dgi(static_cast<S*>(a.dgi)),
-        dgh(static_cast<S*>(a.dgh)) {}
+        gates(static_cast<const A*>(a.gates) + t * a.batch * G * H),
+        c(a.cells ? static_cast<const A*>(a.cells) + (t + 1) * a.batch * H : nullptr),
+        c_prev(a.cells ? static_cast<const A*>(a.cells) + t * a.batch * H : nullptr),
+        h_prev(t == 0 ? static_cast<const S*>(a.h0) : static_cast<const S*>(a.out) + (t - 1) * a.batch * H),
+        hn(a.hn ? static_cast<const A*>(a.hn) + t * a.batch * H : nullptr),
+        dgi(static_cast<S*>(a.dgi) + t * a.batch * G * H),
+        dgh(a.dgh ? static_cast<S*>(a.dgh) + t * a.batch * G * H : nullptr) {}
 
   HG_HOST_DEVICE A gate(int64_t b, int64_t k, int64_t j) const { return gates[b * G * H + k * H + j]; }
+  // [B, G H]: this step's gradients of W_hh h_prev's pre-activations, which reach h_prev through W_hh.
+  HG_HOST_DEVICE const S* recurrent_gradient() const { return dgh ? dgh : dgi; }
   // The gradient of gate k's pre-activation, the same for both projections.
   HG_HOST_DEVICE void put(int64_t b, int64_t k, int64_t j, A v) const {
     dgi[b * G * H + k * H + j] = S(v);

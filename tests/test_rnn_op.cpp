@@ -329,45 +329,85 @@ TEST_CASE("rnn under autocast runs in the lower precision, and the float32 weigh
 
 // ---- CUDA against the CPU
 
+// Runs a scope with the CUDA loop kernels chosen (ops/rnn.h's set_rnn_cuda_loop), and restores them.
+struct CudaLoop {
+  RnnCudaLoop previous = rnn_cuda_loop();
+  explicit CudaLoop(RnnCudaLoop loop) { set_rnn_cuda_loop(loop); }
+  ~CudaLoop() { set_rnn_cuda_loop(previous); }
+};
+
 TEST_CASE("cuda: rnn's outputs and gradients match the CPU for every kind and dtype, dropout included") {
   SKIP_WITHOUT_GPU();
-  for (RnnKind kind : kAllKinds) {
-    for (auto [dtype, tol] : {std::pair{kFloat64, 1e-10}, {kFloat32, 1e-4}, {kFloat16, 1e-2}, {kBFloat16, 5e-2}}) {
-      for (int64_t batch : {5, 40}) {
-        const std::string kind_name = rnn_kind_name(kind), dtype_str = dtype_name(dtype);
-        CAPTURE(kind_name);
-        CAPTURE(dtype_str);
-        CAPTURE(batch);
-        manual_seed(38);
-        const Inputs in = make_inputs(kind, 7, batch, 6, 40, 2, true, true, 0.6 / std::sqrt(40.0));
-        const RnnOptions o{.kind = kind, .num_layers = 2, .dropout = 0.25, .training = true};
-        TensorList cpu, gpu;
-        for (const Tensor& t : in.all()) {
-          cpu.push_back(t.defined() ? t.detach().to(dtype).requires_grad_() : Tensor());
-          gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0), dtype).requires_grad_() : Tensor());
-        }
-        manual_seed(9);
-        const RnnResult want = rnn(cpu[0], cpu[1], cpu[2], TensorList(cpu.begin() + 3, cpu.end()), o);
-        manual_seed(9);
-        const RnnResult got = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
-        CHECK(got.output.is_cuda());
-        const TensorList got_grads = gradients_of(got, gpu), want_grads = gradients_of(want, cpu);
-        if (!is_half(dtype)) {
-          check_same(got.tensors(), want.tensors(), tol);
-          check_same(got_grads, want_grads, tol * 4);
-        } else {
-          // CUDA rounds h to the dtype after every step (the next GEMM's operand), the CPU only at the end, so
-          // single elements can part (a relu near 0 switches its gradient on or off): compare whole tensors.
-          check_relative(got.tensors(), want.tensors(), tol);
-          check_relative(got_grads, want_grads, tol * 2);
+  for (RnnCudaLoop loop : {RnnCudaLoop::Persistent, RnnCudaLoop::Steps, RnnCudaLoop::Fastest}) {
+    const CudaLoop loops(loop);
+    CAPTURE(int(loop));
+    for (RnnKind kind : kAllKinds) {
+      for (auto [dtype, tol] : {std::pair{kFloat64, 1e-10}, {kFloat32, 1e-4}, {kFloat16, 1e-2}, {kBFloat16, 5e-2}}) {
+        for (int64_t batch : {5, 40}) {
+          const std::string kind_name = rnn_kind_name(kind), dtype_str = dtype_name(dtype);
+          CAPTURE(kind_name);
+          CAPTURE(dtype_str);
+          CAPTURE(batch);
+          manual_seed(38);
+          const Inputs in = make_inputs(kind, 7, batch, 6, 40, 2, true, true, 0.6 / std::sqrt(40.0));
+          const RnnOptions o{.kind = kind, .num_layers = 2, .dropout = 0.25, .training = true};
+          TensorList cpu, gpu;
+          for (const Tensor& t : in.all()) {
+            cpu.push_back(t.defined() ? t.detach().to(dtype).requires_grad_() : Tensor());
+            gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0), dtype).requires_grad_() : Tensor());
+          }
+          manual_seed(9);
+          const RnnResult want = rnn(cpu[0], cpu[1], cpu[2], TensorList(cpu.begin() + 3, cpu.end()), o);
+          manual_seed(9);
+          const RnnResult got = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
+          CHECK(got.output.is_cuda());
+          const TensorList got_grads = gradients_of(got, gpu), want_grads = gradients_of(want, cpu);
+          if (!is_half(dtype)) {
+            check_same(got.tensors(), want.tensors(), tol);
+            check_same(got_grads, want_grads, tol * 4);
+          } else {
+            // CUDA rounds h to the dtype after every step (the next GEMM's operand), the CPU only at the end, so
+            // single elements can part (a relu near 0 switches its gradient on or off): compare whole tensors.
+            check_relative(got.tensors(), want.tensors(), tol);
+            check_relative(got_grads, want_grads, tol * 2);
+          }
         }
       }
     }
   }
 }
 
+TEST_CASE("cuda: the persistent loop kernels equal the per-step kernels when units, rows and batch split into tiles") {
+  SKIP_WITHOUT_GPU();
+  // 300 units: several units per block on any GPU with fewer than 300 SMs, so a block's W_hh slice spans several
+  // gates' rows; batches of 1, 6 (a partial tile) and 33 (9 tiles); float64, so the sums' orders cannot hide
+  // an error.
+  for (RnnKind kind : kAllKinds) {
+    for (int64_t batch : {1, 6, 33}) {
+      const std::string kind_name = rnn_kind_name(kind);
+      CAPTURE(kind_name);
+      CAPTURE(batch);
+      manual_seed(41);
+      const Inputs in = make_inputs(kind, 5, batch, 7, 300, 2, true, true, 0.8 / std::sqrt(300.0));
+      TensorList gpu;
+      for (const Tensor& t : in.all())
+        gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
+      const RnnOptions o{.kind = kind, .num_layers = 2};
+      auto run = [&](RnnCudaLoop loop) {
+        const CudaLoop loops(loop);
+        const RnnResult r = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
+        TensorList all = r.tensors();
+        for (const Tensor& g : gradients_of(r, gpu)) all.push_back(g);
+        return all;
+      };
+      check_same(run(RnnCudaLoop::Persistent), run(RnnCudaLoop::Steps), 1e-10);
+    }
+  }
+}
+
 TEST_CASE("cuda: rnn called again on the same buffers (a replayed time loop) reads the new values") {
   SKIP_WITHOUT_GPU();
+  const CudaLoop loops(RnnCudaLoop::Steps);  // the per-step kernels, whose loops are replayed as CUDA graphs
   for (RnnKind kind : {RnnKind::GRU, RnnKind::LSTM}) {
     const std::string kind_name = rnn_kind_name(kind);
     CAPTURE(kind_name);

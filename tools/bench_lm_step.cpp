@@ -19,6 +19,7 @@
 //
 //   bench_lm_step [--model lstm|gru|rnn_tanh|rnn_relu] [--nhid 200] [--nlayers 2] [--batch 20] [--bptt 35]
 //                 [--vocab 33278] [--opt-levels O0,O1] [--warmup 5] [--steps 20] [--repeats 3] [--device cuda|cpu]
+//                 [--rnn-loop fastest|persistent|steps] [--tf32]
 //   bench_lm_step --device cpu            # the CPU target: defaults to a 32x32 LSTM (--nhid 32) at O0
 #include <CLI/CLI.hpp>
 
@@ -35,6 +36,7 @@
 #include "core/cuda_allocator.h"
 #include "halfgrad.h"
 #include "models/language_model.h"
+#include "ops/rnn.h"
 #include "optim/amp.h"
 #include "optim/clip_grad.h"
 #include "optim/sgd.h"
@@ -56,6 +58,8 @@ struct Settings {
   int warmup = 5, steps = 20, repeats = 3;
   std::string device = "cuda";
   double dropout = 0.2, lr = 20, clip = 0.25;
+  std::string rnn_loop = "fastest";
+  bool tf32 = false;
 };
 
 nn::RecurrentKind kind_of(const std::string& name) {
@@ -115,9 +119,12 @@ int run(const Settings& s) {
   const std::string where = on_gpu ? cuda::device_name(0)
                                    : fmt::format("the CPU (OMP_NUM_THREADS={})", threads ? threads : "unset");
   const std::string name = fmt::format("{} {}x{}", s.model, s.nhid, s.nlayers);
+  const std::string gpu_settings = on_gpu ? fmt::format(", time loops: {}, TF32 {}", s.rnn_loop, s.tf32 ? "on" : "off")
+                                          : "";
   fmt::print("bench_lm_step: halfgrad word language model training step ({}, emsize = nhid, vocab {}, dropout {}, "
-             "bptt {}, SGD lr {}, clip {}) on {}, data on the device, {} round(s) of {} steps after {} warm-up steps\n",
-             name, s.vocab, s.dropout, s.bptt, s.lr, s.clip, where, s.repeats, s.steps, s.warmup);
+             "bptt {}, SGD lr {}, clip {}{}) on {}, data on the device, {} round(s) of {} steps after {} warm-up "
+             "steps\n",
+             name, s.vocab, s.dropout, s.bptt, s.lr, s.clip, gpu_settings, where, s.repeats, s.steps, s.warmup);
   fmt::print("{:<14} {:>6} {:>5} {:<6} {:>6} {:>9} {:>10} {:>9} {:>9}\n", "model", "batch", "bptt", "level", "round",
              "ms", "tokens/s", "host ms", "peak MiB");
   const double tokens = double(s.bptt * s.batch);
@@ -198,7 +205,16 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", s.repeats, "rounds (each printed, then the median)")->check(CLI::PositiveNumber);
   app.add_option("--device", s.device, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   app.add_option("--dropout", s.dropout, "dropout (main.py's default 0.2)")->check(CLI::Range(0.0, 0.99));
+  app.add_option("--rnn-loop", s.rnn_loop,
+                 "CUDA: the recurrent layers' time loops as persistent kernels, as per-step cuBLAS and cell kernels "
+                 "replayed as a graph, or the faster of the two per problem (the default; ops/rnn.h's RnnCudaLoop)")
+      ->check(CLI::IsMember({"fastest", "persistent", "steps"}));
+  app.add_flag("--tf32", s.tf32, "CUDA: float32 GEMMs on TF32 tensor cores (cuda::set_allow_tf32; off by default)");
   CLI11_PARSE(app, argc, argv);
+  set_rnn_cuda_loop(s.rnn_loop == "persistent" ? RnnCudaLoop::Persistent
+                    : s.rnn_loop == "steps"    ? RnnCudaLoop::Steps
+                                               : RnnCudaLoop::Fastest);
+  if (s.tf32) cuda::set_allow_tf32(true);
   if (s.device == "cpu") {
     if (app.count("--nhid") == 0) s.nhid = 32;
     if (app.count("--opt-levels") == 0) s.levels = {"O0"};

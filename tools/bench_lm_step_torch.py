@@ -100,6 +100,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--tf32", action="store_true", help="float32 matmuls and cuDNN RNNs on TF32 tensor cores")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -109,13 +110,14 @@ def main():
     levels = (args.opt_levels or ("O0,O1" if gpu else "O0")).split(",")
     lr, clip = 20.0, 0.25
     torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     device = torch.device(args.device)
     name = f"{args.model} {nhid}x{args.nlayers}"
     where = torch.cuda.get_device_name(0) if gpu else f"the CPU ({torch.get_num_threads()} threads)"
     print(f"bench_lm_step_torch: PyTorch {torch.__version__} word language model training step ({name}, emsize = "
-          f"nhid, vocab {args.vocab}, dropout {args.dropout}, bptt {args.bptt}, SGD lr {lr:g}, clip {clip:g}) on "
+          f"nhid, vocab {args.vocab}, dropout {args.dropout}, bptt {args.bptt}, SGD lr {lr:g}, clip {clip:g}, "
+          f"TF32 {'on' if args.tf32 else 'off'}) on "
           f"{where}, data on the device, {args.repeats} round(s) of {args.steps} steps after {args.warmup} warm-up "
           f"steps")
     print(f"{'model':<14} {'batch':>6} {'bptt':>5} {'level':<6} {'round':>6} {'ms':>9} {'tokens/s':>10} "

@@ -11,6 +11,8 @@
 #   SANITIZE_CASES='*batch_norm*' ...             # memcheck only the test cases matching (doctest filter)
 #   CTEST_REGEX='cuda|CUDA' CUDA_RERUN=0 ...      # only the GPU tests, once
 #   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all six)
+#   LM_ARGS='--tf32' LM_HALFGRAD_ARGS='--rnn-loop steps' ...  # more flags for the language-model rows: both
+#                                                 # sides, or bench_lm_step alone
 #   NCU=1 ...                                     # also Nsight Compute figures for the float16 channels-last
 #                                                 # batch_norm kernels (appended to bench_layers.log)
 #   TORCH_BENCH=0 bash tools/gpu_check.sh         # skip the PyTorch comparison rows
@@ -115,7 +117,7 @@ if [[ -x $build/halfgrad_tests ]]; then
   # Half the cores as test processes, two OpenMP threads each: 16 processes of 16 threads made the CPU
   # training tests take 5 minutes each. CTEST_REGEX picks tests by name (e.g. 'cuda|CUDA': the GPU ones).
   OMP_NUM_THREADS=${CTEST_THREADS:-2} ctest --test-dir "$build" --output-on-failure -j $(( (jobs + 1) / 2 )) \
-    --timeout 600 ${CTEST_REGEX:+-R "$CTEST_REGEX"} >"$logs/ctest.log" 2>&1
+    --timeout ${CTEST_TIMEOUT:-600} ${CTEST_REGEX:+-R "$CTEST_REGEX"} >"$logs/ctest.log" 2>&1
   ctest_rc=$?
   grep -E 'tests passed|tests failed|\*\*\*Failed|\*\*\*Exception|Timeout|Not Run' "$logs/ctest.log" | head -n 40
   summary+=("ctest: $(grep -E 'tests passed' "$logs/ctest.log" || echo 'no summary')")
@@ -176,8 +178,12 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
     for config in "lstm 200 2 20" "lstm 650 2 20" "gru 650 2 20" "lstm 1500 2 64"; do
       read -r lm_model lm_nhid lm_layers lm_batch <<<"$config"
       lm_args=(--model "$lm_model" --nhid "$lm_nhid" --nlayers "$lm_layers" --batch "$lm_batch")
+      # LM_ARGS: more flags for both sides (--tf32); LM_HALFGRAD_ARGS: for bench_lm_step alone (--rnn-loop steps)
+      # shellcheck disable=SC2206
+      lm_args+=(${LM_ARGS:-})
       step "benchmark (bench_lm_step ${lm_args[*]})"
-      "$build/bench_lm_step" "${lm_args[@]}" 2>&1 | tee -a "$logs/bench_layers.log"
+      # shellcheck disable=SC2086
+      "$build/bench_lm_step" "${lm_args[@]}" ${LM_HALFGRAD_ARGS:-} 2>&1 | tee -a "$logs/bench_layers.log"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || lm_ok=0
       if [[ ${TORCH_BENCH:-1} != 0 ]] && python3 -c 'import torch' >/dev/null 2>&1; then
         step "benchmark (bench_lm_step ${lm_args[*]}, PyTorch)"
