@@ -4,6 +4,9 @@
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
+
+#include <Eigen/Core>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
@@ -15,6 +18,7 @@ namespace halfgrad {
 
 constinit KernelTable<NllLossKernel> nll_loss_kernel("nll_loss");
 constinit KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel("nll_loss_backward");
+constinit KernelTable<CrossEntropyBackwardKernel> cross_entropy_backward_kernel("cross_entropy_backward");
 
 const char* reduction_name(Reduction reduction) {
   switch (reduction) {
@@ -78,6 +82,10 @@ namespace {
 // target weights, overflow float16). `loss` carries the autograd node; `weights` is a constant.
 struct NllElements {
   Tensor loss, weights;
+  // What a backward needs: the targets (int64 [N, inner]), the class weights (accumulation dtype, or undefined)
+  // and the sizes, input [N, C, inner].
+  Tensor target, weight;
+  int64_t batch, classes, inner;
 };
 
 // The accumulation dtype of a floating dtype.
@@ -94,9 +102,10 @@ Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t cla
   return weight.detach();
 }
 
-// `input` holds log-probabilities (nll_loss) or the log_softmax of the logits (cross_entropy).
+// `input` holds log-probabilities (nll_loss) or the log_softmax of the logits (cross_entropy). With
+// `differentiable` false the loss gets no backward node (cross_entropy records its own).
 NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
-                         const char* op) {
+                         const char* op, bool differentiable = true) {
   HG_CHECK(input.defined() && target.defined(), "{}: got an undefined tensor (input {}, target {})", op,
            input.meta(), target.meta());
   HG_CHECK(input.is_floating_point(), "{}: expected a floating-point input, got {}", op, input.meta());
@@ -129,6 +138,7 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
                                     w, ignore_index, op);
   }
 
+  if (!differentiable) return {loss, weights, t, w, batch, classes, inner};
   // backward: the gradient of loss_j goes to input[j, t_j] only: d loss_j / d input[j, t_j] = -w[t_j].
   record("NllLossBackward", {input}, {loss},
          [t = SavedTensor(t, op), w = SavedTensor(w, op), ignore_index, shape = input.shape(), dtype = input.dtype(),
@@ -142,7 +152,7 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
            }
            return {grad_input};
          });
-  return {loss, weights};
+  return {loss, weights, t, w, batch, classes, inner};
 }
 
 // Mean divides by the summed target weights: with class weights, the sum of w[t_j] over the targets not
@@ -173,6 +183,38 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
   return reduce_nll(e, options.reduction).to(input.dtype());
 }
 
+namespace {
+
+// Class-index targets without label smoothing: log_softmax and the gather without autograd, and one node whose
+// backward is softmax minus the one-hot target in a single pass over the logits (cross_entropy_backward_kernel),
+// instead of nll_loss's zeroed, scattered gradient followed by log_softmax's backward.
+Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Tensor& w,
+                             const CrossEntropyOptions& options) {
+  const char* op = "cross_entropy";
+  Tensor log_probs;
+  {
+    NoGradGuard no_grad;
+    log_probs = log_softmax(input.detach(), input.dim() >= 2 ? 1 : 0).contiguous();
+  }
+  const NllElements e = nll_elements(log_probs, target, w, options.ignore_index, op, false);
+  record("CrossEntropyBackward", {input}, {e.loss},
+         [log_probs, e, ignore_index = options.ignore_index, shape = input.shape(),
+          dtype = input.dtype()](const GradContext& g) -> TensorList {
+           Tensor grad_loss = g[0].to(e.loss.dtype()).contiguous().view({e.batch, e.inner});
+           Tensor grad_input = empty(shape, {.dtype = dtype, .device = log_probs.device()});
+           if (grad_input.numel() > 0) {
+             cross_entropy_backward_kernel[log_probs.device()](
+                 grad_input.view({e.batch, e.classes, e.inner}), grad_loss,
+                 log_probs.view({e.batch, e.classes, e.inner}), e.target.view({e.batch, e.inner}), e.weight,
+                 ignore_index);
+           }
+           return {grad_input};
+         });
+  return reduce_nll(e, options.reduction).to(input.dtype());
+}
+
+}  // namespace
+
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& options) {
   HG_AUTOCAST(cross_entropy, input, target, options);
   const char* op = "cross_entropy";
@@ -184,6 +226,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
   HG_CHECK(eps >= 0.0 && eps <= 1.0, "{}: label_smoothing must be in [0, 1], got {}", op, eps);
   const int64_t class_dim = input.dim() >= 2 ? 1 : 0, classes = input.size(class_dim);
   Tensor w = check_class_weight(options.weight, input, classes, op);
+  if (!target.is_floating_point() && eps == 0) return cross_entropy_indices(input, target, w, options);
   Tensor log_probs = log_softmax(input, class_dim);
 
   if (target.is_floating_point()) {
@@ -416,8 +459,41 @@ void nll_loss_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, co
   });
 }
 
+// Row by row: the row's exp (Eigen's vectorized exp where the dtype is the accumulation dtype), scaled, then
+// the target's element less the scale.
+void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& log_probs,
+                                const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+  const int64_t batch = grad_input.size(0), classes = grad_input.size(1), inner = grad_input.size(2);
+  dispatch_floating(grad_input.dtype(), "cross_entropy_backward", [&]<typename T>() {
+    using A = opmath_t<T>;
+    using Row = Eigen::Array<A, Eigen::Dynamic, 1>;
+    T* gi = grad_input.data<T>();
+    const T* y = log_probs.data<T>();
+    const A* gl = grad_loss.data<A>();
+    const int64_t* t = target.data<int64_t>();
+    const A* w = weight.defined() ? weight.data<A>() : nullptr;
+#pragma omp parallel for schedule(static) if (batch * classes * inner >= kNllParallelGrain)
+    for (int64_t k = 0; k < batch * inner; ++k) {
+      const int64_t n = k / inner, i = k % inner, c = t[k];
+      const A scale = c == ignore_index ? A(0) : gl[k] * (w ? w[c] : A(1));
+      T* out = gi + n * classes * inner + i;
+      const T* in = y + n * classes * inner + i;
+      if constexpr (std::is_same_v<T, A>) {
+        if (inner == 1) {
+          Eigen::Map<Row>(out, classes) = Eigen::Map<const Row>(in, classes).exp() * scale;
+          if (c != ignore_index) out[c] -= scale;
+          continue;
+        }
+      }
+      for (int64_t j = 0; j < classes; ++j)
+        out[j * inner] = T(scale * (std::exp(A(in[j * inner])) - (j == c ? A(1) : A(0))));
+    }
+  });
+}
+
 }  // namespace
 
+HG_REGISTER_KERNEL(cross_entropy_backward_kernel, CPU, cross_entropy_backward_cpu);
 HG_REGISTER_KERNEL(nll_loss_kernel, CPU, nll_loss_cpu);
 HG_REGISTER_KERNEL(nll_loss_backward_kernel, CPU, nll_loss_backward_cpu);
 

@@ -12,8 +12,8 @@
 // `{}` for tensors, so GCC 12's -Wmissing-field-initializers stays quiet about the ones left out):
 //   cross_entropy(logits, labels, {.ignore_index = 0, .label_smoothing = 0.1});
 //   nll_loss(log_probs, labels, {.weight = class_weights, .reduction = Reduction::Sum});
-// Forward and backward: ops/loss.cpp (nll_loss's gather/scatter kernels there and in ops/loss.cu; the other
-// losses are written with tensor ops and run on any device).
+// Forward and backward: ops/loss.cpp (nll_loss's gather/scatter kernels and cross_entropy's one-pass backward there
+// and in ops/loss.cu; the other losses are written with tensor ops and run on any device).
 #include <cstdint>
 
 #include "core/dispatch.h"
@@ -108,5 +108,12 @@ using NllLossBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& g
                                        const Tensor& weight, int64_t ignore_index);
 extern KernelTable<NllLossKernel> nll_loss_kernel;
 extern KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel;
+
+// cross_entropy's backward for class-index targets without label smoothing, from the forward's log-probabilities
+// (shapes and dtypes as nll_loss's): grad_input[n, c, i] = grad_loss[n, i] w[t] (exp(log_probs[n, c, i]) - [c == t]),
+// t = target[n, i]; zero where t == ignore_index. One pass, computed in A.
+using CrossEntropyBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& log_probs,
+                                            const Tensor& target, const Tensor& weight, int64_t ignore_index);
+extern KernelTable<CrossEntropyBackwardKernel> cross_entropy_backward_kernel;
 
 }  // namespace halfgrad

@@ -318,6 +318,16 @@ TEST_CASE("cross_entropy by hand: logits [0, ln 2, ln 3] have probabilities [1/6
   CHECK(cross_entropy(logits, labels({2}, {1}), {.label_smoothing = 0.3}).item<double>() == doctest::Approx(want));
 }
 
+TEST_CASE("cross_entropy's gradient for a class index is softmax minus the one-hot target, times its weight") {
+  // Row 0: logits [0, ln 2, ln 3] (probabilities [1/6, 2/6, 3/6]), target 2 of weight 4; row 1 is ignored.
+  Tensor x = tensor<double>({0.0, std::log(2.0), std::log(3.0), 5.0, -1.0, 2.0}, {2, 3}).requires_grad_();
+  Tensor loss = cross_entropy(x, labels({2, -100}, {2}), {.weight = tensor<double>({1.0, 1.0, 4.0}),
+                                                          .reduction = Reduction::Sum});
+  CHECK(loss.item<double>() == doctest::Approx(4.0 * std::log(2.0)));  // -4 log(3/6)
+  loss.backward();
+  check_close(values(x.grad()), {4.0 / 6, 4.0 * 2 / 6, 4.0 * (3.0 / 6 - 1), 0.0, 0.0, 0.0}, 1e-15);
+}
+
 TEST_CASE("cross_entropy with class-probability targets, per-pixel logits and an unbatched sample") {
   manual_seed(108);
   Tensor logits = randn({3, 4}, {.dtype = kFloat64});
@@ -353,10 +363,16 @@ TEST_CASE("cross_entropy gradients match finite differences: weights, ignore_ind
       return cross_entropy(in[0], target, {.weight = weight, .label_smoothing = 0.15, .reduction = r});
     }, {leaf({5, 4})});
     gradcheck([&](const TensorList& in) { return cross_entropy(in[0], target, {.reduction = r}); }, {leaf({5, 4})});
+    gradcheck([&](const TensorList& in) { return cross_entropy(in[0], target, {.weight = weight, .reduction = r}); },
+              {leaf({5, 4})});
   }
   Tensor pixel_target = labels({0, 2, 1, 1, 2, 0, 0, 1}, {2, 2, 2});
-  gradcheck([&](const TensorList& in) { return cross_entropy(in[0], pixel_target, {.ignore_index = 1, .label_smoothing = 0.2}); },
-            {leaf({2, 3, 2, 2})});
+  for (double smoothing : {0.0, 0.2}) {
+    CAPTURE(smoothing);
+    gradcheck([&](const TensorList& in) {
+      return cross_entropy(in[0], pixel_target, {.ignore_index = 1, .label_smoothing = smoothing});
+    }, {leaf({2, 3, 2, 2})});
+  }
   // Probability targets: the gradient reaches the target as well.
   Tensor probs = leaf({3, 4}, 0.2, 0.25);
   gradcheck([&](const TensorList& in) { return cross_entropy(in[0], in[1], {.weight = weight, .label_smoothing = 0.1}); },
@@ -524,8 +540,10 @@ TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, 
     Tensor target = randint(0, 7, {16, 3});
     target = where(target.eq(int64_t(4)), int64_t(-100), target);
     Tensor weight = rand({7}) + 0.5;
-    for (Reduction r : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
-      CrossEntropyOptions o{.weight = weight, .label_smoothing = 0.1, .reduction = r};
+    for (auto [r, smoothing] : {std::pair{Reduction::Mean, 0.1}, {Reduction::Sum, 0.1}, {Reduction::None, 0.1},
+                                {Reduction::Mean, 0.0}, {Reduction::Sum, 0.0}, {Reduction::None, 0.0}}) {
+      CAPTURE(smoothing);
+      CrossEntropyOptions o{.weight = weight, .label_smoothing = smoothing, .reduction = r};
       Tensor xc = logits.detach().requires_grad_(), xg = logits.detach().cuda().requires_grad_();
       Tensor lc = cross_entropy(xc, target, o);
       CrossEntropyOptions og = o;
