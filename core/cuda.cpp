@@ -83,6 +83,38 @@ struct CublasState {
 bool is_available() { return count_devices() > 0; }
 int device_count() { return count_devices(); }
 
+std::vector<std::string> describe_devices() {
+  auto version = [](int v) { return fmt::format("{}.{}", v / 1000, v % 1000 / 10); };
+  int driver = 0, runtime = 0;
+  (void)cudaDriverGetVersion(&driver);
+  (void)cudaRuntimeGetVersion(&runtime);
+  const size_t dnn = cudnnGetVersion();
+  std::vector<std::string> lines{fmt::format("CUDA driver {}, runtime {}, cuDNN {}.{}.{}",
+                                             driver > 0 ? version(driver) : "none", version(runtime), dnn / 10000,
+                                             dnn % 10000 / 100, dnn % 100)};
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    (void)cudaGetLastError();
+    lines.push_back(err != cudaSuccess ? fmt::format("GPUs: none visible ({}: {})", cudaGetErrorName(err),
+                                                     cudaGetErrorString(err))
+                                       : "GPUs: none visible");
+    return lines;
+  }
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      lines.push_back(fmt::format("GPU {}: its properties could not be read", d));
+      continue;
+    }
+    lines.push_back(fmt::format("GPU {}: {}, {:.1f} GiB, compute capability {}.{}, {} SMs", d, prop.name,
+                                double(prop.totalGlobalMem) / double(1ull << 30), prop.major, prop.minor,
+                                prop.multiProcessorCount));
+  }
+  return lines;
+}
+
 int current_device() {
   int d = 0;
   HG_CUDA_CHECK(cudaGetDevice(&d));
@@ -329,6 +361,7 @@ namespace {
 
 bool is_available() { return false; }
 int device_count() { return 0; }
+std::vector<std::string> describe_devices() { return {"CUDA backend: not compiled in", "GPUs: none visible"}; }
 int current_device() { no_cuda("cuda::current_device"); }
 void set_device(int) { no_cuda("cuda::set_device"); }
 std::string device_name(int) { no_cuda("cuda::device_name"); }

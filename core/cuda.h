@@ -44,6 +44,10 @@ std::string device_name(int device);  // "NVIDIA H200"
 void synchronize();            // the current device
 void synchronize(int device);
 
+// What `halfgrad info` prints about CUDA: the driver, runtime and cuDNN versions, then a line per visible GPU (its
+// index, name, memory, compute capability and SMs), or why none is visible. Never throws.
+std::vector<std::string> describe_devices();
+
 // Sets the current device for a scope and restores the previous one (does nothing for a CPU device).
 class DeviceGuard {
  public:

@@ -5,7 +5,10 @@
 #include <cstring>
 #include <fstream>
 
+#include <fmt/ranges.h>
+
 #include "core/error.h"
+#include "core/log.h"
 
 namespace halfgrad::data {
 
@@ -99,11 +102,24 @@ ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifa
 }
 
 ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
-  const std::vector<std::string> names =
-      split == Split::Train ? std::vector<std::string>{"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin",
-                                                       "data_batch_4.bin", "data_batch_5.bin"}
-                            : std::vector<std::string>{"test_batch.bin"};
-  return read_cifar10(existing(directory, names, "cifar10"));
+  if (split == Split::Test) return read_cifar10(existing(directory, {"test_batch.bin"}, "cifar10"));
+  std::vector<std::filesystem::path> present;
+  std::vector<std::string> missing;
+  for (int k = 1; k <= 5; ++k) {
+    const std::string name = fmt::format("data_batch_{}.bin", k);
+    if (std::filesystem::is_regular_file(directory / name)) {
+      present.push_back(directory / name);
+    } else {
+      missing.push_back(name);
+    }
+  }
+  HG_CHECK(!present.empty(), "cifar10: no training batch in {} (expected the official binary files data_batch_1.bin "
+           ".. data_batch_5.bin)", directory.string());
+  if (!missing.empty()) {
+    logger().warn("cifar10: training on {} of the 5 batches in {}; {} not found", present.size(), directory.string(),
+                  fmt::join(missing, ", "));
+  }
+  return read_cifar10(present);
 }
 
 ImageDataset load_cifar100(const std::filesystem::path& directory, Split split, Cifar100Labels labels) {

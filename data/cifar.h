@@ -32,8 +32,8 @@ ImageDataset read_cifar10(const std::vector<std::filesystem::path>& files);
 ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifar100Labels labels = Cifar100Labels::Fine);
 
 // The official file names in `directory` (the extracted cifar-10-batches-bin / cifar-100-binary folder): CIFAR-10
-// train = data_batch_1.bin .. data_batch_5.bin, test = test_batch.bin; CIFAR-100 train.bin / test.bin. A missing file
-// is an error that names it.
+// train = those of data_batch_1.bin .. data_batch_5.bin that exist (a warning names the missing ones; none is an
+// error), test = test_batch.bin; CIFAR-100 train.bin / test.bin. Another missing file is an error that names it.
 ImageDataset load_cifar10(const std::filesystem::path& directory, Split split);
 ImageDataset load_cifar100(const std::filesystem::path& directory, Split split,
                            Cifar100Labels labels = Cifar100Labels::Fine);

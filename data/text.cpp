@@ -1,6 +1,8 @@
 // Word-level corpora (data/text.h).
 #include "data/text.h"
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <fstream>
 
@@ -65,7 +67,17 @@ Corpus load_corpus(const std::filesystem::path& directory) {
 
 std::filesystem::path default_data_directory() {
   if (const char* dir = std::getenv("HALFGRAD_DATA_DIR"); dir != nullptr && *dir != '\0') return dir;
-  return HALFGRAD_DATA_DIR;
+  // An installed libhalfgrad finds the data beside itself (<prefix>/lib -> <prefix>/share/halfgrad/data).
+  Dl_info self{};
+  if (dladdr(reinterpret_cast<const void*>(&default_data_directory), &self) != 0 && self.dli_fname != nullptr) {
+    std::error_code error;
+    const std::filesystem::path library = std::filesystem::canonical(self.dli_fname, error);
+    if (!error) {
+      const std::filesystem::path installed = library.parent_path() / HALFGRAD_INSTALLED_DATA_DIR;
+      if (std::filesystem::is_directory(installed, error)) return installed.lexically_normal();
+    }
+  }
+  return HALFGRAD_DATA_DIR;  // the build tree, where CMake extracted it
 }
 
 Tensor batchify(const Tensor& ids, int64_t batch_size) {

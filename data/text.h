@@ -53,8 +53,9 @@ struct Corpus {
 // 2,088,628 / 217,646 / 245,569 tokens, 33,278 words).
 Corpus load_corpus(const std::filesystem::path& directory);
 
-// Where the data halfgrad ships lives: $HALFGRAD_DATA_DIR when set, else the build tree's data folder (CMake
-// extracts WikiText-2 there, as wikitext-2/).
+// Where the data halfgrad ships lives: $HALFGRAD_DATA_DIR when set; else, for an installed libhalfgrad,
+// <prefix>/share/halfgrad/data beside it; else the build tree's data folder (CMake extracts WikiText-2 there, as
+// wikitext-2/).
 std::filesystem::path default_data_directory();
 
 // ids [T] as batch_size columns, [T / batch_size, batch_size]: column j is the j-th contiguous piece of the text; the

@@ -138,6 +138,19 @@ TEST_CASE("load_cifar10 and load_cifar100 read the official file names") {
   CHECK(to_vector<int64_t>(data::load_cifar100(dir.path, data::Split::Test).labels) == std::vector<int64_t>{2});
 }
 
+TEST_CASE("load_cifar10 trains on the batches that exist, in order, and refuses a folder with none") {
+  TempDir dir;
+  write_records(dir.file("data_batch_3.bin"), 30, cifar10_labels(2, 4));
+  write_records(dir.file("data_batch_1.bin"), 10, cifar10_labels(1, 7));
+  const data::ImageDataset train = data::load_cifar10(dir.path, data::Split::Train);
+  CHECK(train.size() == 3);
+  CHECK(to_vector<int64_t>(train.labels) == std::vector<int64_t>{7, 4, 5});  // batch 1, then batch 3
+  TempDir empty;
+  const std::string e = error_of([&] { data::load_cifar10(empty.path, data::Split::Train); });
+  CHECK(contains(e, "no training batch"));
+  CHECK(contains(e, "data_batch_1.bin .. data_batch_5.bin"));
+}
+
 TEST_CASE("an epoch visits every sample once, in batches of batch_size, shuffled per epoch and seed") {
   data::ImageLoader plain(synthetic(10), {}, {.batch_size = 4, .workers = 0});
   CHECK(plain.batches_per_epoch() == 3);

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "core/cuda.h"
 #include "core/error.h"
 #include "core/serialize.h"
 #include "core/version.h"
@@ -20,6 +21,10 @@
 using namespace halfgrad;
 
 namespace {
+
+// A choice checked when the command line is parsed, in any case, replaced by its canonical spelling; --help lists
+// the choices.
+CLI::IsMember one_of(std::vector<std::string> choices) { return CLI::IsMember(std::move(choices), CLI::ignore_case); }
 
 DType parse_half(const std::string& half) {
   HG_CHECK(half == "float16" || half == "bfloat16", "--half must be float16 or bfloat16, got {}", half);
@@ -181,8 +186,12 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", halfgrad::version());
 
-  CLI::App* info = app.add_subcommand("info", "Print the version and the backends compiled into this build");
-  info->callback([] { std::cout << halfgrad::build_summary() << "\n"; });
+  CLI::App* info = app.add_subcommand("info", "Print the version, the backends compiled into this build and the "
+                                              "visible GPUs");
+  info->callback([] {
+    std::cout << halfgrad::build_summary() << "\n";
+    for (const std::string& line : halfgrad::cuda::describe_devices()) std::cout << line << "\n";
+  });
 
   int rc = 0;
   // What the classifier subcommands share; strings are parsed when the subcommand runs.
@@ -192,16 +201,29 @@ int main(int argc, char** argv) {
   };
   auto add_classifier_options = [](CLI::App* sub, ClassifierArgs& a) {
     train::ClassifierConfig& c = a.config;
-    sub->add_option("--model", c.model, "resnet18/34/50/101/152, vgg11/13/16/19")->capture_default_str();
-    sub->add_option("--dataset", c.dataset, "cifar10 or cifar100")->capture_default_str();
-    sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin and test_batch.bin (CIFAR-10) or "
-                    "train.bin and test.bin (CIFAR-100)")->required();
+    sub->add_option("--model", c.model, "resnet18/34/50/101/152, vgg11/13/16/19")
+        ->transform(one_of({"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vgg11", "vgg13", "vgg16",
+                            "vgg19"}))
+        ->capture_default_str();
+    sub->add_option("--dataset", c.dataset, "cifar10 or cifar100")->transform(one_of({"cifar10", "cifar100"}))
+        ->capture_default_str();
+    sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin (those there) and test_batch.bin "
+                    "(CIFAR-10) or train.bin and test.bin (CIFAR-100)")->required();
     sub->add_option("--epochs", c.epochs)->capture_default_str();
     sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->capture_default_str();
-    sub->add_option("--momentum", c.momentum)->capture_default_str();
+    sub->add_option("--momentum", c.momentum, "SGD momentum; with --schedule onecycle the momentum cycles 0.95 -> "
+                    "0.85 -> 0.95 instead (PyTorch's OneCycleLR), and this value is not used")->capture_default_str();
     sub->add_option("--weight-decay", c.weight_decay)->capture_default_str();
-    sub->add_option("--schedule", c.schedule, "onecycle, cosine or constant")->capture_default_str();
-    sub->add_option("--half", a.half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
+    sub->add_option("--schedule", c.schedule, "onecycle (lr up over --pct-start of the steps from lr / --div-factor "
+                    "to --lr, then down; momentum cycled), cosine or constant")
+        ->transform(one_of({"onecycle", "cosine", "constant"}))
+        ->capture_default_str();
+    sub->add_option("--pct-start", c.pct_start, "onecycle: the share of the steps spent raising the lr")
+        ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+    sub->add_option("--div-factor", c.div_factor, "onecycle: the first lr is --lr / this")
+        ->check(CLI::PositiveNumber)->capture_default_str();
+    sub->add_option("--half", a.half, "float16 or bfloat16 (O1-O3)")->transform(one_of({"float16", "bfloat16"}))
+        ->capture_default_str();
     sub->add_option("--device", a.device, "cpu, cuda or cuda:N")->capture_default_str();
     sub->add_flag("--channels-last", c.channels_last, "feed NHWC batches");
     sub->add_option("--workers", c.workers, "data loading threads")->capture_default_str();
@@ -216,7 +238,7 @@ int main(int argc, char** argv) {
   add_classifier_options(tc, train_args);
   tc->add_option("--batch-size", train_args.config.batch_size)->capture_default_str();
   tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
-                 "masters), O3 (half)")->capture_default_str();
+                 "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   tc->add_option("--checkpoint", train_args.config.checkpoint, "write a training checkpoint (safetensors) after "
                  "every epoch");
   tc->callback([&] {
@@ -231,7 +253,8 @@ int main(int argc, char** argv) {
   CLI::App* sc = app.add_subcommand("sweep-classifier", "The FP32 / AMP / O2 / FP16 comparison: train-classifier "
                                     "once per opt level and batch size, one row each");
   add_classifier_options(sc, sweep_args);
-  sc->add_option("--opt-levels", levels, "opt levels to run")->delimiter(',')->capture_default_str();
+  sc->add_option("--opt-levels", levels, "opt levels to run")->delimiter(',')
+      ->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
       ->delimiter(',')->capture_default_str();
   sc->callback([&] {
@@ -244,7 +267,10 @@ int main(int argc, char** argv) {
   std::string lm_data_dir, lm_csv, lm_opt_level = "O0", lm_half = "float16", lm_device = "cpu";
   CLI::App* tl = app.add_subcommand("train-lm", "Train an RNN/GRU/LSTM word language model (pytorch/examples' "
                                     "word_language_model) on WikiText-2");
-  tl->add_option("--rnn", lm.rnn, "lstm, gru, rnn_tanh or rnn_relu")->capture_default_str();
+  tl->add_option("--rnn,--model", lm.rnn, "lstm, gru, rnn_tanh or rnn_relu, in any case (--model LSTM: "
+                 "pytorch/examples' spelling)")
+      ->transform(one_of({"lstm", "gru", "rnn_tanh", "rnn_relu"}))
+      ->capture_default_str();
   tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)");
   tl->add_option("--emsize", lm.embedding_size)->capture_default_str();
   tl->add_option("--nhid", lm.hidden_size)->capture_default_str();
@@ -252,14 +278,18 @@ int main(int argc, char** argv) {
   tl->add_option("--dropout", lm.dropout)->capture_default_str();
   tl->add_flag("--tied", lm.tie_weights, "tie the encoder and decoder weights");
   tl->add_option("--epochs", lm.epochs)->capture_default_str();
-  tl->add_option("--batch-size", lm.batch_size)->capture_default_str();
+  tl->add_option("--batch-size,--batch_size", lm.batch_size)->capture_default_str();
   tl->add_option("--eval-batch-size", lm.eval_batch_size)->capture_default_str();
   tl->add_option("--bptt", lm.bptt)->capture_default_str();
   tl->add_option("--lr", lm.lr)->capture_default_str();
   tl->add_option("--clip", lm.clip)->capture_default_str();
-  tl->add_option("--opt-level", lm_opt_level, "O0, O1, O2 or O3")->capture_default_str();
-  tl->add_option("--half", lm_half, "float16 or bfloat16 (O1-O3)")->capture_default_str();
-  tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
+  tl->add_option("--opt-level", lm_opt_level, "O0, O1, O2 or O3")->transform(one_of({"O0", "O1", "O2", "O3"}))
+      ->capture_default_str();
+  tl->add_option("--half", lm_half, "float16 or bfloat16 (O1-O3)")->transform(one_of({"float16", "bfloat16"}))
+      ->capture_default_str();
+  CLI::Option* lm_device_option = tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
+  bool lm_cuda = false;
+  tl->add_flag("--cuda", lm_cuda, "the same as --device cuda (pytorch/examples' spelling)")->excludes(lm_device_option);
   tl->add_option("--seed", lm.seed)->capture_default_str();
   tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)");
   tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss, its architecture and "
@@ -267,6 +297,7 @@ int main(int argc, char** argv) {
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
   tl->callback([&] {
     lm.data_dir = lm_data_dir;
+    if (lm_cuda) lm_device = "cuda";
     rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv);
   });
 

@@ -91,7 +91,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   std::unique_ptr<optim::LRScheduler> schedule;
   if (c.schedule == "onecycle") {
     schedule = std::make_unique<optim::OneCycleLR>(
-        sgd, optim::OneCycleLROptions{.max_lr = {c.lr}, .epochs = c.epochs, .steps_per_epoch = steps_per_epoch});
+        sgd, optim::OneCycleLROptions{.max_lr = {c.lr}, .epochs = c.epochs, .steps_per_epoch = steps_per_epoch,
+                                      .pct_start = c.pct_start, .div_factor = c.div_factor});
   } else if (c.schedule == "cosine") {
     schedule = std::make_unique<optim::CosineAnnealingLR>(
         sgd, optim::CosineAnnealingLROptions{.T_max = c.epochs * steps_per_epoch});

@@ -25,6 +25,9 @@ struct ClassifierConfig {
   double momentum = 0.9;
   double weight_decay = 5e-4;
   std::string schedule = "onecycle";  // onecycle, cosine or constant
+  // onecycle (PyTorch's OneCycleLR): lr rises from lr / div_factor to lr over the first pct_start of the steps, then
+  // anneals; the momentum cycles the other way, 0.95 -> 0.85 -> 0.95, in place of `momentum`.
+  double pct_start = 0.3, div_factor = 25;
   amp::OptLevel opt_level = amp::OptLevel::O0;
   DType half_dtype = kFloat16;
   Device device = Device::cpu();
