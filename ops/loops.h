@@ -181,7 +181,7 @@ void map(const Tensor& out, F f, const std::array<Tensor, sizeof...(In)>& inputs
       // into a block of its own once, so that the loop reads every operand contiguously and still vectorises.
       if ((s[0] == int64_t(sizeof(Out))) && ((s[K + 1] == int64_t(sizeof(In)) || s[K + 1] == 0) && ...)) {
         constexpr int64_t kBlock = 512;
-        const int64_t filled = std::min(kBlock, n);
+        [[maybe_unused]] const int64_t filled = std::min(kBlock, n);  // unused by ops without inputs (fill)
         std::tuple<Repeated<In, kBlock>...> repeated;
         std::tuple<const In*...> src{
             (s[K + 1] == 0 ? std::get<K>(repeated).fill(*reinterpret_cast<const In*>(p[K + 1]), filled)

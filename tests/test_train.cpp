@@ -123,6 +123,39 @@ TEST_CASE("train_language_model follows main.py: perplexity falls on a predictab
   }
 }
 
+TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {
+  TempDir dir;
+  {
+    std::string text;
+    for (int line = 0; line < 40; ++line) text += " one two three four five six seven eight \n";
+    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  }
+  // 40 lines of 9 tokens (8 words and <eos>) = 360 tokens; batch 4: 90 rows; bptt 8: ceil(89 / 8) = 12 batches.
+  train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
+                                    .dropout = 0, .epochs = 2, .batch_size = 4, .eval_batch_size = 2, .bptt = 8,
+                                    .checkpoint = "", .log_interval = 5};
+  std::vector<train::LanguageModelProgress> seen;
+  const auto result = train::train_language_model(config, {}, [&](const train::LanguageModelProgress& p) {
+    seen.push_back(p);
+  });
+  REQUIRE(seen.size() == 4);  // batches 5 and 10 of each epoch
+  for (size_t k = 0; k < seen.size(); ++k) {
+    CAPTURE(k);
+    CHECK(seen[k].epoch == int64_t(k / 2));
+    CHECK(seen[k].batch == int64_t(5 * (k % 2 + 1)));
+    CHECK(seen[k].batches == 12);
+    CHECK(seen[k].lr == 20);
+    CHECK(std::isfinite(seen[k].loss));
+    CHECK(seen[k].loss > 0);
+    CHECK(seen[k].tokens_per_second > 0);
+    CHECK(seen[k].eta_seconds >= 0);
+  }
+  CHECK(seen[1].eta_seconds < seen[0].eta_seconds * 2);  // 2 batches left against 7 (same rate, within noise)
+  CHECK(result.epochs.size() == 2);
+  config.log_interval = -1;
+  CHECK(contains(error_of([&] { train::train_language_model(config); }), "log_interval must be >= 0"));
+}
+
 TEST_CASE("train_language_model runs on the shipped WikiText-2 with a GRU") {
   train::LanguageModelConfig config{.rnn = "gru", .data_dir = {}, .embedding_size = 16, .hidden_size = 16, .num_layers = 1,
                                     .dropout = 0, .epochs = 1, .batch_size = 4, .eval_batch_size = 4, .bptt = 16,

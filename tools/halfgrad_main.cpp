@@ -132,6 +132,14 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
              config.data_dir.empty() ? "the shipped WikiText-2" : config.data_dir.string(), config.device.str(),
              config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level);
   std::fflush(stdout);
+  // main.py's progress line, with the rate and the epoch's remaining time.
+  auto progress = [](const train::LanguageModelProgress& p) {
+    const int64_t eta = int64_t(std::lround(p.eta_seconds));
+    fmt::print("| epoch {:3d} | {:5d}/{:5d} batches | lr {:05.2f} | ms/batch {:5.2f} | loss {:5.2f} | ppl {:8.2f} | "
+               "{:.0f} tokens/s | epoch ends in {}m{:02d}s\n", p.epoch + 1, p.batch, p.batches, p.lr, p.ms_per_batch,
+               p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60);
+    std::fflush(stdout);
+  };
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
     if (s.epoch == 0) {
       fmt::print("{:>5} {:>8} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "lr",
@@ -148,7 +156,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                          s.skipped_steps, s.loss_scale);
       csv.flush();
     }
-  });
+  }, progress);
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
   return 0;
@@ -295,6 +303,9 @@ int main(int argc, char** argv) {
   tl->add_option("--save", lm.checkpoint, "save the model with the best validation loss, its architecture and "
                  "vocabulary (safetensors; for generate)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
+  lm.log_interval = 200;  // main.py's default
+  tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
+                 "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
   tl->callback([&] {
     lm.data_dir = lm_data_dir;
     if (lm_cuda) lm_device = "cuda";

@@ -230,10 +230,12 @@ template <typename Fn> void for_each_window(const Tensor& source, int64_t bptt, 
 }  // namespace
 
 LanguageModelResult train_language_model(const LanguageModelConfig& c,
-                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch) {
+                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch,
+                                         const std::function<void(const LanguageModelProgress&)>& on_progress) {
   HG_CHECK(c.epochs >= 1 && c.batch_size >= 1 && c.eval_batch_size >= 1 && c.bptt >= 1,
            "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
            c.eval_batch_size, c.bptt);
+  HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
@@ -274,7 +276,12 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     model.train();
     const auto t0 = std::chrono::steady_clock::now();
     Tensor total = zeros({}, {.device = c.device}), h, cell;
-    int64_t tokens = 0;
+    int64_t tokens = 0, batch = 0;
+    // The interval's loss stays on the device; it is read (a synchronisation) once per interval.
+    const int64_t batches = (train_data.size(0) - 2) / c.bptt + 1;
+    Tensor interval_total = zeros({}, {.device = c.device});
+    int64_t interval_tokens = 0;
+    auto interval_start = t0;
     for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
       // Truncated BPTT: the state goes on, its history does not.
       if (h.defined()) h = h.detach();
@@ -290,6 +297,20 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       NoGradGuard no_grad;
       total.add_(loss.detach(), double(b.target.numel()));
       tokens += b.target.numel();
+      ++batch;
+      if (c.log_interval == 0 || !on_progress) return;
+      interval_total.add_(loss.detach(), double(b.target.numel()));
+      interval_tokens += b.target.numel();
+      if (batch % c.log_interval != 0) return;
+      const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
+      const double seconds = seconds_since(interval_start);
+      on_progress({.epoch = epoch, .batch = batch, .batches = batches, .lr = lr, .loss = interval_loss,
+                   .ms_per_batch = 1e3 * seconds / double(c.log_interval),
+                   .tokens_per_second = double(interval_tokens) / seconds,
+                   .eta_seconds = seconds / double(c.log_interval) * double(batches - batch)});
+      interval_total.zero_();
+      interval_tokens = 0;
+      interval_start = std::chrono::steady_clock::now();
     });
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);

@@ -95,6 +95,17 @@ struct LanguageModelConfig {
   int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
   std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
                              // architecture and vocabulary (models/language_model_checkpoint.h)
+  int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
+};
+
+// What main.py prints every --log-interval batches, and how far the epoch is.
+struct LanguageModelProgress {
+  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
+  double lr = 0;
+  double loss = 0;              // mean cross-entropy per token over the interval's batches (perplexity = exp)
+  double ms_per_batch = 0;      // over the interval, synchronized
+  double tokens_per_second = 0;  // over the interval
+  double eta_seconds = 0;        // the epoch's remaining batches at the interval's rate
 };
 
 struct LanguageModelEpochStats {
@@ -112,7 +123,8 @@ struct LanguageModelResult {
 };
 
 LanguageModelResult train_language_model(const LanguageModelConfig& config,
-                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch = {});
+                                         const std::function<void(const LanguageModelEpochStats&)>& on_epoch = {},
+                                         const std::function<void(const LanguageModelProgress&)>& on_progress = {});
 
 // Text sampled from a language model that train_language_model saved, what `halfgrad generate` runs, as
 // pytorch/examples' word_language_model/generate.py: in eval mode and without autograd, the first input is a
