@@ -1,5 +1,5 @@
 # halfgrad: thin wrapper around CMake.
-#   make run    build everything, then train the linear-regression example
+#   make run    build everything, then `halfgrad demo`: the language model in float32 and in mixed precision
 #   make test   build everything, then run the test suite through ctest
 # Variables: CMAKE_ARGS (extra configure arguments, e.g. CMAKE_ARGS="-DHALFGRAD_CUDA=OFF"),
 #            JOBS (parallel jobs, default: nproc), BUILD_DIR (default: build), ARGS (passed to run/bench).
@@ -51,11 +51,11 @@ test: build
 	ctest --test-dir "$(BUILD_DIR)" --output-on-failure -j$(JOBS)
 
 run: build
-	@if [ -f examples/linear_regression.cpp ] && [ -x "$(BUILD_DIR)/linear_regression" ]; then \
-	  echo "$(BUILD_DIR)/linear_regression $(ARGS)"; \
-	  "$(BUILD_DIR)/linear_regression" $(ARGS); \
+	@if [ -x "$(BUILD_DIR)/halfgrad" ]; then \
+	  echo "$(BUILD_DIR)/halfgrad demo $(ARGS)"; \
+	  "$(BUILD_DIR)/halfgrad" demo $(ARGS); \
 	else \
-	  echo "make run: $(BUILD_DIR)/linear_regression was not built (examples/linear_regression.cpp does not exist yet)" >&2; \
+	  echo "make run: $(BUILD_DIR)/halfgrad was not built (HALFGRAD_BUILD_TOOLS=OFF?)" >&2; \
 	  exit 1; \
 	fi
 

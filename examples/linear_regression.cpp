@@ -7,8 +7,8 @@
 // With 64 samples and 1024 features the targets can be fitted exactly, so the loss keeps falling; at
 // lr 1e-3 on a mean over 32768 elements it falls slowly (a few percent in 500 steps).
 //
-// The layer is written with plain tensors: the nn/ Module system does not exist yet. Log level from the
-// environment: HALFGRAD_LOG=debug prints every iteration's loss.
+// The layer is written with plain tensors, to show what nn::Linear (nn/layers.h) does inside; examples/consumer/
+// uses nn::Linear itself. Log level from the environment: HALFGRAD_LOG=debug prints every iteration's loss.
 #include <chrono>
 #include <cmath>
 

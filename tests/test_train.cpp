@@ -81,6 +81,29 @@ TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown dataset \"mnist\""));
 }
 
+TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 4, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 4, 9);
+  train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 1, .batch_size = 3,
+                                 .schedule = "constant", .workers = 0, .checkpoint = "", .log_interval = 2};
+  std::vector<train::ClassifierProgress> seen;
+  train::train_classifier(config, {}, [&](const train::ClassifierProgress& p) { seen.push_back(p); });
+  // 20 images in batches of 3: 7 batches, progress after the 2nd, 4th and 6th.
+  REQUIRE(seen.size() == 3);
+  for (size_t k = 0; k < seen.size(); ++k) {
+    CAPTURE(k);
+    CHECK(seen[k].batch == int64_t(2 * (k + 1)));
+    CHECK(seen[k].batches == 7);
+    CHECK(seen[k].lr == doctest::Approx(config.lr));
+    CHECK(std::isfinite(seen[k].loss));
+    CHECK(seen[k].accuracy >= 0);
+    CHECK(seen[k].accuracy <= 1);
+    CHECK(seen[k].images_per_second > 0);
+  }
+  CHECK(seen[2].eta_seconds < seen[0].eta_seconds * 5);  // 1 batch left against 5
+}
+
 TEST_CASE("train_language_model follows main.py: perplexity falls on a predictable text, the best model is tested") {
   TempDir dir;
   {
@@ -152,6 +175,16 @@ TEST_CASE("train_language_model reports progress every log_interval batches, as 
   }
   CHECK(seen[1].eta_seconds < seen[0].eta_seconds * 2);  // 2 batches left against 7 (same rate, within noise)
   CHECK(result.epochs.size() == 2);
+  // --dry-run: one batch an epoch, so no interval of 5 completes.
+  config.dry_run = true;
+  seen.clear();
+  const auto dry = train::train_language_model(config, {}, [&](const train::LanguageModelProgress& p) {
+    seen.push_back(p);
+  });
+  CHECK(seen.empty());
+  CHECK(dry.epochs.size() == 2);
+  CHECK(dry.epochs[0].tokens_per_second * dry.epochs[0].seconds == doctest::Approx(4 * 8));  // one batch: 4 x 8
+  config.dry_run = false;
   config.log_interval = -1;
   CHECK(contains(error_of([&] { train::train_language_model(config); }), "log_interval must be >= 0"));
 }

@@ -220,7 +220,8 @@ if [[ -n ${TRAIN:-} ]]; then
   fi
   for level in O0 O1; do
     step "language model ($level, one short epoch)"
-    "$cli" train-lm --device cuda --opt-level $level --epochs 1 --limit-tokens "${TRAIN_TOKENS:-200000}" 2>&1 \
+    "$cli" train-lm --device cuda --opt-level $level --epochs 1 --limit-tokens "${TRAIN_TOKENS:-200000}" \
+      --save "$logs/lm-$level.safetensors" 2>&1 \
       | tee -a "$logs/train.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] && summary+=("train-lm $level: ok") || { summary+=("train-lm $level: FAILED"); failed=1; }
   done

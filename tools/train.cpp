@@ -61,7 +61,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch) {
+std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
+                                         const std::function<void(const ClassifierProgress&)>& on_progress) {
+  HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
   HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
            c.dataset);
   HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
@@ -112,7 +114,12 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     const auto t0 = std::chrono::steady_clock::now();
     // Sums stay on the device until the epoch ends: no host synchronisation per step.
     Tensor loss_sum = zeros({}, {.device = c.device}), correct = zeros({}, {.dtype = kInt64, .device = c.device});
-    int64_t seen = 0;
+    int64_t seen = 0, batches_done = 0;
+    // The interval's sums stay on the device too; they are read (a synchronisation) once per interval.
+    Tensor interval_loss = zeros({}, {.device = c.device}),
+           interval_correct = zeros({}, {.dtype = kInt64, .device = c.device});
+    int64_t interval_seen = 0;
+    auto interval_start = t0;
     for (const data::Batch& batch : train_loader.epoch(epoch)) {
       auto [x, y] = to_device(batch);
       Tensor logits = amp.forward(*model, x);
@@ -123,9 +130,26 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       if (schedule) schedule->step();
       ++step;
       NoGradGuard no_grad;
+      const Tensor batch_correct = argmax(logits.detach(), 1).eq(y).to(kInt64).sum();
       loss_sum.add_(loss.detach().to(kFloat32), double(y.size(0)));
-      correct.add_(argmax(logits.detach(), 1).eq(y).to(kInt64).sum());
+      correct.add_(batch_correct);
       seen += y.size(0);
+      ++batches_done;
+      if (c.log_interval == 0 || !on_progress) continue;
+      interval_loss.add_(loss.detach().to(kFloat32), double(y.size(0)));
+      interval_correct.add_(batch_correct);
+      interval_seen += y.size(0);
+      if (batches_done % c.log_interval != 0) continue;
+      const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
+      const double seconds = seconds_since(interval_start);
+      on_progress({.epoch = epoch, .batch = batches_done, .batches = steps_per_epoch, .lr = sgd.param_groups()[0].lr,
+                   .loss = interval_mean, .accuracy = interval_correct.item<double>() / double(interval_seen),
+                   .images_per_second = double(interval_seen) / seconds,
+                   .eta_seconds = seconds / double(c.log_interval) * double(steps_per_epoch - batches_done)});
+      interval_loss.zero_();
+      interval_correct.zero_();
+      interval_seen = 0;
+      interval_start = std::chrono::steady_clock::now();
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
@@ -283,6 +307,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     int64_t interval_tokens = 0;
     auto interval_start = t0;
     for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
+      if (c.dry_run && batch == 1) return;
       // Truncated BPTT: the state goes on, its history does not.
       if (h.defined()) h = h.detach();
       if (cell.defined()) cell = cell.detach();

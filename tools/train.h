@@ -36,6 +36,16 @@ struct ClassifierConfig {
   uint64_t seed = 0;
   int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
   std::string checkpoint;  // when set, a training checkpoint is written there after every epoch
+  int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
+};
+
+// How far an epoch is, every log_interval batches.
+struct ClassifierProgress {
+  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
+  double lr = 0;                               // the first parameter group's, after the batch's scheduler step
+  double loss = 0, accuracy = 0;               // over the interval's training batches
+  double images_per_second = 0;                // over the interval, synchronized
+  double eta_seconds = 0;                      // the epoch's remaining batches at the interval's rate
 };
 
 struct EpochStats {
@@ -48,10 +58,12 @@ struct EpochStats {
   double loss_scale = 1;          // at the end of the epoch (1 without loss scaling: O0, O3)
 };
 
-// Trains as configured and returns one EpochStats per epoch; on_epoch (if set) sees each as it is done.
+// Trains as configured and returns one EpochStats per epoch; on_epoch (if set) sees each as it is done, on_progress
+// (if set, with log_interval > 0) every log_interval batches.
 // Errors (an unknown model, a missing file, bad options) are halfgrad::Error naming what is wrong.
 std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
-                                         const std::function<void(const EpochStats&)>& on_epoch = {});
+                                         const std::function<void(const EpochStats&)>& on_epoch = {},
+                                         const std::function<void(const ClassifierProgress&)>& on_progress = {});
 
 // The benchmark sweep of the mixed-precision experiments: the same training run at each opt level (FP32 = O0,
 // AMP = O1, O2 = half model with float32 masters, FP16 = O3) and batch size, one row each: time per epoch,
@@ -96,6 +108,7 @@ struct LanguageModelConfig {
   std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
                              // architecture and vocabulary (models/language_model_checkpoint.h)
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
+  bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
 };
 
 // What main.py prints every --log-interval batches, and how far the epoch is.
