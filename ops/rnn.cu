@@ -362,6 +362,15 @@ struct Plan {
   size_t smem = 0;
 };
 
+// The device's SM count, asked once per device and thread (every layer's launch needs it).
+int multiprocessors(int device) {
+  thread_local std::map<int, int> counts;
+  if (auto it = counts.find(device); it != counts.end()) return it->second;
+  int sms = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
+  return counts.emplace(device, sms).first->second;
+}
+
 // Computed once per kernel, device and sizes: the shared memory and co-residency checks query the device.
 template <typename Kernel>
 Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, int64_t B) {
@@ -370,8 +379,8 @@ Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, 
   const std::pair<const void*, Key> key{reinterpret_cast<const void*>(kernel), {device, units, int64_t(smem), H, B}};
   const auto found = plans.find(key);
   if (found != plans.end()) return found->second;
-  int sms = 0, max_smem = 0;
-  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
+  const int sms = multiprocessors(device);
+  int max_smem = 0;
   HG_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "rnn");
   Plan plan;
   if (smem <= size_t(max_smem)) {
@@ -387,8 +396,7 @@ Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, 
 
 // The units per block: the hidden units spread over every SM.
 int64_t units_per_block(int device, int64_t H) {
-  int sms = 0;
-  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
+  const int64_t sms = multiprocessors(device);
   return (H + sms - 1) / sms;
 }
 
@@ -413,16 +421,13 @@ template <typename Args> void launch_cooperative(void (*kernel)(Args, int), cons
   HG_CUDA_CHECK_LAUNCH(op);
 }
 
-// The forward kernel's plan; launched when `launch`. False when the problem does not fit it.
-template <typename S, RnnKind K> bool forward_persistent(const RnnLoopForwardArgs& a, bool launch) {
-  if (!persistent_allowed(a)) return false;
+// The forward kernel's plan; blocks == 0 when the problem does not fit it.
+template <typename S, RnnKind K> Plan forward_plan(const RnnLoopForwardArgs& a) {
+  if (!persistent_allowed(a)) return {};
   const int64_t units = units_per_block(a.device.index, a.hidden);
   const ForwardLayout layout(kGates<K>, units, a.hidden, a.batch, kVec<S>);
-  const Plan plan = plan_for(persistent_forward_kernel<S, K>, a.device.index, units, layout.elements() * sizeof(S),
-                             a.hidden, a.batch);
-  if (plan.blocks == 0) return false;
-  if (launch) launch_cooperative(persistent_forward_kernel<S, K>, a, plan, "rnn");
-  return true;
+  return plan_for(persistent_forward_kernel<S, K>, a.device.index, units, layout.elements() * sizeof(S), a.hidden,
+                  a.batch);
 }
 
 template <typename S, RnnKind K, int UP>
@@ -477,8 +482,10 @@ template <typename Fn> void dispatch_loop(DType storage, RnnKind kind, const cha
 void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
   cuda::DeviceGuard guard(a.device);
   dispatch_loop(a.storage, a.kind, "rnn", [&]<typename S, RnnKind K>() {
-    if (forward_persistent<S, K>(a, false) && choose_persistent(a, [&] { forward_persistent<S, K>(a, true); })) {
-      forward_persistent<S, K>(a, true);
+    const Plan plan = forward_plan<S, K>(a);
+    auto persistent = [&] { launch_cooperative(persistent_forward_kernel<S, K>, a, plan, "rnn"); };
+    if (plan.blocks > 0 && choose_persistent(a, persistent)) {
+      persistent();
     } else {
       forward_steps(a);
     }

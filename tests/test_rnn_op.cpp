@@ -119,30 +119,32 @@ TensorList gradients_of(const RnnResult& r, const TensorList& inputs) {
   return g;
 }
 
-void check_same(const TensorList& got, const TensorList& want, double tol) {
+// Calls check(got[i], want[i]) for each pair, both defined or both undefined (then skipped).
+template <typename Check> void for_each_pair(const TensorList& got, const TensorList& want, Check&& check) {
   REQUIRE(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     CAPTURE(i);
     REQUIRE(got[i].defined() == want[i].defined());
-    if (!got[i].defined()) continue;
-    CHECK(got[i].shape() == want[i].shape());
-    check_close(values(got[i]), values(want[i]), tol);
+    if (got[i].defined()) check(got[i], want[i]);
   }
+}
+
+void check_same(const TensorList& got, const TensorList& want, double tol) {
+  for_each_pair(got, want, [&](const Tensor& g, const Tensor& w) {
+    CHECK(g.shape() == w.shape());
+    check_close(values(g), values(w), tol);
+  });
 }
 
 // ||got - want|| / ||want|| <= tol for each pair (the norm of the whole tensor).
 void check_relative(const TensorList& got, const TensorList& want, double tol) {
-  REQUIRE(got.size() == want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    CAPTURE(i);
-    REQUIRE(got[i].defined() == want[i].defined());
-    if (!got[i].defined()) continue;
-    const std::vector<double> g = values(got[i]), w = values(want[i]);
+  for_each_pair(got, want, [&](const Tensor& got_t, const Tensor& want_t) {
+    const std::vector<double> g = values(got_t), w = values(want_t);
     REQUIRE(g.size() == w.size());
     double diff = 0, norm = 0;
     for (size_t e = 0; e < g.size(); ++e) diff += (g[e] - w[e]) * (g[e] - w[e]), norm += w[e] * w[e];
     CHECK(std::sqrt(diff) <= tol * std::sqrt(norm));
-  }
+  });
 }
 
 }  // namespace

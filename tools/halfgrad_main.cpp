@@ -411,7 +411,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   int64_t demo_limit_tokens = -1;
   td->add_option("--limit-tokens", demo_limit_tokens, "use the first N tokens of each split (0: all; default: all on "
-                 "a GPU, 150,000 on the CPU)");
+                 "a GPU, 150,000 on the CPU)")->check(CLI::NonNegativeNumber);
   td->callback([&] { rc = run_demo(demo_device, demo_epochs, demo_limit_tokens); });
 
   train::GenerateConfig gen;
