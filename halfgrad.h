@@ -2,6 +2,8 @@
 // The whole public API of halfgrad in one include.
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "core/cuda.h"
+#include "core/cuda_graph.h"
 #include "core/log.h"
 #include "core/serialize.h"
 #include "core/tensor.h"

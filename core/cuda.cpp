@@ -20,6 +20,13 @@
 
 namespace halfgrad::cuda {
 
+namespace {
+std::atomic<uint64_t> host_synchronization_count{0};
+}  // namespace
+
+uint64_t host_synchronizations() { return host_synchronization_count.load(); }
+void detail::count_host_synchronization() { host_synchronization_count.fetch_add(1, std::memory_order_relaxed); }
+
 namespace detail {
 namespace {
 // "CUDA error in exp: <name> (<text>) from <call> at <file>:<line>"
@@ -133,10 +140,14 @@ std::string device_name(int device) {
   return prop.name;
 }
 
-void synchronize() { HG_CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize() {
+  detail::count_host_synchronization();
+  HG_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 void synchronize(int device) {
   DeviceGuard guard(device);
+  detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -167,7 +178,19 @@ void set_stream(int device, cudaStream_t stream) {
 
 void synchronize_stream(int device) {
   DeviceGuard guard(device);
+  detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaStreamSynchronize(current_stream(device)));
+}
+
+bool is_capturing(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  // Asking about the legacy default stream fails while another thread captures in global mode; that stream is
+  // not being captured itself.
+  if (cudaStreamIsCapturing(current_stream(device), &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 StreamGuard::StreamGuard(int device, cudaStream_t stream) : device_(device), previous_(current_stream(device)) {
@@ -233,6 +256,7 @@ float median_run_ms(int device, const std::function<void()>& run, const char* op
     HG_CUDA_CHECK(cudaEventRecord(start.event, stream), op);
     for (int i = 0; i < calls; ++i) run();
     HG_CUDA_CHECK(cudaEventRecord(stop.event, stream), op);
+    detail::count_host_synchronization();
     HG_CUDA_CHECK(cudaEventSynchronize(stop.event), op);
     HG_CUDA_CHECK(cudaEventElapsedTime(&t, start.event, stop.event), op);
   }
@@ -374,6 +398,7 @@ DeviceGuard::~DeviceGuard() = default;
 cudaStream_t current_stream(int) { no_cuda("cuda::current_stream"); }
 void set_stream(int, cudaStream_t) { no_cuda("cuda::set_stream"); }
 void synchronize_stream(int) { no_cuda("cuda::synchronize_stream"); }
+bool is_capturing(int) { return false; }
 StreamGuard::StreamGuard(int, cudaStream_t) : device_(0), previous_(nullptr) { no_cuda("cuda::StreamGuard"); }
 StreamGuard::~StreamGuard() = default;
 cublasHandle_t cublas_handle(int) { no_cuda("cuda::cublas_handle"); }

@@ -70,6 +70,17 @@ void set_stream(int device, cudaStream_t stream);
 inline void set_stream(Device device, cudaStream_t stream) { set_stream(device.index, stream); }
 // The host waits for the work queued so far on the current stream of `device` (not the other streams).
 void synchronize_stream(int device);
+// How many times halfgrad has made the host wait for a GPU so far in this process: synchronize, synchronize_stream,
+// every copy to the host (item() included) and autotuning's timings. For tests and benchmarks that check a training
+// loop waits for nothing (a replayed CUDA graph, the loss scaler's device-side decisions).
+uint64_t host_synchronizations();
+namespace detail {
+void count_host_synchronization();
+}
+// Whether the current stream of `device` is being captured into a CUDA graph (cuda::Graph): work queued now is
+// recorded, not run, so nothing may wait for it or read its results on the host. False for a CPU device.
+bool is_capturing(int device);
+inline bool is_capturing(Device device) { return device.is_cuda() && is_capturing(device.index); }
 
 // Makes `stream` current on `device` for a scope.
 class StreamGuard {

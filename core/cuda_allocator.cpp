@@ -144,6 +144,31 @@ class DeviceCache {
     stats_.peak_allocated_bytes = stats_.allocated_bytes;
   }
 
+  void hold(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_.insert(stream);
+  }
+
+  void release(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_.erase(stream);
+    for (FreeBlocks* pool : {&small_free_, &large_free_}) {
+      std::vector<Block*> moved;
+      for (auto it = pool->begin(); it != pool->end();) {
+        if ((*it)->stream == stream) {
+          moved.push_back(*it);
+          it = pool->erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (Block* b : moved) {
+        b->stream = nullptr;
+        pool->insert(b);
+      }
+    }
+  }
+
  private:
   // The smallest free block of `pool` on `stream` that holds `size` bytes, removed from the pool.
   Block* take_free(FreeBlocks& pool, cudaStream_t stream, size_t size) {
@@ -217,7 +242,7 @@ class DeviceCache {
     for (FreeBlocks* pool : {&small_free_, &large_free_}) {
       for (auto it = pool->begin(); it != pool->end();) {
         Block* b = *it;
-        if (b->prev || b->next) {
+        if (b->prev || b->next || held_.count(b->stream)) {
           ++it;
           continue;
         }
@@ -253,6 +278,7 @@ class DeviceCache {
   const int device_;
   std::mutex mutex_;
   FreeBlocks small_free_, large_free_;
+  std::set<cudaStream_t> held_;  // streams of live CUDA graphs
   std::unordered_map<void*, Block*> active_;
   MemoryStats stats_;
 };
@@ -328,6 +354,11 @@ void empty_cache() {
   for (int d = 0; d < n; ++d) caching_allocator().cache(d, "empty_cache").empty_cache();
 }
 
+void hold_stream_blocks(int device, cudaStream_t stream) { caching_allocator().cache(device, "graph pool").hold(stream); }
+void release_stream_blocks(int device, cudaStream_t stream) {
+  caching_allocator().cache(device, "graph pool").release(stream);
+}
+
 std::string memory_stats_str(int device) { return DeviceCache::stats_line(memory_stats(device)); }
 
 #else  // no CUDA in this build
@@ -335,6 +366,8 @@ std::string memory_stats_str(int device) { return DeviceCache::stats_line(memory
 MemoryStats memory_stats(int) { return {}; }
 void reset_peak(int) {}
 void empty_cache() {}
+void hold_stream_blocks(int, cudaStream_t) {}
+void release_stream_blocks(int, cudaStream_t) {}
 std::string memory_stats_str(int) { return "no CUDA in this build"; }
 
 #endif

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/cuda.h"  // cudaStream_t
+
 namespace halfgrad::cuda {
 
 struct MemoryStats {
@@ -36,6 +38,12 @@ void reset_peak(int device = -1);
 // Returns every cached (free) whole segment of every device to the driver with cudaFree. Memory still in
 // use stays; so do free blocks that share a segment with a block in use.
 void empty_cache();
+// For cuda::Graph (core/cuda_graph.h), whose replays write the blocks its capture was given: blocks are only ever
+// reused on the stream they were made on, so those of a graph's private stream are its pool; while held, they are
+// not returned to the driver either (empty_cache, the retry after an out-of-memory). Releasing hands the free ones
+// to the legacy default stream (the caller makes sure the graph's work has finished).
+void hold_stream_blocks(int device, cudaStream_t stream);
+void release_stream_blocks(int device, cudaStream_t stream);
 // The statistics as one line, as out-of-memory messages print them.
 std::string memory_stats_str(int device = -1);
 std::string format_bytes(size_t bytes);  // "1.50 GiB"

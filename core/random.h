@@ -33,9 +33,28 @@ struct Philox {
 struct GeneratorState {
   uint64_t seed;
   uint64_t offset;
+  // Set while a CUDA graph is captured (core/cuda_graph.h): device memory holding {seed, offset} of the generator at
+  // the time of each replay. A kernel then draws with seed graph_state[0] from counter graph_state[1] + offset (see
+  // seed_and_offset below), so every replay continues the generator's stream as an eager step would.
+  const uint64_t* graph_state = nullptr;
 };
+// Where a kernel's counters start, in device code: {seed, first counter}.
+struct SeedAndOffset {
+  uint64_t seed, offset;
+};
+inline HG_HOST_DEVICE SeedAndOffset seed_and_offset(const GeneratorState& s) {
+  if (s.graph_state != nullptr) return {s.graph_state[0], s.graph_state[1] + s.offset};
+  return {s.seed, s.offset};
+}
 // Reserves `count` counters and returns (seed, first counter).
 GeneratorState next_random_counters(uint64_t count);
+// While a CUDA graph is captured on this host thread, next_random_counters reserves counters of the graph's: relative
+// offsets from `used` on, with graph_state set. cuda::Graph installs it; nullptr ends it.
+struct GraphGenerator {
+  const uint64_t* device_state;
+  uint64_t used = 0;
+};
+void set_graph_generator(GraphGenerator* generator);
 // The generator's state now, and setting it back (training checkpoints): after
 // set_generator_state(s) the random numbers continue exactly as they did after generator_state() gave s.
 GeneratorState generator_state();

@@ -216,6 +216,8 @@ template <typename T, int PerCounter, typename Fn> Tensor generate(const Shape& 
   int64_t n = host.numel();
   int64_t counters = (n + PerCounter - 1) / PerCounter;
   GeneratorState state = next_random_counters(uint64_t(counters));
+  HG_CHECK(!state.graph_state, "rand/randn/randint: random tensors are made on the host, which a CUDA graph capture "
+                               "cannot replay; make them before capturing");
   T* out = host.data<T>();
 #pragma omp parallel for if (counters > 4096)
   for (int64_t c = 0; c < counters; ++c) {
@@ -233,7 +235,16 @@ double uniform53(uint32_t hi, uint32_t lo) {
 }
 }  // namespace
 
+thread_local GraphGenerator* graph_generator = nullptr;
+
+void set_graph_generator(GraphGenerator* generator) { graph_generator = generator; }
+
 GeneratorState next_random_counters(uint64_t count) {
+  if (graph_generator) {
+    GeneratorState s{.seed = 0, .offset = graph_generator->used, .graph_state = graph_generator->device_state};
+    graph_generator->used += count;
+    return s;
+  }
   std::lock_guard<std::mutex> lock(generator_mutex);
   GeneratorState s = generator;
   generator.offset += count;

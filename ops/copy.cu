@@ -74,12 +74,14 @@ class PinnedPool {
       }
     }
     if (!pick && busy && count_ >= kMaxBuffers) {
+      cuda::detail::count_host_synchronization();
       HG_CUDA_CHECK(cudaEventSynchronize(busy->event), "pinned staging buffer");
       pick = busy;
     }
     if (!pick && count_ >= kMaxBuffers && !free_.empty()) {
       // Every buffer is too small: replace one.
       Buffer* old = free_.front();
+      cuda::detail::count_host_synchronization();
       if (old->event) HG_CUDA_CHECK(cudaEventSynchronize(old->event), "pinned staging buffer");
       remove(old);
       destroy(old);
@@ -143,6 +145,9 @@ PinnedPool& pinned_pool() {
 // stream. The host returns once everything is queued; the source may be modified right away.
 void host_to_device(char* dst, const char* src, size_t nbytes, int device) {
   cuda::DeviceGuard guard(device);
+  // A captured copy would replay from the staging buffer, which later copies reuse.
+  HG_CHECK(!cuda::is_capturing(device), "to(cuda): a copy from the host ({} bytes) inside a CUDA graph capture; make "
+           "the tensor on the device before capturing, or fill it with a device op", nbytes);
   cudaStream_t stream = cuda::current_stream(device);
   PinnedPool& pool = pinned_pool();
   for (size_t off = 0; off < nbytes; off += PinnedPool::kChunk) {
@@ -160,11 +165,14 @@ void host_to_device(char* dst, const char* src, size_t nbytes, int device) {
 // overlaps the host's copy of piece i.
 void device_to_host(char* dst, const char* src, size_t nbytes, int device) {
   cuda::DeviceGuard guard(device);
+  HG_CHECK(!cuda::is_capturing(device), "to(cpu): a copy to the host ({} bytes, e.g. item()) inside a CUDA graph "
+           "capture, where nothing has run yet", nbytes);
   cudaStream_t stream = cuda::current_stream(device);
   PinnedPool& pool = pinned_pool();
   PinnedPool::Buffer* pending = nullptr;
   size_t pending_off = 0, pending_len = 0;
   auto finish_pending = [&] {
+    cuda::detail::count_host_synchronization();
     HG_CUDA_CHECK(cudaEventSynchronize(pending->event), "to(cpu)");
     std::memcpy(dst + pending_off, pending->ptr, pending_len);
     pool.give_back(pending);

@@ -55,6 +55,7 @@ template <typename T> void dropout_typed(T* out, const T* in, int64_t n, double 
 }
 
 void dropout_cpu(const Tensor& out, const Tensor& in, double p, GeneratorState state) {
+  HG_CHECK(!state.graph_state, "dropout: a CPU tensor {} inside a CUDA graph capture", in.meta());
   dispatch_floating(in.dtype(), "dropout", [&]<typename T>() {
     dropout_typed(out.data<T>(), in.data<T>(), in.numel(), p, state);
   });

@@ -12,12 +12,12 @@ constexpr int kThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    dropout_kernel_cuda(T* out, const T* in, int64_t n, float keep, opmath_t<T> scale, uint64_t seed,
-                        uint64_t offset) {
+    dropout_kernel_cuda(T* out, const T* in, int64_t n, float keep, opmath_t<T> scale, GeneratorState state) {
   using A = opmath_t<T>;
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c * 4 >= n) return;
-  const Philox::U4 r = Philox::generate(seed, offset + uint64_t(c));
+  const SeedAndOffset s = seed_and_offset(state);  // read on the device: a captured graph's replays draw anew
+  const Philox::U4 r = Philox::generate(s.seed, s.offset + uint64_t(c));
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int64_t i = c * 4 + k;
@@ -36,7 +36,7 @@ void dropout_cuda(const Tensor& out, const Tensor& in, double p, GeneratorState 
   dispatch_floating(in.dtype(), "dropout", [&]<typename T>() {
     using A = opmath_t<T>;
     dropout_kernel_cuda<T><<<unsigned((counters + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        out.data<T>(), in.data<T>(), n, float(1.0 - p), A(1.0 / (1.0 - p)), state.seed, state.offset);
+        out.data<T>(), in.data<T>(), n, float(1.0 - p), A(1.0 / (1.0 - p)), state);
     HG_CUDA_CHECK_LAUNCH("dropout");
   });
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/autograd.h"
+#include "core/cuda.h"
 #include "optim/fused.h"
 
 namespace halfgrad::optim {
@@ -33,6 +34,10 @@ template <typename Options> struct AdamStepper {
     for (size_t g = 0; g < opt.groups_.size(); ++g) {
       const Options& o = opt.groups_[g].options;
       for (const auto& items : opt.step_items(g)) {
+        // The bias corrections come from step counts kept on the host, which a replayed graph would freeze.
+        HG_CHECK(!cuda::is_capturing(items[0].param.device()),
+                 "{}: a step inside a CUDA graph capture would replay its first bias correction forever (the step "
+                 "counts live on the host); use SGD with --cuda-graph, or train eagerly", opt.name());
         AdamStepArgs args;
         args.lr = o.lr;
         args.beta1 = o.betas.first;

@@ -114,16 +114,17 @@ TensorList Amp::unscale_() {
   return params;
 }
 
-bool Amp::step() {
+void Amp::step() {
   gather_master_grads();
   masters_have_grads_ = false;
-  bool stepped = scaler_.step(*optimizer_);
-  if (stepped) {
+  scaler_.step(*optimizer_);
+  {
+    // Unconditionally: after a skipped step the masters are unchanged and the copy rewrites the same values,
+    // which costs less than asking the device whether the step ran.
     NoGradGuard no_grad;
     for (auto& [master, model_param] : masters_) model_param.copy_(master);
   }
   scaler_.update();
-  return stepped;
 }
 
 void Amp::zero_grad() {

@@ -61,8 +61,9 @@ class Amp {
   //   optim::clip_grad_norm_(amp.unscale_(), 0.25);
   //   amp.step();
   TensorList unscale_();
-  // One optimizer step with everything the level needs; returns false when an overflow skipped it.
-  bool step();
+  // One optimizer step with everything the level needs (skipped on the device when a gradient overflowed:
+  // scaler().skipped_steps() counts those).
+  void step();
   void zero_grad();
 
   OptLevel level() const { return level_; }

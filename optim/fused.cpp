@@ -75,7 +75,7 @@ void sgd_loop(T* __restrict p, const T* __restrict g, T* __restrict b, int64_t n
 }
 
 void sgd_step_cpu(const SGDStepArgs& a) {
-  if (a.params.empty()) return;
+  if (a.params.empty() || (a.found_inf.defined() && a.found_inf.item<float>() != 0)) return;
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
     const SGDScalars<M> s{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay)};

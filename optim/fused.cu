@@ -101,10 +101,12 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
 
 // ---- the elementwise multi-tensor kernel: `op(values, extra)` updates one element's operands in place
 
+// skip: nullptr, or a flag that, when nonzero, leaves every operand as it is (SGDStepArgs::found_inf).
 template <typename T, int DEPTH, typename Extra, typename Op>
 __global__ void __launch_bounds__(kBlock)
-    multi_tensor_kernel(const HG_GRID_CONSTANT TensorBatch<DEPTH, Extra> batch, const Op op) {
+    multi_tensor_kernel(const HG_GRID_CONSTANT TensorBatch<DEPTH, Extra> batch, const Op op, const float* skip) {
   using M = opmath_t<T>;
+  if (skip != nullptr && *skip != 0) return;
   for (int64_t chunk = blockIdx.x; chunk < batch.num_chunks; chunk += gridDim.x) {
     const TensorEntry<DEPTH, Extra>& e = entry_of_chunk(batch, chunk);
     const Extra extra = e.extra;
@@ -155,12 +157,12 @@ __global__ void __launch_bounds__(kBlock)
 
 template <typename T, int DEPTH, typename Extra, typename Op, typename ExtraOf>
 void launch_multi_tensor(const char* name, Device device, const std::array<const TensorList*, DEPTH>& lists,
-                         const ExtraOf& extra_of, const Op& op) {
+                         const ExtraOf& extra_of, const Op& op, const float* skip = nullptr) {
   static_assert(sizeof(TensorBatch<DEPTH, Extra>) + sizeof(Op) <= 4096, "kernel arguments over 4 KB");
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::current_stream(device);
   for_each_batch<DEPTH, Extra>(lists, extra_of, [&](const TensorBatch<DEPTH, Extra>& batch) {
-    multi_tensor_kernel<T, DEPTH, Extra, Op><<<unsigned(batch.num_chunks), kBlock, 0, stream>>>(batch, op);
+    multi_tensor_kernel<T, DEPTH, Extra, Op><<<unsigned(batch.num_chunks), kBlock, 0, stream>>>(batch, op, skip);
     HG_CUDA_CHECK_LAUNCH(name);
   });
 }
@@ -174,8 +176,11 @@ struct SGDExtra {
 template <typename M> struct SGDOp {
   M lr, momentum, one_minus_dampening, weight_decay;
   bool nesterov;
+  const double* hyperparameters;  // nullptr, or [lr, momentum] to read instead of lr and momentum
   static constexpr __device__ bool writes(int d) { return d != 1; }  // not the gradient
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
+    const M lr = hyperparameters ? M(hyperparameters[0]) : this->lr;
+    const M momentum = hyperparameters ? M(hyperparameters[1]) : this->momentum;
     M g = r[1];
     if (weight_decay != M(0)) g = g + weight_decay * r[0];
     if constexpr (DEPTH == 3) {
@@ -192,13 +197,15 @@ void sgd_step_cuda(const SGDStepArgs& a) {
   const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const SGDOp<M> op{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay), a.nesterov};
+    const SGDOp<M> op{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay), a.nesterov,
+                      a.hyperparameters.defined() ? a.hyperparameters.data<double>() : nullptr};
     auto extra_of = [&](size_t i) { return SGDExtra{a.momentum != 0 && a.first_step[i] ? 1 : 0}; };
+    const float* skip = a.found_inf.defined() ? a.found_inf.data<float>() : nullptr;
     if (a.momentum != 0) {
       launch_multi_tensor<T, 3, SGDExtra>("SGD.step", device, {&a.params, &a.grads, &a.momentum_buffers}, extra_of,
-                                          op);
+                                          op, skip);
     } else {
-      launch_multi_tensor<T, 2, SGDExtra>("SGD.step", device, {&a.params, &a.grads}, extra_of, op);
+      launch_multi_tensor<T, 2, SGDExtra>("SGD.step", device, {&a.params, &a.grads}, extra_of, op, skip);
     }
   });
 }

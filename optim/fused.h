@@ -32,6 +32,12 @@ struct SGDStepArgs {
   std::vector<uint8_t> first_step;  // per parameter (with momentum): the buffer is new, so b = g
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
+  // When defined (float32 0-d, on the parameters' device): the step changes nothing if it is nonzero when the step
+  // runs. Read on the device, so the loss scaler's overflow check costs no host synchronisation.
+  Tensor found_inf;
+  // When defined (float64 [lr, momentum], on the parameters' device; CUDA only): read on the device in place of lr and
+  // momentum, so a captured CUDA graph's replays follow a scheduler (core/cuda_graph.h).
+  Tensor hyperparameters;
 };
 
 // torch.optim.Adam / AdamW (PyTorch's update, eps outside the square root), per element:

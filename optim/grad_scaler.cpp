@@ -1,8 +1,10 @@
 #include "optim/grad_scaler.h"
 
 #include <cmath>
+#include <limits>
 
 #include "core/autograd.h"
+#include "core/cuda.h"
 #include "core/log.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
@@ -10,21 +12,39 @@
 namespace halfgrad::amp {
 
 KernelTable<UnscaleKernel> unscale_kernel("unscale_and_check");
+KernelTable<UpdateScaleKernel> update_scale_kernel("update_scale");
+
+namespace {
+constexpr int64_t kDiagnosisInterval = 100;  // updates between two host reads of the scale
+
+void check_scale(double scale, const char* where) {
+  HG_CHECK(scale > 0 && scale <= std::numeric_limits<float>::max(),
+           "GradScaler{}: invalid scale {} (the scale is float32: positive and finite there)", where, scale);
+}
+}  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
-  HG_CHECK(options.init_scale > 0 && std::isfinite(options.init_scale), "GradScaler: init_scale must be positive, got {}",
-           options.init_scale);
+  check_scale(options.init_scale, " (init_scale)");
   HG_CHECK(options.growth_factor > 1, "GradScaler: growth_factor must be > 1, got {}", options.growth_factor);
   HG_CHECK(options.backoff_factor > 0 && options.backoff_factor < 1, "GradScaler: backoff_factor must be in (0, 1), got {}",
            options.backoff_factor);
   HG_CHECK(options.growth_interval > 0, "GradScaler: growth_interval must be positive, got {}", options.growth_interval);
-  state_.scale = options.init_scale;
+  pending_.scale = options.init_scale;
+}
+
+void GradScaler::place_state(Device device) {
+  if (scale_.defined()) return;
+  // Made in a capture, every replay would start again from the initial scale.
+  HG_CHECK(!cuda::is_capturing(device), "GradScaler: its state is created on the first scale() or unscale_(), inside a "
+           "CUDA graph capture here; run the step eagerly first (cuda::CapturedStep does)");
+  scale_ = full({}, pending_.scale, {.dtype = kFloat32, .device = device});
+  growth_tracker_ = full({}, double(pending_.growth_tracker), {.dtype = kInt32, .device = device});
+  skipped_ = zeros({}, {.dtype = kInt64, .device = device});
 }
 
 Tensor GradScaler::scale_on(Device device) {
-  auto it = scale_tensors_.find(device);
-  if (it == scale_tensors_.end()) it = scale_tensors_.emplace(device, full({}, state_.scale, {.device = device})).first;
-  return it->second;
+  place_state(device);
+  return scale_.to(device);
 }
 
 Tensor GradScaler::scale(const Tensor& loss) {
@@ -57,64 +77,101 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   for (auto& [key, grads] : groups) {
     Device device = key.first;
     if (!flags.count(device)) flags[device] = zeros({}, {.device = device});
-    Tensor inv_scale = full({}, 1.0 / state_.scale, {.device = device});  // exact: the scale is a power of two
-    unscale_kernel[device](grads, inv_scale, flags[device]);
+    unscale_kernel[device](grads, scale_on(device), flags[device]);
   }
   for (auto& [device, flag] : flags) p.found_inf.push_back(flag);
   p.unscaled = true;
 }
 
-bool GradScaler::found_inf(const PerOptimizer& p) const {
-  for (const Tensor& flag : p.found_inf)
-    if (flag.item<float>() != 0) return true;
-  return false;
+Tensor GradScaler::found_inf(const PerOptimizer& p) const {
+  Tensor total;
+  for (const Tensor& flag : p.found_inf) {
+    Tensor f = flag.to(scale_.device());
+    total = total.defined() ? maximum(total, f) : f;
+  }
+  return total.defined() ? total : zeros({}, {.device = scale_.device()});
 }
 
-bool GradScaler::step(optim::Optimizer& optimizer) {
+void GradScaler::step(optim::Optimizer& optimizer) {
   if (!options_.enabled) {
     optimizer.step();
-    return true;
+    return;
   }
   PerOptimizer& p = per_optimizer(optimizer);
   HG_CHECK(!p.stepped, "GradScaler::step: step() was already called on this optimizer since the last update()");
   if (!p.unscaled) unscale_(optimizer);
   p.stepped = true;
-  if (found_inf(p)) return false;
-  optimizer.step();
-  return true;
+  if (!scale_.defined()) {  // no gradient and no loss seen: nothing can have overflowed
+    optimizer.step();
+    return;
+  }
+  NoGradGuard no_grad;
+  optimizer.step_unless(found_inf(p));
 }
 
 void GradScaler::update() {
   if (!options_.enabled) return;
-  bool overflow = false;
-  for (auto& [opt, p] : per_optimizer_) overflow = overflow || found_inf(p);
-  if (options_.dynamic) {
-    if (overflow) {
-      state_.scale *= options_.backoff_factor;
-      state_.growth_tracker = 0;
-    } else if (++state_.growth_tracker == options_.growth_interval) {
-      double grown = state_.scale * options_.growth_factor;
-      if (std::isfinite(grown)) state_.scale = grown;
-      state_.growth_tracker = 0;
+  if (scale_.defined()) {
+    NoGradGuard no_grad;
+    Tensor overflow;
+    for (auto& [opt, p] : per_optimizer_) {
+      Tensor f = found_inf(p);
+      overflow = overflow.defined() ? maximum(overflow, f) : f;
     }
-    for (auto& [device, t] : scale_tensors_) t.fill_(state_.scale);
+    if (!overflow.defined()) overflow = zeros({}, {.device = scale_.device()});
+    update_scale_kernel[scale_.device()]({.scale = scale_,
+                                          .growth_tracker = growth_tracker_,
+                                          .skipped = skipped_,
+                                          .found_inf = overflow,
+                                          .growth_factor = options_.growth_factor,
+                                          .backoff_factor = options_.backoff_factor,
+                                          .growth_interval = options_.growth_interval,
+                                          .dynamic = options_.dynamic});
+    ++updates_;
+    check_for_diagnosis(overflow);
   }
-  if (overflow && state_.scale < options_.warn_below_scale && diagnosis_.empty()) diagnose_overflow();
   per_optimizer_.clear();
   loss_was_finite_.clear();
 }
 
+// The diagnosis needs the host to see the scale: it looks every kDiagnosisInterval updates (starting with the
+// first), and once the scale is below warn_below_scale, at every update until a step overflows.
+void GradScaler::check_for_diagnosis(const Tensor& overflow) {
+  if (!diagnosis_.empty() || cuda::is_capturing(scale_.device())) return;
+  if (!watching_) {
+    if (updates_ % kDiagnosisInterval != 1 % kDiagnosisInterval) return;
+    watching_ = scale_.item<float>() < options_.warn_below_scale;
+  }
+  if (watching_ && overflow.item<float>() != 0) {
+    diagnose_overflow();
+    watching_ = false;
+  }
+}
+
+double GradScaler::get_scale() const { return scale_.defined() ? double(scale_.item<float>()) : pending_.scale; }
+
+GradScalerState GradScaler::state() const {
+  if (!scale_.defined()) return pending_;
+  return {.scale = get_scale(), .growth_tracker = int64_t(growth_tracker_.item<int32_t>())};
+}
+
+int64_t GradScaler::skipped_steps() const { return skipped_.defined() ? skipped_.item<int64_t>() : 0; }
+
 void GradScaler::load_state(const GradScalerState& state) {
-  HG_CHECK(state.scale > 0 && std::isfinite(state.scale), "GradScaler::load_state: invalid scale {}", state.scale);
+  check_scale(state.scale, "::load_state");
   HG_CHECK(state.growth_tracker >= 0 && state.growth_tracker < options_.growth_interval,
            "GradScaler::load_state: growth_tracker {} outside [0, {})", state.growth_tracker, options_.growth_interval);
-  state_ = state;
-  for (auto& [device, t] : scale_tensors_) t.fill_(state_.scale);
+  pending_ = state;
+  if (scale_.defined()) {
+    scale_.fill_(state.scale);
+    growth_tracker_.fill_(double(state.growth_tracker));
+  }
 }
 
 std::vector<std::pair<std::string, Tensor>> GradScaler::state_tensors() const {
-  return {{"scaler.scale", scalar_tensor(state_.scale, {.dtype = kFloat64})},
-          {"scaler.growth_tracker", scalar_tensor(state_.growth_tracker, {.dtype = kInt64})}};
+  const GradScalerState s = state();
+  return {{"scaler.scale", scalar_tensor(s.scale, {.dtype = kFloat64})},
+          {"scaler.growth_tracker", scalar_tensor(s.growth_tracker, {.dtype = kInt64})}};
 }
 
 void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named) {
@@ -145,7 +202,7 @@ void GradScaler::diagnose_overflow() {
   if (forward_overflow) {
     diagnosis_ = fmt::format("GradScaler: the loss scale fell to {} because the loss itself is inf/NaN: the forward "
                              "pass overflowed (run the overflowing ops in float32, e.g. through autocast's float32 "
-                             "rule, or lower the learning rate); loss scaling cannot fix this", state_.scale);
+                             "rule, or lower the learning rate); loss scaling cannot fix this", get_scale());
     logger().warn(diagnosis_);
     return;
   }
@@ -161,13 +218,13 @@ void GradScaler::diagnose_overflow() {
   diagnosis_ = fmt::format("GradScaler: the loss scale fell to {} after repeated gradient overflow; the first "
                            "parameter whose gradient overflowed is {}. The loss was finite, so the backward pass "
                            "overflowed: look for ops that run in float16 with large gradients there",
-                           state_.scale, culprit);
+                           get_scale(), culprit);
   logger().warn(diagnosis_);
 }
 
 namespace {
-void unscale_cpu(const TensorList& grads, const Tensor& inv_scale, const Tensor& found_inf) {
-  const float inv = inv_scale.item<float>();
+void unscale_cpu(const TensorList& grads, const Tensor& scale, const Tensor& found_inf) {
+  const float inv = 1.0f / scale.item<float>();
   bool any_bad = false;
   for (const Tensor& g : grads) {
     HG_CHECK(g.is_contiguous(), "unscale_: gradient {} is not contiguous", g.meta());
@@ -191,8 +248,27 @@ void unscale_cpu(const TensorList& grads, const Tensor& inv_scale, const Tensor&
     flag.fill_(1);
   }
 }
+
+// As the CUDA kernel (grad_scaler.cu), in float32.
+void update_scale_cpu(const UpdateScaleArgs& a) {
+  float& scale = *a.scale.data<float>();
+  int32_t& tracker = *a.growth_tracker.data<int32_t>();
+  if (*a.found_inf.data<float>() != 0) {
+    ++*a.skipped.data<int64_t>();
+    if (a.dynamic) {
+      scale *= float(a.backoff_factor);
+      tracker = 0;
+    }
+  } else if (a.dynamic && ++tracker == a.growth_interval) {
+    const float grown = scale * float(a.growth_factor);
+    if (std::isfinite(grown)) scale = grown;
+    tracker = 0;
+  }
+  for (const Tensor* t : {&a.scale, &a.growth_tracker, &a.skipped}) t->storage()->bump_version();
+}
 }  // namespace
 
 HG_REGISTER_KERNEL(unscale_kernel, CPU, unscale_cpu);
+HG_REGISTER_KERNEL(update_scale_kernel, CPU, update_scale_cpu);
 
 }  // namespace halfgrad::amp

@@ -10,6 +10,13 @@
 //   clip_grad_norm_(params, 1.0);
 //   scaler.step(opt);                     // skips the update when a gradient overflowed
 //   scaler.update();
+//
+// Everything is decided on the device, so a training step waits for nothing: the scale (float32, as PyTorch's),
+// the count of clean steps and the count of skipped steps are 0-d tensors on the device of the first gradients or
+// loss the scaler sees; unscale_ writes an overflow flag there; step() hands the flag to the optimizer, whose
+// fused kernel leaves the parameters alone when it is set (optim::Optimizer::step_unless); update() adjusts the
+// scale in one kernel. The host reads the state only when asked (get_scale, state, skipped_steps) and, for the
+// overflow diagnosis, on the 1st, 101st, 201st... update.
 #include <map>
 #include <optional>
 #include <string>
@@ -23,7 +30,7 @@
 namespace halfgrad::amp {
 
 struct GradScalerOptions {
-  double init_scale = 65536.0;  // 2^16
+  double init_scale = 65536.0;  // 2^16; at most float32's largest finite value
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
@@ -49,15 +56,18 @@ class GradScaler {
   // Divides the optimizer's gradients by the scale in place and records whether any is inf/NaN.
   // At most once per optimizer between update() calls.
   void unscale_(optim::Optimizer& optimizer);
-  // Unscales if not done yet, then runs optimizer.step() unless a gradient overflowed. Returns whether the
-  // step ran. Reading the overflow flag is the one host synchronisation of the step.
-  bool step(optim::Optimizer& optimizer);
+  // Unscales if not done yet, then runs the optimizer's step unless a gradient overflowed, decided on the device
+  // (optim::Optimizer::step_unless).
+  void step(optim::Optimizer& optimizer);
   // Adjusts the scale for the next iteration: backoff on overflow, growth after growth_interval clean steps.
   void update();
 
-  double get_scale() const { return state_.scale; }
+  // These read the device (a synchronisation).
+  double get_scale() const;
+  GradScalerState state() const;
+  int64_t skipped_steps() const;  // steps skipped for an overflow since construction (not saved in the state)
+
   bool is_enabled() const { return options_.enabled; }
-  GradScalerState state() const { return state_; }
   void load_state(const GradScalerState& state);
   // The state as named 0-d tensors for training checkpoints (nn/checkpoint.h's `extra`):
   // "scaler.scale" (float64) and "scaler.growth_tracker" (int64).
@@ -76,13 +86,21 @@ class GradScaler {
     std::vector<Tensor> found_inf;  // one float32 0-d flag per device the gradients live on
   };
   PerOptimizer& per_optimizer(optim::Optimizer& optimizer);
+  // Creates the state tensors on `device` the first time; later calls keep the device they were made on.
+  void place_state(Device device);
   Tensor scale_on(Device device);
-  bool found_inf(const PerOptimizer& p) const;  // the host sync
+  // 1 (float32, 0-d, on the state's device) when any gradient unscaled for `p` overflowed, else 0.
+  Tensor found_inf(const PerOptimizer& p) const;
+  void check_for_diagnosis(const Tensor& overflow);
   void diagnose_overflow();
 
   GradScalerOptions options_;
-  GradScalerState state_;
-  std::map<Device, Tensor> scale_tensors_;  // the scale, one copy per device in use
+  GradScalerState pending_;  // the state until place_state() puts it on a device
+  Tensor scale_;             // float32 0-d
+  Tensor growth_tracker_;    // int32 0-d
+  Tensor skipped_;           // int64 0-d
+  int64_t updates_ = 0;
+  bool watching_ = false;    // the scale fell below warn_below_scale: diagnose at the next overflow
   std::map<optim::Optimizer*, PerOptimizer> per_optimizer_;
   std::vector<Tensor> loss_was_finite_;  // from scale(): tells forward overflow from gradient overflow
   std::vector<std::pair<std::string, Tensor>> names_;
@@ -90,10 +108,22 @@ class GradScaler {
   std::string diagnosis_;
 };
 
-// The fused pass behind unscale_: for each gradient g (all of one dtype and device), g *= inv_scale, and
-// found_inf (float32 0-d) becomes 1 if any element of any g is inf or NaN. One pass over the gradients; on
-// CUDA one launch per dtype for all of them.
-using UnscaleKernel = void (*)(const TensorList& grads, const Tensor& inv_scale, const Tensor& found_inf);
+// The fused pass behind unscale_: for each gradient g (all of one dtype and device), g *= 1 / scale (scale: the
+// float32 0-d scale, read on the device), and found_inf (float32 0-d) becomes 1 if any element of any g is inf or
+// NaN. One pass over the gradients; on CUDA one launch per dtype for all of them.
+using UnscaleKernel = void (*)(const TensorList& grads, const Tensor& scale, const Tensor& found_inf);
 extern KernelTable<UnscaleKernel> unscale_kernel;
+
+// update(), on the state's device (as torch._amp_update_scale_): when found_inf != 0, skipped += 1 and, if dynamic,
+// scale *= backoff_factor and growth_tracker = 0; otherwise, if dynamic, growth_tracker += 1 and when it reaches
+// growth_interval, scale *= growth_factor (unless that is not finite in float32) and growth_tracker = 0.
+struct UpdateScaleArgs {
+  Tensor scale, growth_tracker, skipped, found_inf;
+  double growth_factor, backoff_factor;
+  int64_t growth_interval;
+  bool dynamic;
+};
+using UpdateScaleKernel = void (*)(const UpdateScaleArgs& args);
+extern KernelTable<UpdateScaleKernel> update_scale_kernel;
 
 }  // namespace halfgrad::amp

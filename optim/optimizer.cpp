@@ -10,11 +10,22 @@
 #include <unordered_set>
 
 #include "core/autograd.h"
+#include "core/cuda.h"
 
 namespace halfgrad::optim {
 
 void Optimizer::zero_grad() {
   for (const Tensor& p : parameters()) p.set_grad(Tensor());
+}
+
+void Optimizer::step_unless(const Tensor& found_inf) {
+  HG_CHECK(found_inf.defined() && found_inf.dim() == 0 && found_inf.dtype() == kFloat32,
+           "{}.step_unless: found_inf must be a float32 0-d tensor, got {}", name_, found_inf.meta());
+  HG_CHECK(!cuda::is_capturing(found_inf.device()),
+           "{}.step_unless: this optimizer decides on the host whether to step (it counts its steps there), so it "
+           "cannot run inside a CUDA graph capture with a loss scaler; use SGD, or train without capture",
+           name_);
+  if (found_inf.item<float>() == 0) step();
 }
 
 TensorList Optimizer::parameters() const {
@@ -106,6 +117,10 @@ Tensor& Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* 
   const Tensor& p = item.param;
   if (created) *created = !buf.defined();
   if (!buf.defined()) {
+    // Made in a capture, the zeros would be made again by every replay.
+    HG_CHECK(!cuda::is_capturing(p.device()),
+             "{}: the {} of parameter {} of group {} is created on its first step, inside a CUDA graph capture here; "
+             "run the step eagerly first (cuda::CapturedStep does)", name_, state_names(g).at(k), item.index, g);
     buf = zeros(p.shape(), {.dtype = p.dtype(), .device = p.device()});
   } else {
     HG_CHECK(buf.shape() == p.shape() && buf.dtype() == p.dtype() && buf.device() == p.device(),

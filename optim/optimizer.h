@@ -54,6 +54,10 @@ class Optimizer {
   // Updates every parameter that has a gradient; parameters whose .grad is undefined are skipped (and their
   // step count does not advance), as in PyTorch.
   virtual void step() = 0;
+  // step(), unless `found_inf` (a float32 0-d tensor: the loss scaler's overflow flag) is nonzero, in which case
+  // nothing changes. Optimizers whose fused kernel reads the flag on the device (SGD) decide there, with no host
+  // synchronisation; the others (Adam, whose host counts its steps) read it first.
+  virtual void step_unless(const Tensor& found_inf);
   // Forgets the gradients of every parameter. Like PyTorch (set_to_none=True) the gradient becomes
   // undefined rather than zero: the next backward stores instead of adding, which saves a pass.
   void zero_grad();

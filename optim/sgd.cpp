@@ -1,6 +1,8 @@
 #include "optim/sgd.h"
 
 #include "core/autograd.h"
+#include "core/cuda.h"
+#include "core/cuda_graph.h"
 #include "optim/fused.h"
 
 namespace halfgrad::optim {
@@ -23,7 +25,42 @@ SGD::SGD(std::vector<SGDGroup> groups) : OptimizerWith("SGD", std::move(groups))
   check_parameters();
 }
 
-void SGD::step() {
+void SGD::step() { run_step(Tensor()); }
+
+void SGD::step_unless(const Tensor& found_inf) {
+  if (creates_dampened_buffer()) return Optimizer::step_unless(found_inf);
+  run_step(found_inf);
+}
+
+bool SGD::creates_dampened_buffer() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const SGDOptions& o = groups_[g].options;
+    if (o.momentum == 0 || o.dampening == 0) continue;
+    for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+      const ParamState& s = state(g, i);
+      if (groups_[g].params[i].grad().defined() && (s.buffers.empty() || !s.buffers[0].defined())) return true;
+    }
+  }
+  return false;
+}
+
+// In a CUDA graph capture: the group's lr and momentum in device memory, written before each replay, so that what a
+// scheduler sets between replays is what the replayed step uses.
+Tensor SGD::replayed_hyperparameters(size_t g, Device device) {
+  Tensor values = cuda::replay_input({2}, {.dtype = kFloat64, .device = device});
+  const bool captured_momentum = groups_[g].options.momentum != 0;
+  cuda::before_each_replay([this, g, values, captured_momentum]() mutable {
+    const SGDOptions& o = groups_[g].options;
+    HG_CHECK((o.momentum != 0) == captured_momentum,
+             "SGD: group {} was captured in a CUDA graph with momentum {}, and now has momentum {}; capture again",
+             g, captured_momentum ? "on" : "off", o.momentum);
+    values.narrow(0, 0, 1).fill_(o.lr);  // fills: the values travel as kernel arguments, nothing waits
+    values.narrow(0, 1, 1).fill_(o.momentum);
+  });
+  return values;
+}
+
+void SGD::run_step(const Tensor& found_inf) {
   NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const SGDOptions& o = groups_[g].options;
@@ -44,7 +81,10 @@ void SGD::step() {
           args.first_step.push_back(created);
         }
       }
-      sgd_step_kernel[items[0].param.device()](args);
+      const Device device = items[0].param.device();
+      if (found_inf.defined()) args.found_inf = found_inf.to(device);
+      if (cuda::is_capturing(device)) args.hyperparameters = replayed_hyperparameters(g, device);
+      sgd_step_kernel[device](args);
       write_back(items);
     }
   }

@@ -28,11 +28,20 @@ class SGD : public OptimizerWith<SGDOptions> {
   SGD(TensorList params, SGDOptions options);
   explicit SGD(std::vector<SGDGroup> groups);
   void step() override;
+  void step_unless(const Tensor& found_inf) override;
 
  protected:
   // State per parameter: "momentum_buffer" (undefined until the first step with momentum).
   std::vector<std::string> state_names(size_t) const override { return {"momentum_buffer"}; }
   bool counts_steps() const override { return false; }
+
+ private:
+  void run_step(const Tensor& found_inf);  // found_inf undefined: always
+  // Whether this step would create a momentum buffer under dampening: b = g on a first step is only the same as
+  // b = momentum * 0 + (1 - dampening) * g without dampening, so a step skipped on the device could not be told
+  // from a first one.
+  bool creates_dampened_buffer();
+  Tensor replayed_hyperparameters(size_t g, Device device);
 };
 
 }  // namespace halfgrad::optim

@@ -6,6 +6,7 @@
 #include "core/autocast.h"
 #include "halfgrad.h"
 #include "tests/testing.h"
+#include "optim/adam.h"
 #include "optim/grad_scaler.h"
 
 using namespace halfgrad;
@@ -115,15 +116,47 @@ TEST_CASE("an overflow skips the step, halves the scale and leaves the parameter
   optim::SGD opt({w}, {.lr = 0.1});
   amp::GradScaler scaler({.init_scale = 1024});
   w.set_grad(tensor(std::vector<float>{1, INFINITY, 2}));
-  CHECK_FALSE(scaler.step(opt));
+  scaler.step(opt);
   scaler.update();
   CHECK(values(w) == std::vector<double>{1, 1, 1});
   CHECK(scaler.get_scale() == 512);
   CHECK(scaler.state().growth_tracker == 0);
+  CHECK(scaler.skipped_steps() == 1);
   w.set_grad(tensor(std::vector<float>{NAN, 0, 0}));
-  CHECK_FALSE(scaler.step(opt));
+  scaler.step(opt);
   scaler.update();
   CHECK(scaler.get_scale() == 256);
+  CHECK(scaler.skipped_steps() == 2);
+}
+
+TEST_CASE("a skipped first step leaves SGD's momentum as if it had never run; Adam's step count does not advance") {
+  for (double dampening : {0.0, 0.5}) {  // with dampening the skip is decided on the host (SGD::step_unless)
+    CAPTURE(dampening);
+    Tensor w = ones({2}, {.requires_grad = true}), ref = ones({2}, {.requires_grad = true});
+    optim::SGD opt({w}, {.lr = 0.1, .momentum = 0.9, .dampening = dampening});
+    optim::SGD ref_opt({ref}, {.lr = 0.1, .momentum = 0.9, .dampening = dampening});
+    amp::GradScaler scaler({.init_scale = 4});
+    w.set_grad(tensor(std::vector<float>{INFINITY, 1}));
+    scaler.step(opt);
+    scaler.update();
+    CHECK(values(w) == std::vector<double>{1, 1});
+    for (int i = 0; i < 2; ++i) {  // then two clean steps: the first of them is momentum's first (b = g)
+      w.set_grad(tensor(std::vector<float>{2 * 2, 3 * 2}));  // scaled by the scale of 2 after the backoff
+      scaler.step(opt);
+      scaler.update();
+      ref.set_grad(tensor(std::vector<float>{2, 3}));
+      ref_opt.step();
+    }
+    CHECK(values(w) == values(ref));
+  }
+  Tensor v = ones({1}, {.requires_grad = true});
+  optim::Adam adam({v}, {.lr = 0.1});
+  amp::GradScaler scaler;
+  v.set_grad(full({1}, NAN));
+  scaler.step(adam);
+  scaler.update();
+  CHECK(adam.state(0, 0).step == 0);
+  CHECK(values(v) == std::vector<double>{1});
 }
 
 TEST_CASE("a clean step unscales the gradients before the update") {
@@ -132,9 +165,10 @@ TEST_CASE("a clean step unscales the gradients before the update") {
   amp::GradScaler scaler({.init_scale = 8});
   scaler.scale((w * tensor(std::vector<float>{1, 2})).sum()).backward();
   CHECK(values(w.grad()) == std::vector<double>{8, 16});
-  CHECK(scaler.step(opt));
+  scaler.step(opt);
   CHECK(values(w) == std::vector<double>{0, -1});
   scaler.update();
+  CHECK(scaler.skipped_steps() == 0);
 }
 
 TEST_CASE("the scale grows after growth_interval clean steps in a row, and an overflow resets the count") {
@@ -159,14 +193,15 @@ TEST_CASE("the scale grows after growth_interval clean steps in a row, and an ov
   CHECK(scaler.state().growth_tracker == 0);
 }
 
-TEST_CASE("the scale never grows to infinity") {
+TEST_CASE("the scale is float32 and never grows to infinity there") {
   Tensor w = ones({1}, {.requires_grad = true});
   optim::SGD opt({w}, {.lr = 0});
-  amp::GradScaler scaler({.init_scale = 1e308, .growth_interval = 1});
+  amp::GradScaler scaler({.init_scale = 0x1p127, .growth_interval = 1});
   w.set_grad(ones({1}));
   scaler.step(opt);
   scaler.update();
-  CHECK(scaler.get_scale() == 1e308);
+  CHECK(scaler.get_scale() == 0x1p127);  // 2^128 is infinite in float32
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.init_scale = 1e39}), doctest::Contains("invalid scale 1e+39"), Error);
 }
 
 TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {
@@ -174,15 +209,17 @@ TEST_CASE("a static scale never changes; a disabled scaler passes everything thr
   optim::SGD opt({w}, {.lr = 1});
   amp::GradScaler fixed({.init_scale = 128, .growth_interval = 1, .dynamic = false});
   w.set_grad(full({1}, INFINITY));
-  CHECK_FALSE(fixed.step(opt));
+  fixed.step(opt);
   fixed.update();
   CHECK(fixed.get_scale() == 128);
+  CHECK(fixed.skipped_steps() == 1);
+  CHECK(values(w) == std::vector<double>{1});
 
   amp::GradScaler off({.enabled = false});
   Tensor loss = (w * 3).sum();
   CHECK(off.scale(loss).same(loss));
   w.set_grad(ones({1}));
-  CHECK(off.step(opt));
+  off.step(opt);
   CHECK(values(w) == std::vector<double>{0});
 }
 
@@ -265,7 +302,7 @@ TEST_CASE("cuda: the fused unscale pass divides every gradient and finds an inf 
   for (Tensor& p : params) p.set_grad(randn(p.shape(), {.dtype = kFloat16, .device = Device::cuda()}) * 1024);
   std::vector<Tensor> expected;
   for (Tensor& p : params) expected.push_back(p.grad().to(kFloat32).cpu() / 1024);
-  CHECK(scaler.step(opt));  // unscale_ inside; no overflow
+  scaler.step(opt);  // unscale_ inside; no overflow
   for (size_t i = 0; i < params.size(); ++i) {
     double err = (params[i].grad().to(kFloat32).cpu() - expected[i]).abs().max().item<double>();
     CHECK(err < 1e-3);
@@ -278,9 +315,10 @@ TEST_CASE("cuda: the fused unscale pass divides every gradient and finds an inf 
     NoGradGuard no_grad;
     last.narrow(0, last.numel() - 1, 1).fill_(INFINITY);  // the very last element of the last chunk
   }
-  CHECK_FALSE(scaler.step(opt));
+  scaler.step(opt);
   scaler.update();
   CHECK(scaler.get_scale() == 512);
+  CHECK(scaler.skipped_steps() == 1);
 }
 
 TEST_CASE("cuda: O2 trains a small convolutional net on the GPU with float32 masters") {

@@ -19,7 +19,9 @@
 //
 //   bench_lm_step [--model lstm|gru|rnn_tanh|rnn_relu] [--nhid 200] [--nlayers 2] [--batch 20] [--bptt 35]
 //                 [--vocab 33278] [--opt-levels O0,O1] [--warmup 5] [--steps 20] [--repeats 3] [--device cuda|cpu]
-//                 [--rnn-loop fastest|persistent|steps] [--tf32]
+//                 [--rnn-loop fastest|persistent|steps] [--tf32] [--cuda-graph]
+//   --cuda-graph  the step captured once as a CUDA graph and replayed (core/cuda_graph.h): the state is carried in
+//                 place from step to step, as tools/train.cpp's train-lm --cuda-graph does
 //   bench_lm_step --device cpu            # the CPU target: defaults to a 32x32 LSTM (--nhid 32) at O0
 #include <CLI/CLI.hpp>
 
@@ -34,6 +36,7 @@
 
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
+#include "core/cuda_graph.h"
 #include "halfgrad.h"
 #include "models/language_model.h"
 #include "ops/rnn.h"
@@ -59,7 +62,7 @@ struct Settings {
   std::string device = "cuda";
   double dropout = 0.2, lr = 20, clip = 0.25;
   std::string rnn_loop = "fastest";
-  bool tf32 = false;
+  bool tf32 = false, cuda_graph = false;
 };
 
 nn::RecurrentKind kind_of(const std::string& name) {
@@ -119,8 +122,10 @@ int run(const Settings& s) {
   const std::string where = on_gpu ? cuda::device_name(0)
                                    : fmt::format("the CPU (OMP_NUM_THREADS={})", threads ? threads : "unset");
   const std::string name = fmt::format("{} {}x{}", s.model, s.nhid, s.nlayers);
-  const std::string gpu_settings = on_gpu ? fmt::format(", time loops: {}, TF32 {}", s.rnn_loop, s.tf32 ? "on" : "off")
-                                          : "";
+  const std::string gpu_settings =
+      on_gpu ? fmt::format(", time loops: {}, TF32 {}{}", s.rnn_loop, s.tf32 ? "on" : "off",
+                           s.cuda_graph ? ", the step replayed as a CUDA graph" : "")
+             : "";
   fmt::print("bench_lm_step: halfgrad word language model training step ({}, emsize = nhid, vocab {}, dropout {}, "
              "bptt {}, SGD lr {}, clip {}{}) on {}, data on the device, {} round(s) of {} steps after {} warm-up "
              "steps\n",
@@ -140,7 +145,6 @@ int run(const Settings& s) {
     const Tensor input = randint(0, s.vocab, {s.bptt, s.batch}, {.dtype = kInt64, .device = device});
     const Tensor target = randint(0, s.vocab, {s.bptt * s.batch}, {.dtype = kInt64, .device = device});
     Tensor h, c;  // undefined: zeros on the first step
-    int64_t skipped = 0;
     auto step = [&] {
       if (h.defined()) h = h.detach();  // repackage_hidden
       if (c.defined()) c = c.detach();
@@ -150,15 +154,36 @@ int run(const Settings& s) {
       Tensor loss = cross_entropy(out.logits.reshape({-1, s.vocab}).to(kFloat32), target);
       amp.backward(loss);
       optim::clip_grad_norm_(amp.unscale_(), s.clip);
-      if (!amp.step()) ++skipped;
+      amp.step();
       amp.zero_grad();
     };
     step();  // the first allocations (and cuBLAS's set-up) stay out of the peak
+    // --cuda-graph: the same step reading and writing the state in place, captured after two eager steps.
+    Tensor h_carried = h.detach().clone(), c_carried = c.defined() ? c.detach().clone() : Tensor();
+    auto carried_step = [&] {
+      auto out = amp.run([&] { return model.forward(input, h_carried, c_carried); });
+      Tensor loss = cross_entropy(out.logits.reshape({-1, s.vocab}).to(kFloat32), target);
+      amp.backward(loss);
+      optim::clip_grad_norm_(amp.unscale_(), s.clip);
+      amp.step();
+      amp.zero_grad();
+      NoGradGuard no_grad;
+      h_carried.copy_(out.h);
+      if (c_carried.defined()) c_carried.copy_(out.c);
+    };
+    std::unique_ptr<cuda::CapturedStep> captured;
+    if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(device, carried_step, 2);
+    auto timed_step = [&] {
+      if (captured)
+        (*captured)();
+      else
+        step();
+    };
     if (on_gpu) {
       cuda::synchronize();
       cuda::reset_peak(0);
     }
-    for (int i = 0; i < s.warmup; ++i) step();
+    for (int i = 0; i < s.warmup; ++i) timed_step();
     std::vector<double> ms, tps, host;
     auto row = [&](const std::string& round, double m, double t, double hm) {
       const std::string peak =
@@ -169,9 +194,9 @@ int run(const Settings& s) {
     };
     for (int r = 0; r < s.repeats; ++r) {
 #if HALFGRAD_WITH_CUDA
-      const Round t = on_gpu ? time_round_cuda(step, s.steps) : time_round_cpu(step, s.steps);
+      const Round t = on_gpu ? time_round_cuda(timed_step, s.steps) : time_round_cpu(timed_step, s.steps);
 #else
-      const Round t = time_round_cpu(step, s.steps);
+      const Round t = time_round_cpu(timed_step, s.steps);
 #endif
       ms.push_back(t.ms);
       tps.push_back(tokens / (t.ms * 1e-3));
@@ -179,7 +204,8 @@ int run(const Settings& s) {
       row(std::to_string(r + 1), t.ms, tps.back(), t.host_ms);
     }
     row("median", median(ms), median(tps), median(host));
-    if (skipped > 0) fmt::print("  ({} of the steps skipped by the loss scaler)\n", skipped);
+    if (const int64_t skipped = amp.scaler().skipped_steps(); skipped > 0)
+      fmt::print("  ({} of the steps skipped by the loss scaler)\n", skipped);
   }
   return 0;
 }
@@ -210,7 +236,12 @@ int main(int argc, char** argv) {
                  "replayed as a graph, or the faster of the two per problem (the default; ops/rnn.h's RnnCudaLoop)")
       ->check(CLI::IsMember({"fastest", "persistent", "steps"}));
   app.add_flag("--tf32", s.tf32, "CUDA: float32 GEMMs on TF32 tensor cores (cuda::set_allow_tf32; off by default)");
+  app.add_flag("--cuda-graph", s.cuda_graph, "CUDA: capture the step once as a CUDA graph and replay it");
   CLI11_PARSE(app, argc, argv);
+  if (s.cuda_graph && s.device != "cuda") {
+    fmt::print(stderr, "bench_lm_step: --cuda-graph needs --device cuda\n");
+    return 1;
+  }
   set_rnn_cuda_loop(s.rnn_loop == "persistent" ? RnnCudaLoop::Persistent
                     : s.rnn_loop == "steps"    ? RnnCudaLoop::Steps
                                                : RnnCudaLoop::Fastest);

@@ -391,6 +391,8 @@ int main(int argc, char** argv) {
                  "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str();
   tl->add_flag("--dry-run", lm.dry_run, "one training batch per epoch: check that the code and the model run "
                "(main.py's --dry-run)");
+  tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
+               "(the last, shorter window of an epoch runs eagerly)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "

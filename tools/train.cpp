@@ -10,6 +10,7 @@
 #include "core/autograd.h"
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
+#include "core/cuda_graph.h"
 #include "core/error.h"
 #include "core/random.h"
 #include "data/cifar.h"
@@ -106,7 +107,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     return std::pair{x, b.targets.to(c.device)};
   };
   std::vector<EpochStats> all;
-  int64_t step = 0;
+  int64_t step = 0, skipped_before = 0;
   for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
@@ -125,7 +126,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       Tensor logits = amp.forward(*model, x);
       Tensor loss = cross_entropy(logits, y);
       amp.backward(loss);
-      if (!amp.step()) ++s.skipped_steps;
+      amp.step();
       amp.zero_grad();
       if (schedule) schedule->step();
       ++step;
@@ -174,6 +175,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     }
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+    s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
+    skipped_before += s.skipped_steps;
     if (!c.checkpoint.empty()) {
       nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
                                 .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .step = step,
@@ -260,6 +263,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
            "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
            c.eval_batch_size, c.bptt);
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
+  HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
@@ -292,14 +296,58 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   };
 
   LanguageModelResult result;
+  int64_t skipped_before = 0;
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
   NamedTensors best_state;
+  // The recurrent state carried from window to window. Under --cuda-graph it lives in place (zeros at each epoch's
+  // start), with the window and the loss, in tensors the captured step reads and writes; full-length windows replay
+  // the step, the last, shorter one runs it eagerly on the same state.
+  Tensor h, cell;
+  Tensor window_input, window_target, window_loss;
+  auto train_step = [&](const Tensor& input, const Tensor& target) {
+    if (!c.cuda_graph) {  // truncated BPTT: the state goes on, its history does not
+      if (h.defined()) h = h.detach();
+      if (cell.defined()) cell = cell.detach();
+    }
+    auto out = amp.run([&] { return model.forward(input, h, cell); });
+    Tensor loss = cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), target);
+    amp.backward(loss);
+    optim::clip_grad_norm_(amp.unscale_(), c.clip);
+    amp.step();
+    amp.zero_grad();
+    NoGradGuard no_grad;
+    if (!c.cuda_graph) {
+      h = out.h;
+      cell = out.c;
+      return loss.detach();
+    }
+    h.copy_(out.h);
+    if (cell.defined()) cell.copy_(out.c);
+    window_loss.copy_(loss);
+    return window_loss;
+  };
+  std::unique_ptr<cuda::CapturedStep> captured;
+  if (c.cuda_graph) {
+    const int64_t batch_size = train_data.size(1);
+    window_input = empty({c.bptt, batch_size}, {.dtype = kInt64, .device = c.device});
+    window_target = empty({c.bptt * batch_size}, {.dtype = kInt64, .device = c.device});
+    window_loss = zeros({}, {.device = c.device});
+    h = zeros({c.num_layers, batch_size, c.hidden_size}, {.device = c.device});
+    if (kind == nn::RecurrentKind::LSTM) cell = zeros({c.num_layers, batch_size, c.hidden_size}, {.device = c.device});
+    captured = std::make_unique<cuda::CapturedStep>(c.device, [&] { train_step(window_input, window_target); }, 2);
+  }
   for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
     LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
     model.train();
     const auto t0 = std::chrono::steady_clock::now();
-    Tensor total = zeros({}, {.device = c.device}), h, cell;
+    Tensor total = zeros({}, {.device = c.device});
+    if (c.cuda_graph) {
+      h.zero_();
+      if (cell.defined()) cell.zero_();
+    } else {
+      h = cell = Tensor();
+    }
     int64_t tokens = 0, batch = 0;
     // The interval's loss stays on the device; it is read (a synchronisation) once per interval.
     const int64_t batches = (train_data.size(0) - 2) / c.bptt + 1;
@@ -308,23 +356,21 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     auto interval_start = t0;
     for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
       if (c.dry_run && batch == 1) return;
-      // Truncated BPTT: the state goes on, its history does not.
-      if (h.defined()) h = h.detach();
-      if (cell.defined()) cell = cell.detach();
-      auto out = amp.run([&] { return model.forward(b.input, h, cell); });
-      h = out.h;
-      cell = out.c;
-      Tensor loss = cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), b.target);
-      amp.backward(loss);
-      optim::clip_grad_norm_(amp.unscale_(), c.clip);
-      if (!amp.step()) ++s.skipped_steps;
-      amp.zero_grad();
+      Tensor loss;
+      if (captured && b.input.size(0) == c.bptt) {
+        window_input.copy_(b.input);
+        window_target.copy_(b.target);
+        (*captured)();
+        loss = window_loss;
+      } else {
+        loss = train_step(b.input, b.target);
+      }
       NoGradGuard no_grad;
-      total.add_(loss.detach(), double(b.target.numel()));
+      total.add_(loss, double(b.target.numel()));
       tokens += b.target.numel();
       ++batch;
       if (c.log_interval == 0 || !on_progress) return;
-      interval_total.add_(loss.detach(), double(b.target.numel()));
+      interval_total.add_(loss, double(b.target.numel()));
       interval_tokens += b.target.numel();
       if (batch % c.log_interval != 0) return;
       const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
@@ -344,6 +390,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     s.valid_loss = evaluate(valid_data);
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+    s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
+    skipped_before += s.skipped_steps;
     if (s.valid_loss < best_valid) {
       best_valid = s.valid_loss;
       best_state.clear();

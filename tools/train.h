@@ -109,6 +109,7 @@ struct LanguageModelConfig {
                              // architecture and vocabulary (models/language_model_checkpoint.h)
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
+  bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
 };
 
 // What main.py prints every --log-interval batches, and how far the epoch is.

@@ -1,0 +1,195 @@
+// Whole-step CUDA graphs (core/cuda_graph.h): a replayed training step equals the eager one step after step, draws
+// new dropout masks every replay, skips overflowing steps on the device, follows a scheduler's learning rate, waits
+// for the GPU nowhere, and a capture that cannot work says why.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "halfgrad.h"
+#include "optim/adam.h"
+#include "optim/amp.h"
+#include "optim/clip_grad.h"
+#include "optim/sgd.h"
+#include "tests/testing.h"
+
+using namespace halfgrad;
+
+namespace {
+
+// A small word language model trained on fixed random tokens, the state carried in place from step to step, as
+// `halfgrad train-lm --cuda-graph` runs it. Returns the parameters after `steps` steps and the scaler's skips.
+struct LmRun {
+  std::vector<Tensor> params;
+  int64_t skipped = 0;
+  double scale = 0;
+};
+
+LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOptions scaler = {}) {
+  const Device cuda = Device::cuda();
+  manual_seed(11);
+  models::LanguageModel model(50, {.kind = nn::RecurrentKind::LSTM, .embedding_size = 16, .hidden_size = 16,
+                                   .num_layers = 2, .dropout = 0.3});
+  model.to(cuda);
+  model.train();
+  optim::SGD sgd(model.parameters(), {.lr = 0.5, .momentum = 0.9});
+  amp::Amp amp = amp::initialize(model, sgd, level, {.scaler = scaler});
+  const Tensor input = randint(0, 50, {7, 4}, {.dtype = kInt64, .device = cuda});
+  const Tensor target = randint(0, 50, {7 * 4}, {.dtype = kInt64, .device = cuda});
+  Tensor h = zeros({2, 4, 16}, {.device = cuda}), c = zeros({2, 4, 16}, {.device = cuda});
+  auto step = [&] {
+    auto out = amp.run([&] { return model.forward(input, h, c); });
+    Tensor loss = cross_entropy(out.logits.reshape({-1, 50}).to(kFloat32), target);
+    amp.backward(loss);
+    optim::clip_grad_norm_(amp.unscale_(), 0.5);
+    amp.step();
+    amp.zero_grad();
+    NoGradGuard no_grad;
+    h.copy_(out.h);
+    c.copy_(out.c);
+  };
+  if (graph) {
+    cuda::CapturedStep captured(cuda, step, 2);
+    for (int i = 0; i < steps; ++i) captured();
+    CHECK(captured.captured());
+  } else {
+    for (int i = 0; i < steps; ++i) step();
+  }
+  LmRun run;
+  for (const Tensor& p : model.parameters()) run.params.push_back(p.detach().to(kFloat64).cpu());
+  run.skipped = amp.scaler().skipped_steps();
+  run.scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+  return run;
+}
+
+double max_relative_difference(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(1.0, b[i].abs().max().item<double>());
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("cuda graph: a replayed language-model step equals the eager step over many steps, at O0 and O1") {
+  SKIP_WITHOUT_GPU();
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
+    CAPTURE(amp::opt_level_name(level));
+    // The same seed: the replays draw their dropout masks from the generator exactly where eager steps do.
+    const LmRun eager = train_lm(false, level, 25), replayed = train_lm(true, level, 25);
+    CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
+    CHECK(replayed.skipped == eager.skipped);
+  }
+}
+
+TEST_CASE("cuda graph: overflowing steps are skipped inside the graph and the scale backs off on the device") {
+  SKIP_WITHOUT_GPU();
+  // 2^120: every float16 gradient overflows until the scale has come down; the first 2 steps are eager.
+  const amp::GradScalerOptions scaler{.init_scale = 0x1p120};
+  const LmRun eager = train_lm(false, amp::OptLevel::O1, 30, scaler),
+              replayed = train_lm(true, amp::OptLevel::O1, 30, scaler);
+  CHECK(eager.skipped > 5);  // so most skips happened in replays
+  CHECK(replayed.skipped == eager.skipped);
+  CHECK(replayed.scale == eager.scale);
+  CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
+}
+
+TEST_CASE("cuda graph: dropout draws a new mask at every replay, the one an eager call would draw") {
+  SKIP_WITHOUT_GPU();
+  const Device cuda = Device::cuda();
+  const Tensor x = ones({1000}, {.device = cuda});
+  Tensor y = zeros({1000}, {.device = cuda});
+  cuda::Graph graph;
+  manual_seed(3);
+  const GeneratorState before = generator_state();
+  graph.capture(cuda, [&] { y.copy_(dropout(x, 0.5)); });
+  CHECK(generator_state().offset == before.offset);  // capturing ran nothing and drew nothing
+  CHECK(graph.random_counters() == 250);
+  graph.replay();
+  const std::vector<double> first = testing::values(y);
+  graph.replay();
+  const std::vector<double> second = testing::values(y);
+  CHECK(first != second);
+  manual_seed(3);
+  CHECK(testing::values(dropout(x, 0.5)) == first);
+  CHECK(testing::values(dropout(x, 0.5)) == second);
+}
+
+TEST_CASE("cuda graph: replays follow the learning rate a scheduler sets between them") {
+  SKIP_WITHOUT_GPU();
+  const Device cuda = Device::cuda();
+  Tensor w = zeros({3}, {.device = cuda, .requires_grad = true});
+  optim::SGD sgd({w}, {.lr = 1.0});
+  cuda::Graph graph;
+  graph.capture(cuda, [&] {
+    (w * 1.0).sum().backward();  // the gradient is 1
+    sgd.step();
+    sgd.zero_grad();
+  });
+  graph.replay();
+  CHECK(testing::values(w) == std::vector<double>{-1, -1, -1});
+  sgd.param_groups()[0].lr = 0.25;
+  graph.replay();
+  CHECK(testing::values(w) == std::vector<double>{-1.25, -1.25, -1.25});
+}
+
+TEST_CASE("cuda graph: a replayed training step makes no host synchronisation") {
+  SKIP_WITHOUT_GPU();
+  const Device cuda = Device::cuda();
+  Tensor w = ones({64}, {.device = cuda, .requires_grad = true});
+  const Tensor x = randn({64}, {.device = cuda});
+  optim::SGD sgd({w}, {.lr = 0.1, .momentum = 0.9});
+  amp::GradScaler scaler;
+  auto step = [&] {
+    Tensor y = dropout(w * x, 0.1);
+    scaler.scale((y * y).sum()).backward();
+    scaler.unscale_(sgd);
+    optim::clip_grad_norm_({w}, 1.0);
+    scaler.step(sgd);
+    scaler.update();
+    sgd.zero_grad();
+  };
+  cuda::CapturedStep captured(cuda, step, 2);
+  for (int i = 0; i < 3; ++i) captured();  // two eager steps (the scaler's first update reads its scale), a capture
+  const uint64_t before = cuda::host_synchronizations();
+  for (int i = 0; i < 20; ++i) captured();
+  CHECK(cuda::host_synchronizations() == before);
+  CHECK(scaler.skipped_steps() == 0);
+}
+
+TEST_CASE("cuda graph: work that waits for the GPU cannot be captured, and the error says what to do") {
+  SKIP_WITHOUT_GPU();
+  const Device cuda = Device::cuda();
+  const Tensor x = ones({4}, {.device = cuda});
+  cuda::Graph graph;
+  const std::string error = testing::error_of([&] { graph.capture(cuda, [&] { (void)x.sum().item<double>(); }); });
+  CHECK(error.find("could not be captured") != std::string::npos);
+  CHECK(error.find("item()") != std::string::npos);
+  CHECK_FALSE(graph.captured());
+  CHECK((x * 2).sum().item<double>() == 8);  // the device is still usable
+  CHECK(testing::error_of([&] { cuda::before_each_replay([] {}); }).find("outside a cuda::Graph capture") !=
+        std::string::npos);
+
+  // State made on a first step would be made again by every replay; Adam's bias correction would freeze.
+  Tensor w = ones({4}, {.device = cuda, .requires_grad = true});
+  optim::SGD sgd({w}, {.lr = 0.1, .momentum = 0.9});
+  w.set_grad(ones({4}, {.device = cuda}));
+  cuda::Graph first_step;
+  CHECK(testing::error_of([&] { first_step.capture(cuda, [&] { sgd.step(); }); }).find("run the step eagerly first") !=
+        std::string::npos);
+  optim::Adam adam({w}, {.lr = 0.1});
+  adam.step();
+  cuda::Graph adam_step;
+  CHECK(testing::error_of([&] { adam_step.capture(cuda, [&] { adam.step(); }); }).find("use SGD with --cuda-graph") !=
+        std::string::npos);
+  CHECK(testing::values(w) != std::vector<double>{1, 1, 1, 1});  // the eager Adam step ran; the captures ran nothing
+}
+
+TEST_CASE("cuda graph: a CPU device is refused") {
+  CHECK(testing::error_of([] { cuda::CapturedStep step(Device::cpu(), [] {}); }).find("need a CUDA device") !=
+        std::string::npos);
+  cuda::Graph graph;
+  CHECK(testing::error_of([&] { graph.capture(Device::cpu(), [] {}); }).find("CUDA device is needed") !=
+        std::string::npos);
+}
