@@ -14,6 +14,7 @@ struct State {
   DType dtype = kFloat16;
   int depth = 0;        // guards alive: the cache lives until the outermost one ends
   bool applying = false;
+  bool float32_math = false;  // inside an op that autocast called under CastRule::Float32Math
   bool tracing = false;
   // (parameter, target dtype) -> its cast. The cast keeps its autograd edge to the parameter.
   std::map<std::pair<TensorImpl*, DType>, Tensor> cache;
@@ -30,6 +31,7 @@ const char* rule_name(CastRule rule) {
   switch (rule) {
     case CastRule::LowerPrecision: return "lower precision";
     case CastRule::Float32: return "float32";
+    case CastRule::Float32Math: return "float32 math";
     case CastRule::Promote: return "promote";
     case CastRule::Unchanged: return "unchanged";
   }
@@ -53,6 +55,9 @@ AutocastGuard::~AutocastGuard() {
 bool is_autocast_enabled() { return state.enabled; }
 DType autocast_dtype() { return state.dtype; }
 size_t autocast_cache_size() { return state.cache.size(); }
+DType result_dtype(DType input) {
+  return state.float32_math && (input == kFloat16 || input == kBFloat16) ? kFloat32 : input;
+}
 
 TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
 TraceGuard::~TraceGuard() { state.tracing = prev_; }
@@ -66,13 +71,20 @@ bool should_apply(CastRule rule) {
   return (state.enabled && rule != CastRule::Unchanged) || is_tracing();
 }
 
-ApplyingGuard::ApplyingGuard() : prev_(state.applying) { state.applying = true; }
-ApplyingGuard::~ApplyingGuard() { state.applying = prev_; }
+ApplyingGuard::ApplyingGuard(bool float32_math) : prev_(state.applying), prev_float32_math_(state.float32_math) {
+  state.applying = true;
+  state.float32_math = float32_math;
+}
+ApplyingGuard::~ApplyingGuard() {
+  state.applying = prev_;
+  state.float32_math = prev_float32_math_;
+}
 
 DType target_dtype(CastRule rule, DType widest_floating) {
   switch (rule) {
     case CastRule::LowerPrecision: return state.dtype;
-    case CastRule::Float32: return kFloat32;
+    case CastRule::Float32:
+    case CastRule::Float32Math: return kFloat32;
     case CastRule::Promote: return widest_floating;
     case CastRule::Unchanged: return widest_floating;
   }

@@ -20,6 +20,8 @@ namespace halfgrad::amp {
 enum class CastRule {
   LowerPrecision,  // run in the autocast dtype (float16/bfloat16): tensor-core ops
   Float32,         // run in float32: ops whose range or accuracy float16 cannot hold
+  Float32Math,     // as Float32, without the float32 copy: the op takes float16/bfloat16 inputs as they are, widens
+                   // each element as it reads it, and returns float32 (it asks amp::result_dtype)
   Promote,         // run in the widest floating dtype among the inputs: mixed binary ops
   Unchanged,       // run in whatever dtype arrives
 };
@@ -37,7 +39,7 @@ inline constexpr OpRule kCastRules[] = {
     // float32: exponentials, powers, softmax, losses, norms and sum-like reductions
     {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32},
     {"softmax", CastRule::Float32}, {"log_softmax", CastRule::Float32},
-    {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32}, {"nll_loss", CastRule::Float32},
+    {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32Math}, {"nll_loss", CastRule::Float32},
     {"binary_cross_entropy_with_logits", CastRule::Float32},
     {"layer_norm", CastRule::Float32}, {"norm", CastRule::Float32},
     {"sum", CastRule::Float32}, {"mean", CastRule::Float32}, {"var", CastRule::Float32},
@@ -79,6 +81,9 @@ class AutocastGuard {
 
 bool is_autocast_enabled();
 DType autocast_dtype();
+// The result dtype of a Float32Math op given inputs of dtype `input`: float32 when autocast handed the call to the op
+// and `input` is float16 or bfloat16, else `input` (outside autocast the op keeps its inputs' dtype, as PyTorch's).
+DType result_dtype(DType input);
 size_t autocast_cache_size();  // cached parameter casts held now
 
 // ---- The trace (teaching aid): logs each op with its input and output dtypes and the rule that decided them.
@@ -98,13 +103,13 @@ void set_trace_sink(std::function<void(const std::string&)> sink);
 namespace detail {
 bool should_apply(CastRule rule);  // autocast (or tracing) is on and this op is not already being handled
 
-class ApplyingGuard {  // marks the inner call of an op that autocast handled
+class ApplyingGuard {  // marks the inner call of an op that autocast handled; `float32_math`: under Float32Math
  public:
-  ApplyingGuard();
+  explicit ApplyingGuard(bool float32_math = false);
   ~ApplyingGuard();
 
  private:
-  bool prev_;
+  bool prev_, prev_float32_math_;
 };
 
 DType target_dtype(CastRule rule, DType widest_floating);  // the dtype inputs are cast to under autocast
@@ -136,7 +141,7 @@ template <typename T> void collect_dtypes(const T& arg, std::vector<DType>& out)
 }
 
 template <typename T> T cast_arg(const T& arg, CastRule rule, DType target) {
-  if (rule == CastRule::Unchanged) return arg;
+  if (rule == CastRule::Unchanged || rule == CastRule::Float32Math) return arg;
   if constexpr (std::is_same_v<T, Tensor>) {
     return cast(arg, target);
   } else if constexpr (std::is_same_v<T, TensorList>) {
@@ -149,13 +154,13 @@ template <typename T> T cast_arg(const T& arg, CastRule rule, DType target) {
 }
 
 template <typename F, typename... Args> auto apply(CastRule rule, const char* op, F&& f, const Args&... args) {
-  ApplyingGuard applying;
+  // With only the trace on, nothing is cast: tracing must not change what runs.
+  CastRule effective = is_autocast_enabled() ? rule : CastRule::Unchanged;
+  ApplyingGuard applying(effective == CastRule::Float32Math);
   DType wide = kFloat32;
   bool any = false;
   (widest(args, wide, any), ...);
   DType target = target_dtype(rule, wide);
-  // With only the trace on, nothing is cast: tracing must not change what runs.
-  CastRule effective = is_autocast_enabled() ? rule : CastRule::Unchanged;
   auto result = f(cast_arg(args, effective, target)...);
   if (is_tracing()) {
     std::vector<DType> in, out;

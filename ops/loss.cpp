@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -18,6 +19,7 @@ namespace halfgrad {
 
 constinit KernelTable<NllLossKernel> nll_loss_kernel("nll_loss");
 constinit KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel("nll_loss_backward");
+constinit KernelTable<CrossEntropyKernel> cross_entropy_kernel("cross_entropy");
 constinit KernelTable<CrossEntropyBackwardKernel> cross_entropy_backward_kernel("cross_entropy_backward");
 
 const char* reduction_name(Reduction reduction) {
@@ -102,10 +104,16 @@ Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t cla
   return weight.detach();
 }
 
-// `input` holds log-probabilities (nll_loss) or the log_softmax of the logits (cross_entropy). With
-// `differentiable` false the loss gets no backward node (cross_entropy records its own).
-NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
-                         const char* op, bool differentiable = true) {
+// A class-index problem, checked: input [N, C, inner] (input [C] is one sample), targets as int64 [N, inner], class
+// weights in the accumulation dtype (or undefined).
+struct NllProblem {
+  Shape target_shape;
+  Tensor target, weight;
+  int64_t batch, classes, inner;
+  DType acc;
+};
+
+NllProblem nll_problem(const Tensor& input, const Tensor& target, const Tensor& weight, const char* op) {
   HG_CHECK(input.defined() && target.defined(), "{}: got an undefined tensor (input {}, target {})", op,
            input.meta(), target.meta());
   HG_CHECK(input.is_floating_point(), "{}: expected a floating-point input, got {}", op, input.meta());
@@ -115,34 +123,43 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
            target.meta());
   // input [N, C, d1, ..., dk] -> target [N, d1, ..., dk]; input [C] -> a 0-d target
   const bool batched = input.dim() >= 2;
-  const int64_t classes = input.size(batched ? 1 : 0), batch = batched ? input.size(0) : 1;
-  Shape target_shape;
-  int64_t inner = 1;
-  if (batched) target_shape.push_back(batch);
+  NllProblem p;
+  p.classes = input.size(batched ? 1 : 0);
+  p.batch = batched ? input.size(0) : 1;
+  p.inner = 1;
+  if (batched) p.target_shape.push_back(p.batch);
   for (int64_t d = 2; d < input.dim(); ++d) {
-    target_shape.push_back(input.size(d));
-    inner *= input.size(d);
+    p.target_shape.push_back(input.size(d));
+    p.inner *= input.size(d);
   }
-  HG_CHECK(target.shape() == target_shape, "{}: expected a target of shape {} for input {} (the input's shape without "
-           "the class dim {}), got {}", op, shape_str(target_shape), input.meta(), batched ? 1 : 0, target.meta());
+  HG_CHECK(target.shape() == p.target_shape, "{}: expected a target of shape {} for input {} (the input's shape "
+           "without the class dim {}), got {}", op, shape_str(p.target_shape), input.meta(), batched ? 1 : 0,
+           target.meta());
+  p.acc = accumulation_dtype(input.dtype());
+  p.weight = check_class_weight(weight, input, p.classes, op);
+  if (p.weight.defined()) p.weight = cast_nograd(p.weight, p.acc).contiguous();
+  p.target = cast_nograd(target.detach(), kInt64).contiguous();
+  return p;
+}
 
-  const DType acc = accumulation_dtype(input.dtype());
-  Tensor w = check_class_weight(weight, input, classes, op);
-  if (w.defined()) w = cast_nograd(w, acc).contiguous();
-  Tensor t = cast_nograd(target.detach(), kInt64).contiguous();
-  Tensor loss = empty(target_shape, {.dtype = acc, .device = input.device()});
-  Tensor weights = empty(target_shape, {.dtype = acc, .device = input.device()});
+// `input` holds log-probabilities (nll_loss).
+NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
+                         const char* op) {
+  const NllProblem p = nll_problem(input, target, weight, op);
+  const int64_t batch = p.batch, classes = p.classes, inner = p.inner;
+  const DType acc = p.acc;
+  Tensor loss = empty(p.target_shape, {.dtype = acc, .device = input.device()});
+  Tensor weights = empty(p.target_shape, {.dtype = acc, .device = input.device()});
   if (loss.numel() > 0) {
     nll_loss_kernel[input.device()](loss.view({batch, inner}), weights.view({batch, inner}),
-                                    input.detach().contiguous().view({batch, classes, inner}), t.view({batch, inner}),
-                                    w, ignore_index, op);
+                                    input.detach().contiguous().view({batch, classes, inner}),
+                                    p.target.view({batch, inner}), p.weight, ignore_index, op);
   }
 
-  if (!differentiable) return {loss, weights, t, w, batch, classes, inner};
   // backward: the gradient of loss_j goes to input[j, t_j] only: d loss_j / d input[j, t_j] = -w[t_j].
   record("NllLossBackward", {input}, {loss},
-         [t = SavedTensor(t, op), w = SavedTensor(w, op), ignore_index, shape = input.shape(), dtype = input.dtype(),
-          acc, batch, classes, inner](const GradContext& g) -> TensorList {
+         [t = SavedTensor(p.target, op), w = SavedTensor(p.weight, op), ignore_index, shape = input.shape(),
+          dtype = input.dtype(), acc, batch, classes, inner](const GradContext& g) -> TensorList {
            const Tensor& target_ = t.get();
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(shape, {.dtype = dtype, .device = target_.device()});
@@ -152,7 +169,7 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
            }
            return {grad_input};
          });
-  return {loss, weights, t, w, batch, classes, inner};
+  return {loss, weights, p.target, p.weight, batch, classes, inner};
 }
 
 // Mean divides by the summed target weights: with class weights, the sum of w[t_j] over the targets not
@@ -185,32 +202,40 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
 
 namespace {
 
-// Class-index targets without label smoothing: log_softmax and the gather without autograd, and one node whose
-// backward is softmax minus the one-hot target in a single pass over the logits (cross_entropy_backward_kernel),
-// instead of nll_loss's zeroed, scattered gradient followed by log_softmax's backward.
-Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Tensor& w,
-                             const CrossEntropyOptions& options) {
+// Class-index targets without label smoothing: the per-element losses and each row's log-sum-exp in one pass over
+// the logits (cross_entropy_kernel), and one node whose backward is softmax minus the one-hot target in a single
+// pass (cross_entropy_backward_kernel); no log-probabilities are stored. The loss is in `result` (the logits' dtype,
+// or float32 under autocast), the logits' gradient in their own dtype.
+Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Tensor& weight,
+                             const CrossEntropyOptions& options, DType result) {
   const char* op = "cross_entropy";
-  Tensor log_probs;
-  {
-    NoGradGuard no_grad;
-    log_probs = log_softmax(input.detach(), input.dim() >= 2 ? 1 : 0).contiguous();
+  const NllProblem p = nll_problem(input, target, weight, op);
+  const int64_t batch = p.batch, classes = p.classes, inner = p.inner;
+  const Tensor logits = input.detach().contiguous();
+  NllElements e{empty(p.target_shape, {.dtype = p.acc, .device = input.device()}),
+                empty(p.target_shape, {.dtype = p.acc, .device = input.device()}), p.target, p.weight, batch, classes,
+                inner};
+  Tensor lse = empty({batch, inner}, {.dtype = p.acc, .device = input.device()});
+  if (e.loss.numel() > 0) {
+    cross_entropy_kernel[input.device()](e.loss.view({batch, inner}), e.weights.view({batch, inner}), lse,
+                                         logits.view({batch, classes, inner}), p.target.view({batch, inner}), p.weight,
+                                         options.ignore_index);
   }
-  const NllElements e = nll_elements(log_probs, target, w, options.ignore_index, op, false);
   record("CrossEntropyBackward", {input}, {e.loss},
-         [log_probs, e, ignore_index = options.ignore_index, shape = input.shape(),
-          dtype = input.dtype()](const GradContext& g) -> TensorList {
+         [x = SavedTensor(logits, op), lse, e,
+          ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
+           const Tensor& logits_ = x.get();
            Tensor grad_loss = g[0].to(e.loss.dtype()).contiguous().view({e.batch, e.inner});
-           Tensor grad_input = empty(shape, {.dtype = dtype, .device = log_probs.device()});
+           Tensor grad_input = empty(logits_.shape(), {.dtype = logits_.dtype(), .device = logits_.device()});
            if (grad_input.numel() > 0) {
-             cross_entropy_backward_kernel[log_probs.device()](
+             cross_entropy_backward_kernel[logits_.device()](
                  grad_input.view({e.batch, e.classes, e.inner}), grad_loss,
-                 log_probs.view({e.batch, e.classes, e.inner}), e.target.view({e.batch, e.inner}), e.weight,
+                 logits_.view({e.batch, e.classes, e.inner}), lse, e.target.view({e.batch, e.inner}), e.weight,
                  ignore_index);
            }
            return {grad_input};
          });
-  return reduce_nll(e, options.reduction).to(input.dtype());
+  return reduce_nll(e, options.reduction).to(result);
 }
 
 }  // namespace
@@ -226,7 +251,14 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
   HG_CHECK(eps >= 0.0 && eps <= 1.0, "{}: label_smoothing must be in [0, 1], got {}", op, eps);
   const int64_t class_dim = input.dim() >= 2 ? 1 : 0, classes = input.size(class_dim);
   Tensor w = check_class_weight(options.weight, input, classes, op);
-  if (!target.is_floating_point() && eps == 0) return cross_entropy_indices(input, target, w, options);
+  const DType result = amp::result_dtype(input.dtype());
+  if (!target.is_floating_point() && eps == 0) return cross_entropy_indices(input, target, w, options, result);
+  // The other cases are compositions of ops: under autocast they run on float32 copies.
+  if (result != input.dtype()) {
+    return cross_entropy(input.to(result), target.is_floating_point() ? target.to(result) : target,
+                         {.weight = w, .ignore_index = options.ignore_index, .label_smoothing = eps,
+                          .reduction = options.reduction});
+  }
   Tensor log_probs = log_softmax(input, class_dim);
 
   if (target.is_floating_point()) {
@@ -459,40 +491,89 @@ void nll_loss_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, co
   });
 }
 
-// Row by row: the row's exp (Eigen's vectorized exp where the dtype is the accumulation dtype), scaled, then
-// the target's element less the scale.
-void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& log_probs,
-                                const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+// cross_entropy's kernels work row by row: a row is one (n, i), its C logits `inner` apart. Rows of inner == 1 in the
+// accumulation dtype are used where they lie; other rows are first widened into a per-thread buffer, so the
+// arithmetic is Eigen's vectorized exp over a contiguous array either way.
+template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
+  const T* x;
+  int64_t classes, inner;
+  std::vector<A> buffer;
+  Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>> row(int64_t k) {
+    const int64_t n = k / inner, i = k % inner;
+    const T* in = x + n * classes * inner + i;
+    if constexpr (std::is_same_v<T, A>) {
+      if (inner == 1) return {in, classes};
+    }
+    buffer.resize(size_t(classes));
+    for (int64_t j = 0; j < classes; ++j) buffer[size_t(j)] = A(in[j * inner]);
+    return {buffer.data(), classes};
+  }
+};
+
+void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
+                       const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+  const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2);
+  check_targets_cpu(input, target, classes, ignore_index, "cross_entropy");
+  dispatch_floating(input.dtype(), "cross_entropy", [&]<typename T>() {
+    using A = opmath_t<T>;
+    const int64_t* t = target.data<int64_t>();
+    const A* w = weight.defined() ? weight.data<A>() : nullptr;
+    A *l = loss.data<A>(), *wt = weights.data<A>(), *s = lse.data<A>();
+#pragma omp parallel if (batch * classes * inner >= kNllParallelGrain)
+    {
+      CrossEntropyRows<T> rows{input.data<T>(), classes, inner, {}};
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < batch * inner; ++k) {
+        const auto x = rows.row(k);
+        const A m = x.maxCoeff();
+        // (x - m) is exact; m == -inf (every logit -inf) or +inf gives nan, as log_softmax does
+        s[k] = m + std::log((x - m).exp().sum());
+        const int64_t c = t[k];
+        const A wc = c == ignore_index ? A(0) : w ? w[c] : A(1);
+        l[k] = c == ignore_index ? A(0) : wc * (s[k] - x[c]);
+        wt[k] = wc;
+      }
+    }
+  });
+}
+
+void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& input,
+                                const Tensor& lse, const Tensor& target, const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = grad_input.size(0), classes = grad_input.size(1), inner = grad_input.size(2);
   dispatch_floating(grad_input.dtype(), "cross_entropy_backward", [&]<typename T>() {
     using A = opmath_t<T>;
-    using Row = Eigen::Array<A, Eigen::Dynamic, 1>;
     T* gi = grad_input.data<T>();
-    const T* y = log_probs.data<T>();
-    const A* gl = grad_loss.data<A>();
+    const A *gl = grad_loss.data<A>(), *s = lse.data<A>();
     const int64_t* t = target.data<int64_t>();
     const A* w = weight.defined() ? weight.data<A>() : nullptr;
-#pragma omp parallel for schedule(static) if (batch * classes * inner >= kNllParallelGrain)
-    for (int64_t k = 0; k < batch * inner; ++k) {
-      const int64_t n = k / inner, i = k % inner, c = t[k];
-      const A scale = c == ignore_index ? A(0) : gl[k] * (w ? w[c] : A(1));
-      T* out = gi + n * classes * inner + i;
-      const T* in = y + n * classes * inner + i;
-      if constexpr (std::is_same_v<T, A>) {
-        if (inner == 1) {
-          Eigen::Map<Row>(out, classes) = Eigen::Map<const Row>(in, classes).exp() * scale;
-          if (c != ignore_index) out[c] -= scale;
-          continue;
+#pragma omp parallel if (batch * classes * inner >= kNllParallelGrain)
+    {
+      CrossEntropyRows<T> rows{input.data<T>(), classes, inner, {}};
+      Eigen::Array<A, Eigen::Dynamic, 1> grad;
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < batch * inner; ++k) {
+        const int64_t n = k / inner, i = k % inner, c = t[k];
+        const A scale = c == ignore_index ? A(0) : gl[k] * (w ? w[c] : A(1));
+        T* out = gi + n * classes * inner + i;
+        if constexpr (std::is_same_v<T, A>) {
+          if (inner == 1) {  // written in place
+            Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>> row_out(out, classes);
+            row_out = (rows.row(k) - s[k]).exp() * scale;
+            if (c != ignore_index) row_out[c] -= scale;
+            continue;
+          }
         }
+        grad = (rows.row(k) - s[k]).exp() * scale;
+        if (c != ignore_index) grad[c] -= scale;
+        for (int64_t j = 0; j < classes; ++j) out[j * inner] = T(grad[j]);
       }
-      for (int64_t j = 0; j < classes; ++j)
-        out[j * inner] = T(scale * (std::exp(A(in[j * inner])) - (j == c ? A(1) : A(0))));
     }
   });
 }
 
 }  // namespace
 
+HG_REGISTER_KERNEL(cross_entropy_kernel, CPU, cross_entropy_cpu);
 HG_REGISTER_KERNEL(cross_entropy_backward_kernel, CPU, cross_entropy_backward_cpu);
 HG_REGISTER_KERNEL(nll_loss_kernel, CPU, nll_loss_cpu);
 HG_REGISTER_KERNEL(nll_loss_backward_kernel, CPU, nll_loss_backward_cpu);

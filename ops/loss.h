@@ -12,7 +12,7 @@
 // `{}` for tensors, so GCC 12's -Wmissing-field-initializers stays quiet about the ones left out):
 //   cross_entropy(logits, labels, {.ignore_index = 0, .label_smoothing = 0.1});
 //   nll_loss(log_probs, labels, {.weight = class_weights, .reduction = Reduction::Sum});
-// Forward and backward: ops/loss.cpp (nll_loss's gather/scatter kernels and cross_entropy's one-pass backward there
+// Forward and backward: ops/loss.cpp (nll_loss's gather/scatter kernels and cross_entropy's one-pass kernels there
 // and in ops/loss.cu; the other losses are written with tensor ops and run on any device).
 #include <cstdint>
 
@@ -30,7 +30,8 @@ const char* reduction_name(Reduction reduction);
 // here it is an error). Differentiable in both input and target. Autocast category: "float32".
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
 
-// ---- nll_loss and cross_entropy. Autocast category of both: "float32".
+// ---- nll_loss and cross_entropy. Autocast category: "float32" (nll_loss), "float32 math" (cross_entropy: float16
+// logits are read as they are and the loss is float32, without a float32 copy of the logits).
 //
 // Shapes (C classes): input [N, C] with target [N]; input [N, C, d1, ..., dk] with target [N, d1, ..., dk]
 // (per-pixel classification); input [C] with a 0-d target (one sample). Targets are class indices (int64;
@@ -109,11 +110,19 @@ using NllLossBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& g
 extern KernelTable<NllLossKernel> nll_loss_kernel;
 extern KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel;
 
-// cross_entropy's backward for class-index targets without label smoothing, from the forward's log-probabilities
-// (shapes and dtypes as nll_loss's): grad_input[n, c, i] = grad_loss[n, i] w[t] (exp(log_probs[n, c, i]) - [c == t]),
-// t = target[n, i]; zero where t == ignore_index. One pass, computed in A.
-using CrossEntropyBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& log_probs,
-                                            const Tensor& target, const Tensor& weight, int64_t ignore_index);
+// cross_entropy for class-index targets without label smoothing, straight from the logits: one pass over them each
+// way, in A, and no log-probabilities stored (float16 logits are widened as they are read: autocast's float32 math).
+// Shapes and dtypes as nll_loss's kernels; lse [N, inner] in A.
+//   forward:  lse[n, i] = log sum_c exp(input[n, c, i]);  loss[n, i] = w[t] (lse[n, i] - input[n, t, i]) and
+//             weights[n, i] = w[t], both 0 where t == ignore_index (t = target[n, i]; a bad t as nll_loss's)
+//   backward: grad_input[n, c, i] = grad_loss[n, i] w[t] (exp(input[n, c, i] - lse[n, i]) - [c == t]), 0 where t is
+//             ignored
+using CrossEntropyKernel = void (*)(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
+                                    const Tensor& target, const Tensor& weight, int64_t ignore_index);
+using CrossEntropyBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& input,
+                                            const Tensor& lse, const Tensor& target, const Tensor& weight,
+                                            int64_t ignore_index);
+extern KernelTable<CrossEntropyKernel> cross_entropy_kernel;
 extern KernelTable<CrossEntropyBackwardKernel> cross_entropy_backward_kernel;
 
 }  // namespace halfgrad

@@ -11,61 +11,19 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda.h"
+#include "ops/log_sum_exp.cuh"
 #include "ops/softmax.h"
 
 namespace halfgrad {
 namespace {
 
+using namespace log_sum_exp;
+
 constexpr int kColumnThreads = 256;
 
-__device__ __forceinline__ float device_exp(float x) { return expf(x); }
-__device__ __forceinline__ double device_exp(double x) { return ::exp(x); }
-__device__ __forceinline__ float device_log(float x) { return logf(x); }
-__device__ __forceinline__ double device_log(double x) { return ::log(x); }
-
-// The softmax normaliser of a set of elements: their max m and s = sum exp(x - m). Two sets merge by
-// rescaling each sum to the larger max; one element x is the set {m = x, s = 1}. A nan anywhere makes s nan.
-template <typename A> struct MaxSum {
-  A m, s;
-};
-template <typename A> __device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
-  const A m = a.m > b.m ? a.m : b.m;
-  // (a.m == m also covers two empty sets, -inf and -inf, where a.m - m would be nan)
-  const A sa = a.m == m ? a.s : a.s * device_exp(a.m - m);
-  const A sb = b.m == m ? b.s : b.s * device_exp(b.m - m);
-  return {m, sa + sb};
-}
-template <typename A> __device__ __forceinline__ MaxSum<A> shuffle_xor(MaxSum<A> v, int mask) {
-  return {__shfl_xor_sync(0xffffffffu, v.m, mask), __shfl_xor_sync(0xffffffffu, v.s, mask)};
-}
-template <typename A> __device__ __forceinline__ A shuffle_xor(A v, int mask) {
-  return __shfl_xor_sync(0xffffffffu, v, mask);
-}
-
-struct MergeOp {
-  template <typename A> __device__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
-};
 struct AddOp {
   template <typename A> __device__ A operator()(A a, A b) const { return a + b; }
 };
-
-// Reduces v over the TX threads of a row (threadIdx.x); every thread of the row gets the result. TX is 32
-// (one warp per row, any number of rows per block) or a multiple of 32 with one row per block.
-template <int TX, typename V, typename Op> __device__ __forceinline__ V row_reduce(V v, Op op) {
-#pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) v = op(v, shuffle_xor(v, mask));
-  if constexpr (TX > 32) {
-    __shared__ V partial[TX / 32];
-    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = partial[0];
-#pragma unroll
-    for (int w = 1; w < TX / 32; ++w) v = op(v, partial[w]);
-    __syncthreads();  // the partials may be reused by a second reduction
-  }
-  return v;
-}
 
 template <typename T, int TX, int ROWS>
 __global__ void __launch_bounds__(TX * ROWS) softmax_rows_kernel(T* out, const T* in, int64_t outer, int64_t size,
@@ -76,7 +34,7 @@ __global__ void __launch_bounds__(TX * ROWS) softmax_rows_kernel(T* out, const T
   const T* x = in + row * size;
   T* y = out + row * size;
   MaxSum<A> st{-INFINITY, A(0)};
-  for (int64_t j = threadIdx.x; j < size; j += TX) st = merge(st, MaxSum<A>{A(x[j]), A(1)});
+  for (int64_t j = threadIdx.x; j < size; j += TX) st = add_element(st, A(x[j]));
   st = row_reduce<TX>(st, MergeOp{});
   if (log) {
     const A log_sum = device_log(st.s);  // (x - m) - log_sum: x - m is exact, m + log_sum would round
@@ -97,7 +55,7 @@ __global__ void __launch_bounds__(kColumnThreads) softmax_columns_kernel(T* out,
   const T* x = in + o * size * inner + i;
   T* y = out + o * size * inner + i;
   MaxSum<A> st{-INFINITY, A(0)};
-  for (int64_t j = 0; j < size; ++j) st = merge(st, MaxSum<A>{A(x[j * inner]), A(1)});
+  for (int64_t j = 0; j < size; ++j) st = add_element(st, A(x[j * inner]));
   if (log) {
     const A log_sum = device_log(st.s);
     for (int64_t j = 0; j < size; ++j) y[j * inner] = T((A(x[j * inner]) - st.m) - log_sum);

@@ -14,7 +14,7 @@
 //   amp::Amp amp = amp::initialize(model, optimizer, amp::OptLevel::O2);
 //   for (auto [x, y] : batches) {
 //     Tensor out = amp.forward(model, x);        // input cast to the model's dtype, autocast for O1
-//     Tensor loss = cross_entropy(out, y);
+//     Tensor loss = amp.loss([&] { return cross_entropy(out, y); });  // float32 at every level
 //     amp.backward(loss);                        // scaled backward
 //     amp.step();                                // masters, unscale, skip on overflow, copy back, update scale
 //     amp.zero_grad();
@@ -51,6 +51,14 @@ class Amp {
       AutocastGuard autocast(options_.half_dtype);
       return fn();
     }
+    return fn();
+  }
+  // Runs fn(), a loss of the forward's output, so that the loss is float32 at every level, as PyTorch's loops compute
+  // losses under autocast: cross_entropy reads half logits as they are (its float32 math rule, core/autocast.h) and
+  // returns float32, without a float32 copy of the logits. At O0 fn() runs as it is.
+  template <typename Fn> decltype(auto) loss(Fn&& fn) {
+    if (level_ == OptLevel::O0) return fn();
+    AutocastGuard autocast(options_.half_dtype);
     return fn();
   }
   // Backward of the (scaled, for O1/O2) loss.

@@ -33,11 +33,13 @@ TEST_CASE("autocast applies each op's rule from the table, as the trace shows") 
   CHECK((h + randn({4, 3})).dtype() == kFloat32);          // promote
   CHECK(relu(h).dtype() == kFloat16);                      // unchanged
   CHECK(sum(h).dtype() == kFloat32);                       // float32 reduction
+  CHECK(cross_entropy(h, tensor<int64_t>({0, 2, 1, 0})).dtype() == kFloat32);  // float32 math, no float32 copy
   CHECK(trace.saw("matmul [lower precision] (float32, float32) -> (float16)"));
   CHECK(trace.saw("exp [float32] (float16) -> (float32)"));
   CHECK(trace.saw("add [promote] (float16, float32) -> (float32)"));
   CHECK(trace.saw("relu [unchanged] (float16) -> (float16)"));
   CHECK(trace.saw("sum [float32] (float16) -> (float32)"));
+  CHECK(trace.saw("cross_entropy [float32 math] (float16, int64) -> (float32)"));
 }
 
 TEST_CASE("autocast casts only floating tensors that are not float64") {

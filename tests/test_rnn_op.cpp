@@ -382,27 +382,55 @@ TEST_CASE("cuda: rnn's outputs and gradients match the CPU for every kind and dt
 TEST_CASE("cuda: the persistent loop kernels equal the per-step kernels when units, rows and batch split into tiles") {
   SKIP_WITHOUT_GPU();
   // 300 units: several units per block on any GPU with fewer than 300 SMs, so a block's W_hh slice spans several
-  // gates' rows; batches of 1, 6 (a partial tile) and 33 (9 tiles); float64, so the sums' orders cannot hide
-  // an error.
+  // gates' rows; batches of 1, 6 (a partial tile) and 33 (9 CUDA-core tiles, 3 tensor-core tiles); float64, so the
+  // sums' orders cannot hide an error, and float16 / bfloat16, whose products run on tensor cores.
   for (RnnKind kind : kAllKinds) {
-    for (int64_t batch : {1, 6, 33}) {
-      const std::string kind_name = rnn_kind_name(kind);
-      CAPTURE(kind_name);
+    for (auto [dtype, tol] : {std::pair{kFloat64, 1e-10}, {kFloat16, 1e-2}, {kBFloat16, 5e-2}}) {
+      for (int64_t batch : {1, 6, 33}) {
+        const std::string kind_name = rnn_kind_name(kind), dtype_str = dtype_name(dtype);
+        CAPTURE(kind_name);
+        CAPTURE(dtype_str);
+        CAPTURE(batch);
+        manual_seed(41);
+        const Inputs in = make_inputs(kind, 5, batch, 7, 300, 2, true, true, 0.8 / std::sqrt(300.0));
+        TensorList gpu;
+        for (const Tensor& t : in.all())
+          gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0), dtype).requires_grad_() : Tensor());
+        const RnnOptions o{.kind = kind, .num_layers = 2};
+        auto run = [&](RnnCudaLoop loop) {
+          const CudaLoop loops(loop);
+          const RnnResult r = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
+          TensorList all = r.tensors();
+          for (const Tensor& g : gradients_of(r, gpu)) all.push_back(g);
+          return all;
+        };
+        if (dtype == kFloat64)
+          check_same(run(RnnCudaLoop::Persistent), run(RnnCudaLoop::Steps), tol);
+        else
+          check_relative(run(RnnCudaLoop::Persistent), run(RnnCudaLoop::Steps), tol);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: a larger batch after a smaller one still runs the persistent kernels (training after evaluation)") {
+  SKIP_WITHOUT_GPU();
+  // Each batch size needs its own amount of shared memory; the kernel's limit once followed the last size planned,
+  // so a training batch after an evaluation batch failed to launch (cudaErrorInvalidValue).
+  const CudaLoop loops(RnnCudaLoop::Persistent);
+  for (DType dtype : {kFloat32, kFloat16}) {
+    const std::string dtype_str = dtype_name(dtype);
+    CAPTURE(dtype_str);
+    for (int64_t batch : {20, 10, 20}) {
       CAPTURE(batch);
-      manual_seed(41);
-      const Inputs in = make_inputs(kind, 5, batch, 7, 300, 2, true, true, 0.8 / std::sqrt(300.0));
+      manual_seed(43);
+      const Inputs in = make_inputs(RnnKind::LSTM, 4, batch, 8, 300, 2, true, true, 0.8 / std::sqrt(300.0));
       TensorList gpu;
       for (const Tensor& t : in.all())
-        gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
-      const RnnOptions o{.kind = kind, .num_layers = 2};
-      auto run = [&](RnnCudaLoop loop) {
-        const CudaLoop loops(loop);
-        const RnnResult r = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), o);
-        TensorList all = r.tensors();
-        for (const Tensor& g : gradients_of(r, gpu)) all.push_back(g);
-        return all;
-      };
-      check_same(run(RnnCudaLoop::Persistent), run(RnnCudaLoop::Steps), 1e-10);
+        gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0), dtype).requires_grad_() : Tensor());
+      const RnnResult r = rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()),
+                              {.kind = RnnKind::LSTM, .num_layers = 2});
+      CHECK(gradients_of(r, gpu).size() == gpu.size());  // forward and backward launched (a failure throws)
     }
   }
 }

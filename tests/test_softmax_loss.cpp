@@ -398,6 +398,35 @@ TEST_CASE("cross_entropy under autocast runs in float32; without it a float16 lo
   CHECK(logits.grad().dtype() == kFloat16);
 }
 
+TEST_CASE("cross_entropy's float32 math reads float16 logits as they are: the result of casting them first") {
+  // Autocast's "float32 math" rule: no float32 copy of the logits, yet the loss and the gradient are those of
+  // cross_entropy on float32 logits (the gradient rounded to float16 once), with a float32 loss that a loss scale
+  // of 65536 does not overflow.
+  manual_seed(116);
+  for (Shape shape : {Shape{5, 37}, Shape{3, 4, 2, 3}}) {
+    CAPTURE(shape_str(shape));
+    Tensor logits = (randn(shape) * 3).to(kFloat16);
+    Tensor target = randint(0, shape[1], shape.size() == 2 ? Shape{5} : Shape{3, 2, 3});
+    for (double smoothing : {0.0, 0.1}) {
+      CAPTURE(smoothing);
+      Tensor x16 = logits.detach().requires_grad_(), x32 = logits.detach().to(kFloat32).requires_grad_();
+      Tensor loss16;
+      {
+        amp::AutocastGuard guard(kFloat16);
+        loss16 = cross_entropy(x16, target, {.label_smoothing = smoothing});
+      }
+      Tensor loss32 = cross_entropy(x32, target, {.label_smoothing = smoothing});
+      CHECK(loss16.dtype() == kFloat32);
+      CHECK(loss16.item<double>() == doctest::Approx(loss32.item<double>()).epsilon(1e-6));
+      (loss16 * 65536.0).backward();
+      (loss32 * 65536.0).backward();
+      CHECK(x16.grad().dtype() == kFloat16);
+      // one float16 rounding of the same float32 values (the sums may add in another order: a float32 ulp apart)
+      check_close(values(x16.grad()), values(x32.grad().to(kFloat16)), 2e-3);
+    }
+  }
+}
+
 TEST_CASE("cross_entropy errors: float targets of the wrong shape, label_smoothing out of range") {
   Tensor logits = randn({2, 3});
   CHECK_THROWS_WITH_AS(cross_entropy(logits, randn({2})),
@@ -532,6 +561,30 @@ TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, 
           check_close(values(yg.cpu()), values(yc), rounding(dt) * 2);
           check_close(values(xg.grad().cpu()), values(xc.grad()), rounding(dt) * 4);
         }
+      }
+    }
+  }
+  // Rows of any alignment (C odd), the vector path's edges (C < 8, C a multiple of 8), a language model's vocabulary,
+  // and logits at an odd offset in their storage, whose gradient's rows cannot line up with theirs.
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    for (auto [rows, classes] : {std::pair<int64_t, int64_t>{9, 1}, {9, 7}, {9, 8}, {5, 33}, {6, 1001}, {3, 33278}}) {
+      for (bool offset : {false, true}) {
+        const std::string dtype = dtype_name(dt);
+        CAPTURE(dtype);
+        CAPTURE(rows);
+        CAPTURE(classes);
+        CAPTURE(offset);
+        Tensor storage = (randn({rows * classes + 1}) * 4).to(dt);
+        Tensor logits = storage.narrow(0, offset ? 1 : 0, rows * classes).view({rows, classes});
+        Tensor target = randint(0, classes, {rows});
+        target = where(target.eq(int64_t(0)), int64_t(-100), target);
+        Tensor xc = logits.detach().requires_grad_(), xg = logits.detach().cuda().requires_grad_();
+        Tensor lc = cross_entropy(xc, target, {.reduction = Reduction::Sum});
+        Tensor lg = cross_entropy(xg, target.cuda(), {.reduction = Reduction::Sum});
+        lc.backward();
+        lg.backward();
+        check_close(values(lg.cpu()), values(lc), rounding(dt) * 4);
+        check_close(values(xg.grad().cpu()), values(xc.grad()), rounding(dt) * 4);
       }
     }
   }

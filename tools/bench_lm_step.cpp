@@ -6,7 +6,7 @@
 //   model       embedding (emsize = nhid), --nlayers layers of LSTM / GRU / RNN, a linear decoder over --vocab words
 //               (WikiText-2's 33,278 by default), dropout 0.2 (main.py's defaults), untied
 //   one step    h, c detached from the previous step (main.py's repackage_hidden); out = model(tokens, h, c) under the
-//               level (autocast for O1); loss = cross_entropy(logits [T*B, vocab] in float32, targets);
+//               level (autocast for O1); loss = amp.loss(cross_entropy(logits [T*B, vocab], targets)) in float32;
 //               amp.backward(loss); clip_grad_norm_(amp.unscale_(), 0.25); amp.step() (optim::SGD, lr 20, no
 //               momentum: p -= lr * grad, as main.py); amp.zero_grad(). As tools/train.cpp's train_language_model.
 //   data        random int64 tokens [bptt, batch] and targets [bptt * batch] in [0, vocab), made once on the device
@@ -151,7 +151,7 @@ int run(const Settings& s) {
       auto out = amp.run([&] { return model.forward(input, h, c); });
       h = out.h;
       c = out.c;
-      Tensor loss = cross_entropy(out.logits.reshape({-1, s.vocab}).to(kFloat32), target);
+      Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
       amp.backward(loss);
       optim::clip_grad_norm_(amp.unscale_(), s.clip);
       amp.step();
@@ -162,7 +162,7 @@ int run(const Settings& s) {
     Tensor h_carried = h.detach().clone(), c_carried = c.defined() ? c.detach().clone() : Tensor();
     auto carried_step = [&] {
       auto out = amp.run([&] { return model.forward(input, h_carried, c_carried); });
-      Tensor loss = cross_entropy(out.logits.reshape({-1, s.vocab}).to(kFloat32), target);
+      Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
       amp.backward(loss);
       optim::clip_grad_norm_(amp.unscale_(), s.clip);
       amp.step();

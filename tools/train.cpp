@@ -124,7 +124,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     for (const data::Batch& batch : train_loader.epoch(epoch)) {
       auto [x, y] = to_device(batch);
       Tensor logits = amp.forward(*model, x);
-      Tensor loss = cross_entropy(logits, y);
+      Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
       amp.backward(loss);
       amp.step();
       amp.zero_grad();
@@ -132,12 +132,12 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       ++step;
       NoGradGuard no_grad;
       const Tensor batch_correct = argmax(logits.detach(), 1).eq(y).to(kInt64).sum();
-      loss_sum.add_(loss.detach().to(kFloat32), double(y.size(0)));
+      loss_sum.add_(loss.detach(), double(y.size(0)));
       correct.add_(batch_correct);
       seen += y.size(0);
       ++batches_done;
       if (c.log_interval == 0 || !on_progress) continue;
-      interval_loss.add_(loss.detach().to(kFloat32), double(y.size(0)));
+      interval_loss.add_(loss.detach(), double(y.size(0)));
       interval_correct.add_(batch_correct);
       interval_seen += y.size(0);
       if (batches_done % c.log_interval != 0) continue;
@@ -290,7 +290,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       auto out = amp.run([&] { return model.forward(b.input, h, cell); });
       h = out.h;
       cell = out.c;
-      total.add_(cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), b.target), double(b.input.size(0)));
+      total.add_(amp.loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), b.target); }),
+                 double(b.input.size(0)));
     });
     return total.item<double>() / double(source.size(0) - 1);
   };
@@ -310,7 +311,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       if (cell.defined()) cell = cell.detach();
     }
     auto out = amp.run([&] { return model.forward(input, h, cell); });
-    Tensor loss = cross_entropy(out.logits.reshape({-1, vocab}).to(kFloat32), target);
+    Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), target); });
     amp.backward(loss);
     optim::clip_grad_norm_(amp.unscale_(), c.clip);
     amp.step();
