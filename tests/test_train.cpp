@@ -2,6 +2,7 @@
 // images (bright or dark), so a few epochs must learn it; the checkpoint it writes loads back.
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "halfgrad.h"
@@ -79,6 +80,55 @@ TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "train.bin not found"));
   bad.dataset = "mnist";
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown dataset \"mnist\""));
+}
+
+TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight equal 1 epoch and a resume") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 8, 9);
+  // O0, and O2: loss scaling, and float32 masters apart from the half model.
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O2}) {
+    CAPTURE(amp::opt_level_name(level));
+    const train::ClassifierConfig straight{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 8,
+                                           .lr = 0.05, .opt_level = level, .workers = 2, .seed = 5,
+                                           .checkpoint = dir.file("straight.safetensors")};
+    const std::string after_first = dir.file("after_epoch_1.safetensors");
+    const auto all = train::train_classifier(straight, [&](const train::EpochStats& s) {
+      if (s.epoch == 0)
+        std::filesystem::copy_file(straight.checkpoint, after_first, std::filesystem::copy_options::overwrite_existing);
+    });
+    REQUIRE(all.size() == 2);
+    train::ClassifierConfig resumed = straight;
+    resumed.resume = after_first;
+    resumed.checkpoint = dir.file("resumed.safetensors");
+    const auto rest = train::train_classifier(resumed);
+    REQUIRE(rest.size() == 1);
+    CHECK(rest[0].epoch == 1);
+    CHECK(rest[0].train_loss == all[1].train_loss);
+    CHECK(rest[0].test_loss == all[1].test_loss);
+    const nn::TrainingCheckpoint want = nn::load_training_checkpoint(straight.checkpoint),
+                                 got = nn::load_training_checkpoint(resumed.checkpoint);
+    CHECK(got.epoch == want.epoch);
+    CHECK(got.step == want.step);
+    for (auto part : {&nn::TrainingCheckpoint::model, &nn::TrainingCheckpoint::optimizer,
+                             &nn::TrainingCheckpoint::extra}) {
+      REQUIRE((got.*part).size() == (want.*part).size());
+      for (size_t i = 0; i < (want.*part).size(); ++i) {
+        CAPTURE((want.*part)[i].first);
+        CHECK((got.*part)[i].first == (want.*part)[i].first);
+        CHECK(testing::values((got.*part)[i].second) == testing::values((want.*part)[i].second));
+      }
+    }
+  }
+  // A run of other settings, and a checkpoint with nothing left to train, are refused, naming the file.
+  train::ClassifierConfig other{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 8, .lr = 0.05,
+                                .opt_level = amp::OptLevel::O2, .workers = 2, .seed = 5,
+                                .resume = dir.file("after_epoch_1.safetensors")};
+  CHECK(contains(error_of([&] { train::train_classifier(other); }),
+                 "after_epoch_1.safetensors: the checkpoint's run had epochs 2, this one has 3"));
+  other.epochs = 2;
+  other.resume = dir.file("straight.safetensors");
+  CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint already holds all 2 epochs"));
 }
 
 TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -70,8 +71,9 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                p.images_per_second, eta / 60, eta % 60);
     std::fflush(stdout);
   };
+  bool header_printed = false;  // (a resumed run starts past epoch 1)
   train::train_classifier(config, [&](const train::EpochStats& s) {
-    if (s.epoch == 0) {
+    if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "train loss",
                  "train acc", "test loss", "test acc", "seconds", "images/s", "peak MiB", "skipped", "loss scale");
     }
@@ -332,6 +334,8 @@ int main(int argc, char** argv) {
                  "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   tc->add_option("--checkpoint", train_args.config.checkpoint, "write a training checkpoint (safetensors) after "
                  "every epoch");
+  tc->add_option("--resume", train_args.config.resume, "continue the run that wrote this --checkpoint file after its "
+                 "last epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();

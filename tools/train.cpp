@@ -60,6 +60,57 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// What a resumed run must share with the run that wrote its checkpoint: the schedule spans every epoch's steps, and
+// the data order and augmentation follow the seed.
+Metadata classifier_run(const ClassifierConfig& c) {
+  return {{"model", c.model},
+          {"dataset", c.dataset},
+          {"opt_level", amp::opt_level_name(c.opt_level)},
+          {"epochs", std::to_string(c.epochs)},
+          {"batch_size", std::to_string(c.batch_size)},
+          {"schedule", c.schedule},
+          {"seed", std::to_string(c.seed)},
+          {"limit_train", std::to_string(c.limit_train)}};
+}
+
+// O2's float32 masters are the optimizer's parameters, apart from the half model: they travel as "master.<i>".
+bool separate_masters(const nn::Module& model, const optim::Optimizer& opt) {
+  const TensorList params = opt.parameters(), model_params = model.parameters();
+  return !params.empty() && !model_params.empty() && params.front().impl() != model_params.front().impl();
+}
+
+// Restores what `checkpoint` holds into the run; returns the epoch to continue with.
+int64_t resume_classifier(const ClassifierConfig& c, const std::string& path, nn::Module& model, optim::SGD& sgd,
+                          amp::Amp& amp, optim::LRScheduler* schedule, int64_t& step) {
+  const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(path);
+  for (const auto& [key, value] : classifier_run(c)) {
+    const auto found = ck.metadata.find(key);
+    HG_CHECK(found != ck.metadata.end(), "train: --resume {}: the checkpoint does not say its {} (was it written by "
+             "train-classifier --checkpoint?)", path, key);
+    HG_CHECK(found->second == value, "train: --resume {}: the checkpoint's run had {} {}, this one has {} (a resumed run "
+             "keeps the model, dataset, opt level, epochs, batch size, schedule, seed and training images)", path, key,
+             found->second, value);
+  }
+  HG_CHECK(ck.epoch < c.epochs, "train: --resume {}: the checkpoint already holds all {} epochs", path, c.epochs);
+  model.load_state_dict(ck.model);
+  if (separate_masters(model, sgd)) {
+    NoGradGuard no_grad;
+    TensorList masters = sgd.parameters();  // handles to the optimizer's own tensors
+    for (size_t i = 0; i < masters.size(); ++i) {
+      const std::string name = fmt::format("master.{}", i);
+      const auto it = std::find_if(ck.extra.begin(), ck.extra.end(), [&](const auto& e) { return e.first == name; });
+      HG_CHECK(it != ck.extra.end(), "train: --resume {}: the O2 checkpoint has no {}", path, name);
+      masters[i].copy_(it->second);
+    }
+  }
+  sgd.load_state_tensors(ck.optimizer);
+  amp.scaler().load_state_tensors(ck.extra);
+  if (schedule) schedule->set_step(ck.step);
+  set_generator_state(ck.rng);
+  step = ck.step;
+  return ck.epoch;
+}
+
 }  // namespace
 
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
@@ -107,8 +158,11 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     return std::pair{x, b.targets.to(c.device)};
   };
   std::vector<EpochStats> all;
-  int64_t step = 0, skipped_before = 0;
-  for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+  int64_t step = 0;
+  const int64_t first_epoch =
+      c.resume.empty() ? 0 : resume_classifier(c, c.resume, *model, sgd, amp, schedule.get(), step);
+  int64_t skipped_before = amp.scaler().skipped_steps();
+  for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
     model->train();
@@ -180,8 +234,11 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (!c.checkpoint.empty()) {
       nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
                                 .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .step = step,
-                                .rng = generator_state(), .metadata = {{"model", c.model}, {"dataset", c.dataset},
-                                                                       {"opt_level", amp::opt_level_name(c.opt_level)}}};
+                                .rng = generator_state(), .metadata = classifier_run(c)};
+      if (separate_masters(*model, sgd)) {
+        const TensorList masters = sgd.parameters();
+        for (size_t i = 0; i < masters.size(); ++i) ck.extra.emplace_back(fmt::format("master.{}", i), masters[i]);
+      }
       nn::save_training_checkpoint(c.checkpoint, ck);
     }
     all.push_back(s);

@@ -36,6 +36,11 @@ struct ClassifierConfig {
   uint64_t seed = 0;
   int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
   std::string checkpoint;  // when set, a training checkpoint is written there after every epoch
+  // When set, a training checkpoint written by a run of the same settings (model, dataset, opt level, epochs,
+  // batch size, schedule, seed, training images): the run continues after the checkpoint's epoch with the model,
+  // optimizer, schedule, loss scaler, O2's float32 masters and random state it holds, and trains as the
+  // uninterrupted run would have, bit for bit. on_epoch and the result cover the epochs run here.
+  std::string resume;
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
 };
 
