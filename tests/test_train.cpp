@@ -28,6 +28,19 @@ void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
   }
 }
 
+// Every model, optimizer and extra tensor of two training checkpoints, by name and value, bit for bit.
+void check_same_tensors(const nn::TrainingCheckpoint& got, const nn::TrainingCheckpoint& want) {
+  for (auto part : {&nn::TrainingCheckpoint::model, &nn::TrainingCheckpoint::optimizer,
+                    &nn::TrainingCheckpoint::extra}) {
+    REQUIRE((got.*part).size() == (want.*part).size());
+    for (size_t i = 0; i < (want.*part).size(); ++i) {
+      CAPTURE((want.*part)[i].first);
+      CHECK((got.*part)[i].first == (want.*part)[i].first);
+      CHECK(testing::values((got.*part)[i].second) == testing::values((want.*part)[i].second));
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("train_classifier learns a visible class on CPU, reports every epoch and writes a loadable checkpoint") {
@@ -110,15 +123,7 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
                                  got = nn::load_training_checkpoint(resumed.checkpoint);
     CHECK(got.epoch == want.epoch);
     CHECK(got.step == want.step);
-    for (auto part : {&nn::TrainingCheckpoint::model, &nn::TrainingCheckpoint::optimizer,
-                             &nn::TrainingCheckpoint::extra}) {
-      REQUIRE((got.*part).size() == (want.*part).size());
-      for (size_t i = 0; i < (want.*part).size(); ++i) {
-        CAPTURE((want.*part)[i].first);
-        CHECK((got.*part)[i].first == (want.*part)[i].first);
-        CHECK(testing::values((got.*part)[i].second) == testing::values((want.*part)[i].second));
-      }
-    }
+    check_same_tensors(got, want);
   }
   // A run of other settings, and a checkpoint with nothing left to train, are refused, naming the file.
   train::ClassifierConfig other{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 8, .lr = 0.05,
@@ -194,6 +199,58 @@ TEST_CASE("train_language_model follows main.py: perplexity falls on a predictab
     CHECK(mixed.epochs.back().valid_loss < 0.7 * mixed.epochs.front().train_loss);
     CHECK(mixed.epochs.back().loss_scale > 1);
   }
+}
+
+TEST_CASE("train_language_model --resume continues bit for bit: 4 epochs straight equal 2 epochs and a resume") {
+  TempDir dir;
+  {
+    std::string text;
+    const char* words[] = {"red", "green", "blue", "light", "dark", "sky", "sea", "grass", "fire", "night", "day"};
+    for (int line = 0; line < 50; ++line) {
+      for (int w = 0; w < 7; ++w) text += std::string(words[(line * 3 + w * w) % 11]) + " ";
+      text += "\n";
+    }
+    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  }
+  // Two layers with dropout between them (the random state), lr 20 (annealed when the validation loss does not
+  // improve); O0, and O2: loss scaling, and float32 masters apart from the half model.
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O2}) {
+    CAPTURE(amp::opt_level_name(level));
+    const train::LanguageModelConfig straight{.data_dir = dir.path, .embedding_size = 12, .hidden_size = 12,
+                                              .num_layers = 2, .dropout = 0.3, .epochs = 4, .batch_size = 4,
+                                              .eval_batch_size = 2, .bptt = 6, .opt_level = level, .checkpoint = "",
+                                              .train_checkpoint = dir.file("straight.safetensors")};
+    const std::string after_two = dir.file("after_epoch_2.safetensors");
+    const auto all = train::train_language_model(straight, [&](const train::LanguageModelEpochStats& s) {
+      if (s.epoch == 1)
+        std::filesystem::copy_file(straight.train_checkpoint, after_two,
+                                   std::filesystem::copy_options::overwrite_existing);
+    });
+    REQUIRE(all.epochs.size() == 4);
+    train::LanguageModelConfig resumed = straight;
+    resumed.resume = after_two;
+    resumed.train_checkpoint = dir.file("resumed.safetensors");
+    const auto rest = train::train_language_model(resumed);
+    REQUIRE(rest.epochs.size() == 2);
+    for (size_t e = 0; e < 2; ++e) {
+      CAPTURE(e);
+      CHECK(rest.epochs[e].epoch == all.epochs[e + 2].epoch);
+      CHECK(rest.epochs[e].lr == all.epochs[e + 2].lr);
+      CHECK(rest.epochs[e].train_loss == all.epochs[e + 2].train_loss);
+      CHECK(rest.epochs[e].valid_loss == all.epochs[e + 2].valid_loss);
+    }
+    CHECK(rest.test_loss == all.test_loss);  // the best model, wherever it was found
+    const nn::TrainingCheckpoint want = nn::load_training_checkpoint(straight.train_checkpoint),
+                                 got = nn::load_training_checkpoint(resumed.train_checkpoint);
+    CHECK(got.metadata == want.metadata);
+    check_same_tensors(got, want);
+  }
+  train::LanguageModelConfig other{.data_dir = dir.path, .embedding_size = 12, .hidden_size = 12, .num_layers = 2,
+                                   .dropout = 0.3, .epochs = 4, .batch_size = 4, .eval_batch_size = 2, .bptt = 7,
+                                   .opt_level = amp::OptLevel::O2, .checkpoint = "",
+                                   .resume = dir.file("after_epoch_2.safetensors")};
+  CHECK(contains(error_of([&] { train::train_language_model(other); }),
+                 "after_epoch_2.safetensors: the checkpoint's run had bptt 6, this one has 7"));
 }
 
 TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {

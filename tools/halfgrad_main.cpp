@@ -150,8 +150,9 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60);
     std::fflush(stdout);
   };
+  bool header_printed = false;  // (a resumed run starts past epoch 1)
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
-    if (s.epoch == 0) {
+    if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>8} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "lr",
                  "train loss", "train ppl", "valid loss", "valid ppl", "seconds", "tokens/s", "peak MiB", "skipped",
                  "loss scale");
@@ -393,6 +394,10 @@ int main(int argc, char** argv) {
   lm.checkpoint = "model.safetensors";  // main.py saves to model.pt unless told otherwise
   tl->add_option("--save,--checkpoint", lm.checkpoint, "save the model with the best validation loss, its "
                  "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str();
+  tl->add_option("--train-checkpoint", lm.train_checkpoint, "write a training checkpoint (safetensors) after every "
+                 "epoch, for --resume");
+  tl->add_option("--resume", lm.resume, "continue the run that wrote this --train-checkpoint file after its last "
+                 "epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   tl->add_flag("--dry-run", lm.dry_run, "one training batch per epoch: check that the code and the model run "
                "(main.py's --dry-run)");
   tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "

@@ -60,8 +60,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// What a resumed run must share with the run that wrote its checkpoint: the schedule spans every epoch's steps, and
-// the data order and augmentation follow the seed.
+// ---- resuming from a training checkpoint (train-classifier --checkpoint, train-lm --train-checkpoint)
+
+// What a resumed classifier run must share with the run that wrote its checkpoint: the schedule spans every epoch's
+// steps, and the data order and augmentation follow the seed.
 Metadata classifier_run(const ClassifierConfig& c) {
   return {{"model", c.model},
           {"dataset", c.dataset},
@@ -73,42 +75,49 @@ Metadata classifier_run(const ClassifierConfig& c) {
           {"limit_train", std::to_string(c.limit_train)}};
 }
 
+// Refuses a checkpoint written by a run of other settings, or with no epoch left to train.
+void check_same_run(const nn::TrainingCheckpoint& ck, const Metadata& run, const std::string& path, int64_t epochs,
+                    const char* writer) {
+  for (const auto& [key, value] : run) {
+    const auto found = ck.metadata.find(key);
+    HG_CHECK(found != ck.metadata.end(), "train: --resume {}: the checkpoint does not say its {} (was it written by {}?)",
+             path, key, writer);
+    HG_CHECK(found->second == value, "train: --resume {}: the checkpoint's run had {} {}, this one has {} (a resumed "
+             "run keeps the settings of the run it continues)", path, key, found->second, value);
+  }
+  HG_CHECK(ck.epoch < epochs, "train: --resume {}: the checkpoint already holds all {} epochs", path, epochs);
+}
+
 // O2's float32 masters are the optimizer's parameters, apart from the half model: they travel as "master.<i>".
 bool separate_masters(const nn::Module& model, const optim::Optimizer& opt) {
   const TensorList params = opt.parameters(), model_params = model.parameters();
   return !params.empty() && !model_params.empty() && params.front().impl() != model_params.front().impl();
 }
 
-// Restores what `checkpoint` holds into the run; returns the epoch to continue with.
-int64_t resume_classifier(const ClassifierConfig& c, const std::string& path, nn::Module& model, optim::SGD& sgd,
-                          amp::Amp& amp, optim::LRScheduler* schedule, int64_t& step) {
-  const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(path);
-  for (const auto& [key, value] : classifier_run(c)) {
-    const auto found = ck.metadata.find(key);
-    HG_CHECK(found != ck.metadata.end(), "train: --resume {}: the checkpoint does not say its {} (was it written by "
-             "train-classifier --checkpoint?)", path, key);
-    HG_CHECK(found->second == value, "train: --resume {}: the checkpoint's run had {} {}, this one has {} (a resumed run "
-             "keeps the model, dataset, opt level, epochs, batch size, schedule, seed and training images)", path, key,
-             found->second, value);
-  }
-  HG_CHECK(ck.epoch < c.epochs, "train: --resume {}: the checkpoint already holds all {} epochs", path, c.epochs);
+void save_masters(NamedTensors& extra, const nn::Module& model, const optim::Optimizer& opt) {
+  if (!separate_masters(model, opt)) return;
+  const TensorList masters = opt.parameters();
+  for (size_t i = 0; i < masters.size(); ++i) extra.emplace_back(fmt::format("master.{}", i), masters[i]);
+}
+
+const Tensor& named(const NamedTensors& tensors, const std::string& name, const std::string& path) {
+  const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
+  HG_CHECK(it != tensors.end(), "train: --resume {}: the checkpoint has no {}", path, name);
+  return it->second;
+}
+
+// The model, O2's masters, the optimizer, the loss scaler and the random state of `ck`.
+void restore_training_state(const nn::TrainingCheckpoint& ck, const std::string& path, nn::Module& model,
+                            optim::Optimizer& opt, amp::Amp& amp) {
   model.load_state_dict(ck.model);
-  if (separate_masters(model, sgd)) {
+  if (separate_masters(model, opt)) {
     NoGradGuard no_grad;
-    TensorList masters = sgd.parameters();  // handles to the optimizer's own tensors
-    for (size_t i = 0; i < masters.size(); ++i) {
-      const std::string name = fmt::format("master.{}", i);
-      const auto it = std::find_if(ck.extra.begin(), ck.extra.end(), [&](const auto& e) { return e.first == name; });
-      HG_CHECK(it != ck.extra.end(), "train: --resume {}: the O2 checkpoint has no {}", path, name);
-      masters[i].copy_(it->second);
-    }
+    TensorList masters = opt.parameters();  // handles to the optimizer's own tensors
+    for (size_t i = 0; i < masters.size(); ++i) masters[i].copy_(named(ck.extra, fmt::format("master.{}", i), path));
   }
-  sgd.load_state_tensors(ck.optimizer);
+  opt.load_state_tensors(ck.optimizer);
   amp.scaler().load_state_tensors(ck.extra);
-  if (schedule) schedule->set_step(ck.step);
   set_generator_state(ck.rng);
-  step = ck.step;
-  return ck.epoch;
 }
 
 }  // namespace
@@ -158,9 +167,15 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     return std::pair{x, b.targets.to(c.device)};
   };
   std::vector<EpochStats> all;
-  int64_t step = 0;
-  const int64_t first_epoch =
-      c.resume.empty() ? 0 : resume_classifier(c, c.resume, *model, sgd, amp, schedule.get(), step);
+  int64_t step = 0, first_epoch = 0;
+  if (!c.resume.empty()) {
+    const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
+    check_same_run(ck, classifier_run(c), c.resume, c.epochs, "train-classifier --checkpoint");
+    restore_training_state(ck, c.resume, *model, sgd, amp);
+    if (schedule) schedule->set_step(ck.step);
+    step = ck.step;
+    first_epoch = ck.epoch;
+  }
   int64_t skipped_before = amp.scaler().skipped_steps();
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
@@ -235,10 +250,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
                                 .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .step = step,
                                 .rng = generator_state(), .metadata = classifier_run(c)};
-      if (separate_masters(*model, sgd)) {
-        const TensorList masters = sgd.parameters();
-        for (size_t i = 0; i < masters.size(); ++i) ck.extra.emplace_back(fmt::format("master.{}", i), masters[i]);
-      }
+      save_masters(ck.extra, *model, sgd);
       nn::save_training_checkpoint(c.checkpoint, ck);
     }
     all.push_back(s);
@@ -304,6 +316,26 @@ nn::RecurrentKind recurrent_kind(const std::string& name) {
   HG_FAIL("train: unknown recurrent layer \"{}\" (lstm, gru, rnn_tanh, rnn_relu)", name);
 }
 
+// What a resumed language-model run must share with the run that wrote its checkpoint.
+Metadata language_model_run(const LanguageModelConfig& c) {
+  return {{"rnn", c.rnn},
+          {"data_dir", c.data_dir.string()},
+          {"embedding_size", std::to_string(c.embedding_size)},
+          {"hidden_size", std::to_string(c.hidden_size)},
+          {"num_layers", std::to_string(c.num_layers)},
+          {"dropout", fmt::format("{}", c.dropout)},
+          {"tie_weights", c.tie_weights ? "true" : "false"},
+          {"epochs", std::to_string(c.epochs)},
+          {"batch_size", std::to_string(c.batch_size)},
+          {"bptt", std::to_string(c.bptt)},
+          {"clip", fmt::format("{}", c.clip)},
+          {"opt_level", amp::opt_level_name(c.opt_level)},
+          {"half", dtype_name(c.half_dtype)},
+          {"seed", std::to_string(c.seed)},
+          {"limit_tokens", std::to_string(c.limit_tokens)},
+          {"dry_run", c.dry_run ? "true" : "false"}};
+}
+
 Tensor first_tokens(const Tensor& ids, int64_t n) { return n > 0 && n < ids.size(0) ? ids.narrow(0, 0, n) : ids; }
 
 // The windows of a batchified source, as main.py walks them: rows 0, bptt, 2 bptt, ... while a next row exists.
@@ -354,9 +386,21 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   };
 
   LanguageModelResult result;
-  int64_t skipped_before = 0;
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
   NamedTensors best_state;
+  int64_t first_epoch = 0;
+  if (!c.resume.empty()) {
+    const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
+    check_same_run(ck, language_model_run(c), c.resume, c.epochs, "train-lm --train-checkpoint");
+    restore_training_state(ck, c.resume, model, sgd, amp);
+    lr = sgd.param_groups().front().lr;
+    best_valid = std::stod(ck.metadata.at("best_valid"));  // "inf" before a first evaluation, as at the start
+    for (const auto& [name, t] : model.state_dict()) {
+      best_state.emplace_back(name, named(ck.extra, "best." + name, c.resume).to(t.device()));
+    }
+    first_epoch = ck.epoch;
+  }
+  int64_t skipped_before = amp.scaler().skipped_steps();
   // The recurrent state carried from window to window. Under --cuda-graph it lives in place (zeros at each epoch's
   // start), with the window and the loss, in tensors the captured step reads and writes; full-length windows replay
   // the step, the last, shorter one runs it eagerly on the same state.
@@ -394,7 +438,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     if (kind == nn::RecurrentKind::LSTM) cell = zeros({c.num_layers, batch_size, c.hidden_size}, {.device = c.device});
     captured = std::make_unique<cuda::CapturedStep>(c.device, [&] { train_step(window_input, window_target); }, 2);
   }
-  for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
     model.train();
@@ -458,6 +502,16 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     } else {
       lr /= 4;  // main.py: anneal when the validation loss did not improve
       for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
+    }
+    if (!c.train_checkpoint.empty()) {
+      Metadata metadata = language_model_run(c);
+      metadata["best_valid"] = fmt::format("{:.17g}", best_valid);
+      nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = sgd.state_tensors(),
+                                .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .rng = generator_state(),
+                                .metadata = metadata};
+      save_masters(ck.extra, model, sgd);
+      for (const auto& [name, t] : best_state) ck.extra.emplace_back("best." + name, t);
+      nn::save_training_checkpoint(c.train_checkpoint, ck);
     }
     result.epochs.push_back(s);
     if (on_epoch) on_epoch(s);

@@ -112,6 +112,12 @@ struct LanguageModelConfig {
   int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
   std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
                              // architecture and vocabulary (models/language_model_checkpoint.h)
+  std::string train_checkpoint;  // when set, a training checkpoint is written there after every epoch (for resume)
+  // When set, a train_checkpoint written by a run of the same settings: the run continues after its epoch with the
+  // model, optimizer (its lr, annealed), loss scaler, O2's masters, random state, the best validation loss and the
+  // best model it holds, and trains as the uninterrupted run would have, bit for bit. result.epochs covers the
+  // epochs run here; the test loss is the best model's, as before.
+  std::string resume;
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
   bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
