@@ -126,14 +126,20 @@ Batch ImageLoader::make_batch(const std::vector<int64_t>& all, int64_t epoch, in
   return batch;
 }
 
-ImageLoader::Epoch ImageLoader::epoch(int64_t epoch) const& { return Epoch(*this, epoch); }
+ImageLoader::Epoch ImageLoader::epoch(int64_t epoch, int64_t first_batch) const& {
+  return Epoch(*this, epoch, first_batch);
+}
 
-ImageLoader::Epoch::Epoch(const ImageLoader& loader, int64_t epoch)
+ImageLoader::Epoch::Epoch(const ImageLoader& loader, int64_t epoch, int64_t first_batch)
     : loader_(loader),
       epoch_(epoch),
       total_(loader.batches_per_epoch()),
+      next_to_make_(first_batch),
+      next_to_give_(first_batch),
       window_(int64_t(std::max(loader.options().workers, 1)) * loader.options().prefetch),
       order_(loader.order(epoch)) {
+  HG_CHECK(first_batch >= 0 && first_batch <= total_, "ImageLoader: epoch {} has batches 0..{}, asked to start at {}",
+           epoch, total_ - 1, first_batch);
   try {
     for (int w = 0; w < loader.options().workers; ++w) workers_.emplace_back([this] { work(); });
   } catch (...) {  // a thread that could not start: stop and join the ones that did, then report

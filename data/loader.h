@@ -70,10 +70,11 @@ class ImageLoader {
   std::vector<int64_t> order(int64_t epoch) const;
 
   class Epoch;
-  // One pass over the data; the workers start now and stop when the Epoch is destroyed. The Epoch refers to this
-  // loader, which must outlive it (hence no epoch() on a temporary loader).
-  Epoch epoch(int64_t epoch) const&;
-  Epoch epoch(int64_t epoch) const&& = delete;
+  // One pass over the data, from batch first_batch on (a run resumed within an epoch); the workers start now and
+  // stop when the Epoch is destroyed. The Epoch refers to this loader, which must outlive it (hence no epoch() on a
+  // temporary loader).
+  Epoch epoch(int64_t epoch, int64_t first_batch = 0) const&;
+  Epoch epoch(int64_t epoch, int64_t first_batch = 0) const&& = delete;
 
  private:
   Batch make_batch(const std::vector<int64_t>& order, int64_t epoch, int64_t k) const;
@@ -85,7 +86,7 @@ class ImageLoader {
 
 class ImageLoader::Epoch {
  public:
-  Epoch(const ImageLoader& loader, int64_t epoch);
+  Epoch(const ImageLoader& loader, int64_t epoch, int64_t first_batch = 0);
   ~Epoch();
   Epoch(const Epoch&) = delete;
   Epoch& operator=(const Epoch&) = delete;

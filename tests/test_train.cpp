@@ -136,6 +136,39 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
   CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint already holds all 2 epochs"));
 }
 
+TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and a resume goes on as if uninterrupted") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 8, 9);
+  const train::ClassifierConfig straight{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 8,
+                                         .lr = 0.05, .opt_level = amp::OptLevel::O1, .workers = 2, .seed = 5,
+                                         .checkpoint = dir.file("straight.safetensors")};
+  const auto all = train::train_classifier(straight);
+  // A stop asked for during batch 3 of epoch 2 (what Ctrl-C does): that step finishes, then the checkpoint.
+  train::ClassifierConfig stopped = straight;
+  stopped.checkpoint = dir.file("stopped.safetensors");
+  stopped.log_interval = 1;
+  const auto before = train::train_classifier(stopped, {}, [](const train::ClassifierProgress& p) {
+    if (p.epoch == 1 && p.batch == 3) train::request_stop();
+  });
+  CHECK(train::stop_requested());
+  train::clear_stop();
+  REQUIRE(before.size() == 1);  // epoch 2 did not finish
+  const nn::TrainingCheckpoint at_stop = nn::load_training_checkpoint(stopped.checkpoint);
+  CHECK(at_stop.epoch == 1);
+  CHECK(at_stop.step == 5 + 3);
+  CHECK(at_stop.metadata.at("batch") == "3");
+  train::ClassifierConfig resumed = straight;
+  resumed.resume = stopped.checkpoint;
+  resumed.checkpoint = dir.file("resumed.safetensors");
+  const auto rest = train::train_classifier(resumed);
+  REQUIRE(rest.size() == 1);
+  CHECK(rest[0].train_loss == all[1].train_loss);  // the whole epoch's, the batches before the stop included
+  CHECK(rest[0].train_accuracy == all[1].train_accuracy);
+  CHECK(rest[0].test_loss == all[1].test_loss);
+  check_same_tensors(nn::load_training_checkpoint(resumed.checkpoint), nn::load_training_checkpoint(straight.checkpoint));
+}
+
 TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 4, uint64_t(k));
@@ -251,6 +284,46 @@ TEST_CASE("train_language_model --resume continues bit for bit: 4 epochs straigh
                                    .resume = dir.file("after_epoch_2.safetensors")};
   CHECK(contains(error_of([&] { train::train_language_model(other); }),
                  "after_epoch_2.safetensors: the checkpoint's run had bptt 6, this one has 7"));
+}
+
+TEST_CASE("train_language_model stopped within an epoch writes where it stopped, and a resume goes on as if uninterrupted") {
+  TempDir dir;
+  {
+    std::string text;
+    for (int line = 0; line < 30; ++line) text += " one two three four five six seven eight \n";
+    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  }
+  // 270 tokens, batch 4: 67 rows, bptt 8: 9 windows an epoch. LSTM: h and c are carried across the stop.
+  const train::LanguageModelConfig straight{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8,
+                                            .num_layers = 2, .dropout = 0.3, .epochs = 3, .batch_size = 4,
+                                            .eval_batch_size = 2, .bptt = 8, .opt_level = amp::OptLevel::O1,
+                                            .checkpoint = "", .train_checkpoint = dir.file("straight.safetensors")};
+  const auto all = train::train_language_model(straight);
+  train::LanguageModelConfig stopped = straight;
+  stopped.train_checkpoint = dir.file("stopped.safetensors");
+  stopped.log_interval = 1;
+  const auto before = train::train_language_model(stopped, {}, [](const train::LanguageModelProgress& p) {
+    if (p.epoch == 1 && p.batch == 4) train::request_stop();
+  });
+  CHECK(train::stop_requested());
+  train::clear_stop();
+  REQUIRE(before.epochs.size() == 1);
+  const nn::TrainingCheckpoint at_stop = nn::load_training_checkpoint(stopped.train_checkpoint);
+  CHECK(at_stop.epoch == 1);
+  CHECK(at_stop.metadata.at("batch") == "4");
+  train::LanguageModelConfig resumed = straight;
+  resumed.resume = stopped.train_checkpoint;
+  resumed.train_checkpoint = dir.file("resumed.safetensors");
+  const auto rest = train::train_language_model(resumed);
+  REQUIRE(rest.epochs.size() == 2);
+  for (size_t e = 0; e < 2; ++e) {
+    CAPTURE(e);
+    CHECK(rest.epochs[e].train_loss == all.epochs[e + 1].train_loss);
+    CHECK(rest.epochs[e].valid_loss == all.epochs[e + 1].valid_loss);
+  }
+  CHECK(rest.test_loss == all.test_loss);
+  check_same_tensors(nn::load_training_checkpoint(resumed.train_checkpoint),
+                     nn::load_training_checkpoint(straight.train_checkpoint));
 }
 
 TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {

@@ -3,9 +3,11 @@
 // level, printing one line of figures per epoch; `sweep-classifier` runs the FP32 / AMP / O2 / FP16 comparison;
 // `generate` samples text from a language model that `train-lm --save` wrote.
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -52,6 +54,32 @@ std::ofstream open_csv(const std::string& path, const char* command, const char*
   return csv;
 }
 
+// Ctrl-C (SIGINT) or SIGTERM during training: the first asks the loop to stop after the step under way (it writes its
+// checkpoint there); the second ends the process at once, as the default handler does.
+extern "C" void on_stop_signal(int signal) {
+  static const char message[] = "\nhalfgrad: stopping after this step (again to quit at once)\n";
+  halfgrad::train::request_stop();
+  std::signal(signal, SIG_DFL);
+  [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, message, sizeof(message) - 1);
+}
+
+void stop_on_signals() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+
+// After a stopped run: where it stopped and how to go on; the shell's exit status for SIGINT.
+int report_stop(const std::string& checkpoint, const char* option) {
+  if (checkpoint.empty()) {
+    fmt::print("interrupted; nothing was saved (no {} given)\n", option);
+  } else {
+    fmt::print("interrupted; {} holds the run where it stopped: the same command with --resume {} continues it\n",
+               checkpoint, checkpoint);
+  }
+  std::fflush(stdout);
+  return 130;
+}
+
 int run_train_classifier(train::ClassifierConfig config, const std::string& opt_level, const std::string& half,
                          const std::string& device, const std::string& csv_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
@@ -88,6 +116,7 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
       csv.flush();
     }
   }, progress);
+  if (train::stop_requested()) return report_stop(config.checkpoint, "--checkpoint");
   return 0;
 }
 
@@ -168,6 +197,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
       csv.flush();
     }
   }, progress);
+  if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
   return 0;
@@ -341,6 +371,7 @@ int main(int argc, char** argv) {
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
   tc->callback([&] {
+    stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
     rc = run_train_classifier(train_args.config, train_args.opt_level, train_args.half, train_args.device,
                               train_args.csv_path);
@@ -407,6 +438,7 @@ int main(int argc, char** argv) {
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
                  "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
   tl->callback([&] {
+    stop_on_signals();
     lm.data_dir = lm_data_dir;
     if (lm_cuda) lm_device = "cuda";
     rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv);

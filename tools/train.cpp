@@ -2,6 +2,7 @@
 #include "tools/train.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -59,6 +60,11 @@ data::ImageDataset first(data::ImageDataset d, int64_t n) {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+// ---- interruption
+
+std::atomic<bool> g_stop_requested{false};  // lock-free: request_stop() may run in a signal handler
+static_assert(std::atomic<bool>::is_always_lock_free);
 
 // ---- resuming from a training checkpoint (train-classifier --checkpoint, train-lm --train-checkpoint)
 
@@ -122,6 +128,10 @@ void restore_training_state(const nn::TrainingCheckpoint& ck, const std::string&
 
 }  // namespace
 
+void request_stop() { g_stop_requested.store(true); }
+bool stop_requested() { return g_stop_requested.load(); }
+void clear_stop() { g_stop_requested.store(false); }
+
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
@@ -168,6 +178,9 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   };
   std::vector<EpochStats> all;
   int64_t step = 0, first_epoch = 0;
+  // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its batches and sums so far.
+  int64_t resumed_batches = 0, resumed_seen = 0;
+  Tensor resumed_loss_sum, resumed_correct;
   if (!c.resume.empty()) {
     const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
     check_same_run(ck, classifier_run(c), c.resume, c.epochs, "train-classifier --checkpoint");
@@ -175,6 +188,12 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (schedule) schedule->set_step(ck.step);
     step = ck.step;
     first_epoch = ck.epoch;
+    if (ck.metadata.count("batch")) {
+      resumed_batches = std::stoll(ck.metadata.at("batch"));
+      resumed_seen = std::stoll(ck.metadata.at("seen"));
+      resumed_loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
+      resumed_correct = named(ck.extra, "epoch.correct", c.resume).to(c.device);
+    }
   }
   int64_t skipped_before = amp.scaler().skipped_steps();
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
@@ -185,12 +204,20 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     // Sums stay on the device until the epoch ends: no host synchronisation per step.
     Tensor loss_sum = zeros({}, {.device = c.device}), correct = zeros({}, {.dtype = kInt64, .device = c.device});
     int64_t seen = 0, batches_done = 0;
+    if (epoch == first_epoch && resumed_batches > 0) {
+      loss_sum.copy_(resumed_loss_sum);
+      correct.copy_(resumed_correct);
+      seen = resumed_seen;
+      batches_done = resumed_batches;
+    }
+    const int64_t seen_before = seen;
+    bool interrupted = false;
     // The interval's sums stay on the device too; they are read (a synchronisation) once per interval.
     Tensor interval_loss = zeros({}, {.device = c.device}),
            interval_correct = zeros({}, {.dtype = kInt64, .device = c.device});
     int64_t interval_seen = 0;
     auto interval_start = t0;
-    for (const data::Batch& batch : train_loader.epoch(epoch)) {
+    for (const data::Batch& batch : train_loader.epoch(epoch, batches_done)) {
       auto [x, y] = to_device(batch);
       Tensor logits = amp.forward(*model, x);
       Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
@@ -205,25 +232,47 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       correct.add_(batch_correct);
       seen += y.size(0);
       ++batches_done;
-      if (c.log_interval == 0 || !on_progress) continue;
-      interval_loss.add_(loss.detach(), double(y.size(0)));
-      interval_correct.add_(batch_correct);
-      interval_seen += y.size(0);
-      if (batches_done % c.log_interval != 0) continue;
-      const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
-      const double seconds = seconds_since(interval_start);
-      on_progress({.epoch = epoch, .batch = batches_done, .batches = steps_per_epoch, .lr = sgd.param_groups()[0].lr,
-                   .loss = interval_mean, .accuracy = interval_correct.item<double>() / double(interval_seen),
-                   .images_per_second = double(interval_seen) / seconds,
-                   .eta_seconds = seconds / double(c.log_interval) * double(steps_per_epoch - batches_done)});
-      interval_loss.zero_();
-      interval_correct.zero_();
-      interval_seen = 0;
-      interval_start = std::chrono::steady_clock::now();
+      if (c.log_interval > 0 && on_progress) {
+        interval_loss.add_(loss.detach(), double(y.size(0)));
+        interval_correct.add_(batch_correct);
+        interval_seen += y.size(0);
+        if (batches_done % c.log_interval == 0) {
+          const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
+          const double seconds = seconds_since(interval_start);
+          on_progress({.epoch = epoch, .batch = batches_done, .batches = steps_per_epoch,
+                       .lr = sgd.param_groups()[0].lr, .loss = interval_mean,
+                       .accuracy = interval_correct.item<double>() / double(interval_seen),
+                       .images_per_second = double(interval_seen) / seconds,
+                       .eta_seconds = seconds / double(c.log_interval) * double(steps_per_epoch - batches_done)});
+          interval_loss.zero_();
+          interval_correct.zero_();
+          interval_seen = 0;
+          interval_start = std::chrono::steady_clock::now();
+        }
+      }
+      if (stop_requested()) {
+        interrupted = true;
+        break;
+      }
+    }
+    if (interrupted) {  // the step is done: keep where the epoch is, for --resume
+      if (!c.checkpoint.empty()) {
+        Metadata metadata = classifier_run(c);
+        metadata["batch"] = std::to_string(batches_done);
+        metadata["seen"] = std::to_string(seen);
+        nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
+                                  .extra = amp.scaler().state_tensors(), .epoch = epoch, .step = step,
+                                  .rng = generator_state(), .metadata = metadata};
+        save_masters(ck.extra, *model, sgd);
+        ck.extra.emplace_back("epoch.loss_sum", loss_sum);
+        ck.extra.emplace_back("epoch.correct", correct);
+        nn::save_training_checkpoint(c.checkpoint, ck);
+      }
+      return all;
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.images_per_second = double(seen) / s.seconds;
+    s.images_per_second = double(seen - seen_before) / s.seconds;
     s.train_loss = loss_sum.item<double>() / double(seen);
     s.train_accuracy = correct.item<double>() / double(seen);
 
@@ -389,17 +438,43 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
   NamedTensors best_state;
   int64_t first_epoch = 0;
+  // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its windows, loss sum and tokens so
+  // far, and the recurrent state carried into the next window.
+  int64_t resumed_batches = 0, resumed_tokens = 0;
+  Tensor resumed_total, resumed_h, resumed_cell;
   if (!c.resume.empty()) {
     const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
     check_same_run(ck, language_model_run(c), c.resume, c.epochs, "train-lm --train-checkpoint");
     restore_training_state(ck, c.resume, model, sgd, amp);
     lr = sgd.param_groups().front().lr;
     best_valid = std::stod(ck.metadata.at("best_valid"));  // "inf" before a first evaluation, as at the start
-    for (const auto& [name, t] : model.state_dict()) {
-      best_state.emplace_back(name, named(ck.extra, "best." + name, c.resume).to(t.device()));
+    if (std::isfinite(best_valid)) {  // an epoch was evaluated: its best model is in the checkpoint
+      for (const auto& [name, t] : model.state_dict())
+        best_state.emplace_back(name, named(ck.extra, "best." + name, c.resume).to(t.device()));
     }
     first_epoch = ck.epoch;
+    if (ck.metadata.count("batch")) {
+      resumed_batches = std::stoll(ck.metadata.at("batch"));
+      resumed_tokens = std::stoll(ck.metadata.at("tokens"));
+      resumed_total = named(ck.extra, "epoch.total", c.resume).to(c.device);
+      resumed_h = named(ck.extra, "state.h", c.resume).to(c.device);
+      if (kind == nn::RecurrentKind::LSTM) resumed_cell = named(ck.extra, "state.c", c.resume).to(c.device);
+    }
   }
+  // A training checkpoint whose run continues with `epoch`: from its start, or, for an interrupted epoch, from where
+  // `in_epoch` and `in_epoch_metadata` say.
+  auto save_training = [&](int64_t epoch, const NamedTensors& in_epoch, const Metadata& in_epoch_metadata) {
+    Metadata metadata = language_model_run(c);
+    metadata["best_valid"] = fmt::format("{:.17g}", best_valid);
+    metadata.insert(in_epoch_metadata.begin(), in_epoch_metadata.end());
+    nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = sgd.state_tensors(),
+                              .extra = amp.scaler().state_tensors(), .epoch = epoch, .rng = generator_state(),
+                              .metadata = metadata};
+    save_masters(ck.extra, model, sgd);
+    for (const auto& [name, t] : best_state) ck.extra.emplace_back("best." + name, t);
+    ck.extra.insert(ck.extra.end(), in_epoch.begin(), in_epoch.end());
+    nn::save_training_checkpoint(c.train_checkpoint, ck);
+  };
   int64_t skipped_before = amp.scaler().skipped_steps();
   // The recurrent state carried from window to window. Under --cuda-graph it lives in place (zeros at each epoch's
   // start), with the window and the loss, in tensors the captured step reads and writes; full-length windows replay
@@ -451,13 +526,28 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       h = cell = Tensor();
     }
     int64_t tokens = 0, batch = 0;
+    if (epoch == first_epoch && resumed_batches > 0) {
+      total.copy_(resumed_total);
+      tokens = resumed_tokens;
+      batch = resumed_batches;
+      if (c.cuda_graph) {
+        h.copy_(resumed_h);
+        if (cell.defined()) cell.copy_(resumed_cell);
+      } else {
+        h = resumed_h;
+        cell = resumed_cell;
+      }
+    }
+    const int64_t skip = batch, tokens_before = tokens;
+    int64_t window = 0;
+    bool interrupted = false;
     // The interval's loss stays on the device; it is read (a synchronisation) once per interval.
     const int64_t batches = (train_data.size(0) - 2) / c.bptt + 1;
     Tensor interval_total = zeros({}, {.device = c.device});
     int64_t interval_tokens = 0;
     auto interval_start = t0;
     for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
-      if (c.dry_run && batch == 1) return;
+      if (interrupted || window++ < skip || (c.dry_run && batch == 1)) return;
       Tensor loss;
       if (captured && b.input.size(0) == c.bptt) {
         window_input.copy_(b.input);
@@ -471,23 +561,34 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       total.add_(loss, double(b.target.numel()));
       tokens += b.target.numel();
       ++batch;
-      if (c.log_interval == 0 || !on_progress) return;
-      interval_total.add_(loss, double(b.target.numel()));
-      interval_tokens += b.target.numel();
-      if (batch % c.log_interval != 0) return;
-      const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
-      const double seconds = seconds_since(interval_start);
-      on_progress({.epoch = epoch, .batch = batch, .batches = batches, .lr = lr, .loss = interval_loss,
-                   .ms_per_batch = 1e3 * seconds / double(c.log_interval),
-                   .tokens_per_second = double(interval_tokens) / seconds,
-                   .eta_seconds = seconds / double(c.log_interval) * double(batches - batch)});
-      interval_total.zero_();
-      interval_tokens = 0;
-      interval_start = std::chrono::steady_clock::now();
+      if (c.log_interval > 0 && on_progress) {
+        interval_total.add_(loss, double(b.target.numel()));
+        interval_tokens += b.target.numel();
+        if (batch % c.log_interval == 0) {
+          const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
+          const double seconds = seconds_since(interval_start);
+          on_progress({.epoch = epoch, .batch = batch, .batches = batches, .lr = lr, .loss = interval_loss,
+                       .ms_per_batch = 1e3 * seconds / double(c.log_interval),
+                       .tokens_per_second = double(interval_tokens) / seconds,
+                       .eta_seconds = seconds / double(c.log_interval) * double(batches - batch)});
+          interval_total.zero_();
+          interval_tokens = 0;
+          interval_start = std::chrono::steady_clock::now();
+        }
+      }
+      interrupted = stop_requested();
     });
+    if (interrupted) {  // the step is done: keep where the epoch is, for --resume
+      if (!c.train_checkpoint.empty()) {
+        NamedTensors in_epoch{{"epoch.total", total}, {"state.h", h.detach()}};
+        if (cell.defined()) in_epoch.emplace_back("state.c", cell.detach());
+        save_training(epoch, in_epoch, {{"batch", std::to_string(batch)}, {"tokens", std::to_string(tokens)}});
+      }
+      return result;
+    }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.tokens_per_second = double(tokens) / s.seconds;
+    s.tokens_per_second = double(tokens - tokens_before) / s.seconds;
     s.train_loss = total.item<double>() / double(tokens);
     s.valid_loss = evaluate(valid_data);
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
@@ -503,16 +604,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       lr /= 4;  // main.py: anneal when the validation loss did not improve
       for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
     }
-    if (!c.train_checkpoint.empty()) {
-      Metadata metadata = language_model_run(c);
-      metadata["best_valid"] = fmt::format("{:.17g}", best_valid);
-      nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = sgd.state_tensors(),
-                                .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .rng = generator_state(),
-                                .metadata = metadata};
-      save_masters(ck.extra, model, sgd);
-      for (const auto& [name, t] : best_state) ck.extra.emplace_back("best." + name, t);
-      nn::save_training_checkpoint(c.train_checkpoint, ck);
-    }
+    if (!c.train_checkpoint.empty()) save_training(epoch + 1, {}, {});
     result.epochs.push_back(s);
     if (on_epoch) on_epoch(s);
   }
