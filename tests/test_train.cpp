@@ -167,6 +167,15 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   CHECK(rest[0].train_accuracy == all[1].train_accuracy);
   CHECK(rest[0].test_loss == all[1].test_loss);
   check_same_tensors(nn::load_training_checkpoint(resumed.checkpoint), nn::load_training_checkpoint(straight.checkpoint));
+
+  nn::TrainingCheckpoint bad = at_stop;  // a position that is not a count is an error naming the file
+  bad.metadata["batch"] = "three";
+  nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
+  train::ClassifierConfig broken = straight;
+  broken.resume = dir.file("bad.safetensors");
+  broken.checkpoint = "";
+  CHECK(contains(error_of([&] { train::train_classifier(broken); }),
+                 "bad.safetensors: the checkpoint's batch is \"three\", not a count"));
 }
 
 TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {

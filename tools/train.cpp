@@ -106,6 +106,25 @@ void save_masters(NamedTensors& extra, const nn::Module& model, const optim::Opt
   for (size_t i = 0; i < masters.size(); ++i) extra.emplace_back(fmt::format("master.{}", i), masters[i]);
 }
 
+// A number the checkpoint's metadata holds: a count (where an interrupted epoch stopped), or train-lm's best
+// validation loss ("inf" before any).
+double metadata_number(const nn::TrainingCheckpoint& ck, const std::string& key, const std::string& path,
+                       bool count) {
+  const auto it = ck.metadata.find(key);
+  HG_CHECK(it != ck.metadata.end(), "train: --resume {}: the checkpoint has no {}", path, key);
+  try {
+    size_t used = 0;
+    const double v = count ? double(std::stoll(it->second, &used)) : std::stod(it->second, &used);
+    if (used == it->second.size() && (!count || v >= 0)) return v;
+  } catch (const std::exception&) {
+  }
+  HG_FAIL("train: --resume {}: the checkpoint's {} is \"{}\", not a {}", path, key, it->second,
+          count ? "count" : "number");
+}
+int64_t metadata_count(const nn::TrainingCheckpoint& ck, const std::string& key, const std::string& path) {
+  return int64_t(metadata_number(ck, key, path, true));
+}
+
 const Tensor& named(const NamedTensors& tensors, const std::string& name, const std::string& path) {
   const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
   HG_CHECK(it != tensors.end(), "train: --resume {}: the checkpoint has no {}", path, name);
@@ -189,8 +208,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     step = ck.step;
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
-      resumed_batches = std::stoll(ck.metadata.at("batch"));
-      resumed_seen = std::stoll(ck.metadata.at("seen"));
+      resumed_batches = metadata_count(ck, "batch", c.resume);
+      resumed_seen = metadata_count(ck, "seen", c.resume);
       resumed_loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
       resumed_correct = named(ck.extra, "epoch.correct", c.resume).to(c.device);
     }
@@ -447,15 +466,15 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     check_same_run(ck, language_model_run(c), c.resume, c.epochs, "train-lm --train-checkpoint");
     restore_training_state(ck, c.resume, model, sgd, amp);
     lr = sgd.param_groups().front().lr;
-    best_valid = std::stod(ck.metadata.at("best_valid"));  // "inf" before a first evaluation, as at the start
+    best_valid = metadata_number(ck, "best_valid", c.resume, false);  // "inf" before a first evaluation
     if (std::isfinite(best_valid)) {  // an epoch was evaluated: its best model is in the checkpoint
       for (const auto& [name, t] : model.state_dict())
         best_state.emplace_back(name, named(ck.extra, "best." + name, c.resume).to(t.device()));
     }
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
-      resumed_batches = std::stoll(ck.metadata.at("batch"));
-      resumed_tokens = std::stoll(ck.metadata.at("tokens"));
+      resumed_batches = metadata_count(ck, "batch", c.resume);
+      resumed_tokens = metadata_count(ck, "tokens", c.resume);
       resumed_total = named(ck.extra, "epoch.total", c.resume).to(c.device);
       resumed_h = named(ck.extra, "state.h", c.resume).to(c.device);
       if (kind == nn::RecurrentKind::LSTM) resumed_cell = named(ck.extra, "state.c", c.resume).to(c.device);
