@@ -278,6 +278,12 @@ struct ForwardLayout {
 template <typename S>
 __device__ void tensor_core_products(const S* w, const S* h, float* partials, float* gh, const ForwardLayout& layout,
                                      int G, int H, int B, int U, int j0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  if constexpr (std::is_same_v<S, BFloat16>) {  // bfloat16 WMMA needs sm_80: the host does not choose it below
+    __trap();
+  } else
+#endif
+  {
   namespace wmma = nvcuda::wmma;
   using M = WmmaType<S>;
   const int warp = threadIdx.x / 32, stride = layout.stride;
@@ -307,6 +313,7 @@ __device__ void tensor_core_products(const S* w, const S* h, float* partials, fl
     float sum = 0;
     for (int split = 0; split < splits; ++split) sum += partials[(split * tiles + tile) * kMma * kMma + at];
     gh[b * G * H + (r / U) * H + j0 + r % U] = sum;
+  }
   }
 }
 
@@ -483,6 +490,15 @@ Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, 
   return plan;
 }
 
+// The device's compute capability (major), asked once per device and thread.
+int compute_major(int device) {
+  thread_local std::map<int, int> majors;
+  if (auto it = majors.find(device); it != majors.end()) return it->second;
+  int major = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "rnn");
+  return majors.emplace(device, major).first->second;
+}
+
 // The units per block: the hidden units spread over every SM.
 int64_t units_per_block(int device, int64_t H) {
   const int64_t sms = multiprocessors(device);
@@ -579,7 +595,8 @@ void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
         forward_steps(a);
     };
     if constexpr (kTensorCores<S>) {
-      if (a.hidden >= kTensorCoreHidden) {
+      // (WMMA: float16 from sm_70, bfloat16 from sm_80)
+      if (a.hidden >= kTensorCoreHidden && compute_major(a.device.index) >= (std::is_same_v<S, Half> ? 7 : 8)) {
         if (const Plan plan = forward_plan<S, K, true>(a); plan.blocks > 0) return run.template operator()<true>(plan);
       }
     }
