@@ -492,8 +492,8 @@ void nll_loss_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, co
 }
 
 // cross_entropy's kernels work row by row: a row is one (n, i), its C logits `inner` apart. Rows of inner == 1 in the
-// accumulation dtype are used where they lie; other rows are first widened into a per-thread buffer, so the
-// arithmetic is Eigen's vectorized exp over a contiguous array either way.
+// accumulation dtype are used where they lie; other rows are first widened into a per-thread buffer (float16 rows
+// with F16C), so the arithmetic is Eigen's vectorized exp over a contiguous array either way.
 template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
   const T* x;
   int64_t classes, inner;
@@ -501,10 +501,15 @@ template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
   Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>> row(int64_t k) {
     const int64_t n = k / inner, i = k % inner;
     const T* in = x + n * classes * inner + i;
+    buffer.resize(size_t(classes));
     if constexpr (std::is_same_v<T, A>) {
       if (inner == 1) return {in, classes};
+    } else if constexpr (std::is_same_v<T, Half>) {
+      if (inner == 1) {  // F16C, 8 values at a time
+        half_to_float(in, buffer.data(), classes);
+        return {buffer.data(), classes};
+      }
     }
-    buffer.resize(size_t(classes));
     for (int64_t j = 0; j < classes; ++j) buffer[size_t(j)] = A(in[j * inner]);
     return {buffer.data(), classes};
   }
@@ -565,6 +570,12 @@ void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_los
         }
         grad = (rows.row(k) - s[k]).exp() * scale;
         if (c != ignore_index) grad[c] -= scale;
+        if constexpr (std::is_same_v<T, Half>) {
+          if (inner == 1) {
+            float_to_half(grad.data(), out, classes);
+            continue;
+          }
+        }
         for (int64_t j = 0; j < classes; ++j) out[j * inner] = T(grad[j]);
       }
     }
