@@ -501,10 +501,11 @@ template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
   Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>> row(int64_t k) {
     const int64_t n = k / inner, i = k % inner;
     const T* in = x + n * classes * inner + i;
-    buffer.resize(size_t(classes));
     if constexpr (std::is_same_v<T, A>) {
       if (inner == 1) return {in, classes};
-    } else if constexpr (std::is_same_v<T, Half>) {
+    }
+    buffer.resize(size_t(classes));
+    if constexpr (std::is_same_v<T, Half>) {
       if (inner == 1) {  // F16C, 8 values at a time
         half_to_float(in, buffer.data(), classes);
         return {buffer.data(), classes};

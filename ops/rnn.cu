@@ -451,14 +451,16 @@ struct Plan {
   size_t smem = 0;
 };
 
-// The device's SM count, asked once per device and thread (every layer's launch needs it).
-int multiprocessors(int device) {
-  thread_local std::map<int, int> counts;
-  if (auto it = counts.find(device); it != counts.end()) return it->second;
-  int sms = 0;
-  HG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "rnn");
-  return counts.emplace(device, sms).first->second;
+// A device attribute, asked once per device and thread (every layer's launch needs the SM count).
+int device_attribute(int device, cudaDeviceAttr attribute) {
+  thread_local std::map<std::pair<int, cudaDeviceAttr>, int> values;
+  const std::pair key{device, attribute};
+  if (auto it = values.find(key); it != values.end()) return it->second;
+  int value = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device), "rnn");
+  return values.emplace(key, value).first->second;
 }
+int multiprocessors(int device) { return device_attribute(device, cudaDevAttrMultiProcessorCount); }
 
 // Computed once per kernel, device and sizes: the shared memory and co-residency checks query the device.
 template <typename Kernel>
@@ -488,15 +490,6 @@ Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, 
   }
   plans[key] = plan;
   return plan;
-}
-
-// The device's compute capability (major), asked once per device and thread.
-int compute_major(int device) {
-  thread_local std::map<int, int> majors;
-  if (auto it = majors.find(device); it != majors.end()) return it->second;
-  int major = 0;
-  HG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "rnn");
-  return majors.emplace(device, major).first->second;
 }
 
 // The units per block: the hidden units spread over every SM.
@@ -596,7 +589,8 @@ void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
     };
     if constexpr (kTensorCores<S>) {
       // (WMMA: float16 from sm_70, bfloat16 from sm_80)
-      if (a.hidden >= kTensorCoreHidden && compute_major(a.device.index) >= (std::is_same_v<S, Half> ? 7 : 8)) {
+      const int major = device_attribute(a.device.index, cudaDevAttrComputeCapabilityMajor);
+      if (a.hidden >= kTensorCoreHidden && major >= (std::is_same_v<S, Half> ? 7 : 8)) {
         if (const Plan plan = forward_plan<S, K, true>(a); plan.blocks > 0) return run.template operator()<true>(plan);
       }
     }

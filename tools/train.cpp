@@ -100,10 +100,20 @@ bool separate_masters(const nn::Module& model, const optim::Optimizer& opt) {
   return !params.empty() && !model_params.empty() && params.front().impl() != model_params.front().impl();
 }
 
-void save_masters(NamedTensors& extra, const nn::Module& model, const optim::Optimizer& opt) {
-  if (!separate_masters(model, opt)) return;
-  const TensorList masters = opt.parameters();
-  for (size_t i = 0; i < masters.size(); ++i) extra.emplace_back(fmt::format("master.{}", i), masters[i]);
+// Writes what resuming needs, atomically: model, optimizer, loss scaler, O2's masters and the random state, with the
+// loop's own `metadata` and `extra` tensors; the run continues with `epoch` (at its `in-epoch` position, if any).
+void write_training_checkpoint(const std::string& path, const nn::Module& model, const optim::Optimizer& opt,
+                               amp::Amp& amp, int64_t epoch, int64_t step, Metadata metadata,
+                               const NamedTensors& extra) {
+  nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = opt.state_tensors(),
+                            .extra = amp.scaler().state_tensors(), .epoch = epoch, .step = step,
+                            .rng = generator_state(), .metadata = std::move(metadata)};
+  if (separate_masters(model, opt)) {
+    const TensorList masters = opt.parameters();
+    for (size_t i = 0; i < masters.size(); ++i) ck.extra.emplace_back(fmt::format("master.{}", i), masters[i]);
+  }
+  ck.extra.insert(ck.extra.end(), extra.begin(), extra.end());
+  nn::save_training_checkpoint(path, ck);
 }
 
 // A number the checkpoint's metadata holds: a count (where an interrupted epoch stopped), or train-lm's best
@@ -131,9 +141,12 @@ const Tensor& named(const NamedTensors& tensors, const std::string& name, const 
   return it->second;
 }
 
-// The model, O2's masters, the optimizer, the loss scaler and the random state of `ck`.
-void restore_training_state(const nn::TrainingCheckpoint& ck, const std::string& path, nn::Module& model,
-                            optim::Optimizer& opt, amp::Amp& amp) {
+// Reads a checkpoint that write_training_checkpoint wrote for a run of these settings (check_same_run) and restores
+// its model, O2's masters, optimizer, loss scaler and random state; the loop reads the rest from what it returns.
+nn::TrainingCheckpoint resume_training(const std::string& path, const Metadata& run, int64_t epochs, const char* writer,
+                                       nn::Module& model, optim::Optimizer& opt, amp::Amp& amp) {
+  nn::TrainingCheckpoint ck = nn::load_training_checkpoint(path);
+  check_same_run(ck, run, path, epochs, writer);
   model.load_state_dict(ck.model);
   if (separate_masters(model, opt)) {
     NoGradGuard no_grad;
@@ -143,6 +156,7 @@ void restore_training_state(const nn::TrainingCheckpoint& ck, const std::string&
   opt.load_state_tensors(ck.optimizer);
   amp.scaler().load_state_tensors(ck.extra);
   set_generator_state(ck.rng);
+  return ck;
 }
 
 }  // namespace
@@ -201,9 +215,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   int64_t resumed_batches = 0, resumed_seen = 0;
   Tensor resumed_loss_sum, resumed_correct;
   if (!c.resume.empty()) {
-    const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
-    check_same_run(ck, classifier_run(c), c.resume, c.epochs, "train-classifier --checkpoint");
-    restore_training_state(ck, c.resume, *model, sgd, amp);
+    const nn::TrainingCheckpoint ck = resume_training(c.resume, classifier_run(c), c.epochs,
+                                                      "train-classifier --checkpoint", *model, sgd, amp);
     if (schedule) schedule->set_step(ck.step);
     step = ck.step;
     first_epoch = ck.epoch;
@@ -279,13 +292,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
         Metadata metadata = classifier_run(c);
         metadata["batch"] = std::to_string(batches_done);
         metadata["seen"] = std::to_string(seen);
-        nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
-                                  .extra = amp.scaler().state_tensors(), .epoch = epoch, .step = step,
-                                  .rng = generator_state(), .metadata = metadata};
-        save_masters(ck.extra, *model, sgd);
-        ck.extra.emplace_back("epoch.loss_sum", loss_sum);
-        ck.extra.emplace_back("epoch.correct", correct);
-        nn::save_training_checkpoint(c.checkpoint, ck);
+        write_training_checkpoint(c.checkpoint, *model, sgd, amp, epoch, step, metadata,
+                                  {{"epoch.loss_sum", loss_sum}, {"epoch.correct", correct}});
       }
       return all;
     }
@@ -314,13 +322,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
     skipped_before += s.skipped_steps;
-    if (!c.checkpoint.empty()) {
-      nn::TrainingCheckpoint ck{.model = model->state_dict(), .optimizer = sgd.state_tensors(),
-                                .extra = amp.scaler().state_tensors(), .epoch = epoch + 1, .step = step,
-                                .rng = generator_state(), .metadata = classifier_run(c)};
-      save_masters(ck.extra, *model, sgd);
-      nn::save_training_checkpoint(c.checkpoint, ck);
-    }
+    if (!c.checkpoint.empty())
+      write_training_checkpoint(c.checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
     all.push_back(s);
     if (on_epoch) on_epoch(s);
   }
@@ -462,9 +465,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   int64_t resumed_batches = 0, resumed_tokens = 0;
   Tensor resumed_total, resumed_h, resumed_cell;
   if (!c.resume.empty()) {
-    const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(c.resume);
-    check_same_run(ck, language_model_run(c), c.resume, c.epochs, "train-lm --train-checkpoint");
-    restore_training_state(ck, c.resume, model, sgd, amp);
+    const nn::TrainingCheckpoint ck = resume_training(c.resume, language_model_run(c), c.epochs,
+                                                      "train-lm --train-checkpoint", model, sgd, amp);
     lr = sgd.param_groups().front().lr;
     best_valid = metadata_number(ck, "best_valid", c.resume, false);  // "inf" before a first evaluation
     if (std::isfinite(best_valid)) {  // an epoch was evaluated: its best model is in the checkpoint
@@ -486,13 +488,10 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     Metadata metadata = language_model_run(c);
     metadata["best_valid"] = fmt::format("{:.17g}", best_valid);
     metadata.insert(in_epoch_metadata.begin(), in_epoch_metadata.end());
-    nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = sgd.state_tensors(),
-                              .extra = amp.scaler().state_tensors(), .epoch = epoch, .rng = generator_state(),
-                              .metadata = metadata};
-    save_masters(ck.extra, model, sgd);
-    for (const auto& [name, t] : best_state) ck.extra.emplace_back("best." + name, t);
-    ck.extra.insert(ck.extra.end(), in_epoch.begin(), in_epoch.end());
-    nn::save_training_checkpoint(c.train_checkpoint, ck);
+    NamedTensors extra;
+    for (const auto& [name, t] : best_state) extra.emplace_back("best." + name, t);
+    extra.insert(extra.end(), in_epoch.begin(), in_epoch.end());
+    write_training_checkpoint(c.train_checkpoint, model, sgd, amp, epoch, 0, std::move(metadata), extra);
   };
   int64_t skipped_before = amp.scaler().skipped_steps();
   // The recurrent state carried from window to window. Under --cuda-graph it lives in place (zeros at each epoch's
