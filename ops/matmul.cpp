@@ -13,6 +13,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <type_traits>
@@ -36,6 +37,14 @@ void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, in
   g.c = c, g.ldc = n;
   g.beta = beta;
   gemm_kernel[device](g);
+}
+
+GemmArgs start_from_bias(const GemmArgs& g) {
+  HG_CHECK(g.bias != nullptr && g.beta == 0, "gemm: a bias is added to C's rows with beta = 0 (got beta {})", g.beta);
+  GemmArgs rest = g;
+  rest.bias = nullptr;
+  rest.beta = 1;
+  return rest;
 }
 
 namespace {
@@ -139,8 +148,10 @@ Shape aligned_batch_strides(const Operand& op, size_t ndim) {
 // C[batch..., m, n] = alpha * A[batch..., m, k] B[batch..., k, n] + beta * C, where the batch dims of A and
 // B broadcast to C's (C has all of them). A and B must be readable in place (gemm_operand); C is written
 // and must not overlap between batch entries.
-void run_gemm(const Operand& a, const Operand& b, const Operand& c, Device device, double beta = 0.0) {
+void run_gemm(const Operand& a, const Operand& b, const Operand& c, Device device, double beta = 0.0,
+              const void* bias = nullptr) {
   GemmArgs args;
+  args.bias = bias;
   args.m = c.rows();
   args.n = c.cols();
   args.k = a.cols();
@@ -363,12 +374,11 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   result.back() = out_features;
   Tensor out = empty(result, {.dtype = x.dtype(), .device = x.device()});
   if (out.numel() > 0) {
-    // The bias is fused: out starts as the broadcast bias, and the GEMM accumulates onto it (beta = 1).
-    double beta = 0.0;
+    // The bias is fused: the GEMM kernel starts C as the bias rows and accumulates onto them.
+    Tensor dense_bias;
     if (bias.defined()) {
       NoGradGuard no_grad;
-      out.copy_(bias);
-      beta = 1.0;
+      dense_bias = bias.contiguous();
     }
     Tensor keep_x, keep_w;
     Operand ox = gemm_operand(x, keep_x);                           // [..., in] (1-D x: [1, in])
@@ -376,7 +386,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     Shape full = ox.sizes;
     full.back() = out_features;
     Operand oc{static_cast<char*>(out.data_ptr()), out.dtype(), full, contiguous_strides(full)};
-    run_gemm(ox, ow, oc, x.device(), beta);
+    run_gemm(ox, ow, oc, x.device(), 0.0, dense_bias.defined() ? dense_bias.data_ptr() : nullptr);
   }
 
   record("LinearBackward", {x, weight, bias}, {out},
@@ -783,6 +793,15 @@ void gemm_cpu(const GemmArgs& g) {
   HG_CHECK(g.ab_dtype == g.c_dtype, "gemm (cpu): operands {} with output {} are not supported",
            dtype_name(g.ab_dtype), dtype_name(g.c_dtype));
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
+  if (g.bias) {
+    const size_t row_bytes = size_t(g.n) * element_size(g.c_dtype);
+    for (int64_t b = 0; b < g.batch; ++b)
+      for (int64_t r = 0; r < g.m; ++r)
+        std::memcpy(static_cast<char*>(g.c) + (b * g.stride_c + r * g.ldc) * element_size(g.c_dtype), g.bias,
+                    row_bytes);
+    gemm_cpu(start_from_bias(g));
+    return;
+  }
   dispatch_numeric(g.ab_dtype, "matmul", [&]<typename T>() {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
       gemm_eigen<T>(g);

@@ -5,6 +5,7 @@
 //   float32              full float32 by default; TF32 tensor cores after cuda::set_allow_tf32(true)
 //   float64              CUBLAS_COMPUTE_64F
 //   integers             a plain CUDA kernel (no BLAS does integer GEMM), wrapping on overflow as the CPU
+// A large 16-bit product whose matrices are not 16-byte aligned runs on zero-padded copies (padded_problem).
 // Our matrices are row-major and cuBLAS's column-major: a row-major C = op(A) op(B) is the column-major
 // C^T = op(B)^T op(A)^T, so the call swaps the operands and m with n (GemmArgs in ops/matmul.h).
 #include <cublas_v2.h>
@@ -12,6 +13,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -35,6 +38,173 @@ cublasOperation_t cublas_op(Trans t) { return t == Trans::Yes ? CUBLAS_OP_T : CU
 
 void check_int(int64_t v, const char* what) {
   HG_CHECK(v >= 0 && v <= INT_MAX, "matmul: {} = {} is beyond what cuBLAS takes (a 32-bit int)", what, v);
+}
+
+// ---- float16 / bfloat16 products of odd sizes: run on zero-padded copies
+//
+// cuBLAS runs a 16-bit GEMM on its fast kernels only when the contiguous extent of every matrix (the columns of our
+// row-major ones) is a multiple of 8 elements, as are the leading dimensions and the addresses (16 bytes). The word
+// language model's decoder is not: [700, 650] x [650, 33,278] in float16 ran at 170 TFLOP/s on the H200 and at 554
+// with 656 and 33,280; padding the leading dimensions alone gained nothing (docs/benchmarks.md). So a product large
+// enough to pay for the copies runs on copies whose contiguous extents are rounded up to multiples of 8 and
+// zero-filled: zero columns and rows add nothing to the sums over k, and C's padding is dropped on the way back.
+
+constexpr int64_t kAlignBytes = 16;
+// Below this the copies' launches cost more than the faster kernel saves. A language model's decoder products are
+// 9-30 GFLOP; its recurrent layers' input products at 650 units 2.4 (65 TFLOP/s unpadded).
+constexpr double kMinPaddedFlops = 1e9;
+// The copies move bytes at ~3 TB/s; the padded kernel saves ~4e-15 s a flop (170 -> 550 TFLOP/s): pay off from
+// about 80 flops per byte copied; 64 counts the saved launches of cuBLAS's slower split kernels too.
+constexpr double kMinFlopsPerCopiedByte = 64;
+
+// A stored row-major matrix of a GEMM and the padded shape it is run with.
+struct StoredMatrix {
+  const void* data;
+  int64_t rows, cols, ld;
+  int64_t padded_rows, padded_cols;
+  size_t element_size;
+  bool needs_copy() const {
+    return padded_rows != rows || padded_cols != cols || ld % (kAlignBytes / int64_t(element_size)) != 0 ||
+           reinterpret_cast<uintptr_t>(data) % kAlignBytes != 0;
+  }
+  int64_t padded_bytes() const { return padded_rows * padded_cols * int64_t(element_size); }
+};
+
+struct PaddedProblem {
+  StoredMatrix a, b, c;
+  int64_t m, n, k;  // padded
+  int64_t copied_bytes() const {
+    int64_t bytes = 0;
+    for (const StoredMatrix* x : {&a, &b, &c})
+      if (x->needs_copy()) bytes += x->padded_bytes() + x->rows * x->cols * int64_t(x->element_size);
+    return bytes;
+  }
+};
+
+// What the product `g` would be run as with its contiguous extents padded; nullopt when it runs as it is (already
+// aligned, too small, batched, not 16-bit, or the copies would cost more than they save).
+std::optional<PaddedProblem> padded_problem(const GemmArgs& g) {
+  if ((g.ab_dtype != kFloat16 && g.ab_dtype != kBFloat16) || g.batch != 1) return std::nullopt;
+  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
+  if (flops < kMinPaddedFlops) return std::nullopt;
+  const int64_t per_vector = kAlignBytes / int64_t(element_size(g.ab_dtype));
+  auto round_up = [&](int64_t v) { return (v + per_vector - 1) / per_vector * per_vector; };
+  const bool ta = g.trans_a == Trans::Yes, tb = g.trans_b == Trans::Yes;
+  // An extent is padded where it is some matrix's contiguous one: k for A as stored or B transposed, m for A
+  // transposed, n always (C's columns). A k that only counts rows (A^T B) is left alone.
+  const int64_t m = ta ? round_up(g.m) : g.m, n = round_up(g.n), k = !ta || tb ? round_up(g.k) : g.k;
+  const size_t ab_size = element_size(g.ab_dtype), c_size = element_size(g.c_dtype);
+  PaddedProblem p{
+      .a = {g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda, ta ? k : m, ta ? m : k, ab_size},
+      .b = {g.b, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb, tb ? n : k, tb ? k : n, ab_size},
+      .c = {g.c, g.m, g.n, g.ldc, m, n, c_size},
+      .m = m, .n = n, .k = k};
+  if (!p.a.needs_copy() && !p.b.needs_copy() && !p.c.needs_copy()) return std::nullopt;
+  if (flops < kMinFlopsPerCopiedByte * double(p.copied_bytes())) return std::nullopt;
+  return p;
+}
+
+// The one copy the padded products need, three ways: dst [rows, cols] (leading dimension dst_ld) takes src
+// [src_rows, src_cols] (leading dimension src_ld) where it reaches, zeros beyond: a zero-padded copy (dst larger),
+// the corner of a padded C copied back (dst smaller), and bias rows (src_ld 0: one row for all).
+// A warp copies a tile of one row, 32 x kPerLane elements: each lane kPerLane elements 32 apart, loads first, so
+// that every load and store of the warp is one coalesced run and a lane has kPerLane loads in flight. (A lane
+// with one 2-byte load at a time ran at a tenth of the bandwidth; 16-byte stores 16 bytes apart across the lanes
+// at a third.) Any leading dimension and address: nothing needs alignment.
+constexpr int kCopyPerLane = 8;
+constexpr int kCopyWarps = 8;  // a block's warps
+
+template <typename T> __global__ void copy_matrix_kernel(T* dst, int64_t rows, int64_t cols, int64_t dst_ld,
+                                                         const T* src, int64_t src_rows, int64_t src_cols,
+                                                         int64_t src_ld) {
+  constexpr int64_t kTile = 32 * kCopyPerLane;
+  const int64_t tiles_per_row = (cols + kTile - 1) / kTile, tiles = rows * tiles_per_row;
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = int64_t(blockIdx.x) * kCopyWarps + threadIdx.x / 32; t < tiles; t += int64_t(gridDim.x) * kCopyWarps) {
+    const int64_t r = t / tiles_per_row, c0 = (t - r * tiles_per_row) * kTile + lane;
+    const T* in = src + r * src_ld;
+    T v[kCopyPerLane];
+#pragma unroll
+    for (int u = 0; u < kCopyPerLane; ++u) {
+      const int64_t c = c0 + 32 * u;
+      v[u] = r < src_rows && c < src_cols ? in[c] : T(0);
+    }
+    T* out = dst + r * dst_ld;
+#pragma unroll
+    for (int u = 0; u < kCopyPerLane; ++u)
+      if (c0 + 32 * u < cols) out[c0 + 32 * u] = v[u];
+  }
+}
+
+struct MatrixRef {
+  const void* data;
+  int64_t rows, cols, ld;
+};
+
+void copy_matrix(size_t element_size, void* dst, int64_t rows, int64_t cols, int64_t dst_ld, MatrixRef src,
+                 cudaStream_t stream) {
+  const int64_t tiles = rows * ((cols + 32 * kCopyPerLane - 1) / (32 * kCopyPerLane));
+  const unsigned blocks = unsigned(std::min<int64_t>((tiles + kCopyWarps - 1) / kCopyWarps, 1 << 20));
+  auto launch = [&]<typename T>() {
+    copy_matrix_kernel<T><<<blocks, 32 * kCopyWarps, 0, stream>>>(static_cast<T*>(dst), rows, cols, dst_ld,
+                                                                  static_cast<const T*>(src.data), src.rows, src.cols,
+                                                                  src.ld);
+    HG_CUDA_CHECK_LAUNCH("matmul");
+  };
+  switch (element_size) {
+    case 1: launch.template operator()<uint8_t>(); break;
+    case 2: launch.template operator()<uint16_t>(); break;
+    case 4: launch.template operator()<uint32_t>(); break;
+    default: launch.template operator()<uint64_t>(); break;
+  }
+}
+
+// Every row of C (of each batch entry) starts as g.bias.
+void write_bias_rows(const GemmArgs& g, void* c, int64_t ldc, cudaStream_t stream) {
+  const size_t size = element_size(g.c_dtype);
+  for (int64_t b = 0; b < g.batch; ++b)
+    copy_matrix(size, static_cast<char*>(c) + b * g.stride_c * int64_t(size), g.m, g.n, ldc, {g.bias, g.m, g.n, 0},
+                stream);
+}
+
+void gemm_cublas(const GemmArgs& g);
+
+// g on the padded copies of p: A and B (where they need it) and C (copied in first when beta reads it, or started
+// as the bias rows) in one workspace from the caching allocator; the product; C's corner copied back.
+void gemm_padded(const GemmArgs& g, const PaddedProblem& p) {
+  cuda::DeviceGuard guard(g.device);
+  cudaStream_t stream = cuda::current_stream(g.device);
+  auto slot = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  int64_t total = 0;
+  for (const StoredMatrix* x : {&p.a, &p.b, &p.c})
+    if (x->needs_copy()) total += slot(x->padded_bytes());
+  const Tensor workspace = empty({total}, {.dtype = kUInt8, .device = g.device});
+  char* next = static_cast<char*>(workspace.data_ptr());
+  auto place = [&](const StoredMatrix& x, bool fill) -> void* {
+    if (!x.needs_copy()) return const_cast<void*>(x.data);
+    void* dst = next;
+    next += slot(x.padded_bytes());
+    if (fill)
+      copy_matrix(x.element_size, dst, x.padded_rows, x.padded_cols, x.padded_cols, {x.data, x.rows, x.cols, x.ld},
+                  stream);
+    return dst;
+  };
+  GemmArgs padded = g;
+  padded.a = place(p.a, true);
+  padded.b = place(p.b, true);
+  padded.c = place(p.c, g.beta != 0);
+  padded.lda = p.a.needs_copy() ? p.a.padded_cols : g.lda;
+  padded.ldb = p.b.needs_copy() ? p.b.padded_cols : g.ldb;
+  padded.ldc = p.c.needs_copy() ? p.c.padded_cols : g.ldc;
+  if (g.bias) {
+    write_bias_rows(g, padded.c, padded.ldc, stream);  // the unpadded rows and columns: the rest is dropped
+    padded = start_from_bias(padded);
+  }
+  padded.m = p.m, padded.n = p.n, padded.k = p.k;
+  gemm_cublas(padded);
+  if (p.c.needs_copy())
+    copy_matrix(p.c.element_size, g.c, g.m, g.n, g.ldc, {padded.c, p.c.padded_rows, p.c.padded_cols, p.c.padded_cols},
+                stream);
 }
 
 void gemm_cublas(const GemmArgs& g) {
@@ -164,7 +334,13 @@ void gemm_empty_sum(const GemmArgs& g) {
 void gemm_cuda(const GemmArgs& g) {
   HG_CHECK(g.device.is_cuda(), "matmul: CUDA kernel given device {}", g.device.str());
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
-  if (g.k == 0) {
+  if (std::optional<PaddedProblem> p = padded_problem(g)) {
+    gemm_padded(g, *p);
+  } else if (g.bias) {
+    cuda::DeviceGuard guard(g.device);
+    write_bias_rows(g, g.c, g.ldc, cuda::current_stream(g.device));
+    gemm_cuda(start_from_bias(g));
+  } else if (g.k == 0) {
     gemm_empty_sum(g);
   } else if (is_floating(g.ab_dtype)) {
     gemm_cublas(g);

@@ -48,8 +48,15 @@ struct GemmArgs {
   int64_t ldb = 0, stride_b = 0;
   void* c = nullptr;
   int64_t ldc = 0, stride_c = 0;
+  // Optional: n values of c_dtype, dense, added to every row of every C (linear's bias). Each kernel starts C as
+  // these rows and accumulates onto them (start_from_bias), so beta must be 0.
+  const void* bias = nullptr;
   Device device = Device::cpu();
 };
+
+// The bias rule both kernels follow: once a kernel has written g.bias into every row of C, what is left to run is
+// g with beta 1 and no bias. Checks that beta is 0.
+GemmArgs start_from_bias(const GemmArgs& g);
 
 using GemmKernel = void (*)(const GemmArgs&);
 extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp; CUDA: ops/matmul.cu (cuBLAS)

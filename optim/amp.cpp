@@ -114,6 +114,11 @@ TensorList Amp::unscale_() {
   return params;
 }
 
+Tensor Amp::clip_grad_norm_(double max_norm, double norm_type) {
+  gather_master_grads();
+  return scaler_.clip_grad_norm_(*optimizer_, max_norm, norm_type);
+}
+
 void Amp::step() {
   gather_master_grads();
   masters_have_grads_ = false;

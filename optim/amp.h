@@ -69,6 +69,14 @@ class Amp {
   //   optim::clip_grad_norm_(amp.unscale_(), 0.25);
   //   amp.step();
   TensorList unscale_();
+  // Clips the gradients the optimizer will use by their total norm, as optim::clip_grad_norm_(amp.unscale_(), ...)
+  // and with the same result, in one reading pass instead of an unscaling and a scaling one
+  // (GradScaler::clip_grad_norm_: SGD then unscales and clips as its step reads each gradient). Returns the unscaled
+  // norm. Call it in place of unscale_, before step():
+  //   amp.backward(loss);
+  //   amp.clip_grad_norm_(0.25);
+  //   amp.step();
+  Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
   // One optimizer step with everything the level needs (skipped on the device when a gradient overflowed:
   // scaler().skipped_steps() counts those).
   void step();

@@ -58,22 +58,8 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
   return reduced.pow(1.0 / norm_type);
 }
 
-}  // namespace
-
-Tensor grad_norm(const TensorList& params, double norm_type) {
-  check_norm_type(norm_type, "grad_norm");
-  NoGradGuard no_grad;
-  return total_norm(gradient_buckets(params, "grad_norm"), norm_type);
-}
-
-Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type) {
-  check_norm_type(norm_type, "clip_grad_norm_");
-  NoGradGuard no_grad;
-  const std::vector<TensorList> buckets = gradient_buckets(params, "clip_grad_norm_");
-  Tensor norm = total_norm(buckets, norm_type);
-  if (buckets.empty()) return norm;
-  // PyTorch's coefficient: max_norm / (norm + 1e-6), at most 1.
-  Tensor coefficient = (max_norm / (norm + 1e-6)).clamp(std::nullopt, 1.0);
+// Multiplies the gradients of every bucket by `coefficient`.
+void scale_buckets(const std::vector<TensorList>& buckets, const Tensor& coefficient) {
   for (const TensorList& b : buckets) {
     Tensor c = coefficient.to(b[0].device(), accumulate_dtype(b[0].dtype()));
     TensorList contiguous;
@@ -87,7 +73,33 @@ Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_ty
     }
     if (!contiguous.empty()) scale_kernel[c.device()](contiguous, c);
   }
+}
+
+}  // namespace
+
+Tensor grad_norm(const TensorList& params, double norm_type) {
+  check_norm_type(norm_type, "grad_norm");
+  NoGradGuard no_grad;
+  return total_norm(gradient_buckets(params, "grad_norm"), norm_type);
+}
+
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type) {
+  check_norm_type(norm_type, "clip_grad_norm_");
+  NoGradGuard no_grad;
+  const std::vector<TensorList> buckets = gradient_buckets(params, "clip_grad_norm_");
+  Tensor norm = total_norm(buckets, norm_type);
+  if (!buckets.empty()) scale_buckets(buckets, clip_coefficient(norm, max_norm));
   return norm;
+}
+
+Tensor clip_coefficient(const Tensor& norm, double max_norm) {
+  NoGradGuard no_grad;
+  return (max_norm / (norm + 1e-6)).clamp(std::nullopt, 1.0);
+}
+
+void scale_grads_(const TensorList& params, const Tensor& coefficient) {
+  NoGradGuard no_grad;
+  scale_buckets(gradient_buckets(params, "scale_grads_"), coefficient);
 }
 
 }  // namespace halfgrad::optim

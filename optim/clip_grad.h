@@ -25,4 +25,12 @@ Tensor grad_norm(const TensorList& params, double norm_type = 2.0);
 // total norm before clipping (as grad_norm). norm_type: any p > 0, or INFINITY.
 Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type = 2.0);
 
+// The coefficient clipping multiplies the gradients by, from their total norm: min(1, max_norm / (norm + 1e-6)),
+// as PyTorch's (a 0-d tensor where norm is).
+Tensor clip_coefficient(const Tensor& norm, double max_norm);
+
+// Multiplies every defined gradient of `params` in place by `coefficient` (a 0-d tensor, read on the gradients'
+// devices): one fused pass per (device, dtype).
+void scale_grads_(const TensorList& params, const Tensor& coefficient);
+
 }  // namespace halfgrad::optim

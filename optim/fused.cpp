@@ -55,7 +55,7 @@ template <typename T> T* ptr(const Tensor& t) { return static_cast<T*>(t.data_pt
 // ---- SGD
 
 template <typename M> struct SGDScalars {
-  M lr, momentum, one_minus_dampening, weight_decay;
+  M lr, momentum, one_minus_dampening, weight_decay, grad_scale;
 };
 
 template <typename T, bool kMomentum, bool kFirst, bool kNesterov, bool kDecay>
@@ -63,7 +63,7 @@ void sgd_loop(T* __restrict p, const T* __restrict g, T* __restrict b, int64_t n
   using M = opmath_t<T>;
   for (int64_t i = 0; i < n; ++i) {
     M param = M(p[i]);
-    M grad = M(g[i]);
+    M grad = s.grad_scale * M(g[i]);
     if constexpr (kDecay) grad = grad + s.weight_decay * param;
     if constexpr (kMomentum) {
       M buf = kFirst ? grad : s.momentum * M(b[i]) + s.one_minus_dampening * grad;
@@ -78,7 +78,8 @@ void sgd_step_cpu(const SGDStepArgs& a) {
   if (a.params.empty() || (a.found_inf.defined() && a.found_inf.item<float>() != 0)) return;
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const SGDScalars<M> s{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay)};
+    const SGDScalars<M> s{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay),
+                          a.grad_scale.defined() ? M(a.grad_scale.item<float>()) : M(1)};
     const bool momentum = a.momentum != 0;
     for_each_chunk(a.params, [&](int64_t, const Chunk& c) {
       const size_t t = c.tensor;

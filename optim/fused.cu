@@ -28,11 +28,12 @@ template <typename M> struct SGDOp {
   M lr, momentum, one_minus_dampening, weight_decay;
   bool nesterov;
   const double* hyperparameters;  // nullptr, or [lr, momentum] to read instead of lr and momentum
+  const float* grad_scale;        // nullptr, or the factor each gradient is read with
   static constexpr __device__ bool writes(int d) { return d != 1; }  // not the gradient
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
     const M lr = hyperparameters ? M(hyperparameters[0]) : this->lr;
     const M momentum = hyperparameters ? M(hyperparameters[1]) : this->momentum;
-    M g = r[1];
+    M g = grad_scale ? M(*grad_scale) * r[1] : r[1];
     if (weight_decay != M(0)) g = g + weight_decay * r[0];
     if constexpr (DEPTH == 3) {
       const M b = extra.first_step ? g : momentum * r[2] + one_minus_dampening * g;
@@ -49,7 +50,8 @@ void sgd_step_cuda(const SGDStepArgs& a) {
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
     const SGDOp<M> op{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay), a.nesterov,
-                      a.hyperparameters.defined() ? a.hyperparameters.data<double>() : nullptr};
+                      a.hyperparameters.defined() ? a.hyperparameters.data<double>() : nullptr,
+                      a.grad_scale.defined() ? a.grad_scale.data<float>() : nullptr};
     auto extra_of = [&](size_t i) { return SGDExtra{a.momentum != 0 && a.first_step[i] ? 1 : 0}; };
     const float* skip = a.found_inf.defined() ? a.found_inf.data<float>() : nullptr;
     if (a.momentum != 0) {

@@ -22,7 +22,8 @@
 namespace halfgrad::optim {
 
 // torch.optim.SGD, per element:
-//   g = grad + weight_decay * p                             (when weight_decay != 0)
+//   g = grad_scale * grad                                   (grad_scale: 1 unless given)
+//   g = g + weight_decay * p                                (when weight_decay != 0)
 //   b = first_step ? g : momentum * b + (1 - dampening) * g (when momentum != 0)
 //   g = nesterov ? g + momentum * b : b                     (when momentum != 0)
 //   p = p - lr * g
@@ -38,6 +39,10 @@ struct SGDStepArgs {
   // When defined (float64 [lr, momentum], on the parameters' device; CUDA only): read on the device in place of lr and
   // momentum, so a captured CUDA graph's replays follow a scheduler (core/cuda_graph.h).
   Tensor hyperparameters;
+  // When defined (float32 0-d, on the parameters' device): grad is multiplied by it as it is read, before everything
+  // above, and the gradient tensors are left as they are. The loss scaler's 1 / scale times clipping's coefficient
+  // (amp::GradScaler::clip_grad_norm_), so that unscaling and clipping cost no pass of their own.
+  Tensor grad_scale;
 };
 
 // torch.optim.Adam / AdamW (PyTorch's update, eps outside the square root), per element:

@@ -8,6 +8,7 @@
 #include "core/log.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
+#include "optim/clip_grad.h"
 
 namespace halfgrad::amp {
 
@@ -83,6 +84,26 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   p.unscaled = true;
 }
 
+Tensor GradScaler::clip_grad_norm_(optim::Optimizer& optimizer, double max_norm, double norm_type) {
+  if (!options_.enabled) return optim::clip_grad_norm_(optimizer.parameters(), max_norm, norm_type);
+  PerOptimizer& p = per_optimizer(optimizer);
+  HG_CHECK(!p.unscaled, "GradScaler::clip_grad_norm_: the gradients were already unscaled or clipped (unscale_, "
+           "clip_grad_norm_) since the last update()");
+  HG_CHECK(!p.stepped, "GradScaler::clip_grad_norm_: called after step(); call update() first");
+  NoGradGuard no_grad;
+  last_parameters_ = optimizer.parameters();
+  const Tensor scaled_norm = optim::grad_norm(last_parameters_, norm_type);
+  p.unscaled = true;
+  bool any_grad = false;
+  for (const Tensor& param : last_parameters_) any_grad = any_grad || param.grad().defined();
+  if (!any_grad) return scaled_norm;
+  const Tensor scale = scale_on(scaled_norm.device());
+  const Tensor norm = scaled_norm / scale;
+  p.found_inf.push_back(logical_not(isfinite(scaled_norm)).to(kFloat32));
+  p.grad_scale = (optim::clip_coefficient(norm, max_norm) / scale).to(kFloat32);
+  return norm;
+}
+
 Tensor GradScaler::found_inf(const PerOptimizer& p) const {
   Tensor total;
   for (const Tensor& flag : p.found_inf) {
@@ -106,7 +127,10 @@ void GradScaler::step(optim::Optimizer& optimizer) {
     return;
   }
   NoGradGuard no_grad;
-  optimizer.step_unless(found_inf(p));
+  if (p.grad_scale.defined())
+    optimizer.step_scaled(found_inf(p), p.grad_scale);
+  else
+    optimizer.step_unless(found_inf(p));
 }
 
 void GradScaler::update() {

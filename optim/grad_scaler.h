@@ -56,8 +56,15 @@ class GradScaler {
   // Divides the optimizer's gradients by the scale in place and records whether any is inf/NaN.
   // At most once per optimizer between update() calls.
   void unscale_(optim::Optimizer& optimizer);
+  // unscale_ and optim::clip_grad_norm_ of the optimizer's gradients in one pass that only reads them: their total
+  // norm is taken as they are (scaled), and divided by the scale; a non-finite norm is the overflow flag; and the next
+  // step() multiplies each gradient by (clipping's coefficient / scale) as it reads it (Optimizer::step_scaled).
+  // Returns the unscaled norm, as clip_grad_norm_. With SGD the gradient tensors are left scaled (its fused kernel
+  // multiplies as it reads); other optimizers get them unscaled and clipped before their step. Instead of unscale_,
+  // at most once per optimizer between update() calls.
+  Tensor clip_grad_norm_(optim::Optimizer& optimizer, double max_norm, double norm_type = 2.0);
   // Unscales if not done yet, then runs the optimizer's step unless a gradient overflowed, decided on the device
-  // (optim::Optimizer::step_unless).
+  // (optim::Optimizer::step_unless, or step_scaled after clip_grad_norm_).
   void step(optim::Optimizer& optimizer);
   // Adjusts the scale for the next iteration: backoff on overflow, growth after growth_interval clean steps.
   void update();
@@ -84,6 +91,7 @@ class GradScaler {
     bool unscaled = false;
     bool stepped = false;
     std::vector<Tensor> found_inf;  // one float32 0-d flag per device the gradients live on
+    Tensor grad_scale;              // after clip_grad_norm_: what step() multiplies the gradients by
   };
   PerOptimizer& per_optimizer(optim::Optimizer& optimizer);
   // Creates the state tensors on `device` the first time; later calls keep the device they were made on.

@@ -11,6 +11,7 @@
 
 #include "core/autograd.h"
 #include "core/cuda.h"
+#include "optim/clip_grad.h"
 
 namespace halfgrad::optim {
 
@@ -26,6 +27,11 @@ void Optimizer::step_unless(const Tensor& found_inf) {
            "cannot run inside a CUDA graph capture with a loss scaler; use SGD, or train without capture",
            name_);
   if (found_inf.item<float>() == 0) step();
+}
+
+void Optimizer::step_scaled(const Tensor& found_inf, const Tensor& grad_scale) {
+  scale_grads_(parameters(), grad_scale);
+  step_unless(found_inf);
 }
 
 TensorList Optimizer::parameters() const {

@@ -32,6 +32,11 @@ void SGD::step_unless(const Tensor& found_inf) {
   run_step(found_inf);
 }
 
+void SGD::step_scaled(const Tensor& found_inf, const Tensor& grad_scale) {
+  if (creates_dampened_buffer()) return Optimizer::step_scaled(found_inf, grad_scale);
+  run_step(found_inf, grad_scale);
+}
+
 bool SGD::creates_dampened_buffer() {
   for (size_t g = 0; g < groups_.size(); ++g) {
     const SGDOptions& o = groups_[g].options;
@@ -60,7 +65,7 @@ Tensor SGD::replayed_hyperparameters(size_t g, Device device) {
   return values;
 }
 
-void SGD::run_step(const Tensor& found_inf) {
+void SGD::run_step(const Tensor& found_inf, const Tensor& grad_scale) {
   NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const SGDOptions& o = groups_[g].options;
@@ -83,6 +88,7 @@ void SGD::run_step(const Tensor& found_inf) {
       }
       const Device device = items[0].param.device();
       if (found_inf.defined()) args.found_inf = found_inf.to(device);
+      if (grad_scale.defined()) args.grad_scale = grad_scale.to(device);
       if (cuda::is_capturing(device)) args.hyperparameters = replayed_hyperparameters(g, device);
       sgd_step_kernel[device](args);
       write_back(items);

@@ -29,6 +29,7 @@ class SGD : public OptimizerWith<SGDOptions> {
   explicit SGD(std::vector<SGDGroup> groups);
   void step() override;
   void step_unless(const Tensor& found_inf) override;
+  void step_scaled(const Tensor& found_inf, const Tensor& grad_scale) override;
 
  protected:
   // State per parameter: "momentum_buffer" (undefined until the first step with momentum).
@@ -36,7 +37,8 @@ class SGD : public OptimizerWith<SGDOptions> {
   bool counts_steps() const override { return false; }
 
  private:
-  void run_step(const Tensor& found_inf);  // found_inf undefined: always
+  // found_inf undefined: always; grad_scale undefined: the gradients as they are (fused.h's SGDStepArgs)
+  void run_step(const Tensor& found_inf, const Tensor& grad_scale = Tensor());
   // Whether this step would create a momentum buffer under dampening: b = g on a first step is only the same as
   // b = momentum * 0 + (1 - dampening) * g without dampening, so a step skipped on the device could not be told
   // from a first one.

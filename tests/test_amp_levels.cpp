@@ -1,11 +1,13 @@
 // apex opt levels O0..O3 through amp::initialize: what is converted, the master weights, and a step.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
 #include "halfgrad.h"
 #include "nn/layers.h"
+#include "optim/adam.h"
 #include "optim/amp.h"
 #include "optim/clip_grad.h"
 #include "tests/testing.h"
@@ -123,6 +125,114 @@ TEST_CASE("every opt level trains: the loss falls on a fixed batch") {
     for (int i = 0; i < 30; ++i) last = iterate(amp, *net, x, y);
     CHECK(last < 0.5 * first);
   }
+}
+
+// Three steps of small_net with clipping at max_norm, by `fused` amp.clip_grad_norm_ or by unscale_ then
+// optim::clip_grad_norm_; returns the parameters (float32) and the norms the clipping returned.
+struct ClippedRun {
+  std::vector<std::vector<double>> params;
+  std::vector<double> norms;
+  int64_t skipped = 0;
+  double scale = 0;
+};
+template <typename MakeOptimizer>
+ClippedRun clipped_run(amp::OptLevel level, bool fused, double max_norm, MakeOptimizer make_optimizer) {
+  // A scale whose scaled float16 gradients stay finite at every step: here both ways agree on skipping nothing.
+  const amp::GradScalerOptions scaler{.init_scale = 256};
+  auto net = small_net();
+  auto opt = make_optimizer(net->parameters());
+  amp::Amp amp = amp::initialize(*net, *opt, level, {.scaler = scaler});
+  manual_seed(6);
+  const Tensor x = randn({8, 3, 5, 5}), y = randn({8, 2});
+  ClippedRun run;
+  for (int step = 0; step < 3; ++step) {
+    amp.backward(mse_loss(amp.forward(*net, x).to(kFloat32), y));
+    const Tensor norm = fused ? amp.clip_grad_norm_(max_norm) : optim::clip_grad_norm_(amp.unscale_(), max_norm);
+    run.norms.push_back(norm.item<double>());
+    amp.step();
+    amp.zero_grad();
+  }
+  for (const Tensor& p : net->parameters()) run.params.push_back(to_vector<double>(p.to(kFloat32)));
+  run.skipped = amp.scaler().skipped_steps();
+  run.scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+  return run;
+}
+
+double largest_relative_difference(const ClippedRun& a, const ClippedRun& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.params.size(); ++i)
+    for (size_t k = 0; k < a.params[i].size(); ++k)
+      worst = std::max(worst, std::abs(a.params[i][k] - b.params[i][k]) / (std::abs(b.params[i][k]) + 1e-3));
+  return worst;
+}
+
+TEST_CASE("amp.clip_grad_norm_ is the step of unscale_ then clip_grad_norm_, for every level and optimizer") {
+  auto sgd = [](TensorList p) { return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1}); };
+  auto momentum = [](TensorList p) {
+    return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2});
+  };
+  // Adam with an L2 penalty: without one its update hardly depends on the scale of the gradients.
+  auto adam = [](TensorList p) {
+    return std::make_unique<optim::Adam>(p, optim::AdamOptions{.lr = 1e-2, .weight_decay = 0.1});
+  };
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1, amp::OptLevel::O2, amp::OptLevel::O3}) {
+    // 0.01 clips every step (the gradients' norm is ~1); 100 clips none.
+    for (double max_norm : {0.01, 100.0}) {
+      const std::string level_name = amp::opt_level_name(level);
+      CAPTURE(level_name);
+      CAPTURE(max_norm);
+      auto compare = [&](auto make, const std::string& what) {
+        CAPTURE(what);
+        const ClippedRun fused = clipped_run(level, true, max_norm, make);
+        const ClippedRun unfused = clipped_run(level, false, max_norm, make);
+        for (size_t i = 0; i < fused.norms.size(); ++i)
+          CHECK(fused.norms[i] == doctest::Approx(unfused.norms[i]).epsilon(1e-5));
+        CHECK(fused.norms[0] > 0.05);  // what max_norm = 0.01 clips
+        // O3's half parameters round each step's update alike either way; float32 arithmetic differs in the last bits.
+        CHECK(largest_relative_difference(fused, unfused) < 1e-5);
+        CHECK(fused.skipped == 0);
+      };
+      compare(sgd, "SGD");
+      compare(momentum, "SGD with momentum and weight decay");
+      compare(adam, "Adam");
+    }
+  }
+}
+
+TEST_CASE("amp.clip_grad_norm_ leaves SGD's gradients scaled, skips overflowing steps, and is once per step") {
+  auto net = small_net();
+  optim::SGD opt(net->parameters(), {.lr = 0.1});
+  amp::Amp amp = amp::initialize(*net, opt, amp::OptLevel::O1, {.scaler = {.init_scale = 1024}});
+  manual_seed(6);
+  const Tensor x = randn({8, 3, 5, 5}), y = randn({8, 2});
+  amp.backward(mse_loss(amp.forward(*net, x).to(kFloat32), y));
+  const Tensor weight_grad = net->parameters()[0].grad().clone();
+  const Tensor norm = amp.clip_grad_norm_(0.01);
+  // The norm of the unscaled gradients, the gradients untouched (SGD multiplies them as its kernel reads them).
+  CHECK(norm.item<double>() == doctest::Approx(optim::grad_norm(net->parameters()).item<double>() / 1024).epsilon(1e-6));
+  CHECK(to_vector<double>(net->parameters()[0].grad()) == to_vector<double>(weight_grad));  // still scaled
+  CHECK_THROWS_WITH_AS(amp.clip_grad_norm_(0.01), doctest::Contains("already unscaled or clipped"), Error);
+  CHECK_THROWS_WITH_AS(amp.unscale_(), doctest::Contains("already called"), Error);
+  amp.step();
+  amp.zero_grad();
+
+  // An inf in a gradient: the norm is not finite, the step is skipped and the scale backs off, as unscale_ does.
+  auto run_with_inf = [&](bool fused) {
+    auto n = small_net();
+    optim::SGD o(n->parameters(), {.lr = 0.1});
+    amp::Amp a = amp::initialize(*n, o, amp::OptLevel::O1, {.scaler = {.init_scale = 1024}});
+    a.backward(mse_loss(a.forward(*n, x).to(kFloat32), y));
+    n->parameters()[1].grad().narrow(0, 0, 1).fill_(INFINITY);
+    const std::vector<double> before = to_vector<double>(n->parameters()[0]);
+    const Tensor total = fused ? a.clip_grad_norm_(0.01) : optim::clip_grad_norm_(a.unscale_(), 0.01);
+    CHECK_FALSE(std::isfinite(total.item<double>()));
+    a.step();
+    CHECK(to_vector<double>(n->parameters()[0]) == before);
+    CHECK(a.scaler().skipped_steps() == 1);
+    CHECK(a.scaler().get_scale() == 512);
+  };
+  run_with_inf(true);
+  run_with_inf(false);
 }
 
 TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown levels") {

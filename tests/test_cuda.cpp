@@ -484,6 +484,44 @@ TEST_CASE("cuda: matmul, bmm and linear match the CPU; fp32 is full precision un
   check_close(matmul(e1.cuda(), e2.cuda()), zeros({3, 4}), {0, 0}, "k == 0 gives zeros");
 }
 
+TEST_CASE("cuda: float16 and bfloat16 products of odd sizes (run on zero-padded copies) match float64") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(19);
+  // The language model's decoder at 650 units, with fewer words: 650 and 5,003 are not multiples of 8, and each
+  // product is over 4 GFLOP, so each runs on copies padded to 656 and 5,008 (ops/matmul.cu, padded_problem).
+  for (DType dt : {kFloat16, kBFloat16}) {
+    CAPTURE(dtype_name(dt));
+    const double tolerance = dt == kFloat16 ? 2e-3 : 1.6e-2;
+    Tensor x = random({700, 650}, dt), w = random({5003, 650}, dt), bias = random({5003}, dt);
+    Tensor g = random({700, 5003}, dt);
+    auto f64 = [](const Tensor& t) { return t.to(kFloat64); };
+    auto check = [&](const Tensor& got, const Tensor& ref, const char* what) {
+      CHECK(got.is_cuda());
+      CHECK(got.dtype() == dt);
+      CHECK(got.shape() == ref.shape());
+      const double err = relative_error(got, ref);
+      CHECK_MESSAGE(err < tolerance, what << ": relative error " << err);
+    };
+    check(linear(x.cuda(), w.cuda(), bias.cuda()), linear(f64(x), f64(w), f64(bias)), "x W^T + b (beta = 1)");
+    check(matmul(g.cuda(), w.cuda()), matmul(f64(g), f64(w)), "g W (k = 5,003)");
+    check(g.cuda().t().matmul(x.cuda()), f64(g).t().matmul(f64(x)), "g^T x (m = 5,003 transposed)");
+    // An operand 2 bytes off 16-byte alignment, with an odd leading dimension: copied though its sizes need none.
+    Tensor wide = random({5003, 657}, dt);
+    Tensor shifted = wide.cuda().narrow(1, 1, 656);
+    Tensor y = random({704, 5003}, dt);
+    check(matmul(y.cuda(), shifted), matmul(f64(y), f64(wide.narrow(1, 1, 656))), "a misaligned view");
+    // 16-bit operands with a float32 result, accumulated onto C (beta = 1), as the recurrent kernels call it.
+    Tensor c = random({700, 5003}, kFloat32);
+    Tensor c_gpu = c.cuda();
+    Tensor xg = x.cuda(), wg = w.cuda();
+    gemm_dense(xg.device(), dt, kFloat32, 700, 5003, 650, xg.data_ptr(), Trans::No, wg.data_ptr(), Trans::Yes,
+               c_gpu.data_ptr(), /*beta=*/1);
+    const Tensor want = matmul(f64(x), f64(w).t()) + f64(c);
+    const double err = relative_error(c_gpu, want);
+    CHECK_MESSAGE(err < 1e-4, "float32 C with beta = 1: relative error " << err);
+  }
+}
+
 TEST_CASE("cuda: operands on different devices are a clear error") {
   SKIP_WITHOUT_GPU();
   Tensor c = random({3}, kFloat32), g = random({3}, kFloat32).cuda();

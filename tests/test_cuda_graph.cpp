@@ -24,7 +24,12 @@ struct LmRun {
   double scale = 0;
 };
 
-LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOptions scaler = {}) {
+// How the step clips: PyTorch's way (unscale_, then clip_grad_norm_), or amp.clip_grad_norm_ (unscaled and clipped
+// as SGD's kernel reads the gradients), as train-lm does.
+enum class Clipping { UnscaleThenClip, Fused };
+
+LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOptions scaler = {},
+               Clipping clipping = Clipping::UnscaleThenClip) {
   const Device cuda = Device::cuda();
   manual_seed(11);
   models::LanguageModel model(50, {.kind = nn::RecurrentKind::LSTM, .embedding_size = 16, .hidden_size = 16,
@@ -40,7 +45,10 @@ LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOption
     auto out = amp.run([&] { return model.forward(input, h, c); });
     Tensor loss = cross_entropy(out.logits.reshape({-1, 50}).to(kFloat32), target);
     amp.backward(loss);
-    optim::clip_grad_norm_(amp.unscale_(), 0.5);
+    if (clipping == Clipping::Fused)
+      amp.clip_grad_norm_(0.5);
+    else
+      optim::clip_grad_norm_(amp.unscale_(), 0.5);
     amp.step();
     amp.zero_grad();
     NoGradGuard no_grad;
@@ -74,25 +82,35 @@ double max_relative_difference(const std::vector<Tensor>& a, const std::vector<T
 
 TEST_CASE("cuda graph: a replayed language-model step equals the eager step over many steps, at O0 and O1") {
   SKIP_WITHOUT_GPU();
-  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
-    CAPTURE(amp::opt_level_name(level));
-    // The same seed: the replays draw their dropout masks from the generator exactly where eager steps do.
-    const LmRun eager = train_lm(false, level, 25), replayed = train_lm(true, level, 25);
-    CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
-    CHECK(replayed.skipped == eager.skipped);
+  for (Clipping clipping : {Clipping::UnscaleThenClip, Clipping::Fused}) {
+    for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
+      CAPTURE(amp::opt_level_name(level));
+      CAPTURE(clipping == Clipping::Fused);
+      // The same seed: the replays draw their dropout masks from the generator exactly where eager steps do.
+      const LmRun eager = train_lm(false, level, 25, {}, clipping), replayed = train_lm(true, level, 25, {}, clipping);
+      CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
+      CHECK(replayed.skipped == eager.skipped);
+    }
   }
+  // The two ways of clipping are the same step up to rounding.
+  const LmRun unfused = train_lm(false, amp::OptLevel::O1, 25), fused = train_lm(true, amp::OptLevel::O1, 25, {},
+                                                                                  Clipping::Fused);
+  CHECK(max_relative_difference(fused.params, unfused.params) < 1e-3);
 }
 
 TEST_CASE("cuda graph: overflowing steps are skipped inside the graph and the scale backs off on the device") {
   SKIP_WITHOUT_GPU();
   // 2^120: every float16 gradient overflows until the scale has come down; the first 2 steps are eager.
   const amp::GradScalerOptions scaler{.init_scale = 0x1p120};
-  const LmRun eager = train_lm(false, amp::OptLevel::O1, 30, scaler),
-              replayed = train_lm(true, amp::OptLevel::O1, 30, scaler);
-  CHECK(eager.skipped > 5);  // so most skips happened in replays
-  CHECK(replayed.skipped == eager.skipped);
-  CHECK(replayed.scale == eager.scale);
-  CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
+  for (Clipping clipping : {Clipping::UnscaleThenClip, Clipping::Fused}) {
+    CAPTURE(clipping == Clipping::Fused);
+    const LmRun eager = train_lm(false, amp::OptLevel::O1, 30, scaler, clipping),
+                replayed = train_lm(true, amp::OptLevel::O1, 30, scaler, clipping);
+    CHECK(eager.skipped > 5);  // so most skips happened in replays
+    CHECK(replayed.skipped == eager.skipped);
+    CHECK(replayed.scale == eager.scale);
+    CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
+  }
 }
 
 TEST_CASE("cuda graph: dropout draws a new mask at every replay, the one an eager call would draw") {

@@ -7,7 +7,7 @@
 //               (WikiText-2's 33,278 by default), dropout 0.2 (main.py's defaults), untied
 //   one step    h, c detached from the previous step (main.py's repackage_hidden); out = model(tokens, h, c) under the
 //               level (autocast for O1); loss = amp.loss(cross_entropy(logits [T*B, vocab], targets)) in float32;
-//               amp.backward(loss); clip_grad_norm_(amp.unscale_(), 0.25); amp.step() (optim::SGD, lr 20, no
+//               amp.backward(loss); amp.clip_grad_norm_(0.25); amp.step() (optim::SGD, lr 20, no
 //               momentum: p -= lr * grad, as main.py); amp.zero_grad(). As tools/train.cpp's train_language_model.
 //   data        random int64 tokens [bptt, batch] and targets [bptt * batch] in [0, vocab), made once on the device
 //   timing      --warmup steps, then per round --steps steps between two synchronisations, CUDA events around them
@@ -41,7 +41,6 @@
 #include "models/language_model.h"
 #include "ops/rnn.h"
 #include "optim/amp.h"
-#include "optim/clip_grad.h"
 #include "optim/sgd.h"
 
 #include "tools/bench_layers.h"
@@ -153,7 +152,7 @@ int run(const Settings& s) {
       c = out.c;
       Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
       amp.backward(loss);
-      optim::clip_grad_norm_(amp.unscale_(), s.clip);
+      amp.clip_grad_norm_(s.clip);
       amp.step();
       amp.zero_grad();
     };
@@ -164,7 +163,7 @@ int run(const Settings& s) {
       auto out = amp.run([&] { return model.forward(input, h_carried, c_carried); });
       Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
       amp.backward(loss);
-      optim::clip_grad_norm_(amp.unscale_(), s.clip);
+      amp.clip_grad_norm_(s.clip);
       amp.step();
       amp.zero_grad();
       NoGradGuard no_grad;

@@ -27,7 +27,6 @@
 #include "ops/loss.h"
 #include "ops/reduce.h"
 #include "ops/softmax.h"
-#include "optim/clip_grad.h"
 #include "optim/scheduler.h"
 #include "optim/sgd.h"
 
@@ -507,7 +506,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     auto out = amp.run([&] { return model.forward(input, h, cell); });
     Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), target); });
     amp.backward(loss);
-    optim::clip_grad_norm_(amp.unscale_(), c.clip);
+    amp.clip_grad_norm_(c.clip);
     amp.step();
     amp.zero_grad();
     NoGradGuard no_grad;
