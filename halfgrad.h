@@ -13,6 +13,7 @@
 #include "data/text.h"
 #include "models/language_model.h"
 #include "models/language_model_checkpoint.h"
+#include "models/classifiers.h"
 #include "models/resnet.h"
 #include "models/vgg.h"
 #include "nn/checkpoint.h"

@@ -101,6 +101,21 @@ TEST_CASE("VGG: torchvision's feature numbering, the CIFAR classifier and parame
   CHECK(contains(error_of([&] { net->forward(zeros({1, 3, 64, 64})); }), "expected 32x32 images"));
 }
 
+TEST_CASE("image_classifier builds every classifier by name, for any number of classes, and names the known ones") {
+  CHECK(models::image_classifier_names().size() == 9);
+  CHECK(parameter_count(*models::image_classifier("vgg16")) == 14728266);
+  CHECK(parameter_count(*models::image_classifier("resnet18", 100)) ==
+        parameter_count(*models::resnet18({.num_classes = 100})));
+  for (const std::string& name : models::image_classifier_names()) {
+    CAPTURE(name);
+    CHECK(parameter_count(*models::image_classifier(name, 7)) > 0);
+  }
+  CHECK_THROWS_WITH_AS(models::image_classifier("resnet9"),
+                       doctest::Contains("unknown model \"resnet9\" (resnet18, resnet34, resnet50, resnet101, resnet152, "
+                                         "vgg11, vgg13, vgg16, vgg19)"),
+                       Error);
+}
+
 TEST_CASE("ResNet-18 and VGG-11 learn: a few SGD steps lower the loss on a fixed batch") {
   manual_seed(6);
   Tensor x = randn({8, 3, 32, 32});

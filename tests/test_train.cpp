@@ -136,6 +136,33 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
   CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint already holds all 2 epochs"));
 }
 
+TEST_CASE("train_classifier --cuda-graph equals the eager run: schedule, loss scaling, a last smaller batch") {
+  SKIP_WITHOUT_GPU();
+  TempDir dir;
+  // 50 training images in batches of 8: six replayed steps an epoch and a last batch of 2 run eagerly.
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 10, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 16, 9);
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
+    CAPTURE(amp::opt_level_name(level));
+    train::ClassifierConfig eager{.model = "resnet18", .data_dir = dir.path, .epochs = 2, .batch_size = 8,
+                                  .lr = 0.05, .schedule = "onecycle", .opt_level = level, .device = Device::cuda(),
+                                  .channels_last = true, .workers = 2, .seed = 5};
+    train::ClassifierConfig graph = eager;
+    graph.cuda_graph = true;
+    const auto want = train::train_classifier(eager), got = train::train_classifier(graph);
+    REQUIRE(got.size() == 2);
+    for (size_t e = 0; e < 2; ++e) {
+      CAPTURE(e);
+      CHECK(got[e].train_loss == doctest::Approx(want[e].train_loss).epsilon(1e-3));
+      CHECK(got[e].test_loss == doctest::Approx(want[e].test_loss).epsilon(1e-3));
+      CHECK(got[e].train_accuracy == want[e].train_accuracy);
+      CHECK(got[e].skipped_steps == want[e].skipped_steps);
+    }
+  }
+  train::ClassifierConfig cpu{.model = "vgg11", .data_dir = dir.path, .cuda_graph = true};
+  CHECK(contains(error_of([&] { train::train_classifier(cpu); }), "--cuda-graph needs a CUDA device"));
+}
+
 TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and a resume goes on as if uninterrupted") {
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));

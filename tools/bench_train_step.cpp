@@ -1,17 +1,21 @@
-// bench_train_step: one whole training step of a CIFAR ResNet on the GPU, per apex opt level and batch size, with
-// the data already on the GPU: what the training loop costs without the data loader. A benchmark program, not a
-// test: it prints a table. tools/bench_train_step_torch.py prints the same rows for PyTorch on the same GPU.
+// bench_train_step: one whole training step of a CIFAR classifier (ResNet-18..152, VGG-11..19 with BatchNorm) on the
+// GPU, per apex opt level and batch size, with the data already on the GPU: what the training loop costs without the
+// data loader. A benchmark program, not a test: it prints a table. tools/bench_train_step_torch.py prints the same
+// rows for PyTorch on the same GPU (eager, or torch.compile with --compile).
 //
-//   one step    logits = amp.forward(model, x); loss = cross_entropy(logits, y); amp.backward(loss); amp.step();
-//               amp.zero_grad(), as tools/train.cpp; SGD with momentum 0.9 and weight decay 5e-4; random inputs
-//               (standard normal) and labels, made once per row
+//   one step    logits = amp.forward(model, x); loss = amp.loss(cross_entropy(logits, y)); amp.backward(loss);
+//               amp.step(); amp.zero_grad(), as tools/train.cpp; SGD with momentum 0.9 and weight decay 5e-4; random
+//               inputs (standard normal) and labels, made once per row. --cuda-graph: the step captured after two
+//               eager ones and replayed (cuda::CapturedStep, core/cuda_graph.h)
 //   timing      CUDA events around each step, the median of --iters steps after --warmup (tools/bench_layers.h; the
 //               first warm-up step autotunes cuDNN). "host ms" is the host's time to issue a step: when it is close to
 //               "ms", the step is bound by the host, not the GPU
 //   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
 //
-//   bench_train_step [--model resnet18|resnet50] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
+//   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
+//                    [--cuda-graph]
 #include <CLI/CLI.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,8 +23,9 @@
 
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
+#include "core/cuda_graph.h"
 #include "halfgrad.h"
-#include "models/resnet.h"
+#include "models/classifiers.h"
 #include "optim/amp.h"
 #include "optim/sgd.h"
 
@@ -35,6 +40,7 @@ struct Settings {
   std::vector<int64_t> batches = {128, 512};
   std::vector<std::string> levels = {"O0", "O1", "O2", "O3"};
   bool nchw = false;
+  bool cuda_graph = false;
   int iters = 30, warmup = 5;
 };
 
@@ -42,17 +48,17 @@ struct Settings {
 
 int run(const Settings& s) {
   const Device gpu = Device::cuda(0);
-  fmt::print("bench_train_step: halfgrad {} training step (CIFAR, 10 classes) on {}, {}, data on the GPU, median of "
+  fmt::print("bench_train_step: halfgrad {} training step (CIFAR, 10 classes) on {}, {}, data on the GPU{}, median of "
              "{} steps after {} warm-up steps\n",
-             s.model, cuda::device_name(0), s.nchw ? "NCHW" : "channels_last", s.iters, s.warmup);
+             s.model, cuda::device_name(0), s.nchw ? "NCHW" : "channels_last",
+             s.cuda_graph ? ", the step replayed as a CUDA graph" : "", s.iters, s.warmup);
   fmt::print("{:<9} {:>6} {:<6} {:>9} {:>10} {:>9} {:>9}\n", "model", "batch", "level", "ms", "images/s", "host ms",
              "peak MiB");
   for (int64_t batch : s.batches) {
     for (const std::string& level_name : s.levels) {
       const amp::OptLevel level = amp::parse_opt_level(level_name);
       manual_seed(0);
-      std::shared_ptr<nn::Module> model =
-          s.model == "resnet50" ? std::shared_ptr<nn::Module>(models::resnet50()) : models::resnet18();
+      std::shared_ptr<nn::Module> model = models::image_classifier(s.model);
       model->to(gpu);
       model->train();
       optim::SGD sgd(model->parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
@@ -62,7 +68,7 @@ int run(const Settings& s) {
       const Tensor y = randint(0, 10, {batch}).to(gpu);
       auto step = [&] {
         Tensor logits = amp.forward(*model, x);
-        Tensor loss = cross_entropy(logits, y);
+        Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
         amp.backward(loss);
         amp.step();
         amp.zero_grad();
@@ -70,7 +76,15 @@ int run(const Settings& s) {
       step();  // autotuning and the first allocations stay out of the peak
       cuda::synchronize();
       cuda::reset_peak(0);
-      const bench::StepTimes t = bench::time_steps(step, s.warmup, s.iters);
+      std::unique_ptr<cuda::CapturedStep> captured;
+      if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(gpu, step, 2);
+      auto timed_step = [&] {
+        if (captured)
+          (*captured)();
+        else
+          step();
+      };
+      const bench::StepTimes t = bench::time_steps(timed_step, s.warmup, s.iters);
       const double peak_mib = double(cuda::memory_stats(0).peak_allocated_bytes) / double(1 << 20);
       fmt::print("{:<9} {:>6} {:<6} {:>9.2f} {:>10.0f} {:>9.2f} {:>9.0f}\n", s.model, batch, level_name, t.ms,
                  double(batch) / (t.ms * 1e-3), t.host_ms, peak_mib);
@@ -86,13 +100,15 @@ int run(const Settings& s) {
 
 int main(int argc, char** argv) {
   Settings s;
-  CLI::App app{"one training step of a CIFAR ResNet per opt level and batch size, data on the GPU (compare with "
+  CLI::App app{"one training step of a CIFAR classifier per opt level and batch size, data on the GPU (compare with "
                "tools/bench_train_step_torch.py)"};
-  app.add_option("--model", s.model, "resnet18 or resnet50")->check(CLI::IsMember({"resnet18", "resnet50"}));
+  app.add_option("--model", s.model, "resnet18/34/50/101/152, vgg11/13/16/19")
+      ->check(CLI::IsMember(models::image_classifier_names()));
   app.add_option("--batch", s.batches, "batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
   app.add_option("--opt-levels", s.levels, "apex opt levels")->delimiter(',')->check(
       CLI::IsMember({"O0", "O1", "O2", "O3"}));
   app.add_flag("--nchw", s.nchw, "NCHW batches instead of channels_last");
+  app.add_flag("--cuda-graph", s.cuda_graph, "capture the step after two eager ones and replay it");
   app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """bench_train_step_torch: tools/bench_train_step.cpp's measurement in PyTorch on the same GPU, in the same rows.
 
-    python3 tools/bench_train_step_torch.py [--model resnet18|resnet50] [--batch 128,512] [--opt-levels O0,O1,O3]
-                                            [--nchw] [--iters 30] [--warmup 5]
+    python3 tools/bench_train_step_torch.py [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O3]
+                                            [--nchw] [--compile] [--iters 30] [--warmup 5]
 
 One step: logits = model(x); loss = cross_entropy(logits, y); backward; SGD step (momentum 0.9, weight decay 5e-4,
-PyTorch's default foreach implementation); zero_grad. The model is torchvision's ResNet with the CIFAR stem (3x3
-stride-1 convolution, no max pool), written out here so that torchvision is not needed. Levels: O0 float32; O1
+PyTorch's default foreach implementation); zero_grad. The models are torchvision's ResNets with the CIFAR stem (3x3
+stride-1 convolution, no max pool) and VGG with BatchNorm and one Linear classifier (models/vgg.h), written out here
+so that torchvision is not needed. --compile: the model through torch.compile(mode="reduce-overhead") (Inductor's
+fused kernels, CUDA graphs), compiled during the warm-up steps (at least 10). Levels: O0 float32; O1
 torch.autocast(float16) with a GradScaler; O3 the model and inputs in float16. O2 (half model with float32 master
 weights) has no PyTorch equivalent without apex: its rows are left out. cudnn.benchmark on, TF32 off for
 convolutions (halfgrad's float32 runs in full float32). Timing: tools/torch_bench_layers.py. The project does not
@@ -67,6 +69,40 @@ class Bottleneck(nn.Module):
         return F.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
+VGG_CONFIGS = {
+    "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "vgg13": [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+    "vgg19": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"],
+}
+
+
+class VGG(nn.Module):
+    def __init__(self, config, classes=10):
+        super().__init__()
+        layers, channels = [], 3
+        for v in config:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+                continue
+            layers += [nn.Conv2d(channels, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(inplace=True)]
+            channels = v
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+RESNETS = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet34": (BasicBlock, (3, 4, 6, 3)),
+           "resnet50": (Bottleneck, (3, 4, 6, 3)), "resnet101": (Bottleneck, (3, 4, 23, 3)),
+           "resnet152": (Bottleneck, (3, 8, 36, 3))}
+
+
+def make_model(name):
+    return VGG(VGG_CONFIGS[name]) if name in VGG_CONFIGS else ResNet(*RESNETS[name])
+
+
 class ResNet(nn.Module):
     def __init__(self, block, blocks, classes=10):
         super().__init__()
@@ -87,21 +123,24 @@ class ResNet(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet18", "resnet50"], default="resnet18")
+    parser.add_argument("--model", choices=list(RESNETS) + list(VGG_CONFIGS), default="resnet18")
     parser.add_argument("--batch", default="128,512")
     parser.add_argument("--opt-levels", default="O0,O1,O3")
     parser.add_argument("--nchw", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
+    warmup = max(args.warmup, 10) if args.compile else args.warmup
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = torch.device("cuda")
     fmt = torch.contiguous_format if args.nchw else torch.channels_last
     print(f"bench_train_step_torch: PyTorch {torch.__version__} {args.model} training step (CIFAR, 10 classes) on "
-          f"{torch.cuda.get_device_name(0)}, {'NCHW' if args.nchw else 'channels_last'}, data on the GPU, median of "
-          f"{args.iters} steps after {args.warmup} warm-up steps")
+          f"{torch.cuda.get_device_name(0)}, {'NCHW' if args.nchw else 'channels_last'}, data on the GPU"
+          f"{', torch.compile(mode=reduce-overhead)' if args.compile else ''}, median of {args.iters} steps after "
+          f"{warmup} warm-up steps")
     print(f"{'model':<9} {'batch':>6} {'level':<6} {'ms':>9} {'images/s':>10} {'host ms':>9} {'peak MiB':>9}")
     for batch in (int(b) for b in args.batch.split(",")):
         for level in args.opt_levels.split(","):
@@ -109,11 +148,11 @@ def main():
                 print(f"{args.model:<9} {batch:>6} {level:<6} (no PyTorch equivalent without apex)")
                 continue
             torch.manual_seed(0)
-            blocks = (BasicBlock, (2, 2, 2, 2)) if args.model == "resnet18" else (Bottleneck, (3, 4, 6, 3))
-            model = ResNet(*blocks).to(gpu, memory_format=fmt)
+            model = make_model(args.model).to(gpu, memory_format=fmt)
             half = level == "O3"
             if half:
                 model.half()
+            forward = torch.compile(model, mode="reduce-overhead") if args.compile else model
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
             scaler = torch.amp.GradScaler("cuda", enabled=level == "O1")
             x = torch.randn(batch, 3, 32, 32, device=gpu).contiguous(memory_format=fmt)
@@ -123,7 +162,7 @@ def main():
 
             def step():
                 with torch.autocast("cuda", dtype=torch.float16, enabled=level == "O1"):
-                    loss = F.cross_entropy(model(x).float(), y)
+                    loss = F.cross_entropy(forward(x).float(), y)
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
@@ -132,7 +171,7 @@ def main():
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            ms, host_ms = time_steps(step, args.warmup, args.iters)
+            ms, host_ms = time_steps(step, warmup, args.iters)
             peak = torch.cuda.max_memory_allocated() / 2**20
             print(f"{args.model:<9} {batch:>6} {level:<6} {ms:>9.2f} {batch / (ms * 1e-3):>10.0f} {host_ms:>9.2f} "
                   f"{peak:>9.0f}", flush=True)

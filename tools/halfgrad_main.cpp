@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/serialize.h"
 #include "core/version.h"
+#include "models/classifiers.h"
 #include "tools/train.h"
 
 using namespace halfgrad;
@@ -88,9 +89,9 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   std::ofstream csv = open_csv(csv_path, "train-classifier",
                                "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,"
                                "peak_memory_bytes,skipped_steps,loss_scale");
-  fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}\n", config.model,
+  fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}{}\n", config.model,
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
-             config.channels_last ? ", channels_last" : "");
+             config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
   std::fflush(stdout);
   auto progress = [](const train::ClassifierProgress& p) {
     const int64_t eta = int64_t(std::lround(p.eta_seconds));
@@ -131,9 +132,9 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                                "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,"
                                "peak_memory_bytes,final_train_accuracy,final_test_accuracy,final_test_loss,"
                                "skipped_steps");
-  fmt::print("sweep-classifier: {} on {} ({}), {} epochs per run, lr {} ({}){}\n", config.model, config.dataset,
+  fmt::print("sweep-classifier: {} on {} ({}), {} epochs per run, lr {} ({}){}{}\n", config.model, config.dataset,
              config.device.str(), config.epochs, config.lr, config.schedule,
-             config.channels_last ? ", channels_last" : "");
+             config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
   fmt::print("{:<9} {:>6} {:>11} {:>9} {:>10} {:>10} {:>9} {:>9}\n", "precision", "batch", "s / epoch", "images/s",
              "peak MiB", "train acc", "test acc", "skipped");
   std::fflush(stdout);
@@ -326,8 +327,7 @@ int main(int argc, char** argv) {
   auto add_classifier_options = [](CLI::App* sub, ClassifierArgs& a) {
     train::ClassifierConfig& c = a.config;
     sub->add_option("--model", c.model, "resnet18/34/50/101/152, vgg11/13/16/19")
-        ->transform(one_of({"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vgg11", "vgg13", "vgg16",
-                            "vgg19"}))
+        ->transform(one_of(models::image_classifier_names()))
         ->capture_default_str();
     sub->add_option("--dataset", c.dataset, "cifar10 or cifar100")->transform(one_of({"cifar10", "cifar100"}))
         ->capture_default_str();
@@ -350,6 +350,8 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     sub->add_option("--device", a.device, "cpu, cuda or cuda:N")->capture_default_str();
     sub->add_flag("--channels-last", c.channels_last, "feed NHWC batches");
+    sub->add_flag("--cuda-graph", c.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
+                  "(a last, smaller batch runs eagerly)");
     sub->add_option("--workers", c.workers, "data loading threads")->capture_default_str();
     sub->add_option("--seed", c.seed)->capture_default_str();
     sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)");

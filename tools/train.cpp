@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <tuple>
 
 #include "core/autograd.h"
 #include "core/cuda.h"
@@ -19,8 +20,7 @@
 #include "data/text.h"
 #include "models/language_model.h"
 #include "models/language_model_checkpoint.h"
-#include "models/resnet.h"
-#include "models/vgg.h"
+#include "models/classifiers.h"
 #include "nn/checkpoint.h"
 #include "ops/conv.h"
 #include "ops/elementwise.h"
@@ -33,20 +33,6 @@
 namespace halfgrad::train {
 
 namespace {
-
-std::shared_ptr<nn::Module> make_model(const std::string& name, int64_t classes) {
-  if (name == "resnet18") return models::resnet18({.num_classes = classes});
-  if (name == "resnet34") return models::resnet34({.num_classes = classes});
-  if (name == "resnet50") return models::resnet50({.num_classes = classes});
-  if (name == "resnet101") return models::resnet101({.num_classes = classes});
-  if (name == "resnet152") return models::resnet152({.num_classes = classes});
-  if (name == "vgg11") return models::vgg11({.num_classes = classes});
-  if (name == "vgg13") return models::vgg13({.num_classes = classes});
-  if (name == "vgg16") return models::vgg16({.num_classes = classes});
-  if (name == "vgg19") return models::vgg19({.num_classes = classes});
-  HG_FAIL("train: unknown model \"{}\" (resnet18, resnet34, resnet50, resnet101, resnet152, vgg11, vgg13, vgg16, "
-          "vgg19)", name);
-}
 
 // The first n images of d (all when n is 0 or more than there are).
 data::ImageDataset first(data::ImageDataset d, int64_t n) {
@@ -173,6 +159,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
            c.batch_size);
   HG_CHECK(c.schedule == "onecycle" || c.schedule == "cosine" || c.schedule == "constant",
            "train: unknown schedule \"{}\" (onecycle, cosine, constant)", c.schedule);
+  HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
   const bool cifar10 = c.dataset == "cifar10";
@@ -188,7 +175,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   const int64_t classes = cifar10 ? 10 : 100;
 
   manual_seed(c.seed);
-  std::shared_ptr<nn::Module> model = make_model(c.model, classes);
+  std::shared_ptr<nn::Module> model = models::image_classifier(c.model, classes);
   model->to(c.device);
   optim::SGD sgd(model->parameters(), {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay});
   amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
@@ -208,6 +195,30 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (c.channels_last) x = contiguous_channels_last(x);
     return std::pair{x, b.targets.to(c.device)};
   };
+  // One step on a batch: its loss (float32, 0-d) and how many of its images were right (int64, 0-d).
+  auto train_step = [&](const Tensor& x, const Tensor& y) {
+    Tensor logits = amp.forward(*model, x);
+    Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
+    amp.backward(loss);
+    amp.step();
+    amp.zero_grad();
+    NoGradGuard no_grad;
+    return std::pair{loss.detach(), argmax(logits.detach(), 1).eq(y).to(kInt64).sum()};
+  };
+  // --cuda-graph: the step on fixed input buffers, its figures copied into fixed outputs, captured after two eager
+  // calls; the scheduler's lr and momentum reach the replays through SGD (optim/sgd.h).
+  Tensor graph_x, graph_y, graph_loss, graph_correct;
+  std::unique_ptr<cuda::CapturedStep> captured;
+  if (c.cuda_graph) {
+    graph_loss = zeros({}, {.device = c.device});
+    graph_correct = zeros({}, {.dtype = kInt64, .device = c.device});
+    captured = std::make_unique<cuda::CapturedStep>(c.device, [&] {
+      auto [loss, batch_correct] = train_step(graph_x, graph_y);
+      NoGradGuard no_grad;
+      graph_loss.copy_(loss);
+      graph_correct.copy_(batch_correct);
+    }, 2);
+  }
   std::vector<EpochStats> all;
   int64_t step = 0, first_epoch = 0;
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its batches and sums so far.
@@ -250,15 +261,25 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     auto interval_start = t0;
     for (const data::Batch& batch : train_loader.epoch(epoch, batches_done)) {
       auto [x, y] = to_device(batch);
-      Tensor logits = amp.forward(*model, x);
-      Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
-      amp.backward(loss);
-      amp.step();
-      amp.zero_grad();
+      Tensor loss, batch_correct;
+      if (captured && y.size(0) == c.batch_size) {
+        NoGradGuard no_grad;
+        if (!graph_x.defined()) {  // buffers of the batch's layout, channels_last or not
+          graph_x = c.channels_last ? contiguous_channels_last(x.clone()) : x.clone();
+          graph_y = y.clone();
+        } else {
+          graph_x.copy_(x);
+          graph_y.copy_(y);
+        }
+        (*captured)();
+        loss = graph_loss;
+        batch_correct = graph_correct;
+      } else {
+        std::tie(loss, batch_correct) = train_step(x, y);
+      }
       if (schedule) schedule->step();
       ++step;
       NoGradGuard no_grad;
-      const Tensor batch_correct = argmax(logits.detach(), 1).eq(y).to(kInt64).sum();
       loss_sum.add_(loss.detach(), double(y.size(0)));
       correct.add_(batch_correct);
       seen += y.size(0);

@@ -51,6 +51,9 @@ struct ClassifierConfig {
   // for bit. on_epoch and the result cover the epochs finished here.
   std::string resume;
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
+  // CUDA: the training step captured once as a CUDA graph (after two eager steps) and replayed, the batch copied into
+  // its input buffers first; a last batch smaller than batch_size runs eagerly (core/cuda_graph.h).
+  bool cuda_graph = false;
 };
 
 // How far an epoch is, every log_interval batches.
