@@ -90,15 +90,19 @@ struct CublasState {
 bool is_available() { return count_devices() > 0; }
 int device_count() { return count_devices(); }
 
-std::vector<std::string> describe_devices() {
+Versions versions() {
   auto version = [](int v) { return fmt::format("{}.{}", v / 1000, v % 1000 / 10); };
   int driver = 0, runtime = 0;
   (void)cudaDriverGetVersion(&driver);
   (void)cudaRuntimeGetVersion(&runtime);
   const size_t dnn = cudnnGetVersion();
-  std::vector<std::string> lines{fmt::format("CUDA driver {}, runtime {}, cuDNN {}.{}.{}",
-                                             driver > 0 ? version(driver) : "none", version(runtime), dnn / 10000,
-                                             dnn % 10000 / 100, dnn % 100)};
+  return {driver > 0 ? version(driver) : "none", version(runtime),
+          fmt::format("{}.{}.{}", dnn / 10000, dnn % 10000 / 100, dnn % 100)};
+}
+
+std::vector<std::string> describe_devices() {
+  const Versions v = versions();
+  std::vector<std::string> lines{fmt::format("CUDA driver {}, runtime {}, cuDNN {}", v.driver, v.runtime, v.cudnn)};
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess || n == 0) {
@@ -386,6 +390,7 @@ namespace {
 bool is_available() { return false; }
 int device_count() { return 0; }
 std::vector<std::string> describe_devices() { return {"CUDA backend: not compiled in", "GPUs: none visible"}; }
+Versions versions() { return {"none", "none", "none"}; }
 int current_device() { no_cuda("cuda::current_device"); }
 void set_device(int) { no_cuda("cuda::set_device"); }
 std::string device_name(int) { no_cuda("cuda::device_name"); }

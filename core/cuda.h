@@ -47,6 +47,12 @@ void synchronize(int device);
 // What `halfgrad info` prints about CUDA: the driver, runtime and cuDNN versions, then a line per visible GPU (its
 // index, name, memory, compute capability and SMs), or why none is visible. Never throws.
 std::vector<std::string> describe_devices();
+// The versions describe_devices() starts with: "13.0", "13.0", "9.14.0" ("none" where there is no driver, or no CUDA
+// in this build). Never throws.
+struct Versions {
+  std::string driver, runtime, cudnn;
+};
+Versions versions();
 
 // Sets the current device for a scope and restores the previous one (does nothing for a CPU device).
 class DeviceGuard {

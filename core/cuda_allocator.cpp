@@ -142,6 +142,22 @@ class DeviceCache {
   void reset_peak() {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.peak_allocated_bytes = stats_.allocated_bytes;
+    stats_.peak_reserved_bytes = stats_.reserved_bytes;
+  }
+
+  void set_limit(size_t bytes) {
+    DeviceGuard guard(device_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes != 0 && stats_.reserved_bytes > bytes) release_cached();
+    HG_CHECK(bytes == 0 || stats_.reserved_bytes <= bytes,
+             "cuda::set_memory_limit: cuda:{} has {} reserved in tensors that are alive, more than the limit of {}",
+             device_, format_bytes(stats_.reserved_bytes), format_bytes(bytes));
+    limit_ = bytes;
+  }
+
+  size_t limit() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
   }
 
   void hold(cudaStream_t stream) {
@@ -204,12 +220,13 @@ class DeviceCache {
   Block* new_segment(size_t size, size_t requested, bool small, cudaStream_t stream) {
     size_t segment = small ? kSmallSegment : size < kMinLargeAlloc ? kLargeSegment : round_up(size, kRoundLarge);
     void* ptr = nullptr;
-    cudaError_t err = cudaMalloc(&ptr, segment);
+    auto over_limit = [&] { return limit_ != 0 && stats_.reserved_bytes + segment > limit_; };
+    cudaError_t err = over_limit() ? cudaErrorMemoryAllocation : cudaMalloc(&ptr, segment);
     if (is_out_of_memory(err, segment)) {
       (void)cudaGetLastError();  // clear it: an out-of-memory is not sticky
       stats_.num_oom_retries++;
       release_cached();
-      err = cudaMalloc(&ptr, segment);
+      err = over_limit() ? cudaErrorMemoryAllocation : cudaMalloc(&ptr, segment);
       if (is_out_of_memory(err, segment)) {
         (void)cudaGetLastError();
         throw_out_of_memory(requested, segment);
@@ -218,6 +235,7 @@ class DeviceCache {
     HG_CUDA_CHECK(err, "cuda caching allocator");
     stats_.num_cuda_mallocs++;
     stats_.reserved_bytes += segment;
+    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
     auto* block = new Block;
     block->size = segment;
     block->ptr = static_cast<char*>(ptr);
@@ -258,11 +276,13 @@ class DeviceCache {
   [[noreturn]] void throw_out_of_memory(size_t requested, size_t segment) {
     size_t free_bytes = 0, total_bytes = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    const std::string limit =
+        limit_ == 0 ? "" : fmt::format(" The memory limit is {} (cuda::set_memory_limit).", format_bytes(limit_));
     throw OutOfMemory(fmt::format(
         "CUDA out of memory on cuda:{}: tried to allocate {} ({} bytes; a segment of {}). The device has {} "
-        "free of {}. Caching allocator: {}. Free tensors you no longer need or use a smaller batch.",
+        "free of {}.{} Caching allocator: {}. Free tensors you no longer need or use a smaller batch.",
         device_, format_bytes(requested), requested, format_bytes(segment), format_bytes(free_bytes),
-        format_bytes(total_bytes), stats_line(stats_)));
+        format_bytes(total_bytes), limit, stats_line(stats_)));
   }
 
  public:
@@ -281,6 +301,7 @@ class DeviceCache {
   std::set<cudaStream_t> held_;  // streams of live CUDA graphs
   std::unordered_map<void*, Block*> active_;
   MemoryStats stats_;
+  size_t limit_ = 0;  // 0: none
 };
 
 class CachingAllocator final : public Allocator {
@@ -349,6 +370,27 @@ void reset_peak(int device) {
   if (caching_allocator().has(device)) caching_allocator().cache(device, "reset_peak").reset_peak();
 }
 
+size_t device_memory(int device) {
+  device = resolve(device);
+  DeviceGuard guard(device);
+  size_t free_bytes = 0, total_bytes = 0;
+  HG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), "cuda::device_memory");
+  return total_bytes;
+}
+
+void set_memory_limit(size_t bytes, int device) {
+  device = resolve(device);
+  const size_t total = device_memory(device);
+  HG_CHECK(bytes <= total, "cuda::set_memory_limit: a limit of {} is more than cuda:{} has ({})", format_bytes(bytes),
+           device, format_bytes(total));
+  caching_allocator().cache(device, "set_memory_limit").set_limit(bytes);
+}
+
+size_t memory_limit(int device) {
+  device = resolve(device);
+  return caching_allocator().has(device) ? caching_allocator().cache(device, "memory_limit").limit() : 0;
+}
+
 void empty_cache() {
   int n = caching_allocator().size();
   for (int d = 0; d < n; ++d) caching_allocator().cache(d, "empty_cache").empty_cache();
@@ -365,6 +407,9 @@ std::string memory_stats_str(int device) { return DeviceCache::stats_line(memory
 
 MemoryStats memory_stats(int) { return {}; }
 void reset_peak(int) {}
+void set_memory_limit(size_t, int) { HG_FAIL("cuda::set_memory_limit: this build has no CUDA"); }
+size_t memory_limit(int) { return 0; }
+size_t device_memory(int) { HG_FAIL("cuda::device_memory: this build has no CUDA"); }
 void empty_cache() {}
 void hold_stream_blocks(int, cudaStream_t) {}
 void release_stream_blocks(int, cudaStream_t) {}

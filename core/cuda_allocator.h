@@ -11,7 +11,9 @@
 //     order, so the new owner cannot overtake the old one's kernels), the smallest fitting block first,
 //     split when the rest is worth keeping; freed neighbours in a segment merge again;
 //   - when cudaMalloc fails, the cached blocks that are whole segments are released and the call retried
-//     once; a second failure throws halfgrad::OutOfMemory with the size and these statistics.
+//     once; a second failure throws halfgrad::OutOfMemory with the size and these statistics;
+//   - a memory limit (set_memory_limit, as torch.cuda.set_per_process_memory_fraction) caps what is reserved: a
+//     segment that would pass it is an out-of-memory too, after the same release of the cache.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -24,6 +26,7 @@ struct MemoryStats {
   size_t allocated_bytes = 0;       // in blocks handed out now (rounded sizes)
   size_t reserved_bytes = 0;        // held from cudaMalloc: allocated plus cached
   size_t peak_allocated_bytes = 0;  // the most allocated_bytes has been since start or reset_peak()
+  size_t peak_reserved_bytes = 0;   // the most reserved_bytes has been since start or reset_peak()
   size_t requested_bytes = 0;       // sizes as asked for, of the blocks handed out now
   uint64_t num_allocations = 0;     // allocations served (each tensor storage is one)
   uint64_t num_cuda_mallocs = 0;    // segments obtained from cudaMalloc
@@ -33,8 +36,15 @@ struct MemoryStats {
 
 // Statistics of one device (-1: the current device). All zero for a device not used yet.
 MemoryStats memory_stats(int device = -1);
-// Sets the peak to the bytes allocated now.
+// Sets the peaks to the bytes allocated and reserved now.
 void reset_peak(int device = -1);
+// Caps the bytes the allocator may reserve on `device` (-1: the current one) from now on; 0 removes the cap. More than
+// the device has is an error naming both sizes; less than is reserved now first releases the cache, and is an error
+// if that is not enough. What `halfgrad bench max-batch --memory-budget` runs under.
+void set_memory_limit(size_t bytes, int device = -1);
+size_t memory_limit(int device = -1);  // 0: none
+// The device's memory in bytes (cudaMemGetInfo's total).
+size_t device_memory(int device = -1);
 // Returns every cached (free) whole segment of every device to the driver with cudaFree. Memory still in
 // use stays; so do free blocks that share a segment with a block in use.
 void empty_cache();

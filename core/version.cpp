@@ -4,9 +4,13 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include "halfgrad_commit.h"  // generated at build time: cmake/git_commit.cmake
+
 namespace halfgrad {
 
 const char* version() { return "0.1.0"; }
+
+const char* git_commit() { return HALFGRAD_GIT_COMMIT; }
 
 bool built_with_cuda() {
 #if HALFGRAD_WITH_CUDA

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -15,12 +17,15 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/cuda.h"
+#include "core/cuda_allocator.h"
 #include "core/error.h"
 #include "core/serialize.h"
 #include "core/version.h"
 #include "models/classifiers.h"
+#include "tools/bench.h"
 #include "tools/train.h"
 
 using namespace halfgrad;
@@ -304,6 +309,93 @@ int run_generate(train::GenerateConfig config, const std::string& device, const 
   return 0;
 }
 
+struct BenchArgs {
+  std::string suite, device = "cuda", memory_budget, out;
+  std::vector<std::string> models, precisions;
+  std::vector<int64_t> batches;
+  bench::Settings settings;
+  bool nchw = false;
+  bool with_pytorch = false, torch_compile = false;
+};
+
+// An argument for /bin/sh, quoted.
+std::string shell_quoted(const std::string& s) {
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// tools/bench_torch.py with the same configurations, appending to the same file: every ratio from one run.
+int run_bench_torch(const BenchArgs& a, bool compile) {
+  const std::string script = std::string(HALFGRAD_TOOLS_DIR) + "/bench_torch.py";
+  HG_CHECK(std::filesystem::exists(script), "bench --with-pytorch: {} not found (it comes with halfgrad's sources)",
+           script);
+  std::string command = "python3 " + shell_quoted(script) + " " + shell_quoted(a.suite);
+  auto list = [&](const char* flag, const auto& values) {
+    if (!values.empty()) command += fmt::format(" {} {}", flag, shell_quoted(fmt::format("{}", fmt::join(values, ","))));
+  };
+  list("--models", a.models);
+  list("--precisions", a.precisions);
+  list("--batch", a.batches);
+  command += fmt::format(" --steps {} --warmup {} --vocab {} --bptt {} --max-batch {}", a.settings.steps,
+                         a.settings.warmup, a.settings.vocab, a.settings.bptt, a.settings.max_batch);
+  if (!a.memory_budget.empty()) command += " --memory-budget " + shell_quoted(a.memory_budget);
+  if (a.nchw) command += " --nchw";
+  if (compile) command += " --compile";
+  if (!a.out.empty()) command += " --out " + shell_quoted(a.out);
+  std::fflush(stdout);
+  const int status = std::system(command.c_str());
+  HG_CHECK(status == 0, "bench --with-pytorch: `{}` failed (status {})", command, status);
+  return 0;
+}
+
+// JSON lines to stdout (and appended to --out, a whole line at a time, flushed: an interrupted run leaves every line
+// it finished), a progress line to stderr before each configuration (rewritten in place on a terminal).
+int run_bench(BenchArgs a) {
+  a.settings.device = parse_device(a.device);
+  a.settings.channels_last = !a.nchw;
+  if (!a.memory_budget.empty()) {
+    a.settings.memory_budget = bench::parse_bytes(a.memory_budget);
+    if (a.settings.device.is_cuda()) {
+      HG_CHECK(cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible", a.device);
+      const size_t total = cuda::device_memory(a.settings.device.index);
+      HG_CHECK(a.settings.memory_budget <= total, "bench: --memory-budget {} is more than {} has ({})",
+               a.memory_budget, a.settings.device.str(), cuda::format_bytes(total));
+    }
+  }
+  HG_CHECK(a.settings.device.is_cpu() || cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible",
+           a.device);
+  const std::vector<bench::Case> cases = bench::suite_cases(a.suite, a.models, a.precisions, a.batches);
+  std::ofstream out;
+  if (!a.out.empty()) {
+    out.open(a.out, std::ios::app);
+    HG_CHECK(out.good(), "bench: cannot open {} to append to", a.out);
+  }
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  bench::run_cases(
+      cases, a.settings,
+      [&](const nlohmann::ordered_json& line) {
+        const std::string text = line.dump() + "\n";
+        if (tty) fmt::print(stderr, "\r\033[K");
+        fmt::print("{}", text);
+        std::fflush(stdout);
+        if (out.is_open()) {
+          out << text << std::flush;
+          HG_CHECK(out.good(), "bench: writing {} failed", a.out);
+        }
+      },
+      [&](size_t done, size_t total, const bench::Case& c) {
+        fmt::print(stderr, "{}bench {}: [{}/{}] {} {} batch {}{}", tty ? "\r\033[K" : "", c.suite, done + 1, total,
+                   c.model, c.precision, c.batch, tty ? "" : "\n");
+        std::fflush(stderr);
+      });
+  if (a.with_pytorch) {
+    run_bench_torch(a, false);
+    if (a.torch_compile) run_bench_torch(a, true);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -472,6 +564,39 @@ int main(int argc, char** argv) {
   tg->add_option("--outf", gen_outf, "write the text to this file (default: stdout)");
   tg->add_option("--log-interval", gen_log_interval, "a progress line every N words (0: none)")->capture_default_str();
   tg->callback([&] { rc = run_generate(gen, gen_device, gen_outf, gen_log_interval); });
+
+  BenchArgs bench_args;
+  CLI::App* tb = app.add_subcommand("bench", "The experiments' measurements, one JSON line per configuration: step "
+                                    "time, throughput, peak memory, the largest batch that fits (tools/bench.h)");
+  tb->add_option("suite", bench_args.suite, "vgg, resnet, lm, max-batch or all")->required()
+      ->transform(one_of(bench::suite_names()));
+  tb->add_option("--models", bench_args.models, "instead of the suite's: image classifiers (resnet50, vgg16) or "
+                 "language models (lstm-650x2)")->delimiter(',');
+  tb->add_option("--precisions", bench_args.precisions, "instead of the suite's: fp32, amp, o2, fp16, bf16")
+      ->delimiter(',')->transform(one_of(bench::precision_names()));
+  tb->add_option("--batch", bench_args.batches, "instead of the suite's batch sizes (max-batch: where the search "
+                 "starts)")->delimiter(',')->check(CLI::PositiveNumber);
+  tb->add_option("--device", bench_args.device, "cuda, cuda:N or cpu")->capture_default_str();
+  tb->add_option("--steps", bench_args.settings.steps, "timed steps per configuration")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  tb->add_option("--warmup", bench_args.settings.warmup, "untimed steps before them")->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  tb->add_flag("--cuda-graph", bench_args.settings.cuda_graph, "replay each step as a CUDA graph");
+  tb->add_flag("--nchw", bench_args.nchw, "NCHW image batches (default on CUDA: channels_last)");
+  tb->add_option("--memory-budget", bench_args.memory_budget, "max-batch: the memory the steps must fit in (8GiB, "
+                 "512MiB; default: the device's)");
+  tb->add_option("--max-batch", bench_args.settings.max_batch, "max-batch: the search's ceiling")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  tb->add_option("--vocab", bench_args.settings.vocab, "language models: words in the vocabulary")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  tb->add_option("--bptt", bench_args.settings.bptt, "language models: steps per window")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  tb->add_option("--out", bench_args.out, "also append the lines to this file");
+  tb->add_flag("--with-pytorch", bench_args.with_pytorch, "then the same configurations in PyTorch "
+               "(tools/bench_torch.py, eager channels_last), their lines to the same output");
+  tb->add_flag("--torch-compile", bench_args.torch_compile, "with --with-pytorch: PyTorch under "
+               "torch.compile(mode=\"reduce-overhead\") too");
+  tb->callback([&] { rc = run_bench(bench_args); });
 
   try {
     CLI11_PARSE(app, argc, argv);

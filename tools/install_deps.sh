@@ -28,6 +28,8 @@ need_file libfmt-dev     /usr/include/fmt/format.h /usr/local/include/fmt/format
 need_file libspdlog-dev  /usr/include/spdlog/spdlog.h /usr/local/include/spdlog/spdlog.h
 need_file doctest-dev    /usr/include/doctest/doctest.h /usr/local/include/doctest/doctest.h
 need_file libcli11-dev   /usr/include/CLI/CLI.hpp /usr/local/include/CLI/CLI.hpp
+need_file nlohmann-json3-dev /usr/share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake \
+          /usr/local/share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake
 # The CMake package files matter too (find_package); the headers alone are not enough.
 need_file libfmt-dev     "/usr/lib/$multiarch/cmake/fmt/fmt-config.cmake" /usr/local/lib/cmake/fmt/fmt-config.cmake
 need_file libspdlog-dev  "/usr/lib/$multiarch/cmake/spdlog/spdlogConfig.cmake" /usr/local/lib/cmake/spdlog/spdlogConfig.cmake
@@ -51,9 +53,35 @@ check_cmake_version() {
   fi
 }
 
+# Optional: matplotlib, for tools/plot.py's figures (its test is skipped without it). Installed where apt can; a
+# machine without a package registry (the GPU machine) goes on without it.
+optional=()
+if ! python3 -c 'import matplotlib' >/dev/null 2>&1 && [[ ! -e /usr/lib/python3/dist-packages/matplotlib/__init__.py ]]; then
+  optional+=(python3-matplotlib)
+fi
+
+sudo=()
+if ((EUID != 0)) && command -v sudo >/dev/null 2>&1; then
+  sudo=(sudo)
+fi
+can_install() { command -v apt-get >/dev/null 2>&1 && { ((EUID == 0)) || ((${#sudo[@]})); }; }
+export DEBIAN_FRONTEND=noninteractive
+
+install_optional() {
+  ((${#optional[@]})) || return 0
+  if can_install && { ((updated)) || "${sudo[@]}" apt-get update >/dev/null 2>&1; } &&
+     "${sudo[@]}" apt-get install -y --no-install-recommends "${optional[@]}" >/dev/null 2>&1; then
+    echo "install_deps: installed (optional) ${optional[*]}"
+  else
+    echo "install_deps: note: could not install the optional ${optional[*]} (tools/plot.py needs it; its test is skipped)"
+  fi
+}
+updated=0
+
 if ((${#missing[@]} == 0)); then
   check_cmake_version
   echo "install_deps: all build dependencies are present"
+  install_optional
   exit 0
 fi
 
@@ -63,25 +91,20 @@ if ! command -v apt-get >/dev/null 2>&1; then
   echo "install_deps: error: apt-get is not available; install these packages by hand: ${missing[*]}" >&2
   exit 1
 fi
-
-sudo=()
-if ((EUID != 0)); then
-  if command -v sudo >/dev/null 2>&1; then
-    sudo=(sudo)
-  else
-    echo "install_deps: error: not root and sudo is not available; install these packages as root: ${missing[*]}" >&2
-    exit 1
-  fi
+if ! can_install; then
+  echo "install_deps: error: not root and sudo is not available; install these packages as root: ${missing[*]}" >&2
+  exit 1
 fi
 
-export DEBIAN_FRONTEND=noninteractive
 if ! "${sudo[@]}" apt-get update; then
   echo "install_deps: error: apt-get update failed; install these packages by hand: ${missing[*]}" >&2
   exit 1
 fi
+updated=1
 if ! "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"; then
   echo "install_deps: error: apt-get install failed for: ${missing[*]}" >&2
   exit 1
 fi
 echo "install_deps: installed ${missing[*]}"
+install_optional
 check_cmake_version

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Copies halfgrad's C++ build dependencies (Eigen, fmt, spdlog, doctest, CLI11: headers, CMake package
+# Copies halfgrad's C++ build dependencies (Eigen, fmt, spdlog, doctest, CLI11, nlohmann-json: headers, CMake package
 # files and the two shared libraries) from this machine into .deps/usr, for a machine that has CUDA but not
 # these packages and cannot download them (the lent GPU machine). tools/gpu_check.sh finds them there.
 #
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(libeigen3-dev libfmt-dev libspdlog-dev doctest-dev libcli11-dev)
+packages=(libeigen3-dev libfmt-dev libspdlog-dev doctest-dev libcli11-dev nlohmann-json3-dev)
 # The runtime libraries: libfmt9 / libspdlog1.10 on Debian 12; whatever the -dev packages depend on elsewhere.
 for dev in libfmt-dev libspdlog-dev; do
   while read -r dep; do

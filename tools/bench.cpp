@@ -1,0 +1,428 @@
+// `halfgrad bench` (tools/bench.h): the suites, one configuration's measurement, the largest batch under a budget.
+#include "tools/bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#if HALFGRAD_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "core/cuda.h"
+#include "core/cuda_allocator.h"
+#include "core/cuda_graph.h"
+#include "core/version.h"
+#include "halfgrad.h"
+#include "models/classifiers.h"
+#include "models/language_model.h"
+#include "optim/amp.h"
+#include "optim/sgd.h"
+
+namespace halfgrad::bench {
+
+using json = nlohmann::ordered_json;
+
+const std::vector<std::string>& suite_names() {
+  static const std::vector<std::string> names = {"vgg", "resnet", "lm", "max-batch", "all"};
+  return names;
+}
+
+const std::vector<std::string>& precision_names() {
+  static const std::vector<std::string> names = {"fp32", "amp", "o2", "fp16", "bf16"};
+  return names;
+}
+
+namespace {
+
+struct Precision {
+  amp::OptLevel level;
+  DType half;
+};
+
+Precision precision_of(const std::string& name) {
+  if (name == "fp32") return {amp::OptLevel::O0, kFloat16};
+  if (name == "amp") return {amp::OptLevel::O1, kFloat16};
+  if (name == "o2") return {amp::OptLevel::O2, kFloat16};
+  if (name == "fp16") return {amp::OptLevel::O3, kFloat16};
+  if (name == "bf16") return {amp::OptLevel::O1, kBFloat16};
+  HG_FAIL("bench: unknown precision \"{}\" ({})", name, fmt::join(precision_names(), ", "));
+}
+
+struct LanguageModelShape {
+  nn::RecurrentKind kind;
+  int64_t hidden = 0, layers = 0;
+};
+
+// "lstm-650x2" -> LSTM, 650, 2; nullopt for anything else.
+std::optional<LanguageModelShape> language_model_shape(const std::string& name) {
+  const size_t dash = name.find('-'), x = name.find('x', dash == std::string::npos ? 0 : dash);
+  if (dash == std::string::npos || x == std::string::npos) return std::nullopt;
+  const std::string kind = name.substr(0, dash), hidden = name.substr(dash + 1, x - dash - 1),
+                    layers = name.substr(x + 1);
+  auto number = [](const std::string& s) -> int64_t {
+    if (s.empty() || s.size() > 6 || !std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
+      return 0;
+    return std::stoll(s);
+  };
+  LanguageModelShape shape{.hidden = number(hidden), .layers = number(layers)};
+  if (kind == "lstm")
+    shape.kind = nn::RecurrentKind::LSTM;
+  else if (kind == "gru")
+    shape.kind = nn::RecurrentKind::GRU;
+  else if (kind == "rnn_tanh")
+    shape.kind = nn::RecurrentKind::RNNTanh;
+  else if (kind == "rnn_relu")
+    shape.kind = nn::RecurrentKind::RNNReLU;
+  else
+    return std::nullopt;
+  if (shape.hidden < 1 || shape.layers < 1) return std::nullopt;
+  return shape;
+}
+
+bool is_classifier(const std::string& name) {
+  const auto& names = models::image_classifier_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+// What a line says about where it was measured.
+json environment(const Settings& s) {
+  json e;
+  e["device"] = s.device.str();
+  e["gpu"] = s.device.is_cuda() ? cuda::device_name(s.device.index) : "";
+  const cuda::Versions v = cuda::versions();
+  e["driver"] = v.driver;
+  e["cuda"] = v.runtime;
+  e["cudnn"] = v.cudnn;
+  e["halfgrad"] = version();
+  e["commit"] = git_commit();
+  e["date"] = utc_now();
+  return e;
+}
+
+void synchronize(Device device) {
+  if (device.is_cuda()) cuda::synchronize(device.index);
+}
+
+// The time of each of `steps` steps after `warmup`: between two CUDA events on the device (steps are not synchronized
+// one by one, so a step is timed by its kernels when the host keeps ahead and by the host when it does not), by the
+// wall clock on the CPU.
+std::vector<double> time_each_step(const std::function<void()>& step, const Settings& s) {
+  for (int i = 0; i < s.warmup; ++i) step();
+  synchronize(s.device);
+  std::vector<double> ms(size_t(s.steps));
+#if HALFGRAD_WITH_CUDA
+  if (s.device.is_cuda()) {
+    auto check = [](cudaError_t status, const char* what) {
+      HG_CHECK(status == cudaSuccess, "bench: {} failed: {}", what, cudaGetErrorString(status));
+    };
+    const cudaStream_t stream = cuda::current_stream(s.device);
+    std::vector<cudaEvent_t> events(size_t(2 * s.steps));
+    for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
+    for (int i = 0; i < s.steps; ++i) {
+      check(cudaEventRecord(events[size_t(2 * i)], stream), "cudaEventRecord");
+      step();
+      check(cudaEventRecord(events[size_t(2 * i + 1)], stream), "cudaEventRecord");
+    }
+    synchronize(s.device);
+    for (int i = 0; i < s.steps; ++i) {
+      float t = 0;
+      check(cudaEventElapsedTime(&t, events[size_t(2 * i)], events[size_t(2 * i + 1)]), "cudaEventElapsedTime");
+      ms[size_t(i)] = t;
+    }
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    return ms;
+  }
+#endif
+  for (int i = 0; i < s.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    ms[size_t(i)] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return ms;
+}
+
+json spread(std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  auto at = [&](double q) { return ms[size_t(std::lround(q * double(ms.size() - 1)))]; };
+  return {{"median", at(0.5)}, {"min", ms.front()}, {"p10", at(0.1)}, {"p90", at(0.9)}, {"max", ms.back()}};
+}
+
+// A training step on synthetic data, with everything it needs alive as long as it is.
+struct Workload {
+  std::function<void()> step;
+  double items = 0;          // images or tokens a step
+  const char* unit = "";     // "images_per_second" or "tokens_per_second"
+  std::shared_ptr<void> owner;
+};
+
+Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
+  struct State {
+    std::shared_ptr<nn::Module> model;
+    std::unique_ptr<optim::SGD> sgd;
+    std::unique_ptr<amp::Amp> amp;
+    Tensor x, y;
+  };
+  auto st = std::make_shared<State>();
+  const Precision p = precision_of(c.precision);
+  manual_seed(0);
+  st->model = models::image_classifier(c.model);
+  st->model->to(s.device);
+  st->model->train();
+  st->sgd = std::make_unique<optim::SGD>(st->model->parameters(),
+                                         optim::SGDOptions{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+  st->amp = std::make_unique<amp::Amp>(amp::initialize(*st->model, *st->sgd, p.level, {.half_dtype = p.half}));
+  st->x = randn({batch, 3, 32, 32}, {.device = s.device});
+  if (s.channels_last && s.device.is_cuda()) st->x = contiguous_channels_last(st->x);
+  st->y = randint(0, 10, {batch}, {.dtype = kInt64, .device = s.device});
+  State* raw = st.get();
+  auto step = [raw] {
+    Tensor logits = raw->amp->forward(*raw->model, raw->x);
+    Tensor loss = raw->amp->loss([&] { return cross_entropy(logits, raw->y); });
+    raw->amp->backward(loss);
+    raw->amp->step();
+    raw->amp->zero_grad();
+  };
+  return {step, double(batch), "images_per_second", st};
+}
+
+Workload language_model_workload(const Case& c, const Settings& s, int64_t batch) {
+  const std::optional<LanguageModelShape> shape = language_model_shape(c.model);
+  HG_CHECK(shape.has_value(), "bench: \"{}\" is not a language model (\"lstm-650x2\": lstm, gru, rnn_tanh or rnn_relu, "
+           "hidden size x layers)", c.model);
+  struct State {
+    std::unique_ptr<models::LanguageModel> model;
+    std::unique_ptr<optim::SGD> sgd;
+    std::unique_ptr<amp::Amp> amp;
+    Tensor input, target, h, cell;
+  };
+  auto st = std::make_shared<State>();
+  const Precision p = precision_of(c.precision);
+  manual_seed(0);
+  st->model = std::make_unique<models::LanguageModel>(
+      s.vocab, models::LanguageModelOptions{.kind = shape->kind, .embedding_size = shape->hidden,
+                                            .hidden_size = shape->hidden, .num_layers = shape->layers});
+  st->model->to(s.device);
+  st->model->train();
+  st->sgd = std::make_unique<optim::SGD>(st->model->parameters(), optim::SGDOptions{.lr = 20});
+  st->amp = std::make_unique<amp::Amp>(amp::initialize(*st->model, *st->sgd, p.level, {.half_dtype = p.half}));
+  st->input = randint(0, s.vocab, {s.bptt, batch}, {.dtype = kInt64, .device = s.device});
+  st->target = randint(0, s.vocab, {s.bptt * batch}, {.dtype = kInt64, .device = s.device});
+  st->h = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
+  if (shape->kind == nn::RecurrentKind::LSTM) st->cell = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
+  State* raw = st.get();
+  const int64_t vocab = s.vocab;
+  // The state carried in place from step to step (as train-lm --cuda-graph does), detached by NoGradGuard's copy.
+  auto step = [raw, vocab] {
+    auto out = raw->amp->run([&] { return raw->model->forward(raw->input, raw->h, raw->cell); });
+    Tensor loss = raw->amp->loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), raw->target); });
+    raw->amp->backward(loss);
+    raw->amp->clip_grad_norm_(0.25);
+    raw->amp->step();
+    raw->amp->zero_grad();
+    NoGradGuard no_grad;
+    raw->h.copy_(out.h);
+    if (raw->cell.defined()) raw->cell.copy_(out.c);
+  };
+  return {step, double(s.bptt * batch), "tokens_per_second", st};
+}
+
+Workload workload(const Case& c, const Settings& s, int64_t batch) {
+  return c.suite == "lm" ? language_model_workload(c, s, batch) : classifier_workload(c, s, batch);
+}
+
+void measure(const Case& c, const Settings& s, json& line) {
+  Workload w = workload(c, s, c.batch);
+  w.step();  // the first allocations and cuDNN's autotuning stay out of the figures
+  synchronize(s.device);
+  if (s.device.is_cuda()) cuda::reset_peak(s.device.index);
+  std::unique_ptr<cuda::CapturedStep> captured;
+  if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(s.device, w.step, 2);
+  const std::vector<double> ms = time_each_step(captured ? std::function<void()>([&] { (*captured)(); }) : w.step, s);
+  line["ms"] = spread(ms);
+  line[w.unit] = w.items / (line["ms"]["median"].get<double>() * 1e-3);
+  if (s.device.is_cuda()) {
+    const cuda::MemoryStats m = cuda::memory_stats(s.device.index);
+    line["peak_allocated_bytes"] = m.peak_allocated_bytes;
+    line["peak_reserved_bytes"] = m.peak_reserved_bytes;
+  }
+}
+
+// Whether two training steps at `batch` fit; the step's tensors are gone when it returns.
+bool fits(const Case& c, const Settings& s, int64_t batch) {
+  try {
+    Workload w = workload(c, s, batch);
+    w.step();
+    w.step();
+    synchronize(s.device);
+    return true;
+  } catch (const OutOfMemory&) {
+    return false;
+  }
+}
+
+// The largest batch whose steps fit under the budget: doubling from c.batch until one does not fit (or the ceiling),
+// then bisection to within 1%. The budget is the allocator's limit while searching; the old limit, an empty cache and
+// reset peaks afterwards.
+void search_max_batch(const Case& c, const Settings& s, json& line) {
+  HG_CHECK(s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory budgets are the CUDA "
+           "allocator's), got {}", s.device.str());
+  const size_t previous = cuda::memory_limit(s.device.index);
+  const size_t budget = s.memory_budget ? s.memory_budget : cuda::device_memory(s.device.index);
+  cuda::empty_cache();
+  cuda::set_memory_limit(budget, s.device.index);
+  int64_t probes = 0;
+  auto probe = [&](int64_t batch) {
+    ++probes;
+    const bool ok = fits(c, s, batch);
+    cuda::empty_cache();
+    return ok;
+  };
+  int64_t good = 0, bad = 0;  // the largest batch known to fit, the smallest known not to (0: none yet)
+  try {
+    for (int64_t b = std::max<int64_t>(1, c.batch); b <= s.max_batch; b *= 2) {
+      if (!probe(b)) {
+        bad = b;
+        break;
+      }
+      good = b;
+    }
+    if (bad == 0) bad = s.max_batch + 1;
+    while (bad - good > std::max<int64_t>(1, good / 100)) {
+      const int64_t mid = good + (bad - good) / 2;
+      (probe(mid) ? good : bad) = mid;
+    }
+  } catch (...) {
+    cuda::set_memory_limit(previous, s.device.index);
+    throw;
+  }
+  cuda::set_memory_limit(previous, s.device.index);
+  cuda::reset_peak(s.device.index);
+  line["max_batch"] = good;
+  line["memory_budget_bytes"] = budget;
+  line["probes"] = probes;
+  line["reached_ceiling"] = good == s.max_batch;
+}
+
+}  // namespace
+
+std::vector<Case> suite_cases(const std::string& suite, const std::vector<std::string>& models,
+                              const std::vector<std::string>& precisions, const std::vector<int64_t>& batches) {
+  if (suite == "all") {
+    std::vector<Case> all;
+    for (const char* one : {"vgg", "resnet", "lm", "max-batch"}) {
+      const std::vector<Case> part = suite_cases(one, models, precisions, batches);
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  }
+  std::vector<std::string> m, p;
+  std::vector<int64_t> b;
+  if (suite == "vgg") {
+    m = {"vgg16"}, p = {"fp32", "fp16", "amp"}, b = {128, 256, 512, 1024, 2048};
+  } else if (suite == "resnet") {
+    m = {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"}, p = {"fp32", "amp", "o2", "bf16"}, b = {256};
+  } else if (suite == "lm") {
+    m = {"lstm-200x2", "lstm-650x2", "gru-200x2", "gru-650x2"}, p = {"fp32", "amp"}, b = {20};
+  } else if (suite == "max-batch") {
+    m = {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"}, p = {"fp32", "amp", "o2", "fp16"}, b = {64};
+  } else {
+    HG_FAIL("bench: unknown suite \"{}\" ({})", suite, fmt::join(suite_names(), ", "));
+  }
+  if (!models.empty()) m = models;
+  if (!precisions.empty()) p = precisions;
+  if (!batches.empty()) b = batches;
+  for (const std::string& model : m) {
+    if (suite == "lm")
+      HG_CHECK(language_model_shape(model).has_value(), "bench lm: \"{}\" is not a language model (\"lstm-650x2\": "
+               "lstm, gru, rnn_tanh or rnn_relu, hidden size x layers)", model);
+    else
+      HG_CHECK(is_classifier(model), "bench {}: \"{}\" is not an image classifier ({})", suite, model,
+               fmt::join(models::image_classifier_names(), ", "));
+  }
+  for (const std::string& precision : p) precision_of(precision);
+  for (int64_t batch : b) HG_CHECK(batch >= 1, "bench {}: a batch must be >= 1, got {}", suite, batch);
+  std::vector<Case> cases;
+  for (const std::string& model : m)
+    for (const std::string& precision : p)
+      for (int64_t batch : b) cases.push_back({suite, model, precision, batch});
+  return cases;
+}
+
+json run_case(const Case& c, const Settings& s) {
+  HG_CHECK(s.steps >= 1 && s.warmup >= 0, "bench: steps must be >= 1 and warmup >= 0, got {} and {}", s.steps,
+           s.warmup);
+  HG_CHECK(!s.cuda_graph || s.device.is_cuda(), "bench: --cuda-graph needs a CUDA device, got {}", s.device.str());
+  json line = {{"framework", "halfgrad"}, {"suite", c.suite}, {"model", c.model}, {"precision", c.precision},
+               {"batch", c.batch}, {"dataset", "synthetic"}};
+  line.update(environment(s));
+  line["cuda_graph"] = s.cuda_graph;
+  line["out_of_memory"] = false;
+  if (c.suite != "max-batch") {
+    line["warmup"] = s.warmup;
+    line["steps"] = s.steps;
+    if (c.suite == "lm") line["bptt"] = s.bptt;
+  }
+  try {
+    if (c.suite == "max-batch")
+      search_max_batch(c, s, line);
+    else
+      measure(c, s, line);
+  } catch (const OutOfMemory& e) {
+    line["out_of_memory"] = true;
+    line["error"] = e.what();
+  }
+  if (s.device.is_cuda()) cuda::empty_cache();  // the next configuration starts from an empty cache
+  return line;
+}
+
+std::vector<json> run_cases(const std::vector<Case>& cases, const Settings& s,
+                            const std::function<void(const json&)>& on_line,
+                            const std::function<void(size_t, size_t, const Case&)>& on_progress) {
+  for (const Case& c : cases)  // before anything runs, not after an hour of the other suites
+    HG_CHECK(c.suite != "max-batch" || s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory "
+             "budgets are the CUDA allocator's), got {}", s.device.str());
+  std::vector<json> lines;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    if (on_progress) on_progress(i, cases.size(), cases[i]);
+    lines.push_back(run_case(cases[i], s));
+    if (on_line) on_line(lines.back());
+  }
+  return lines;
+}
+
+size_t parse_bytes(const std::string& text) {
+  size_t end = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &end);
+  } catch (const std::exception&) {
+    HG_FAIL("bench: \"{}\" is not a size (say 8GiB, 512MiB, 1.5GB or a number of bytes)", text);
+  }
+  const std::string unit = text.substr(end);
+  double scale = 0;
+  for (auto [name, factor] : std::initializer_list<std::pair<const char*, double>>{
+           {"", 1}, {"B", 1}, {"KiB", 0x1p10}, {"MiB", 0x1p20}, {"GiB", 0x1p30}, {"TiB", 0x1p40},
+           {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}})
+    if (unit == name) scale = factor;
+  HG_CHECK(scale != 0 && value >= 0 && std::isfinite(value),
+           "bench: \"{}\" is not a size (say 8GiB, 512MiB, 1.5GB or a number of bytes)", text);
+  return size_t(std::llround(value * scale));
+}
+
+}  // namespace halfgrad::bench
