@@ -48,7 +48,7 @@ TEST_CASE("train_classifier learns a visible class on CPU, reports every epoch a
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 16, uint64_t(k));
   write_cifar10(dir.file("test_batch.bin"), 40, 9);
   train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 16, .lr = 0.05,
-                                 .workers = 2, .seed = 3, .checkpoint = dir.file("last.safetensors")};
+                                 .workers = 2, .seed = 3, .train_checkpoint = dir.file("last.safetensors")};
   std::vector<int64_t> reported;
   const auto stats = train::train_classifier(config, [&](const train::EpochStats& s) { reported.push_back(s.epoch); });
   REQUIRE(stats.size() == 3);
@@ -65,7 +65,7 @@ TEST_CASE("train_classifier learns a visible class on CPU, reports every epoch a
   CHECK(stats.back().test_accuracy > 0.9);
   CHECK(stats.back().test_loss < stats.front().train_loss);
 
-  nn::TrainingCheckpoint ck = nn::load_training_checkpoint(config.checkpoint);
+  nn::TrainingCheckpoint ck = nn::load_training_checkpoint(config.train_checkpoint);
   CHECK(ck.epoch == 3);
   CHECK(ck.step == 15);  // 80 images in batches of 16, 3 epochs
   CHECK(ck.metadata.at("model") == "vgg11");
@@ -80,13 +80,13 @@ TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad
   for (amp::OptLevel level : {amp::OptLevel::O1, amp::OptLevel::O2}) {
     CAPTURE(amp::opt_level_name(level));
     train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 1, .batch_size = 10,
-                                   .opt_level = level, .workers = 0, .checkpoint = ""};
+                                   .opt_level = level, .workers = 0, .train_checkpoint = ""};
     const auto stats = train::train_classifier(config);
     REQUIRE(stats.size() == 1);
     CHECK(std::isfinite(stats[0].train_loss));
     CHECK(stats[0].loss_scale > 1);  // dynamic loss scaling is on at O1 and O2
   }
-  train::ClassifierConfig bad{.model = "resnet9", .data_dir = dir.path, .checkpoint = ""};
+  train::ClassifierConfig bad{.model = "resnet9", .data_dir = dir.path, .train_checkpoint = ""};
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown model \"resnet9\""));
   bad.model = "vgg11";
   bad.dataset = "cifar100";
@@ -104,23 +104,23 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
     CAPTURE(amp::opt_level_name(level));
     const train::ClassifierConfig straight{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 8,
                                            .lr = 0.05, .opt_level = level, .workers = 2, .seed = 5,
-                                           .checkpoint = dir.file("straight.safetensors")};
+                                           .train_checkpoint = dir.file("straight.safetensors")};
     const std::string after_first = dir.file("after_epoch_1.safetensors");
     const auto all = train::train_classifier(straight, [&](const train::EpochStats& s) {
       if (s.epoch == 0)
-        std::filesystem::copy_file(straight.checkpoint, after_first, std::filesystem::copy_options::overwrite_existing);
+        std::filesystem::copy_file(straight.train_checkpoint, after_first, std::filesystem::copy_options::overwrite_existing);
     });
     REQUIRE(all.size() == 2);
     train::ClassifierConfig resumed = straight;
     resumed.resume = after_first;
-    resumed.checkpoint = dir.file("resumed.safetensors");
+    resumed.train_checkpoint = dir.file("resumed.safetensors");
     const auto rest = train::train_classifier(resumed);
     REQUIRE(rest.size() == 1);
     CHECK(rest[0].epoch == 1);
     CHECK(rest[0].train_loss == all[1].train_loss);
     CHECK(rest[0].test_loss == all[1].test_loss);
-    const nn::TrainingCheckpoint want = nn::load_training_checkpoint(straight.checkpoint),
-                                 got = nn::load_training_checkpoint(resumed.checkpoint);
+    const nn::TrainingCheckpoint want = nn::load_training_checkpoint(straight.train_checkpoint),
+                                 got = nn::load_training_checkpoint(resumed.train_checkpoint);
     CHECK(got.epoch == want.epoch);
     CHECK(got.step == want.step);
     check_same_tensors(got, want);
@@ -169,11 +169,11 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   write_cifar10(dir.file("test_batch.bin"), 8, 9);
   const train::ClassifierConfig straight{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 8,
                                          .lr = 0.05, .opt_level = amp::OptLevel::O1, .workers = 2, .seed = 5,
-                                         .checkpoint = dir.file("straight.safetensors")};
+                                         .train_checkpoint = dir.file("straight.safetensors")};
   const auto all = train::train_classifier(straight);
   // A stop asked for during batch 3 of epoch 2 (what Ctrl-C does): that step finishes, then the checkpoint.
   train::ClassifierConfig stopped = straight;
-  stopped.checkpoint = dir.file("stopped.safetensors");
+  stopped.train_checkpoint = dir.file("stopped.safetensors");
   stopped.log_interval = 1;
   const auto before = train::train_classifier(stopped, {}, [](const train::ClassifierProgress& p) {
     if (p.epoch == 1 && p.batch == 3) train::request_stop();
@@ -181,26 +181,26 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   CHECK(train::stop_requested());
   train::clear_stop();
   REQUIRE(before.size() == 1);  // epoch 2 did not finish
-  const nn::TrainingCheckpoint at_stop = nn::load_training_checkpoint(stopped.checkpoint);
+  const nn::TrainingCheckpoint at_stop = nn::load_training_checkpoint(stopped.train_checkpoint);
   CHECK(at_stop.epoch == 1);
   CHECK(at_stop.step == 5 + 3);
   CHECK(at_stop.metadata.at("batch") == "3");
   train::ClassifierConfig resumed = straight;
-  resumed.resume = stopped.checkpoint;
-  resumed.checkpoint = dir.file("resumed.safetensors");
+  resumed.resume = stopped.train_checkpoint;
+  resumed.train_checkpoint = dir.file("resumed.safetensors");
   const auto rest = train::train_classifier(resumed);
   REQUIRE(rest.size() == 1);
   CHECK(rest[0].train_loss == all[1].train_loss);  // the whole epoch's, the batches before the stop included
   CHECK(rest[0].train_accuracy == all[1].train_accuracy);
   CHECK(rest[0].test_loss == all[1].test_loss);
-  check_same_tensors(nn::load_training_checkpoint(resumed.checkpoint), nn::load_training_checkpoint(straight.checkpoint));
+  check_same_tensors(nn::load_training_checkpoint(resumed.train_checkpoint), nn::load_training_checkpoint(straight.train_checkpoint));
 
   nn::TrainingCheckpoint bad = at_stop;  // a position that is not a count is an error naming the file
   bad.metadata["batch"] = "three";
   nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
   train::ClassifierConfig broken = straight;
   broken.resume = dir.file("bad.safetensors");
-  broken.checkpoint = "";
+  broken.train_checkpoint = "";
   CHECK(contains(error_of([&] { train::train_classifier(broken); }),
                  "bad.safetensors: the checkpoint's batch is \"three\", not a count"));
 }
@@ -210,7 +210,7 @@ TEST_CASE("train_classifier reports progress every log_interval batches: loss, a
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 4, uint64_t(k));
   write_cifar10(dir.file("test_batch.bin"), 4, 9);
   train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 1, .batch_size = 3,
-                                 .schedule = "constant", .workers = 0, .checkpoint = "", .log_interval = 2};
+                                 .schedule = "constant", .workers = 0, .train_checkpoint = "", .log_interval = 2};
   std::vector<train::ClassifierProgress> seen;
   train::train_classifier(config, {}, [&](const train::ClassifierProgress& p) { seen.push_back(p); });
   // 20 images in batches of 3: 7 batches, progress after the 2nd, 4th and 6th.
@@ -422,7 +422,7 @@ TEST_CASE("sweep_classifier runs every opt level and batch size and names them a
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
   write_cifar10(dir.file("test_batch.bin"), 8, 9);
-  train::ClassifierConfig base{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .workers = 0, .checkpoint = ""};
+  train::ClassifierConfig base{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .workers = 0, .train_checkpoint = ""};
   std::vector<std::string> seen;
   const auto rows = train::sweep_classifier(base, {amp::OptLevel::O0, amp::OptLevel::O3}, {8, 20},
                                             [&](const train::SweepRow& r) {

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "core/cuda.h"
 #include "core/cuda_allocator.h"
@@ -60,6 +61,29 @@ std::ofstream open_csv(const std::string& path, const char* command, const char*
   return csv;
 }
 
+// --jsonl: the metrics as one JSON object a line ("event": "progress", "epoch", "row" or "test"), each flushed as it is
+// written, so that a run stopped at any point leaves whole lines. A fresh run starts the file; a resumed one appends.
+class JsonLines {
+ public:
+  JsonLines(const std::string& path, const char* command, bool append) : path_(path), command_(command) {
+    if (path.empty()) return;
+    out_.open(path, append ? std::ios::app : std::ios::trunc);
+    HG_CHECK(out_.good(), "{}: cannot open --jsonl {} for writing", command, path);
+  }
+  void write(const char* event, nlohmann::ordered_json fields) {
+    if (path_.empty()) return;
+    nlohmann::ordered_json line = {{"command", command_}, {"event", event}};
+    line.update(fields);
+    out_ << line.dump() << '\n' << std::flush;
+    HG_CHECK(out_.good(), "{}: writing --jsonl {} failed", command_, path_);
+  }
+
+ private:
+  std::string path_;
+  const char* command_;
+  std::ofstream out_;
+};
+
 // Ctrl-C (SIGINT) or SIGTERM during training: the first asks the loop to stop after the step under way (it writes its
 // checkpoint there); the second ends the process at once, as the default handler does.
 extern "C" void on_stop_signal(int signal) {
@@ -87,23 +111,27 @@ int report_stop(const std::string& checkpoint, const char* option) {
 }
 
 int run_train_classifier(train::ClassifierConfig config, const std::string& opt_level, const std::string& half,
-                         const std::string& device, const std::string& csv_path) {
+                         const std::string& device, const std::string& csv_path, const std::string& jsonl_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
   std::ofstream csv = open_csv(csv_path, "train-classifier",
                                "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,"
                                "peak_memory_bytes,skipped_steps,loss_scale");
+  JsonLines jsonl(jsonl_path, "train-classifier", !config.resume.empty());
   fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}{}\n", config.model,
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
              config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
   std::fflush(stdout);
-  auto progress = [](const train::ClassifierProgress& p) {
+  auto progress = [&](const train::ClassifierProgress& p) {
     const int64_t eta = int64_t(std::lround(p.eta_seconds));
     fmt::print("| epoch {:3d} | {:5d}/{:5d} batches | lr {:.4g} | loss {:6.4f} | acc {:6.4f} | {:.0f} images/s | "
                "epoch ends in {}m{:02d}s\n", p.epoch + 1, p.batch, p.batches, p.lr, p.loss, p.accuracy,
                p.images_per_second, eta / 60, eta % 60);
     std::fflush(stdout);
+    jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
+                             {"loss", p.loss}, {"accuracy", p.accuracy}, {"images_per_second", p.images_per_second},
+                             {"eta_seconds", p.eta_seconds}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   train::train_classifier(config, [&](const train::EpochStats& s) {
@@ -115,6 +143,10 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                s.train_loss, s.train_accuracy, s.test_loss, s.test_accuracy, s.seconds, s.images_per_second,
                double(s.peak_memory_bytes) / (1 << 20), s.skipped_steps, s.loss_scale);
     std::fflush(stdout);
+    jsonl.write("epoch", {{"epoch", s.epoch + 1}, {"train_loss", s.train_loss}, {"train_accuracy", s.train_accuracy},
+                          {"test_loss", s.test_loss}, {"test_accuracy", s.test_accuracy}, {"seconds", s.seconds},
+                          {"images_per_second", s.images_per_second}, {"peak_memory_bytes", s.peak_memory_bytes},
+                          {"skipped_steps", s.skipped_steps}, {"loss_scale", s.loss_scale}});
     if (csv.is_open()) {
       csv << fmt::format("{},{},{},{},{},{},{},{},{},{}\n", s.epoch + 1, s.train_loss, s.train_accuracy, s.test_loss,
                          s.test_accuracy, s.seconds, s.images_per_second, s.peak_memory_bytes, s.skipped_steps,
@@ -122,13 +154,13 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
       csv.flush();
     }
   }, progress);
-  if (train::stop_requested()) return report_stop(config.checkpoint, "--checkpoint");
+  if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
   return 0;
 }
 
 int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::string>& levels,
                          const std::vector<int64_t>& batch_sizes, const std::string& half, const std::string& device,
-                         const std::string& csv_path) {
+                         const std::string& csv_path, const std::string& jsonl_path) {
   std::vector<amp::OptLevel> parsed;
   for (const std::string& l : levels) parsed.push_back(amp::parse_opt_level(l));
   config.half_dtype = parse_half(half);
@@ -137,6 +169,7 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                                "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,"
                                "peak_memory_bytes,final_train_accuracy,final_test_accuracy,final_test_loss,"
                                "skipped_steps");
+  JsonLines jsonl(jsonl_path, "sweep-classifier", false);
   fmt::print("sweep-classifier: {} on {} ({}), {} epochs per run, lr {} ({}){}{}\n", config.model, config.dataset,
              config.device.str(), config.epochs, config.lr, config.schedule,
              config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
@@ -153,6 +186,12 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                  r.final_train_accuracy, r.final_test_accuracy, r.skipped_steps);
     }
     std::fflush(stdout);
+    jsonl.write("row", {{"precision", name}, {"opt_level", amp::opt_level_name(r.opt_level)},
+                        {"batch_size", r.batch_size}, {"out_of_memory", r.out_of_memory},
+                        {"seconds_per_epoch", r.seconds_per_epoch}, {"images_per_second", r.images_per_second},
+                        {"peak_memory_bytes", r.peak_memory_bytes}, {"final_train_accuracy", r.final_train_accuracy},
+                        {"final_test_accuracy", r.final_test_accuracy}, {"final_test_loss", r.final_test_loss},
+                        {"skipped_steps", r.skipped_steps}});
     if (csv.is_open()) {
       csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", name, amp::opt_level_name(r.opt_level), r.batch_size,
                          r.out_of_memory ? 1 : 0, r.seconds_per_epoch, r.images_per_second, r.peak_memory_bytes,
@@ -164,13 +203,14 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
 }
 
 int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level, const std::string& half,
-                 const std::string& device, const std::string& csv_path) {
+                 const std::string& device, const std::string& csv_path, const std::string& jsonl_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
   std::ofstream csv = open_csv(csv_path, "train-lm",
                                "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,"
                                "peak_memory_bytes,skipped_steps,loss_scale");
+  JsonLines jsonl(jsonl_path, "train-lm", !config.resume.empty());
   fmt::print("train-lm: {} {}x{} ({} layers, dropout {}{}) on {} ({}), {} epochs, batch {}, bptt {}, lr {}, clip {}, "
              "opt level {}\n", config.rnn, config.embedding_size, config.hidden_size, config.num_layers, config.dropout,
              config.tie_weights ? ", tied" : "",
@@ -178,12 +218,15 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
              config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level);
   std::fflush(stdout);
   // main.py's progress line, with the rate and the epoch's remaining time.
-  auto progress = [](const train::LanguageModelProgress& p) {
+  auto progress = [&](const train::LanguageModelProgress& p) {
     const int64_t eta = int64_t(std::lround(p.eta_seconds));
     fmt::print("| epoch {:3d} | {:5d}/{:5d} batches | lr {:05.2f} | ms/batch {:5.2f} | loss {:5.2f} | ppl {:8.2f} | "
                "{:.0f} tokens/s | epoch ends in {}m{:02d}s\n", p.epoch + 1, p.batch, p.batches, p.lr, p.ms_per_batch,
                p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60);
     std::fflush(stdout);
+    jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
+                             {"ms_per_batch", p.ms_per_batch}, {"loss", p.loss}, {"ppl", std::exp(p.loss)},
+                             {"tokens_per_second", p.tokens_per_second}, {"eta_seconds", p.eta_seconds}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
@@ -196,6 +239,11 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss), s.valid_loss, std::exp(s.valid_loss), s.seconds,
                s.tokens_per_second, double(s.peak_memory_bytes) / (1 << 20), s.skipped_steps, s.loss_scale);
     std::fflush(stdout);
+    jsonl.write("epoch", {{"epoch", s.epoch + 1}, {"lr", s.lr}, {"train_loss", s.train_loss},
+                          {"train_ppl", std::exp(s.train_loss)}, {"valid_loss", s.valid_loss},
+                          {"valid_ppl", std::exp(s.valid_loss)}, {"seconds", s.seconds},
+                          {"tokens_per_second", s.tokens_per_second}, {"peak_memory_bytes", s.peak_memory_bytes},
+                          {"skipped_steps", s.skipped_steps}, {"loss_scale", s.loss_scale}});
     if (csv.is_open()) {
       csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss),
                          s.valid_loss, std::exp(s.valid_loss), s.seconds, s.tokens_per_second, s.peak_memory_bytes,
@@ -206,6 +254,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
+  jsonl.write("test", {{"test_loss", result.test_loss}, {"test_ppl", std::exp(result.test_loss)}});
   return 0;
 }
 
@@ -414,7 +463,7 @@ int main(int argc, char** argv) {
   // What the classifier subcommands share; strings are parsed when the subcommand runs.
   struct ClassifierArgs {
     train::ClassifierConfig config;
-    std::string opt_level = "O0", half = "float16", device = "cpu", csv_path, data_dir;
+    std::string opt_level = "O0", half = "float16", device = "cpu", csv_path, jsonl_path, data_dir;
   };
   auto add_classifier_options = [](CLI::App* sub, ClassifierArgs& a) {
     train::ClassifierConfig& c = a.config;
@@ -449,6 +498,8 @@ int main(int argc, char** argv) {
     sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)");
     sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)");
     sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file");
+    sub->add_option("--jsonl", a.jsonl_path, "also write the figures (and the progress lines) to this file, one JSON "
+                    "object a line");
   };
 
   ClassifierArgs train_args;
@@ -457,9 +508,9 @@ int main(int argc, char** argv) {
   tc->add_option("--batch-size", train_args.config.batch_size)->capture_default_str();
   tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
                  "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
-  tc->add_option("--checkpoint", train_args.config.checkpoint, "write a training checkpoint (safetensors) after "
-                 "every epoch");
-  tc->add_option("--resume", train_args.config.resume, "continue the run that wrote this --checkpoint file after its "
+  tc->add_option("--train-checkpoint", train_args.config.train_checkpoint, "write a training checkpoint "
+                 "(safetensors) after every epoch, and at the step under way on Ctrl-C, for --resume (as train-lm's)");
+  tc->add_option("--resume", train_args.config.resume, "continue the run that wrote this --train-checkpoint file after its "
                  "last epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
@@ -468,7 +519,7 @@ int main(int argc, char** argv) {
     stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
     rc = run_train_classifier(train_args.config, train_args.opt_level, train_args.half, train_args.device,
-                              train_args.csv_path);
+                              train_args.csv_path, train_args.jsonl_path);
   });
 
   ClassifierArgs sweep_args;
@@ -484,11 +535,11 @@ int main(int argc, char** argv) {
   sc->callback([&] {
     sweep_args.config.data_dir = sweep_args.data_dir;
     rc = run_sweep_classifier(sweep_args.config, levels, batch_sizes, sweep_args.half, sweep_args.device,
-                              sweep_args.csv_path);
+                              sweep_args.csv_path, sweep_args.jsonl_path);
   });
 
   train::LanguageModelConfig lm;
-  std::string lm_data_dir, lm_csv, lm_opt_level = "O0", lm_half = "float16", lm_device = "cpu";
+  std::string lm_data_dir, lm_csv, lm_jsonl, lm_opt_level = "O0", lm_half = "float16", lm_device = "cpu";
   CLI::App* tl = app.add_subcommand("train-lm", "Train an RNN/GRU/LSTM word language model (pytorch/examples' "
                                     "word_language_model) on WikiText-2");
   tl->add_option("--rnn,--model", lm.rnn, "lstm, gru, rnn_tanh or rnn_relu, in any case (--model LSTM: "
@@ -528,6 +579,8 @@ int main(int argc, char** argv) {
   tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                "(the last, shorter window of an epoch runs eagerly)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
+  tl->add_option("--jsonl", lm_jsonl, "also write the figures, the progress lines and the test perplexity to this "
+                 "file, one JSON object a line");
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
                  "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
@@ -535,7 +588,7 @@ int main(int argc, char** argv) {
     stop_on_signals();
     lm.data_dir = lm_data_dir;
     if (lm_cuda) lm_device = "cuda";
-    rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv);
+    rc = run_train_lm(lm, lm_opt_level, lm_half, lm_device, lm_csv, lm_jsonl);
   });
 
   std::string demo_device = "auto";

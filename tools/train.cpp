@@ -51,7 +51,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 std::atomic<bool> g_stop_requested{false};  // lock-free: request_stop() may run in a signal handler
 static_assert(std::atomic<bool>::is_always_lock_free);
 
-// ---- resuming from a training checkpoint (train-classifier --checkpoint, train-lm --train-checkpoint)
+// ---- resuming from a training checkpoint (--train-checkpoint of train-classifier and train-lm)
 
 // What a resumed classifier run must share with the run that wrote its checkpoint: the schedule spans every epoch's
 // steps, and the data order and augmentation follow the seed.
@@ -226,7 +226,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   Tensor resumed_loss_sum, resumed_correct;
   if (!c.resume.empty()) {
     const nn::TrainingCheckpoint ck = resume_training(c.resume, classifier_run(c), c.epochs,
-                                                      "train-classifier --checkpoint", *model, sgd, amp);
+                                                      "train-classifier --train-checkpoint", *model, sgd, amp);
     if (schedule) schedule->set_step(ck.step);
     step = ck.step;
     first_epoch = ck.epoch;
@@ -308,11 +308,11 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       }
     }
     if (interrupted) {  // the step is done: keep where the epoch is, for --resume
-      if (!c.checkpoint.empty()) {
+      if (!c.train_checkpoint.empty()) {
         Metadata metadata = classifier_run(c);
         metadata["batch"] = std::to_string(batches_done);
         metadata["seen"] = std::to_string(seen);
-        write_training_checkpoint(c.checkpoint, *model, sgd, amp, epoch, step, metadata,
+        write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch, step, metadata,
                                   {{"epoch.loss_sum", loss_sum}, {"epoch.correct", correct}});
       }
       return all;
@@ -342,8 +342,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
     skipped_before += s.skipped_steps;
-    if (!c.checkpoint.empty())
-      write_training_checkpoint(c.checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
+    if (!c.train_checkpoint.empty())
+      write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
     all.push_back(s);
     if (on_epoch) on_epoch(s);
   }

@@ -43,7 +43,8 @@ struct ClassifierConfig {
   int workers = 4;
   uint64_t seed = 0;
   int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
-  std::string checkpoint;  // when set, a training checkpoint is written there after every epoch and on request_stop()
+  std::string train_checkpoint;  // when set, a training checkpoint is written there after every epoch and on
+                                 // request_stop() (for resume)
   // When set, a training checkpoint written by a run of the same settings (model, dataset, opt level, epochs,
   // batch size, schedule, seed, training images): the run continues where that one stopped (after its epoch, or
   // within it for a checkpoint written on request_stop()) with the model, optimizer, schedule, loss scaler, O2's
