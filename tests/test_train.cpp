@@ -95,6 +95,21 @@ TEST_CASE("train_classifier runs the mixed-precision levels on CPU and names bad
   CHECK(contains(error_of([&] { train::train_classifier(bad); }), "unknown dataset \"mnist\""));
 }
 
+TEST_CASE("train_classifier --nesterov reaches SGD: another step than plain momentum, refused without momentum") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 4, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 4, 9);
+  train::ClassifierConfig plain{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 10, .lr = 0.05,
+                                .schedule = "constant", .workers = 0, .seed = 4};
+  train::ClassifierConfig nesterov = plain;
+  nesterov.nesterov = true;
+  const auto a = train::train_classifier(plain), b = train::train_classifier(nesterov);
+  REQUIRE(a.size() == 2);
+  CHECK(a[1].train_loss != b[1].train_loss);  // from the first step on: g + momentum * b, not b
+  nesterov.momentum = 0;
+  CHECK(contains(error_of([&] { train::train_classifier(nesterov); }), "nesterov momentum requires a momentum"));
+}
+
 TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight equal 1 epoch and a resume") {
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));

@@ -479,6 +479,7 @@ int main(int argc, char** argv) {
     sub->add_option("--momentum", c.momentum, "SGD momentum; with --schedule onecycle the momentum cycles 0.95 -> "
                     "0.85 -> 0.95 instead (PyTorch's OneCycleLR), and this value is not used")->capture_default_str();
     sub->add_option("--weight-decay", c.weight_decay)->capture_default_str();
+    sub->add_flag("--nesterov", c.nesterov, "Nesterov momentum (torch.optim.SGD's nesterov=True)");
     sub->add_option("--schedule", c.schedule, "onecycle (lr up over --pct-start of the steps from lr / --div-factor "
                     "to --lr, then down; momentum cycled), cosine or constant")
         ->transform(one_of({"onecycle", "cosine", "constant"}))

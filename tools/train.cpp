@@ -177,7 +177,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   manual_seed(c.seed);
   std::shared_ptr<nn::Module> model = models::image_classifier(c.model, classes);
   model->to(c.device);
-  optim::SGD sgd(model->parameters(), {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay});
+  optim::SGD sgd(model->parameters(),
+                 {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay, .nesterov = c.nesterov});
   amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   std::unique_ptr<optim::LRScheduler> schedule;

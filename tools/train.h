@@ -32,6 +32,7 @@ struct ClassifierConfig {
   double lr = 0.1;  // the peak lr of the one-cycle schedule, the starting lr of the others
   double momentum = 0.9;
   double weight_decay = 5e-4;
+  bool nesterov = false;  // Nesterov momentum (torch.optim.SGD's nesterov=True)
   std::string schedule = "onecycle";  // onecycle, cosine or constant
   // onecycle (PyTorch's OneCycleLR): lr rises from lr / div_factor to lr over the first pct_start of the steps, then
   // anneals; the momentum cycles the other way, 0.95 -> 0.85 -> 0.95, in place of `momentum`.
