@@ -1,4 +1,4 @@
-// `halfgrad generate` (tools/train.h: generate_words) and the language model checkpoint it reads
+// `halfgrad generate` (train/loops.h: generate_words) and the language model checkpoint it reads
 // (models/language_model_checkpoint.h): a tiny model trained on a text the test writes, saved by
 // train_language_model, sampled back; files that are not such checkpoints are errors naming the file.
 #include <doctest/doctest.h>
@@ -12,7 +12,7 @@
 #include "models/language_model_checkpoint.h"
 #include "nn/checkpoint.h"
 #include "tests/testing.h"
-#include "tools/train.h"
+#include "train/loops.h"
 
 using namespace halfgrad;
 using halfgrad::testing::contains;

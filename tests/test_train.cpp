@@ -1,4 +1,4 @@
-// tools/train.h: train_classifier end to end on CIFAR-10 files the test writes, where the class is visible in the
+// train/loops.h: train_classifier end to end on CIFAR-10 files the test writes, where the class is visible in the
 // images (bright or dark), so a few epochs must learn it; the checkpoint it writes loads back.
 #include <doctest/doctest.h>
 
@@ -8,7 +8,7 @@
 #include "halfgrad.h"
 #include "nn/checkpoint.h"
 #include "tests/testing.h"
-#include "tools/train.h"
+#include "train/loops.h"
 
 using namespace halfgrad;
 using halfgrad::testing::contains;

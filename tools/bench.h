@@ -13,7 +13,7 @@
 // rnn_relu>-<hidden>x<layers>" ("lstm-650x2"; embedding size = hidden size, dropout 0.2, 33,278 words).
 //
 // Data are synthetic and made once per configuration on the device: CIFAR-shaped standard-normal images with random
-// labels, or random tokens [bptt, batch]. A step is what the training loops run (tools/train.cpp): forward, the loss
+// labels, or random tokens [bptt, batch]. A step is what the training loops run (train/loops.cpp): forward, the loss
 // under amp.loss, backward, (language models: clipping at 0.25 through amp.clip_grad_norm_), the optimizer step
 // (SGD: momentum 0.9, weight decay 5e-4 for images; lr 20 for language models), zero_grad. Timed: `steps` steps after
 // `warmup`, each between two CUDA events (the wall clock on the CPU); the line has their median and spread.

@@ -1,6 +1,6 @@
 // bench_lm_step: one whole training step of the word language model of pytorch/examples' word_language_model
 // (models::LanguageModel), per apex opt level, with the batch already on the device: what the language-model
-// training loop (tools/train.cpp, `halfgrad train-lm`) costs without the data. A benchmark program, not a test: it
+// training loop (train/loops.cpp, `halfgrad train-lm`) costs without the data. A benchmark program, not a test: it
 // prints a table. tools/bench_lm_step_torch.py prints the same rows for PyTorch on the same GPU.
 //
 //   model       embedding (emsize = nhid), --nlayers layers of LSTM / GRU / RNN, a linear decoder over --vocab words
@@ -8,7 +8,7 @@
 //   one step    h, c detached from the previous step (main.py's repackage_hidden); out = model(tokens, h, c) under the
 //               level (autocast for O1); loss = amp.loss(cross_entropy(logits [T*B, vocab], targets)) in float32;
 //               amp.backward(loss); amp.clip_grad_norm_(0.25); amp.step() (optim::SGD, lr 20, no
-//               momentum: p -= lr * grad, as main.py); amp.zero_grad(). As tools/train.cpp's train_language_model.
+//               momentum: p -= lr * grad, as main.py); amp.zero_grad(). As train/loops.cpp's train_language_model.
 //   data        random int64 tokens [bptt, batch] and targets [bptt * batch] in [0, vocab), made once on the device
 //   timing      --warmup steps, then per round --steps steps between two synchronisations, CUDA events around them
 //               (on the CPU: the wall clock); ms = the round's time / steps, tokens/s = bptt * batch / ms. "host ms"
@@ -21,7 +21,7 @@
 //                 [--vocab 33278] [--opt-levels O0,O1] [--warmup 5] [--steps 20] [--repeats 3] [--device cuda|cpu]
 //                 [--rnn-loop fastest|persistent|steps] [--tf32] [--cuda-graph]
 //   --cuda-graph  the step captured once as a CUDA graph and replayed (core/cuda_graph.h): the state is carried in
-//                 place from step to step, as tools/train.cpp's train-lm --cuda-graph does
+//                 place from step to step, as train/loops.cpp's train-lm --cuda-graph does
 //   bench_lm_step --device cpu            # the CPU target: defaults to a 32x32 LSTM (--nhid 32) at O0
 #include <CLI/CLI.hpp>
 

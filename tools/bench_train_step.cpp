@@ -4,7 +4,7 @@
 // rows for PyTorch on the same GPU (eager, or torch.compile with --compile).
 //
 //   one step    logits = amp.forward(model, x); loss = amp.loss(cross_entropy(logits, y)); amp.backward(loss);
-//               amp.step(); amp.zero_grad(), as tools/train.cpp; SGD with momentum 0.9 and weight decay 5e-4; random
+//               amp.step(); amp.zero_grad(), as train/loops.cpp; SGD with momentum 0.9 and weight decay 5e-4; random
 //               inputs (standard normal) and labels, made once per row. --cuda-graph: the step captured after two
 //               eager ones and replayed (cuda::CapturedStep, core/cuda_graph.h)
 //   timing      CUDA events around each step, the median of --iters steps after --warmup (tools/bench_layers.h; the

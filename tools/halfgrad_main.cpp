@@ -27,7 +27,7 @@
 #include "core/version.h"
 #include "models/classifiers.h"
 #include "tools/bench.h"
-#include "tools/train.h"
+#include "train/loops.h"
 
 using namespace halfgrad;
 

@@ -1,5 +1,5 @@
-// Training an image classifier (tools/train.h).
-#include "tools/train.h"
+// The training loops (train/loops.h).
+#include "train/loops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -18,9 +18,9 @@
 #include "data/cifar.h"
 #include "data/loader.h"
 #include "data/text.h"
+#include "models/classifiers.h"
 #include "models/language_model.h"
 #include "models/language_model_checkpoint.h"
-#include "models/classifiers.h"
 #include "nn/checkpoint.h"
 #include "ops/conv.h"
 #include "ops/elementwise.h"

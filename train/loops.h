@@ -1,4 +1,12 @@
 #pragma once
+// The training loops of libhalfgrad, which the `halfgrad` commands (train-classifier, sweep-classifier, train-lm,
+// generate, demo) are a thin layer on; a program of its own calls them the same way:
+//
+//   #include "train/loops.h"
+//   train::ClassifierConfig c{.model = "resnet18", .data_dir = "cifar-10-batches-bin", .epochs = 30,
+//                             .opt_level = amp::OptLevel::O1, .device = Device::cuda(), .channels_last = true};
+//   train::train_classifier(c, [](const train::EpochStats& s) { fmt::print("{} {}\n", s.epoch, s.test_accuracy); });
+//
 // Training an image classifier on CIFAR-10/100 end to end, what `halfgrad train-classifier` runs: the data
 // (data/cifar.h, data/loader.h), the model (models/), SGD with momentum and weight decay under a schedule, a
 // mixed-precision level (optim/amp.h: O0 float32, O1 autocast, O2 half model with float32 masters, O3 pure half),
