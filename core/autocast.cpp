@@ -1,7 +1,10 @@
 #include "core/autocast.h"
 
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <map>
+#include <string>
 
 #include "core/autograd.h"
 #include "core/log.h"
@@ -36,6 +39,18 @@ const char* rule_name(CastRule rule) {
     case CastRule::Unchanged: return "unchanged";
   }
   return "?";
+}
+
+std::string cast_table_markdown() {
+  std::string table = "| category | ops |\n|---|---|\n";
+  for (CastRule rule : {CastRule::LowerPrecision, CastRule::Float32, CastRule::Float32Math, CastRule::Promote,
+                        CastRule::Unchanged}) {
+    std::string ops;
+    for (const OpRule& r : kCastRules)
+      if (r.rule == rule) ops += fmt::format("{}{}", ops.empty() ? "" : ", ", r.op);
+    table += fmt::format("| {} | {} |\n", rule_name(rule), ops);
+  }
+  return table;
 }
 
 AutocastGuard::AutocastGuard(DType dtype, bool enabled) : prev_enabled_(state.enabled), prev_dtype_(state.dtype) {

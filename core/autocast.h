@@ -27,6 +27,11 @@ enum class CastRule {
 };
 const char* rule_name(CastRule rule);
 
+// kCastRules as a Markdown table, one row per category in the order above ("| lower precision | matmul, linear, ...
+// |"): the table docs/mixed_precision.md carries between its "cast-table" markers (a test compares the two), and what
+// `halfgrad info --cast-table` prints.
+std::string cast_table_markdown();
+
 // ---- The casting table: every op that autocast knows, and its category.
 struct OpRule {
   std::string_view op;
@@ -36,12 +41,11 @@ inline constexpr OpRule kCastRules[] = {
     // lower precision: the matrix products that tensor cores run
     {"matmul", CastRule::LowerPrecision}, {"linear", CastRule::LowerPrecision}, {"bmm", CastRule::LowerPrecision},
     {"conv2d", CastRule::LowerPrecision}, {"rnn", CastRule::LowerPrecision},
-    // float32: exponentials, powers, softmax, losses, norms and sum-like reductions
+    // float32: exponentials, powers, softmax, losses and sum-like reductions
     {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32},
     {"softmax", CastRule::Float32}, {"log_softmax", CastRule::Float32},
     {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32Math}, {"nll_loss", CastRule::Float32},
     {"binary_cross_entropy_with_logits", CastRule::Float32},
-    {"layer_norm", CastRule::Float32}, {"norm", CastRule::Float32},
     {"sum", CastRule::Float32}, {"mean", CastRule::Float32}, {"var", CastRule::Float32},
     // promote: mixed inputs run in the widest of them
     {"add", CastRule::Promote}, {"sub", CastRule::Promote}, {"mul", CastRule::Promote}, {"div", CastRule::Promote},

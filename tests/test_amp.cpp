@@ -2,6 +2,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "core/autocast.h"
 #include "halfgrad.h"
@@ -347,4 +350,20 @@ TEST_CASE("cuda: O2 trains a small convolutional net on the GPU with float32 mas
   CHECK(net->parameters()[0].dtype() == kFloat16);
   CHECK(net->parameters()[0].is_cuda());
   CHECK(last < 0.5 * first);
+}
+
+TEST_CASE("docs/mixed_precision.md carries the cast table of core/autocast.h as it is") {
+  const std::filesystem::path doc = std::filesystem::path(HALFGRAD_SOURCE_DIR) / "docs" / "mixed_precision.md";
+  std::ifstream in(doc);
+  REQUIRE_MESSAGE(in.good(), "cannot read " << doc.string());
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string begin = "<!-- cast-table:begin -->\n", end = "<!-- cast-table:end -->";
+  const size_t from = text.find(begin), to = text.find(end);
+  REQUIRE_MESSAGE((from != std::string::npos && to != std::string::npos && from < to),
+                  doc.string() << " has no cast-table markers");
+  CHECK_MESSAGE(text.substr(from + begin.size(), to - from - begin.size()) == amp::cast_table_markdown(),
+                "the table in " << doc.string() << " differs from kCastRules: paste `halfgrad info --cast-table` "
+                "between its markers");
+  // Each row names the ops of one category, in kCastRules' order.
+  CHECK(amp::cast_table_markdown().find("| float32 math | cross_entropy |") != std::string::npos);
 }

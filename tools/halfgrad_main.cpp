@@ -454,7 +454,14 @@ int main(int argc, char** argv) {
 
   CLI::App* info = app.add_subcommand("info", "Print the version, the backends compiled into this build and the "
                                               "visible GPUs");
-  info->callback([] {
+  bool cast_table = false;
+  info->add_flag("--cast-table", cast_table, "print autocast's categories of ops (core/autocast.h) as the Markdown "
+                 "table docs/mixed_precision.md carries");
+  info->callback([&] {
+    if (cast_table) {
+      std::cout << halfgrad::amp::cast_table_markdown();
+      return;
+    }
     std::cout << halfgrad::build_summary() << "\n";
     for (const std::string& line : halfgrad::cuda::describe_devices()) std::cout << line << "\n";
   });
