@@ -84,6 +84,30 @@ class JsonLines {
   std::ofstream out_;
 };
 
+// The progress lines within an epoch: on a terminal each redraws the last in place, and the line that follows (the
+// epoch's figures) takes its place; elsewhere (a file, a pipe, CI) one line each, as main.py prints them.
+class ProgressLine {
+ public:
+  ProgressLine() : tty_(::isatty(STDOUT_FILENO) != 0) {}
+  void show(const std::string& text) {
+    if (tty_) {
+      fmt::print("\r\033[K{}", text);
+      shown_ = true;
+    } else {
+      fmt::print("{}\n", text);
+    }
+    std::fflush(stdout);
+  }
+  // Before any other output: clears a line drawn in place.
+  void clear() {
+    if (std::exchange(shown_, false)) fmt::print("\r\033[K");
+  }
+
+ private:
+  bool tty_;
+  bool shown_ = false;
+};
+
 // Ctrl-C (SIGINT) or SIGTERM during training: the first asks the loop to stop after the step under way (it writes its
 // checkpoint there); the second ends the process at once, as the default handler does.
 extern "C" void on_stop_signal(int signal) {
@@ -123,18 +147,19 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
              config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
   std::fflush(stdout);
+  ProgressLine line;
   auto progress = [&](const train::ClassifierProgress& p) {
     const int64_t eta = int64_t(std::lround(p.eta_seconds));
-    fmt::print("| epoch {:3d} | {:5d}/{:5d} batches | lr {:.4g} | loss {:6.4f} | acc {:6.4f} | {:.0f} images/s | "
-               "epoch ends in {}m{:02d}s\n", p.epoch + 1, p.batch, p.batches, p.lr, p.loss, p.accuracy,
-               p.images_per_second, eta / 60, eta % 60);
-    std::fflush(stdout);
+    line.show(fmt::format("| epoch {:3d} | {:5d}/{:5d} batches | lr {:.4g} | loss {:6.4f} | acc {:6.4f} | {:.0f} "
+                          "images/s | epoch ends in {}m{:02d}s", p.epoch + 1, p.batch, p.batches, p.lr, p.loss,
+                          p.accuracy, p.images_per_second, eta / 60, eta % 60));
     jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
                              {"loss", p.loss}, {"accuracy", p.accuracy}, {"images_per_second", p.images_per_second},
                              {"eta_seconds", p.eta_seconds}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   train::train_classifier(config, [&](const train::EpochStats& s) {
+    line.clear();
     if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "train loss",
                  "train acc", "test loss", "test acc", "seconds", "images/s", "peak MiB", "skipped", "loss scale");
@@ -154,6 +179,7 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
       csv.flush();
     }
   }, progress);
+  line.clear();
   if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
   return 0;
 }
@@ -218,18 +244,19 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
              config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level);
   std::fflush(stdout);
   // main.py's progress line, with the rate and the epoch's remaining time.
+  ProgressLine line;
   auto progress = [&](const train::LanguageModelProgress& p) {
     const int64_t eta = int64_t(std::lround(p.eta_seconds));
-    fmt::print("| epoch {:3d} | {:5d}/{:5d} batches | lr {:05.2f} | ms/batch {:5.2f} | loss {:5.2f} | ppl {:8.2f} | "
-               "{:.0f} tokens/s | epoch ends in {}m{:02d}s\n", p.epoch + 1, p.batch, p.batches, p.lr, p.ms_per_batch,
-               p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60);
-    std::fflush(stdout);
+    line.show(fmt::format("| epoch {:3d} | {:5d}/{:5d} batches | lr {:05.2f} | ms/batch {:5.2f} | loss {:5.2f} | ppl "
+                          "{:8.2f} | {:.0f} tokens/s | epoch ends in {}m{:02d}s", p.epoch + 1, p.batch, p.batches, p.lr,
+                          p.ms_per_batch, p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60));
     jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
                              {"ms_per_batch", p.ms_per_batch}, {"loss", p.loss}, {"ppl", std::exp(p.loss)},
                              {"tokens_per_second", p.tokens_per_second}, {"eta_seconds", p.eta_seconds}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
+    line.clear();
     if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>8} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "lr",
                  "train loss", "train ppl", "valid loss", "valid ppl", "seconds", "tokens/s", "peak MiB", "skipped",
@@ -251,6 +278,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
       csv.flush();
     }
   }, progress);
+  line.clear();
   if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
