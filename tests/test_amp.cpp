@@ -291,10 +291,7 @@ TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from g
 #include "core/cuda.h"
 
 TEST_CASE("cuda: the fused unscale pass divides every gradient and finds an inf among many tensors") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(5);
   TensorList params;
   for (int i = 0; i < 300; ++i) {  // more chunks than one launch carries
@@ -327,10 +324,7 @@ TEST_CASE("cuda: the fused unscale pass divides every gradient and finds an inf 
 }
 
 TEST_CASE("cuda: O2 trains a small convolutional net on the GPU with float32 masters") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(6);
   auto net = nn::sequential({std::make_shared<nn::Conv2d>(3, 8, 3, nn::Conv2dOptions{.padding = {1, 1}}),
                              std::make_shared<nn::BatchNorm2d>(8), std::make_shared<nn::ReLU>(),

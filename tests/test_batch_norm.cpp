@@ -283,10 +283,7 @@ TEST_CASE("batch_norm on a non-contiguous input (a transposed view) gives the co
 
 TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 with float32 parameters") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(406);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     for (Shape shape : {Shape{32, 16, 8, 8}, Shape{4, 64, 3, 3}, Shape{256, 10}, Shape{2, 3, 200, 200}}) {
@@ -334,10 +331,7 @@ TEST_CASE("CUDA batch_norm matches the CPU: NCHW and NHWC, float32 and float16 w
 
 TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a mean far larger than the spread") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(407);
   const BackendGuard own(BatchNormBackend::Own);  // ours, whatever Auto would pick (cuDNN's: the next case)
   // The kernels read 16 bytes at a time when the contiguous dim (S in NCHW, C in NHWC) is a multiple of the
@@ -394,10 +388,7 @@ TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a 
 
 TEST_CASE("CUDA batch_norm through cuDNN's kernels, and Auto's choice, match the CPU in both layouts") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(408);
   // float16/float32 training with contiguous runs (channels last: C, NCHW: H * W) of whole 16-byte vectors goes to
   // cuDNN (Cudnn) or to the faster of cuDNN and ours (Auto). The offsets: 0 and 16 bytes into the storage are

@@ -447,10 +447,7 @@ struct TF32Off {
 }  // namespace
 
 TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, NCHW and channels_last") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   TF32Off tf32_off;
   manual_seed(28);
   const Device gpu = Device::cuda(0);
@@ -484,10 +481,7 @@ TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, 
 }
 
 TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU; the cached algorithm gives the same result again") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   TF32Off tf32_off;
   manual_seed(29);
   const Device gpu = Device::cuda(0);
@@ -509,10 +503,7 @@ TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU; the cached algorithm gi
 }
 
 TEST_CASE("cuda: float32 conv2d uses TF32 only when allowed") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(30);
   const Device gpu = Device::cuda(0);
   Tensor x = random({16, 64, 16, 16}, kFloat32), w = random({64, 64, 3, 3}, kFloat32);

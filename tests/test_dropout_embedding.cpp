@@ -135,10 +135,7 @@ TEST_CASE("dropout keeps float16 and bfloat16, scaling in float32 and rounding o
 
 TEST_CASE("CUDA dropout gives the CPU's mask for the same seed, forward and backward") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kFloat64}) {
     const std::string dtype = dtype_name(dt);
     CAPTURE(dtype);
@@ -225,10 +222,7 @@ TEST_CASE("embedding errors name the bad index, its position and the number of r
 
 TEST_CASE("CUDA embedding matches the CPU, forward and backward") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(207);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     const std::string dtype = dtype_name(dt);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
@@ -245,6 +246,29 @@ TEST_CASE("gradcheck: unary ops") {
   gradcheck([](const TensorList& in) { return in[0].relu(); }, {leaf({3, 4})});
   gradcheck([](const TensorList& in) { return in[0].pow(3); }, {leaf({3, 4})});
   gradcheck([](const TensorList& in) { return in[0].clamp(-0.5, 0.5); }, {leaf({3, 4})});
+}
+
+TEST_CASE("gradients where the derivative is not defined: the values PyTorch gives, exactly") {
+  // gradcheck draws random inputs, which never land on these points; the rules are stated here.
+  auto grad_of = [](const Tensor& x, const std::function<Tensor(const Tensor&)>& f) {
+    Tensor leaf = x.detach().requires_grad_();
+    f(leaf).sum().backward();
+    return testing::values(leaf.grad());
+  };
+  const Tensor x = tensor<double>({-1, 0, 2}, {3});
+  CHECK(grad_of(x, [](const Tensor& t) { return relu(t); }) == std::vector<double>{0, 0, 1});  // 0 at 0
+  CHECK(grad_of(x, [](const Tensor& t) { return t.abs(); }) == std::vector<double>{-1, 0, 1});  // sign(0) = 0
+  // clamp passes the gradient on its boundaries too: [0, 2] includes both ends.
+  CHECK(grad_of(x, [](const Tensor& t) { return t.clamp(0.0, 2.0); }) == std::vector<double>{0, 1, 1});
+  // maximum and minimum split a tie evenly between the two sides.
+  const Tensor a = tensor<double>({1, 3, 5}, {3}), b = tensor<double>({2, 3, 4}, {3});
+  for (bool is_max : {true, false}) {
+    CAPTURE(is_max);
+    Tensor la = a.detach().requires_grad_(), lb = b.detach().requires_grad_();
+    (is_max ? maximum(la, lb) : minimum(la, lb)).sum().backward();
+    CHECK(testing::values(la.grad()) == (is_max ? std::vector<double>{0, 0.5, 1} : std::vector<double>{1, 0.5, 0}));
+    CHECK(testing::values(lb.grad()) == (is_max ? std::vector<double>{1, 0.5, 0} : std::vector<double>{0, 0.5, 1}));
+  }
 }
 
 TEST_CASE("gradcheck: binary ops with broadcasting and non-contiguous inputs") {

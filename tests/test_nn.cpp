@@ -522,10 +522,7 @@ TEST_CASE("repr prints the module tree like PyTorch") {
 // CUDA
 
 TEST_CASE("to(cuda) moves a model, which computes what it computes on the CPU, and saves and loads from the GPU") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   auto make = [] {
     manual_seed(8);
     return nn::sequential({std::make_shared<nn::Conv2d>(3, 8, 3, nn::Conv2dOptions{.padding = {1, 1}}),
@@ -581,10 +578,7 @@ TEST_CASE("to(cuda) moves a model, which computes what it computes on the CPU, a
 }
 
 TEST_CASE("BatchNorm2d on the GPU normalises and updates its running statistics as on the CPU") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(8);
   TinyResNet cpu_net, gpu_net;
   gpu_net.load_state_dict(cpu_net.state_dict());

@@ -642,10 +642,7 @@ template <typename MakeOptimizer> void compare_cuda_step(DType dt, MakeOptimizer
 }  // namespace
 
 TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay; every dtype)") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {
       return optim::SGD(p, {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true});
@@ -658,10 +655,7 @@ TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay
 }
 
 TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; every dtype)") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {
       return optim::Adam(p, {.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true});
@@ -671,10 +665,7 @@ TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; 
 }
 
 TEST_CASE("CUDA clip_grad_norm_ matches the CPU one (2, 1, 3 and inf norms) without a host sync") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kFloat64}) {
     for (double norm_type : {2.0, 1.0, 3.0, double(INFINITY)}) {
       CAPTURE(std::string(dtype_name(dt)));

@@ -372,10 +372,7 @@ TEST_CASE("pooling gradients in float16 and bfloat16 accumulate in float32") {
 // ---- CUDA against the CPU
 
 TEST_CASE("cuda: pooling forward and backward match the CPU in every dtype, NCHW and channels_last") {
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(46);
   const Device gpu = Device::cuda(0);
   // Max is a selection, exact; means differ by summation order only: a few float32 ulps, or one

@@ -538,10 +538,7 @@ TEST_CASE("binary_cross_entropy_with_logits gradients match finite differences, 
 
 TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, forward and backward") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(115);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     for (Shape shape : {Shape{7, 10}, Shape{3, 2000}, Shape{4, 5, 6}, Shape{64, 33}}) {
@@ -616,10 +613,7 @@ TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, 
 
 TEST_CASE("CUDA binary cross-entropy losses match the CPU") {
 #if HALFGRAD_WITH_CUDA
-  if (!cuda::is_available()) {
-    MESSAGE("no GPU: skipped");
-    return;
-  }
+  SKIP_WITHOUT_GPU();
   manual_seed(116);
   Tensor x = randn({8, 5}) * 3, y = rand({8, 5}), pw = rand({5}) + 0.5;
   Tensor xc = x.detach().requires_grad_(), xg = x.detach().cuda().requires_grad_();
