@@ -5,8 +5,8 @@
 // input's gradient must go next (an Edge to the input's own grad_fn, or to the AccumulateGrad node of a
 // leaf), and holds the backward function the op wrote next to its forward:
 //
-//   Tensor y = exp_forward(x);
-//   record("ExpBackward", {x}, {y}, [saved_y = save(y)](const GradContext& g) -> TensorList {
+//   Tensor y = ...;  // the forward's result, computed with grad mode off
+//   record("ExpBackward", {x}, {y}, [saved_y = SavedTensor(y, "ExpBackward")](const GradContext& g) -> TensorList {
 //     return {g[0] * saved_y.get()};   // d/dx exp(x) = exp(x)
 //   });
 //

@@ -13,7 +13,6 @@
 namespace halfgrad::nn {
 
 namespace {
-std::string pair_str(Pair2d p) { return fmt::format("({}, {})", p[0], p[1]); }
 const char* bool_str(bool b) { return b ? "true" : "false"; }
 TensorOptions param_options(TensorOptions o) { return {.dtype = o.dtype, .device = o.device}; }
 }  // namespace

@@ -48,11 +48,11 @@ Tensor contiguous(const Tensor& t, MemoryFormat format) {
 
 // ---- conv2d
 
+std::string pair_str(const Pair2d& p) { return fmt::format("({}, {})", p[0], p[1]); }
+
 namespace {
 
 std::atomic<bool> g_conv_allow_tf32{true};
-
-std::string pair_str(const Pair2d& p) { return fmt::format("({}, {})", p[0], p[1]); }
 
 Conv2dParams params_of(const Conv2dOptions& o) {
   return {o.stride, o.padding, o.dilation, o.groups, g_conv_allow_tf32.load(std::memory_order_relaxed)};

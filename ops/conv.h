@@ -12,6 +12,7 @@
 // output (and gradient), which on CUDA runs cuDNN's NHWC kernels, the layout tensor cores want.
 #include <array>
 #include <cstdint>
+#include <string>
 
 #include "core/dispatch.h"
 #include "core/tensor.h"
@@ -20,6 +21,7 @@ namespace halfgrad {
 
 // (height, width): stride, padding, dilation, kernel and output sizes of 2-D ops.
 using Pair2d = std::array<int64_t, 2>;
+std::string pair_str(const Pair2d& p);  // "(3, 3)": how error messages and module descriptions print a pair
 
 // ---- memory format (MemoryFormat, is_channels_last, suggest_memory_format: core/tensor.h)
 

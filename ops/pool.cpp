@@ -35,8 +35,6 @@ int64_t pool_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad
 
 namespace {
 
-std::string pair_str(const Pair2d& p) { return fmt::format("({}, {})", p[0], p[1]); }
-
 void check_input(const char* op, const Tensor& input) {
   HG_CHECK(input.dim() == 4, "{}: expected a 4-D input [N, C, H, W] (or 3-D [C, H, W]), got {}", op, input.meta());
   HG_CHECK(input.is_floating_point(), "{}: expected a floating-point input, got {}", op, input.meta());

@@ -437,14 +437,23 @@ TEST_CASE("sweep_classifier runs every opt level and batch size and names them a
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
   write_cifar10(dir.file("test_batch.bin"), 8, 9);
-  train::ClassifierConfig base{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .workers = 0, .train_checkpoint = ""};
-  std::vector<std::string> seen;
-  const auto rows = train::sweep_classifier(base, {amp::OptLevel::O0, amp::OptLevel::O3}, {8, 20},
-                                            [&](const train::SweepRow& r) {
-                                              seen.push_back(fmt::format("{} {}", train::precision_name(r.opt_level),
-                                                                         r.batch_size));
-                                            });
+  train::ClassifierConfig base{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .workers = 0, .train_checkpoint = "",
+                               .log_interval = 2};
+  std::vector<std::string> seen, progress;
+  const auto rows = train::sweep_classifier(
+      base, {amp::OptLevel::O0, amp::OptLevel::O3}, {8, 20},
+      [&](const train::SweepRow& r) {
+        seen.push_back(fmt::format("{} {}", train::precision_name(r.opt_level), r.batch_size));
+      },
+      [&](const train::SweepRow& r, const train::ClassifierProgress& p) {
+        progress.push_back(fmt::format("{} {}: {} {}/{}", train::precision_name(r.opt_level), r.batch_size, p.epoch,
+                                       p.batch, p.batches));
+      });
   CHECK(seen == std::vector<std::string>{"FP32 8", "FP32 20", "FP16 8", "FP16 20"});
+  // Each run's progress every 2 batches, naming its row: 40 images are 5 batches of 8 or 2 of 20.
+  CHECK(progress == std::vector<std::string>{"FP32 8: 0 2/5", "FP32 8: 0 4/5", "FP32 8: 1 2/5", "FP32 8: 1 4/5",
+                                             "FP32 20: 0 2/2", "FP32 20: 1 2/2", "FP16 8: 0 2/5", "FP16 8: 0 4/5",
+                                             "FP16 8: 1 2/5", "FP16 8: 1 4/5", "FP16 20: 0 2/2", "FP16 20: 1 2/2"});
   REQUIRE(rows.size() == 4);
   for (const auto& r : rows) {
     CHECK_FALSE(r.out_of_memory);

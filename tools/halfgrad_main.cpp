@@ -202,7 +202,18 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
   fmt::print("{:<9} {:>6} {:>11} {:>9} {:>10} {:>10} {:>9} {:>9}\n", "precision", "batch", "s / epoch", "images/s",
              "peak MiB", "train acc", "test acc", "skipped");
   std::fflush(stdout);
+  ProgressLine line;
+  auto progress = [&](const train::SweepRow& r, const train::ClassifierProgress& p) {
+    const int64_t eta = int64_t(std::lround(p.eta_seconds));
+    line.show(fmt::format("| {} batch {} | epoch {:3d} | {:5d}/{:5d} batches | loss {:6.4f} | {:.0f} images/s | "
+                          "epoch ends in {}m{:02d}s", train::precision_name(r.opt_level), r.batch_size, p.epoch + 1,
+                          p.batch, p.batches, p.loss, p.images_per_second, eta / 60, eta % 60));
+    jsonl.write("progress", {{"precision", train::precision_name(r.opt_level)}, {"batch_size", r.batch_size},
+                             {"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"loss", p.loss},
+                             {"images_per_second", p.images_per_second}, {"eta_seconds", p.eta_seconds}});
+  };
   train::sweep_classifier(config, parsed, batch_sizes, [&](const train::SweepRow& r) {
+    line.clear();
     const char* name = train::precision_name(r.opt_level);
     if (r.out_of_memory) {
       fmt::print("{:<9} {:>6} {:>11}\n", name, r.batch_size, "out of memory");
@@ -224,7 +235,7 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                          r.final_train_accuracy, r.final_test_accuracy, r.final_test_loss, r.skipped_steps);
       csv.flush();
     }
-  });
+  }, progress);
   return 0;
 }
 
@@ -566,6 +577,9 @@ int main(int argc, char** argv) {
   add_classifier_options(sc, sweep_args);
   sc->add_option("--opt-levels", levels, "opt levels to run")->delimiter(',')
       ->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
+  sweep_args.config.log_interval = 100;
+  sc->add_option("--log-interval", sweep_args.config.log_interval, "a progress line every N training batches of each "
+                 "run (0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
   sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
       ->delimiter(',')->capture_default_str();
   sc->callback([&] {

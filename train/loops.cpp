@@ -363,7 +363,8 @@ const char* precision_name(amp::OptLevel level) {
 
 std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels,
                                        const std::vector<int64_t>& batch_sizes,
-                                       const std::function<void(const SweepRow&)>& on_row) {
+                                       const std::function<void(const SweepRow&)>& on_row,
+                                       const std::function<void(const SweepRow&, const ClassifierProgress&)>& on_progress) {
   HG_CHECK(!levels.empty() && !batch_sizes.empty(), "sweep: give at least one opt level and one batch size");
   std::vector<SweepRow> rows;
   for (amp::OptLevel level : levels) {
@@ -374,7 +375,9 @@ std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::
       SweepRow row{.opt_level = level, .batch_size = batch};
       if (config.device.is_cuda()) cuda::empty_cache();  // each run starts from an empty cache
       try {
-        const std::vector<EpochStats> epochs = train_classifier(config);
+        std::function<void(const ClassifierProgress&)> progress;
+        if (on_progress) progress = [&](const ClassifierProgress& p) { on_progress(row, p); };
+        const std::vector<EpochStats> epochs = train_classifier(config, {}, progress);
         const size_t from = epochs.size() > 1 ? 1 : 0;
         double seconds = 0, images = 0;
         for (size_t e = from; e < epochs.size(); ++e) {

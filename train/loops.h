@@ -111,9 +111,12 @@ struct SweepRow {
 // The precision's name in the experiments' tables: FP32, AMP, O2, FP16.
 const char* precision_name(amp::OptLevel level);
 
-std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels,
-                                       const std::vector<int64_t>& batch_sizes,
-                                       const std::function<void(const SweepRow&)>& on_row = {});
+// on_row sees each row as it is done; on_progress (with base.log_interval > 0) each run's progress, with the row it
+// is for (its opt level and batch size).
+std::vector<SweepRow> sweep_classifier(
+    const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels, const std::vector<int64_t>& batch_sizes,
+    const std::function<void(const SweepRow&)>& on_row = {},
+    const std::function<void(const SweepRow&, const ClassifierProgress&)>& on_progress = {});
 
 // A word-level language model on WikiText-2 (or any corpus in its format), what `halfgrad train-lm` runs, as
 // pytorch/examples' word_language_model/main.py: batchified text, truncated backpropagation through time with the
