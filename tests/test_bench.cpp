@@ -10,11 +10,10 @@
 #include "tools/bench.h"
 
 using namespace halfgrad;
+using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
 
 namespace {
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
 std::vector<std::string> names(const std::vector<bench::Case>& cases) {
   std::vector<std::string> out;
   for (const bench::Case& c : cases) out.push_back(fmt::format("{} {} {}", c.model, c.precision, c.batch));
