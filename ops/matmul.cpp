@@ -1,4 +1,5 @@
-// Matrix products: matmul, bmm, linear; their backward passes; the CPU GEMM kernel (Eigen).
+// Matrix products: matmul, bmm, linear; their backward passes; the CPU GEMM kernel (float32 through
+// ops/gemm_blocked.cpp where it suits, else Eigen).
 //
 // Path from an op to the kernel:
 //   matmul / bmm / linear  ->  run_gemm(Operand a, Operand b, Operand c)  ->  gemm_kernel[device](GemmArgs)
@@ -7,8 +8,6 @@
 // strides allow (usually one).
 #include "ops/matmul.h"
 
-
-#include <immintrin.h>
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -21,6 +20,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/gemm_blocked.h"
 
 namespace halfgrad {
 
@@ -445,216 +445,6 @@ bool parallel_over_batch(const GemmArgs& g) {
   return flops < kParallelBatchFlops || g.batch >= 4 * threads;
 }
 
-#if defined(__AVX512F__)
-// ---- float32 GEMM for AVX-512 (BLIS-style: packed panels, a register-blocked micro-kernel)
-//
-// Why not Eigen here: Eigen 3.4's AVX-512 micro-kernel is 48 x 4 and reached 69% of a Zen 4 core's FMA peak
-// (80 of 117 GFLOP/s, thread CPU time, 1024^3), this one 85% (100 GFLOP/s), OpenBLAS's level; see
-// docs/benchmarks.md. float64 and machines without AVX-512 keep Eigen.
-//
-// C (row-major) is computed in tiles of kMR rows x kNR columns, kept in 24 zmm accumulators while the
-// micro-kernel runs over kc steps of k: per step 4 vector loads of packed B, 6 broadcasts of packed A and
-// 24 FMAs. Loop nest, innermost last, with where each block lives:
-//   ic (up to kMC rows of A) -> pc (kKC of k) -> pack A block [mc x kc]        (L3)
-//     -> jc (kNC columns of B) -> pack B block [kc x kNC]                      (L2)
-//       -> ir (kMR rows: one A micro-panel, L1) -> jr (kNR columns: B micro-panel streams from L2)
-// Threads share the packed blocks: they pack their share of the panels, meet at a barrier, then split the
-// (ir, jr) tiles.
-namespace blocked {
-
-constexpr int64_t kMR = 6;     // rows per tile: 6 x 4 = 24 accumulators, 4 B vectors, 1 broadcast: 29 of 32 zmm
-constexpr int64_t kNR = 64;    // columns per tile: 4 zmm of 16 floats
-constexpr int64_t kKC = 256;   // k per block: an A micro-panel is kKC x kMR x 4 B = 6 KiB (L1)
-constexpr int64_t kNC = 512;   // columns per B block: kKC x kNC x 4 B = 512 KiB (half of a 1 MiB L2)
-constexpr int64_t kMC = 4096;  // at most this many rows per A block (4 MiB, L3); blocks are made equal
-
-// Element (r, c) of op(X) for a stored X (GemmArgs conventions).
-inline float at(const float* x, Trans trans, int64_t ld, int64_t r, int64_t c) {
-  return trans == Trans::No ? x[r * ld + c] : x[c * ld + r];
-}
-
-// A[ic + ir .. + kMR, pc .. pc + kc] as one micro-panel: step p holds the kMR values of column p
-// (rows past m are zeros, so edge tiles need no special case in the kernel).
-void pack_a(const float* a, Trans trans, int64_t lda, int64_t row0, int64_t rows, int64_t pc, int64_t kc, float* dst) {
-  if (trans == Trans::Yes) {  // A stored k x m: each step's kMR values are contiguous
-    for (int64_t p = 0; p < kc; ++p) {
-      const float* src = a + (pc + p) * lda + row0;
-      for (int64_t i = 0; i < kMR; ++i) dst[p * kMR + i] = i < rows ? src[i] : 0.0f;
-    }
-  } else {
-    for (int64_t i = 0; i < kMR; ++i) {
-      const float* src = a + (row0 + i) * lda + pc;
-      for (int64_t p = 0; p < kc; ++p) dst[p * kMR + i] = i < rows ? src[p] : 0.0f;
-    }
-  }
-}
-
-// The shuffles below through their masked forms with a full mask: the plain intrinsics start from
-// _mm512_undefined_ps(), on which GCC 12 warns (-Wuninitialized, GCC bug 105593).
-constexpr __mmask16 kAll = 0xffff;
-inline __m512 unpacklo(__m512 a, __m512 b) { return _mm512_mask_unpacklo_ps(a, kAll, a, b); }
-inline __m512 unpackhi(__m512 a, __m512 b) { return _mm512_mask_unpackhi_ps(a, kAll, a, b); }
-template <int Imm> inline __m512 shuffle(__m512 a, __m512 b) {
-  return _mm512_mask_shuffle_ps(a, kAll, a, b, Imm);
-}
-template <int Imm> inline __m512 shuffle_lanes(__m512 a, __m512 b) {
-  return _mm512_mask_shuffle_f32x4(a, kAll, a, b, Imm);
-}
-
-// dst[c * ld_dst + r] = src[r * ld_src + c] for a 16 x 16 block: 16 row loads, four rounds of shuffles
-// (pairs, quads, 128-bit lanes twice), 16 row stores.
-inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
-  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
-    t[i] = unpacklo(r[i], r[i + 1]);
-    t[i + 1] = unpackhi(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // per lane: [a0 b0 c0 d0], [a1 b1 c1 d1], [a2 ..], [a3 ..]
-    r[i] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i], t[i + 2]);
-    r[i + 1] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i], t[i + 2]);
-    r[i + 2] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i + 1], t[i + 3]);
-    r[i + 3] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i + 1], t[i + 3]);
-  }
-  // r[4q + c] now holds, for rows 4q..4q+3, columns c, c+4, c+8, c+12 in its four lanes.
-  for (int c = 0; c < 4; ++c) {
-    t[c] = shuffle_lanes<0x88>(r[c], r[4 + c]);            // columns c, c+8 of rows 0-7
-    t[4 + c] = shuffle_lanes<0xdd>(r[c], r[4 + c]);        // columns c+4, c+12 of rows 0-7
-    t[8 + c] = shuffle_lanes<0x88>(r[8 + c], r[12 + c]);   // columns c, c+8 of rows 8-15
-    t[12 + c] = shuffle_lanes<0xdd>(r[8 + c], r[12 + c]); // columns c+4, c+12 of rows 8-15
-  }
-  for (int c = 0; c < 8; ++c) {
-    _mm512_storeu_ps(dst + c * ld_dst, shuffle_lanes<0x88>(t[c], t[8 + c]));        // column c
-    _mm512_storeu_ps(dst + (c + 8) * ld_dst, shuffle_lanes<0xdd>(t[c], t[8 + c]));  // column c + 8
-  }
-}
-
-// B[pc .. pc + kc, col0 .. + kNR] as one micro-panel: step p holds kNR contiguous values of row p.
-void pack_b(const float* b, Trans trans, int64_t ldb, int64_t col0, int64_t cols, int64_t pc, int64_t kc, float* dst) {
-  if (trans == Trans::No) {  // B stored k x n: rows are contiguous
-    for (int64_t p = 0; p < kc; ++p) {
-      const float* src = b + (pc + p) * ldb + col0;
-      float* out = dst + p * kNR;
-      if (cols == kNR) {
-        std::copy(src, src + kNR, out);
-      } else {
-        for (int64_t j = 0; j < kNR; ++j) out[j] = j < cols ? src[j] : 0.0f;
-      }
-    }
-  } else {
-    // B stored n x k (a transposed weight: x W^T): a transpose, done 16 x 16 in registers. (Element by
-    // element it took as long as the GEMM itself: 64 source rows 4 KiB apart defeat the prefetchers.)
-    for (int64_t p0 = 0; p0 < kc; p0 += 16) {
-      const int64_t steps = std::min<int64_t>(16, kc - p0);
-      for (int64_t j0 = 0; j0 < kNR; j0 += 16) {
-        if (steps == 16 && j0 + 16 <= cols) {
-          transpose16(b + (col0 + j0) * ldb + pc + p0, ldb, dst + p0 * kNR + j0, kNR);
-          continue;
-        }
-        for (int64_t j = j0; j < j0 + 16; ++j) {  // edges: partial blocks
-          const float* src = b + (col0 + j) * ldb + pc + p0;
-          for (int64_t p = 0; p < steps; ++p) dst[(p0 + p) * kNR + j] = j < cols ? src[p] : 0.0f;
-        }
-      }
-    }
-  }
-}
-
-// C[rows x cols] = alpha * (a-panel . b-panel) + beta * C, where rows <= kMR and cols <= kNR (masked edges).
-// beta == 0 never reads C.
-void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c, int64_t ldc,
-                  int64_t rows, int64_t cols, float alpha, float beta) {
-  __m512 acc[kMR][4];
-#pragma GCC unroll 6
-  for (int i = 0; i < kMR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < kc; ++p) {
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32),
-                 b3 = _mm512_loadu_ps(b + 48);
-#pragma GCC unroll 6
-    for (int i = 0; i < kMR; ++i) {
-      const __m512 ai = _mm512_set1_ps(a[i]);
-      acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(ai, b2, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(ai, b3, acc[i][3]);
-    }
-    a += kMR;
-    b += kNR;
-  }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < 4 && j * 16 < cols; ++j) {
-      const int64_t left = cols - j * 16;
-      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-      float* out = c + i * ldc + j * 16;
-      __m512 v = _mm512_mul_ps(acc[i][j], va);
-      if (beta != 0) v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, out), vb, v);
-      _mm512_mask_storeu_ps(out, mask, v);
-    }
-  }
-}
-
-// Packing buffers, reused across calls (a fresh multi-MiB allocation per call would cost page faults).
-std::vector<float>& buffer(int which) {
-  thread_local std::vector<float> buffers[2];
-  return buffers[which];
-}
-
-// One product C = alpha op(A) op(B) + beta C, k > 0; `threads` > 1 splits it across an OpenMP team.
-void gemm(const GemmArgs& g, const float* a, const float* b, float* c, int threads) {
-  const int64_t m = g.m, n = g.n, k = g.k;
-  // Equal A blocks of whole micro-panels (m = 4100 gives two blocks of 2052 rows, not 4096 and 4).
-  const int64_t m_blocks = (m + kMC - 1) / kMC;
-  const int64_t mc_max = ((m + m_blocks - 1) / m_blocks + kMR - 1) / kMR * kMR;
-  const int64_t nc_max = std::min(kNC, (n + kNR - 1) / kNR * kNR);
-  std::vector<float>& a_pack = buffer(0);
-  std::vector<float>& b_pack = buffer(1);
-  a_pack.resize(size_t(mc_max * std::min(kKC, k)));
-  b_pack.resize(size_t(nc_max * std::min(kKC, k)));
-  float* ap = a_pack.data();
-  float* bp = b_pack.data();
-  const float alpha = float(g.alpha), beta = float(g.beta);
-
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  for (int64_t ic = 0; ic < m; ic += mc_max) {
-    const int64_t mc = std::min(mc_max, m - ic), a_panels = (mc + kMR - 1) / kMR;
-    for (int64_t pc = 0; pc < k; pc += kKC) {
-      const int64_t kc = std::min(kKC, k - pc);
-      const float block_beta = pc == 0 ? beta : 1.0f;  // later k blocks accumulate onto the first
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < a_panels; ++r) {
-        pack_a(a, g.trans_a, g.lda, ic + r * kMR, std::min(kMR, mc - r * kMR), pc, kc, ap + r * kc * kMR);
-      }
-      for (int64_t jc = 0; jc < n; jc += kNC) {
-        const int64_t nc = std::min(kNC, n - jc), b_panels = (nc + kNR - 1) / kNR;
-#pragma omp for schedule(static)
-        for (int64_t q = 0; q < b_panels; ++q) {
-          pack_b(b, g.trans_b, g.ldb, jc + q * kNR, std::min(kNR, nc - q * kNR), pc, kc, bp + q * kc * kNR);
-        }
-        // Implicit barrier above: both blocks are packed. Tiles row-panel-major, so that consecutive tiles of
-        // one thread reuse its A micro-panel from L1.
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < a_panels; ++r) {
-          for (int64_t q = 0; q < b_panels; ++q) {
-            micro_kernel(kc, ap + r * kc * kMR, bp + q * kc * kNR, c + (ic + r * kMR) * g.ldc + jc + q * kNR, g.ldc,
-                         std::min(kMR, mc - r * kMR), std::min(kNR, nc - q * kNR), alpha, block_beta);
-          }
-        }
-        // Implicit barrier: nobody repacks B while others still read it.
-      }
-    }
-  }
-}
-
-// Worth the packing: at least a few full tiles. Thinner products (matrix-vector, tiny matrices) go to Eigen,
-// which has dedicated GEMV and small-product paths.
-bool suits(const GemmArgs& g) { return g.m >= kMR && g.n >= 32 && g.k >= 16; }
-
-}  // namespace blocked
-#endif  // __AVX512F__
 
 template <typename T> void gemm_eigen(const GemmArgs& g) {
   init_eigen();
@@ -663,16 +453,15 @@ template <typename T> void gemm_eigen(const GemmArgs& g) {
   auto one = [&](int64_t i) {
     const T* a = static_cast<const T*>(g.a) + i * g.stride_a;
     const T* b = static_cast<const T*>(g.b) + i * g.stride_b;
-#if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
-      if (g.k > 0 && blocked::suits(g)) {
+      if (g.k > 0 && gemm_blocked::suits(g)) {
         const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
         const int threads = over_batch || flops < 4e6 ? 1 : omp_get_max_threads();
-        blocked::gemm(g, a, b, static_cast<float*>(g.c) + i * g.stride_c, threads);
+        gemm_blocked::run(g, a, b, static_cast<float*>(g.c) + i * g.stride_c, threads);
         return;
       }
     }
-#endif
+    HG_CHECK(!g.bias, "gemm (cpu): Eigen's products take no bias (gemm_cpu writes it into C first)");
     OutMap<T> c(static_cast<T*>(g.c) + i * g.stride_c, g.m, g.n, Eigen::OuterStride<>(g.ldc));
     if (g.k == 0) {  // an empty sum: C = beta * C
       if (g.beta == 0) {
@@ -793,8 +582,10 @@ void gemm_cpu(const GemmArgs& g) {
   HG_CHECK(g.ab_dtype == g.c_dtype, "gemm (cpu): operands {} with output {} are not supported",
            dtype_name(g.ab_dtype), dtype_name(g.c_dtype));
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
-  if (g.bias) {
+  // The blocked float32 kernel adds the bias as it writes C; the others start from C's rows set to it.
+  if (g.bias && !(g.ab_dtype == kFloat32 && g.k > 0 && gemm_blocked::suits(g))) {
     const size_t row_bytes = size_t(g.n) * element_size(g.c_dtype);
+#pragma omp parallel for collapse(2) if (g.batch * g.m * g.n > (1 << 16))
     for (int64_t b = 0; b < g.batch; ++b)
       for (int64_t r = 0; r < g.m; ++r)
         std::memcpy(static_cast<char*>(g.c) + (b * g.stride_c + r * g.ldc) * element_size(g.c_dtype), g.bias,

@@ -3,9 +3,9 @@
 //
 // Every product ends in one call shape, a (batched, strided) GEMM
 //     C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]        b = 0 .. batch-1
-// described by GemmArgs and run by gemm_kernel[device]. The CPU kernel (ops/matmul.cpp) is our AVX-512 GEMM for
-// float32 products large enough for it, Eigen's otherwise; the CUDA kernel is cuBLAS (cublasGemmStridedBatchedEx
-// or cublasLt), whose arguments GemmArgs mirrors. conv2d's CPU kernels use it too.
+// described by GemmArgs and run by gemm_kernel[device]. The CPU kernel (ops/matmul.cpp) is our AVX2/AVX-512 GEMM
+// (ops/gemm_blocked.cpp) for float32 products large enough for it, Eigen's otherwise; the CUDA kernel is cuBLAS
+// (cublasGemmStridedBatchedEx or cublasLt), whose arguments GemmArgs mirrors. conv2d's CPU kernels use it too.
 #include <cstdint>
 
 #include "core/dispatch.h"

@@ -71,6 +71,17 @@ Reference reference_matmul(const Tensor& a, const Tensor& b) {
   return r;
 }
 
+// linear(x, w, bias) = x w^T + bias on every row, from reference_matmul.
+Reference reference_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
+  Reference ref = reference_matmul(x, w.t());
+  const std::vector<double> bv = to_vector<double>(bias);
+  for (size_t i = 0; i < ref.values.size(); ++i) {
+    ref.values[i] += bv[i % bv.size()];
+    ref.magnitude[i] += std::abs(bv[i % bv.size()]);
+  }
+  return ref;
+}
+
 // Relative rounding error allowed per dtype, against sum |a||b|. Half types: the inputs are already
 // rounded (the reference reads the same values), products accumulate in float32, so only the final
 // rounding to 11 (float16) or 8 (bfloat16) bits shows. Integers are exact.
@@ -165,8 +176,8 @@ TEST_CASE("matmul of large operands matches the reference (blocked and multi-thr
 }
 
 TEST_CASE("float32 products larger than the GEMM's cache blocks match the reference, in every layout") {
-  // The AVX-512 float32 kernel (ops/matmul.cpp) blocks m by up to 4096, n by 512 and k by 256 and computes
-  // tiles of 6 x 64: these sizes cross every block boundary, with partial tiles at each edge.
+  // The float32 kernel (ops/gemm_blocked.cpp) blocks m by up to 4096, n by 512 and k by 256 and computes tiles of
+  // 6 x 64 (AVX-512) or 6 x 16 (AVX2): these sizes cross every block boundary, with partial tiles at each edge.
   manual_seed(20);
   Tensor a = random({4099, 260}, kFloat32), b = random({260, 530}, kFloat32);
   check_matches(matmul(a, b), reference_matmul(a, b), kFloat32);
@@ -178,13 +189,21 @@ TEST_CASE("float32 products larger than the GEMM's cache blocks match the refere
   check_matches(matmul(at, bt), reference_matmul(at, bt), kFloat32);
   // Accumulating onto C (beta = 1): linear's fused bias, over several k blocks.
   Tensor x = random({70, 600}, kFloat32), w = random({100, 600}, kFloat32), bias = random({100}, kFloat32);
-  Reference ref = reference_matmul(x, w.t());
-  std::vector<double> bv = to_vector<double>(bias);
-  for (size_t i = 0; i < ref.values.size(); ++i) {
-    ref.values[i] += bv[i % 100];
-    ref.magnitude[i] += std::abs(bv[i % 100]);
-  }
-  check_matches(linear(x, w, bias), ref, kFloat32);
+  check_matches(linear(x, w, bias), reference_linear(x, w, bias), kFloat32);
+}
+
+TEST_CASE("float32 products with a thin side match the reference: the language model's decoder and its gradients") {
+  // The decoder's three products, scaled down: y = x W^T + b (k small), dx = g W (n = 32: A read in place) and
+  // dW = g^T x (A transposed, packed 16 steps at a time), each over several k blocks and with partial tiles.
+  manual_seed(21);
+  Tensor x = random({70, 32}, kFloat32), w = random({3001, 32}, kFloat32), bias = random({3001}, kFloat32);
+  Tensor g = random({70, 3001}, kFloat32);
+  check_matches(linear(x, w, bias), reference_linear(x, w, bias), kFloat32);
+  check_matches(matmul(g, w), reference_matmul(g, w), kFloat32);
+  check_matches(matmul(g.t(), x), reference_matmul(g.t(), x), kFloat32);
+  // k = 600 with a transposed A (3 k blocks, the last partial; 29 columns: a partial second tile).
+  Tensor gt = random({600, 1003}, kFloat32).t(), x2 = random({600, 29}, kFloat32);
+  check_matches(matmul(gt, x2), reference_matmul(gt, x2), kFloat32);
 }
 
 TEST_CASE("matmul reads transposed, strided and broadcast operands correctly") {
