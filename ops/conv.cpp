@@ -53,6 +53,7 @@ std::string pair_str(const Pair2d& p) { return fmt::format("({}, {})", p[0], p[1
 namespace {
 
 std::atomic<bool> g_conv_allow_tf32{true};
+std::atomic<bool> g_conv_benchmark{true};
 
 Conv2dParams params_of(const Conv2dOptions& o) {
   return {o.stride, o.padding, o.dilation, o.groups, g_conv_allow_tf32.load(std::memory_order_relaxed)};
@@ -143,6 +144,8 @@ Tensor gradient(KernelTable<Kernel>& kernel, const Tensor& grad_output, const Te
 
 void set_conv_allow_tf32(bool allow) { g_conv_allow_tf32.store(allow); }
 bool conv_allow_tf32() { return g_conv_allow_tf32.load(); }
+void set_conv_benchmark(bool benchmark) { g_conv_benchmark.store(benchmark); }
+bool conv_benchmark() { return g_conv_benchmark.load(); }
 
 int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
   const int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;

@@ -8,7 +8,7 @@
 //                the median of three, timed with CUDA events) and the fastest is cached for the problem: device,
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
 //                address alignment (an engine may need 16-byte aligned data). PyTorch's cudnn.benchmark does the
-//                same over its top candidates.
+//                same over its top candidates. With set_conv_benchmark(false), the first candidate that fits.
 //   numerics     accepted: tensor cores for float16/bfloat16, and for float32 only when conv_allow_tf32();
 //                refused: engines that down-convert inputs or reduce in reduced precision (float16/bfloat16
 //                products accumulate in float32, as on the CPU)
@@ -386,8 +386,9 @@ float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle
 // Per thread, as PyTorch's benchmark cache: a plan is finalized with its thread's cuDNN handle, and cuDNN does not
 // promise that every engine's plan may run concurrently from several threads.
 thread_local std::map<ProblemKey, Candidate> t_choices;
+thread_local std::map<ProblemKey, Candidate> t_heuristic_choices;  // conv_benchmark() off
 
-Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
+Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   std::vector<Candidate> candidates;
   if (is_pointwise_gemm(pb)) candidates.push_back(Candidate{nullptr, nullptr, nullptr, 0, "cuBLAS GEMM"});
   auto graph = std::make_shared<Graph>(pb, handle);
@@ -405,6 +406,10 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
   std::string report;
   for (const Candidate& c : candidates) {
     if (c.workspace > got) continue;
+    if (!benchmark) {  // the heuristics' order, no timing
+      logger().debug("{} (cuda): {} -> {} (heuristic, not timed)", pb.op(), pb.str(), c.label);
+      return c;
+    }
     const float ms = time_candidate(c, pb, handle, workspace);
     report += fmt::format(" {} {:.3f} ms;", c.label, ms);
     if (ms >= 0 && (best == nullptr || ms < best_ms)) {
@@ -420,8 +425,10 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle) {
 
 Candidate choice_for(const Problem& pb, cudnnHandle_t handle) {
   const ProblemKey key = pb.key();
-  auto it = t_choices.find(key);
-  if (it == t_choices.end()) it = t_choices.emplace(key, autotune(pb, handle)).first;
+  const bool benchmark = conv_benchmark();
+  std::map<ProblemKey, Candidate>& choices = benchmark ? t_choices : t_heuristic_choices;
+  auto it = choices.find(key);
+  if (it == choices.end()) it = choices.emplace(key, autotune(pb, handle, benchmark)).first;
   return it->second;
 }
 

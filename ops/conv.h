@@ -64,6 +64,13 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
 void set_conv_allow_tf32(bool allow);
 bool conv_allow_tf32();
 
+// Whether a CUDA convolution problem seen for the first time times every candidate engine and keeps the fastest
+// (default true, as PyTorch's torch.backends.cudnn.benchmark = True), or takes the first that cuDNN's heuristics
+// rank and whose workspace fits (false: no timing, the choice PyTorch makes by default). Each setting keeps its own
+// choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.
+void set_conv_benchmark(bool benchmark);
+bool conv_benchmark();
+
 // One spatial dim of the output: (in + 2 pad - dilation (kernel - 1) - 1) / stride + 1; may be <= 0,
 // which callers report as an error.
 int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation);

@@ -525,3 +525,25 @@ TEST_CASE("cuda: float32 conv2d uses TF32 only when allowed") {
   }
   CHECK(worst <= 1e-2 * scale);
 }
+
+TEST_CASE("cuda: conv2d with autotuning off takes cuDNN's first fitting engine and computes the same convolution") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(31);
+  const Device gpu = Device::cuda(0);
+  // A size no other test uses, so that both settings choose afresh; float16 to keep TF32 out of the comparison.
+  Tensor x = random({6, 24, 13, 11}, kFloat16), w = random({40, 24, 3, 3}, kFloat16), g = random({6, 40, 13, 11}, kFloat16);
+  const bool previous = conv_benchmark();
+  auto run = [&](bool benchmark) {
+    set_conv_benchmark(benchmark);
+    Tensor xg = x.to(gpu).requires_grad_(true), wg = w.to(gpu).requires_grad_(true);
+    Tensor y = conv2d(xg, wg, {}, {.padding = {1, 1}});
+    y.backward(g.to(gpu));
+    return std::vector<Tensor>{y.detach(), xg.grad(), wg.grad()};
+  };
+  const std::vector<Tensor> heuristic = run(false), tuned = run(true);
+  set_conv_benchmark(previous);
+  CHECK(conv_benchmark() == previous);
+  const char* names[] = {"output", "input gradient", "weight gradient"};
+  // Different engines sum in different orders: equal to float16 rounding of float32 sums.
+  for (size_t i = 0; i < 3; ++i) check_cuda_close(heuristic[i], tuned[i].to(Device::cpu()), kFloat16, names[i]);
+}

@@ -56,7 +56,7 @@ Precision precision_of(const std::string& name) {
 }
 
 struct LanguageModelShape {
-  nn::RecurrentKind kind;
+  nn::RecurrentKind kind = nn::RecurrentKind::LSTM;
   int64_t hidden = 0, layers = 0;
 };
 
@@ -250,7 +250,10 @@ void measure(const Case& c, const Settings& s, json& line) {
   Workload w = workload(c, s, c.batch);
   w.step();  // the first allocations and cuDNN's autotuning stay out of the figures
   synchronize(s.device);
-  if (s.device.is_cuda()) cuda::reset_peak(s.device.index);
+  if (s.device.is_cuda()) {  // the autotuning's workspaces too: the reserved figure is the steps'
+    cuda::empty_cache();
+    cuda::reset_peak(s.device.index);
+  }
   std::unique_ptr<cuda::CapturedStep> captured;
   if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(s.device, w.step, 2);
   const std::vector<double> ms = time_each_step(captured ? std::function<void()>([&] { (*captured)(); }) : w.step, s);
@@ -283,9 +286,11 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
   HG_CHECK(s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory budgets are the CUDA "
            "allocator's), got {}", s.device.str());
   const size_t previous = cuda::memory_limit(s.device.index);
+  const bool previous_benchmark = conv_benchmark();
   const size_t budget = s.memory_budget ? s.memory_budget : cuda::device_memory(s.device.index);
   cuda::empty_cache();
   cuda::set_memory_limit(budget, s.device.index);
+  set_conv_benchmark(false);  // every probe is a new batch size: autotuning each would take seconds per probe
   int64_t probes = 0;
   auto probe = [&](int64_t batch) {
     ++probes;
@@ -309,9 +314,11 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
     }
   } catch (...) {
     cuda::set_memory_limit(previous, s.device.index);
+    set_conv_benchmark(previous_benchmark);
     throw;
   }
   cuda::set_memory_limit(previous, s.device.index);
+  set_conv_benchmark(previous_benchmark);
   cuda::reset_peak(s.device.index);
   line["max_batch"] = good;
   line["memory_budget_bytes"] = budget;

@@ -9,7 +9,9 @@ The suites, models, precisions, data and steps are tools/bench.h's (vgg, resnet,
 configurations in the same order, the same synthetic data (standard-normal CIFAR-shaped images, random labels and
 tokens, made once on the GPU), the same step (forward, cross entropy in float32, backward, SGD momentum 0.9 and
 weight decay 5e-4 for images; clipping at 0.25 and SGD lr 20 for language models; zero_grad). PyTorch as its users run
-it: channels_last with cudnn.benchmark (TF32 off, as halfgrad's float32), and with --compile the model through
+it: channels_last with cudnn.benchmark, TF32 where halfgrad's defaults use it (float32 convolutions: cudnn.allow_tf32
+on, as halfgrad's conv_allow_tf32; matrix products and the language models' cuDNN RNNs: off, as halfgrad's
+cuda::allow_tf32), and with --compile the model through
 torch.compile(mode="reduce-overhead") (compiled in warm-up steps, at least 10). Precisions: fp32; amp
 (torch.autocast float16 with a GradScaler, unscale_ before clipping); bf16 (autocast bfloat16, no scaler); fp16 (the
 model and inputs in float16); o2 (apex's O2) has no PyTorch equivalent: its configurations are lines saying so.
@@ -164,6 +166,7 @@ def measure(suite, model, precision, batch, args, line):
     step, items, unit = workload(suite, model, precision, batch, args)
     step()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # cudnn.benchmark's workspaces out of the reserved figure, as halfgrad's bench does
     torch.cuda.reset_peak_memory_stats()
     for _ in range(max(args.warmup, 10) if args.compile else args.warmup):
         step()
@@ -197,6 +200,7 @@ def search_max_batch(suite, model, precision, start, args, line):
     total = torch.cuda.get_device_properties(0).total_memory
     budget = args.memory_budget or total
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    torch.backends.cudnn.benchmark = False  # as halfgrad's search: each probe is a new batch size
     good, bad, probes, b = 0, 0, 0, max(1, start)
     try:
         while b <= args.max_batch:
@@ -215,6 +219,7 @@ def search_max_batch(suite, model, precision, start, args, line):
                 bad = mid
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.backends.cudnn.benchmark = True
     line.update({"max_batch": good, "memory_budget_bytes": budget, "probes": probes,
                  "reached_ceiling": good == args.max_batch})
 
@@ -242,12 +247,12 @@ def main():
     split = lambda text: [t for t in text.split(",") if t]
     cases = suite_cases(args.suite, split(args.models), split(args.precisions), [int(b) for b in split(args.batch)])
     torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     env = environment()
     out = open(args.out, "a") if args.out else None
     for i, (suite, model, precision, batch) in enumerate(cases):
         print(f"bench_torch {suite}: [{i + 1}/{len(cases)}] {model} {precision} batch {batch}", file=sys.stderr)
+        torch.backends.cudnn.allow_tf32 = suite != "lm"  # convolutions yes, cuDNN RNNs no: halfgrad's defaults
         line = {"framework": "pytorch", "suite": suite, "model": model, "precision": precision, "batch": batch,
                 "dataset": "synthetic", **env, "compile": args.compile, "out_of_memory": False}
         if suite != "max-batch":

@@ -264,13 +264,15 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       auto [x, y] = to_device(batch);
       Tensor loss, batch_correct;
       if (captured && y.size(0) == c.batch_size) {
-        NoGradGuard no_grad;
-        if (!graph_x.defined()) {  // buffers of the batch's layout, channels_last or not
-          graph_x = c.channels_last ? contiguous_channels_last(x.clone()) : x.clone();
-          graph_y = y.clone();
-        } else {
-          graph_x.copy_(x);
-          graph_y.copy_(y);
+        {
+          NoGradGuard no_grad;  // only for the copies: the step itself records its graph for backward
+          if (!graph_x.defined()) {  // buffers of the batch's layout, channels_last or not
+            graph_x = c.channels_last ? contiguous_channels_last(x.clone()) : x.clone();
+            graph_y = y.clone();
+          } else {
+            graph_x.copy_(x);
+            graph_y.copy_(y);
+          }
         }
         (*captured)();
         loss = graph_loss;

@@ -52,14 +52,14 @@ struct ClassifierConfig {
   int workers = 4;
   uint64_t seed = 0;
   int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
-  std::string train_checkpoint;  // when set, a training checkpoint is written there after every epoch and on
-                                 // request_stop() (for resume)
+  std::string train_checkpoint{};  // when set, a training checkpoint is written there after every epoch and on
+                                   // request_stop() (for resume)
   // When set, a training checkpoint written by a run of the same settings (model, dataset, opt level, epochs,
   // batch size, schedule, seed, training images): the run continues where that one stopped (after its epoch, or
   // within it for a checkpoint written on request_stop()) with the model, optimizer, schedule, loss scaler, O2's
   // float32 masters, random state and the epoch's sums so far, and trains as the uninterrupted run would have, bit
   // for bit. on_epoch and the result cover the epochs finished here.
-  std::string resume;
+  std::string resume{};
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
   // CUDA: the training step captured once as a CUDA graph (after two eager steps) and replayed, the batch copied into
   // its input buffers first; a last batch smaller than batch_size runs eagerly (core/cuda_graph.h).
@@ -137,14 +137,14 @@ struct LanguageModelConfig {
   int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
   std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
                              // architecture and vocabulary (models/language_model_checkpoint.h)
-  std::string train_checkpoint;  // when set, a training checkpoint is written there after every epoch and on
-                                 // request_stop() (for resume)
+  std::string train_checkpoint{};  // when set, a training checkpoint is written there after every epoch and on
+                                   // request_stop() (for resume)
   // When set, a train_checkpoint written by a run of the same settings: the run continues where that one stopped
   // (after its epoch, or within it for a checkpoint written on request_stop(), with the recurrent state carried
   // into the next window) with the model, optimizer (its lr, annealed), loss scaler, O2's masters, random state,
   // the best validation loss and the best model, and trains as the uninterrupted run would have, bit for bit.
   // result.epochs covers the epochs finished here; the test loss is the best model's (0 when stopped).
-  std::string resume;
+  std::string resume{};
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
   bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
