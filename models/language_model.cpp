@@ -2,6 +2,7 @@
 #include "models/language_model.h"
 
 #include "nn/init.h"
+#include "ops/linear_cross_entropy.h"
 
 namespace halfgrad::models {
 
@@ -24,11 +25,23 @@ LanguageModel::LanguageModel(int64_t vocab_size, LanguageModelOptions opts) : vo
 }
 
 LanguageModel::Output LanguageModel::forward(const Tensor& tokens, const Tensor& h0, const Tensor& c0) {
+  Features f = features(tokens, h0, c0);
+  return {decoder->forward(f.features), f.h, f.c};
+}
+
+LanguageModel::Features LanguageModel::features(const Tensor& tokens, const Tensor& h0, const Tensor& c0) {
   HG_CHECK(tokens.dim() == 2 && tokens.dtype() == kInt64, "LanguageModel: expected int64 tokens [T, B], got {}",
            tokens.meta());
   const Tensor embedded = drop->forward(encoder->forward(tokens));
   nn::RecurrentOutput r = rnn->forward(embedded, h0, c0);
-  return {decoder->forward(drop->forward(r.output)), r.h, r.c};
+  return {drop->forward(r.output), r.h, r.c};
+}
+
+Tensor LanguageModel::loss(const Tensor& features, const Tensor& targets) {
+  HG_CHECK(features.dim() == 3 && features.size(2) == options.hidden_size,
+           "LanguageModel::loss: expected features [T, B, {}] from features(), got {}", options.hidden_size,
+           features.meta());
+  return linear_cross_entropy(features.reshape({-1, options.hidden_size}), decoder->weight, decoder->bias, targets);
 }
 
 }  // namespace halfgrad::models

@@ -8,6 +8,9 @@
 //   models::LanguageModel lm(corpus.vocab.size(), {.kind = nn::RecurrentKind::LSTM});
 //   auto out = lm.forward(batch.input, state.h, state.c);       // logits [T, B, vocab]
 //   Tensor loss = cross_entropy(out.logits.reshape({-1, vocab}), batch.target);
+// or, for training and evaluation, the same loss without the logits (the decoder and the loss as one op):
+//   auto f = lm.features(batch.input, state.h, state.c);         // [T, B, hidden]
+//   Tensor loss = lm.loss(f.features, batch.target);
 #include <memory>
 
 #include "nn/layers.h"
@@ -36,6 +39,17 @@ class LanguageModel : public nn::Module {
   // tokens: int64 [T, B]; h0/c0: [num_layers, B, hidden] or undefined for zeros.
   Output forward(const Tensor& tokens, const Tensor& h0, const Tensor& c0 = Tensor());
   Tensor forward(const Tensor& tokens) override { return forward(tokens, Tensor(), Tensor()).logits; }
+
+  struct Features {
+    Tensor features;  // [T, B, hidden_size]: what the decoder reads (the last layer's output, after dropout)
+    Tensor h, c;
+  };
+  // forward() up to the decoder.
+  Features features(const Tensor& tokens, const Tensor& h0, const Tensor& c0 = Tensor());
+  // The mean cross entropy of targets (int64 [T * B], main.py's targets) under the decoder's logits of `features`,
+  // as cross_entropy(decoder(features).reshape({-1, vocab}), targets), through linear_cross_entropy: on the CPU
+  // the logits are never written (ops/linear_cross_entropy.h).
+  Tensor loss(const Tensor& features, const Tensor& targets);
   std::string type_name() const override { return "LanguageModel"; }
 
   const int64_t vocab_size;

@@ -226,11 +226,10 @@ Workload language_model_workload(const Case& c, const Settings& s, int64_t batch
   st->h = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
   if (shape->kind == nn::RecurrentKind::LSTM) st->cell = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
   State* raw = st.get();
-  const int64_t vocab = s.vocab;
   // The state carried in place from step to step (as train-lm --cuda-graph does), detached by NoGradGuard's copy.
-  auto step = [raw, vocab] {
-    auto out = raw->amp->run([&] { return raw->model->forward(raw->input, raw->h, raw->cell); });
-    Tensor loss = raw->amp->loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), raw->target); });
+  auto step = [raw] {
+    auto out = raw->amp->run([&] { return raw->model->features(raw->input, raw->h, raw->cell); });
+    Tensor loss = raw->amp->loss([&] { return raw->model->loss(out.features, raw->target); });
     raw->amp->backward(loss);
     raw->amp->clip_grad_norm_(0.25);
     raw->amp->step();

@@ -5,8 +5,9 @@
 //
 //   model       embedding (emsize = nhid), --nlayers layers of LSTM / GRU / RNN, a linear decoder over --vocab words
 //               (WikiText-2's 33,278 by default), dropout 0.2 (main.py's defaults), untied
-//   one step    h, c detached from the previous step (main.py's repackage_hidden); out = model(tokens, h, c) under the
-//               level (autocast for O1); loss = amp.loss(cross_entropy(logits [T*B, vocab], targets)) in float32;
+//   one step    h, c detached from the previous step (main.py's repackage_hidden); out = model.features(tokens, h,
+//               c) under the level (autocast for O1); loss = amp.loss(model.loss(features, targets)) in float32
+//               (the decoder and cross_entropy as one op, ops/linear_cross_entropy.h);
 //               amp.backward(loss); amp.clip_grad_norm_(0.25); amp.step() (optim::SGD, lr 20, no
 //               momentum: p -= lr * grad, as main.py); amp.zero_grad(). As train/loops.cpp's train_language_model.
 //   data        random int64 tokens [bptt, batch] and targets [bptt * batch] in [0, vocab), made once on the device
@@ -147,10 +148,10 @@ int run(const Settings& s) {
     auto step = [&] {
       if (h.defined()) h = h.detach();  // repackage_hidden
       if (c.defined()) c = c.detach();
-      auto out = amp.run([&] { return model.forward(input, h, c); });
+      auto out = amp.run([&] { return model.features(input, h, c); });
       h = out.h;
       c = out.c;
-      Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
+      Tensor loss = amp.loss([&] { return model.loss(out.features, target); });
       amp.backward(loss);
       amp.clip_grad_norm_(s.clip);
       amp.step();
@@ -160,8 +161,8 @@ int run(const Settings& s) {
     // --cuda-graph: the same step reading and writing the state in place, captured after two eager steps.
     Tensor h_carried = h.detach().clone(), c_carried = c.defined() ? c.detach().clone() : Tensor();
     auto carried_step = [&] {
-      auto out = amp.run([&] { return model.forward(input, h_carried, c_carried); });
-      Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, s.vocab}), target); });
+      auto out = amp.run([&] { return model.features(input, h_carried, c_carried); });
+      Tensor loss = amp.loss([&] { return model.loss(out.features, target); });
       amp.backward(loss);
       amp.clip_grad_norm_(s.clip);
       amp.step();

@@ -9,8 +9,9 @@ One figure per suite found in the lines, each written as PNG and SVG:
   resnet.{png,svg}     per model, step time of each precision, and each precision's speed-up over fp32
   lm.{png,svg}         per language model, tokens per second of each precision
   max-batch.{png,svg}  per model, the largest batch of each precision under the memory budget
-Lines of another framework (PyTorch) are drawn dashed next to halfgrad's, so that every comparison comes from the
-files given. Later lines of the same configuration replace earlier ones. Needs matplotlib (Debian's
+Lines of another framework (PyTorch) are drawn dashed next to halfgrad's, and CUDA-graph or torch.compile runs
+dotted as series of their own ("halfgrad graph", "pytorch compile"), so that every comparison comes from the files
+given. Later lines of the same configuration replace earlier ones. Needs matplotlib (Debian's
 python3-matplotlib); exits with 77 without it, which the ctest counts as skipped.
 """
 import argparse
@@ -49,7 +50,11 @@ def read_lines(paths):
                 for key in ("suite", "model", "precision", "batch"):
                     if key not in line:
                         sys.exit(f"plot: {path}:{number}: the line has no \"{key}\"")
-                key = (line.get("framework", "halfgrad"), line["model"], line["precision"], line["batch"])
+                # A CUDA-graph or torch.compile run is a series of its own ("halfgrad graph", "pytorch compile").
+                framework = line.get("framework", "halfgrad")
+                framework += " graph" if line.get("cuda_graph") else ""
+                framework += " compile" if line.get("compile") else ""
+                key = (framework, line["model"], line["precision"], line["batch"])
                 suites.setdefault(line["suite"], OrderedDict())[key] = line
     return suites
 
@@ -129,7 +134,8 @@ def series_by(lines, value, frameworks):
                 values.append(value(found[-1]) if found else None)
             if any(v is not None for v in values):
                 label = precision + ("" if framework == "halfgrad" else f" ({framework})")
-                series.append((label, values, COLOURS.get(precision, "grey"), "" if framework == "halfgrad" else "//"))
+                hatch = "" if framework == "halfgrad" else ".." if framework.startswith("halfgrad") else "//"
+                series.append((label, values, COLOURS.get(precision, "grey"), hatch))
     return models, series
 
 

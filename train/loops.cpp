@@ -473,10 +473,10 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     NoGradGuard no_grad;
     Tensor total = zeros({}, {.device = c.device}), h, cell;
     for_each_window(source, c.bptt, [&](const data::TextBatch& b) {
-      auto out = amp.run([&] { return model.forward(b.input, h, cell); });
+      auto out = amp.run([&] { return model.features(b.input, h, cell); });
       h = out.h;
       cell = out.c;
-      total.add_(amp.loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), b.target); }),
+      total.add_(amp.loss([&] { return model.loss(out.features, b.target); }),
                  double(b.input.size(0)));
     });
     return total.item<double>() / double(source.size(0) - 1);
@@ -530,8 +530,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       if (h.defined()) h = h.detach();
       if (cell.defined()) cell = cell.detach();
     }
-    auto out = amp.run([&] { return model.forward(input, h, cell); });
-    Tensor loss = amp.loss([&] { return cross_entropy(out.logits.reshape({-1, vocab}), target); });
+    auto out = amp.run([&] { return model.features(input, h, cell); });
+    Tensor loss = amp.loss([&] { return model.loss(out.features, target); });
     amp.backward(loss);
     amp.clip_grad_norm_(c.clip);
     amp.step();

@@ -1,0 +1,221 @@
+// linear_cross_entropy (ops/linear_cross_entropy.h): the op, its autograd node and the CPU kernel over row blocks.
+#include "ops/linear_cross_entropy.h"
+
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "core/error.h"
+#include "ops/loss.h"
+#include "ops/matmul.h"
+
+namespace halfgrad {
+
+namespace {
+
+constexpr const char* kOp = "linear_cross_entropy";
+constexpr int64_t kBlockBytes = int64_t(4) << 20;  // the logits of one block of rows: within the shared L3
+
+// What the fused forward leaves for the backward: the gradients of the summed loss (undefined where not needed).
+struct SumGrads {
+  Tensor x, weight, bias;
+  double loss_sum = 0;
+  int64_t counted = 0;
+};
+
+// One block's product through the GEMM kernel: C [m, n] = op(A) op(B) (+ bias) + beta C, dense row-major operands.
+void gemm(DType dtype, Trans ta, Trans tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+          int64_t ldb, void* c, int64_t ldc, double beta, const void* bias = nullptr) {
+  GemmArgs g;
+  g.trans_a = ta;
+  g.trans_b = tb;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.ab_dtype = g.c_dtype = dtype;
+  g.beta = beta;
+  g.a = a;
+  g.lda = lda;
+  g.b = b;
+  g.ldb = ldb;
+  g.c = c;
+  g.ldc = ldc;
+  g.bias = bias;
+  gemm_kernel[Device::cpu()](g);
+}
+
+// Rows per block: logits within kBlockBytes, a multiple of the GEMM's 6-row tiles where that is possible.
+int64_t block_rows(int64_t n, int64_t classes, size_t element) {
+  int64_t rows = kBlockBytes / std::max<int64_t>(1, classes * int64_t(element));
+  if (rows >= 12) rows -= rows % 6;
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(n, 1));
+}
+
+template <typename T>
+SumGrads fused_cpu(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& t, int64_t ignore_index,
+                   bool need_x, bool need_w, bool need_b) {
+  using Row = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  const int64_t n = x.size(0), in = x.size(1), classes = w.size(0);
+  const DType dtype = x.dtype();
+  const T *xp = x.data<T>(), *wp = w.data<T>(), *bp = b.defined() ? b.data<T>() : nullptr;
+  const int64_t* tp = t.data<int64_t>();
+  SumGrads out;
+  if (need_x) out.x = empty({n, in}, {.dtype = dtype});
+  if (need_w) out.weight = empty({classes, in}, {.dtype = dtype});
+  if (need_b) out.bias = empty({classes}, {.dtype = dtype});
+  const bool any_grad = need_x || need_w || need_b;
+  const int64_t rows = block_rows(n, classes, sizeof(T)), blocks = (n + rows - 1) / rows;
+  const int threads = int(std::clamp<int64_t>(blocks, 1, omp_get_max_threads()));
+  // Thread i's weight and bias gradients (thread 0 writes the result's directly), each written by its first block.
+  const size_t team = size_t(threads);
+  std::vector<Tensor> w_parts(team), b_parts(team);
+  std::vector<char> touched(team, 0);
+  double loss_sum = 0;
+  int64_t counted = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : loss_sum, counted) if (threads > 1)
+  {
+    const int me = omp_get_thread_num();
+    // A tensor, not a std::vector: the CPU allocator's cache hands back the same pages call after call.
+    const Tensor logits = empty({rows, classes}, {.dtype = dtype});
+    T* wg = nullptr;
+    T* bg = nullptr;
+    if (need_w) {
+      if (me > 0) w_parts[size_t(me)] = empty({classes, in}, {.dtype = dtype});
+      wg = me == 0 ? out.weight.data<T>() : w_parts[size_t(me)].data<T>();
+    }
+    if (need_b) {
+      if (me > 0) b_parts[size_t(me)] = empty({classes}, {.dtype = dtype});
+      bg = me == 0 ? out.bias.data<T>() : b_parts[size_t(me)].data<T>();
+    }
+    bool first = true;
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t r0 = block * rows, m = std::min(rows, n - r0);
+      T* l = logits.data<T>();
+      // Products inside this parallel region run on this thread alone (OpenMP does not nest them).
+      gemm(dtype, Trans::No, Trans::Yes, m, classes, in, xp + r0 * in, in, wp, in, l, classes, 0.0, bp);
+      for (int64_t j = 0; j < m; ++j) {
+        Row row(l + j * classes, classes);
+        const int64_t target = tp[r0 + j];
+        if (target == ignore_index) {
+          if (any_grad) row.setZero();
+          continue;
+        }
+        const T top = row.maxCoeff(), picked = row[target];
+        row = (row - top).exp();  // (x - max) is exact; an all -inf or +inf row gives NaN, as log_softmax does
+        const T sum = row.sum();
+        loss_sum += double(top + std::log(sum) - picked);
+        ++counted;
+        if (any_grad) {  // softmax minus the one-hot target: the gradient of this row's loss
+          row *= T(1) / sum;
+          row[target] -= T(1);
+        }
+      }
+      if (need_x) {  // dx = G W for the block's rows
+        gemm(dtype, Trans::No, Trans::No, m, in, classes, l, classes, wp, in, out.x.data<T>() + r0 * in, in, 0.0);
+      }
+      if (need_w) {  // dW += G^T x
+        gemm(dtype, Trans::Yes, Trans::No, classes, in, m, l, classes, xp + r0 * in, in, wg, in, first ? 0.0 : 1.0);
+      }
+      if (need_b) {
+        Row acc(bg, classes);
+        for (int64_t j = 0; j < m; ++j) {
+          if (first && j == 0) {
+            acc = Row(l, classes);
+          } else {
+            acc += Row(l + j * classes, classes);
+          }
+        }
+      }
+      first = false;
+    }
+    if (!first) touched[size_t(me)] = 1;
+  }
+  // The other threads' parts onto thread 0's (zeros first if thread 0 had no block).
+  auto add_parts = [&](Tensor& result, const std::vector<Tensor>& parts) {
+    T* r = result.data<T>();
+    const int64_t size = result.numel();
+    if (!touched[0]) std::fill(r, r + size, T(0));
+    for (int i = 1; i < threads; ++i) {
+      if (!touched[size_t(i)]) continue;
+      const T* p = parts[size_t(i)].data<T>();
+#pragma omp parallel for schedule(static) if (size > (1 << 16))
+      for (int64_t e = 0; e < size; ++e) r[e] += p[e];
+    }
+  };
+  if (need_w) add_parts(out.weight, w_parts);
+  if (need_b) add_parts(out.bias, b_parts);
+  out.loss_sum = loss_sum;
+  out.counted = counted;
+  return out;
+}
+
+// Shapes and devices; dtypes too outside autocast (under it, linear casts mixed dtypes as its rule says).
+void check_arguments(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& t, bool autocast) {
+  HG_CHECK(x.defined() && w.defined() && t.defined(), "{}: got an undefined tensor (input {}, weight {}, target {})",
+           kOp, x.meta(), w.meta(), t.meta());
+  HG_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+           "{}: expected input [N, in] and weight [classes, in], got input {} and weight {}", kOp, x.meta(), w.meta());
+  HG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0)),
+           "{}: bias {} does not match weight {} (expected [{}])", kOp, b.meta(), w.meta(), w.size(0));
+  HG_CHECK(t.dim() == 1 && t.size(0) == x.size(0) && !t.is_floating_point(),
+           "{}: expected integer class indices [{}] for input {}, got {}", kOp, x.size(0), x.meta(), t.meta());
+  HG_CHECK(autocast || (x.dtype() == w.dtype() && (!b.defined() || b.dtype() == w.dtype())),
+           "{}: input, weight and bias must have one dtype, got {}, {} and {}", kOp, x.meta(), w.meta(), b.meta());
+  HG_CHECK(x.device() == w.device() && x.device() == t.device() && (!b.defined() || b.device() == x.device()),
+           "{}: every tensor must be on one device, got input {}, weight {}, bias {}, target {}", kOp, x.meta(),
+           w.meta(), b.meta(), t.meta());
+}
+
+}  // namespace
+
+Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Tensor& bias, const Tensor& target,
+                            const LinearCrossEntropyOptions& options) {
+  const bool autocast = amp::is_autocast_enabled();
+  check_arguments(input, weight, bias, target, autocast);
+  const bool fused = input.device().is_cpu() && (input.dtype() == kFloat32 || input.dtype() == kFloat64) && !autocast;
+  if (!fused) return cross_entropy(linear(input, weight, bias), target, {.ignore_index = options.ignore_index});
+
+  const Tensor t = target.to(kInt64).contiguous();
+  const int64_t classes = weight.size(0);
+  const int64_t* tp = t.data<int64_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) {  // checked here: the kernel's threads cannot report an error
+    HG_CHECK(tp[i] == options.ignore_index || (tp[i] >= 0 && tp[i] < classes),
+             "{}: target {} at row {} is not a class index in [0, {}) or ignore_index {}", kOp, tp[i], i, classes,
+             options.ignore_index);
+  }
+  const bool grad = GradMode::is_enabled();
+  const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
+             need_b = grad && bias.defined() && bias.requires_grad();
+  SumGrads sums;
+  {
+    NoGradGuard no_grad;
+    const Tensor x = input.detach().contiguous(), w = weight.detach().contiguous(),
+                 b = bias.defined() ? bias.detach().contiguous() : Tensor();
+    sums = input.dtype() == kFloat32 ? fused_cpu<float>(x, w, b, t, options.ignore_index, need_x, need_w, need_b)
+                                     : fused_cpu<double>(x, w, b, t, options.ignore_index, need_x, need_w, need_b);
+  }
+  const double mean =
+      sums.counted > 0 ? sums.loss_sum / double(sums.counted) : std::numeric_limits<double>::quiet_NaN();
+  Tensor loss = full({}, mean, {.dtype = input.dtype()});
+  if (need_x || need_w || need_b) {
+    record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
+           [sums](const GradContext& g) -> TensorList {
+             // d(mean)/d(logits) = (softmax - one-hot) / counted, times the upstream gradient; with nothing
+             // counted every row was ignored and every gradient is 0, as the composition's
+             const Tensor scale = sums.counted > 0 ? g[0].div(double(sums.counted)) : g[0].mul(0.0);
+             auto scaled = [&](const Tensor& sum_grad) { return sum_grad.defined() ? sum_grad.mul(scale) : Tensor(); };
+             return {scaled(sums.x), scaled(sums.weight), scaled(sums.bias)};
+           });
+  }
+  return loss;
+}
+
+}  // namespace halfgrad

@@ -1,0 +1,154 @@
+// linear_cross_entropy (ops/linear_cross_entropy.h): the fused CPU op against the composition it stands for,
+// cross_entropy(linear(x, W, b), t), in values and in every gradient; gradcheck; its errors; autocast and CUDA.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "halfgrad.h"
+#include "tests/gradcheck.h"
+#include "tests/testing.h"
+
+using namespace halfgrad;
+using halfgrad::testing::check_close;
+using halfgrad::testing::contains;
+using halfgrad::testing::error_of;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
+using halfgrad::testing::values;
+
+namespace {
+
+struct Problem {
+  Tensor x, w, b, t;
+};
+
+// x [n, in], W [classes, in], b [classes], targets in [0, classes) with every fifth row ignore_index.
+Problem problem(int64_t n, int64_t in, int64_t classes, DType dtype, int64_t ignore_index = -100) {
+  Problem p;
+  p.x = randn({n, in}, {.dtype = kFloat64}).to(dtype).requires_grad_(true);
+  p.w = randn({classes, in}, {.dtype = kFloat64}).mul(0.5).to(dtype).detach().requires_grad_(true);
+  p.b = randn({classes}, {.dtype = kFloat64}).to(dtype).requires_grad_(true);
+  p.t = randint(0, classes, {n});
+  for (int64_t i = 0; i < n; i += 5) p.t.data<int64_t>()[i] = ignore_index;
+  return p;
+}
+
+struct Result {
+  std::vector<double> loss, dx, dw, db;
+};
+
+Result run(const Problem& p, bool fused, int64_t ignore_index = -100, bool with_bias = true) {
+  for (const Tensor& t : {p.x, p.w, p.b}) t.set_grad(Tensor());
+  const Tensor bias = with_bias ? p.b : Tensor();
+  Tensor loss = fused ? linear_cross_entropy(p.x, p.w, bias, p.t, {.ignore_index = ignore_index})
+                      : cross_entropy(linear(p.x, p.w, bias), p.t, {.ignore_index = ignore_index});
+  loss.mul(3.0).backward();  // an upstream gradient other than 1
+  return {values(loss), values(p.x.grad()), values(p.w.grad()), with_bias ? values(p.b.grad()) : std::vector<double>{}};
+}
+
+void check_same(const Result& got, const Result& want, double tol) {
+  INFO("loss");
+  check_close(got.loss, want.loss, tol);
+  INFO("input gradient");
+  check_close(got.dx, want.dx, tol);
+  INFO("weight gradient");
+  check_close(got.dw, want.dw, tol);
+  INFO("bias gradient");
+  check_close(got.db, want.db, tol);
+}
+
+}  // namespace
+
+TEST_CASE("linear_cross_entropy equals cross_entropy(linear(...)): loss and all gradients, across row blocks") {
+  manual_seed(3);
+  // 5,003 classes in float64: blocks of 102 rows (4 MiB of logits), so 250 rows make three blocks, the last short,
+  // shared between the threads; every fifth target ignored.
+  Problem p = problem(250, 24, 5003, kFloat64);
+  check_same(run(p, true), run(p, false), 1e-12);
+  SUBCASE("without a bias") { check_same(run(p, true, -100, false), run(p, false, -100, false), 1e-12); }
+  SUBCASE("another ignore_index, and a row block of one thread only") {
+    Problem q = problem(7, 5, 11, kFloat64, 3);
+    check_same(run(q, true, 3), run(q, false, 3), 1e-12);
+  }
+  SUBCASE("float32 against float64's composition") {
+    Problem q = problem(70, 32, 3001, kFloat32);
+    Problem wide{q.x.detach().to(kFloat64).requires_grad_(true), q.w.detach().to(kFloat64).requires_grad_(true),
+                 q.b.detach().to(kFloat64).requires_grad_(true), q.t};
+    check_same(run(q, true), run(wide, false), 2e-5);
+  }
+}
+
+TEST_CASE("linear_cross_entropy: gradcheck in float64, with and without a bias") {
+  manual_seed(4);
+  const Tensor t = tensor<int64_t>({2, 0, 4, 1, -100, 3});
+  gradcheck([&](const TensorList& in) { return linear_cross_entropy(in[0], in[1], in[2], t); },
+            {leaf({6, 3}), leaf({5, 3}), leaf({5})});
+  gradcheck([&](const TensorList& in) { return linear_cross_entropy(in[0], in[1], Tensor(), t); },
+            {leaf({6, 3}), leaf({5, 3})});
+}
+
+TEST_CASE("linear_cross_entropy: the mean over no counted target is NaN; only the inputs that require grad get one") {
+  Tensor x = randn({3, 2}, {.dtype = kFloat64}), w = randn({4, 2}, {.dtype = kFloat64}).requires_grad_(true);
+  Tensor all_ignored = full({3}, int64_t(-100), {.dtype = kInt64});
+  CHECK(std::isnan(linear_cross_entropy(x, w, Tensor(), all_ignored).item<double>()));
+  Tensor loss = linear_cross_entropy(x, w, Tensor(), tensor<int64_t>({0, 1, 2}));
+  loss.backward();
+  CHECK(w.grad().defined());
+  CHECK_FALSE(x.grad().defined());
+  // No rows at all: NaN, and zero gradients for the weight.
+  Tensor w0 = randn({4, 2}, {.dtype = kFloat64}).requires_grad_(true);
+  Tensor none = linear_cross_entropy(zeros({0, 2}, {.dtype = kFloat64}), w0, Tensor(), zeros({0}, {.dtype = kInt64}));
+  CHECK(std::isnan(none.item<double>()));
+  none.backward();
+  CHECK(values(w0.grad()) == std::vector<double>(8, 0.0));
+  NoGradGuard no_grad;  // no graph, no gradients kept
+  CHECK_FALSE(linear_cross_entropy(x, w, Tensor(), tensor<int64_t>({0, 1, 2})).requires_grad());
+}
+
+TEST_CASE("linear_cross_entropy names the op and what is wrong with its arguments") {
+  Tensor x = randn({3, 2}), w = randn({4, 2}), b = randn({4});
+  CHECK(contains(error_of([&] { linear_cross_entropy(x, w, b, tensor<int64_t>({0, 4, 1})); }),
+                 "linear_cross_entropy: target 4 at row 1 is not a class index in [0, 4)"));
+  CHECK(contains(error_of([&] { linear_cross_entropy(x, randn({4, 3}), b, tensor<int64_t>({0, 1, 2})); }),
+                 "linear_cross_entropy: expected input [N, in] and weight [classes, in]"));
+  CHECK(contains(error_of([&] { linear_cross_entropy(x, w, randn({5}), tensor<int64_t>({0, 1, 2})); }),
+                 "linear_cross_entropy: bias"));
+  CHECK(contains(error_of([&] { linear_cross_entropy(x, w, b, tensor<int64_t>({0, 1})); }),
+                 "expected integer class indices [3]"));
+  CHECK(contains(error_of([&] { linear_cross_entropy(x, w.to(kFloat64), b, tensor<int64_t>({0, 1, 2})); }),
+                 "must have one dtype"));
+}
+
+TEST_CASE("linear_cross_entropy under autocast is linear's lower precision then cross_entropy's float32 math") {
+  manual_seed(5);
+  Problem p = problem(12, 8, 30, kFloat32);
+  amp::AutocastGuard autocast(kBFloat16);
+  Tensor got = linear_cross_entropy(p.x, p.w, p.b, p.t), want = cross_entropy(linear(p.x, p.w, p.b), p.t);
+  CHECK(got.dtype() == kFloat32);
+  CHECK(values(got) == values(want));
+}
+
+TEST_CASE("LanguageModel::loss equals cross_entropy of forward's logits, and its gradients") {
+  manual_seed(6);
+  models::LanguageModel lm(50, {.embedding_size = 8, .hidden_size = 8, .num_layers = 1, .dropout = 0.0});
+  Tensor tokens = randint(0, 50, {5, 3}), targets = randint(0, 50, {15});
+  Tensor fused = lm.loss(lm.features(tokens, Tensor()).features, targets);
+  fused.backward();
+  const std::vector<double> fused_grad = values(lm.decoder->weight.grad());
+  lm.zero_grad();
+  Tensor composed = cross_entropy(lm.forward(tokens, Tensor()).logits.reshape({-1, 50}), targets);
+  composed.backward();
+  check_close(values(fused), values(composed), 1e-6);
+  check_close(fused_grad, values(lm.decoder->weight.grad()), 1e-6);
+  CHECK(contains(error_of([&] { lm.loss(randn({5, 3, 7}), targets); }), "LanguageModel::loss: expected features"));
+}
+
+TEST_CASE("cuda: linear_cross_entropy matches the CPU's fused op") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(7);
+  Problem p = problem(40, 16, 900, kFloat64);
+  const Result cpu = run(p, true);
+  Problem g{p.x.detach().cuda().requires_grad_(true), p.w.detach().cuda().requires_grad_(true),
+            p.b.detach().cuda().requires_grad_(true), p.t.cuda()};
+  check_same(run(g, true), cpu, 1e-10);
+}
