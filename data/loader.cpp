@@ -62,7 +62,7 @@ ImageLoader::ImageLoader(ImageDataset dataset, ImageTransform transform, LoaderO
 
 int64_t ImageLoader::batches_per_epoch() const {
   const int64_t n = dataset_.size(), b = options_.batch_size;
-  return options_.drop_last ? n / b : (n + b - 1) / b;
+  return options_.drop_last ? n / b : n / b + (n % b != 0);  // not (n + b - 1) / b: b may be near INT64_MAX
 }
 
 std::vector<int64_t> ImageLoader::order(int64_t epoch) const {
@@ -83,7 +83,8 @@ Batch ImageLoader::make_batch(int64_t epoch, int64_t k) const {
   return make_batch(order(epoch), epoch, k);
 }
 
-Batch ImageLoader::make_batch(const std::vector<int64_t>& all, int64_t epoch, int64_t k) const {  const int64_t first = k * options_.batch_size;
+Batch ImageLoader::make_batch(const std::vector<int64_t>& all, int64_t epoch, int64_t k) const {
+  const int64_t first = k * options_.batch_size;
   const int64_t count = std::min<int64_t>(options_.batch_size, dataset_.size() - first);
   const int64_t C = dataset_.images.size(1), H = dataset_.images.size(2), W = dataset_.images.size(3);
   const int64_t pad = transform_.crop_padding, n = dataset_.size();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include "data/cifar.h"
@@ -288,6 +289,15 @@ TEST_CASE("the image loader checks its dataset, transform and options") {
   CHECK(contains(error_of([&] { data::ImageLoader(d, {}, {.batch_size = 0}); }), "batch_size must be >= 1"));
   CHECK(contains(error_of([&] { data::ImageLoader(d, {}, {.batch_size = 2}).make_batch(0, 2); }),
                  "asked for batch 2 of an epoch of 2"));
+}
+
+TEST_CASE("a batch size near INT64_MAX is one batch of every image, not an overflow to no batches") {
+  data::ImageDataset d = synthetic(4);
+  data::ImageLoader loader(d, {}, {.batch_size = std::numeric_limits<int64_t>::max()});
+  CHECK(loader.batches_per_epoch() == 1);
+  CHECK(loader.make_batch(0, 0).inputs.size(0) == 4);
+  data::ImageLoader dropping(d, {}, {.batch_size = std::numeric_limits<int64_t>::max(), .drop_last = true});
+  CHECK(dropping.batches_per_epoch() == 0);
 }
 
 TEST_CASE("tokenize splits on whitespace and ends every line with <eos>, ids in first-seen order (data.py)") {

@@ -72,7 +72,8 @@ TEST_CASE("ResNet initialisation: convolutions He-normal by fan-out, BatchNorm 1
   manual_seed(5);
   auto net = models::resnet34({.zero_init_residual = true});
   // kaiming_normal_(fan_out, relu): std = sqrt(2 / (out_channels * 9)) for a 3x3 conv of 256 outputs.
-  const Tensor& w = net->layers[2]->named_children()[1].second->named_parameters()[0].second;  // layer3.1.conv1
+  // layer3.1.conv1, held by a handle of its own: named_parameters() returns a temporary vector.
+  const Tensor w = net->layers[2]->named_children()[1].second->named_parameters()[0].second;
   CHECK(w.shape() == Shape{256, 256, 3, 3});
   const double std = std::sqrt((w * w).mean().item<double>());
   CHECK(std == doctest::Approx(std::sqrt(2.0 / (256 * 9))).epsilon(0.02));

@@ -478,3 +478,43 @@ TEST_CASE("sweep_classifier runs every opt level and batch size and names them a
   CHECK(std::string(train::precision_name(amp::OptLevel::O2)) == "O2");
   CHECK(contains(error_of([&] { train::sweep_classifier(base, {}, {8}); }), "at least one opt level"));
 }
+
+TEST_CASE("evaluate_classifier and evaluate_language_model: the loops' evaluation as functions of their own") {
+  TempDir dir;
+  write_cifar10(dir.file("test_batch.bin"), 12, 3);
+  manual_seed(2);
+  auto model = models::image_classifier("vgg11", 10);
+  optim::SGD sgd(model->parameters(), {.lr = 0.1});
+  amp::Amp amp = amp::initialize(*model, sgd, amp::OptLevel::O0);
+  data::ImageLoader test(data::load_cifar10(dir.path, data::Split::Test), data::ImageTransform::cifar_eval(),
+                         {.batch_size = 5});
+  const train::Evaluation e = train::evaluate_classifier(*model, test, amp, Device::cpu());
+  CHECK(e.count == 12);
+  CHECK_FALSE(model->is_training());
+  CHECK(e.accuracy >= 0.0);
+  CHECK(e.accuracy <= 1.0);
+  CHECK(e.loss > 0.0);
+
+  // A language model on one batchified split: main.py's evaluate(), the mean over all rows but the last.
+  models::LanguageModel lm(20, {.embedding_size = 4, .hidden_size = 4, .num_layers = 1, .dropout = 0.0});
+  optim::SGD lm_sgd(lm.parameters(), {.lr = 1});
+  amp::Amp lm_amp = amp::initialize(lm, lm_sgd, amp::OptLevel::O0);
+  const Tensor source = randint(0, 20, {9, 2});
+  const double loss = train::evaluate_language_model(lm, source, 3, lm_amp);
+  // The same sum by hand: windows of rows 0-2, 3-5, 6-7 (predicting rows 1-8), the state carried.
+  double sum = 0;
+  Tensor h, c;
+  {
+    NoGradGuard no_grad;
+    for (int64_t i = 0; i < 8; i += 3) {
+      const data::TextBatch b = data::bptt_batch(source, i, 3);
+      auto f = lm.features(b.input, h, c);
+      h = f.h;
+      c = f.c;
+      sum += lm.loss(f.features, b.target).item<double>() * double(b.input.size(0));
+    }
+  }
+  CHECK(loss == doctest::Approx(sum / 8));
+  CHECK(contains(error_of([&] { train::evaluate_language_model(lm, randint(0, 20, {1, 2}), 3, lm_amp); }),
+                 "evaluate_language_model: expected a batchified split [rows >= 2, batch]"));
+}

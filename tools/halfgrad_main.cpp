@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <exception>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,10 +47,10 @@ DType parse_half(const std::string& half) {
 Device parse_device(const std::string& device) {
   if (device == "cpu") return Device::cpu();
   if (device == "cuda") return Device::cuda(0);
-  HG_CHECK(device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+  HG_CHECK(device.rfind("cuda:", 0) == 0 && device.size() > 5 && device.size() <= 9 &&
                device.find_first_not_of("0123456789", 5) == std::string::npos,
-           "--device must be cpu, cuda or cuda:N, got {}", device);
-  return Device::cuda(std::stoi(device.substr(5)));
+           "--device must be cpu, cuda or cuda:N (N a GPU ordinal, at most 4 digits), got {}", device);
+  return Device::cuda(std::stoi(device.substr(5)));  // at most 9999: no overflow
 }
 
 // The per-epoch CSV file with its header line, or a closed stream when no path was given.
@@ -704,6 +706,12 @@ int main(int argc, char** argv) {
   try {
     CLI11_PARSE(app, argc, argv);
   } catch (const Error& e) {
+    fmt::print(stderr, "halfgrad: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {  // a size the machine cannot hold: say so, do not abort
+    fmt::print(stderr, "halfgrad: out of memory (std::bad_alloc): a size asked for is larger than this machine has\n");
+    return 1;
+  } catch (const std::exception& e) {  // std::system_error from thread creation, std::out_of_range, ...
     fmt::print(stderr, "halfgrad: {}\n", e.what());
     return 1;
   }

@@ -150,6 +150,25 @@ void request_stop() { g_stop_requested.store(true); }
 bool stop_requested() { return g_stop_requested.load(); }
 void clear_stop() { g_stop_requested.store(false); }
 
+Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp::Amp& amp, Device device,
+                               bool channels_last) {
+  model.eval();
+  NoGradGuard no_grad;
+  Tensor loss = zeros({}, {.device = device}), correct = zeros({}, {.dtype = kInt64, .device = device});
+  int64_t count = 0;
+  for (const data::Batch& batch : loader.epoch(0)) {
+    Tensor x = batch.inputs.to(device);
+    if (channels_last) x = contiguous_channels_last(x);
+    const Tensor y = batch.targets.to(device);
+    Tensor logits = amp.forward(model, x).to(kFloat32);
+    loss.add_(cross_entropy(logits, y), double(y.size(0)));
+    correct.add_(argmax(logits, 1).eq(y).to(kInt64).sum());
+    count += y.size(0);
+  }
+  const double n = double(std::max<int64_t>(count, 1));
+  return {loss.item<double>() / n, correct.item<double>() / n, count};
+}
+
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
@@ -326,21 +345,9 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     s.train_loss = loss_sum.item<double>() / double(seen);
     s.train_accuracy = correct.item<double>() / double(seen);
 
-    model->eval();
-    {
-      NoGradGuard no_grad;
-      Tensor test_loss = zeros({}, {.device = c.device}), test_correct = zeros({}, {.dtype = kInt64, .device = c.device});
-      int64_t tested = 0;
-      for (const data::Batch& batch : test_loader.epoch(0)) {
-        auto [x, y] = to_device(batch);
-        Tensor logits = amp.forward(*model, x).to(kFloat32);
-        test_loss.add_(cross_entropy(logits, y), double(y.size(0)));
-        test_correct.add_(argmax(logits, 1).eq(y).to(kInt64).sum());
-        tested += y.size(0);
-      }
-      s.test_loss = test_loss.item<double>() / double(std::max<int64_t>(tested, 1));
-      s.test_accuracy = test_correct.item<double>() / double(std::max<int64_t>(tested, 1));
-    }
+    const Evaluation test = evaluate_classifier(*model, test_loader, amp, c.device, c.channels_last);
+    s.test_loss = test.loss;
+    s.test_accuracy = test.accuracy;
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
@@ -437,10 +444,27 @@ Tensor first_tokens(const Tensor& ids, int64_t n) { return n > 0 && n < ids.size
 
 // The windows of a batchified source, as main.py walks them: rows 0, bptt, 2 bptt, ... while a next row exists.
 template <typename Fn> void for_each_window(const Tensor& source, int64_t bptt, Fn&& fn) {
-  for (int64_t i = 0; i + 1 < source.size(0); i += bptt) fn(data::bptt_batch(source, i, bptt));
+  const int64_t rows = source.size(0);
+  for (int64_t i = 0; i + 1 < rows; i += std::min(bptt, rows)) fn(data::bptt_batch(source, i, bptt));  // no overflow
 }
 
 }  // namespace
+
+double evaluate_language_model(models::LanguageModel& model, const Tensor& source, int64_t bptt, amp::Amp& amp) {
+  HG_CHECK(source.dim() == 2 && source.size(0) >= 2 && bptt >= 1,
+           "evaluate_language_model: expected a batchified split [rows >= 2, batch] and bptt >= 1, got {} and {}",
+           source.meta(), bptt);
+  model.eval();
+  NoGradGuard no_grad;
+  Tensor total = zeros({}, {.device = source.device()}), h, cell;
+  for_each_window(source, bptt, [&](const data::TextBatch& b) {
+    auto out = amp.run([&] { return model.features(b.input, h, cell); });
+    h = out.h;
+    cell = out.c;
+    total.add_(amp.loss([&] { return model.loss(out.features, b.target); }), double(b.input.size(0)));
+  });
+  return total.item<double>() / double(source.size(0) - 1);
+}
 
 LanguageModelResult train_language_model(const LanguageModelConfig& c,
                                          const std::function<void(const LanguageModelEpochStats&)>& on_epoch,
@@ -467,20 +491,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
 
-  // Mean cross-entropy per token over a batchified split, the state carried from window to window.
-  auto evaluate = [&](const Tensor& source) {
-    model.eval();
-    NoGradGuard no_grad;
-    Tensor total = zeros({}, {.device = c.device}), h, cell;
-    for_each_window(source, c.bptt, [&](const data::TextBatch& b) {
-      auto out = amp.run([&] { return model.features(b.input, h, cell); });
-      h = out.h;
-      cell = out.c;
-      total.add_(amp.loss([&] { return model.loss(out.features, b.target); }),
-                 double(b.input.size(0)));
-    });
-    return total.item<double>() / double(source.size(0) - 1);
-  };
+  auto evaluate = [&](const Tensor& source) { return evaluate_language_model(model, source, c.bptt, amp); };
 
   LanguageModelResult result;
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();

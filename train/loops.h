@@ -19,6 +19,9 @@
 
 #include "core/device.h"
 #include "core/dtype.h"
+#include "core/tensor.h"
+#include "data/loader.h"
+#include "models/language_model.h"
 #include "optim/amp.h"
 
 namespace halfgrad::train {
@@ -30,6 +33,23 @@ namespace halfgrad::train {
 void request_stop();
 bool stop_requested();
 void clear_stop();
+
+// ---- Pieces of the loops, for loops of one's own
+
+// A classifier's mean cross entropy and accuracy over one pass of a loader: the model in eval mode (left so), no
+// gradients, the level's forward (amp.forward), each batch moved to `device` (and made channels_last when asked).
+// The sums stay on the device until the end: one synchronisation. count: the images seen (0: loss and accuracy 0).
+struct Evaluation {
+  double loss = 0, accuracy = 0;
+  int64_t count = 0;
+};
+Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp::Amp& amp, Device device,
+                               bool channels_last = false);
+
+// main.py's evaluate(): a language model's mean cross entropy per token over a batchified split (data::batchify:
+// [rows, batch] on the model's device), in windows of bptt rows with the recurrent state carried from window to
+// window; eval mode (left so), no gradients, the level's forward.
+double evaluate_language_model(models::LanguageModel& model, const Tensor& source, int64_t bptt, amp::Amp& amp);
 
 struct ClassifierConfig {
   std::string model = "resnet18";  // resnet18/34/50/101/152, vgg11/13/16/19
