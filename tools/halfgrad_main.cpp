@@ -39,6 +39,32 @@ namespace {
 // the choices.
 CLI::IsMember one_of(std::vector<std::string> choices) { return CLI::IsMember(std::move(choices), CLI::ignore_case); }
 
+// Digits only: -1 is refused, not wrapped to 2^64 - 1 (a seed) or read as "all" (a limit).
+CLI::Validator non_negative_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos)
+          return fmt::format("{} is not a non-negative integer", text);
+        return {};
+      },
+      "INTEGER >= 0");
+}
+
+// A finite number >= min (or > min when `strictly`): inf, nan and 1e400 are refused when the command line is parsed,
+// where CLI::PositiveNumber lets inf through.
+CLI::Validator finite_at_least(double min, bool strictly = false) {
+  return CLI::Validator(
+      [min, strictly](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v))
+          return fmt::format("{} is not a finite number", text);
+        if (strictly ? v <= min : v < min) return fmt::format("{} must be {} {}", text, strictly ? ">" : ">=", min);
+        return {};
+      },
+      fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
+}
+
 DType parse_half(const std::string& half) {
   HG_CHECK(half == "float16" || half == "bfloat16", "--half must be float16 or bfloat16, got {}", half);
   return half == "float16" ? kFloat16 : kBFloat16;
@@ -522,11 +548,13 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin (those there) and test_batch.bin "
                     "(CIFAR-10) or train.bin and test.bin (CIFAR-100)")->required();
-    sub->add_option("--epochs", c.epochs)->capture_default_str();
-    sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->capture_default_str();
+    sub->add_option("--epochs", c.epochs)->check(CLI::PositiveNumber)->capture_default_str();
+    sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->check(finite_at_least(0, true))
+        ->capture_default_str();
     sub->add_option("--momentum", c.momentum, "SGD momentum; with --schedule onecycle the momentum cycles 0.95 -> "
-                    "0.85 -> 0.95 instead (PyTorch's OneCycleLR), and this value is not used")->capture_default_str();
-    sub->add_option("--weight-decay", c.weight_decay)->capture_default_str();
+                    "0.85 -> 0.95 instead (PyTorch's OneCycleLR), and this value is not used")
+        ->check(finite_at_least(0))->capture_default_str();
+    sub->add_option("--weight-decay", c.weight_decay)->check(finite_at_least(0))->capture_default_str();
     sub->add_flag("--nesterov", c.nesterov, "Nesterov momentum (torch.optim.SGD's nesterov=True)");
     sub->add_option("--schedule", c.schedule, "onecycle (lr up over --pct-start of the steps from lr / --div-factor "
                     "to --lr, then down; momentum cycled), cosine or constant")
@@ -542,10 +570,12 @@ int main(int argc, char** argv) {
     sub->add_flag("--channels-last", c.channels_last, "feed NHWC batches");
     sub->add_flag("--cuda-graph", c.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                   "(a last, smaller batch runs eagerly)");
-    sub->add_option("--workers", c.workers, "data loading threads")->capture_default_str();
-    sub->add_option("--seed", c.seed)->capture_default_str();
-    sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)");
-    sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)");
+    sub->add_option("--workers", c.workers, "data loading threads")->check(CLI::Range(0, 256))->capture_default_str();
+    sub->add_option("--seed", c.seed)->check(non_negative_integer())->capture_default_str();
+    sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)")
+        ->check(non_negative_integer());
+    sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)")
+        ->check(non_negative_integer());
     sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file");
     sub->add_option("--jsonl", a.jsonl_path, "also write the figures (and the progress lines) to this file, one JSON "
                     "object a line");
@@ -554,7 +584,7 @@ int main(int argc, char** argv) {
   ClassifierArgs train_args;
   CLI::App* tc = app.add_subcommand("train-classifier", "Train ResNet/VGG on CIFAR-10/100 (official binary files)");
   add_classifier_options(tc, train_args);
-  tc->add_option("--batch-size", train_args.config.batch_size)->capture_default_str();
+  tc->add_option("--batch-size", train_args.config.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
   tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
                  "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   tc->add_option("--train-checkpoint", train_args.config.train_checkpoint, "write a training checkpoint "
@@ -563,7 +593,7 @@ int main(int argc, char** argv) {
                  "last epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
-                 "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
+                 "(0: none)")->check(non_negative_integer())->capture_default_str();
   tc->callback([&] {
     stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
@@ -581,7 +611,7 @@ int main(int argc, char** argv) {
       ->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   sweep_args.config.log_interval = 100;
   sc->add_option("--log-interval", sweep_args.config.log_interval, "a progress line every N training batches of each "
-                 "run (0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
+                 "run (0: none)")->check(non_negative_integer())->capture_default_str();
   sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
       ->delimiter(',')->capture_default_str();
   sc->callback([&] {
@@ -599,17 +629,17 @@ int main(int argc, char** argv) {
       ->transform(one_of({"lstm", "gru", "rnn_tanh", "rnn_relu"}))
       ->capture_default_str();
   tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)");
-  tl->add_option("--emsize", lm.embedding_size)->capture_default_str();
-  tl->add_option("--nhid", lm.hidden_size)->capture_default_str();
-  tl->add_option("--nlayers", lm.num_layers)->capture_default_str();
-  tl->add_option("--dropout", lm.dropout)->capture_default_str();
+  tl->add_option("--emsize", lm.embedding_size)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--nhid", lm.hidden_size)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--nlayers", lm.num_layers)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--dropout", lm.dropout)->check(CLI::Range(0.0, 0.99))->capture_default_str();
   tl->add_flag("--tied", lm.tie_weights, "tie the encoder and decoder weights");
-  tl->add_option("--epochs", lm.epochs)->capture_default_str();
-  tl->add_option("--batch-size,--batch_size", lm.batch_size)->capture_default_str();
-  tl->add_option("--eval-batch-size", lm.eval_batch_size)->capture_default_str();
-  tl->add_option("--bptt", lm.bptt)->capture_default_str();
-  tl->add_option("--lr", lm.lr)->capture_default_str();
-  tl->add_option("--clip", lm.clip)->capture_default_str();
+  tl->add_option("--epochs", lm.epochs)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--batch-size,--batch_size", lm.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--eval-batch-size", lm.eval_batch_size)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--bptt", lm.bptt)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--lr", lm.lr)->check(finite_at_least(0, true))->capture_default_str();
+  tl->add_option("--clip", lm.clip)->check(finite_at_least(0, true))->capture_default_str();
   tl->add_option("--opt-level", lm_opt_level, "O0, O1, O2 or O3")->transform(one_of({"O0", "O1", "O2", "O3"}))
       ->capture_default_str();
   tl->add_option("--half", lm_half, "float16 or bfloat16 (O1-O3)")->transform(one_of({"float16", "bfloat16"}))
@@ -617,8 +647,9 @@ int main(int argc, char** argv) {
   CLI::Option* lm_device_option = tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
   bool lm_cuda = false;
   tl->add_flag("--cuda", lm_cuda, "the same as --device cuda (pytorch/examples' spelling)")->excludes(lm_device_option);
-  tl->add_option("--seed", lm.seed)->capture_default_str();
-  tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)");
+  tl->add_option("--seed", lm.seed)->check(non_negative_integer())->capture_default_str();
+  tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)")
+      ->check(non_negative_integer());
   lm.checkpoint = "model.safetensors";  // main.py saves to model.pt unless told otherwise
   tl->add_option("--save,--checkpoint", lm.checkpoint, "save the model with the best validation loss, its "
                  "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str();
@@ -635,7 +666,7 @@ int main(int argc, char** argv) {
                  "file, one JSON object a line");
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
-                 "(0: none)")->check(CLI::NonNegativeNumber)->capture_default_str();
+                 "(0: none)")->check(non_negative_integer())->capture_default_str();
   tl->callback([&] {
     stop_on_signals();
     lm.data_dir = lm_data_dir;
@@ -653,7 +684,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   int64_t demo_limit_tokens = -1;
   td->add_option("--limit-tokens", demo_limit_tokens, "use the first N tokens of each split (0: all; default: all on "
-                 "a GPU, 150,000 on the CPU)")->check(CLI::NonNegativeNumber);
+                 "a GPU, 150,000 on the CPU)")->check(non_negative_integer());
   td->callback([&] { rc = run_demo(demo_device, demo_epochs, demo_limit_tokens); });
 
   train::GenerateConfig gen;
@@ -684,7 +715,7 @@ int main(int argc, char** argv) {
   tb->add_option("--device", bench_args.device, "cuda, cuda:N or cpu")->capture_default_str();
   tb->add_option("--steps", bench_args.settings.steps, "timed steps per configuration")->check(CLI::PositiveNumber)
       ->capture_default_str();
-  tb->add_option("--warmup", bench_args.settings.warmup, "untimed steps before them")->check(CLI::NonNegativeNumber)
+  tb->add_option("--warmup", bench_args.settings.warmup, "untimed steps before them")->check(non_negative_integer())
       ->capture_default_str();
   tb->add_flag("--cuda-graph", bench_args.settings.cuda_graph, "replay each step as a CUDA graph");
   tb->add_flag("--nchw", bench_args.nchw, "NCHW image batches (default on CUDA: channels_last)");
