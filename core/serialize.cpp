@@ -622,6 +622,24 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors, cons
   write_file_atomic(path, [&](const WriteBytes& write) { write_prepared(p, write); });
 }
 
+void check_writable(const std::string& path, const char* what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  HG_CHECK(!path.empty(), "{}: the path is empty", what);
+  HG_CHECK(!fs::is_directory(path, ec), "{}: '{}' is a folder, not a file", what, path);
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  HG_CHECK(fs::is_directory(dir, ec), "{}: cannot write '{}': the folder '{}' does not exist", what, path,
+           dir.string());
+  const std::string probe = fmt::format("{}.tmp-{}-probe", path, ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  HG_CHECK(fd >= 0 || errno == EEXIST, "{}: cannot write '{}' in '{}': {}", what, path, dir.string(), errno_text(errno));
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+}
+
 void write_file_atomic(const std::string& path, const std::function<void(const WriteBytes& write)>& produce) {
   namespace fs = std::filesystem;
   fs::path target(path);

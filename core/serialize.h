@@ -69,4 +69,9 @@ const char* safetensors_dtype_name(DType dtype);
 using WriteBytes = std::function<void(const void* data, size_t size)>;
 void write_file_atomic(const std::string& path, const std::function<void(const WriteBytes& write)>& produce);
 
+// Before a long run that will write `path` at its end: that write_file_atomic can create its temporary file there
+// (the folder exists, is a folder, takes a new file) and that `path` is not a folder; else an Error naming `what`
+// (the option), the path and the reason. Leaves nothing behind.
+void check_writable(const std::string& path, const char* what);
+
 }  // namespace halfgrad

@@ -518,3 +518,20 @@ TEST_CASE("evaluate_classifier and evaluate_language_model: the loops' evaluatio
   CHECK(contains(error_of([&] { train::evaluate_language_model(lm, randint(0, 20, {1, 2}), 3, lm_amp); }),
                  "evaluate_language_model: expected a batchified split [rows >= 2, batch]"));
 }
+
+TEST_CASE("a checkpoint path that cannot be written is an error before the first epoch, naming the option") {
+  TempDir dir;
+  train::LanguageModelConfig lm{.epochs = 1, .limit_tokens = 2000};
+  lm.checkpoint = dir.file("no_such_folder/model.safetensors");
+  int epochs_run = 0;
+  const std::string error = error_of([&] { train::train_language_model(lm, [&](const auto&) { ++epochs_run; }); });
+  CHECK(contains(error, "train-lm: --save: cannot write"));
+  CHECK(contains(error, "does not exist"));
+  CHECK(epochs_run == 0);
+  lm.checkpoint = dir.path;  // a folder, not a file
+  CHECK(contains(error_of([&] { train::train_language_model(lm); }), "is a folder, not a file"));
+  train::ClassifierConfig c{.data_dir = dir.path};
+  c.train_checkpoint = dir.file("missing/run.safetensors");
+  CHECK(contains(error_of([&] { train::train_classifier(c); }), "train-classifier: --train-checkpoint: cannot write"));
+  CHECK(std::distance(std::filesystem::directory_iterator(dir.path), std::filesystem::directory_iterator()) == 0);
+}

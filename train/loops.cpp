@@ -179,6 +179,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   HG_CHECK(c.schedule == "onecycle" || c.schedule == "cosine" || c.schedule == "constant",
            "train: unknown schedule \"{}\" (onecycle, cosine, constant)", c.schedule);
   HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
+  // Before the first epoch, not after it: a folder that cannot take the file would lose the run's state.
+  if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-classifier: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
   const bool cifar10 = c.dataset == "cifar10";
@@ -474,6 +476,9 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
            c.eval_batch_size, c.bptt);
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
   HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
+  // Before the first epoch, not after it: a folder that cannot take the files would lose the run's result.
+  if (!c.checkpoint.empty()) check_writable(c.checkpoint, "train-lm: --save");
+  if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-lm: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);

@@ -54,7 +54,7 @@ double evaluate_language_model(models::LanguageModel& model, const Tensor& sourc
 struct ClassifierConfig {
   std::string model = "resnet18";  // resnet18/34/50/101/152, vgg11/13/16/19
   std::string dataset = "cifar10";  // cifar10 or cifar100 (official binary files in data_dir)
-  std::filesystem::path data_dir;
+  std::filesystem::path data_dir{};
   int64_t epochs = 30;
   int64_t batch_size = 128;
   double lr = 0.1;  // the peak lr of the one-cycle schedule, the starting lr of the others
@@ -144,7 +144,7 @@ std::vector<SweepRow> sweep_classifier(
 // validation loss does not improve; the same defaults. Perplexity = exp(loss).
 struct LanguageModelConfig {
   std::string rnn = "lstm";  // rnn_tanh, rnn_relu, gru, lstm
-  std::filesystem::path data_dir;  // train.txt, valid.txt, test.txt; empty: the WikiText-2 halfgrad ships
+  std::filesystem::path data_dir{};  // train.txt, valid.txt, test.txt; empty: the WikiText-2 halfgrad ships
   int64_t embedding_size = 200, hidden_size = 200, num_layers = 2;
   double dropout = 0.2;
   bool tie_weights = false;
@@ -155,7 +155,7 @@ struct LanguageModelConfig {
   Device device = Device::cpu();
   uint64_t seed = 1111;
   int64_t limit_tokens = 0;  // use only the first N tokens of each split (0: all), for quick runs
-  std::string checkpoint;    // when set, the model with the best validation loss is saved there, with its
+  std::string checkpoint{};  // when set, the model with the best validation loss is saved there, with its
                              // architecture and vocabulary (models/language_model_checkpoint.h)
   std::string train_checkpoint{};  // when set, a training checkpoint is written there after every epoch and on
                                    // request_stop() (for resume)
@@ -208,7 +208,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& config,
 // differ from torch.multinomial's, the distribution does not. generate.py exponentiates without subtracting the
 // maximum, which overflows at low temperatures; softmax does not.
 struct GenerateConfig {
-  std::string checkpoint;  // written by train_language_model (train-lm --save)
+  std::string checkpoint{};  // written by train_language_model (train-lm --save)
   int64_t words = 1000;    // how many to generate (>= 0)
   double temperature = 1.0;  // >= 1e-3, generate.py's limit; higher: more diverse
   uint64_t seed = 1111;
