@@ -22,6 +22,7 @@ struct Format {
   int64_t label_byte;   // which of them is the label
   int64_t classes;      // labels are 0 .. classes - 1
   std::vector<std::string> names;
+  std::vector<int64_t> label_limits;  // per label byte: each is checked, the one not used too (CIFAR-100's)
 };
 
 std::vector<char> read_file(const std::filesystem::path& path, const char* what) {
@@ -45,6 +46,7 @@ ImageDataset read_records(const std::vector<std::filesystem::path>& files, const
   for (const auto& path : files) {
     contents.push_back(read_file(path, f.name));
     const auto size = int64_t(contents.back().size());
+    HG_CHECK(size > 0, "{}: {} is empty (0 bytes: no images)", f.name, path.string());
     HG_CHECK(size % record == 0,
              "{}: {} has {} bytes, not a whole number of {}-byte records: the record at offset {} is cut short "
              "(truncated or not a {} binary file)",
@@ -63,10 +65,12 @@ ImageDataset read_records(const std::vector<std::filesystem::path>& files, const
     const auto records = int64_t(contents[i].size()) / record;
     for (int64_t r = 0; r < records; ++r, ++n) {
       const char* at = bytes + r * record;
-      const int64_t label = static_cast<uint8_t>(at[f.label_byte]);
-      HG_CHECK(label < f.classes, "{}: {} offset {}: label {} is not in 0..{}", f.name, files[i].string(),
-               r * record + f.label_byte, label, f.classes - 1);
-      labels[n] = label;
+      for (int64_t b = 0; b < f.label_bytes; ++b) {
+        const int64_t value = static_cast<uint8_t>(at[b]);
+        HG_CHECK(value < f.label_limits[size_t(b)], "{}: {} offset {}: label {} is not in 0..{}", f.name,
+                 files[i].string(), r * record + b, value, f.label_limits[size_t(b)] - 1);
+      }
+      labels[n] = static_cast<uint8_t>(at[f.label_byte]);
       std::memcpy(pixels + n * kPixels, at + f.label_bytes, kPixels);
     }
   }
@@ -74,8 +78,8 @@ ImageDataset read_records(const std::vector<std::filesystem::path>& files, const
 }
 
 Format cifar100_format(Cifar100Labels labels) {
-  return labels == Cifar100Labels::Fine ? Format{"cifar100", 2, 1, 100, cifar100_fine_classes()}
-                                        : Format{"cifar100", 2, 0, 20, cifar100_coarse_classes()};
+  return labels == Cifar100Labels::Fine ? Format{"cifar100", 2, 1, 100, cifar100_fine_classes(), {20, 100}}
+                                        : Format{"cifar100", 2, 0, 20, cifar100_coarse_classes(), {20, 100}};
 }
 
 std::vector<std::filesystem::path> existing(const std::filesystem::path& dir, const std::vector<std::string>& names,
@@ -83,10 +87,11 @@ std::vector<std::filesystem::path> existing(const std::filesystem::path& dir, co
   std::vector<std::filesystem::path> files;
   for (const auto& name : names) {
     files.push_back(dir / name);
+    HG_CHECK(!std::filesystem::exists(files.back()) || std::filesystem::is_regular_file(files.back()),
+             "{}: {} is not a regular file (a folder or a device?)", what, files.back().string());
     HG_CHECK(std::filesystem::is_regular_file(files.back()),
-             "{}: {} not found (expected the official binary files "
-             "in {})",
-             what, files.back().string(), dir.string());
+             "{}: {} not found (expected the official binary files in {})", what, files.back().string(),
+             dir.string());
   }
   return files;
 }
@@ -94,7 +99,7 @@ std::vector<std::filesystem::path> existing(const std::filesystem::path& dir, co
 }  // namespace
 
 ImageDataset read_cifar10(const std::vector<std::filesystem::path>& files) {
-  return read_records(files, Format{"cifar10", 1, 0, 10, cifar10_classes()});
+  return read_records(files, Format{"cifar10", 1, 0, 10, cifar10_classes(), {10}});
 }
 
 ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifar100Labels labels) {
@@ -107,6 +112,8 @@ ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
   std::vector<std::string> missing;
   for (int k = 1; k <= 5; ++k) {
     const std::string name = fmt::format("data_batch_{}.bin", k);
+    HG_CHECK(!std::filesystem::exists(directory / name) || std::filesystem::is_regular_file(directory / name),
+             "cifar10: {} is not a regular file (a folder or a device?)", (directory / name).string());
     if (std::filesystem::is_regular_file(directory / name)) {
       present.push_back(directory / name);
     } else {

@@ -127,6 +127,23 @@ TEST_CASE("CIFAR files that are cut short, hold a bad label or are missing are e
   CHECK(contains(error_of([] { data::read_cifar10({}); }), "no files given"));
 }
 
+TEST_CASE("an empty CIFAR file, a folder in a file's place and CIFAR-100's unused label byte out of range are errors") {
+  TempDir dir;
+  std::ofstream(dir.file("data_batch_1.bin")).close();  // 0 bytes
+  CHECK(contains(error_of([&] { data::load_cifar10(dir.path, data::Split::Train); }),
+                 "data_batch_1.bin is empty (0 bytes: no images)"));
+  std::filesystem::create_directory(dir.file("test_batch.bin"));
+  CHECK(contains(error_of([&] { data::load_cifar10(dir.path, data::Split::Test); }),
+                 "test_batch.bin is not a regular file"));
+  std::filesystem::create_directory(dir.file("data_batch_2.bin"));
+  CHECK(contains(error_of([&] { data::load_cifar10(dir.path, data::Split::Train); }),
+                 "data_batch_2.bin is not a regular file"));
+  // Fine labels read, but the coarse byte (offset 0 of each record) must still be a coarse class.
+  write_records(dir.file("train.bin"), 0, {{3, 40}, {200, 41}});
+  CHECK(contains(error_of([&] { data::read_cifar100({dir.file("train.bin")}, data::Cifar100Labels::Fine); }),
+                 "train.bin offset 3074: label 200 is not in 0..19"));
+}
+
 TEST_CASE("load_cifar10 and load_cifar100 read the official file names") {
   TempDir dir;
   for (int k = 1; k <= 5; ++k) write_records(dir.file(fmt::format("data_batch_{}.bin", k)), 2 * (k - 1), cifar10_labels(2, 2 * (k - 1)));

@@ -535,3 +535,17 @@ TEST_CASE("a checkpoint path that cannot be written is an error before the first
   CHECK(contains(error_of([&] { train::train_classifier(c); }), "train-classifier: --train-checkpoint: cannot write"));
   CHECK(std::distance(std::filesystem::directory_iterator(dir.path), std::filesystem::directory_iterator()) == 0);
 }
+
+TEST_CASE("train_language_model names a split too short for its batch columns (an empty valid.txt)") {
+  TempDir dir;
+  {
+    std::ofstream train(dir.file("train.txt"));
+    for (int i = 0; i < 50; ++i) train << "the cat sat on the mat\n";
+  }
+  std::ofstream(dir.file("valid.txt")).close();
+  std::ofstream(dir.file("test.txt")) << "the cat\n";
+  train::LanguageModelConfig lm{.data_dir = dir.path, .epochs = 1};
+  lm.checkpoint = "";
+  CHECK(contains(error_of([&] { train::train_language_model(lm); }),
+                 "train-lm: the validation split has 0 tokens, too few for 10 columns (at least 20)"));
+}

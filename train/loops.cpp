@@ -484,9 +484,16 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
   const data::Corpus corpus =
       data::load_corpus(c.data_dir.empty() ? data::default_data_directory() / "wikitext-2" : c.data_dir);
-  const Tensor train_data = data::batchify(first_tokens(corpus.train, c.limit_tokens), c.batch_size).to(c.device);
-  const Tensor valid_data = data::batchify(first_tokens(corpus.valid, c.limit_tokens), c.eval_batch_size).to(c.device);
-  const Tensor test_data = data::batchify(first_tokens(corpus.test, c.limit_tokens), c.eval_batch_size).to(c.device);
+  // A split laid out in `batch` columns, with at least two rows: one window of inputs and their next tokens.
+  auto split = [&](const Tensor& tokens, int64_t batch, const char* name) {
+    const Tensor ids = first_tokens(tokens, c.limit_tokens);
+    HG_CHECK(ids.size(0) / batch >= 2, "train-lm: the {} split has {} tokens, too few for {} columns (at least {})",
+             name, ids.size(0), batch, 2 * batch);
+    return data::batchify(ids, batch).to(c.device);
+  };
+  const Tensor train_data = split(corpus.train, c.batch_size, "training");
+  const Tensor valid_data = split(corpus.valid, c.eval_batch_size, "validation");
+  const Tensor test_data = split(corpus.test, c.eval_batch_size, "test");
   const int64_t vocab = corpus.vocab.size();
 
   manual_seed(c.seed);
