@@ -201,11 +201,19 @@ std::vector<std::pair<std::string, Tensor>> GradScaler::state_tensors() const {
 void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named) {
   GradScalerState s;
   int found = 0;
+  // As state_tensors() writes them: a 0-d float64 scale and a 0-d int64 tracker. Anything else is another file's
+  // (an int64 scale of 2^62 would otherwise load as a scale of 4.6e18).
+  auto check = [](const std::string& name, const Tensor& t, DType dtype) {
+    HG_CHECK(t.dim() == 0 && t.dtype() == dtype, "GradScaler::load_state_tensors: {} must be a 0-d {}, got {}", name,
+             dtype_name(dtype), t.meta());
+  };
   for (const auto& [name, t] : named) {
     if (name == "scaler.scale") {
+      check(name, t, kFloat64);
       s.scale = t.item<double>();
       ++found;
     } else if (name == "scaler.growth_tracker") {
+      check(name, t, kInt64);
       s.growth_tracker = t.item<int64_t>();
       ++found;
     }

@@ -260,6 +260,13 @@ TEST_CASE("scaler state round-trips") {
   c.load_state_tensors(a.state_tensors());  // as a training checkpoint carries it
   CHECK(c.state() == a.state());
   CHECK_THROWS_WITH_AS(c.load_state_tensors({}), doctest::Contains("scaler.scale"), Error);
+  // A scale stored as int64 (another writer's file) is refused, not read as a number of that size.
+  const std::vector<std::pair<std::string, Tensor>> int_scale = {
+      {"scaler.scale", scalar_tensor(int64_t(1) << 62, {.dtype = kInt64})},
+      {"scaler.growth_tracker", scalar_tensor(int64_t(0), {.dtype = kInt64})}};
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(int_scale),
+                       doctest::Contains("scaler.scale must be a 0-d float64, got int64"), Error);
+  CHECK(c.state() == a.state());  // unchanged
 }
 
 TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from gradient overflow") {
