@@ -3,6 +3,7 @@
 #include "core/serialize.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -622,6 +623,31 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors, cons
   write_file_atomic(path, [&](const WriteBytes& write) { write_prepared(p, write); });
 }
 
+namespace {
+
+// "<path>.tmp-<pid>-<n>" files of writers that are gone (a process killed mid-write): removed after a successful
+// write of the same path. A live process's temporaries (this one's included) are left alone.
+void remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const std::string prefix = target.filename().string() + ".tmp-";
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());  // "<pid>-<n>"
+    const size_t dash = rest.find('-');
+    if (dash == 0 || dash == std::string::npos || dash > 9 ||
+        rest.find_first_not_of("0123456789-") != std::string::npos)
+      continue;
+    const long pid = std::stol(rest.substr(0, dash));
+    if (pid != long(::getpid()) && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) fs::remove(e.path(), ec);
+  }
+}
+
+}  // namespace
+
 void check_writable(const std::string& path, const char* what) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -701,6 +727,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   if (dir_fd.get() < 0 || (::fsync(dir_fd.get()) != 0 && errno != EINVAL && errno != EROFS))
     HG_FAIL("save: '{}' was written, but syncing its directory '{}' failed: {} (a power cut now could lose the "
             "rename)", path, dir.string(), errno_text(errno));
+  remove_stale_temporaries(path);
 }
 
 SafetensorsContents load_safetensors(const std::string& path) {

@@ -245,6 +245,20 @@ TEST_CASE("a write that fails half-way leaves the existing checkpoint untouched 
   CHECK(load_safetensors(path).find("old").defined());
 }
 
+TEST_CASE("a successful write removes the temporary files that killed writers of the same path left") {
+  TempDir dir;
+  const std::string path = dir.file("run.safetensors");
+  // pid 999999999 is above any pid_max: no such process. Ours is alive, and another file's are not ours to judge.
+  const std::string stale = path + ".tmp-999999999-3", live = path + fmt::format(".tmp-{}-77", ::getpid()),
+                    other = dir.file("other.safetensors.tmp-999999999-1");
+  for (const std::string& f : {stale, live, other}) std::ofstream(f) << "partial";
+  save_safetensors(path, {{"w", ones({2})}});
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(live));
+  CHECK(fs::exists(other));
+  CHECK(load_safetensors(path).tensors.size() == 1);
+}
+
 TEST_CASE("an exception while producing the contents leaves the existing file untouched") {
   TempDir dir;
   std::string path = dir.file("state.bin");
