@@ -30,27 +30,6 @@ struct SumGrads {
   int64_t counted = 0;
 };
 
-// One block's product through the GEMM kernel: C [m, n] = op(A) op(B) (+ bias) + beta C, dense row-major operands.
-void gemm(DType dtype, Trans ta, Trans tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
-          int64_t ldb, void* c, int64_t ldc, double beta, const void* bias = nullptr) {
-  GemmArgs g;
-  g.trans_a = ta;
-  g.trans_b = tb;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.ab_dtype = g.c_dtype = dtype;
-  g.beta = beta;
-  g.a = a;
-  g.lda = lda;
-  g.b = b;
-  g.ldb = ldb;
-  g.c = c;
-  g.ldc = ldc;
-  g.bias = bias;
-  gemm_kernel[Device::cpu()](g);
-}
-
 // Rows per block: logits within kBlockBytes, a multiple of the GEMM's 6-row tiles where that is possible.
 int64_t block_rows(int64_t n, int64_t classes, size_t element) {
   int64_t rows = kBlockBytes / std::max<int64_t>(1, classes * int64_t(element));
@@ -100,7 +79,7 @@ SumGrads fused_cpu(const Tensor& x, const Tensor& w, const Tensor& b, const Tens
       const int64_t r0 = block * rows, m = std::min(rows, n - r0);
       T* l = logits.data<T>();
       // Products inside this parallel region run on this thread alone (OpenMP does not nest them).
-      gemm(dtype, Trans::No, Trans::Yes, m, classes, in, xp + r0 * in, in, wp, in, l, classes, 0.0, bp);
+      gemm_dense(Device::cpu(), dtype, dtype, m, classes, in, xp + r0 * in, Trans::No, wp, Trans::Yes, l, 0.0, bp);
       for (int64_t j = 0; j < m; ++j) {
         Row row(l + j * classes, classes);
         const int64_t target = tp[r0 + j];
@@ -119,20 +98,16 @@ SumGrads fused_cpu(const Tensor& x, const Tensor& w, const Tensor& b, const Tens
         }
       }
       if (need_x) {  // dx = G W for the block's rows
-        gemm(dtype, Trans::No, Trans::No, m, in, classes, l, classes, wp, in, out.x.data<T>() + r0 * in, in, 0.0);
+        gemm_dense(Device::cpu(), dtype, dtype, m, in, classes, l, Trans::No, wp, Trans::No, out.x.data<T>() + r0 * in);
       }
       if (need_w) {  // dW += G^T x
-        gemm(dtype, Trans::Yes, Trans::No, classes, in, m, l, classes, xp + r0 * in, in, wg, in, first ? 0.0 : 1.0);
+        gemm_dense(Device::cpu(), dtype, dtype, classes, in, m, l, Trans::Yes, xp + r0 * in, Trans::No, wg,
+                   first ? 0.0 : 1.0);
       }
-      if (need_b) {
+      if (need_b) {  // db += the block's column sums (its first block starts them)
         Row acc(bg, classes);
-        for (int64_t j = 0; j < m; ++j) {
-          if (first && j == 0) {
-            acc = Row(l, classes);
-          } else {
-            acc += Row(l + j * classes, classes);
-          }
-        }
+        if (first) acc = Row(l, classes);
+        for (int64_t j = first ? 1 : 0; j < m; ++j) acc += Row(l + j * classes, classes);
       }
       first = false;
     }

@@ -27,7 +27,7 @@ namespace halfgrad {
 KernelTable<GemmKernel> gemm_kernel("gemm");
 
 void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a,
-                Trans trans_a, const void* b, Trans trans_b, void* c, double beta) {
+                Trans trans_a, const void* b, Trans trans_b, void* c, double beta, const void* bias) {
   if (m == 0 || n == 0) return;
   GemmArgs g;
   g.ab_dtype = ab, g.c_dtype = c_dtype, g.device = device;
@@ -36,6 +36,7 @@ void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, in
   g.b = b, g.trans_b = trans_b, g.ldb = trans_b == Trans::Yes ? k : n;
   g.c = c, g.ldc = n;
   g.beta = beta;
+  g.bias = bias;
   gemm_kernel[device](g);
 }
 

@@ -61,11 +61,12 @@ GemmArgs start_from_bias(const GemmArgs& g);
 using GemmKernel = void (*)(const GemmArgs&);
 extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp; CUDA: ops/matmul.cu (cuBLAS)
 
-// The common case through gemm_kernel[device]: dense row-major C [m, n] = op(A) op(B) + beta C, A and B dense in
-// `ab`, C in `c_dtype`, the leading dimensions those of dense operands (lda = k, or m transposed; ldb = n, or k;
-// ldc = n). Nothing runs when m or n is 0. Used by kernels that compute on raw buffers (conv2d's CPU kernels, rnn).
+// The common case through gemm_kernel[device]: dense row-major C [m, n] = op(A) op(B) + beta C (+ bias on every
+// row, GemmArgs::bias, with beta 0), A and B dense in `ab`, C in `c_dtype`, the leading dimensions those of dense
+// operands (lda = k, or m transposed; ldb = n, or k; ldc = n). Nothing runs when m or n is 0. Used by kernels that
+// compute on raw buffers (conv2d's CPU kernels, rnn, linear_cross_entropy).
 void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a,
-                Trans trans_a, const void* b, Trans trans_b, void* c, double beta = 0);
+                Trans trans_a, const void* b, Trans trans_b, void* c, double beta = 0, const void* bias = nullptr);
 
 // ---- ops
 // Autocast category of all three: "lower precision" (under autocast they run in float16/bfloat16).

@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <utility>
 
 #include "core/autograd.h"
 #include "core/cuda.h"
@@ -150,6 +151,17 @@ void request_stop() { g_stop_requested.store(true); }
 bool stop_requested() { return g_stop_requested.load(); }
 void clear_stop() { g_stop_requested.store(false); }
 
+namespace {
+
+// A batch's images and labels on `device`, the images made channels_last when asked.
+std::pair<Tensor, Tensor> batch_on(const data::Batch& b, Device device, bool channels_last) {
+  Tensor x = b.inputs.to(device);
+  if (channels_last) x = contiguous_channels_last(x);
+  return {x, b.targets.to(device)};
+}
+
+}  // namespace
+
 Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp::Amp& amp, Device device,
                                bool channels_last) {
   model.eval();
@@ -157,9 +169,7 @@ Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp
   Tensor loss = zeros({}, {.device = device}), correct = zeros({}, {.dtype = kInt64, .device = device});
   int64_t count = 0;
   for (const data::Batch& batch : loader.epoch(0)) {
-    Tensor x = batch.inputs.to(device);
-    if (channels_last) x = contiguous_channels_last(x);
-    const Tensor y = batch.targets.to(device);
+    const auto [x, y] = batch_on(batch, device, channels_last);
     Tensor logits = amp.forward(model, x).to(kFloat32);
     loss.add_(cross_entropy(logits, y), double(y.size(0)));
     correct.add_(argmax(logits, 1).eq(y).to(kInt64).sum());
@@ -212,11 +222,6 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
         sgd, optim::CosineAnnealingLROptions{.T_max = c.epochs * steps_per_epoch});
   }
 
-  auto to_device = [&](const data::Batch& b) {
-    Tensor x = b.inputs.to(c.device);
-    if (c.channels_last) x = contiguous_channels_last(x);
-    return std::pair{x, b.targets.to(c.device)};
-  };
   // One step on a batch: its loss (float32, 0-d) and how many of its images were right (int64, 0-d).
   auto train_step = [&](const Tensor& x, const Tensor& y) {
     Tensor logits = amp.forward(*model, x);
@@ -282,7 +287,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     int64_t interval_seen = 0;
     auto interval_start = t0;
     for (const data::Batch& batch : train_loader.epoch(epoch, batches_done)) {
-      auto [x, y] = to_device(batch);
+      auto [x, y] = batch_on(batch, c.device, c.channels_last);
       Tensor loss, batch_correct;
       if (captured && y.size(0) == c.batch_size) {
         {
