@@ -12,7 +12,7 @@
 //     -> jc (kNC columns of B) -> pack B block [kc x kNC]                      (L2)
 //       -> ir (kMR rows: one A micro-panel, L1) -> jr (kNR columns: B micro-panel streams from L2)
 // Threads share the packed blocks: they pack their share of the panels, meet at a barrier, then split the
-// (ir, jr) tiles.
+// (ir, jr) tiles. Products with n <= 2 kNR read row-major operands in place instead of packing them (see run).
 #include "ops/gemm_blocked.h"
 
 #include <immintrin.h>
@@ -213,10 +213,11 @@ struct InPlaceA {
 
 // C[rows x cols] = alpha * (a-panel . b-panel) + beta * C (+ bias, the tile's cols values, on every row, when not
 // null), where rows <= kMR and cols <= kNR (masked edges). beta == 0 never reads C.
-// A is a packed micro-panel (const float*: step p's kMR values at a + p * kMR) or an InPlaceA.
+// A is a packed micro-panel (const float*: step p's kMR values at a + p * kMR) or an InPlaceA. B's step p is the
+// kNR values at b + p * b_step: kNR for a packed micro-panel, ldb for one read in place.
 template <typename APanel>
-void micro_kernel(int64_t kc, const APanel& a, const float* __restrict b, float* c, int64_t ldc, int64_t rows,
-                  int64_t cols, float alpha, float beta, const float* bias) {
+void micro_kernel(int64_t kc, const APanel& a, const float* __restrict b, int64_t b_step, float* c, int64_t ldc,
+                  int64_t rows, int64_t cols, float alpha, float beta, const float* bias) {
   Vec acc[kMR][kVecs];
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i) {
@@ -244,7 +245,7 @@ void micro_kernel(int64_t kc, const APanel& a, const float* __restrict b, float*
       for (int j = 0; j < kVecs; ++j) acc[i][j] = fma(ai, bv[j], acc[i][j]);
     }
     if constexpr (kPacked) packed += kMR;
-    b += kNR;
+    b += b_step;
   }
   const Vec va = broadcast(alpha), vb = broadcast(beta);
   Vec bias_v[kVecs];
@@ -290,6 +291,10 @@ void run(const GemmArgs& g, const float* a, const float* b, float* c, int thread
   // model's dX = G W with n = 32) packing a row-major A costs about what it saves, so the kernel reads its rows in
   // place; a transposed A is still packed, as reading it in place would cross a stored row per step.
   const bool pack_a_blocks = n > 2 * kNR || g.trans_a == Trans::Yes;
+  // Likewise a narrow row-major B (dX = G W again: n = 32, W's rows 128 bytes) is read in place, its full panels at
+  // least: a step of a panel is kNR contiguous values of a stored row. Packing it cost a third of that product
+  // (1.75 against 1.12 ms for a 30-row block, one thread; docs/benchmarks.md).
+  const bool b_in_place = n <= 2 * kNR && g.trans_b == Trans::No;
   std::vector<float>& a_pack = buffer(0);
   std::vector<float>& b_pack = buffer(1);
   if (pack_a_blocks) a_pack.resize(size_t(mc_max * std::min(kKC, k)));
@@ -314,6 +319,7 @@ void run(const GemmArgs& g, const float* a, const float* b, float* c, int thread
         const int64_t nc = std::min(kNC, n - jc), b_panels = (nc + kNR - 1) / kNR;
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < b_panels; ++q) {
+          if (b_in_place && (q + 1) * kNR <= nc) continue;
           pack_b(b, g.trans_b, g.ldb, jc + q * kNR, std::min(kNR, nc - q * kNR), pc, kc, bp + q * kc * kNR);
         }
         // Implicit barrier above: both blocks are packed. Tiles row-panel-major, so that consecutive tiles of
@@ -325,12 +331,15 @@ void run(const GemmArgs& g, const float* a, const float* b, float* c, int thread
             const int64_t cols = std::min(kNR, nc - q * kNR);
             float* tile = c + (ic + r * kMR) * g.ldc + jc + q * kNR;
             const float* tile_bias = bias && pc == 0 ? bias + jc + q * kNR : nullptr;  // added once, with beta 0
+            const bool b_here = b_in_place && cols == kNR;
+            const float* b_panel = b_here ? b + pc * g.ldb + jc + q * kNR : bp + q * kc * kNR;
+            const int64_t b_step = b_here ? g.ldb : kNR;
             if (pack_a_blocks) {
               const float* panel = ap + r * kc * kMR;
-              micro_kernel(kc, panel, bp + q * kc * kNR, tile, g.ldc, rows, cols, alpha, block_beta, tile_bias);
+              micro_kernel(kc, panel, b_panel, b_step, tile, g.ldc, rows, cols, alpha, block_beta, tile_bias);
             } else {
               const InPlaceA panel(a, g.trans_a, g.lda, ic + r * kMR, rows, pc);
-              micro_kernel(kc, panel, bp + q * kc * kNR, tile, g.ldc, rows, cols, alpha, block_beta, tile_bias);
+              micro_kernel(kc, panel, b_panel, b_step, tile, g.ldc, rows, cols, alpha, block_beta, tile_bias);
             }
           }
         }

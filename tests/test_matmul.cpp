@@ -193,8 +193,8 @@ TEST_CASE("float32 products larger than the GEMM's cache blocks match the refere
 }
 
 TEST_CASE("float32 products with a thin side match the reference: the language model's decoder and its gradients") {
-  // The decoder's three products, scaled down: y = x W^T + b (k small), dx = g W (n = 32: A read in place) and
-  // dW = g^T x (A transposed, packed 16 steps at a time), each over several k blocks and with partial tiles.
+  // The decoder's three products, scaled down: y = x W^T + b (k small), dx = g W (n = 32: A and B read in place)
+  // and dW = g^T x (A transposed, packed 16 steps at a time), each over several k blocks and with partial tiles.
   manual_seed(21);
   Tensor x = random({70, 32}, kFloat32), w = random({3001, 32}, kFloat32), bias = random({3001}, kFloat32);
   Tensor g = random({70, 3001}, kFloat32);
@@ -204,6 +204,14 @@ TEST_CASE("float32 products with a thin side match the reference: the language m
   // k = 600 with a transposed A (3 k blocks, the last partial; 29 columns: a partial second tile).
   Tensor gt = random({600, 1003}, kFloat32).t(), x2 = random({600, 29}, kFloat32);
   check_matches(matmul(gt, x2), reference_matmul(gt, x2), kFloat32);
+  // The same B under a row-major A: both read in place, but for B's partial panel (columns 16-28), which is packed.
+  Tensor g2 = random({70, 600}, kFloat32);
+  check_matches(matmul(g2, x2), reference_matmul(g2, x2), kFloat32);
+  // The same on AVX-512's 64-wide panels: two whole ones (n = 128), and one whole and one partial (n = 100).
+  for (int64_t n : {128, 100}) {
+    Tensor b2 = random({600, n}, kFloat32);
+    check_matches(matmul(g2, b2), reference_matmul(g2, b2), kFloat32);
+  }
 }
 
 TEST_CASE("matmul reads transposed, strided and broadcast operands correctly") {
