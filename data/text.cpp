@@ -33,12 +33,61 @@ const std::string& Vocabulary::word(int64_t id) const {
   return words_[size_t(id)];
 }
 
+namespace {
+
+// Where the first sequence that is not well-formed UTF-8 starts (what Python's strict "utf8" codec rejects, at the
+// position it reports: stray continuation bytes, truncated sequences, overlong forms, surrogates, code points past
+// U+10FFFF), or npos.
+size_t first_invalid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto byte = [&](size_t k) { return uint8_t(s[k]); };
+    const uint8_t lead = byte(i);
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    // The sequence's length and the range its second byte must fall in (Unicode's table 3-7).
+    size_t length;
+    uint8_t low = 0x80, high = 0xbf;
+    if (lead >= 0xc2 && lead <= 0xdf) {
+      length = 2;
+    } else if (lead >= 0xe0 && lead <= 0xef) {
+      length = 3;
+      if (lead == 0xe0) low = 0xa0;   // overlong below U+0800
+      if (lead == 0xed) high = 0x9f;  // U+D800..U+DFFF, the surrogates
+    } else if (lead >= 0xf0 && lead <= 0xf4) {
+      length = 4;
+      if (lead == 0xf0) low = 0x90;   // overlong below U+10000
+      if (lead == 0xf4) high = 0x8f;  // past U+10FFFF
+    } else {
+      return i;  // a continuation byte, 0xc0/0xc1 (overlong), or 0xf5 and above
+    }
+    for (size_t k = 1; k < length; ++k) {
+      if (i + k >= s.size()) return i;
+      const uint8_t b = byte(i + k);
+      if (k == 1 ? (b < low || b > high) : (b < 0x80 || b > 0xbf)) return i;
+    }
+    i += length;
+  }
+  return std::string_view::npos;
+}
+
+}  // namespace
+
 Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
   std::ifstream in(file, std::ios::binary);
   HG_CHECK(in.good(), "tokenize: cannot open {}", file.string());
   std::vector<int64_t> ids;
   std::string line;
+  int64_t line_number = 0, line_start = 0;  // of the line read, for the UTF-8 error
   while (std::getline(in, line)) {
+    ++line_number;
+    // data.py opens the file as UTF-8 text, and Python stops at the first byte that is not: so do we.
+    const size_t bad = first_invalid_utf8(line);
+    HG_CHECK(bad == std::string_view::npos, "tokenize: {} is not valid UTF-8: byte 0x{:02x} at offset {} (line {})",
+             file.string(), unsigned(uint8_t(line[bad])), line_start + int64_t(bad), line_number);
+    line_start += int64_t(line.size()) + 1;
     // str.split(): runs of whitespace separate tokens, leading and trailing whitespace ignored.
     size_t at = 0;
     for (;;) {

@@ -340,6 +340,36 @@ TEST_CASE("tokenize splits on whitespace and ends every line with <eos>, ids in 
   CHECK(contains(error_of([&] { data::load_corpus(dir.path); }), "test.txt not found"));
 }
 
+TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, naming it and the byte's offset") {
+  TempDir dir;
+  std::ofstream(dir.file("valid.txt")) << " the dog \n";
+  std::ofstream(dir.file("test.txt")) << " a cat\n";
+  // Two-, three- and four-byte characters (é, €, 𝄞) and the largest code point, U+10FFFF, are words like any other.
+  std::ofstream(dir.file("train.txt")) << "caf\xc3\xa9 \xe2\x82\xac \xf0\x9d\x84\x9e \xf4\x8f\xbf\xbf\n";
+  const data::Corpus c = data::load_corpus(dir.path);
+  CHECK(c.vocab.word(0) == "caf\xc3\xa9");
+  CHECK(c.vocab.word(3) == "\xf4\x8f\xbf\xbf");
+  // What Python's strict codec (data.py's open(..., encoding="utf8")) stops at, at the offset it reports: where the
+  // bad sequence starts.
+  const std::pair<std::string, std::string> bad[] = {
+      {"ok\n\x80 stray", "byte 0x80 at offset 3 (line 2)"},  // a continuation byte alone
+      {"ab\xc3", "byte 0xc3 at offset 2"},                     // a sequence cut short by the line's end
+      {"\xc3(", "byte 0xc3 at offset 0"},                       // a lead byte without its continuation
+      {"\xc0\xaf", "byte 0xc0 at offset 0"},                    // an overlong "/"
+      {"\xe0\x80\xaf", "byte 0xe0 at offset 0"},                // overlong, three bytes
+      {"\xed\xa0\x80", "byte 0xed at offset 0"},                // a surrogate, U+D800
+      {"\xf4\x90\x80\x80", "byte 0xf4 at offset 0"},            // past U+10FFFF
+      {"a b\n\xff", "byte 0xff at offset 4 (line 2)"},
+  };
+  for (const auto& [text, where] : bad) {
+    CAPTURE(where);
+    std::ofstream(dir.file("train.txt"), std::ios::binary | std::ios::trunc) << text;
+    const std::string error = error_of([&] { data::load_corpus(dir.path); });
+    CHECK(contains(error, dir.file("train.txt") + " is not valid UTF-8"));
+    CHECK(contains(error, where));
+  }
+}
+
 TEST_CASE("batchify lays the text out in columns; bptt_batch gives inputs and next-token targets") {
   Tensor ids = arange(0, 26);
   Tensor source = data::batchify(ids, 4);  // 26 tokens -> 6 rows of 4 columns, 2 dropped
