@@ -667,6 +667,17 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
     skipped_before += s.skipped_steps;
+    // A diverged model does not come back (NaN weights stay NaN): stop now rather than train on to the end and have
+    // no best model to test. What the earlier epochs gave stays: the saved best model, the last training checkpoint.
+    HG_CHECK(std::isfinite(s.valid_loss),
+             "train-lm: the validation loss after epoch {} is {}: the model diverged (a lower --lr or --clip may "
+             "help); stopped. {}",
+             epoch + 1, s.valid_loss,
+             !std::isfinite(best_valid) ? std::string("No epoch had a finite validation loss: nothing was saved.")
+             : c.checkpoint.empty()
+                 ? fmt::format("The best validation perplexity was {:.2f}.", std::exp(best_valid))
+                 : fmt::format("The best model (validation perplexity {:.2f}) is in {}.", std::exp(best_valid),
+                               c.checkpoint));
     if (s.valid_loss < best_valid) {
       best_valid = s.valid_loss;
       best_state.clear();
