@@ -2,6 +2,7 @@
 """plot: the experiments' figures from the JSON lines of `halfgrad bench` (and tools/bench_torch.py).
 
     python3 tools/plot.py bench.jsonl [more.jsonl ...] --out-dir docs/figures [--title "H200"]
+    python3 tools/plot.py sweep_seed1.jsonl sweep_seed2.jsonl ... --out-dir figures  # sweep-classifier --jsonl
 
 One figure per suite found in the lines, each written as PNG and SVG:
   vgg.{png,svg}        per precision, step time and peak memory against batch size (the VGG16 benchmark's figure);
@@ -9,6 +10,9 @@ One figure per suite found in the lines, each written as PNG and SVG:
   resnet.{png,svg}     per model, step time of each precision, and each precision's speed-up over fp32
   lm.{png,svg}         per language model, tokens per second of each precision
   max-batch.{png,svg}  per model, the largest batch of each precision under the memory budget
+  sweep.{png,svg}      from `halfgrad sweep-classifier --jsonl` (its "row" lines; its other events are skipped): per
+                       batch size and precision, training throughput, peak GPU memory and final test accuracy, each
+                       the mean over the files given (runs of other seeds) with their spread as error bars
 Lines of another framework (PyTorch) are drawn dashed next to halfgrad's, and CUDA-graph or torch.compile runs
 dotted as series of their own ("halfgrad graph", "pytorch compile"), so that every comparison comes from the files
 given. Later lines of the same configuration replace earlier ones. Needs matplotlib (Debian's
@@ -34,9 +38,22 @@ COLOURS = {"fp32": "#4c72b0", "amp": "#55a868", "o2": "#c44e52", "fp16": "#8172b
 STYLE = {"halfgrad": "-", "pytorch": "--"}
 
 
+SWEEP_FIELDS = ("precision", "batch_size", "out_of_memory", "images_per_second", "peak_memory_bytes",
+                "final_test_accuracy")
+
+
+def sweep_row(line, where):
+    missing = [k for k in SWEEP_FIELDS if k not in line]
+    if missing:
+        sys.exit(f"plot: {where}: the sweep row has no {', '.join(missing)}")
+    return line
+
+
 def read_lines(paths):
-    """{suite: OrderedDict{(framework, model, precision, batch): line}}, the last line of a configuration winning."""
+    """({suite: OrderedDict{(framework, model, precision, batch): line}}, the last line of a configuration winning;
+    [sweep rows])."""
     suites = OrderedDict()
+    sweep = []
     for path in paths:
         with open(path) as f:
             for number, text in enumerate(f, 1):
@@ -47,6 +64,10 @@ def read_lines(paths):
                     line = json.loads(text)
                 except json.JSONDecodeError as e:
                     sys.exit(f"plot: {path}:{number}: not a JSON line ({e})")
+                if "event" in line:  # halfgrad's --jsonl: a sweep's rows are drawn, its progress lines are not
+                    if line["event"] == "row":
+                        sweep.append(sweep_row(line, f"{path}:{number}"))
+                    continue
                 for key in ("suite", "model", "precision", "batch"):
                     if key not in line:
                         sys.exit(f"plot: {path}:{number}: the line has no \"{key}\"")
@@ -56,7 +77,7 @@ def read_lines(paths):
                 framework += " compile" if line.get("compile") else ""
                 key = (framework, line["model"], line["precision"], line["batch"])
                 suites.setdefault(line["suite"], OrderedDict())[key] = line
-    return suites
+    return suites, sweep
 
 
 def ordered(values, order):
@@ -174,16 +195,60 @@ def plot_max_batch(lines, out_dir, title, frameworks):
     save(fig, out_dir, "max-batch")
 
 
+def plot_sweep(rows, out_dir, title):
+    runs = OrderedDict()  # (precision, batch) -> the rows of that configuration, one per file
+    for r in rows:
+        runs.setdefault((r["precision"].lower(), r["batch_size"]), []).append(r)
+    precisions = ordered({p for p, _ in runs}, PRECISIONS)
+    batches = sorted({b for _, b in runs})
+    panels = (("images_per_second", 1, "training throughput (images/s)"),
+              ("peak_memory_bytes", 2**20, "peak GPU memory (MiB)"),
+              ("final_test_accuracy", 1, "final test accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
+    width = 0.8 / max(1, len(precisions))
+    for ax, (field, scale, label) in zip(axes, panels):
+        for i, precision in enumerate(precisions):
+            xs, means, low, high = [], [], [], []
+            for c, batch in enumerate(batches):
+                x = c + (i - (len(precisions) - 1) / 2) * width
+                found = runs.get((precision, batch), [])
+                ran = [r[field] / scale for r in found if not r["out_of_memory"]]
+                if not ran:
+                    if found:  # every run of it was out of memory
+                        ax.annotate("OOM", (x, 0), ha="center", va="bottom", fontsize=8, rotation=90,
+                                    color=COLOURS.get(precision, "grey"))
+                    continue
+                mean = sum(ran) / len(ran)
+                xs.append(x)
+                means.append(mean)
+                low.append(mean - min(ran))
+                high.append(max(ran) - mean)
+            if xs:
+                ax.bar(xs, means, width, yerr=[low, high], capsize=3, label=precision,
+                       color=COLOURS.get(precision, "grey"), edgecolor="white")
+        ax.set_xticks(range(len(batches)))
+        ax.set_xticklabels([f"batch {b}" for b in batches])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    files = max(len(v) for v in runs.values())
+    fig.suptitle(f"Mixed-precision sweep, {files} run(s) a configuration{' - ' + title if title else ''}")
+    save(fig, out_dir, "sweep")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", help="JSON lines of halfgrad bench (and tools/bench_torch.py)")
+    parser.add_argument("files", nargs="+",
+                        help="JSON lines of halfgrad bench (and tools/bench_torch.py) or of sweep-classifier --jsonl")
     parser.add_argument("--out-dir", default=".", help="where the figures go")
     parser.add_argument("--title", default="", help="added to every figure's title (say, the GPU)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    suites = read_lines(args.files)
-    if not suites:
-        sys.exit("plot: no lines in " + ", ".join(args.files))
+    suites, sweep = read_lines(args.files)
+    if not suites and not sweep:
+        sys.exit("plot: no bench lines or sweep rows in " + ", ".join(args.files))
+    if sweep:
+        plot_sweep(sweep, args.out_dir, args.title)
     for suite, lines in suites.items():
         frameworks = ordered({f for f, _, _, _ in lines}, ["halfgrad", "pytorch"])
         if suite == "vgg":
