@@ -11,6 +11,7 @@
 
 #include "core/autograd.h"
 #include "core/cuda.h"
+#include "core/log.h"
 #include "optim/clip_grad.h"
 
 namespace halfgrad::optim {
@@ -147,6 +148,15 @@ NamedTensors Optimizer::state_tensors() const {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
     out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
+    // Which parameters have state, so that a load can tell an entry that went missing from one never written.
+    std::vector<int64_t> with_state;
+    for (size_t p = 0; g < state_.size() && p < state_[g].size(); ++p) {
+      const ParamState& s = state_[g][p];
+      bool any = counts_steps() && s.step > 0;
+      for (const Tensor& b : s.buffers) any = any || b.defined();
+      if (any) with_state.push_back(int64_t(p));
+    }
+    out.emplace_back(fmt::format("param_groups.{}.with_state", g), tensor(with_state));
   }
   for (size_t g = 0; g < state_.size() && g < num_param_groups(); ++g) {
     const std::vector<std::string> names = state_names(g);
@@ -174,9 +184,10 @@ std::vector<std::string_view> split_dots(std::string_view s) {
   }
 }
 
-// A decimal index with nothing else around it.
+// A decimal index with nothing else around it, written as state_tensors writes it: "0", "12", not "00" or "012"
+// (which would alias "0" and "12").
 bool parse_index(std::string_view s, size_t& out) {
-  if (s.empty()) return false;
+  if (s.empty() || (s.size() > 1 && s[0] == '0')) return false;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && end == s.data() + s.size();
 }
@@ -191,7 +202,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
   // What the file holds, gathered and checked before anything in the optimizer changes.
   struct GroupEntries {
     double lr = NAN, momentum = NAN;
-    bool has_lr = false, has_momentum = false;
+    bool has_lr = false, has_momentum = false, has_with_state = false;
+    std::vector<bool> listed;  // [param]: in with_state
     std::vector<ParamState> params;
     std::vector<std::vector<bool>> have_buffer;  // [param][buffer]
     std::vector<bool> have_step;
@@ -205,6 +217,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     for (ParamState& s : groups[g].params) s.buffers.resize(names[g].size());
     groups[g].have_buffer.assign(n, std::vector<bool>(names[g].size(), false));
     groups[g].have_step.assign(n, false);
+    groups[g].listed.assign(n, false);
   }
 
   std::set<std::string> seen;
@@ -219,6 +232,24 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     }
     std::vector<std::string_view> parts = split_dots(name);
     size_t g = 0, p = 0;
+    if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) && parts[2] == "with_state") {
+      if (g >= num_groups) {
+        errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
+      } else if (t.dim() != 1 || t.dtype() != kInt64) {
+        errors.push_back(fmt::format("'{}' must be a 1-D int64 tensor of parameter indices, got {}", name, t.meta()));
+      } else {
+        groups[g].has_with_state = true;
+        for (int64_t i : to_vector<int64_t>(t)) {
+          if (i < 0 || size_t(i) >= groups[g].listed.size()) {
+            errors.push_back(fmt::format("'{}' lists parameter {}, but group {} has {} parameter(s)", name, i, g,
+                                         groups[g].listed.size()));
+          } else {
+            groups[g].listed[size_t(i)] = true;
+          }
+        }
+      }
+      continue;
+    }
     if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) &&
         (parts[2] == "lr" || parts[2] == "momentum")) {
       if (g >= num_groups) {
@@ -293,13 +324,26 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
       if (!present.empty() && !missing.empty())
         errors.push_back(fmt::format("parameter {} of group {} has {} but not {}", p, g, fmt::join(present, ", "),
                                      fmt::join(missing, ", ")));
+      if (ge.has_with_state && ge.listed[p] && present.empty())
+        errors.push_back(fmt::format("parameter {} of group {} had state when saved (param_groups.{}.with_state), but "
+                                     "the file holds none of it: {}", p, g, g, fmt::join(missing, ", ")));
+      if (ge.has_with_state && !ge.listed[p] && !present.empty())
+        errors.push_back(fmt::format("parameter {} of group {} has {} in the file, but param_groups.{}.with_state "
+                                     "does not list it", p, g, fmt::join(present, ", "), g));
     }
   }
+  std::vector<size_t> unchecked;
+  for (size_t g = 0; g < num_groups; ++g)
+    if (!groups[g].has_with_state) unchecked.push_back(g);
 
   if (!errors.empty())
     HG_FAIL("{}: cannot load the optimizer state ({} problem{}):\n  - {}", name_, errors.size(),
             errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
 
+  if (!unchecked.empty())
+    logger().warn("{}: the state of group(s) {} has no with_state list (a file written before it existed): whether "
+                  "some parameter's state is missing from it cannot be checked",
+                  name_, fmt::join(unchecked, ", "));
   state_.assign(num_groups, {});
   for (size_t g = 0; g < num_groups; ++g) {
     ParamGroupRef group = param_group(g);

@@ -77,17 +77,21 @@ class Optimizer {
   // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
   //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change; the others come
   //   param_groups.<g>.momentum      0-d float64   from the constructor
+  //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
   //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad)
-  // A parameter has entries only once it has state (after its first step with a gradient).
+  // A parameter has entries only once it has state (after its first step with a gradient). Indices are plain
+  // decimals ("0", "12"; not "00").
   // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
   // next step changes them.
   NamedTensors state_tensors() const;
   // Replaces the whole state by `state` (tensors are copied to each parameter's device). Everything is
   // checked before anything changes: unknown names, groups or parameters that do not exist, shapes and
-  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries. One
-  // Error lists every mismatch.
+  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries, and
+  // a parameter that with_state lists without its state in the file (renamed or dropped: it would otherwise
+  // restart from none) or the other way round. One Error lists every mismatch. A file without with_state
+  // (written before it existed) loads with a warning that this cannot be checked.
   void load_state_tensors(const NamedTensors& state);
 
   // Per-parameter state, [group][param]; grows as groups do.

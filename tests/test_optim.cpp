@@ -15,6 +15,7 @@
 
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "nn/checkpoint.h"
 #include "optim/adam.h"
 #include "optim/clip_grad.h"
 #include "optim/sgd.h"
@@ -23,6 +24,7 @@
 using namespace halfgrad;
 using halfgrad::testing::values;
 using halfgrad::testing::bit_equal;
+using halfgrad::testing::TempDir;
 using optim::NamedTensors;
 
 namespace {
@@ -369,15 +371,18 @@ TEST_CASE("Adam's state has stable names: groups' lr and momentum, step, exp_avg
   opt.step();  // b has no gradient: no state
   std::vector<std::string> names;
   for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
-  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.1.lr",
-                                          "param_groups.1.momentum", "state.0.0.step", "state.0.0.exp_avg",
-                                          "state.0.0.exp_avg_sq", "state.1.0.step", "state.1.0.exp_avg",
-                                          "state.1.0.exp_avg_sq", "state.1.0.max_exp_avg_sq"});
+  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.0.with_state",
+                                          "param_groups.1.lr", "param_groups.1.momentum", "param_groups.1.with_state",
+                                          "state.0.0.step", "state.0.0.exp_avg", "state.0.0.exp_avg_sq",
+                                          "state.1.0.step", "state.1.0.exp_avg", "state.1.0.exp_avg_sq",
+                                          "state.1.0.max_exp_avg_sq"});
   NamedTensors state = opt.state_tensors();
-  CHECK(state[4].second.dim() == 0);
-  CHECK(state[4].second.dtype() == kInt64);
-  CHECK(state[4].second.item<int64_t>() == 1);
-  CHECK(state[5].second.shape() == Shape{2, 3});
+  CHECK(to_vector<int64_t>(state[2].second) == std::vector<int64_t>{0});  // a, not b: b had no gradient
+  CHECK(to_vector<int64_t>(state[5].second) == std::vector<int64_t>{0});
+  CHECK(state[6].second.dim() == 0);
+  CHECK(state[6].second.dtype() == kInt64);
+  CHECK(state[6].second.item<int64_t>() == 1);
+  CHECK(state[7].second.shape() == Shape{2, 3});
   CHECK(state[0].second.dim() == 0);
   CHECK(state[0].second.item<double>() == 0.1);
 }
@@ -476,7 +481,67 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
     CHECK(msg.find("unexpected entry 'model.weight'") != std::string::npos);
   }
   CHECK(opt.groups()[0].options.lr == 0.1);  // nothing changed
-  CHECK(opt.state_tensors().size() == 2);
+  CHECK(opt.state_tensors().size() == 3);  // lr, momentum, with_state (empty): no parameter's state
+}
+
+TEST_CASE("loading state refuses a file that lost a parameter's state, and aliased indices") {
+  Tensor a = ones({2}, {.requires_grad = true});
+  Tensor b = ones({3}, {.requires_grad = true});
+  optim::SGD opt({a, b}, {.lr = 0.1, .momentum = 0.9});
+  a.set_grad(ones({2}));
+  b.set_grad(ones({3}));
+  opt.step();
+  const NamedTensors saved = opt.state_tensors();
+  auto without = [&](const std::string& name) {
+    NamedTensors out;
+    for (const auto& [n, t] : saved)
+      if (n != name) out.emplace_back(n, t);
+    return out;
+  };
+  auto renamed = [&](const std::string& from, const std::string& to) {
+    NamedTensors out;
+    for (const auto& [n, t] : saved) out.emplace_back(n == from ? to : n, t);
+    return out;
+  };
+  optim::SGD other({ones({2}, {.requires_grad = true}), ones({3}, {.requires_grad = true})},
+                   {.lr = 0.1, .momentum = 0.9});
+  other.load_state_tensors(saved);  // the whole state loads
+  // A momentum buffer dropped (or renamed away from "optimizer.", so that the checkpoint put it among the extras):
+  // without with_state, SGD would start that parameter's momentum from zero without a word.
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(without("state.0.1.momentum_buffer")),
+                       doctest::Contains("parameter 1 of group 0 had state when saved (param_groups.0.with_state), "
+                                         "but the file holds none of it: momentum_buffer"),
+                       Error);
+  // State that with_state does not list.
+  NamedTensors extra = saved;
+  extra[2].second = tensor(std::vector<int64_t>{0});
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(extra),
+                       doctest::Contains("parameter 1 of group 0 has momentum_buffer in the file, but "
+                                         "param_groups.0.with_state does not list it"),
+                       Error);
+  extra[2].second = tensor(std::vector<int64_t>{0, 1, 5});
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(extra),
+                       doctest::Contains("lists parameter 5, but group 0 has 2 parameter(s)"), Error);
+  extra[2].second = tensor(std::vector<double>{0, 1});
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(extra), doctest::Contains("must be a 1-D int64 tensor"), Error);
+  // "00" would alias "0": not an index.
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(renamed("state.0.0.momentum_buffer", "state.0.00.momentum_buffer")),
+                       doctest::Contains("unexpected entry 'state.0.00.momentum_buffer'"), Error);
+  CHECK_THROWS_WITH_AS(other.load_state_tensors(renamed("param_groups.0.lr", "param_groups.00.lr")),
+                       doctest::Contains("unexpected entry 'param_groups.00.lr'"), Error);
+  // A file from before with_state loads (with a warning), as it did.
+  other.load_state_tensors(without("param_groups.0.with_state"));
+  CHECK(bit_equal(other.state(0, 1).buffers[0], opt.state(0, 1).buffers[0]));
+  // Before any step the list is empty, and an empty list goes through a checkpoint file and back.
+  TempDir dir;
+  optim::SGD fresh({ones({2}, {.requires_grad = true})}, {.lr = 0.1, .momentum = 0.9});
+  nn::save_training_checkpoint(dir.file("ck.safetensors"), {.optimizer = fresh.state_tensors()});
+  const nn::TrainingCheckpoint ck = nn::load_training_checkpoint(dir.file("ck.safetensors"));
+  const auto with_state = std::find_if(ck.optimizer.begin(), ck.optimizer.end(),
+                                       [](const auto& e) { return e.first == "param_groups.0.with_state"; });
+  REQUIRE(with_state != ck.optimizer.end());
+  CHECK(with_state->second.shape() == Shape{0});
+  fresh.load_state_tensors(ck.optimizer);
 }
 
 // ---------------------------------------------------------------------------------------------------------
