@@ -268,6 +268,23 @@ TEST_CASE("train_classifier reports progress every log_interval batches: loss, a
     CHECK(seen[k].images_per_second > 0);
   }
   CHECK(seen[2].eta_seconds < seen[0].eta_seconds * 5);  // 1 batch left against 5
+  // progress_seconds (a nanosecond: after every batch) adds reports within the intervals and changes none at their
+  // ends: the same run's interval figures, bit for bit.
+  config.progress_seconds = 1e-9;
+  std::vector<train::ClassifierProgress> live;
+  train::train_classifier(config, {}, [&](const train::ClassifierProgress& p) { live.push_back(p); });
+  REQUIRE(live.size() == 7);
+  size_t ends = 0;
+  for (size_t k = 0; k < live.size(); ++k) {
+    CAPTURE(k);
+    CHECK(live[k].batch == int64_t(k + 1));
+    CHECK(live[k].interval_end == (live[k].batch % 2 == 0));
+    if (!live[k].interval_end) continue;
+    CHECK(live[k].loss == seen[ends].loss);
+    CHECK(live[k].accuracy == seen[ends].accuracy);
+    ++ends;
+  }
+  CHECK(ends == seen.size());
 }
 
 TEST_CASE("train_language_model stops at the first validation loss that is not finite, and says what was kept") {
@@ -461,6 +478,7 @@ TEST_CASE("train_language_model reports progress every log_interval batches, as 
   }
   CHECK(seen[1].eta_seconds < seen[0].eta_seconds * 2);  // 2 batches left against 7 (same rate, within noise)
   CHECK(result.epochs.size() == 2);
+  const std::vector<train::LanguageModelProgress> intervals = seen;
   // --dry-run: one batch an epoch, so no interval of 5 completes.
   config.dry_run = true;
   seen.clear();
@@ -471,6 +489,32 @@ TEST_CASE("train_language_model reports progress every log_interval batches, as 
   CHECK(dry.epochs.size() == 2);
   CHECK(dry.epochs[0].tokens_per_second * dry.epochs[0].seconds == doctest::Approx(4 * 8));  // one batch: 4 x 8
   config.dry_run = false;
+  // progress_seconds: reports in between, once that long has passed (here a nanosecond: after every batch); they
+  // leave the intervals' figures as they were, so main.py's lines stay main.py's.
+  std::vector<train::LanguageModelProgress> live;
+  config.progress_seconds = 1e-9;
+  train::train_language_model(config, {}, [&](const train::LanguageModelProgress& p) { live.push_back(p); });
+  REQUIRE(live.size() == 24);  // every batch of both epochs
+  std::vector<train::LanguageModelProgress> interval_ends;
+  for (size_t k = 0; k < live.size(); ++k) {
+    CAPTURE(k);
+    CHECK(live[k].batch == int64_t(k % 12 + 1));
+    CHECK(live[k].interval_end == (live[k].batch % 5 == 0));
+    CHECK(std::isfinite(live[k].loss));
+    CHECK(live[k].ms_per_batch > 0);
+    if (live[k].interval_end) interval_ends.push_back(live[k]);
+  }
+  REQUIRE(interval_ends.size() == intervals.size());
+  for (size_t k = 0; k < intervals.size(); ++k) CHECK(interval_ends[k].loss == intervals[k].loss);  // bit for bit
+  // Without log_interval: the time alone, the loss over the epoch so far.
+  config.log_interval = 0;
+  live.clear();
+  train::train_language_model(config, {}, [&](const train::LanguageModelProgress& p) { live.push_back(p); });
+  CHECK(live.size() == 24);
+  for (const auto& p : live) CHECK(!p.interval_end);
+  config.progress_seconds = -1;
+  CHECK(contains(error_of([&] { train::train_language_model(config); }), "progress_seconds must be finite and >= 0"));
+  config.progress_seconds = 0;
   config.log_interval = -1;
   CHECK(contains(error_of([&] { train::train_language_model(config); }), "log_interval must be >= 0"));
 }

@@ -65,6 +65,16 @@ CLI::Validator finite_at_least(double min, bool strictly = false) {
       fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
 }
 
+// --progress-seconds: also a progress line within an interval once this long has passed since the last. Unless given:
+// 1 s on a terminal (the line redrawn in place), 30 s elsewhere (a log file or CI gets a line now and then even when
+// log-interval batches take minutes).
+void add_progress_seconds(CLI::App* command, double& seconds) {
+  seconds = ::isatty(STDOUT_FILENO) != 0 ? 1 : 30;
+  command->add_option("--progress-seconds", seconds, "also a progress line within an interval once this many seconds "
+                      "have passed since the last (0: only every --log-interval batches; default 1 on a terminal, "
+                      "30 otherwise)")->check(finite_at_least(0));
+}
+
 DType parse_half(const std::string& half) {
   HG_CHECK(half == "float16" || half == "bfloat16", "--half must be float16 or bfloat16, got {}", half);
   return half == "float16" ? kFloat16 : kBFloat16;
@@ -183,7 +193,7 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                           p.accuracy, p.images_per_second, eta / 60, eta % 60));
     jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
                              {"loss", p.loss}, {"accuracy", p.accuracy}, {"images_per_second", p.images_per_second},
-                             {"eta_seconds", p.eta_seconds}});
+                             {"eta_seconds", p.eta_seconds}, {"interval_end", p.interval_end}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   train::train_classifier(config, [&](const train::EpochStats& s) {
@@ -238,7 +248,8 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                           p.batch, p.batches, p.loss, p.images_per_second, eta / 60, eta % 60));
     jsonl.write("progress", {{"precision", train::precision_name(r.opt_level)}, {"batch_size", r.batch_size},
                              {"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"loss", p.loss},
-                             {"images_per_second", p.images_per_second}, {"eta_seconds", p.eta_seconds}});
+                             {"images_per_second", p.images_per_second}, {"eta_seconds", p.eta_seconds},
+                             {"interval_end", p.interval_end}});
   };
   train::sweep_classifier(config, parsed, batch_sizes, [&](const train::SweepRow& r) {
     line.clear();
@@ -291,7 +302,8 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                           p.ms_per_batch, p.loss, std::exp(p.loss), p.tokens_per_second, eta / 60, eta % 60));
     jsonl.write("progress", {{"epoch", p.epoch + 1}, {"batch", p.batch}, {"batches", p.batches}, {"lr", p.lr},
                              {"ms_per_batch", p.ms_per_batch}, {"loss", p.loss}, {"ppl", std::exp(p.loss)},
-                             {"tokens_per_second", p.tokens_per_second}, {"eta_seconds", p.eta_seconds}});
+                             {"tokens_per_second", p.tokens_per_second}, {"eta_seconds", p.eta_seconds},
+                             {"interval_end", p.interval_end}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
@@ -594,6 +606,7 @@ int main(int argc, char** argv) {
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(non_negative_integer())->capture_default_str();
+  add_progress_seconds(tc, train_args.config.progress_seconds);
   tc->callback([&] {
     stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
@@ -612,6 +625,7 @@ int main(int argc, char** argv) {
   sweep_args.config.log_interval = 100;
   sc->add_option("--log-interval", sweep_args.config.log_interval, "a progress line every N training batches of each "
                  "run (0: none)")->check(non_negative_integer())->capture_default_str();
+  add_progress_seconds(sc, sweep_args.config.progress_seconds);
   sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
       ->delimiter(',')->capture_default_str();
   sc->callback([&] {
@@ -667,6 +681,7 @@ int main(int argc, char** argv) {
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
                  "(0: none)")->check(non_negative_integer())->capture_default_str();
+  add_progress_seconds(tl, lm.progress_seconds);
   tl->callback([&] {
     stop_on_signals();
     lm.data_dir = lm_data_dir;

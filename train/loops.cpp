@@ -47,6 +47,41 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// When the loops report progress: at the end of every log_interval batches of the epoch (main.py's lines), and with
+// progress_seconds > 0 also within an interval once that long has passed since the last report (a live status line
+// for slow steps). Reading the interval's sums synchronises, so the clock, not every batch, decides.
+class ProgressClock {
+ public:
+  ProgressClock(int64_t log_interval, double progress_seconds, std::chrono::steady_clock::time_point start)
+      : log_interval_(log_interval), every_(progress_seconds), interval_start_(start), last_report_(start) {}
+  bool active() const { return log_interval_ > 0 || every_ > 0; }
+
+  struct Due {
+    bool report, interval_end;
+  };
+  // After batch `batch` of the epoch (1-based).
+  Due batch_done(int64_t batch) {
+    ++interval_batches_;
+    const bool end = log_interval_ > 0 && batch % log_interval_ == 0;
+    return {end || (every_ > 0 && seconds_since(last_report_) >= every_), end};
+  }
+  double interval_seconds() const { return seconds_since(interval_start_); }
+  int64_t interval_batches() const { return interval_batches_; }
+  void reported(bool interval_end) {
+    last_report_ = std::chrono::steady_clock::now();
+    if (interval_end) {
+      interval_start_ = last_report_;
+      interval_batches_ = 0;
+    }
+  }
+
+ private:
+  int64_t log_interval_;
+  double every_;
+  std::chrono::steady_clock::time_point interval_start_, last_report_;
+  int64_t interval_batches_ = 0;
+};
+
 // ---- interruption
 
 std::atomic<bool> g_stop_requested{false};  // lock-free: request_stop() may run in a signal handler
@@ -182,6 +217,8 @@ Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
+  HG_CHECK(std::isfinite(c.progress_seconds) && c.progress_seconds >= 0,
+           "train: progress_seconds must be finite and >= 0 (0: none between intervals), got {}", c.progress_seconds);
   HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
            c.dataset);
   HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
@@ -285,7 +322,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     Tensor interval_loss = zeros({}, {.device = c.device}),
            interval_correct = zeros({}, {.dtype = kInt64, .device = c.device});
     int64_t interval_seen = 0;
-    auto interval_start = t0;
+    ProgressClock clock(c.log_interval, c.progress_seconds, t0);
     for (const data::Batch& batch : train_loader.epoch(epoch, batches_done)) {
       auto [x, y] = batch_on(batch, c.device, c.channels_last);
       Tensor loss, batch_correct;
@@ -313,22 +350,25 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       correct.add_(batch_correct);
       seen += y.size(0);
       ++batches_done;
-      if (c.log_interval > 0 && on_progress) {
+      if (clock.active() && on_progress) {
         interval_loss.add_(loss.detach(), double(y.size(0)));
         interval_correct.add_(batch_correct);
         interval_seen += y.size(0);
-        if (batches_done % c.log_interval == 0) {
+        if (const auto due = clock.batch_done(batches_done); due.report) {
           const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
-          const double seconds = seconds_since(interval_start);
+          const double seconds = clock.interval_seconds();
           on_progress({.epoch = epoch, .batch = batches_done, .batches = steps_per_epoch,
                        .lr = sgd.param_groups()[0].lr, .loss = interval_mean,
                        .accuracy = interval_correct.item<double>() / double(interval_seen),
                        .images_per_second = double(interval_seen) / seconds,
-                       .eta_seconds = seconds / double(c.log_interval) * double(steps_per_epoch - batches_done)});
-          interval_loss.zero_();
-          interval_correct.zero_();
-          interval_seen = 0;
-          interval_start = std::chrono::steady_clock::now();
+                       .eta_seconds = seconds / double(clock.interval_batches()) * double(steps_per_epoch - batches_done),
+                       .interval_end = due.interval_end});
+          if (due.interval_end) {
+            interval_loss.zero_();
+            interval_correct.zero_();
+            interval_seen = 0;
+          }
+          clock.reported(due.interval_end);
         }
       }
       if (stop_requested()) {
@@ -480,6 +520,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
            "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
            c.eval_batch_size, c.bptt);
   HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
+  HG_CHECK(std::isfinite(c.progress_seconds) && c.progress_seconds >= 0,
+           "train: progress_seconds must be finite and >= 0 (0: none between intervals), got {}", c.progress_seconds);
   HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
   // Before the first epoch, not after it: a folder that cannot take the files would lose the run's result.
   if (!c.checkpoint.empty()) check_writable(c.checkpoint, "train-lm: --save");
@@ -617,7 +659,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     const int64_t batches = (train_data.size(0) - 2) / c.bptt + 1;
     Tensor interval_total = zeros({}, {.device = c.device});
     int64_t interval_tokens = 0;
-    auto interval_start = t0;
+    ProgressClock clock(c.log_interval, c.progress_seconds, t0);
     for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
       if (interrupted || window++ < skip || (c.dry_run && batch == 1)) return;
       Tensor loss;
@@ -633,19 +675,21 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       total.add_(loss, double(b.target.numel()));
       tokens += b.target.numel();
       ++batch;
-      if (c.log_interval > 0 && on_progress) {
+      if (clock.active() && on_progress) {
         interval_total.add_(loss, double(b.target.numel()));
         interval_tokens += b.target.numel();
-        if (batch % c.log_interval == 0) {
+        if (const auto due = clock.batch_done(batch); due.report) {
           const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
-          const double seconds = seconds_since(interval_start);
+          const double seconds = clock.interval_seconds();
+          const double per_batch = seconds / double(clock.interval_batches());
           on_progress({.epoch = epoch, .batch = batch, .batches = batches, .lr = lr, .loss = interval_loss,
-                       .ms_per_batch = 1e3 * seconds / double(c.log_interval),
-                       .tokens_per_second = double(interval_tokens) / seconds,
-                       .eta_seconds = seconds / double(c.log_interval) * double(batches - batch)});
-          interval_total.zero_();
-          interval_tokens = 0;
-          interval_start = std::chrono::steady_clock::now();
+                       .ms_per_batch = 1e3 * per_batch, .tokens_per_second = double(interval_tokens) / seconds,
+                       .eta_seconds = per_batch * double(batches - batch), .interval_end = due.interval_end});
+          if (due.interval_end) {
+            interval_total.zero_();
+            interval_tokens = 0;
+          }
+          clock.reported(due.interval_end);
         }
       }
       interrupted = stop_requested();

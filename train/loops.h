@@ -81,18 +81,20 @@ struct ClassifierConfig {
   // for bit. on_epoch and the result cover the epochs finished here.
   std::string resume{};
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
+  double progress_seconds = 0;  // also on_progress mid-interval once this long has passed since the last (0: never)
   // CUDA: the training step captured once as a CUDA graph (after two eager steps) and replayed, the batch copied into
   // its input buffers first; a last batch smaller than batch_size runs eagerly (core/cuda_graph.h).
   bool cuda_graph = false;
 };
 
-// How far an epoch is, every log_interval batches.
+// How far an epoch is, every log_interval batches (and every progress_seconds in between).
 struct ClassifierProgress {
   int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
   double lr = 0;                               // the first parameter group's, after the batch's scheduler step
-  double loss = 0, accuracy = 0;               // over the interval's training batches
+  double loss = 0, accuracy = 0;               // over the interval's training batches (so far)
   double images_per_second = 0;                // over the interval, synchronized
   double eta_seconds = 0;                      // the epoch's remaining batches at the interval's rate
+  bool interval_end = true;                    // false: a report within the interval (progress_seconds)
 };
 
 struct EpochStats {
@@ -106,7 +108,7 @@ struct EpochStats {
 };
 
 // Trains as configured and returns one EpochStats per epoch; on_epoch (if set) sees each as it is done, on_progress
-// (if set, with log_interval > 0) every log_interval batches.
+// (if set) every log_interval batches and, with progress_seconds > 0, in between once that long has passed.
 // Errors (an unknown model, a missing file, bad options) are halfgrad::Error naming what is wrong.
 std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
                                          const std::function<void(const EpochStats&)>& on_epoch = {},
@@ -131,8 +133,8 @@ struct SweepRow {
 // The precision's name in the experiments' tables: FP32, AMP, O2, FP16.
 const char* precision_name(amp::OptLevel level);
 
-// on_row sees each row as it is done; on_progress (with base.log_interval > 0) each run's progress, with the row it
-// is for (its opt level and batch size).
+// on_row sees each row as it is done; on_progress (with base.log_interval or base.progress_seconds > 0) each run's
+// progress, with the row it is for (its opt level and batch size).
 std::vector<SweepRow> sweep_classifier(
     const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels, const std::vector<int64_t>& batch_sizes,
     const std::function<void(const SweepRow&)>& on_row = {},
@@ -166,6 +168,7 @@ struct LanguageModelConfig {
   // result.epochs covers the epochs finished here; the test loss is the best model's (0 when stopped).
   std::string resume{};
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never), as main.py's
+  double progress_seconds = 0;  // also on_progress mid-interval once this long has passed since the last (0: never)
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
   bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
 };
@@ -178,6 +181,7 @@ struct LanguageModelProgress {
   double ms_per_batch = 0;      // over the interval, synchronized
   double tokens_per_second = 0;  // over the interval
   double eta_seconds = 0;        // the epoch's remaining batches at the interval's rate
+  bool interval_end = true;      // false: a report within the interval (progress_seconds), its figures so far
 };
 
 struct LanguageModelEpochStats {
