@@ -1,6 +1,7 @@
 # halfgrad: thin wrapper around CMake.
 #   make run    build everything, then `halfgrad demo`: the language model in float32 and in mixed precision
 #   make test   build everything, then run the test suite through ctest
+#   make fuzz   build the libFuzzer targets (clang, ASan + UBSan, in build-fuzz/) and run each FUZZ_SECONDS (60)
 # Variables: CMAKE_ARGS (extra configure arguments, e.g. CMAKE_ARGS="-DHALFGRAD_CUDA=OFF"),
 #            JOBS (parallel jobs, default: nproc), BUILD_DIR (default: build), ARGS (passed to run/bench).
 
@@ -19,7 +20,7 @@ export PATH := /usr/local/cuda/bin:$(PATH)
 GENERATOR := $(if $(shell command -v ninja 2>/dev/null),Ninja,Unix Makefiles)
 ARGS_STAMP := $(BUILD_DIR)/.halfgrad_cmake_args
 
-.PHONY: all deps configure build test run bench clean
+.PHONY: all deps configure build test run bench fuzz clean
 
 all: build
 
@@ -67,6 +68,17 @@ bench: build
 	  echo "make bench: $(BUILD_DIR)/bench_cpu was not built (tools/bench_cpu.cpp does not exist yet)" >&2; \
 	  exit 1; \
 	fi
+
+FUZZ_DIR     ?= build-fuzz
+FUZZ_SECONDS ?= 60
+# The parsers of outside input under libFuzzer (tests/fuzz/README.md): the CPU library alone, every object under
+# AddressSanitizer and UndefinedBehaviorSanitizer.
+fuzz:
+	CC=clang CXX=clang++ cmake -S . -B "$(FUZZ_DIR)" -G "$(GENERATOR)" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DHALFGRAD_FUZZ=ON -DHALFGRAD_CUDA=OFF -DHALFGRAD_BUILD_TESTS=OFF -DHALFGRAD_BUILD_EXAMPLES=OFF \
+	  -DHALFGRAD_BUILD_TOOLS=OFF
+	cmake --build "$(FUZZ_DIR)" -j $(JOBS) --target fuzz_checkpoint fuzz_cifar fuzz_text
+	tools/run_fuzz.sh "$(FUZZ_DIR)" $(FUZZ_SECONDS)
 
 clean:
 	rm -rf "$(BUILD_DIR)"

@@ -124,7 +124,9 @@ LoadedLanguageModel load_language_model(const std::string& path, Device device) 
   const std::pair<const char*, Shape> sized[] = {
       {"encoder.weight", {vocab_size, options.embedding_size}},
       {"rnn.weight_hh_l0", {gates * options.hidden_size, options.hidden_size}}};
-  for (const auto& [name, shape] : sized) {
+  for (const auto& entry : sized) {
+    const char* name = entry.first;  // not a structured binding: clang before 16 cannot capture one in a lambda
+    const Shape& shape = entry.second;
     auto t = std::find_if(contents.tensors.begin(), contents.tensors.end(),
                           [&](const auto& named) { return named.first == name; });
     HG_CHECK(t != contents.tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"", path, name);
