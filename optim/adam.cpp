@@ -59,7 +59,7 @@ template <typename Options> struct AdamStepper {
           args.bias_correction2_sqrts.push_back(std::sqrt(1 - std::pow(o.betas.second, t)));
         }
         adam_step_kernel[items[0].param.device()](args);
-        Optimizer::write_back(items);
+        Opt::write_back(items);  // through Opt, whose friend this is (clang refuses the base class's name)
       }
     }
   }

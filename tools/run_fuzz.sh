@@ -15,7 +15,7 @@ targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_checkpoint fuzz_cifar fuzz_text)
 failed=0
 for t in "${targets[@]}"; do
-  exe=$build/tests/fuzz/$t
+  exe=$build/$t
   [[ -x $exe ]] || { echo "run_fuzz: $exe not built (make fuzz builds it)" >&2; exit 2; }
   seeds=tests/fuzz/corpus/${t#fuzz_}
   work=$build/fuzz-out/$t
