@@ -150,11 +150,12 @@ NamedTensors Optimizer::state_tensors() const {
     out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
     // Which parameters have state, so that a load can tell an entry that went missing from one never written.
     std::vector<int64_t> with_state;
-    for (size_t p = 0; g < state_.size() && p < state_[g].size(); ++p) {
-      const ParamState& s = state_[g][p];
-      bool any = counts_steps() && s.step > 0;
-      for (const Tensor& b : s.buffers) any = any || b.defined();
-      if (any) with_state.push_back(int64_t(p));
+    const std::vector<ParamState> none;
+    const std::vector<ParamState>& states = g < state_.size() ? state_[g] : none;
+    for (size_t p = 0; p < states.size(); ++p) {
+      const bool has_buffer = std::any_of(states[p].buffers.begin(), states[p].buffers.end(),
+                                          [](const Tensor& b) { return b.defined(); });
+      if (has_buffer || (counts_steps() && states[p].step > 0)) with_state.push_back(int64_t(p));
     }
     out.emplace_back(fmt::format("param_groups.{}.with_state", g), tensor(with_state));
   }

@@ -18,6 +18,7 @@ using namespace halfgrad;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
 using halfgrad::testing::TempDir;
+using halfgrad::testing::write_splits;
 
 namespace {
 
@@ -31,7 +32,7 @@ void write_corpus(const TempDir& dir) {
     for (int w = 0; w < 10; ++w) text += std::string(kWords[(line + w) % 10]) + " ";
     text += "\n";
   }
-  for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  write_splits(dir, text);
 }
 
 // A GRU language model trained for `epochs` on that corpus, saved as dir/lm.safetensors (train-lm --save).

@@ -16,6 +16,7 @@ using namespace halfgrad;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
 using halfgrad::testing::TempDir;
+using halfgrad::testing::write_splits;
 
 namespace {
 
@@ -291,7 +292,7 @@ TEST_CASE("train_language_model stops at the first validation loss that is not f
   TempDir dir;
   std::string text;
   for (int line = 0; line < 40; ++line) text += " the cat sat on a mat \n";
-  for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+  write_splits(dir, text);
   // lr 1e30 (finite, so the option takes it) on float16 weights (O3): the first update overflows them to inf on any
   // CPU. (In float32 the weights only grew to ~1e29 on the GPU machine's AVX-512 host, and the losses stayed finite.)
   train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
@@ -319,7 +320,7 @@ TEST_CASE("train_language_model follows main.py: perplexity falls on a predictab
       for (int w = 0; w < 10; ++w) text += std::string(words[(line + w) % 10]) + " ";
       text += "\n";
     }
-    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+    write_splits(dir, text);
   }
   CHECK(train::LanguageModelConfig{}.lr == 20);  // main.py's lr
   // At lr 20 a model this small learns chaotically: by seed, or by the rounding of another CPU's vector width (an
@@ -365,7 +366,7 @@ TEST_CASE("train_language_model --resume continues bit for bit: 4 epochs straigh
       for (int w = 0; w < 7; ++w) text += std::string(words[(line * 3 + w * w) % 11]) + " ";
       text += "\n";
     }
-    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+    write_splits(dir, text);
   }
   // Two layers with dropout between them (the random state), lr 20 (annealed when the validation loss does not
   // improve); O0, and O2: loss scaling, and float32 masters apart from the half model.
@@ -414,7 +415,7 @@ TEST_CASE("train_language_model stopped within an epoch writes where it stopped,
   {
     std::string text;
     for (int line = 0; line < 30; ++line) text += " one two three four five six seven eight \n";
-    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+    write_splits(dir, text);
   }
   // 270 tokens, batch 4: 67 rows, bptt 8: 9 windows an epoch. LSTM: h and c are carried across the stop.
   const train::LanguageModelConfig straight{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8,
@@ -454,7 +455,7 @@ TEST_CASE("train_language_model reports progress every log_interval batches, as 
   {
     std::string text;
     for (int line = 0; line < 40; ++line) text += " one two three four five six seven eight \n";
-    for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+    write_splits(dir, text);
   }
   // 40 lines of 9 tokens (8 words and <eos>) = 360 tokens; batch 4: 90 rows; bptt 8: ceil(89 / 8) = 12 batches.
   train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <system_error>
@@ -62,6 +63,11 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+// train.txt, valid.txt and test.txt in `dir`, each holding `text`: a corpus for the language-model tests.
+inline void write_splits(const TempDir& dir, const std::string& text) {
+  for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
+}
 
 // A tensor's values as float64, in row-major order (any dtype, device or layout).
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }

@@ -65,11 +65,14 @@ CLI::Validator finite_at_least(double min, bool strictly = false) {
       fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
 }
 
+// Whether progress lines go to a terminal (redrawn in place there) rather than a file or a pipe.
+bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) != 0; }
+
 // --progress-seconds: also a progress line within an interval once this long has passed since the last. Unless given:
 // 1 s on a terminal (the line redrawn in place), 30 s elsewhere (a log file or CI gets a line now and then even when
 // log-interval batches take minutes).
 void add_progress_seconds(CLI::App* command, double& seconds) {
-  seconds = ::isatty(STDOUT_FILENO) != 0 ? 1 : 30;
+  seconds = stdout_is_terminal() ? 1 : 30;
   command->add_option("--progress-seconds", seconds, "also a progress line within an interval once this many seconds "
                       "have passed since the last (0: only every --log-interval batches; default 1 on a terminal, "
                       "30 otherwise)")->check(finite_at_least(0));
@@ -126,7 +129,7 @@ class JsonLines {
 // epoch's figures) takes its place; elsewhere (a file, a pipe, CI) one line each, as main.py prints them.
 class ProgressLine {
  public:
-  ProgressLine() : tty_(::isatty(STDOUT_FILENO) != 0) {}
+  ProgressLine() : tty_(stdout_is_terminal()) {}
   void show(const std::string& text) {
     if (tty_) {
       fmt::print("\r\033[K{}", text);

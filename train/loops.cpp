@@ -82,6 +82,13 @@ class ProgressClock {
   int64_t interval_batches_ = 0;
 };
 
+// Both loops' progress options, checked before anything runs.
+void check_progress_options(int64_t log_interval, double progress_seconds) {
+  HG_CHECK(log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", log_interval);
+  HG_CHECK(std::isfinite(progress_seconds) && progress_seconds >= 0,
+           "train: progress_seconds must be finite and >= 0 (0: none between intervals), got {}", progress_seconds);
+}
+
 // ---- interruption
 
 std::atomic<bool> g_stop_requested{false};  // lock-free: request_stop() may run in a signal handler
@@ -216,9 +223,7 @@ Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp
 
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
-  HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
-  HG_CHECK(std::isfinite(c.progress_seconds) && c.progress_seconds >= 0,
-           "train: progress_seconds must be finite and >= 0 (0: none between intervals), got {}", c.progress_seconds);
+  check_progress_options(c.log_interval, c.progress_seconds);
   HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
            c.dataset);
   HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
@@ -519,9 +524,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   HG_CHECK(c.epochs >= 1 && c.batch_size >= 1 && c.eval_batch_size >= 1 && c.bptt >= 1,
            "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
            c.eval_batch_size, c.bptt);
-  HG_CHECK(c.log_interval >= 0, "train: log_interval must be >= 0 (0: no progress), got {}", c.log_interval);
-  HG_CHECK(std::isfinite(c.progress_seconds) && c.progress_seconds >= 0,
-           "train: progress_seconds must be finite and >= 0 (0: none between intervals), got {}", c.progress_seconds);
+  check_progress_options(c.log_interval, c.progress_seconds);
   HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
   // Before the first epoch, not after it: a folder that cannot take the files would lose the run's result.
   if (!c.checkpoint.empty()) check_writable(c.checkpoint, "train-lm: --save");
