@@ -1,4 +1,5 @@
-// linear_cross_entropy (ops/linear_cross_entropy.h): the op, its autograd node and the CPU kernel over row blocks.
+// linear_cross_entropy (ops/linear_cross_entropy.h): the op, its autograd nodes, the CPU kernel over row blocks and
+// the padded path that runs on the CUDA kernels of ops/linear_cross_entropy.cu.
 #include "ops/linear_cross_entropy.h"
 
 #include <omp.h>
@@ -17,6 +18,9 @@
 #include "ops/matmul.h"
 
 namespace halfgrad {
+
+constinit KernelTable<PaddedCopyKernel> padded_copy_kernel("linear_cross_entropy (padded copy)");
+constinit KernelTable<LceRowsKernel> lce_rows_kernel("linear_cross_entropy (rows)");
 
 namespace {
 
@@ -149,12 +153,96 @@ void check_arguments(const Tensor& x, const Tensor& w, const Tensor& b, const Te
            w.meta(), b.meta(), t.meta());
 }
 
+// The padded path (the header says what it computes). `dtype`: the products' dtype.
+Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, const Tensor& bias, const Tensor& target,
+                                   int64_t ignore_index, DType dtype, DType loss_dtype) {
+  const int64_t n = input.size(0), in = input.size(1), classes = weight.size(0);
+  const int64_t per_vector = 16 / int64_t(element_size(dtype));
+  auto round_up = [&](int64_t v) { return (v + per_vector - 1) / per_vector * per_vector; };
+  const bool has_bias = bias.defined();
+  const int64_t in_p = round_up(in + (has_bias ? 1 : 0)), classes_p = round_up(classes);
+  const DType acc = dtype == kFloat64 ? kFloat64 : kFloat32;
+  const Device device = input.device();
+  const bool grad = GradMode::is_enabled();
+  const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
+             need_b = grad && has_bias && bias.requires_grad();
+  const bool any_grad = need_x || need_w || need_b;
+  Tensor x_p, w_p, logits, counted, loss;
+  {
+    NoGradGuard no_grad;
+    auto dense_rows = [](const Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); };
+    // x_p = [x, 1, 0...], w_p = [W, b, 0...]: the bias as one more column of the products' k.
+    x_p = empty({n, in_p}, {.dtype = dtype, .device = device});
+    w_p = empty({classes_p, in_p}, {.dtype = dtype, .device = device});
+    padded_copy_kernel[device](x_p, dense_rows(input.detach()), Tensor(), has_bias ? in : -1, Tensor());
+    padded_copy_kernel[device](w_p, dense_rows(weight.detach()), Tensor(), has_bias ? in : -1,
+                               has_bias ? bias.detach().to(weight.dtype()).contiguous() : Tensor());
+    logits = empty({n, classes_p}, {.dtype = dtype, .device = device});
+    gemm_dense(device, dtype, dtype, n, classes_p, in_p, x_p.data_ptr(), Trans::No, w_p.data_ptr(), Trans::Yes,
+               logits.data_ptr());
+    const Tensor row_loss = empty({n}, {.dtype = acc, .device = device});
+    const Tensor row_count = empty({n}, {.dtype = acc, .device = device});
+    lce_rows_kernel[device](logits, classes, target.to(kInt64).contiguous(), ignore_index, row_loss, row_count,
+                            any_grad ? kGradFactor : 0.0);
+    counted = row_count.sum();
+    loss = row_loss.sum().div(counted).to(loss_dtype);  // 0 / 0: NaN when every target is ignored
+  }
+  if (!any_grad) return loss;
+  const DType x_dtype = input.dtype(), w_dtype = weight.dtype(), b_dtype = has_bias ? bias.dtype() : dtype;
+  record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
+         [=](const GradContext& g) -> TensorList {
+           NoGradGuard no_grad;
+           // Every gradient row of an ignored target is 0, so counted = 0 needs only a finite divisor.
+           const Tensor scale = g[0].to(acc).div(counted.clamp(1.0, std::nullopt).mul(kGradFactor));
+           Tensor dx, dw, db;
+           if (need_x) {  // G w_p
+             const Tensor dx_p = empty({n, in_p}, {.dtype = acc, .device = device});
+             gemm_dense(device, dtype, acc, n, in_p, classes_p, logits.data_ptr(), Trans::No, w_p.data_ptr(),
+                        Trans::No, dx_p.data_ptr());
+             dx = empty({n, in}, {.dtype = x_dtype, .device = device});
+             padded_copy_kernel[device](dx, dx_p, scale, -1, Tensor());
+           }
+           if (need_w || need_b) {  // G^T x_p: column `in` is the bias gradient
+             const Tensor dw_p = empty({classes_p, in_p}, {.dtype = acc, .device = device});
+             gemm_dense(device, dtype, acc, classes_p, in_p, n, logits.data_ptr(), Trans::Yes, x_p.data_ptr(),
+                        Trans::No, dw_p.data_ptr());
+             if (need_w) {
+               dw = empty({classes, in}, {.dtype = w_dtype, .device = device});
+               padded_copy_kernel[device](dw, dw_p, scale, -1, Tensor());
+             }
+             if (need_b) {
+               db = empty({classes, 1}, {.dtype = b_dtype, .device = device});
+               padded_copy_kernel[device](db, dw_p.narrow(1, in, 1), scale, -1, Tensor());
+               db = db.view({classes});
+             }
+           }
+           return {dx, dw, db};
+         });
+  return loss;
+}
+
 }  // namespace
 
 Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Tensor& bias, const Tensor& target,
                             const LinearCrossEntropyOptions& options) {
   const bool autocast = amp::is_autocast_enabled();
   check_arguments(input, weight, bias, target, autocast);
+  if (input.device().is_cuda()) {
+    HG_CHECK(is_floating(input.dtype()) && is_floating(weight.dtype()) && (!bias.defined() || is_floating(bias.dtype())),
+             "{}: floating input, weight and bias expected, got {}, {} and {}", kOp, input.meta(), weight.meta(),
+             bias.meta());
+    DType widest = promote_types(input.dtype(), weight.dtype());
+    if (bias.defined()) widest = promote_types(widest, bias.dtype());
+    // Under autocast linear's rule picks the products' dtype (float64 stays, as amp::detail::cast leaves it) and
+    // cross_entropy's the loss's: float32 (core/autocast.h).
+    const bool cast = autocast && widest != kFloat64;
+    const DType dtype = cast ? amp::autocast_dtype() : input.dtype();
+    const DType loss_dtype = cast ? kFloat32 : dtype;
+    Tensor loss = padded_linear_cross_entropy(input, weight, bias, target, options.ignore_index, dtype, loss_dtype);
+    if (cast && amp::is_tracing())
+      amp::detail::trace(kOp, amp::CastRule::LowerPrecision, {input.dtype(), weight.dtype()}, {dtype, loss_dtype});
+    return loss;
+  }
   const bool fused = input.device().is_cpu() && (input.dtype() == kFloat32 || input.dtype() == kFloat64) && !autocast;
   if (!fused) return cross_entropy(linear(input, weight, bias), target, {.ignore_index = options.ignore_index});
 

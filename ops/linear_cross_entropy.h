@@ -8,16 +8,29 @@
 //
 // Why an op of its own: with a large vocabulary the logits dominate the step's memory traffic (WikiText-2: [700,
 // 33,278] float32, 93 MB, written by the decoder, read by the softmax, written again as their gradient, read by
-// three more passes). On the CPU, for float32 and float64 outside autocast, the op runs over blocks of rows whose
-// logits (~4 MiB) stay in cache: per block the product, the row's log-sum-exp and softmax in place, minus the
-// one-hot target, then the block's share of all three gradients; each thread takes whole blocks and keeps its own
-// weight and bias gradient, added up at the end. The gradients of the summed loss are made in the forward and
+// three more passes). The gradients of the summed loss are made in the forward, where the softmax is at hand, and
 // scaled by the upstream gradient in the backward: one exp per logit, where the separate ops need two.
-// Elsewhere (CUDA, float16/bfloat16, under autocast: linear's "lower precision" then cross_entropy's "float32
-// math", core/autocast.h) it is that composition, with the same values.
-// Forward, backward and the CPU kernel: ops/linear_cross_entropy.cpp.
+//   CPU, float32 and float64 outside autocast: over blocks of rows whose logits (~4 MiB) stay in cache: per block
+//     the product, the row's log-sum-exp and softmax in place, minus the one-hot target, then the block's share of
+//     all three gradients; each thread takes whole blocks and keeps its own weight and bias gradient, added up at
+//     the end.
+//   CUDA, every floating dtype and under autocast: on operands padded so that cuBLAS runs its fast kernels (every
+//     extent a multiple of 16 bytes; WikiText-2's 33,278 words and 650 units are not, and the unaligned float16
+//     products ran 3x slower): x_p = [x, 1, 0...] [N, in_p] and w_p = [W, b, 0...] [C_p, in_p], made by one copy
+//     each that also casts to the compute dtype, so the bias rides in the product as one more column of k. The
+//     logits x_p w_p^T [N, C_p] become, in place and in one pass per row, (softmax - one-hot) * kGradFactor (zeros
+//     in the padded columns); the backward is two products on them, G w_p [N, in_p] and G^T x_p [C_p, in_p] (whose
+//     column `in` is the bias gradient), accumulated in float32 (float64 for float64) and copied out scaled by the
+//     upstream gradient / (targets counted * kGradFactor), in the dtypes of x, W and b. Nothing is synchronised
+//     with the host (a CUDA graph can capture it); a bad target stops the kernel as cross_entropy's does.
+//   Elsewhere (the CPU under autocast or for float16/bfloat16) it is that composition, with the same values.
+// Precision on CUDA under autocast (apex O1): the products in the autocast dtype (linear's "lower precision", the
+// casts of x, W and b done by the padding copies), the softmax and the loss in float32 (cross_entropy's "float32
+// math"), the loss float32, the gradients of float32 x, W, b float32.
+// Forward, backward and the CPU kernel: ops/linear_cross_entropy.cpp; the CUDA kernels: ops/linear_cross_entropy.cu.
 #include <cstdint>
 
+#include "core/dispatch.h"
 #include "core/tensor.h"
 
 namespace halfgrad {
@@ -28,5 +41,25 @@ struct LinearCrossEntropyOptions {
 
 Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Tensor& bias, const Tensor& target,
                             const LinearCrossEntropyOptions& options = {});
+
+// ---- the padded path's kernels (CUDA: ops/linear_cross_entropy.cu)
+
+// The padded logits' rows hold (softmax - one-hot) times this: 2^10 keeps float16's subnormal range (below 6e-5)
+// for softmax values under 6e-8 rather than flushing them, and stays far from its overflow (65,504). Exact to undo.
+constexpr double kGradFactor = 1024;
+
+// dst [R, K] (dense) = scale * src[r, c] where r and c are within src (a matrix with unit column stride; scale a
+// 0-d tensor of src's compute dtype, or undefined for 1), `extra_column` at column `extra_index` of the rows within
+// src (its r-th element, or 1 when it is undefined; extra_index -1: none), zeros elsewhere; cast to dst's dtype.
+using PaddedCopyKernel = void (*)(const Tensor& dst, const Tensor& src, const Tensor& scale, int64_t extra_index,
+                                  const Tensor& extra_column);
+// logits [N, C_p] (dense, C_p * element size a multiple of 16), in place: row_loss[n] = the log-sum-exp of its first
+// `classes` columns less the target's logit and row_count[n] = 1, or both 0 where target[n] is ignore_index; with
+// grad_factor != 0 the row becomes grad_factor * (softmax - one-hot) over those columns, zeros beyond (zeros
+// throughout for an ignored row). row_loss and row_count: [N] in the logits' compute dtype (float32 for 16-bit).
+using LceRowsKernel = void (*)(const Tensor& logits, int64_t classes, const Tensor& target, int64_t ignore_index,
+                               const Tensor& row_loss, const Tensor& row_count, double grad_factor);
+extern KernelTable<PaddedCopyKernel> padded_copy_kernel;
+extern KernelTable<LceRowsKernel> lce_rows_kernel;
 
 }  // namespace halfgrad

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "core/cuda.h"
+#include "ops/copy_matrix.cuh"
 #include "ops/matmul.h"
 
 namespace halfgrad {
@@ -106,35 +107,15 @@ std::optional<PaddedProblem> padded_problem(const GemmArgs& g) {
 
 // The one copy the padded products need, three ways: dst [rows, cols] (leading dimension dst_ld) takes src
 // [src_rows, src_cols] (leading dimension src_ld) where it reaches, zeros beyond: a zero-padded copy (dst larger),
-// the corner of a padded C copied back (dst smaller), and bias rows (src_ld 0: one row for all).
-// A warp copies a tile of one row, 32 x kPerLane elements: each lane kPerLane elements 32 apart, loads first, so
-// that every load and store of the warp is one coalesced run and a lane has kPerLane loads in flight. (A lane
-// with one 2-byte load at a time ran at a tenth of the bandwidth; 16-byte stores 16 bytes apart across the lanes
-// at a third.) Any leading dimension and address: nothing needs alignment.
-constexpr int kCopyPerLane = 8;
-constexpr int kCopyWarps = 8;  // a block's warps
-
-template <typename T> __global__ void copy_matrix_kernel(T* dst, int64_t rows, int64_t cols, int64_t dst_ld,
-                                                         const T* src, int64_t src_rows, int64_t src_cols,
-                                                         int64_t src_ld) {
-  constexpr int64_t kTile = 32 * kCopyPerLane;
-  const int64_t tiles_per_row = (cols + kTile - 1) / kTile, tiles = rows * tiles_per_row;
-  const int lane = threadIdx.x % 32;
-  for (int64_t t = int64_t(blockIdx.x) * kCopyWarps + threadIdx.x / 32; t < tiles; t += int64_t(gridDim.x) * kCopyWarps) {
-    const int64_t r = t / tiles_per_row, c0 = (t - r * tiles_per_row) * kTile + lane;
-    const T* in = src + r * src_ld;
-    T v[kCopyPerLane];
-#pragma unroll
-    for (int u = 0; u < kCopyPerLane; ++u) {
-      const int64_t c = c0 + 32 * u;
-      v[u] = r < src_rows && c < src_cols ? in[c] : T(0);
-    }
-    T* out = dst + r * dst_ld;
-#pragma unroll
-    for (int u = 0; u < kCopyPerLane; ++u)
-      if (c0 + 32 * u < cols) out[c0 + 32 * u] = v[u];
+// the corner of a padded C copied back (dst smaller), and bias rows (src_ld 0: one row for all). ops/copy_matrix.cuh
+// says how the copy is laid over the warps.
+template <typename T> struct ZeroPadded {
+  const T* src;
+  int64_t src_rows, src_cols, src_ld;
+  __device__ T operator()(int64_t r, int64_t c) const {
+    return r < src_rows && c < src_cols ? src[r * src_ld + c] : T(0);
   }
-}
+};
 
 struct MatrixRef {
   const void* data;
@@ -143,12 +124,9 @@ struct MatrixRef {
 
 void copy_matrix(size_t element_size, void* dst, int64_t rows, int64_t cols, int64_t dst_ld, MatrixRef src,
                  cudaStream_t stream) {
-  const int64_t tiles = rows * ((cols + 32 * kCopyPerLane - 1) / (32 * kCopyPerLane));
-  const unsigned blocks = unsigned(std::min<int64_t>((tiles + kCopyWarps - 1) / kCopyWarps, 1 << 20));
   auto launch = [&]<typename T>() {
-    copy_matrix_kernel<T><<<blocks, 32 * kCopyWarps, 0, stream>>>(static_cast<T*>(dst), rows, cols, dst_ld,
-                                                                  static_cast<const T*>(src.data), src.rows, src.cols,
-                                                                  src.ld);
+    launch_copy_matrix(static_cast<T*>(dst), rows, cols, dst_ld,
+                       ZeroPadded<T>{static_cast<const T*>(src.data), src.rows, src.cols, src.ld}, stream);
     HG_CUDA_CHECK_LAUNCH("matmul");
   };
   switch (element_size) {

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <tuple>
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
@@ -143,12 +144,91 @@ TEST_CASE("LanguageModel::loss equals cross_entropy of forward's logits, and its
   CHECK(contains(error_of([&] { lm.loss(randn({5, 3, 7}), targets); }), "LanguageModel::loss: expected features"));
 }
 
-TEST_CASE("cuda: linear_cross_entropy matches the CPU's fused op") {
+namespace {
+
+Problem to_cuda(const Problem& p, DType dtype) {
+  auto leaf_on_gpu = [&](const Tensor& t) { return t.detach().to(dtype).cuda().requires_grad_(true); };
+  return {leaf_on_gpu(p.x), leaf_on_gpu(p.w), leaf_on_gpu(p.b), p.t.cuda()};
+}
+
+}  // namespace
+
+// The CUDA op runs on padded operands (x_p = [x, 1, 0...], w_p = [W, b, 0...], the logits padded to whole 16-byte
+// rows): sizes that are not multiples of the padding check that nothing of the padding leaks into the results.
+TEST_CASE("cuda: linear_cross_entropy matches the CPU's fused op, odd sizes padded, with and without a bias") {
   SKIP_WITHOUT_GPU();
   manual_seed(7);
-  Problem p = problem(40, 16, 900, kFloat64);
-  const Result cpu = run(p, true);
-  Problem g{p.x.detach().cuda().requires_grad_(true), p.w.detach().cuda().requires_grad_(true),
-            p.b.detach().cuda().requires_grad_(true), p.t.cuda()};
-  check_same(run(g, true), cpu, 1e-10);
+  for (auto [n, in, classes] : {std::tuple{40, 16, 900}, {37, 13, 901}, {5, 1, 3}, {70, 650, 3327}}) {
+    CAPTURE(n);
+    CAPTURE(in);
+    CAPTURE(classes);
+    Problem p = problem(n, in, classes, kFloat64);
+    for (bool with_bias : {true, false}) {
+      CAPTURE(with_bias);
+      const Result cpu = run(p, true, -100, with_bias);
+      check_same(run(to_cuda(p, kFloat64), true, -100, with_bias), cpu, 1e-10);
+      check_same(run(to_cuda(p, kFloat32), true, -100, with_bias), cpu, 2e-5);
+    }
+  }
+  SUBCASE("another ignore_index") {
+    Problem q = problem(9, 5, 11, kFloat64, 3);
+    check_same(run(to_cuda(q, kFloat64), true, 3), run(q, true, 3), 1e-12);
+  }
+  SUBCASE("every target ignored: a NaN loss and zero gradients") {
+    Tensor x = randn({3, 5}, {.device = Device::cuda(0)}).requires_grad_(true);
+    Tensor w = randn({7, 5}, {.device = Device::cuda(0)}).requires_grad_(true);
+    Tensor b = randn({7}, {.device = Device::cuda(0)}).requires_grad_(true);
+    Tensor loss = linear_cross_entropy(x, w, b, full({3}, int64_t(-100), {.dtype = kInt64, .device = Device::cuda(0)}));
+    CHECK(std::isnan(loss.item<double>()));
+    loss.backward();
+    CHECK(values(x.grad()) == std::vector<double>(15, 0.0));
+    CHECK(values(w.grad()) == std::vector<double>(35, 0.0));
+    CHECK(values(b.grad()) == std::vector<double>(7, 0.0));
+  }
+  SUBCASE("no graph without gradients: the loss alone") {
+    Problem q = problem(9, 5, 11, kFloat64);
+    const Result cpu = run(q, true);
+    Problem g = to_cuda(q, kFloat64);
+    NoGradGuard no_grad;
+    Tensor loss = linear_cross_entropy(g.x, g.w, g.b, g.t);
+    CHECK_FALSE(loss.requires_grad());
+    check_close(values(loss), cpu.loss, 1e-12);
+  }
+}
+
+// Under autocast (apex O1) the CUDA op casts x, W and b to the half dtype in its padding copies and runs the products
+// there; the softmax and the loss are float32, the gradients come back float32. Against the composition under
+// autocast (half logits, float32 cross entropy) and against float64, within half precision.
+TEST_CASE("cuda: linear_cross_entropy under autocast, and on half inputs, within half precision of float64") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(8);
+  Problem p = problem(60, 45, 2003, kFloat64);
+  const Result exact = run(p, true);
+  for (DType half : {kFloat16, kBFloat16}) {
+    CAPTURE(dtype_name(half));
+    const double tol = half == kFloat16 ? 3e-3 : 2e-2;
+    Problem g = to_cuda(p, kFloat32);
+    {
+      amp::AutocastGuard autocast(half);
+      Tensor loss = linear_cross_entropy(g.x, g.w, g.b, g.t);
+      CHECK(loss.dtype() == kFloat32);
+      Tensor composed = cross_entropy(linear(g.x, g.w, g.b), g.t);
+      check_close(values(loss), values(composed), tol);
+    }
+    Result got;
+    {
+      for (const Tensor& t : {g.x, g.w, g.b}) t.set_grad(Tensor());
+      amp::AutocastGuard autocast(half);
+      Tensor loss = linear_cross_entropy(g.x, g.w, g.b, g.t);
+      loss.mul(3.0).backward();
+      got = {values(loss), values(g.x.grad()), values(g.w.grad()), values(g.b.grad())};
+      CHECK(g.w.grad().dtype() == kFloat32);
+    }
+    check_same(got, exact, tol);
+    // Half inputs outside autocast (O2/O3's half model): the loss and the gradients in the half dtype.
+    Problem h = to_cuda(p, half);
+    const Result pure = run(h, true);
+    CHECK(h.w.grad().dtype() == half);
+    check_same(pure, exact, half == kFloat16 ? 1e-2 : 5e-2);
+  }
 }
