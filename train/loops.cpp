@@ -716,10 +716,12 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     skipped_before += s.skipped_steps;
     // A diverged model does not come back (NaN weights stay NaN): stop now rather than train on to the end and have
     // no best model to test. What the earlier epochs gave stays: the saved best model, the last training checkpoint.
+    // A NaN is named "nan" whatever its sign bit (fmt writes "-nan" for some, and which one a CPU's vector code
+    // produces differs: the GPU machine's AVX-512 host gave "-nan" where this AVX2 one gave "nan").
     HG_CHECK(std::isfinite(s.valid_loss),
              "train-lm: the validation loss after epoch {} is {}: the model diverged (a lower --lr or --clip may "
              "help); stopped. {}",
-             epoch + 1, s.valid_loss,
+             epoch + 1, std::isnan(s.valid_loss) ? std::string("nan") : fmt::format("{}", s.valid_loss),
              !std::isfinite(best_valid) ? std::string("No epoch had a finite validation loss: nothing was saved.")
              : c.checkpoint.empty()
                  ? fmt::format("The best validation perplexity was {:.2f}.", std::exp(best_valid))
