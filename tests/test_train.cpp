@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "halfgrad.h"
 #include "nn/checkpoint.h"
@@ -608,6 +609,80 @@ TEST_CASE("evaluate_classifier and evaluate_language_model: the loops' evaluatio
   CHECK(loss == doctest::Approx(sum / 8));
   CHECK(contains(error_of([&] { train::evaluate_language_model(lm, randint(0, 20, {1, 2}), 3, lm_amp); }),
                  "evaluate_language_model: expected a batchified split [rows >= 2, batch]"));
+}
+
+// The loops' inner parts as functions of their own: a loop written with train_classifier_epoch and
+// train_language_model_epoch (and the steps they take) trains exactly what train_classifier and
+// train_language_model train, epoch after epoch.
+TEST_CASE("train_classifier_epoch and train_language_model_epoch: a loop of one's own trains what the loops train") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 7, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 8, 9);
+  const train::ClassifierConfig c{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .batch_size = 8, .lr = 0.05,
+                                  .workers = 2, .seed = 5};
+  const std::vector<train::EpochStats> want = train::train_classifier(c);
+  REQUIRE(want.size() == 2);
+  {
+    data::ImageLoader loader(data::load_cifar10(dir.path, data::Split::Train), data::ImageTransform::cifar_train(),
+                             {.batch_size = c.batch_size, .shuffle = true, .workers = c.workers, .seed = c.seed});
+    manual_seed(c.seed);
+    std::shared_ptr<nn::Module> model = models::image_classifier(c.model, 10);
+    optim::SGD sgd(model->parameters(), {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay});
+    amp::Amp amp = amp::initialize(*model, sgd, c.opt_level);
+    optim::OneCycleLR schedule(sgd, {.max_lr = {c.lr}, .epochs = c.epochs, .steps_per_epoch = loader.batches_per_epoch(),
+                                     .pct_start = c.pct_start, .div_factor = c.div_factor});
+    int64_t reports = 0;
+    for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+      CAPTURE(epoch);
+      const train::ClassifierEpochSums sums = train::train_classifier_epoch(
+          *model, loader, train::classifier_step(*model, amp), sgd,
+          {.epoch = epoch, .schedule = &schedule, .log_interval = 2},
+          [&](const train::ClassifierProgress& p) { reports += p.epoch == epoch && p.batch % 2 == 0 ? 1 : 100; });
+      CHECK(sums.seen == 35);  // 5 files of 7 images, batches of 8: the last one of 3
+      CHECK(sums.batches == 5);
+      CHECK_FALSE(sums.interrupted);
+      CHECK(sums.loss_sum.item<double>() / double(sums.seen) == want[size_t(epoch)].train_loss);
+      CHECK(sums.correct.item<double>() / double(sums.seen) == want[size_t(epoch)].train_accuracy);
+    }
+    CHECK(reports == 4);  // batches 2 and 4 of each epoch
+    CHECK(schedule.last_step() == 10);
+  }
+
+  std::string text;
+  for (int line = 0; line < 40; ++line) text += " the cat sat on a mat and the dog sat on a log \n";
+  write_splits(dir, text);
+  const train::LanguageModelConfig lm_config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8,
+                                             .num_layers = 2, .dropout = 0.3, .epochs = 2, .batch_size = 4,
+                                             .eval_batch_size = 2, .bptt = 6, .lr = 5, .checkpoint = ""};
+  const train::LanguageModelResult lm_want = train::train_language_model(lm_config);
+  REQUIRE(lm_want.epochs.size() == 2);
+  const data::Corpus corpus = data::load_corpus(dir.path);
+  const Tensor train_data = data::batchify(corpus.train, lm_config.batch_size);
+  manual_seed(lm_config.seed);
+  models::LanguageModel lm(corpus.vocab.size(), {.embedding_size = 8, .hidden_size = 8, .num_layers = 2, .dropout = 0.3});
+  optim::SGD sgd(lm.parameters(), {.lr = lm_config.lr});
+  amp::Amp amp = amp::initialize(lm, sgd, amp::OptLevel::O0);
+  const train::LanguageModelStep step = train::language_model_step(lm, amp, lm_config.clip);
+  double best = std::numeric_limits<double>::infinity();
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    CAPTURE(epoch);
+    const train::LanguageModelEpochSums sums =
+        train::train_language_model_epoch(lm, train_data, step, sgd, {.epoch = epoch, .bptt = lm_config.bptt});
+    CHECK(sums.batches == (train_data.size(0) - 2) / lm_config.bptt + 1);
+    CHECK(sums.tokens == (train_data.size(0) - 1) * lm_config.batch_size);
+    CHECK(sums.state.h.shape() == Shape{2, 4, 8});
+    CHECK(sums.state.c.shape() == Shape{2, 4, 8});  // an LSTM's cells
+    CHECK(sums.total.item<double>() / double(sums.tokens) == lm_want.epochs[size_t(epoch)].train_loss);
+    const double valid = train::evaluate_language_model(lm, data::batchify(corpus.valid, 2), lm_config.bptt, amp);
+    CHECK(valid == lm_want.epochs[size_t(epoch)].valid_loss);
+    if (valid < best) {
+      best = valid;
+    } else {
+      for (optim::ParamGroupRef g : sgd.param_groups()) g.lr /= 4;  // main.py's annealing, as the loop does
+    }
+  }
+  CHECK(contains(error_of([&] { train::train_language_model_epoch(lm, randint(0, 5, {1, 4}), step, sgd); }),
+                 "train_language_model_epoch: expected a batchified split [rows >= 2, batch]"));
 }
 
 TEST_CASE("a checkpoint path that cannot be written is an error before the first epoch, naming the option") {

@@ -221,6 +221,75 @@ Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp
   return {loss.item<double>() / n, correct.item<double>() / n, count};
 }
 
+ClassifierStep classifier_step(nn::Module& model, amp::Amp& amp) {
+  return [&model, &amp](const Tensor& x, const Tensor& y) {
+    Tensor logits = amp.forward(model, x);
+    Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
+    amp.backward(loss);
+    amp.step();
+    amp.zero_grad();
+    NoGradGuard no_grad;
+    return std::pair{loss.detach(), argmax(logits.detach(), 1).eq(y).to(kInt64).sum()};
+  };
+}
+
+ClassifierEpochSums train_classifier_epoch(nn::Module& model, data::ImageLoader& loader, const ClassifierStep& step,
+                                           optim::Optimizer& optimizer, const ClassifierEpochOptions& o,
+                                           const std::function<void(const ClassifierProgress&)>& on_progress) {
+  check_progress_options(o.log_interval, o.progress_seconds);
+  const Device device = o.device;
+  model.train();
+  ClassifierEpochSums sums = o.start;
+  {
+    NoGradGuard no_grad;
+    sums.loss_sum = o.start.loss_sum.defined() ? o.start.loss_sum.to(device).clone() : zeros({}, {.device = device});
+    sums.correct = o.start.correct.defined() ? o.start.correct.to(device).clone()
+                                             : zeros({}, {.dtype = kInt64, .device = device});
+  }
+  sums.interrupted = false;
+  const int64_t batches = loader.batches_per_epoch();
+  // The interval's sums stay on the device too; they are read (a synchronisation) once per report.
+  Tensor interval_loss = zeros({}, {.device = device}), interval_correct = zeros({}, {.dtype = kInt64, .device = device});
+  int64_t interval_seen = 0;
+  ProgressClock clock(o.log_interval, o.progress_seconds, std::chrono::steady_clock::now());
+  for (const data::Batch& batch : loader.epoch(o.epoch, sums.batches)) {
+    auto [x, y] = batch_on(batch, device, o.channels_last);
+    auto [loss, batch_correct] = step(x, y);
+    if (o.schedule) o.schedule->step();
+    NoGradGuard no_grad;
+    sums.loss_sum.add_(loss, double(y.size(0)));
+    sums.correct.add_(batch_correct);
+    sums.seen += y.size(0);
+    ++sums.batches;
+    if (clock.active() && on_progress) {
+      interval_loss.add_(loss, double(y.size(0)));
+      interval_correct.add_(batch_correct);
+      interval_seen += y.size(0);
+      if (const auto due = clock.batch_done(sums.batches); due.report) {
+        const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
+        const double seconds = clock.interval_seconds();
+        on_progress({.epoch = o.epoch, .batch = sums.batches, .batches = batches,
+                     .lr = optimizer.param_groups()[0].lr, .loss = interval_mean,
+                     .accuracy = interval_correct.item<double>() / double(interval_seen),
+                     .images_per_second = double(interval_seen) / seconds,
+                     .eta_seconds = seconds / double(clock.interval_batches()) * double(batches - sums.batches),
+                     .interval_end = due.interval_end});
+        if (due.interval_end) {
+          interval_loss.zero_();
+          interval_correct.zero_();
+          interval_seen = 0;
+        }
+        clock.reported(due.interval_end);
+      }
+    }
+    if (stop_requested()) {
+      sums.interrupted = true;
+      break;
+    }
+  }
+  return sums;
+}
+
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
   check_progress_options(c.log_interval, c.progress_seconds);
@@ -264,35 +333,41 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
         sgd, optim::CosineAnnealingLROptions{.T_max = c.epochs * steps_per_epoch});
   }
 
-  // One step on a batch: its loss (float32, 0-d) and how many of its images were right (int64, 0-d).
-  auto train_step = [&](const Tensor& x, const Tensor& y) {
-    Tensor logits = amp.forward(*model, x);
-    Tensor loss = amp.loss([&] { return cross_entropy(logits, y); });
-    amp.backward(loss);
-    amp.step();
-    amp.zero_grad();
-    NoGradGuard no_grad;
-    return std::pair{loss.detach(), argmax(logits.detach(), 1).eq(y).to(kInt64).sum()};
-  };
+  const ClassifierStep eager_step = classifier_step(*model, amp);
   // --cuda-graph: the step on fixed input buffers, its figures copied into fixed outputs, captured after two eager
-  // calls; the scheduler's lr and momentum reach the replays through SGD (optim/sgd.h).
+  // calls; the scheduler's lr and momentum reach the replays through SGD (optim/sgd.h). A last smaller batch runs
+  // eagerly.
   Tensor graph_x, graph_y, graph_loss, graph_correct;
   std::unique_ptr<cuda::CapturedStep> captured;
   if (c.cuda_graph) {
     graph_loss = zeros({}, {.device = c.device});
     graph_correct = zeros({}, {.dtype = kInt64, .device = c.device});
     captured = std::make_unique<cuda::CapturedStep>(c.device, [&] {
-      auto [loss, batch_correct] = train_step(graph_x, graph_y);
+      auto [loss, batch_correct] = eager_step(graph_x, graph_y);
       NoGradGuard no_grad;
       graph_loss.copy_(loss);
       graph_correct.copy_(batch_correct);
     }, 2);
   }
+  const ClassifierStep step_of_run = !captured ? eager_step : ClassifierStep([&](const Tensor& x, const Tensor& y) {
+    if (y.size(0) != c.batch_size) return eager_step(x, y);
+    {
+      NoGradGuard no_grad;  // only for the copies: the step itself records its graph for backward
+      if (!graph_x.defined()) {  // buffers of the batch's layout, channels_last or not
+        graph_x = c.channels_last ? contiguous_channels_last(x.clone()) : x.clone();
+        graph_y = y.clone();
+      } else {
+        graph_x.copy_(x);
+        graph_y.copy_(y);
+      }
+    }
+    (*captured)();
+    return std::pair{graph_loss, graph_correct};
+  });
   std::vector<EpochStats> all;
   int64_t step = 0, first_epoch = 0;
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its batches and sums so far.
-  int64_t resumed_batches = 0, resumed_seen = 0;
-  Tensor resumed_loss_sum, resumed_correct;
+  ClassifierEpochSums resumed;
   if (!c.resume.empty()) {
     const nn::TrainingCheckpoint ck = resume_training(c.resume, classifier_run(c), c.epochs,
                                                       "train-classifier --train-checkpoint", *model, sgd, amp);
@@ -300,102 +375,38 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     step = ck.step;
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
-      resumed_batches = metadata_count(ck, "batch", c.resume);
-      resumed_seen = metadata_count(ck, "seen", c.resume);
-      resumed_loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
-      resumed_correct = named(ck.extra, "epoch.correct", c.resume).to(c.device);
+      resumed.batches = metadata_count(ck, "batch", c.resume);
+      resumed.seen = metadata_count(ck, "seen", c.resume);
+      resumed.loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
+      resumed.correct = named(ck.extra, "epoch.correct", c.resume).to(c.device);
     }
   }
   int64_t skipped_before = amp.scaler().skipped_steps();
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
-    model->train();
     const auto t0 = std::chrono::steady_clock::now();
-    // Sums stay on the device until the epoch ends: no host synchronisation per step.
-    Tensor loss_sum = zeros({}, {.device = c.device}), correct = zeros({}, {.dtype = kInt64, .device = c.device});
-    int64_t seen = 0, batches_done = 0;
-    if (epoch == first_epoch && resumed_batches > 0) {
-      loss_sum.copy_(resumed_loss_sum);
-      correct.copy_(resumed_correct);
-      seen = resumed_seen;
-      batches_done = resumed_batches;
-    }
-    const int64_t seen_before = seen;
-    bool interrupted = false;
-    // The interval's sums stay on the device too; they are read (a synchronisation) once per interval.
-    Tensor interval_loss = zeros({}, {.device = c.device}),
-           interval_correct = zeros({}, {.dtype = kInt64, .device = c.device});
-    int64_t interval_seen = 0;
-    ProgressClock clock(c.log_interval, c.progress_seconds, t0);
-    for (const data::Batch& batch : train_loader.epoch(epoch, batches_done)) {
-      auto [x, y] = batch_on(batch, c.device, c.channels_last);
-      Tensor loss, batch_correct;
-      if (captured && y.size(0) == c.batch_size) {
-        {
-          NoGradGuard no_grad;  // only for the copies: the step itself records its graph for backward
-          if (!graph_x.defined()) {  // buffers of the batch's layout, channels_last or not
-            graph_x = c.channels_last ? contiguous_channels_last(x.clone()) : x.clone();
-            graph_y = y.clone();
-          } else {
-            graph_x.copy_(x);
-            graph_y.copy_(y);
-          }
-        }
-        (*captured)();
-        loss = graph_loss;
-        batch_correct = graph_correct;
-      } else {
-        std::tie(loss, batch_correct) = train_step(x, y);
-      }
-      if (schedule) schedule->step();
-      ++step;
-      NoGradGuard no_grad;
-      loss_sum.add_(loss.detach(), double(y.size(0)));
-      correct.add_(batch_correct);
-      seen += y.size(0);
-      ++batches_done;
-      if (clock.active() && on_progress) {
-        interval_loss.add_(loss.detach(), double(y.size(0)));
-        interval_correct.add_(batch_correct);
-        interval_seen += y.size(0);
-        if (const auto due = clock.batch_done(batches_done); due.report) {
-          const double interval_mean = interval_loss.item<double>() / double(interval_seen);  // synchronizes
-          const double seconds = clock.interval_seconds();
-          on_progress({.epoch = epoch, .batch = batches_done, .batches = steps_per_epoch,
-                       .lr = sgd.param_groups()[0].lr, .loss = interval_mean,
-                       .accuracy = interval_correct.item<double>() / double(interval_seen),
-                       .images_per_second = double(interval_seen) / seconds,
-                       .eta_seconds = seconds / double(clock.interval_batches()) * double(steps_per_epoch - batches_done),
-                       .interval_end = due.interval_end});
-          if (due.interval_end) {
-            interval_loss.zero_();
-            interval_correct.zero_();
-            interval_seen = 0;
-          }
-          clock.reported(due.interval_end);
-        }
-      }
-      if (stop_requested()) {
-        interrupted = true;
-        break;
-      }
-    }
-    if (interrupted) {  // the step is done: keep where the epoch is, for --resume
+    ClassifierEpochOptions options{.epoch = epoch, .device = c.device, .channels_last = c.channels_last,
+                                   .schedule = schedule.get(), .log_interval = c.log_interval,
+                                   .progress_seconds = c.progress_seconds};
+    if (epoch == first_epoch && resumed.batches > 0) options.start = resumed;
+    const ClassifierEpochSums sums = train_classifier_epoch(*model, train_loader, step_of_run, sgd, options, on_progress);
+    step += sums.batches - options.start.batches;
+    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume
       if (!c.train_checkpoint.empty()) {
         Metadata metadata = classifier_run(c);
-        metadata["batch"] = std::to_string(batches_done);
-        metadata["seen"] = std::to_string(seen);
+        metadata["batch"] = std::to_string(sums.batches);
+        metadata["seen"] = std::to_string(sums.seen);
         write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch, step, metadata,
-                                  {{"epoch.loss_sum", loss_sum}, {"epoch.correct", correct}});
+                                  {{"epoch.loss_sum", sums.loss_sum}, {"epoch.correct", sums.correct}});
       }
       return all;
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.images_per_second = double(seen - seen_before) / s.seconds;
-    s.train_loss = loss_sum.item<double>() / double(seen);
-    s.train_accuracy = correct.item<double>() / double(seen);
+    s.images_per_second = double(sums.seen - options.start.seen) / s.seconds;
+    s.train_loss = sums.loss_sum.item<double>() / double(sums.seen);
+    s.train_accuracy = sums.correct.item<double>() / double(sums.seen);
 
     const Evaluation test = evaluate_classifier(*model, test_loader, amp, c.device, c.channels_last);
     s.test_loss = test.loss;
@@ -518,6 +529,73 @@ double evaluate_language_model(models::LanguageModel& model, const Tensor& sourc
   return total.item<double>() / double(source.size(0) - 1);
 }
 
+LanguageModelStep language_model_step(models::LanguageModel& model, amp::Amp& amp, double clip) {
+  return [&model, &amp, clip](const Tensor& input, const Tensor& target, RecurrentState& state) {
+    // Truncated backpropagation through time: the state goes on, its history does not.
+    const Tensor h0 = state.h.defined() ? state.h.detach() : Tensor(), c0 = state.c.defined() ? state.c.detach() : Tensor();
+    auto out = amp.run([&] { return model.features(input, h0, c0); });
+    Tensor loss = amp.loss([&] { return model.loss(out.features, target); });
+    amp.backward(loss);
+    amp.clip_grad_norm_(clip);
+    amp.step();
+    amp.zero_grad();
+    state = {out.h.detach(), out.c.defined() ? out.c.detach() : Tensor()};
+    return loss.detach();
+  };
+}
+
+LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, const Tensor& train_data,
+                                                  const LanguageModelStep& step, optim::Optimizer& optimizer,
+                                                  const LanguageModelEpochOptions& o,
+                                                  const std::function<void(const LanguageModelProgress&)>& on_progress) {
+  HG_CHECK(train_data.dim() == 2 && train_data.size(0) >= 2 && o.bptt >= 1,
+           "train_language_model_epoch: expected a batchified split [rows >= 2, batch] and bptt >= 1, got {} and {}",
+           train_data.meta(), o.bptt);
+  check_progress_options(o.log_interval, o.progress_seconds);
+  const Device device = train_data.device();
+  model.train();
+  LanguageModelEpochSums sums = o.start;
+  sums.interrupted = false;
+  {
+    NoGradGuard no_grad;
+    sums.total = o.start.total.defined() ? o.start.total.to(device).clone() : zeros({}, {.device = device});
+  }
+  const int64_t skip = sums.batches, batches = (train_data.size(0) - 2) / o.bptt + 1;
+  const double lr = optimizer.param_groups()[0].lr;
+  int64_t window = 0;
+  // The interval's loss stays on the device; it is read (a synchronisation) once per report.
+  Tensor interval_total = zeros({}, {.device = device});
+  int64_t interval_tokens = 0;
+  ProgressClock clock(o.log_interval, o.progress_seconds, std::chrono::steady_clock::now());
+  for_each_window(train_data, o.bptt, [&](const data::TextBatch& b) {
+    if (sums.interrupted || window++ < skip || (o.dry_run && sums.batches == 1)) return;
+    const Tensor loss = step(b.input, b.target, sums.state);
+    NoGradGuard no_grad;
+    sums.total.add_(loss, double(b.target.numel()));
+    sums.tokens += b.target.numel();
+    ++sums.batches;
+    if (clock.active() && on_progress) {
+      interval_total.add_(loss, double(b.target.numel()));
+      interval_tokens += b.target.numel();
+      if (const auto due = clock.batch_done(sums.batches); due.report) {
+        const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
+        const double seconds = clock.interval_seconds();
+        const double per_batch = seconds / double(clock.interval_batches());
+        on_progress({.epoch = o.epoch, .batch = sums.batches, .batches = batches, .lr = lr, .loss = interval_loss,
+                     .ms_per_batch = 1e3 * per_batch, .tokens_per_second = double(interval_tokens) / seconds,
+                     .eta_seconds = per_batch * double(batches - sums.batches), .interval_end = due.interval_end});
+        if (due.interval_end) {
+          interval_total.zero_();
+          interval_tokens = 0;
+        }
+        clock.reported(due.interval_end);
+      }
+    }
+    sums.interrupted = stop_requested();
+  });
+  return sums;
+}
+
 LanguageModelResult train_language_model(const LanguageModelConfig& c,
                                          const std::function<void(const LanguageModelEpochStats&)>& on_epoch,
                                          const std::function<void(const LanguageModelProgress&)>& on_progress) {
@@ -561,8 +639,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   int64_t first_epoch = 0;
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its windows, loss sum and tokens so
   // far, and the recurrent state carried into the next window.
-  int64_t resumed_batches = 0, resumed_tokens = 0;
-  Tensor resumed_total, resumed_h, resumed_cell;
+  LanguageModelEpochSums resumed;
   if (!c.resume.empty()) {
     const nn::TrainingCheckpoint ck = resume_training(c.resume, language_model_run(c), c.epochs,
                                                       "train-lm --train-checkpoint", model, sgd, amp);
@@ -574,11 +651,11 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     }
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
-      resumed_batches = metadata_count(ck, "batch", c.resume);
-      resumed_tokens = metadata_count(ck, "tokens", c.resume);
-      resumed_total = named(ck.extra, "epoch.total", c.resume).to(c.device);
-      resumed_h = named(ck.extra, "state.h", c.resume).to(c.device);
-      if (kind == nn::RecurrentKind::LSTM) resumed_cell = named(ck.extra, "state.c", c.resume).to(c.device);
+      resumed.batches = metadata_count(ck, "batch", c.resume);
+      resumed.tokens = metadata_count(ck, "tokens", c.resume);
+      resumed.total = named(ck.extra, "epoch.total", c.resume).to(c.device);
+      resumed.state.h = named(ck.extra, "state.h", c.resume).to(c.device);
+      if (kind == nn::RecurrentKind::LSTM) resumed.state.c = named(ck.extra, "state.c", c.resume).to(c.device);
     }
   }
   // A training checkpoint whose run continues with `epoch`: from its start, or, for an interrupted epoch, from where
@@ -593,30 +670,17 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     write_training_checkpoint(c.train_checkpoint, model, sgd, amp, epoch, 0, std::move(metadata), extra);
   };
   int64_t skipped_before = amp.scaler().skipped_steps();
-  // The recurrent state carried from window to window. Under --cuda-graph it lives in place (zeros at each epoch's
-  // start), with the window and the loss, in tensors the captured step reads and writes; full-length windows replay
-  // the step, the last, shorter one runs it eagerly on the same state.
-  Tensor h, cell;
-  Tensor window_input, window_target, window_loss;
-  auto train_step = [&](const Tensor& input, const Tensor& target) {
-    if (!c.cuda_graph) {  // truncated BPTT: the state goes on, its history does not
-      if (h.defined()) h = h.detach();
-      if (cell.defined()) cell = cell.detach();
-    }
-    auto out = amp.run([&] { return model.features(input, h, cell); });
-    Tensor loss = amp.loss([&] { return model.loss(out.features, target); });
-    amp.backward(loss);
-    amp.clip_grad_norm_(c.clip);
-    amp.step();
-    amp.zero_grad();
+  const LanguageModelStep eager_step = language_model_step(model, amp, c.clip);
+  // --cuda-graph: the recurrent state lives in place (zeros at each epoch's start), with the window and the loss, in
+  // tensors the captured step reads and writes; full-length windows replay the step, the last, shorter one runs it
+  // eagerly on the same state.
+  Tensor h, cell, window_input, window_target, window_loss;
+  auto step_in_place = [&](const Tensor& input, const Tensor& target) {
+    RecurrentState next{h, cell};
+    Tensor loss = eager_step(input, target, next);
     NoGradGuard no_grad;
-    if (!c.cuda_graph) {
-      h = out.h;
-      cell = out.c;
-      return loss.detach();
-    }
-    h.copy_(out.h);
-    if (cell.defined()) cell.copy_(out.c);
+    h.copy_(next.h);
+    if (cell.defined()) cell.copy_(next.c);
     window_loss.copy_(loss);
     return window_loss;
   };
@@ -628,87 +692,45 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     window_loss = zeros({}, {.device = c.device});
     h = zeros({c.num_layers, batch_size, c.hidden_size}, {.device = c.device});
     if (kind == nn::RecurrentKind::LSTM) cell = zeros({c.num_layers, batch_size, c.hidden_size}, {.device = c.device});
-    captured = std::make_unique<cuda::CapturedStep>(c.device, [&] { train_step(window_input, window_target); }, 2);
+    captured = std::make_unique<cuda::CapturedStep>(c.device, [&] { step_in_place(window_input, window_target); }, 2);
   }
+  const LanguageModelStep step_of_run =
+      !captured ? eager_step : LanguageModelStep([&](const Tensor& input, const Tensor& target, RecurrentState&) {
+        if (input.size(0) != c.bptt) return step_in_place(input, target);
+        window_input.copy_(input);
+        window_target.copy_(target);
+        (*captured)();
+        return window_loss;
+      });
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
-    model.train();
     const auto t0 = std::chrono::steady_clock::now();
-    Tensor total = zeros({}, {.device = c.device});
-    if (c.cuda_graph) {
-      h.zero_();
-      if (cell.defined()) cell.zero_();
-    } else {
-      h = cell = Tensor();
-    }
-    int64_t tokens = 0, batch = 0;
-    if (epoch == first_epoch && resumed_batches > 0) {
-      total.copy_(resumed_total);
-      tokens = resumed_tokens;
-      batch = resumed_batches;
-      if (c.cuda_graph) {
-        h.copy_(resumed_h);
-        if (cell.defined()) cell.copy_(resumed_cell);
-      } else {
-        h = resumed_h;
-        cell = resumed_cell;
-      }
-    }
-    const int64_t skip = batch, tokens_before = tokens;
-    int64_t window = 0;
-    bool interrupted = false;
-    // The interval's loss stays on the device; it is read (a synchronisation) once per interval.
-    const int64_t batches = (train_data.size(0) - 2) / c.bptt + 1;
-    Tensor interval_total = zeros({}, {.device = c.device});
-    int64_t interval_tokens = 0;
-    ProgressClock clock(c.log_interval, c.progress_seconds, t0);
-    for_each_window(train_data, c.bptt, [&](const data::TextBatch& b) {
-      if (interrupted || window++ < skip || (c.dry_run && batch == 1)) return;
-      Tensor loss;
-      if (captured && b.input.size(0) == c.bptt) {
-        window_input.copy_(b.input);
-        window_target.copy_(b.target);
-        (*captured)();
-        loss = window_loss;
-      } else {
-        loss = train_step(b.input, b.target);
-      }
+    LanguageModelEpochOptions options{.epoch = epoch, .bptt = c.bptt, .log_interval = c.log_interval,
+                                      .progress_seconds = c.progress_seconds, .dry_run = c.dry_run};
+    const bool resuming = epoch == first_epoch && resumed.batches > 0;
+    if (resuming) options.start = resumed;
+    if (c.cuda_graph) {  // the state in its buffers, from zeros or from where the interrupted epoch stopped
       NoGradGuard no_grad;
-      total.add_(loss, double(b.target.numel()));
-      tokens += b.target.numel();
-      ++batch;
-      if (clock.active() && on_progress) {
-        interval_total.add_(loss, double(b.target.numel()));
-        interval_tokens += b.target.numel();
-        if (const auto due = clock.batch_done(batch); due.report) {
-          const double interval_loss = interval_total.item<double>() / double(interval_tokens);  // synchronizes
-          const double seconds = clock.interval_seconds();
-          const double per_batch = seconds / double(clock.interval_batches());
-          on_progress({.epoch = epoch, .batch = batch, .batches = batches, .lr = lr, .loss = interval_loss,
-                       .ms_per_batch = 1e3 * per_batch, .tokens_per_second = double(interval_tokens) / seconds,
-                       .eta_seconds = per_batch * double(batches - batch), .interval_end = due.interval_end});
-          if (due.interval_end) {
-            interval_total.zero_();
-            interval_tokens = 0;
-          }
-          clock.reported(due.interval_end);
-        }
-      }
-      interrupted = stop_requested();
-    });
-    if (interrupted) {  // the step is done: keep where the epoch is, for --resume
+      resuming ? h.copy_(resumed.state.h) : h.zero_();
+      if (cell.defined()) resuming ? cell.copy_(resumed.state.c) : cell.zero_();
+      options.start.state = {h, cell};
+    }
+    const LanguageModelEpochSums sums =
+        train_language_model_epoch(model, train_data, step_of_run, sgd, options, on_progress);
+    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume
       if (!c.train_checkpoint.empty()) {
-        NamedTensors in_epoch{{"epoch.total", total}, {"state.h", h.detach()}};
-        if (cell.defined()) in_epoch.emplace_back("state.c", cell.detach());
-        save_training(epoch, in_epoch, {{"batch", std::to_string(batch)}, {"tokens", std::to_string(tokens)}});
+        NamedTensors in_epoch{{"epoch.total", sums.total}, {"state.h", sums.state.h.detach()}};
+        if (sums.state.c.defined()) in_epoch.emplace_back("state.c", sums.state.c.detach());
+        save_training(epoch, in_epoch,
+                      {{"batch", std::to_string(sums.batches)}, {"tokens", std::to_string(sums.tokens)}});
       }
       return result;
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.tokens_per_second = double(tokens - tokens_before) / s.seconds;
-    s.train_loss = total.item<double>() / double(tokens);
+    s.tokens_per_second = double(sums.tokens - options.start.tokens) / s.seconds;
+    s.train_loss = sums.total.item<double>() / double(sums.tokens);
     s.valid_loss = evaluate(valid_data);
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/device.h"
@@ -23,6 +24,7 @@
 #include "data/loader.h"
 #include "models/language_model.h"
 #include "optim/amp.h"
+#include "optim/scheduler.h"
 
 namespace halfgrad::train {
 
@@ -50,6 +52,101 @@ Evaluation evaluate_classifier(nn::Module& model, data::ImageLoader& loader, amp
 // [rows, batch] on the model's device), in windows of bptt rows with the recurrent state carried from window to
 // window; eval mode (left so), no gradients, the level's forward.
 double evaluate_language_model(models::LanguageModel& model, const Tensor& source, int64_t bptt, amp::Amp& amp);
+
+// ---- One epoch's training: what train_classifier and train_language_model run for each epoch, for a loop of one's
+// own that wants their steps, sums and progress reports but decides itself what happens between epochs.
+
+// How far an epoch is, every log_interval batches (and every progress_seconds in between).
+struct ClassifierProgress {
+  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
+  double lr = 0;                               // the first parameter group's, after the batch's scheduler step
+  double loss = 0, accuracy = 0;               // over the interval's training batches (so far)
+  double images_per_second = 0;                // over the interval, synchronized
+  double eta_seconds = 0;                      // the epoch's remaining batches at the interval's rate
+  bool interval_end = true;                    // false: a report within the interval (progress_seconds)
+};
+
+// A classifier's training step on one batch: the level's forward (amp.forward), the cross entropy under amp.loss,
+// backward, the optimizer's step (loss scaling and all: amp.step) and zero_grad. Returns the batch's loss (0-d
+// float32) and how many of its images the model classified right (0-d int64), both on the batch's device.
+using ClassifierStep = std::function<std::pair<Tensor, Tensor>(const Tensor& images, const Tensor& labels)>;
+ClassifierStep classifier_step(nn::Module& model, amp::Amp& amp);
+
+// A classifier epoch's sums, on the device until read: the loss summed over its images, the images classified right,
+// the images and batches done, and whether it stopped early (stop_requested(), after the step under way).
+struct ClassifierEpochSums {
+  Tensor loss_sum, correct;
+  int64_t seen = 0, batches = 0;
+  bool interrupted = false;
+};
+
+struct ClassifierEpochOptions {
+  int64_t epoch = 0;                       // the loader's epoch (its shuffle and augmentation) and the reports'
+  Device device = Device::cpu();           // where each batch goes
+  bool channels_last = false;              // each batch's images made channels_last
+  optim::LRScheduler* schedule = nullptr;  // stepped after every batch (none: the lr stays)
+  ClassifierEpochSums start{};             // a resumed epoch's sums so far: its first `batches` batches are skipped
+  int64_t log_interval = 0;                // on_progress after every this many batches (0: never)
+  double progress_seconds = 0;             // also on_progress mid-interval once this long has passed (0: never)
+};
+
+// One pass of `loader` in train mode, `step` per batch, then the schedule's step. No host synchronisation per batch:
+// the sums stay on the device (a progress report reads its interval's, once). `optimizer`: the one the step updates,
+// whose first group's lr the reports carry.
+ClassifierEpochSums train_classifier_epoch(nn::Module& model, data::ImageLoader& loader, const ClassifierStep& step,
+                                           optim::Optimizer& optimizer, const ClassifierEpochOptions& options = {},
+                                           const std::function<void(const ClassifierProgress&)>& on_progress = {});
+
+// What main.py prints every --log-interval batches, and how far the epoch is.
+struct LanguageModelProgress {
+  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
+  double lr = 0;
+  double loss = 0;              // mean cross-entropy per token over the interval's batches (perplexity = exp)
+  double ms_per_batch = 0;      // over the interval, synchronized
+  double tokens_per_second = 0;  // over the interval
+  double eta_seconds = 0;        // the epoch's remaining batches at the interval's rate
+  bool interval_end = true;      // false: a report within the interval (progress_seconds), its figures so far
+};
+
+// The recurrent state a language model carries from window to window (c: the LSTM's cells, else undefined; both
+// undefined: zeros).
+struct RecurrentState {
+  Tensor h, c;
+};
+
+// A language model's training step on one window (truncated backpropagation through time, as main.py's train()):
+// the forward from `state` (its history cut off), the loss under amp.loss, backward, clip_grad_norm at `clip`, the
+// optimizer's step, zero_grad; `state` becomes the window's last state. Returns the window's mean loss (0-d float32).
+using LanguageModelStep =
+    std::function<Tensor(const Tensor& input, const Tensor& target, RecurrentState& state)>;
+LanguageModelStep language_model_step(models::LanguageModel& model, amp::Amp& amp, double clip);
+
+// A language-model epoch's sums: the loss summed over its tokens (0-d, on the device), the tokens and windows done,
+// the state carried out of the last window, whether it stopped early (stop_requested()).
+struct LanguageModelEpochSums {
+  Tensor total;
+  int64_t tokens = 0, batches = 0;
+  RecurrentState state{};
+  bool interrupted = false;
+};
+
+struct LanguageModelEpochOptions {
+  int64_t epoch = 0;               // for the reports
+  int64_t bptt = 35;               // the windows' rows
+  LanguageModelEpochSums start{};  // where the epoch starts: its state (zeros at an epoch's start) and, resumed, its
+                                   // sums so far (its first `batches` windows are skipped)
+  int64_t log_interval = 0;        // on_progress after every this many windows (0: never)
+  double progress_seconds = 0;     // also on_progress mid-interval once this long has passed (0: never)
+  bool dry_run = false;            // one window only, as main.py's --dry-run
+};
+
+// One pass over a batchified training split ([rows, batch], data::batchify, on the model's device) in windows of
+// bptt rows in train mode, `step` per window, the state carried from each window into the next. `optimizer`: the one
+// the step updates, whose first group's lr the reports carry.
+LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, const Tensor& train_data,
+                                                  const LanguageModelStep& step, optim::Optimizer& optimizer,
+                                                  const LanguageModelEpochOptions& options = {},
+                                                  const std::function<void(const LanguageModelProgress&)>& on_progress = {});
 
 struct ClassifierConfig {
   std::string model = "resnet18";  // resnet18/34/50/101/152, vgg11/13/16/19
@@ -85,16 +182,6 @@ struct ClassifierConfig {
   // CUDA: the training step captured once as a CUDA graph (after two eager steps) and replayed, the batch copied into
   // its input buffers first; a last batch smaller than batch_size runs eagerly (core/cuda_graph.h).
   bool cuda_graph = false;
-};
-
-// How far an epoch is, every log_interval batches (and every progress_seconds in between).
-struct ClassifierProgress {
-  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
-  double lr = 0;                               // the first parameter group's, after the batch's scheduler step
-  double loss = 0, accuracy = 0;               // over the interval's training batches (so far)
-  double images_per_second = 0;                // over the interval, synchronized
-  double eta_seconds = 0;                      // the epoch's remaining batches at the interval's rate
-  bool interval_end = true;                    // false: a report within the interval (progress_seconds)
 };
 
 struct EpochStats {
@@ -171,17 +258,6 @@ struct LanguageModelConfig {
   double progress_seconds = 0;  // also on_progress mid-interval once this long has passed since the last (0: never)
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
   bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
-};
-
-// What main.py prints every --log-interval batches, and how far the epoch is.
-struct LanguageModelProgress {
-  int64_t epoch = 0, batch = 0, batches = 0;  // `batch` batches of the epoch's `batches` are done
-  double lr = 0;
-  double loss = 0;              // mean cross-entropy per token over the interval's batches (perplexity = exp)
-  double ms_per_batch = 0;      // over the interval, synchronized
-  double tokens_per_second = 0;  // over the interval
-  double eta_seconds = 0;        // the epoch's remaining batches at the interval's rate
-  bool interval_end = true;      // false: a report within the interval (progress_seconds), its figures so far
 };
 
 struct LanguageModelEpochStats {
