@@ -30,6 +30,11 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   HG_CHECK(options.backoff_factor > 0 && options.backoff_factor < 1, "GradScaler: backoff_factor must be in (0, 1), got {}",
            options.backoff_factor);
   HG_CHECK(options.growth_interval > 0, "GradScaler: growth_interval must be positive, got {}", options.growth_interval);
+  check_scale(options.min_scale, " (min_scale)");
+  check_scale(options.max_scale, " (max_scale)");
+  HG_CHECK(options.min_scale <= options.init_scale && options.init_scale <= options.max_scale,
+           "GradScaler: init_scale {} outside [min_scale {}, max_scale {}]", options.init_scale, options.min_scale,
+           options.max_scale);
   pending_.scale = options.init_scale;
 }
 
@@ -149,10 +154,13 @@ void GradScaler::update() {
                                           .found_inf = overflow,
                                           .growth_factor = options_.growth_factor,
                                           .backoff_factor = options_.backoff_factor,
+                                          .min_scale = options_.min_scale,
+                                          .max_scale = options_.max_scale,
                                           .growth_interval = options_.growth_interval,
                                           .dynamic = options_.dynamic});
     ++updates_;
     check_for_diagnosis(overflow);
+    check_floor();
   }
   per_optimizer_.clear();
   loss_was_finite_.clear();
@@ -170,6 +178,18 @@ void GradScaler::check_for_diagnosis(const Tensor& overflow) {
     diagnose_overflow();
     watching_ = false;
   }
+}
+
+// Every kDiagnosisInterval updates, as the diagnosis: a dynamic scale that reached its floor is said once.
+void GradScaler::check_floor() {
+  if (!floor_warning_.empty() || !options_.dynamic || cuda::is_capturing(scale_.device()) ||
+      updates_ % kDiagnosisInterval != 1 % kDiagnosisInterval || scale_.item<float>() > float(options_.min_scale))
+    return;
+  floor_warning_ = fmt::format(
+      "GradScaler: the loss scale reached its floor, min_scale {}: gradients overflow even with the loss scaled that "
+      "far down, and those steps are skipped (the model has most likely diverged: a lower lr, gradient clipping, or "
+      "float32 for the overflowing ops may help)", options_.min_scale);
+  logger().warn(floor_warning_);
 }
 
 double GradScaler::get_scale() const { return scale_.defined() ? double(scale_.item<float>()) : pending_.scale; }
@@ -283,19 +303,9 @@ void unscale_cpu(const TensorList& grads, const Tensor& scale, const Tensor& fou
 
 // As the CUDA kernel (grad_scaler.cu), in float32.
 void update_scale_cpu(const UpdateScaleArgs& a) {
-  float& scale = *a.scale.data<float>();
-  int32_t& tracker = *a.growth_tracker.data<int32_t>();
-  if (*a.found_inf.data<float>() != 0) {
-    ++*a.skipped.data<int64_t>();
-    if (a.dynamic) {
-      scale *= float(a.backoff_factor);
-      tracker = 0;
-    }
-  } else if (a.dynamic && ++tracker == a.growth_interval) {
-    const float grown = scale * float(a.growth_factor);
-    if (std::isfinite(grown)) scale = grown;
-    tracker = 0;
-  }
+  update_scale_rule(*a.scale.data<float>(), *a.growth_tracker.data<int32_t>(), *a.skipped.data<int64_t>(),
+                    *a.found_inf.data<float>() != 0, float(a.growth_factor), float(a.backoff_factor),
+                    float(a.min_scale), float(a.max_scale), a.growth_interval, a.dynamic);
   for (const Tensor* t : {&a.scale, &a.growth_tracker, &a.skipped}) t->storage()->bump_version();
 }
 }  // namespace

@@ -38,27 +38,18 @@ void unscale_cuda(const TensorList& grads, const Tensor& scale, const Tensor& fo
   });
 }
 
-// One thread: the same arithmetic as update_scale_cpu (grad_scaler.cpp).
 __global__ void update_scale(float* scale, int32_t* tracker, int64_t* skipped, const float* found_inf, float growth,
-                             float backoff, int64_t interval, bool dynamic) {
-  if (*found_inf != 0) {
-    ++*skipped;
-    if (dynamic) {
-      *scale *= backoff;
-      *tracker = 0;
-    }
-  } else if (dynamic && ++*tracker == interval) {
-    const float grown = *scale * growth;
-    if (isfinite(grown)) *scale = grown;
-    *tracker = 0;
-  }
+                             float backoff, float min_scale, float max_scale, int64_t interval, bool dynamic) {
+  update_scale_rule(*scale, *tracker, *skipped, *found_inf != 0, growth, backoff, min_scale, max_scale, interval,
+                    dynamic);
 }
 
 void update_scale_cuda(const UpdateScaleArgs& a) {
   cuda::DeviceGuard guard(a.scale.device());
   update_scale<<<1, 1, 0, cuda::current_stream(a.scale.device())>>>(
       a.scale.data<float>(), a.growth_tracker.data<int32_t>(), a.skipped.data<int64_t>(), a.found_inf.data<float>(),
-      float(a.growth_factor), float(a.backoff_factor), a.growth_interval, a.dynamic);
+      float(a.growth_factor), float(a.backoff_factor), float(a.min_scale), float(a.max_scale), a.growth_interval,
+      a.dynamic);
   HG_CUDA_CHECK_LAUNCH("update_scale");
   for (const Tensor* t : {&a.scale, &a.growth_tracker, &a.skipped}) t->storage()->bump_version();
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/dispatch.h"
+#include "core/half.h"  // HG_HOST_DEVICE
 #include "core/tensor.h"
 #include "optim/optimizer.h"
 
@@ -34,6 +35,13 @@ struct GradScalerOptions {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
+  // The floor and the ceiling of a dynamic scale. Without a floor, ~150 overflowing steps in a row take the scale
+  // below float32's smallest normal number, 1/scale overflows, and every later step is skipped however clean (the
+  // scaler wedges); at the floor overflowing steps are still skipped, and the scaler warns once (at its next periodic
+  // check, within 100 updates). Both leave a run that never gets near them as PyTorch's GradScaler (which has neither)
+  // runs it; a grown scale that is not finite in float32 is not taken either, as PyTorch's.
+  double min_scale = 0x1p-24;  // float16's smallest subnormal: a scale this low means gradients overflow unscaled
+  double max_scale = 3.4028234663852886e38;  // float32's largest finite value
   bool dynamic = true;  // false: a static scale that never changes (overflowing steps are still skipped)
   bool enabled = true;  // false: every call passes through, as for float32 training
   // Below this scale the scaler warns once, naming the first parameter whose gradient overflowed.
@@ -85,6 +93,8 @@ class GradScaler {
   void set_parameter_names(std::vector<std::pair<std::string, Tensor>> named);
   // The overflow diagnosis, once the scale fell below warn_below_scale (also logged as a warning).
   const std::string& diagnosis() const { return diagnosis_; }
+  // The warning given once the scale was seen at min_scale (empty before), also logged.
+  const std::string& floor_warning() const { return floor_warning_; }
 
  private:
   struct PerOptimizer {
@@ -100,6 +110,7 @@ class GradScaler {
   // 1 (float32, 0-d, on the state's device) when any gradient unscaled for `p` overflowed, else 0.
   Tensor found_inf(const PerOptimizer& p) const;
   void check_for_diagnosis(const Tensor& overflow);
+  void check_floor();
   void diagnose_overflow();
 
   GradScalerOptions options_;
@@ -114,6 +125,7 @@ class GradScaler {
   std::vector<std::pair<std::string, Tensor>> names_;
   TensorList last_parameters_;
   std::string diagnosis_;
+  std::string floor_warning_;
 };
 
 // The fused pass behind unscale_: for each gradient g (all of one dtype and device), g *= 1 / scale (scale: the
@@ -127,10 +139,28 @@ extern KernelTable<UnscaleKernel> unscale_kernel;
 // growth_interval, scale *= growth_factor (unless that is not finite in float32) and growth_tracker = 0.
 struct UpdateScaleArgs {
   Tensor scale, growth_tracker, skipped, found_inf;
-  double growth_factor, backoff_factor;
+  double growth_factor, backoff_factor, min_scale, max_scale;
   int64_t growth_interval;
   bool dynamic;
 };
+
+// The update both kernels run (one thread on CUDA), in float32 as the scale is.
+HG_HOST_DEVICE inline void update_scale_rule(float& scale, int32_t& tracker, int64_t& skipped, bool found_inf,
+                                             float growth_factor, float backoff_factor, float min_scale,
+                                             float max_scale, int64_t growth_interval, bool dynamic) {
+  if (found_inf) {
+    ++skipped;
+    if (dynamic) {
+      const float backed_off = scale * backoff_factor;
+      scale = backed_off > min_scale ? backed_off : min_scale;
+      tracker = 0;
+    }
+  } else if (dynamic && ++tracker == growth_interval) {
+    const float grown = scale * growth_factor;
+    if (grown - grown == 0.0f) scale = grown < max_scale ? grown : max_scale;  // finite (inf - inf is NaN)
+    tracker = 0;
+  }
+}
 using UpdateScaleKernel = void (*)(const UpdateScaleArgs& args);
 extern KernelTable<UpdateScaleKernel> update_scale_kernel;
 

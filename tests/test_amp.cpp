@@ -13,6 +13,7 @@
 #include "optim/grad_scaler.h"
 
 using namespace halfgrad;
+using halfgrad::testing::contains;
 using halfgrad::testing::values;
 
 // Collects the trace lines written while it lives.
@@ -207,6 +208,50 @@ TEST_CASE("the scale is float32 and never grows to infinity there") {
   scaler.update();
   CHECK(scaler.get_scale() == 0x1p127);  // 2^128 is infinite in float32
   CHECK_THROWS_WITH_AS(amp::GradScaler({.init_scale = 1e39}), doctest::Contains("invalid scale 1e+39"), Error);
+}
+
+// Without a floor, 150 overflowing steps in a row took the scale below float32's smallest normal number; 1/scale
+// overflowed and every later step was skipped however clean its gradients (issue 16). The rule is one function for
+// both kernels (amp::update_scale_rule): the CPU's and, where a GPU is visible, the CUDA kernel's.
+TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, said once; it grows to max_scale") {
+  std::vector<Device> devices{Device::cpu()};
+  if (cuda::is_available()) devices.push_back(Device::cuda(0));
+  for (Device device : devices) {
+    CAPTURE(device.str());
+    Tensor w = ones({1}, {.device = device, .requires_grad = true});
+    optim::SGD opt({w}, {.lr = 1});
+    amp::GradScaler scaler({.init_scale = 1});
+    CHECK(amp::GradScalerOptions{}.min_scale == 0x1p-24);
+    for (int i = 0; i < 201; ++i) {
+      w.set_grad(full({1}, INFINITY, {.device = device}));
+      scaler.step(opt);
+      scaler.update();
+    }
+    CHECK(scaler.get_scale() == 0x1p-24);
+    CHECK(scaler.skipped_steps() == 201);
+    CHECK(values(w) == std::vector<double>{1});
+    CHECK(contains(scaler.floor_warning(), "the loss scale reached its floor, min_scale 5.96"));  // seen at update 101
+    w.set_grad(full({1}, 3 * 0x1p-24, {.device = device}));  // a clean step: its gradient unscales to 3
+    scaler.step(opt);
+    scaler.update();
+    CHECK(values(w) == std::vector<double>{-2});
+    CHECK(scaler.skipped_steps() == 201);
+
+    amp::GradScaler up({.init_scale = 1024, .growth_interval = 1, .max_scale = 3000});
+    std::vector<double> scales;
+    for (int i = 0; i < 3; ++i) {
+      w.set_grad(ones({1}, {.device = device}));
+      up.step(opt);
+      up.update();
+      scales.push_back(up.get_scale());
+    }
+    CHECK(scales == std::vector<double>{2048, 3000, 3000});
+    CHECK(up.floor_warning().empty());
+  }
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.init_scale = 1, .min_scale = 2}),
+                       doctest::Contains("init_scale 1 outside [min_scale 2, max_scale"), Error);
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 0}), doctest::Contains("invalid scale 0 (the scale is float32"),
+                       Error);
 }
 
 TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {
