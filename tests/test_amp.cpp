@@ -2,6 +2,10 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <algorithm>
+#include <string_view>
+#include <map>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -44,6 +48,80 @@ TEST_CASE("autocast applies each op's rule from the table, as the trace shows") 
   CHECK(trace.saw("relu [unchanged] (float16) -> (float16)"));
   CHECK(trace.saw("sum [float32] (float16) -> (float32)"));
   CHECK(trace.saw("cross_entropy [float32 math] (float16, int64) -> (float32)"));
+}
+
+// Every row of the cast table (core/autocast.h) is an op that exists and applies its rule: each op is called once
+// under autocast with the trace on, and the trace must name it with its category. A row added without a call here
+// fails the test, as does an op whose trace line shows another rule.
+TEST_CASE("every row of the cast table names an op that runs under autocast with that rule, as the trace shows") {
+  manual_seed(11);
+  const Tensor x = randn({4, 6}), y = randn({4, 6}), positive = rand({4, 6}).add(0.5);
+  const Tensor image = randn({2, 3, 4, 4}), kernel = randn({5, 3, 3, 3});
+  const Tensor labels = tensor<int64_t>({0, 2, 1, 5});
+  nn::LSTM lstm(6, 3);
+  const Tensor table = randn({10, 6}), ids = tensor<int64_t>({1, 3});
+  const Tensor stats_mean = zeros({3}), stats_var = ones({3}), gamma = ones({3}), beta = zeros({3});
+  const std::map<std::string_view, std::function<void()>> calls = {
+      {"matmul", [&] { matmul(x, y.transpose(0, 1)); }},
+      {"linear", [&] { linear(x, y, Tensor()); }},
+      {"bmm", [&] { bmm(x.unsqueeze(0), y.transpose(0, 1).unsqueeze(0)); }},
+      {"conv2d", [&] { conv2d(image, kernel); }},
+      {"rnn", [&] { lstm.forward(x.unsqueeze(1), Tensor(), Tensor()); }},
+      {"exp", [&] { exp(x); }},
+      {"log", [&] { log(positive); }},
+      {"pow", [&] { pow(positive, 2.0); }},
+      {"softmax", [&] { softmax(x, 1); }},
+      {"log_softmax", [&] { log_softmax(x, 1); }},
+      {"mse_loss", [&] { mse_loss(x, y); }},
+      {"cross_entropy", [&] { cross_entropy(x, labels); }},
+      {"nll_loss", [&] { nll_loss(x, labels); }},
+      {"binary_cross_entropy_with_logits", [&] { binary_cross_entropy_with_logits(x, sigmoid(y)); }},
+      {"sum", [&] { sum(x); }},
+      {"mean", [&] { mean(x); }},
+      {"var", [&] { var(x); }},
+      {"add", [&] { add(x, y); }},
+      {"sub", [&] { sub(x, y); }},
+      {"mul", [&] { mul(x, y); }},
+      {"div", [&] { div(x, positive); }},
+      {"maximum", [&] { maximum(x, y); }},
+      {"minimum", [&] { minimum(x, y); }},
+      {"where", [&] { where(x.gt(0.0), x, y); }},
+      {"cat", [&] { cat({x, y}, 0); }},
+      {"stack", [&] { stack({x, y}, 0); }},
+      {"relu", [&] { relu(x); }},
+      {"tanh", [&] { tanh(x); }},
+      {"sigmoid", [&] { sigmoid(x); }},
+      {"neg", [&] { neg(x); }},
+      {"abs", [&] { abs(x); }},
+      {"sqrt", [&] { sqrt(positive); }},
+      {"rsqrt", [&] { rsqrt(positive); }},
+      {"clamp", [&] { clamp(x, -0.5, 0.5); }},
+      {"max_pool2d", [&] { max_pool2d(image, {2, 2}); }},
+      {"avg_pool2d", [&] { avg_pool2d(image, {2, 2}); }},
+      {"adaptive_avg_pool2d", [&] { adaptive_avg_pool2d(image, {1, 1}); }},
+      {"dropout", [&] { dropout(x, 0.5); }},
+      {"embedding", [&] { embedding(ids, table); }},
+      {"max", [&] { max(x); }},
+      {"min", [&] { min(x); }},
+      {"argmax", [&] { argmax(x, 1); }},
+      {"batch_norm", [&] { batch_norm(image, stats_mean, stats_var, gamma, beta, true); }},
+  };
+  for (const amp::OpRule& row : amp::kCastRules) {
+    const std::string op(row.op);
+    CAPTURE(op);
+    const auto call = calls.find(row.op);
+    REQUIRE_MESSAGE(call != calls.end(), "no call of this row's op in the test");
+    TraceCapture trace;
+    {
+      amp::AutocastGuard autocast(kFloat16);
+      call->second();
+    }
+    const std::string prefix = op + " [" + amp::rule_name(row.rule) + "] (";
+    CHECK_MESSAGE(std::any_of(trace.lines.begin(), trace.lines.end(),
+                              [&](const std::string& line) { return line.rfind(prefix, 0) == 0; }),
+                  "expected a trace line starting \"" << prefix << "\"");
+  }
+  CHECK(calls.size() == std::size(amp::kCastRules));  // and no call for a row that is gone
 }
 
 TEST_CASE("autocast casts only floating tensors that are not float64") {
