@@ -22,14 +22,12 @@ using halfgrad::testing::leaf;
 
 namespace {
 
+// float64 convolutions sum longer runs of products than the matrix products' tests: 1e-12 of the magnitude.
+constexpr double kFloat64Tolerance = 1e-12;
+
 // torch.nn.functional.conv2d computed the obvious way, in float64, from the operands' values. Also returns,
 // per output element, sum |x| |w| (+ |b|): the scale that a floating-point dot product's rounding error is
 // relative to.
-struct Reference {
-  Shape shape;
-  std::vector<double> values, magnitude;
-};
-
 Reference reference_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dOptions& o) {
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t O = w.size(0), Cg = w.size(1), kH = w.size(2), kW = w.size(3);
@@ -69,34 +67,6 @@ Reference reference_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, co
   return r;
 }
 
-// Relative error allowed against sum |x||w|. The half types accumulate in float32, so only the final
-// rounding to 11 (float16) or 8 (bfloat16) significant bits shows; float32 sums of a few hundred products
-// stay within ~1e-6 of the magnitude.
-double tolerance(DType t) {
-  switch (t) {
-    case kFloat64: return 1e-12;
-    case kFloat32: return 1e-5;
-    case kFloat16: return 1e-3;
-    case kBFloat16: return 8e-3;
-    default: return 0;
-  }
-}
-
-void check_matches(const Tensor& got, const Reference& ref, DType dtype) {
-  REQUIRE(got.shape() == ref.shape);
-  REQUIRE(got.dtype() == dtype);
-  std::vector<double> g = to_vector<double>(got);
-  int failures = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    const double allowed = tolerance(dtype) * ref.magnitude[i] + 1e-300;
-    if (!(std::abs(g[i] - ref.values[i]) <= allowed) && failures++ < 3) {
-      FAIL_CHECK("element " << i << ": got " << g[i] << ", reference " << ref.values[i]);
-    }
-  }
-  CHECK(failures == 0);
-}
-
-
 // One convolution problem: input shape, weight shape, options, bias or not.
 struct Case {
   const char* name;
@@ -134,7 +104,7 @@ TEST_CASE("conv2d matches a float64 reference for stride, padding, dilation, gro
       INFO("case: " << c.name);
       Tensor x = random(c.input, dt), w = random(c.weight, dt);
       Tensor b = c.bias ? random({c.weight[0]}, dt) : Tensor();
-      check_matches(conv2d(x, w, b, c.options), reference_conv2d(x, w, b, c.options), dt);
+      check_matches(conv2d(x, w, b, c.options), reference_conv2d(x, w, b, c.options), dt, kFloat64Tolerance);
     }
   }
 }
@@ -149,9 +119,9 @@ TEST_CASE("conv2d reads strided and channels_last inputs and keeps the input's m
     // Every other row and column of a larger tensor; a transposed H and W.
     Tensor sliced = random({2, 3, 14, 12}, dt).slice(2, 0, 14, 2).slice(3, 1, 12, 2);  // [2, 3, 7, 6]
     REQUIRE_FALSE(sliced.is_contiguous());
-    check_matches(conv2d(sliced, w, b, o), reference_conv2d(sliced, w, b, o), dt);
+    check_matches(conv2d(sliced, w, b, o), reference_conv2d(sliced, w, b, o), dt, kFloat64Tolerance);
     Tensor transposed = random({2, 3, 6, 7}, dt).transpose(2, 3);
-    check_matches(conv2d(transposed, w, b, o), reference_conv2d(transposed, w, b, o), dt);
+    check_matches(conv2d(transposed, w, b, o), reference_conv2d(transposed, w, b, o), dt, kFloat64Tolerance);
 
     // channels_last in, channels_last out, same values.
     Tensor x = random({2, 3, 7, 6}, dt);
@@ -161,18 +131,18 @@ TEST_CASE("conv2d reads strided and channels_last inputs and keeps the input's m
     Tensor y = conv2d(x_cl, w, b, o);
     CHECK(is_channels_last(y));
     CHECK(suggest_memory_format(y) == MemoryFormat::ChannelsLast);
-    check_matches(y, reference_conv2d(x, w, b, o), dt);
+    check_matches(y, reference_conv2d(x, w, b, o), dt, kFloat64Tolerance);
     CHECK(to_vector<double>(y) == to_vector<double>(conv2d(x, w, b, o)));
 
     // A channels_last weight with a contiguous input: the output follows the input.
     Tensor y2 = conv2d(x, contiguous_channels_last(w), b, o);
     CHECK(y2.is_contiguous());
-    check_matches(y2, reference_conv2d(x, w, b, o), dt);
+    check_matches(y2, reference_conv2d(x, w, b, o), dt, kFloat64Tolerance);
 
     // Broadcast (stride-0) bias and weight views.
     Tensor wb = random({1, 3, 3, 3}, dt).expand({4, 3, 3, 3});
     Tensor bb = random({1}, dt).expand({4});
-    check_matches(conv2d(x, wb, bb, o), reference_conv2d(x, wb, bb, o), dt);
+    check_matches(conv2d(x, wb, bb, o), reference_conv2d(x, wb, bb, o), dt, kFloat64Tolerance);
   }
 }
 
@@ -190,7 +160,7 @@ TEST_CASE("conv2d in channels_last gives the NCHW values and gradients for every
       w_cl = w_cl.detach().requires_grad_();
       Tensor y_cl = conv2d(x_cl, w_cl, b, c.options);
       CHECK(is_channels_last(y_cl));  // (a [N, O, 1, 1] output is dense in both layouts)
-      check_matches(y_cl, reference_conv2d(x, w, b, c.options), dt);
+      check_matches(y_cl, reference_conv2d(x, w, b, c.options), dt, kFloat64Tolerance);
 
       Tensor xn = x.detach().requires_grad_(), wn = w.detach().requires_grad_();
       Tensor yn = conv2d(xn, wn, b, c.options);
@@ -220,7 +190,7 @@ TEST_CASE("conv2d takes an unbatched [C, H, W] input") {
   CHECK(y.shape() == Shape{2, 6, 5});
   Reference ref = reference_conv2d(x.unsqueeze(0), w, b, {.padding = {1, 1}});
   ref.shape = {2, 6, 5};
-  check_matches(y, ref, kFloat64);
+  check_matches(y, ref, kFloat64, kFloat64Tolerance);
 }
 
 TEST_CASE("conv2d accumulates float16 and bfloat16 products in float32") {
@@ -364,7 +334,7 @@ TEST_CASE("conv2d in float32 runs in float16 under autocast, and its gradients c
   }
   CHECK(y.dtype() == kFloat16);
   Reference ref = reference_conv2d(x.to(kFloat16), w.detach().to(kFloat16), b.detach().to(kFloat16), {.padding = {1, 1}});
-  check_matches(y, ref, kFloat16);
+  check_matches(y, ref, kFloat16, kFloat64Tolerance);
   y.to(kFloat32).sum().backward();
   CHECK(w.grad().dtype() == kFloat32);
   CHECK(b.grad().dtype() == kFloat32);

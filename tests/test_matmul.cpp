@@ -9,20 +9,19 @@
 #include "halfgrad.h"
 #include "ops/matmul.h"
 #include "tests/gradcheck.h"
+#include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::check_matches;
+using halfgrad::testing::error_of;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
+using halfgrad::testing::Reference;
 
 namespace {
 
 // torch.matmul computed the obvious way, in float64, from the operands' values. Also returns, per output
 // element, sum_p |a_ip| |b_pj|: the scale that a floating-point dot product's rounding error is relative to.
-struct Reference {
-  Shape shape;
-  std::vector<double> values, magnitude;
-};
-
 Reference reference_matmul(const Tensor& a, const Tensor& b) {
   Shape sa = a.shape(), sb = b.shape();
   const bool a_vector = sa.size() == 1, b_vector = sb.size() == 1;
@@ -82,47 +81,10 @@ Reference reference_linear(const Tensor& x, const Tensor& w, const Tensor& bias)
   return ref;
 }
 
-// Relative rounding error allowed per dtype, against sum |a||b|. Half types: the inputs are already
-// rounded (the reference reads the same values), products accumulate in float32, so only the final
-// rounding to 11 (float16) or 8 (bfloat16) bits shows. Integers are exact.
-double tolerance(DType t) {
-  switch (t) {
-    case kFloat64: return 1e-13;
-    case kFloat32: return 1e-5;
-    case kFloat16: return 1e-3;
-    case kBFloat16: return 8e-3;
-    default: return 0;
-  }
-}
-
-void check_matches(const Tensor& got, const Reference& ref, DType dtype) {
-  REQUIRE(got.shape() == ref.shape);
-  REQUIRE(got.dtype() == dtype);
-  std::vector<double> g = to_vector<double>(got);
-  REQUIRE(g.size() == ref.values.size());
-  int failures = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    double allowed = tolerance(dtype) * ref.magnitude[i] + 1e-300;
-    if (std::abs(g[i] - ref.values[i]) > allowed && failures++ < 3) {
-      FAIL_CHECK("element " << i << ": got " << g[i] << ", reference " << ref.values[i]);
-    }
-  }
-  CHECK(failures == 0);
-}
-
 // Random values of a dtype: normal for floats, small integers for integer types (products stay exact).
 Tensor random(const Shape& shape, DType dtype) {
   if (is_floating(dtype)) return randn(shape, {.dtype = kFloat64}).to(dtype);
   return randint(dtype == kUInt8 ? 0 : -5, 6, shape, {.dtype = dtype});
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 const std::vector<DType> kGemmDtypes = {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32, kUInt8};
@@ -258,7 +220,7 @@ TEST_CASE("matmul accumulates float16 and bfloat16 products in float32") {
     // Many small terms: a float16 running sum of 2^-11 stalls near 1, where the spacing becomes 2^-10.
     Tensor x = full({1, 4097}, 1.0 / 2048, {.dtype = dt});
     Tensor y = ones({4097, 1}, {.dtype = dt});
-    CHECK(matmul(x, y).item<double>() == doctest::Approx(4097.0 / 2048).epsilon(tolerance(dt)));
+    CHECK(matmul(x, y).item<double>() == doctest::Approx(4097.0 / 2048).epsilon(halfgrad::testing::product_tolerance(dt)));
   }
 }
 

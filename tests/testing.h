@@ -80,6 +80,42 @@ inline bool bit_equal(const Tensor& a, const Tensor& b) {
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // Elementwise |got - want| <= tol (1 + |want|); reports the first five misses.
+// A float64 reference result of a sum of products (a matrix product, a convolution): its values and, per element,
+// the magnitude sum |a||b| that the rounding of a lower precision scales with.
+struct Reference {
+  Shape shape;
+  std::vector<double> values, magnitude;
+};
+
+// The relative rounding error allowed per dtype against that magnitude. Half types accumulate in float32, so only the
+// final rounding to 11 (float16) or 8 (bfloat16) significant bits shows; float32 sums of a few hundred products stay
+// within ~1e-6 of the magnitude; float64 takes `float64` (the two callers: 1e-13 for products, 1e-12 for the
+// convolutions' longer sums). Integers are exact.
+inline double product_tolerance(DType t, double float64 = 1e-13) {
+  switch (t) {
+    case kFloat64: return float64;
+    case kFloat32: return 1e-5;
+    case kFloat16: return 1e-3;
+    case kBFloat16: return 8e-3;
+    default: return 0;
+  }
+}
+
+// got (of `dtype`) against ref, element by element, within product_tolerance(dtype, float64) times the magnitude.
+inline void check_matches(const Tensor& got, const Reference& ref, DType dtype, double float64 = 1e-13) {
+  REQUIRE(got.shape() == ref.shape);
+  REQUIRE(got.dtype() == dtype);
+  const std::vector<double> g = to_vector<double>(got);
+  REQUIRE(g.size() == ref.values.size());
+  int failures = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double allowed = product_tolerance(dtype, float64) * ref.magnitude[i] + 1e-300;
+    if (!(std::abs(g[i] - ref.values[i]) <= allowed) && failures++ < 3)
+      FAIL_CHECK("element " << i << ": got " << g[i] << ", reference " << ref.values[i]);
+  }
+  CHECK(failures == 0);
+}
+
 inline void check_close(const std::vector<double>& got, const std::vector<double>& want, double tol) {
   REQUIRE(got.size() == want.size());
   int failures = 0;
