@@ -221,17 +221,18 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
                                          logits.view({batch, classes, inner}), p.target.view({batch, inner}), p.weight,
                                          options.ignore_index);
   }
+  // The closure holds what the backward reads, never e.loss: the node's own output would keep the node alive
+  // through its grad_fn, a cycle that leaked every graph not run backward (LeakSanitizer, make sanitize).
   record("CrossEntropyBackward", {input}, {e.loss},
-         [x = SavedTensor(logits, op), lse, e,
+         [x = SavedTensor(logits, op), lse, target = e.target, weight = e.weight, acc = p.acc, batch, classes, inner,
           ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
            const Tensor& logits_ = x.get();
-           Tensor grad_loss = g[0].to(e.loss.dtype()).contiguous().view({e.batch, e.inner});
+           Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(logits_.shape(), {.dtype = logits_.dtype(), .device = logits_.device()});
            if (grad_input.numel() > 0) {
-             cross_entropy_backward_kernel[logits_.device()](
-                 grad_input.view({e.batch, e.classes, e.inner}), grad_loss,
-                 logits_.view({e.batch, e.classes, e.inner}), lse, e.target.view({e.batch, e.inner}), e.weight,
-                 ignore_index);
+             cross_entropy_backward_kernel[logits_.device()](grad_input.view({batch, classes, inner}), grad_loss,
+                                                             logits_.view({batch, classes, inner}), lse,
+                                                             target.view({batch, inner}), weight, ignore_index);
            }
            return {grad_input};
          });

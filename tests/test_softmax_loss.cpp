@@ -630,3 +630,19 @@ TEST_CASE("CUDA binary cross-entropy losses match the CPU") {
   MESSAGE("built without CUDA: skipped");
 #endif
 }
+
+// A node must not hold its own output: the output's grad_fn holds the node, and a graph never run backward (a loss
+// computed for reporting, with autograd on) then stays alive for good. cross_entropy's node held its per-element
+// loss until LeakSanitizer found it (make sanitize). With reduction None the loss is that output itself.
+TEST_CASE("cross_entropy's graph goes with its loss when no backward runs: the node does not hold its output") {
+  Tensor logits = randn({5, 7}).requires_grad_(true);
+  const Tensor target = tensor<int64_t>({0, 6, 3, -100, 2});
+  for (Reduction reduction : {Reduction::None, Reduction::Mean}) {
+    CAPTURE(int(reduction));
+    Tensor loss = cross_entropy(logits, target, {.reduction = reduction});
+    std::weak_ptr<Node> node = loss.grad_fn();
+    REQUIRE_FALSE(node.expired());
+    loss = Tensor();
+    CHECK(node.expired());
+  }
+}
