@@ -56,11 +56,6 @@ void padded_copy_cuda(const Tensor& dst, const Tensor& src, const Tensor& scale,
 
 constexpr int kRowThreads = 512;
 
-template <typename T> struct alignas(16) Vec16 {
-  static constexpr int kSize = int(16 / sizeof(T));
-  T v[kSize];
-};
-
 // One block per row of the padded logits x [ld] (16-byte aligned, ld a whole number of vectors).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)

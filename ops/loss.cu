@@ -73,11 +73,6 @@ __global__ void __launch_bounds__(kThreads)
 
 constexpr int kRowThreads = 512;
 
-template <typename T> struct alignas(16) Vec16 {
-  static constexpr int kSize = int(16 / sizeof(T));
-  T v[kSize];
-};
-
 // Calls f(j, x) for every element j of a row of n elements that this thread takes (the block shares the row): a
 // scalar head up to the first 16-byte boundary, whole vectors, a scalar tail.
 template <typename T, typename F> __device__ __forceinline__ void for_each_in_row(const T* x, int64_t n, F f) {

@@ -159,37 +159,33 @@ void GradScaler::update() {
                                           .growth_interval = options_.growth_interval,
                                           .dynamic = options_.dynamic});
     ++updates_;
-    check_for_diagnosis(overflow);
-    check_floor();
+    look_at_scale(overflow);
   }
   per_optimizer_.clear();
   loss_was_finite_.clear();
 }
 
-// The diagnosis needs the host to see the scale: it looks every kDiagnosisInterval updates (starting with the
-// first), and once the scale is below warn_below_scale, at every update until a step overflows.
-void GradScaler::check_for_diagnosis(const Tensor& overflow) {
-  if (!diagnosis_.empty() || cuda::is_capturing(scale_.device())) return;
-  if (!watching_) {
-    if (updates_ % kDiagnosisInterval != 1 % kDiagnosisInterval) return;
-    watching_ = scale_.item<float>() < options_.warn_below_scale;
+// The host looks at the scale every kDiagnosisInterval updates (starting with the first), one read for both uses and
+// never inside a capture: once the scale is below warn_below_scale it diagnoses the next overflowing step (looking at
+// every update until one comes), and a dynamic scale seen at its floor is said once.
+void GradScaler::look_at_scale(const Tensor& overflow) {
+  if (cuda::is_capturing(scale_.device())) return;
+  const bool diagnose = diagnosis_.empty(), floor = floor_warning_.empty() && options_.dynamic;
+  if (((diagnose && !watching_) || floor) && updates_ % kDiagnosisInterval == 1 % kDiagnosisInterval) {
+    const float scale = scale_.item<float>();
+    if (diagnose && !watching_) watching_ = scale < options_.warn_below_scale;
+    if (floor && scale <= float(options_.min_scale)) {
+      floor_warning_ = fmt::format(
+          "GradScaler: the loss scale reached its floor, min_scale {}: gradients overflow even with the loss scaled "
+          "that far down, and those steps are skipped (the model has most likely diverged: a lower lr, gradient "
+          "clipping, or float32 for the overflowing ops may help)", options_.min_scale);
+      logger().warn(floor_warning_);
+    }
   }
-  if (watching_ && overflow.item<float>() != 0) {
+  if (diagnose && watching_ && overflow.item<float>() != 0) {
     diagnose_overflow();
     watching_ = false;
   }
-}
-
-// Every kDiagnosisInterval updates, as the diagnosis: a dynamic scale that reached its floor is said once.
-void GradScaler::check_floor() {
-  if (!floor_warning_.empty() || !options_.dynamic || cuda::is_capturing(scale_.device()) ||
-      updates_ % kDiagnosisInterval != 1 % kDiagnosisInterval || scale_.item<float>() > float(options_.min_scale))
-    return;
-  floor_warning_ = fmt::format(
-      "GradScaler: the loss scale reached its floor, min_scale {}: gradients overflow even with the loss scaled that "
-      "far down, and those steps are skipped (the model has most likely diverged: a lower lr, gradient clipping, or "
-      "float32 for the overflowing ops may help)", options_.min_scale);
-  logger().warn(floor_warning_);
 }
 
 double GradScaler::get_scale() const { return scale_.defined() ? double(scale_.item<float>()) : pending_.scale; }

@@ -109,8 +109,7 @@ class GradScaler {
   Tensor scale_on(Device device);
   // 1 (float32, 0-d, on the state's device) when any gradient unscaled for `p` overflowed, else 0.
   Tensor found_inf(const PerOptimizer& p) const;
-  void check_for_diagnosis(const Tensor& overflow);
-  void check_floor();
+  void look_at_scale(const Tensor& overflow);
   void diagnose_overflow();
 
   GradScalerOptions options_;
