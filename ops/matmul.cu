@@ -5,7 +5,7 @@
 //   float32              full float32 by default; TF32 tensor cores after cuda::set_allow_tf32(true)
 //   float64              CUBLAS_COMPUTE_64F
 //   integers             a plain CUDA kernel (no BLAS does integer GEMM), wrapping on overflow as the CPU
-// A large 16-bit product whose matrices are not 16-byte aligned runs on zero-padded copies (padded_problem).
+// A large tensor-core product whose matrices are not 16-byte aligned runs on zero-padded copies (padded_problem).
 // Our matrices are row-major and cuBLAS's column-major: a row-major C = op(A) op(B) is the column-major
 // C^T = op(B)^T op(A)^T, so the call swaps the operands and m with n (GemmArgs in ops/matmul.h).
 #include <cublas_v2.h>
@@ -41,14 +41,17 @@ void check_int(int64_t v, const char* what) {
   HG_CHECK(v >= 0 && v <= INT_MAX, "matmul: {} = {} is beyond what cuBLAS takes (a 32-bit int)", what, v);
 }
 
-// ---- float16 / bfloat16 products of odd sizes: run on zero-padded copies
+// ---- tensor-core products of odd sizes (float16, bfloat16, float32 as TF32): run on zero-padded copies
 //
-// cuBLAS runs a 16-bit GEMM on its fast kernels only when the contiguous extent of every matrix (the columns of our
-// row-major ones) is a multiple of 8 elements, as are the leading dimensions and the addresses (16 bytes). The word
-// language model's decoder is not: [700, 650] x [650, 33,278] in float16 ran at 170 TFLOP/s on the H200 and at 554
-// with 656 and 33,280; padding the leading dimensions alone gained nothing (docs/benchmarks.md). So a product large
-// enough to pay for the copies runs on copies whose contiguous extents are rounded up to multiples of 8 and
-// zero-filled: zero columns and rows add nothing to the sums over k, and C's padding is dropped on the way back.
+// cuBLAS runs a tensor-core GEMM on its fast kernels only when the contiguous extent of every matrix (the columns of
+// our row-major ones) is a multiple of 16 bytes (8 16-bit or 4 float32 elements), as are the leading dimensions and
+// the addresses. The word language model's decoder is not: [700, 650] x [650, 33,278] in float16 ran at 170 TFLOP/s
+// on the H200 and at 554 with 656 and 33,280; padding the leading dimensions alone gained nothing
+// (docs/benchmarks.md). Its recurrent layers' float32 input products with TF32 ran at ~50 TFLOP/s on the unaligned
+// kernels. So a product large enough to pay for the copies runs on copies whose contiguous extents are rounded up to
+// multiples of 16 bytes and zero-filled: zero columns and rows add nothing to the sums over k, and C's padding is
+// dropped on the way back. float32 without TF32 runs as it is: its CUDA-core kernels gain nothing from alignment
+// that pays for the copies.
 
 constexpr int64_t kAlignBytes = 16;
 // Below this the copies' launches cost more than the faster kernel saves. A language model's decoder products are
@@ -83,9 +86,11 @@ struct PaddedProblem {
 };
 
 // What the product `g` would be run as with its contiguous extents padded; nullopt when it runs as it is (already
-// aligned, too small, batched, not 16-bit, or the copies would cost more than they save).
+// aligned, too small, batched, not on tensor cores, or the copies would cost more than they save).
 std::optional<PaddedProblem> padded_problem(const GemmArgs& g) {
-  if ((g.ab_dtype != kFloat16 && g.ab_dtype != kBFloat16) || g.batch != 1) return std::nullopt;
+  const bool tensor_cores =
+      g.ab_dtype == kFloat16 || g.ab_dtype == kBFloat16 || (g.ab_dtype == kFloat32 && cuda::allow_tf32());
+  if (!tensor_cores || g.batch != 1) return std::nullopt;
   const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
   if (flops < kMinPaddedFlops) return std::nullopt;
   const int64_t per_vector = kAlignBytes / int64_t(element_size(g.ab_dtype));

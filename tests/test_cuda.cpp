@@ -393,6 +393,18 @@ TEST_CASE("cuda: reductions match the CPU") {
       check_close(xg.mean(dims, true), x.mean(dims, true), tol, "mean");
       if (x.numel() > 0) check_close(xg.var(dims), x.var(dims), {tol.rtol * 10 + 1e-5, 1e-6}, "var");
     }
+  }
+  // conv's bias gradient of a channels-last gradient: [N, C, H, W] over {0, 2, 3} is one [N H W, C] block of
+  // columns in its memory, reduced without a transposing copy (ops/reduce.cpp).
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    Tensor x = contiguous_channels_last(random({32, 64, 16, 16}, dt, 0.5, 1.5));
+    Tensor xg = contiguous_channels_last(x.cuda());
+    Tolerance tol = dt == kFloat64 ? Tolerance{1e-12, 0} : dt == kFloat32 ? Tolerance{2e-5, 0} : op_tolerance(dt);
+    check_close(xg.sum({0, 2, 3}), x.sum({0, 2, 3}), tol, "channels-last sum over {0, 2, 3}");
+    check_close(xg.mean({0, 2, 3}, true), x.mean({0, 2, 3}, true), tol, "channels-last mean over {0, 2, 3}");
+  }
+  for (const auto& [shape, dims] : problems) {
     for (DType dt : kAllTypes) {
       CAPTURE(shape_str(shape));
       CAPTURE(dtype_name(dt));
@@ -484,14 +496,17 @@ TEST_CASE("cuda: matmul, bmm and linear match the CPU; fp32 is full precision un
   check_close(matmul(e1.cuda(), e2.cuda()), zeros({3, 4}), {0, 0}, "k == 0 gives zeros");
 }
 
-TEST_CASE("cuda: float16 and bfloat16 products of odd sizes (run on zero-padded copies) match float64") {
+TEST_CASE("cuda: tensor-core products of odd sizes (run on zero-padded copies) match float64") {
   SKIP_WITHOUT_GPU();
   manual_seed(19);
-  // The language model's decoder at 650 units, with fewer words: 650 and 5,003 are not multiples of 8, and each
-  // product is over 4 GFLOP, so each runs on copies padded to 656 and 5,008 (ops/matmul.cu, padded_problem).
-  for (DType dt : {kFloat16, kBFloat16}) {
+  // The language model's decoder at 650 units, with fewer words: 650 and 5,003 are not multiples of 8 (16-bit) or 4
+  // (float32), and each product is over 4 GFLOP, so each runs on copies padded to 656 and 5,008 or 652 and 5,004
+  // (ops/matmul.cu, padded_problem); float32 with TF32 allowed, as the language model's training runs it.
+  const bool tf32 = cuda::allow_tf32();
+  cuda::set_allow_tf32(true);
+  for (DType dt : {kFloat16, kBFloat16, kFloat32}) {
     CAPTURE(dtype_name(dt));
-    const double tolerance = dt == kFloat16 ? 2e-3 : 1.6e-2;
+    const double tolerance = dt == kBFloat16 ? 1.6e-2 : dt == kFloat16 ? 2e-3 : 5e-3;
     Tensor x = random({700, 650}, dt), w = random({5003, 650}, dt), bias = random({5003}, dt);
     Tensor g = random({700, 5003}, dt);
     auto f64 = [](const Tensor& t) { return t.to(kFloat64); };
@@ -505,12 +520,12 @@ TEST_CASE("cuda: float16 and bfloat16 products of odd sizes (run on zero-padded 
     check(linear(x.cuda(), w.cuda(), bias.cuda()), linear(f64(x), f64(w), f64(bias)), "x W^T + b (beta = 1)");
     check(matmul(g.cuda(), w.cuda()), matmul(f64(g), f64(w)), "g W (k = 5,003)");
     check(g.cuda().t().matmul(x.cuda()), f64(g).t().matmul(f64(x)), "g^T x (m = 5,003 transposed)");
-    // An operand 2 bytes off 16-byte alignment, with an odd leading dimension: copied though its sizes need none.
+    // An operand one element off 16-byte alignment, with an odd leading dimension: copied though its sizes need none.
     Tensor wide = random({5003, 657}, dt);
     Tensor shifted = wide.cuda().narrow(1, 1, 656);
     Tensor y = random({704, 5003}, dt);
     check(matmul(y.cuda(), shifted), matmul(f64(y), f64(wide.narrow(1, 1, 656))), "a misaligned view");
-    // 16-bit operands with a float32 result, accumulated onto C (beta = 1), as the recurrent kernels call it.
+    // Operands with a float32 result, accumulated onto C (beta = 1), as the recurrent kernels call it.
     Tensor c = random({700, 5003}, kFloat32);
     Tensor c_gpu = c.cuda();
     Tensor xg = x.cuda(), wg = w.cuda();
@@ -518,8 +533,9 @@ TEST_CASE("cuda: float16 and bfloat16 products of odd sizes (run on zero-padded 
                c_gpu.data_ptr(), /*beta=*/1);
     const Tensor want = matmul(f64(x), f64(w).t()) + f64(c);
     const double err = relative_error(c_gpu, want);
-    CHECK_MESSAGE(err < 1e-4, "float32 C with beta = 1: relative error " << err);
+    CHECK_MESSAGE(err < (dt == kFloat32 ? tolerance : 1e-4), "float32 C with beta = 1: relative error " << err);
   }
+  cuda::set_allow_tf32(tf32);
 }
 
 TEST_CASE("cuda: operands on different devices are a clear error") {
@@ -532,6 +548,9 @@ TEST_CASE("cuda: operands on different devices are a clear error") {
   // A 0-d CPU tensor is a scalar, allowed with a tensor on any device (as in PyTorch).
   Tensor s = scalar_tensor(2.0);
   check_close(g * s, g.cpu() * s, op_tolerance(kFloat32), "0-d CPU scalar operand");
+  // where takes one too, by value (relu's backward: where(y > 0, g, 0)).
+  check_close(where(g.gt(0), g, s), where(g.cpu().gt(0), g.cpu(), s), {0, 0}, "where with a 0-d CPU scalar");
+  check_close(where(g.gt(0), 0.0, g), where(g.cpu().gt(0), 0.0, g.cpu()), {0, 0}, "where with a Scalar");
 }
 
 TEST_CASE("cuda: autograd through CUDA tensors matches the CPU gradients") {
