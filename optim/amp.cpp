@@ -6,6 +6,7 @@
 #include "core/autograd.h"
 #include "core/log.h"
 #include "nn/layers.h"
+#include "optim/clip_grad.h"
 
 namespace halfgrad::amp {
 
@@ -116,13 +117,27 @@ TensorList Amp::unscale_() {
 
 Tensor Amp::clip_grad_norm_(double max_norm, double norm_type) {
   gather_master_grads();
-  return scaler_.clip_grad_norm_(*optimizer_, max_norm, norm_type);
+  if (scaler_.is_enabled()) return scaler_.clip_grad_norm_(*optimizer_, max_norm, norm_type);
+  // No scale to divide by: the norm as it is, and the coefficient for step(), which saves clipping's pass over the
+  // gradients (SGD multiplies as its kernel reads them).
+  HG_CHECK(!clip_coefficient_.defined(),
+           "Amp::clip_grad_norm_: the gradients were already clipped (clip_grad_norm_) since the last step()");
+  NoGradGuard no_grad;
+  const Tensor norm = optim::grad_norm(optimizer_->parameters(), norm_type);
+  clip_coefficient_ = optim::clip_coefficient(norm, max_norm).to(kFloat32);
+  return norm;
 }
 
 void Amp::step() {
   gather_master_grads();
   masters_have_grads_ = false;
-  scaler_.step(*optimizer_);
+  if (clip_coefficient_.defined()) {
+    NoGradGuard no_grad;
+    optimizer_->step_scaled(Tensor(), clip_coefficient_);
+    clip_coefficient_ = Tensor();
+  } else {
+    scaler_.step(*optimizer_);
+  }
   {
     // Unconditionally: after a skipped step the masters are unchanged and the copy rewrites the same values,
     // which costs less than asking the device whether the step ran.
@@ -133,6 +148,7 @@ void Amp::step() {
 }
 
 void Amp::zero_grad() {
+  clip_coefficient_ = Tensor();  // a clipping of the gradients being forgotten
   model_->zero_grad();
   optimizer_->zero_grad();
 }

@@ -71,8 +71,8 @@ class Amp {
   TensorList unscale_();
   // Clips the gradients the optimizer will use by their total norm, as optim::clip_grad_norm_(amp.unscale_(), ...)
   // and with the same result, in one reading pass instead of an unscaling and a scaling one
-  // (GradScaler::clip_grad_norm_: SGD then unscales and clips as its step reads each gradient). Returns the unscaled
-  // norm. Call it in place of unscale_, before step():
+  // (GradScaler::clip_grad_norm_: SGD then unscales and clips as its step reads each gradient; without a loss scaler,
+  // as at O0, it clips as it reads). Returns the unscaled norm. Call it in place of unscale_, once before step():
   //   amp.backward(loss);
   //   amp.clip_grad_norm_(0.25);
   //   amp.step();
@@ -98,6 +98,7 @@ class Amp {
   GradScaler scaler_;
   std::vector<std::pair<Tensor, Tensor>> masters_;
   bool masters_have_grads_ = false;  // O2: the half gradients of this step were copied to the masters
+  Tensor clip_coefficient_;          // without a loss scaler: what clip_grad_norm_ left for step() to multiply by
 
   void gather_master_grads();
 };

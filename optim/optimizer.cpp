@@ -32,7 +32,10 @@ void Optimizer::step_unless(const Tensor& found_inf) {
 
 void Optimizer::step_scaled(const Tensor& found_inf, const Tensor& grad_scale) {
   scale_grads_(parameters(), grad_scale);
-  step_unless(found_inf);
+  if (found_inf.defined())
+    step_unless(found_inf);
+  else
+    step();
 }
 
 TensorList Optimizer::parameters() const {

@@ -58,8 +58,9 @@ class Optimizer {
   // nothing changes. Optimizers whose fused kernel reads the flag on the device (SGD) decide there, with no host
   // synchronisation; the others (Adam, whose host counts its steps) read it first.
   virtual void step_unless(const Tensor& found_inf);
-  // step_unless(found_inf) with every gradient multiplied by `grad_scale` (a float32 0-d tensor on the gradients'
-  // device): the loss scaler's unscaling and clipping's coefficient in one (amp::GradScaler::clip_grad_norm_).
+  // step_unless(found_inf) (step() where found_inf is undefined) with every gradient multiplied by `grad_scale` (a
+  // float32 0-d tensor on the gradients' device): the loss scaler's unscaling and clipping's coefficient in one
+  // (amp::GradScaler::clip_grad_norm_), or clipping's alone (amp::Amp::clip_grad_norm_ without a loss scaler).
   // SGD's fused kernel multiplies as it reads and leaves the gradient tensors as they are; the others multiply the
   // gradients in place first (one more pass).
   virtual void step_scaled(const Tensor& found_inf, const Tensor& grad_scale);
