@@ -354,15 +354,22 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
 Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   HG_AUTOCAST(where, condition, a, b);
   HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
-  check_same_device("where", condition, a);
-  check_same_device("where", a, b);
+  // a or b may be a 0-d CPU "scalar" with the rest on a device, as in binary ops: the kernel takes it by value
+  // (relu's backward, where(y > 0, g, 0), then runs on the flat kernel instead of reading a broadcast operand).
+  const bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
+  const Tensor& on_device = a_scalar ? b : a;
+  check_same_device("where", condition, on_device);
+  if (!a_scalar && !b_scalar) check_same_device("where", a, b);
+  const Device device = condition.device();
   DType common = promote_types(a.dtype(), b.dtype());
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
-  Tensor out = empty(shape, {.dtype = common, .device = a.device()},
+  Tensor out = empty(shape, {.dtype = common, .device = device},
                      a.shape() == shape ? suggest_memory_format(a) : MemoryFormat::Contiguous);
-  where_kernel[a.device()](out, broadcast_view(condition, shape, "where"),
-                           broadcast_view(cast_nograd(a, common), shape, "where"),
-                           broadcast_view(cast_nograd(b, common), shape, "where"));
+  auto operand = [&](const Tensor& t, bool scalar) {
+    Tensor c = cast_nograd(t, common);
+    return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, "where");
+  };
+  where_kernel[device](out, broadcast_view(condition, shape, "where"), operand(a, a_scalar), operand(b, b_scalar));
   if (any_requires_grad({&a, &b})) {
     SavedTensor c(condition, "where");
     Shape sa = a.shape(), sb = b.shape();
@@ -375,10 +382,10 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
 }
 
 Tensor where(const Tensor& condition, const Tensor& a, const Scalar& b) {
-  return where(condition, a, scalar_tensor(b, {.dtype = promote_with_scalar(a.dtype(), b), .device = a.device()}));
+  return where(condition, a, scalar_operand(b, promote_with_scalar(a.dtype(), b)));
 }
 Tensor where(const Tensor& condition, const Scalar& a, const Tensor& b) {
-  return where(condition, scalar_tensor(a, {.dtype = promote_with_scalar(b.dtype(), a), .device = b.device()}), b);
+  return where(condition, scalar_operand(a, promote_with_scalar(b.dtype(), a)), b);
 }
 
 Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }

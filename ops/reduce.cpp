@@ -85,6 +85,38 @@ bool contiguous_in_order(const Tensor& t, const Dims& order) {
   return true;
 }
 
+// x's dims from the outermost in memory to the innermost (by stride, ties in their order).
+Dims memory_order(const Tensor& x) {
+  Dims order(size_t(x.dim()));
+  for (int64_t d = 0; d < x.dim(); ++d) order[size_t(d)] = d;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  return order;
+}
+
+// Layout (b) below read in x's memory order: x dense in that order, its reduced dims of size > 1 one block there,
+// and its kept dims of size > 1 in their own order, so that output element (o, i) is element o inner + i of the
+// output. Sets outer (the kept dims before the block) and inner (those after it); false when x is not so.
+bool one_block_in_memory(const Tensor& x, const std::vector<bool>& mask, int64_t& outer, int64_t& inner) {
+  const Dims order = memory_order(x);
+  if (!contiguous_in_order(x, order)) return false;
+  outer = inner = 1;
+  int64_t last_kept = -1;
+  enum { Before, Inside, After } at = Before;
+  for (int64_t d : order) {
+    if (x.size(d) == 1) continue;
+    if (mask[size_t(d)]) {
+      if (at == After) return false;  // a second block
+      at = Inside;
+      continue;
+    }
+    if (d < last_kept) return false;  // the kept dims out of their order
+    last_kept = d;
+    if (at == Inside) at = After;
+    (at == Before ? outer : inner) *= x.size(d);
+  }
+  return at != Before;
+}
+
 // The reductions that can run in stages (layout (c) below): a reduction of partial results is the result.
 bool can_stage(ReduceOp op) {
   return op == ReduceOp::Sum || op == ReduceOp::Mean || op == ReduceOp::All || op == ReduceOp::Any;
@@ -93,9 +125,11 @@ bool can_stage(ReduceOp op) {
 // Chooses the cheapest [outer, reduced, inner] layout, in this order:
 //   a. x's memory is already [kept dims..., reduced dims...] (a contiguous x reduced over its trailing
 //      dims, or a transposed one reduced over what are its leading dims): no copy, inner = 1.
-//   b. the reduced dims are one block of consecutive dims (sum over dim 0 of [N, C], the reduction that
-//      sum_to in every broadcasting backward does): no copy when x is contiguous, inner > 1, and the kernel
-//      accumulates whole rows into an inner-wide accumulator instead of transposing.
+//   b. the reduced dims are one block of consecutive dims in x's memory (sum over dim 0 of [N, C], the reduction
+//      that sum_to in every broadcasting backward does; conv's bias gradient of a channels-last [N, C, H, W],
+//      whose memory is [N H W, C]): no copy when x is dense, inner > 1, and the kernel accumulates whole rows into
+//      an inner-wide accumulator instead of transposing. A tensor that is not dense but whose reduced dims are
+//      consecutive ones is copied contiguous first.
 //   c. a contiguous x whose reduced dims are several blocks (conv's bias gradient: [N, C, H, W] summed over
 //      {0, 2, 3}), for the ops that can be done in stages (sum, mean, all, any): reduce the last block
 //      first, then the result over the remaining dims; each stage reads memory in order, nothing is
@@ -140,6 +174,12 @@ ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, Re
     p.input = flat_view(x, {p.outer, p.reduced, 1});
     return p;
   }
+
+  if (one_block_in_memory(x, p.mask, p.outer, p.inner)) {  // (b), without a copy
+    p.input = flat_view(x, {p.outer, p.reduced, p.inner});
+    return p;
+  }
+  p.outer = p.inner = 1;
 
   // The reduced dims of size > 1, from first to last, with no kept dim of size > 1 between them?
   int64_t first = -1, last = -1;

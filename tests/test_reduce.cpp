@@ -179,24 +179,28 @@ TEST_CASE("sum, mean, var, max, min, argmax and argmin match a float64 reference
 }
 
 TEST_CASE("reductions over several separate blocks of dims (conv's bias gradient) match the reference") {
-  // A contiguous [N, C, H, W] summed over {0, 2, 3} runs in stages without a transposing copy; the
-  // answer must not depend on that.
+  // A contiguous [N, C, H, W] summed over {0, 2, 3} runs in stages without a transposing copy, a channels-last one
+  // as one [N H W, C] block read in its memory order; the answer must not depend on either.
   manual_seed(7);
   Tensor base = randn({3, 4, 5, 6}, {.dtype = kFloat64});
   for (DType dtype : {kFloat64, kFloat32, kFloat16, kInt32, kBool}) {
-    Tensor x = dtype == kBool ? base.gt(0.3) : dtype == kInt32 ? base.mul(10).to(kInt32) : base.to(dtype);
-    for (const Dims& dims : std::vector<Dims>{{0, 2, 3}, {0, 2}, {1, 3}, {0, 3}, {-4, -1}, {0, 1, 3}}) {
-      const double tol = is_floating(dtype) ? tolerance(dtype) : 0;
-      const std::string what = fmt::format("{} over [{}]", dtype_name(dtype), fmt::join(dims, ", "));
-      check_close(values(x.sum(dims)), reference(x, dims, ref_sum), tol, "sum of " + what);
-      CHECK(x.sum(dims, true).dim() == 4);
-      if (is_floating(dtype)) check_close(values(x.mean(dims)), reference(x, dims, ref_mean), tol, "mean of " + what);
-      check_close(values(x.all(dims)), reference(x, dims, [](const auto& g) {
-                    return double(std::all_of(g.begin(), g.end(), [](double v) { return v != 0; }));
-                  }), 0, "all of " + what);
-      check_close(values(x.any(dims, true)), reference(x, dims, [](const auto& g) {
-                    return double(std::any_of(g.begin(), g.end(), [](double v) { return v != 0; }));
-                  }), 0, "any of " + what);
+    for (bool channels_last : {false, true}) {
+      Tensor x = dtype == kBool ? base.gt(0.3) : dtype == kInt32 ? base.mul(10).to(kInt32) : base.to(dtype);
+      if (channels_last) x = contiguous_channels_last(x);
+      for (const Dims& dims : std::vector<Dims>{{0, 2, 3}, {0, 2}, {1, 3}, {0, 3}, {-4, -1}, {0, 1, 3}, {1}, {2, 3}}) {
+        const double tol = is_floating(dtype) ? tolerance(dtype) : 0;
+        const std::string what = fmt::format("{} {} over [{}]", channels_last ? "channels-last" : "contiguous",
+                                             dtype_name(dtype), fmt::join(dims, ", "));
+        check_close(values(x.sum(dims)), reference(x, dims, ref_sum), tol, "sum of " + what);
+        CHECK(x.sum(dims, true).dim() == 4);
+        if (is_floating(dtype)) check_close(values(x.mean(dims)), reference(x, dims, ref_mean), tol, "mean of " + what);
+        check_close(values(x.all(dims)), reference(x, dims, [](const auto& g) {
+                      return double(std::all_of(g.begin(), g.end(), [](double v) { return v != 0; }));
+                    }), 0, "all of " + what);
+        check_close(values(x.any(dims, true)), reference(x, dims, [](const auto& g) {
+                      return double(std::any_of(g.begin(), g.end(), [](double v) { return v != 0; }));
+                    }), 0, "any of " + what);
+      }
     }
   }
   manual_seed(8);

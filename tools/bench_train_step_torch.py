@@ -10,8 +10,9 @@ stride-1 convolution, no max pool) and VGG with BatchNorm and one Linear classif
 so that torchvision is not needed. --compile: the model through torch.compile(mode="reduce-overhead") (Inductor's
 fused kernels, CUDA graphs), compiled during the warm-up steps (at least 10). Levels: O0 float32; O1
 torch.autocast(float16) with a GradScaler; O3 the model and inputs in float16. O2 (half model with float32 master
-weights) has no PyTorch equivalent without apex: its rows are left out. cudnn.benchmark on, TF32 off for
-convolutions (halfgrad's float32 runs in full float32). Timing: tools/torch_bench_layers.py. The project does not
+weights) has no PyTorch equivalent without apex: its rows are left out. cudnn.benchmark on, TF32 on for
+convolutions and off for matrix products: PyTorch's defaults, and halfgrad's (ops/conv.h, core/cuda.h). Timing:
+tools/torch_bench_layers.py. The project does not
 depend on PyTorch: this script is only for comparing.
 """
 import argparse
@@ -133,7 +134,7 @@ def main():
     args = parser.parse_args()
     warmup = max(args.warmup, 10) if args.compile else args.warmup
     torch.backends.cudnn.benchmark = True
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = torch.device("cuda")
     fmt = torch.contiguous_format if args.nchw else torch.channels_last
