@@ -1,11 +1,8 @@
 #pragma once
-// Adam and AdamW with PyTorch's update (torch.optim.Adam / AdamW), per element, t the parameter's step:
-//   Adam:  g = grad + weight_decay * p                 AdamW: p = p * (1 - lr * weight_decay)
-//   m = beta1 * m + (1 - beta1) * g
-//   v = beta2 * v + (1 - beta2) * g^2
-//   v_max = max(v_max, v), used below instead of v     (amsgrad)
-//   p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)     (eps outside the square root)
-// The update is one fused pass per (group, device, dtype): optim/fused.h.
+// Adam and AdamW with PyTorch's update (torch.optim.Adam / AdamW: bias correction from each parameter's own step
+// count, eps outside the square root, AdamW's weight decay decoupled from the gradient, amsgrad); the rule per
+// element is optim/update_rules.h's adam_update. The update is one fused pass per (group, device, dtype):
+// optim/fused.h.
 // State per parameter: step, exp_avg (m), exp_avg_sq (v), max_exp_avg_sq (amsgrad), in the parameter's dtype.
 #include <utility>
 #include <vector>

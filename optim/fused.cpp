@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "optim/fused.h"
+#include "optim/update_rules.h"
 
 namespace halfgrad::optim {
 namespace {
@@ -52,25 +53,16 @@ template <typename Body> void for_each_chunk(const TensorList& tensors, const Bo
 
 template <typename T> T* ptr(const Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
-// ---- SGD
-
-template <typename M> struct SGDScalars {
-  M lr, momentum, one_minus_dampening, weight_decay, grad_scale;
-};
+// ---- SGD (the rule: optim/update_rules.h)
 
 template <typename T, bool kMomentum, bool kFirst, bool kNesterov, bool kDecay>
-void sgd_loop(T* __restrict p, const T* __restrict g, T* __restrict b, int64_t n, const SGDScalars<opmath_t<T>> s) {
+void sgd_loop(T* __restrict p, const T* __restrict g, T* __restrict b, int64_t n, const SGDScalars<opmath_t<T>> s,
+              const opmath_t<T> grad_scale) {
   using M = opmath_t<T>;
   for (int64_t i = 0; i < n; ++i) {
-    M param = M(p[i]);
-    M grad = s.grad_scale * M(g[i]);
-    if constexpr (kDecay) grad = grad + s.weight_decay * param;
-    if constexpr (kMomentum) {
-      M buf = kFirst ? grad : s.momentum * M(b[i]) + s.one_minus_dampening * grad;
-      b[i] = T(buf);
-      grad = kNesterov ? grad + s.momentum * buf : buf;
-    }
-    p[i] = T(param - s.lr * grad);
+    M buffer = kMomentum && !kFirst ? M(b[i]) : M(0);
+    p[i] = T(sgd_update(M(p[i]), grad_scale * M(g[i]), buffer, s, kMomentum, kFirst, kNesterov, kDecay));
+    if constexpr (kMomentum) b[i] = T(buffer);
   }
 }
 
@@ -78,8 +70,8 @@ void sgd_step_cpu(const SGDStepArgs& a) {
   if (a.params.empty() || (a.found_inf.defined() && a.found_inf.item<float>() != 0)) return;
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const SGDScalars<M> s{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay),
-                          a.grad_scale.defined() ? M(a.grad_scale.item<float>()) : M(1)};
+    const SGDScalars<M> s{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay)};
+    const M grad_scale = a.grad_scale.defined() ? M(a.grad_scale.item<float>()) : M(1);
     const bool momentum = a.momentum != 0;
     for_each_chunk(a.params, [&](int64_t, const Chunk& c) {
       const size_t t = c.tensor;
@@ -89,18 +81,14 @@ void sgd_step_cpu(const SGDStepArgs& a) {
       const bool first = momentum && a.first_step[t];
       with_bools(
           [&](auto kMomentum, auto kFirst, auto kNesterov, auto kDecay) {
-            sgd_loop<T, kMomentum, kFirst, kNesterov, kDecay>(p, g, b, c.end - c.begin, s);
+            sgd_loop<T, kMomentum, kFirst, kNesterov, kDecay>(p, g, b, c.end - c.begin, s, grad_scale);
           },
           momentum, first, momentum && a.nesterov, a.weight_decay != 0);
     });
   });
 }
 
-// ---- Adam / AdamW
-
-template <typename M> struct AdamScalars {
-  M lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor;
-};
+// ---- Adam / AdamW (the rule: optim/update_rules.h)
 
 template <typename T, bool kAmsgrad, bool kDecoupled, bool kDecay>
 void adam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, T* __restrict v_max,
@@ -108,25 +96,12 @@ void adam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __res
                const opmath_t<T> bias_correction2_sqrt) {
   using M = opmath_t<T>;
   for (int64_t i = 0; i < n; ++i) {
-    M param = M(p[i]);
-    M grad = M(g[i]);
-    if constexpr (kDecay) {
-      if constexpr (kDecoupled) {
-        param = param * s.decay_factor;
-      } else {
-        grad = grad + s.weight_decay * param;
-      }
-    }
-    const M exp_avg = s.beta1 * M(m[i]) + s.one_minus_beta1 * grad;
-    M exp_avg_sq = s.beta2 * M(v[i]) + s.one_minus_beta2 * grad * grad;
+    M exp_avg = M(m[i]), exp_avg_sq = M(v[i]), max_exp_avg_sq = kAmsgrad ? M(v_max[i]) : M(0);
+    p[i] = T(adam_update(M(p[i]), M(g[i]), exp_avg, exp_avg_sq, max_exp_avg_sq, step_size, bias_correction2_sqrt, s,
+                         kAmsgrad, kDecoupled, kDecay));
     m[i] = T(exp_avg);
     v[i] = T(exp_avg_sq);
-    if constexpr (kAmsgrad) {
-      exp_avg_sq = std::max(M(v_max[i]), exp_avg_sq);
-      v_max[i] = T(exp_avg_sq);
-    }
-    const M denom = std::sqrt(exp_avg_sq) / bias_correction2_sqrt + s.eps;
-    p[i] = T(param - step_size * exp_avg / denom);
+    if constexpr (kAmsgrad) v_max[i] = T(max_exp_avg_sq);
   }
 }
 
@@ -134,8 +109,8 @@ void adam_step_cpu(const AdamStepArgs& a) {
   if (a.params.empty()) return;
   dispatch_floating(a.params[0].dtype(), "Adam.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const AdamScalars<M> s{M(a.lr), M(a.beta1), M(1 - a.beta1), M(a.beta2), M(1 - a.beta2), M(a.eps),
-                           M(a.weight_decay), M(1 - a.lr * a.weight_decay)};
+    const AdamScalars<M> s{M(a.beta1), M(1 - a.beta1), M(a.beta2),       M(1 - a.beta2),
+                           M(a.eps),   M(a.weight_decay), M(1 - a.lr * a.weight_decay)};
     for_each_chunk(a.params, [&](int64_t, const Chunk& c) {
       const size_t t = c.tensor;
       T* v_max = a.amsgrad ? ptr<T>(a.max_exp_avg_sqs[t]) + c.begin : nullptr;

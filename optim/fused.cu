@@ -12,6 +12,7 @@
 #include "core/cuda.h"
 #include "optim/fused.h"
 #include "optim/multi_tensor.cuh"
+#include "optim/update_rules.h"
 
 namespace halfgrad::optim {
 namespace {
@@ -25,22 +26,18 @@ struct SGDExtra {
 };
 
 template <typename M> struct SGDOp {
-  M lr, momentum, one_minus_dampening, weight_decay;
+  SGDScalars<M> scalars;
   bool nesterov;
   const double* hyperparameters;  // nullptr, or [lr, momentum] to read instead of lr and momentum
   const float* grad_scale;        // nullptr, or the factor each gradient is read with
   static constexpr __device__ bool writes(int d) { return d != 1; }  // not the gradient
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
-    const M lr = hyperparameters ? M(hyperparameters[0]) : this->lr;
-    const M momentum = hyperparameters ? M(hyperparameters[1]) : this->momentum;
-    M g = grad_scale ? M(*grad_scale) * r[1] : r[1];
-    if (weight_decay != M(0)) g = g + weight_decay * r[0];
-    if constexpr (DEPTH == 3) {
-      const M b = extra.first_step ? g : momentum * r[2] + one_minus_dampening * g;
-      r[2] = b;
-      g = nesterov ? g + momentum * b : b;
-    }
-    r[0] = r[0] - lr * g;
+    SGDScalars<M> s = scalars;
+    if (hyperparameters) s.lr = M(hyperparameters[0]), s.momentum = M(hyperparameters[1]);
+    const M g = grad_scale ? M(*grad_scale) * r[1] : r[1];
+    M unused = 0;
+    M& buffer = DEPTH == 3 ? r[DEPTH - 1] : unused;
+    r[0] = sgd_update(r[0], g, buffer, s, DEPTH == 3, extra.first_step != 0, nesterov, s.weight_decay != M(0));
   }
 };
 
@@ -49,7 +46,7 @@ void sgd_step_cuda(const SGDStepArgs& a) {
   const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const SGDOp<M> op{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay), a.nesterov,
+    const SGDOp<M> op{{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay)}, a.nesterov,
                       a.hyperparameters.defined() ? a.hyperparameters.data<double>() : nullptr,
                       a.grad_scale.defined() ? a.grad_scale.data<float>() : nullptr};
     auto extra_of = [&](size_t i) { return SGDExtra{a.momentum != 0 && a.first_step[i] ? 1 : 0}; };
@@ -70,27 +67,14 @@ struct AdamExtra {
 };
 
 template <typename M> struct AdamOp {
-  M beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor;
+  AdamScalars<M> scalars;
   bool decoupled;
   static constexpr __device__ bool writes(int d) { return d != 1; }
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const AdamExtra& extra) const {
-    M p = r[0], g = r[1];
-    if (weight_decay != M(0)) {
-      if (decoupled)
-        p = p * decay_factor;
-      else
-        g = g + weight_decay * p;
-    }
-    const M m = beta1 * r[2] + one_minus_beta1 * g;
-    M v = beta2 * r[3] + one_minus_beta2 * g * g;
-    r[2] = m;
-    r[3] = v;
-    if constexpr (DEPTH == 5) {
-      v = r[4] < v ? v : r[4];  // std::max, as the CPU kernel and PyTorch's fused kernel
-      r[4] = v;
-    }
-    const M denom = sqrt(v) / M(extra.bias_correction2_sqrt) + eps;
-    r[0] = p - M(extra.step_size) * m / denom;
+    M unused = 0;
+    M& v_max = DEPTH == 5 ? r[DEPTH - 1] : unused;
+    r[0] = adam_update(r[0], r[1], r[2], r[3], v_max, M(extra.step_size), M(extra.bias_correction2_sqrt), scalars,
+                       DEPTH == 5, decoupled, scalars.weight_decay != M(0));
   }
 };
 
@@ -99,8 +83,8 @@ void adam_step_cuda(const AdamStepArgs& a) {
   const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "Adam.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const AdamOp<M> op{M(a.beta1), M(1 - a.beta1),       M(a.beta2),
-                       M(1 - a.beta2), M(a.eps), M(a.weight_decay), M(1 - a.lr * a.weight_decay),
+    const AdamOp<M> op{{M(a.beta1), M(1 - a.beta1), M(a.beta2), M(1 - a.beta2), M(a.eps), M(a.weight_decay),
+                        M(1 - a.lr * a.weight_decay)},
                        a.decoupled_weight_decay};
     auto extra_of = [&](size_t i) { return AdamExtra{a.step_sizes[i], a.bias_correction2_sqrts[i]}; };
     if (a.amsgrad) {

@@ -21,12 +21,7 @@
 
 namespace halfgrad::optim {
 
-// torch.optim.SGD, per element:
-//   g = grad_scale * grad                                   (grad_scale: 1 unless given)
-//   g = g + weight_decay * p                                (when weight_decay != 0)
-//   b = first_step ? g : momentum * b + (1 - dampening) * g (when momentum != 0)
-//   g = nesterov ? g + momentum * b : b                     (when momentum != 0)
-//   p = p - lr * g
+// torch.optim.SGD's step (the rule per element: optim/update_rules.h, sgd_update).
 struct SGDStepArgs {
   TensorList params, grads;
   TensorList momentum_buffers;      // one per parameter when momentum != 0, else empty
@@ -45,15 +40,7 @@ struct SGDStepArgs {
   Tensor grad_scale;
 };
 
-// torch.optim.Adam / AdamW (PyTorch's update, eps outside the square root), per element:
-//   Adam:  g = grad + weight_decay * p                      (when weight_decay != 0)
-//   AdamW: p = p * (1 - lr * weight_decay)                  (when weight_decay != 0)
-//   m = beta1 * m + (1 - beta1) * g
-//   v = beta2 * v + (1 - beta2) * g^2
-//   v_max = max(v_max, v)                                   (amsgrad; then v_max replaces v below)
-//   p = p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps)
-// with, from the parameter's own step count t (1 on its first step):
-//   step_size = lr / (1 - beta1^t),   bias_correction2_sqrt = sqrt(1 - beta2^t)
+// torch.optim.Adam / AdamW's step (the rule per element: optim/update_rules.h, adam_update).
 struct AdamStepArgs {
   TensorList params, grads, exp_avgs, exp_avg_sqs;
   TensorList max_exp_avg_sqs;  // amsgrad only, else empty

@@ -1,10 +1,7 @@
 #pragma once
-// Stochastic gradient descent with PyTorch's semantics (torch.optim.SGD):
-//   g = grad + weight_decay * p
-//   b = momentum * b + (1 - dampening) * g      (b = g on the first step)
-//   g = nesterov ? g + momentum * b : b         (when momentum != 0)
-//   p = p - lr * g
-// The update is one fused pass per (group, device, dtype): optim/fused.h.
+// Stochastic gradient descent with PyTorch's semantics (torch.optim.SGD): momentum, dampening, nesterov and weight
+// decay; the rule per element is optim/update_rules.h's sgd_update. The update is one fused pass per (group,
+// device, dtype): optim/fused.h.
 #include <vector>
 
 #include "optim/optimizer.h"
