@@ -11,9 +11,9 @@
 //     its range, so each thread loads and stores 16-byte vectors of the ranges, UNROLL of them in flight, no
 //     index arithmetic;
 //   - strided: dims are ordered by out's strides, innermost (smallest) first, so neighbouring threads touch
-//     neighbouring addresses whatever the layout, then coalesced as in ops/loops.h; each element's byte offsets
-//     are computed from its linear index with 32-bit division by precomputed magic numbers. Problems of 2^31
-//     elements or more are split along their outermost dim into launches that fit.
+//     neighbouring addresses whatever the layout, and merged (ops/coalesce.h, as on the CPU); each element's byte
+//     offsets are computed from its linear index with 32-bit division by precomputed magic numbers. Problems of
+//     2^31 elements or more are split along their outermost dim into launches that fit.
 // The functor is a plain struct with a __device__ operator()(In...) -> Out (not an extended lambda: those
 // cannot be defined inside the generic lambdas of the dtype switch).
 
@@ -29,6 +29,7 @@
 
 #include "core/cuda.h"
 #include "core/tensor.h"
+#include "ops/coalesce.h"
 
 namespace halfgrad::cuda {
 
@@ -149,52 +150,18 @@ __global__ void __launch_bounds__(kElementwiseBlock)
 
 // ---- host side
 
-// An elementwise problem with its dims coalesced (innermost first) and each operand's base address.
+// An elementwise problem with its dims coalesced (ops/coalesce.h, innermost first) and each operand's base address.
 // Operand 0 is the output; a scalar input has a null base and zero strides.
-template <int N> struct StridedProblem {
-  std::vector<int64_t> sizes;
-  std::vector<std::array<int64_t, N>> strides;  // bytes
+template <int N> struct StridedProblem : CoalescedDims<N> {
   std::array<char*, N> base{};
-
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t s : sizes) n *= s;
-    return n;
-  }
 };
-
-// Merges dims that every operand steps over contiguously (as ops/loops.h does).
-template <int N>
-StridedProblem<N> coalesce(const Shape& shape, const std::array<const Shape*, N>& strides,
-                           const std::array<int64_t, N>& element_sizes, const std::array<char*, N>& base) {
-  StridedProblem<N> p;
-  p.base = base;
-  for (int64_t d = int64_t(shape.size()) - 1; d >= 0; --d) {
-    if (shape[size_t(d)] == 1) continue;
-    std::array<int64_t, N> s;
-    for (int k = 0; k < N; ++k) s[k] = strides[k] ? (*strides[k])[size_t(d)] * element_sizes[k] : 0;
-    bool merge = !p.sizes.empty();
-    for (int k = 0; k < N && merge; ++k) merge = s[k] == p.strides.back()[k] * p.sizes.back();
-    if (merge) {
-      p.sizes.back() *= shape[size_t(d)];
-    } else {
-      p.sizes.push_back(shape[size_t(d)]);
-      p.strides.push_back(s);
-    }
-  }
-  if (p.sizes.empty()) {  // a single element
-    p.sizes.push_back(1);
-    p.strides.push_back({});
-  }
-  return p;
-}
 
 // Calls launch(sub) for pieces of `p` of fewer than 2^31 elements each, splitting the outermost dim.
 template <int N, typename Launch> void for_each_32bit_piece(StridedProblem<N> p, const Launch& launch) {
   constexpr int64_t kMax = (int64_t(1) << 31) - 1;
   while (p.sizes.size() > 1 && p.sizes.back() == 1) {
     p.sizes.pop_back();
-    p.strides.pop_back();
+    p.byte_strides.pop_back();
   }
   if (p.numel() <= kMax) {
     launch(p);
@@ -206,7 +173,7 @@ template <int N, typename Launch> void for_each_32bit_piece(StridedProblem<N> p,
   p.sizes[d] = half;
   second.sizes[d] -= half;
   for (int k = 0; k < N; ++k)
-    if (second.base[k]) second.base[k] += half * second.strides[d][k];
+    if (second.base[k]) second.base[k] += half * second.byte_strides[d][k];
   for_each_32bit_piece(p, launch);
   for_each_32bit_piece(second, launch);
 }
@@ -231,16 +198,6 @@ inline bool same_strides(const Tensor& a, const Tensor& b) {
   for (int64_t d = 0; d < a.dim(); ++d)
     if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
   return true;
-}
-
-// The permutation of out's dims that orders them by stride, outermost (largest) first, as coalesce() reads them:
-// its innermost dim is then the one whose neighbours are neighbours in out's memory. Ties keep their order.
-inline std::vector<size_t> memory_order(const Tensor& out) {
-  std::vector<size_t> order(size_t(out.dim()));
-  for (size_t d = 0; d < order.size(); ++d) order[d] = d;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return out.stride(int64_t(a)) > out.stride(int64_t(b)); });
-  return order;
 }
 
 template <typename T> InArg<T> make_in_arg(const Tensor& t) {
@@ -295,29 +252,18 @@ void launch_elementwise(const char* op, const Tensor& out, F f, const std::array
     return;
   }
 
-  // Shape and strides with the dims in out's memory order.
-  const std::vector<size_t> order = memory_order(out);
-  auto permuted = [&](const Shape& v) {
-    Shape p(order.size());
-    for (size_t d = 0; d < order.size(); ++d) p[d] = v[order[d]];
-    return p;
-  };
-  const Shape shape = permuted(out.shape());
-  std::array<Shape, N> permuted_strides;
   std::array<const Shape*, N> strides{};
   std::array<int64_t, N> element_sizes{int64_t(sizeof(Out)), int64_t(sizeof(In))...};
-  std::array<char*, N> base{};
-  permuted_strides[0] = permuted(out.strides());
-  strides[0] = &permuted_strides[0];
-  base[0] = static_cast<char*>(out.data_ptr());
+  StridedProblem<N> problem;
+  strides[0] = &out.strides();
+  problem.base[0] = static_cast<char*>(out.data_ptr());
   for (int k = 0; k < NIN; ++k) {
     const Tensor& t = inputs[size_t(k)];
-    if (t.is_cpu()) continue;
-    permuted_strides[size_t(k + 1)] = permuted(t.strides());
-    strides[size_t(k + 1)] = &permuted_strides[size_t(k + 1)];
-    base[size_t(k + 1)] = static_cast<char*>(t.data_ptr());
+    if (t.is_cpu()) continue;  // a scalar: no strides, no base
+    strides[size_t(k + 1)] = &t.strides();
+    problem.base[size_t(k + 1)] = static_cast<char*>(t.data_ptr());
   }
-  StridedProblem<N> problem = coalesce<N>(shape, strides, element_sizes, base);
+  static_cast<CoalescedDims<N>&>(problem) = coalesce_dims<N>(out.shape(), strides, element_sizes);
   HG_CHECK(int(problem.sizes.size()) <= kMaxCoalescedDims,
            "{}: {} has {} dims that cannot be merged; the CUDA kernels handle up to {}", op, out.meta(),
            problem.sizes.size(), kMaxCoalescedDims);
@@ -326,7 +272,7 @@ void launch_elementwise(const char* op, const Tensor& out, F f, const std::array
     calc.ndim = int(p.sizes.size());
     for (int d = 0; d < calc.ndim; ++d) {
       calc.sizes[d] = IntDivider(uint32_t(p.sizes[size_t(d)]));
-      for (int k = 0; k < N; ++k) calc.strides[d][k] = p.strides[size_t(d)][size_t(k)];
+      for (int k = 0; k < N; ++k) calc.strides[d][k] = p.byte_strides[size_t(d)][size_t(k)];
     }
     const uint32_t count = uint32_t(p.numel());
     const uint32_t blocks = (count + kElementwiseBlock * kElementwiseUnroll - 1) / (kElementwiseBlock * kElementwiseUnroll);

@@ -2,10 +2,8 @@
 // CPU loops over strided operands: the machinery behind every elementwise kernel on the CPU.
 //
 // An elementwise op has N operands (the output first) already viewed to one common shape (broadcast
-// inputs have stride 0). The loop orders the dims by the output's strides (innermost: the smallest), so that
-// a channels-last or otherwise permuted output is walked in its memory order, and merges dims that are
-// contiguous in every operand: a dense problem whose operands share one layout (contiguous, channels last) or a
-// simply broadcast one becomes one flat run the compiler vectorises. It then splits the elements into ranges
+// inputs have stride 0). The loop walks the dims as ops/coalesce.h orders and merges them (a dense problem whose
+// operands share one layout becomes one flat run the compiler vectorises), and splits the elements into ranges
 // that OpenMP threads walk independently.
 #include <omp.h>
 
@@ -18,6 +16,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/coalesce.h"
 
 namespace halfgrad::cpu {
 
@@ -30,37 +29,17 @@ template <int N> struct StridedLoop {
   explicit StridedLoop(const std::array<Tensor, N>& operands) {
     const Shape& full = operands[0].shape();
     numel = numel_of(full);
-    for (int k = 0; k < N; ++k) base[k] = static_cast<char*>(operands[k].data_ptr());
-    // Walk dims innermost-first in the output's memory order (ties keep the logical order), merging dim d into
-    // the run when every operand steps over it contiguously.
-    std::vector<int64_t> order;
-    for (int64_t d = int64_t(full.size()) - 1; d >= 0; --d) order.push_back(d);
-    const Shape& out_strides = operands[0].strides();
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return out_strides[a] < out_strides[b]; });
-    std::array<Shape, N> strides;
-    Shape sizes;
-    for (int64_t d : order) {
-      if (full[d] == 1) continue;
-      bool merge = !sizes.empty();
-      for (int k = 0; k < N && merge; ++k) {
-        int64_t es = int64_t(element_size(operands[k].dtype()));
-        merge = operands[k].strides()[d] * es == strides[k].back() * sizes.back();
-      }
-      if (merge) {
-        sizes.back() *= full[d];
-      } else {
-        sizes.push_back(full[d]);
-        for (int k = 0; k < N; ++k)
-          strides[k].push_back(operands[k].strides()[d] * int64_t(element_size(operands[k].dtype())));
-      }
+    std::array<const Shape*, N> strides;
+    std::array<int64_t, N> element_sizes;
+    for (int k = 0; k < N; ++k) {
+      base[k] = static_cast<char*>(operands[k].data_ptr());
+      strides[k] = &operands[k].strides();
+      element_sizes[k] = int64_t(element_size(operands[k].dtype()));
     }
-    if (sizes.empty()) {  // a single element
-      sizes.push_back(1);
-      for (int k = 0; k < N; ++k) strides[k].push_back(0);
-    }
-    shape.assign(sizes.rbegin(), sizes.rend());
-    for (int k = 0; k < N; ++k) byte_strides[k].assign(strides[k].rbegin(), strides[k].rend());
+    const CoalescedDims<N> dims = coalesce_dims<N>(full, strides, element_sizes);  // innermost first
+    shape.assign(dims.sizes.rbegin(), dims.sizes.rend());
+    for (auto it = dims.byte_strides.rbegin(); it != dims.byte_strides.rend(); ++it)
+      for (int k = 0; k < N; ++k) byte_strides[k].push_back((*it)[k]);
   }
 
   // Calls inner(ptrs, strides, n) for runs of n elements along the innermost dim; `inner` must handle any

@@ -23,6 +23,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/coalesce.h"
 
 namespace halfgrad {
 
@@ -85,19 +86,11 @@ bool contiguous_in_order(const Tensor& t, const Dims& order) {
   return true;
 }
 
-// x's dims from the outermost in memory to the innermost (by stride, ties in their order).
-Dims memory_order(const Tensor& x) {
-  Dims order(size_t(x.dim()));
-  for (int64_t d = 0; d < x.dim(); ++d) order[size_t(d)] = d;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
-  return order;
-}
-
 // Layout (b) below read in x's memory order: x dense in that order, its reduced dims of size > 1 one block there,
 // and its kept dims of size > 1 in their own order, so that output element (o, i) is element o inner + i of the
 // output. Sets outer (the kept dims before the block) and inner (those after it); false when x is not so.
 bool one_block_in_memory(const Tensor& x, const std::vector<bool>& mask, int64_t& outer, int64_t& inner) {
-  const Dims order = memory_order(x);
+  const Dims order = memory_order(x.strides());
   if (!contiguous_in_order(x, order)) return false;
   outer = inner = 1;
   int64_t last_kept = -1;
