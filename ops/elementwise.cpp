@@ -16,20 +16,6 @@ KernelTable<FillKernel> fill_kernel("fill");
 
 namespace {
 
-const char* unary_name(UnaryOp op) {
-  constexpr const char* names[] = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sign",
-                                   "logical_not", "isfinite"};
-  return names[int(op)];
-}
-const char* binary_name(BinaryOp op) {
-  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
-                                   "gt", "ge", "logical_and", "logical_or"};
-  return names[int(op)];
-}
-
-// Math functions (exp, log, ...) need a floating input: integers are computed in the default float dtype.
-bool needs_floating(UnaryOp op) { return op >= UnaryOp::Exp && op <= UnaryOp::Sigmoid; }
-
 void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
   HG_CHECK(a.device() == b.device(), "{}: operands are on different devices: {} and {}", op, a.meta(), b.meta());
 }
@@ -37,9 +23,8 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
 // ---- forward computations (no autograd)
 
 Tensor unary_forward(UnaryOp op, const Tensor& x) {
-  const char* name = unary_name(op);
-  HG_CHECK(x.dtype() != kBool || op == UnaryOp::LogicalNot || op == UnaryOp::IsFinite || op == UnaryOp::Abs,
-           "{}: not supported for bool tensors ({})", name, x.meta());
+  const char* name = op_name(op);
+  HG_CHECK(x.dtype() != kBool || takes_bool(op), "{}: not supported for bool tensors ({})", name, x.meta());
   DType compute = needs_floating(op) && !x.is_floating_point() ? kDefaultFloat : x.dtype();
   Tensor in = cast_nograd(x, compute);
   Tensor out = empty(x.shape(), {.dtype = is_predicate(op) ? kBool : compute, .device = x.device()},
@@ -50,7 +35,7 @@ Tensor unary_forward(UnaryOp op, const Tensor& x) {
 
 // Binary op on two tensors; either may be a 0-d CPU "scalar" when the other is on a device.
 Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compute) {
-  const char* name = binary_name(op);
+  const char* name = op_name(op);
   Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
   Device device = a_scalar ? b.device() : a.device();
@@ -67,16 +52,14 @@ Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compu
   return out;
 }
 
+// The dtype an op computes in: division of integers is true division, in the default float dtype.
 DType binary_compute_dtype(BinaryOp op, DType common) {
-  if (op == BinaryOp::Div && !is_floating(common)) return kDefaultFloat;  // true division
-  if ((op == BinaryOp::LogicalAnd || op == BinaryOp::LogicalOr)) return common;
-  return common;
+  return needs_floating(op) && !is_floating(common) ? kDefaultFloat : common;
 }
 
 void check_not_bool_arithmetic(BinaryOp op, DType common) {
-  HG_CHECK(common != kBool || is_predicate(op) || op == BinaryOp::Maximum || op == BinaryOp::Minimum ||
-               op == BinaryOp::Mul || op == BinaryOp::Add,
-           "{}: not supported for bool tensors; convert with to() first", binary_name(op));
+  HG_CHECK(common != kBool || takes_bool(op), "{}: not supported for bool tensors; convert with to() first",
+           op_name(op));
 }
 
 // A scalar operand as a 0-d CPU tensor of the compute dtype.
@@ -96,7 +79,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Sigmoid: return g * y * (1 - y);            // d s = s (1 - s)
     case UnaryOp::Relu: return where(y.gt(0), g, 0);         // 0 at x == 0, as PyTorch
     case UnaryOp::Sign: return zeros_like(g);
-    default: HG_FAIL("{}: not differentiable", unary_name(op));
+    default: HG_FAIL("{}: not differentiable", op_name(op));
   }
 }
 
@@ -110,7 +93,7 @@ bool backward_uses_output(UnaryOp op) {
 Tensor unary(UnaryOp op, const Tensor& x) {
   Tensor y = unary_forward(op, x);
   if (any_requires_grad({&x}) && y.is_floating_point()) {
-    const char* name = unary_name(op);
+    const char* name = op_name(op);
     SavedTensor sx(backward_uses_input(op) ? x : Tensor(), name);
     SavedTensor sy(backward_uses_output(op) ? y : Tensor(), name);
     record(backward_name(name), {x}, {y}, [op, sx, sy](const GradContext& g) -> TensorList {
@@ -126,7 +109,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
   if (is_predicate(op) || !any_requires_grad({&a, &b})) return out;
 
-  const char* name = binary_name(op);
+  const char* name = op_name(op);
   Shape sa = a.shape(), sb = b.shape();
   switch (op) {
     case BinaryOp::Add:
@@ -500,7 +483,7 @@ Tensor& Tensor::fill_(const Scalar& value) {
 namespace {
 
 void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
-  dispatch_all(in.dtype(), unary_name(op), [&]<typename T>() {
+  dispatch_all(in.dtype(), op_name(op), [&]<typename T>() {
     dispatch_unary_op(op, [&]<UnaryOp OP>() {
       using M = opmath_t<T>;
       // auto operands: float16 arrives as float in contiguous runs (cpu::map)
@@ -509,14 +492,14 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
       } else if constexpr (!std::is_same_v<T, bool>) {
         cpu::map<T, T>(out, [](auto x) { return cpu::widened_t<T>(unary_math<OP>(M(x))); }, {in});
       } else {
-        HG_FAIL("{}: not supported for bool tensors", unary_name(op));
+        HG_FAIL("{}: not supported for bool tensors", op_name(op));
       }
     });
   });
 }
 
 void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
-  dispatch_all(a.dtype(), binary_name(op), [&]<typename T>() {
+  dispatch_all(a.dtype(), op_name(op), [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       using M = opmath_t<T>;
       if constexpr (is_predicate(OP)) {

@@ -13,11 +13,6 @@ namespace halfgrad {
 namespace {
 
 // Op names for error messages (the order of UnaryOp).
-const char* unary_op_name(UnaryOp op) {
-  constexpr const char* names[] = {"neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sign",
-                                   "logical_not", "isfinite"};
-  return names[int(op)];
-}
 // ---- functors: load in the storage type, compute in opmath_t (float for float16/bfloat16), store
 
 template <UnaryOp OP, typename T> struct UnaryFn {
@@ -34,21 +29,17 @@ template <typename T> struct FillFn {
   __device__ T operator()() const { return value; }
 };
 
-// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send: math functions get floating inputs
-// (integers are cast to float32 first), bool only takes the ops it allows. Kernels are instantiated for
-// these pairs only, which keeps nvcc's work down.
+// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
+// math functions get floating inputs (integers are cast to float32 first), bool only the ops that take it.
+// Kernels are instantiated for these pairs only, which keeps nvcc's work down.
 template <UnaryOp OP, typename T> constexpr bool unary_supported() {
-  if constexpr (std::is_same_v<T, bool>) {
-    return OP == UnaryOp::LogicalNot || OP == UnaryOp::IsFinite || OP == UnaryOp::Abs;
-  } else if constexpr (std::is_integral_v<T>) {
-    return !(OP >= UnaryOp::Exp && OP <= UnaryOp::Sigmoid);
-  } else {
-    return true;
-  }
+  if constexpr (std::is_same_v<T, bool>) return takes_bool(OP);
+  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP);
+  else return true;
 }
 
 void unary_cuda(UnaryOp op, const Tensor& out, const Tensor& in) {
-  const char* name = unary_op_name(op);
+  const char* name = op_name(op);
   dispatch_all(in.dtype(), name, [&]<typename T>() {
     dispatch_unary_op(op, [&]<UnaryOp OP>() {
       if constexpr (!unary_supported<OP, T>()) {

@@ -12,13 +12,6 @@
 namespace halfgrad {
 namespace {
 
-// Op names for error messages (the order of BinaryOp).
-const char* binary_op_name(BinaryOp op) {
-  constexpr const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
-                                   "gt", "ge", "logical_and", "logical_or"};
-  return names[int(op)];
-}
-
 // Load in the storage type, compute in opmath_t (float for float16/bfloat16), store.
 template <BinaryOp OP, typename T> struct BinaryFn {
   __device__ T operator()(T a, T b) const { return T(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
@@ -26,22 +19,18 @@ template <BinaryOp OP, typename T> struct BinaryFn {
 template <BinaryOp OP, typename T> struct BinaryPredicateFn {
   __device__ bool operator()(T a, T b) const { return bool(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
 };
-// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send: bool takes only the ops it allows and
-// integer division is true division (computed in float). Kernels are instantiated for these pairs only.
+// The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
+// bool takes only the ops that allow it and integer division is true division (computed in float). Kernels are
+// instantiated for these pairs only.
 template <BinaryOp OP, typename T> constexpr bool binary_supported() {
-  if constexpr (std::is_same_v<T, bool>) {
-    return OP == BinaryOp::Add || OP == BinaryOp::Mul || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum ||
-           is_predicate(OP);
-  } else if constexpr (std::is_integral_v<T>) {
-    return OP != BinaryOp::Div;
-  } else {
-    return true;
-  }
+  if constexpr (std::is_same_v<T, bool>) return takes_bool(OP);
+  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP);
+  else return true;
 }
 
 // a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value.
 void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
-  const char* name = binary_op_name(op);
+  const char* name = op_name(op);
   HG_CHECK(a.dtype() == b.dtype(), "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(),
            b.meta());
   dispatch_all(a.dtype(), name, [&]<typename T>() {

@@ -11,12 +11,70 @@
 
 namespace halfgrad {
 
-enum class UnaryOp : uint8_t { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Tanh, Sigmoid, Relu, Sign, LogicalNot, IsFinite };
-enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, LogicalAnd, LogicalOr };
+// Every elementwise op once, with the rules both backends and the op layer follow; the enums, the names, the rule
+// functions below and dispatch_*_op are made from these lists. A row: X(Op, "name", kind, takes bool), kind being
+//   Plain      the result has the (promoted) input dtype
+//   Math       a math function: an integer input is computed in the default float dtype (exp(int) is float32)
+//   Predicate  the result is bool whatever the input dtype
+// and "takes bool" whether a bool input is allowed (the others ask for a conversion first). Adding an op: its row
+// here, its case in unary_math / binary_math below, its derivative in ops/elementwise.cpp (unary_backward or
+// binary), its function and Tensor method, and its row in core/autocast.h.
+#define HG_UNARY_OPS(X)                                                                                    \
+  X(Neg, "neg", Plain, false) X(Abs, "abs", Plain, true) X(Exp, "exp", Math, false) X(Log, "log", Math, false) \
+  X(Sqrt, "sqrt", Math, false) X(Rsqrt, "rsqrt", Math, false) X(Tanh, "tanh", Math, false)                  \
+  X(Sigmoid, "sigmoid", Math, false) X(Relu, "relu", Plain, false) X(Sign, "sign", Plain, false)           \
+  X(LogicalNot, "logical_not", Predicate, true) X(IsFinite, "isfinite", Predicate, true)
+#define HG_BINARY_OPS(X)                                                                                        \
+  X(Add, "add", Plain, true) X(Sub, "sub", Plain, false) X(Mul, "mul", Plain, true) X(Div, "div", Math, false) \
+  X(Pow, "pow", Plain, false) X(Maximum, "maximum", Plain, true) X(Minimum, "minimum", Plain, true)            \
+  X(Eq, "eq", Predicate, true) X(Ne, "ne", Predicate, true) X(Lt, "lt", Predicate, true)                       \
+  X(Le, "le", Predicate, true) X(Gt, "gt", Predicate, true) X(Ge, "ge", Predicate, true)                       \
+  X(LogicalAnd, "logical_and", Predicate, true) X(LogicalOr, "logical_or", Predicate, true)
+
+enum class ElementwiseKind : uint8_t { Plain, Math, Predicate };
+
+#define HG_ELEMENTWISE_ENUM(op, name, kind, takes_bool) op,
+enum class UnaryOp : uint8_t { HG_UNARY_OPS(HG_ELEMENTWISE_ENUM) };
+enum class BinaryOp : uint8_t { HG_BINARY_OPS(HG_ELEMENTWISE_ENUM) };
+#undef HG_ELEMENTWISE_ENUM
+
+#define HG_ELEMENTWISE_NAME(op, name, kind, takes_bool) name,
+inline const char* op_name(UnaryOp op) {
+  constexpr const char* names[] = {HG_UNARY_OPS(HG_ELEMENTWISE_NAME)};
+  return names[int(op)];
+}
+inline const char* op_name(BinaryOp op) {
+  constexpr const char* names[] = {HG_BINARY_OPS(HG_ELEMENTWISE_NAME)};
+  return names[int(op)];
+}
+#undef HG_ELEMENTWISE_NAME
+
+// An op's rules, from its row.
+struct ElementwiseRules {
+  ElementwiseKind kind;
+  bool takes_bool;
+};
+#define HG_ELEMENTWISE_RULES(op, name, kind, takes_bool) ElementwiseRules{ElementwiseKind::kind, takes_bool},
+HG_HOST_DEVICE constexpr ElementwiseRules rules_of(UnaryOp op) {
+  constexpr ElementwiseRules rules[] = {HG_UNARY_OPS(HG_ELEMENTWISE_RULES)};
+  return rules[int(op)];
+}
+HG_HOST_DEVICE constexpr ElementwiseRules rules_of(BinaryOp op) {
+  constexpr ElementwiseRules rules[] = {HG_BINARY_OPS(HG_ELEMENTWISE_RULES)};
+  return rules[int(op)];
+}
+#undef HG_ELEMENTWISE_RULES
 
 // Ops whose result is bool whatever the input dtype.
-HG_HOST_DEVICE constexpr bool is_predicate(UnaryOp op) { return op == UnaryOp::LogicalNot || op == UnaryOp::IsFinite; }
-HG_HOST_DEVICE constexpr bool is_predicate(BinaryOp op) { return op >= BinaryOp::Eq; }
+template <typename Op> HG_HOST_DEVICE constexpr bool is_predicate(Op op) {
+  return rules_of(op).kind == ElementwiseKind::Predicate;
+}
+// Ops computed in a floating dtype: an integer input is computed in the default float dtype.
+template <typename Op> HG_HOST_DEVICE constexpr bool needs_floating(Op op) {
+  return rules_of(op).kind == ElementwiseKind::Math;
+}
+// Ops that take bool inputs (the others ask for a conversion first).
+template <typename Op> HG_HOST_DEVICE constexpr bool takes_bool(Op op) { return rules_of(op).takes_bool; }
 
 template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
   using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::isfinite;
@@ -82,9 +140,8 @@ template <typename To, typename From> HG_HOST_DEVICE inline To convert_value(Fro
 // Turns a run-time op into a compile-time one: fn.template operator()<OP>().
 template <typename Fn> decltype(auto) dispatch_unary_op(UnaryOp op, Fn&& fn) {
   switch (op) {
-#define HG_CASE(O) case UnaryOp::O: return fn.template operator()<UnaryOp::O>();
-    HG_CASE(Neg) HG_CASE(Abs) HG_CASE(Exp) HG_CASE(Log) HG_CASE(Sqrt) HG_CASE(Rsqrt) HG_CASE(Tanh)
-    HG_CASE(Sigmoid) HG_CASE(Relu) HG_CASE(Sign) HG_CASE(LogicalNot) HG_CASE(IsFinite)
+#define HG_CASE(O, name, kind, takes_bool) case UnaryOp::O: return fn.template operator()<UnaryOp::O>();
+    HG_UNARY_OPS(HG_CASE)
 #undef HG_CASE
   }
   return fn.template operator()<UnaryOp::Neg>();
@@ -92,9 +149,8 @@ template <typename Fn> decltype(auto) dispatch_unary_op(UnaryOp op, Fn&& fn) {
 
 template <typename Fn> decltype(auto) dispatch_binary_op(BinaryOp op, Fn&& fn) {
   switch (op) {
-#define HG_CASE(O) case BinaryOp::O: return fn.template operator()<BinaryOp::O>();
-    HG_CASE(Add) HG_CASE(Sub) HG_CASE(Mul) HG_CASE(Div) HG_CASE(Pow) HG_CASE(Maximum) HG_CASE(Minimum)
-    HG_CASE(Eq) HG_CASE(Ne) HG_CASE(Lt) HG_CASE(Le) HG_CASE(Gt) HG_CASE(Ge) HG_CASE(LogicalAnd) HG_CASE(LogicalOr)
+#define HG_CASE(O, name, kind, takes_bool) case BinaryOp::O: return fn.template operator()<BinaryOp::O>();
+    HG_BINARY_OPS(HG_CASE)
 #undef HG_CASE
   }
   return fn.template operator()<BinaryOp::Add>();
