@@ -15,7 +15,7 @@ namespace halfgrad {
 
 // The dims of a tensor with these strides from the outermost in memory to the innermost: by stride, ties in their
 // logical order.
-inline Dims memory_order(const Shape& strides) {
+inline Dims dims_in_memory_order(const Shape& strides) {
   Dims order(strides.size());
   for (size_t d = 0; d < order.size(); ++d) order[d] = int64_t(d);
   std::stable_sort(order.begin(), order.end(),
@@ -41,7 +41,7 @@ template <int N>
 CoalescedDims<N> coalesce_dims(const Shape& shape, const std::array<const Shape*, N>& strides,
                                const std::array<int64_t, N>& element_sizes) {
   CoalescedDims<N> c;
-  const Dims order = memory_order(*strides[0]);
+  const Dims order = dims_in_memory_order(*strides[0]);
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     const size_t d = size_t(*it);
     if (shape[d] == 1) continue;

@@ -253,17 +253,17 @@ void launch_elementwise(const char* op, const Tensor& out, F f, const std::array
   }
 
   std::array<const Shape*, N> strides{};
-  std::array<int64_t, N> element_sizes{int64_t(sizeof(Out)), int64_t(sizeof(In))...};
-  StridedProblem<N> problem;
+  std::array<char*, N> base{};
+  const std::array<int64_t, N> element_sizes{int64_t(sizeof(Out)), int64_t(sizeof(In))...};
   strides[0] = &out.strides();
-  problem.base[0] = static_cast<char*>(out.data_ptr());
+  base[0] = static_cast<char*>(out.data_ptr());
   for (int k = 0; k < NIN; ++k) {
     const Tensor& t = inputs[size_t(k)];
     if (t.is_cpu()) continue;  // a scalar: no strides, no base
     strides[size_t(k + 1)] = &t.strides();
-    problem.base[size_t(k + 1)] = static_cast<char*>(t.data_ptr());
+    base[size_t(k + 1)] = static_cast<char*>(t.data_ptr());
   }
-  static_cast<CoalescedDims<N>&>(problem) = coalesce_dims<N>(out.shape(), strides, element_sizes);
+  const StridedProblem<N> problem{coalesce_dims<N>(out.shape(), strides, element_sizes), base};
   HG_CHECK(int(problem.sizes.size()) <= kMaxCoalescedDims,
            "{}: {} has {} dims that cannot be merged; the CUDA kernels handle up to {}", op, out.meta(),
            problem.sizes.size(), kMaxCoalescedDims);

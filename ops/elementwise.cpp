@@ -346,8 +346,10 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   const Device device = condition.device();
   DType common = promote_types(a.dtype(), b.dtype());
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
+  // The output takes the layout of the operand that has the output's shape (a, else b), as binary ops do.
+  const Tensor& layout = a.shape() == shape ? a : b;
   Tensor out = empty(shape, {.dtype = common, .device = device},
-                     a.shape() == shape ? suggest_memory_format(a) : MemoryFormat::Contiguous);
+                     layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t, bool scalar) {
     Tensor c = cast_nograd(t, common);
     return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, "where");

@@ -12,7 +12,6 @@
 namespace halfgrad {
 namespace {
 
-// Op names for error messages (the order of UnaryOp).
 // ---- functors: load in the storage type, compute in opmath_t (float for float16/bfloat16), store
 
 template <UnaryOp OP, typename T> struct UnaryFn {

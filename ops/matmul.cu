@@ -57,8 +57,9 @@ constexpr int64_t kAlignBytes = 16;
 // Below this the copies' launches cost more than the faster kernel saves. A language model's decoder products are
 // 9-30 GFLOP; its recurrent layers' input products at 650 units 2.4 (65 TFLOP/s unpadded).
 constexpr double kMinPaddedFlops = 1e9;
-// The copies move bytes at ~3 TB/s; the padded kernel saves ~4e-15 s a flop (170 -> 550 TFLOP/s): pay off from
-// about 80 flops per byte copied; 64 counts the saved launches of cuBLAS's slower split kernels too.
+// The copies move bytes at ~3 TB/s; the padded kernel saves ~4e-15 s a flop in 16 bits (170 -> 550 TFLOP/s) and
+// ~1e-14 in TF32 (~50 -> ~90-100 TFLOP/s for the language model's input products): pay off from about 80 flops per
+// byte copied in 16 bits, fewer in TF32; 64 counts the saved launches of cuBLAS's slower split kernels too.
 constexpr double kMinFlopsPerCopiedByte = 64;
 
 // A stored row-major matrix of a GEMM and the padded shape it is run with.

@@ -44,10 +44,13 @@ Geometry<I> geometry(const Tensor& input, const Tensor& output, const Tensor& au
   return g;
 }
 
-// Whether every element count and offset of the tensors fits an int32_t: then the kernels index in 32 bits, whose
-// divisions cost a fraction of 64-bit ones (max_pool2d's backward at VGG16's first layer, batch 512, took 630 µs
-// with 64-bit indices).
-bool fits_int32(std::initializer_list<const Tensor*> tensors) {
+// Whether every element count and offset of the tensors fits an int32_t, with window parameters small enough
+// (under 2^14) that their products do too: then the kernels index in 32 bits, whose divisions cost a fraction of
+// 64-bit ones (max_pool2d's backward at VGG16's first layer, batch 512, took 630 µs with 64-bit indices).
+bool fits_int32(std::initializer_list<const Tensor*> tensors, const Pool2dParams& p) {
+  for (int d = 0; d < 2; ++d)
+    for (int64_t v : {p.kernel[d], p.stride[d], p.padding[d], p.dilation[d]})
+      if (v >= (int64_t(1) << 14)) return false;
   for (const Tensor* t : tensors) {
     if (!t->defined()) continue;
     int64_t last = 0;
@@ -265,7 +268,7 @@ void max_pool2d_cuda(const Tensor& out, const Tensor& indices, const Tensor& inp
                                                                      ptr<int64_t>(indices), g, Window<I>(p), I(total));
     });
   };
-  if (fits_int32({&input, &out, &indices}))
+  if (fits_int32({&input, &out, &indices}, p))
     launch.template operator()<int32_t>();
   else
     launch.template operator()<int64_t>();
@@ -281,7 +284,7 @@ void max_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_outpu
           ptr<T>(grad_input), ptr<const T>(grad_output), ptr<const int64_t>(indices), g, Window<I>(p), I(total));
     });
   };
-  if (fits_int32({&grad_input, &grad_output, &indices}))
+  if (fits_int32({&grad_input, &grad_output, &indices}, p))
     launch.template operator()<int32_t>();
   else
     launch.template operator()<int64_t>();

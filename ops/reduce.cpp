@@ -88,9 +88,11 @@ bool contiguous_in_order(const Tensor& t, const Dims& order) {
 
 // Layout (b) below read in x's memory order: x dense in that order, its reduced dims of size > 1 one block there,
 // and its kept dims of size > 1 in their own order, so that output element (o, i) is element o inner + i of the
-// output. Sets outer (the kept dims before the block) and inner (those after it); false when x is not so.
+// output. Sets outer (the kept dims before the block) and inner (those after it); false when x is not so. The
+// reduced block is read in memory order too: right for every reduction over several dims (sums, means, variances,
+// all, any, max and min without indices); the reductions that return indices reduce one dim, read in its order.
 bool one_block_in_memory(const Tensor& x, const std::vector<bool>& mask, int64_t& outer, int64_t& inner) {
-  const Dims order = memory_order(x.strides());
+  const Dims order = dims_in_memory_order(x.strides());
   if (!contiguous_in_order(x, order)) return false;
   outer = inner = 1;
   int64_t last_kept = -1;
@@ -118,11 +120,11 @@ bool can_stage(ReduceOp op) {
 // Chooses the cheapest [outer, reduced, inner] layout, in this order:
 //   a. x's memory is already [kept dims..., reduced dims...] (a contiguous x reduced over its trailing
 //      dims, or a transposed one reduced over what are its leading dims): no copy, inner = 1.
-//   b. the reduced dims are one block of consecutive dims in x's memory (sum over dim 0 of [N, C], the reduction
-//      that sum_to in every broadcasting backward does; conv's bias gradient of a channels-last [N, C, H, W],
-//      whose memory is [N H W, C]): no copy when x is dense, inner > 1, and the kernel accumulates whole rows into
-//      an inner-wide accumulator instead of transposing. A tensor that is not dense but whose reduced dims are
-//      consecutive ones is copied contiguous first.
+//   b. the reduced dims are one block of consecutive dims in x's memory, the kept ones in their order around it
+//      (sum over dim 0 of [N, C], the reduction that sum_to in every broadcasting backward does; conv's bias
+//      gradient of a channels-last [N, C, H, W], whose memory is [N H W, C]): no copy when x is dense, and with
+//      inner > 1 the kernel accumulates whole rows into an inner-wide accumulator instead of transposing. Otherwise,
+//      when the reduced dims are consecutive dims of x, x is copied contiguous first.
 //   c. a contiguous x whose reduced dims are several blocks (conv's bias gradient: [N, C, H, W] summed over
 //      {0, 2, 3}), for the ops that can be done in stages (sum, mean, all, any): reduce the last block
 //      first, then the result over the remaining dims; each stage reads memory in order, nothing is

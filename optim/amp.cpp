@@ -118,12 +118,16 @@ TensorList Amp::unscale_() {
 Tensor Amp::clip_grad_norm_(double max_norm, double norm_type) {
   gather_master_grads();
   if (scaler_.is_enabled()) return scaler_.clip_grad_norm_(*optimizer_, max_norm, norm_type);
-  // No scale to divide by: the norm as it is, and the coefficient for step(), which saves clipping's pass over the
-  // gradients (SGD multiplies as its kernel reads them).
   HG_CHECK(!clip_coefficient_.defined(),
            "Amp::clip_grad_norm_: the gradients were already clipped (clip_grad_norm_) since the last step()");
+  const TensorList params = optimizer_->parameters();
+  // float64 gradients are clipped in place, in float64: the fused step reads its coefficient in float32.
+  for (const Tensor& p : params)
+    if (p.dtype() == kFloat64) return optim::clip_grad_norm_(params, max_norm, norm_type);
+  // No scale to divide by: the norm as it is, and the coefficient for step(), which saves clipping's pass over the
+  // gradients (SGD multiplies as its kernel reads them).
   NoGradGuard no_grad;
-  const Tensor norm = optim::grad_norm(optimizer_->parameters(), norm_type);
+  const Tensor norm = optim::grad_norm(params, norm_type);
   clip_coefficient_ = optim::clip_coefficient(norm, max_norm).to(kFloat32);
   return norm;
 }

@@ -72,7 +72,8 @@ class Amp {
   // Clips the gradients the optimizer will use by their total norm, as optim::clip_grad_norm_(amp.unscale_(), ...)
   // and with the same result, in one reading pass instead of an unscaling and a scaling one
   // (GradScaler::clip_grad_norm_: SGD then unscales and clips as its step reads each gradient; without a loss scaler,
-  // as at O0, it clips as it reads). Returns the unscaled norm. Call it in place of unscale_, once before step():
+  // as at O0, it clips as it reads, float64 gradients aside). Returns the unscaled norm. Call it in place of
+  // unscale_, once before step(); step() or zero_grad() of this Amp uses or forgets the clipping:
   //   amp.backward(loss);
   //   amp.clip_grad_norm_(0.25);
   //   amp.step();

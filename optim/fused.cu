@@ -35,9 +35,13 @@ template <typename M> struct SGDOp {
     SGDScalars<M> s = scalars;
     if (hyperparameters) s.lr = M(hyperparameters[0]), s.momentum = M(hyperparameters[1]);
     const M g = grad_scale ? M(*grad_scale) * r[1] : r[1];
-    M unused = 0;
-    M& buffer = DEPTH == 3 ? r[DEPTH - 1] : unused;
-    r[0] = sgd_update(r[0], g, buffer, s, DEPTH == 3, extra.first_step != 0, nesterov, s.weight_decay != M(0));
+    const bool decay = s.weight_decay != M(0);
+    if constexpr (DEPTH == 3) {  // with momentum: r[2] is the buffer
+      r[0] = sgd_update(r[0], g, r[2], s, true, extra.first_step != 0, nesterov, decay);
+    } else {
+      M no_buffer = 0;
+      r[0] = sgd_update(r[0], g, no_buffer, s, false, false, nesterov, decay);
+    }
   }
 };
 
@@ -71,10 +75,16 @@ template <typename M> struct AdamOp {
   bool decoupled;
   static constexpr __device__ bool writes(int d) { return d != 1; }
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const AdamExtra& extra) const {
-    M unused = 0;
-    M& v_max = DEPTH == 5 ? r[DEPTH - 1] : unused;
-    r[0] = adam_update(r[0], r[1], r[2], r[3], v_max, M(extra.step_size), M(extra.bias_correction2_sqrt), scalars,
-                       DEPTH == 5, decoupled, scalars.weight_decay != M(0));
+    const M step_size = M(extra.step_size), bias_correction2_sqrt = M(extra.bias_correction2_sqrt);
+    const bool decay = scalars.weight_decay != M(0);
+    if constexpr (DEPTH == 5) {  // amsgrad: r[4] is the largest second moment
+      r[0] = adam_update(r[0], r[1], r[2], r[3], r[4], step_size, bias_correction2_sqrt, scalars, true, decoupled,
+                         decay);
+    } else {
+      M no_max = 0;
+      r[0] = adam_update(r[0], r[1], r[2], r[3], no_max, step_size, bias_correction2_sqrt, scalars, false, decoupled,
+                         decay);
+    }
   }
 };
 

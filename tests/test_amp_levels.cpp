@@ -259,6 +259,16 @@ TEST_CASE("amp.clip_grad_norm_ without a loss scaler (O0) leaves SGD's gradients
     testing::check_close(to_vector<double>(net->parameters()[0]), to_vector<double>(want), 1e-6);
     amp.zero_grad();
   }
+  // float64 gradients are clipped in place, in float64 (the fused step reads a float32 coefficient).
+  auto net64 = small_net();
+  net64->to(kFloat64);
+  optim::SGD opt64(net64->parameters(), {.lr = 0.1});
+  amp::Amp amp64 = amp::initialize(*net64, opt64, amp::OptLevel::O0);
+  amp64.backward(mse_loss(amp64.forward(*net64, x.to(kFloat64)), y.to(kFloat64)));
+  const Tensor grad64 = net64->parameters()[0].grad().clone();
+  const double norm64 = amp64.clip_grad_norm_(0.01).item<double>();
+  const Tensor clipped64 = grad64 * (0.01 / (norm64 + 1e-6));
+  testing::check_close(to_vector<double>(net64->parameters()[0].grad()), to_vector<double>(clipped64), 1e-15);
 }
 
 TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown levels") {
