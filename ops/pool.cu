@@ -61,6 +61,14 @@ bool fits_int32(std::initializer_list<const Tensor*> tensors, const Pool2dParams
   return true;
 }
 
+// Calls launch.template operator()<I>() with I = int32_t when the problem fits it, else int64_t.
+template <typename Launch> void with_index_type(bool fits_int32, const Launch& launch) {
+  if (fits_int32)
+    launch.template operator()<int32_t>();
+  else
+    launch.template operator()<int64_t>();
+}
+
 // Element `i` of a [N, C, P, Q] grid numbered in NCHW or NHWC order.
 template <typename I> struct Index4 {
   I n, c, p, q;
@@ -102,8 +110,9 @@ template <typename I> struct Window {
   }
 };
 
-#define HG_GRID_STRIDE_LOOP(i, total) \
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (total); i += int64_t(gridDim.x) * blockDim.x)
+// Element i of `total`, in the index type I, over every thread of the grid.
+#define HG_GRID_STRIDE_LOOP(I, i, total) \
+  for (I i = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); i < (total); i += I(gridDim.x) * I(blockDim.x))
 
 unsigned grid_for(int64_t total) {
   return unsigned(std::min<int64_t>((total + kBlock - 1) / kBlock, int64_t(1) << 20));
@@ -114,7 +123,7 @@ unsigned grid_for(int64_t total) {
 template <typename T, typename I>
 __global__ void max_pool_kernel(const T* x, T* y, int64_t* indices, Geometry<I> g, Window<I> p, I total) {
   using Acc = opmath_t<T>;
-  for (I i = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); i < total; i += I(gridDim.x) * I(blockDim.x)) {
+  HG_GRID_STRIDE_LOOP(I, i, total) {
     const Index4<I> o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
     Acc best = -std::numeric_limits<Acc>::infinity();
     I best_index = -1;
@@ -149,7 +158,7 @@ __global__ void max_pool_backward_kernel(T* dx, const T* dy, const int64_t* indi
                                          I total) {
   using Acc = opmath_t<T>;
   const I span_h = p.dilation[0] * (p.kernel[0] - 1) + 1, span_w = p.dilation[1] * (p.kernel[1] - 1) + 1;
-  for (I i = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); i < total; i += I(gridDim.x) * I(blockDim.x)) {
+  HG_GRID_STRIDE_LOOP(I, i, total) {
     const Index4<I> e = unflatten(i, g.C, g.H, g.W, g.channels_last);
     const int64_t me = int64_t(e.p) * g.W + e.q;
     I h0, h1, w0, w1;
@@ -173,7 +182,7 @@ __device__ __forceinline__ int64_t avg_divisor(const AvgWindow& h, const AvgWind
 
 template <typename T> __global__ void avg_pool_kernel(const T* x, T* y, Geometry<> g, Pool2dParams p, int64_t total) {
   using Acc = opmath_t<T>;
-  HG_GRID_STRIDE_LOOP(i, total) {
+  HG_GRID_STRIDE_LOOP(int64_t, i, total) {
     const auto o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
     const AvgWindow wh = avg_window(o.p, g.H, p.kernel[0], p.stride[0], p.padding[0]);
     const AvgWindow ww = avg_window(o.q, g.W, p.kernel[1], p.stride[1], p.padding[1]);
@@ -189,7 +198,7 @@ template <typename T> __global__ void avg_pool_kernel(const T* x, T* y, Geometry
 template <typename T>
 __global__ void avg_pool_backward_kernel(T* dx, const T* dy, Geometry<> g, Pool2dParams p, int64_t total) {
   using Acc = opmath_t<T>;
-  HG_GRID_STRIDE_LOOP(i, total) {
+  HG_GRID_STRIDE_LOOP(int64_t, i, total) {
     const auto e = unflatten(i, g.C, g.H, g.W, g.channels_last);
     int64_t h0, h1, w0, w1;
     covering(e.p, p.padding[0], p.stride[0], p.kernel[0], g.OH, h0, h1);
@@ -211,7 +220,7 @@ __global__ void avg_pool_backward_kernel(T* dx, const T* dy, Geometry<> g, Pool2
 
 template <typename T> __global__ void adaptive_avg_pool_kernel(const T* x, T* y, Geometry<> g, int64_t total) {
   using Acc = opmath_t<T>;
-  HG_GRID_STRIDE_LOOP(i, total) {
+  HG_GRID_STRIDE_LOOP(int64_t, i, total) {
     const auto o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
     const int64_t h0 = adaptive_start(o.p, g.H, g.OH), h1 = adaptive_end(o.p, g.H, g.OH);
     const int64_t w0 = adaptive_start(o.q, g.W, g.OW), w1 = adaptive_end(o.q, g.W, g.OW);
@@ -226,7 +235,7 @@ template <typename T> __global__ void adaptive_avg_pool_kernel(const T* x, T* y,
 template <typename T>
 __global__ void adaptive_avg_pool_backward_kernel(T* dx, const T* dy, Geometry<> g, int64_t total) {
   using Acc = opmath_t<T>;
-  HG_GRID_STRIDE_LOOP(i, total) {
+  HG_GRID_STRIDE_LOOP(int64_t, i, total) {
     const auto e = unflatten(i, g.C, g.H, g.W, g.channels_last);
     // Cells [floor(h OH / H), ceil((h + 1) OH / H)) are the only candidates; each is checked exactly.
     const int64_t oh0 = (e.p * g.OH) / g.H, oh_end = ((e.p + 1) * g.OH + g.H - 1) / g.H;
@@ -268,10 +277,7 @@ void max_pool2d_cuda(const Tensor& out, const Tensor& indices, const Tensor& inp
                                                                      ptr<int64_t>(indices), g, Window<I>(p), I(total));
     });
   };
-  if (fits_int32({&input, &out, &indices}, p))
-    launch.template operator()<int32_t>();
-  else
-    launch.template operator()<int64_t>();
+  with_index_type(fits_int32({&input, &out, &indices}, p), launch);
 }
 
 void max_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
@@ -284,10 +290,7 @@ void max_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_outpu
           ptr<T>(grad_input), ptr<const T>(grad_output), ptr<const int64_t>(indices), g, Window<I>(p), I(total));
     });
   };
-  if (fits_int32({&grad_input, &grad_output, &indices}, p))
-    launch.template operator()<int32_t>();
-  else
-    launch.template operator()<int64_t>();
+  with_index_type(fits_int32({&grad_input, &grad_output, &indices}, p), launch);
 }
 
 void avg_pool2d_cuda(const Tensor& out, const Tensor& input, const Pool2dParams& p) {

@@ -170,11 +170,12 @@ ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, Re
     return p;
   }
 
-  if (one_block_in_memory(x, p.mask, p.outer, p.inner)) {  // (b), without a copy
-    p.input = flat_view(x, {p.outer, p.reduced, p.inner});
+  if (int64_t outer, inner; one_block_in_memory(x, p.mask, outer, inner)) {  // (b), without a copy
+    p.outer = outer;
+    p.inner = inner;
+    p.input = flat_view(x, {outer, p.reduced, inner});
     return p;
   }
-  p.outer = p.inner = 1;
 
   // The reduced dims of size > 1, from first to last, with no kept dim of size > 1 between them?
   int64_t first = -1, last = -1;
