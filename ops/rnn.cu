@@ -376,8 +376,12 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
   }
 }
 
-// The backward's shared memory: w [G H][UP] (A-aligned), w[r][u] = W_hh[r][j0 + u], zero for u >= U; then the
-// step's sums [B][UP] in A, to which the warps sharing a batch tile add their parts.
+// The backward's shared memory: w (A-aligned) holds w[r][u] = W_hh[r][j0 + u] (zero for u >= U) in chunks of
+// kChunk<S, UP> units, chunk by chunk: [UP / chunk][G H][chunk]. Lanes read consecutive rows, so a chunk's 16-byte
+// loads by a warp are consecutive (one row of UP float32 units, 32 bytes, read row by row, cost each load twice the
+// shared-memory wavefronts: ncu counted 49% of them excess, 2026-12-02). Then the step's sums [B][UP] in A, to which
+// the warps sharing a batch tile add their parts.
+template <typename S, int UP> constexpr int kChunk = UP < kVec<S> ? UP : kVec<S>;
 template <typename S, typename A> HG_HOST_DEVICE size_t backward_weights_bytes(int64_t G, int64_t H, int up) {
   return (size_t(G * H * up) * sizeof(S) + sizeof(A) - 1) / sizeof(A) * sizeof(A);
 }
@@ -392,10 +396,11 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
   S* w = reinterpret_cast<S*>(shared);
   A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));
   const S* w_hh = static_cast<const S*>(a.w_hh);
+  constexpr int kC = kChunk<S, UP>;
 #pragma unroll 8
   for (int e = threadIdx.x; e < GH * UP; e += kThreads) {
     const int r = e / UP, u = e % UP;
-    w[e] = u < U ? w_hh[size_t(r) * H + j0 + u] : S(A(0));
+    w[((u / kC) * GH + r) * kC + u % kC] = u < U ? w_hh[size_t(r) * H + j0 + u] : S(A(0));
   }
   A* dh = static_cast<A*>(a.dh);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -426,7 +431,13 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
           for (int d = 0; d < kDepth; ++d) {
             const int r = min(r0 + 32 * d, r_end - 1);  // beyond the end dv is 0
             A wv[UP];
-            load_widened<S, UP>(w + r * UP, wv);
+#pragma unroll
+            for (int q = 0; q < UP / kC; ++q) {
+              A part[kC];
+              load_widened<S, kC>(w + (q * GH + r) * kC, part);
+#pragma unroll
+              for (int v = 0; v < kC; ++v) wv[q * kC + v] = part[v];
+            }
 #pragma unroll
             for (int i = 0; i < kTile; ++i)
 #pragma unroll
