@@ -21,6 +21,7 @@ python3-matplotlib); exits with 77 without it, which the ctest counts as skipped
 import argparse
 import json
 import os
+import re
 import sys
 from collections import OrderedDict
 
@@ -80,8 +81,13 @@ def read_lines(paths):
     return suites, sweep
 
 
+def natural(text):
+    """"resnet101" after "resnet18": digits compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(text))]
+
+
 def ordered(values, order):
-    return sorted(values, key=lambda v: (order.index(v) if v in order else len(order), v))
+    return sorted(values, key=lambda v: (order.index(v) if v in order else len(order), natural(v)))
 
 
 def median_ms(line):
@@ -140,7 +146,7 @@ def bars(ax, categories, series, ylabel):
     ax.set_xticklabels(categories, rotation=0)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
 
 
 def series_by(lines, value, frameworks):
@@ -164,6 +170,7 @@ def plot_resnet(lines, out_dir, title, frameworks):
     fig, (time_ax, ratio_ax) = plt.subplots(1, 2, figsize=(12, 4))
     models, series = series_by(lines, median_ms, frameworks)
     bars(time_ax, models, series, "ms per training step")
+    time_ax.get_legend().remove()  # the same series as the ratios' legend
     fp32 = {(f, m): median_ms(l) for (f, m, p, _), l in lines.items() if p == "fp32"}
     ratios = []
     for label, values, colour, hatch in series:
