@@ -11,52 +11,43 @@
 
 namespace halfgrad::optim {
 
-struct AdamOptions {
+// Adam's and AdamW's options: the same fields. They differ in weight decay alone: Adam adds it to the gradient (an L2
+// penalty), AdamW decays the parameter apart from the gradient (decoupled) and defaults to 1e-2, as PyTorch's.
+template <bool kDecoupled> struct AdamFamilyOptions {
   double lr = 1e-3;
   std::pair<double, double> betas = {0.9, 0.999};
   double eps = 1e-8;
-  double weight_decay = 0;  // L2 penalty added to the gradient
+  double weight_decay = kDecoupled ? 1e-2 : 0;
   bool amsgrad = false;
 };
-inline double& momentum_of(AdamOptions& o) { return o.betas.first; }
-
-// The same options; PyTorch's AdamW defaults to weight_decay 1e-2, decoupled from the gradient.
-struct AdamWOptions {
-  double lr = 1e-3;
-  std::pair<double, double> betas = {0.9, 0.999};
-  double eps = 1e-8;
-  double weight_decay = 1e-2;
-  bool amsgrad = false;
-};
-inline double& momentum_of(AdamWOptions& o) { return o.betas.first; }
-
-template <typename Options> struct AdamStepper;  // the step both share (optim/adam.cpp)
+using AdamOptions = AdamFamilyOptions<false>;
+using AdamWOptions = AdamFamilyOptions<true>;
+template <bool kDecoupled> double& momentum_of(AdamFamilyOptions<kDecoupled>& o) { return o.betas.first; }
 
 using AdamGroup = Group<AdamOptions>;
 using AdamWGroup = Group<AdamWOptions>;
 
-class Adam : public OptimizerWith<AdamOptions> {
+// The optimizer both are (optim/adam.cpp); Adam and AdamW below name its two forms.
+template <bool kDecoupled> class AdamFamily : public OptimizerWith<AdamFamilyOptions<kDecoupled>> {
  public:
-  Adam(TensorList params, AdamOptions options = {});
-  explicit Adam(std::vector<AdamGroup> groups);
+  using Options = AdamFamilyOptions<kDecoupled>;
+  AdamFamily(TensorList params, Options options = {});
+  explicit AdamFamily(std::vector<Group<Options>> groups);
   void step() override;
 
  protected:
   std::vector<std::string> state_names(size_t g) const override;
   bool counts_steps() const override { return true; }
-  template <typename> friend struct AdamStepper;
 };
 
-class AdamW : public OptimizerWith<AdamWOptions> {
+class Adam : public AdamFamily<false> {
  public:
-  AdamW(TensorList params, AdamWOptions options = {});
-  explicit AdamW(std::vector<AdamWGroup> groups);
-  void step() override;
+  using AdamFamily::AdamFamily;
+};
 
- protected:
-  std::vector<std::string> state_names(size_t g) const override;
-  bool counts_steps() const override { return true; }
-  template <typename> friend struct AdamStepper;
+class AdamW : public AdamFamily<true> {
+ public:
+  using AdamFamily::AdamFamily;
 };
 
 }  // namespace halfgrad::optim
