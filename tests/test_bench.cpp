@@ -1,6 +1,7 @@
 // `halfgrad bench` (tools/bench.h): the suites' configurations, a measured line, sizes, the memory budget.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -8,10 +9,14 @@
 #include "halfgrad.h"
 #include "tests/testing.h"
 #include "tools/bench.h"
+#include "train/loops.h"
 
 using namespace halfgrad;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
+using halfgrad::testing::TempDir;
+using halfgrad::testing::write_cifar10;
+using halfgrad::testing::write_splits;
 
 namespace {
 std::vector<std::string> names(const std::vector<bench::Case>& cases) {
@@ -88,6 +93,60 @@ TEST_CASE("bench lines: the step's time and spread, throughput from the median, 
   CHECK(text["bptt"] == 4);
   CHECK(text["tokens_per_second"].get<double>() ==
         doctest::Approx(4 * 3 / (text["ms"]["median"].get<double>() * 1e-3)));
+}
+
+TEST_CASE("bench --epochs: a classifier trained on CIFAR-10 files, a language model on a corpus, their accuracy in "
+          "the line") {
+  TempDir cifar;
+  for (int k = 1; k <= 5; ++k) write_cifar10(cifar.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
+  write_cifar10(cifar.file("test_batch.bin"), 8, 9);
+  const bench::Settings images{.device = Device::cpu(), .epochs = 2, .data_dir = cifar.path.string(), .seed = 3,
+                               .workers = 0};
+  const nlohmann::ordered_json line = bench::run_case({"resnet", "vgg11", "fp32", 8}, images);
+  CHECK(line["dataset"] == "cifar10");
+  CHECK(line["data_dir"] == cifar.path.string());
+  CHECK(line["epochs"] == 2);
+  CHECK(line["seed"] == 3);
+  CHECK_FALSE(line.contains("ms"));  // a trained line has no step timing
+  CHECK(line["seconds_per_epoch"].get<double>() > 0);
+  CHECK(line["images_per_second"].get<double>() > 0);
+  // The run is sweep-classifier's for the same settings: the same seed gives the same accuracy and loss.
+  const train::SweepRow row = train::sweep_classifier({.model = "vgg11", .data_dir = cifar.path, .epochs = 2,
+                                                       .batch_size = 8, .workers = 0, .seed = 3},
+                                                      {amp::OptLevel::O0}, {8})
+                                  .at(0);
+  CHECK(line["final_test_accuracy"].get<double>() == row.final_test_accuracy);
+  CHECK(line["final_test_loss"].get<double>() == row.final_test_loss);
+  CHECK(line["final_train_accuracy"].get<double>() == row.final_train_accuracy);
+
+  TempDir corpus;
+  write_splits(corpus, "the cat sat on the mat and the dog sat on the log \n a cat and a dog \n");
+  const bench::Settings text{.device = Device::cpu(), .bptt = 4, .epochs = 2, .data_dir = corpus.path.string(),
+                             .seed = 1};
+  const nlohmann::ordered_json lm = bench::run_case({"lm", "gru-8x1", "amp", 2}, text);
+  CHECK(lm["dataset"] == "text");  // not WikiText-2: the folder is in "data_dir"
+  CHECK(lm["bptt"] == 4);
+  CHECK(lm["test_perplexity"].get<double>() > 1);
+  CHECK(std::isfinite(lm["test_perplexity"].get<double>()));
+  CHECK(lm["final_valid_perplexity"].get<double>() > 1);
+  CHECK(lm["tokens_per_second"].get<double>() > 0);
+}
+
+TEST_CASE("bench --epochs refuses max-batch and a classifier without its files before anything runs") {
+  const bench::Settings no_files{.device = Device::cpu(), .epochs = 1};
+  CHECK(contains(error_of([&] { bench::run_case({"vgg", "vgg16", "fp32", 8}, no_files); }), "give their folder with "
+                 "--data-dir"));
+  // The max-batch case comes last: refused before the resnet case trains.
+  bool ran = false;
+  CHECK(contains(error_of([&] {
+                   bench::run_cases({{"resnet", "resnet18", "fp32", 8}, {"max-batch", "resnet18", "fp32", 8}},
+                                    {.device = Device::cpu(), .epochs = 1, .data_dir = "/nonexistent"},
+                                    [&](const nlohmann::ordered_json&) { ran = true; });
+                 }),
+                 "the search does not train"));
+  CHECK_FALSE(ran);
+  CHECK(contains(error_of([&] { bench::run_case({"lm", "lstm-8x1", "fp32", 2}, {.device = Device::cpu(), .epochs = -1}); }),
+                 "epochs must be >= 0"));
 }
 
 TEST_CASE("bench parses sizes in binary and decimal units and refuses anything else") {

@@ -17,20 +17,10 @@ using namespace halfgrad;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
 using halfgrad::testing::TempDir;
+using halfgrad::testing::write_cifar10;
 using halfgrad::testing::write_splits;
 
 namespace {
-
-// A CIFAR-10 binary file of n records: label i % 2; class 1 images bright, class 0 dark, with noise.
-void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
-  manual_seed(seed);
-  const std::vector<double> noise = to_vector<double>(rand({n, 3072}) * 60.0);
-  std::ofstream out(path, std::ios::binary);
-  for (int64_t i = 0; i < n; ++i) {
-    out.put(char(i % 2));
-    for (int64_t b = 0; b < 3072; ++b) out.put(char(uint8_t((i % 2 ? 150 : 30) + noise[size_t(i * 3072 + b)])));
-  }
-}
 
 // Every model, optimizer and extra tensor of two training checkpoints, by name and value, bit for bit.
 void check_same_tensors(const nn::TrainingCheckpoint& got, const nn::TrainingCheckpoint& want) {

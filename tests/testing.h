@@ -69,6 +69,17 @@ inline void write_splits(const TempDir& dir, const std::string& text) {
   for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
 }
 
+// A CIFAR-10 binary file of n records: label i % 2; class 1 images bright, class 0 dark, with noise.
+inline void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
+  manual_seed(seed);
+  const std::vector<double> noise = to_vector<double>(rand({n, 3072}) * 60.0);
+  std::ofstream out(path, std::ios::binary);
+  for (int64_t i = 0; i < n; ++i) {
+    out.put(char(i % 2));
+    for (int64_t b = 0; b < 3072; ++b) out.put(char(uint8_t((i % 2 ? 150 : 30) + noise[size_t(i * 3072 + b)])));
+  }
+}
+
 // A tensor's values as float64, in row-major order (any dtype, device or layout).
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 

@@ -24,6 +24,7 @@
 #include "models/language_model.h"
 #include "optim/amp.h"
 #include "optim/sgd.h"
+#include "train/loops.h"
 
 namespace halfgrad::bench {
 
@@ -325,6 +326,71 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
   line["reached_ceiling"] = good == s.max_batch;
 }
 
+// What the settings allow for a case, checked before any case of a run starts.
+void check_case(const Case& c, const Settings& s) {
+  HG_CHECK(s.epochs >= 0, "bench: epochs must be >= 0, got {}", s.epochs);
+  if (s.epochs > 0) {
+    HG_CHECK(c.suite != "max-batch", "bench max-batch: the search does not train (--epochs applies to vgg, resnet "
+             "and lm)");
+    HG_CHECK(c.suite == "lm" || !s.data_dir.empty(), "bench {}: --epochs trains on the CIFAR-10 files: give their "
+             "folder with --data-dir", c.suite);
+  }
+  HG_CHECK(c.suite != "max-batch" || s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory "
+           "budgets are the CUDA allocator's), got {}", s.device.str());
+}
+
+// Accuracy: the classifier trained as sweep-classifier trains it, one row.
+void train_classifier_case(const Case& c, const Settings& s, json& line) {
+  const Precision p = precision_of(c.precision);
+  const train::ClassifierConfig config{.model = c.model, .data_dir = s.data_dir, .epochs = s.epochs,
+                                       .batch_size = c.batch, .half_dtype = p.half, .device = s.device,
+                                       .channels_last = s.channels_last && s.device.is_cuda(), .workers = s.workers,
+                                       .seed = s.seed, .cuda_graph = s.cuda_graph};
+  const train::SweepRow row = train::sweep_classifier(config, {p.level}, {c.batch}).at(0);
+  if (row.out_of_memory) {
+    line["out_of_memory"] = true;
+    return;
+  }
+  line["final_test_accuracy"] = row.final_test_accuracy;
+  line["final_test_loss"] = row.final_test_loss;
+  line["final_train_accuracy"] = row.final_train_accuracy;
+  line["seconds_per_epoch"] = row.seconds_per_epoch;
+  line["images_per_second"] = row.images_per_second;
+  if (s.device.is_cuda()) line["peak_allocated_bytes"] = row.peak_memory_bytes;
+  line["skipped_steps"] = row.skipped_steps;
+}
+
+// Accuracy: the language model trained as train-lm trains it.
+void train_language_model_case(const Case& c, const Settings& s, json& line) {
+  const std::optional<LanguageModelShape> shape = language_model_shape(c.model);
+  HG_CHECK(shape.has_value(), "bench: \"{}\" is not a language model", c.model);
+  const Precision p = precision_of(c.precision);
+  const train::LanguageModelConfig config{.rnn = c.model.substr(0, c.model.find('-')), .data_dir = s.data_dir,
+                                          .embedding_size = shape->hidden, .hidden_size = shape->hidden,
+                                          .num_layers = shape->layers, .epochs = s.epochs, .batch_size = c.batch,
+                                          .bptt = s.bptt, .opt_level = p.level, .half_dtype = p.half,
+                                          .device = s.device, .seed = s.seed, .cuda_graph = s.cuda_graph};
+  const train::LanguageModelResult result = train::train_language_model(config);
+  // The epochs after the first (which includes the autotuning), or the first alone.
+  const size_t first = result.epochs.size() > 1 ? 1 : 0;
+  double seconds = 0, tokens_per_second = 0;
+  int64_t peak = 0;
+  for (size_t e = first; e < result.epochs.size(); ++e) {
+    seconds += result.epochs[e].seconds;
+    tokens_per_second += result.epochs[e].tokens_per_second;
+    peak = std::max(peak, result.epochs[e].peak_memory_bytes);
+  }
+  const double n = double(result.epochs.size() - first);
+  line["test_perplexity"] = std::exp(result.test_loss);
+  line["final_valid_perplexity"] = std::exp(result.epochs.back().valid_loss);
+  line["seconds_per_epoch"] = seconds / n;
+  line["tokens_per_second"] = tokens_per_second / n;
+  if (s.device.is_cuda()) line["peak_allocated_bytes"] = peak;
+  int64_t skipped = 0;
+  for (const train::LanguageModelEpochStats& e : result.epochs) skipped += e.skipped_steps;
+  line["skipped_steps"] = skipped;
+}
+
 }  // namespace
 
 std::vector<Case> suite_cases(const std::string& suite, const std::vector<std::string>& models,
@@ -374,12 +440,21 @@ json run_case(const Case& c, const Settings& s) {
   HG_CHECK(s.steps >= 1 && s.warmup >= 0, "bench: steps must be >= 1 and warmup >= 0, got {} and {}", s.steps,
            s.warmup);
   HG_CHECK(!s.cuda_graph || s.device.is_cuda(), "bench: --cuda-graph needs a CUDA device, got {}", s.device.str());
+  check_case(c, s);
+  const bool trains = s.epochs > 0;
+  // A language model's corpus is WikiText-2 unless data_dir names another (the line then gives the folder).
+  const char* dataset = !trains ? "synthetic" : c.suite != "lm" ? "cifar10" : s.data_dir.empty() ? "wikitext-2" : "text";
   json line = {{"framework", "halfgrad"}, {"suite", c.suite}, {"model", c.model}, {"precision", c.precision},
-               {"batch", c.batch}, {"dataset", "synthetic"}};
+               {"batch", c.batch}, {"dataset", dataset}};
   line.update(environment(s));
   line["cuda_graph"] = s.cuda_graph;
   line["out_of_memory"] = false;
-  if (c.suite != "max-batch") {
+  if (trains) {
+    line["data_dir"] = s.data_dir;
+    line["epochs"] = s.epochs;
+    line["seed"] = s.seed;
+    if (c.suite == "lm") line["bptt"] = s.bptt;
+  } else if (c.suite != "max-batch") {
     line["warmup"] = s.warmup;
     line["steps"] = s.steps;
     if (c.suite == "lm") line["bptt"] = s.bptt;
@@ -387,6 +462,8 @@ json run_case(const Case& c, const Settings& s) {
   try {
     if (c.suite == "max-batch")
       search_max_batch(c, s, line);
+    else if (trains)
+      c.suite == "lm" ? train_language_model_case(c, s, line) : train_classifier_case(c, s, line);
     else
       measure(c, s, line);
   } catch (const OutOfMemory& e) {
@@ -400,9 +477,7 @@ json run_case(const Case& c, const Settings& s) {
 std::vector<json> run_cases(const std::vector<Case>& cases, const Settings& s,
                             const std::function<void(const json&)>& on_line,
                             const std::function<void(size_t, size_t, const Case&)>& on_progress) {
-  for (const Case& c : cases)  // before anything runs, not after an hour of the other suites
-    HG_CHECK(c.suite != "max-batch" || s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory "
-             "budgets are the CUDA allocator's), got {}", s.device.str());
+  for (const Case& c : cases) check_case(c, s);  // before anything runs, not after an hour of the other suites
   std::vector<json> lines;
   for (size_t i = 0; i < cases.size(); ++i) {
     if (on_progress) on_progress(i, cases.size(), cases[i]);

@@ -19,6 +19,14 @@
 // `warmup`, each between two CUDA events (the wall clock on the CPU); the line has their median and spread.
 // Memory: the caching allocator's peaks (allocated and reserved) over the timed steps, after a first step.
 // A configuration that runs out of memory is a line saying so ("out_of_memory": true), never the end of the run.
+//
+// Accuracy (Settings::epochs > 0): each configuration of vgg, resnet and lm trains instead, on real data, as the
+// training commands do (train/loops.h): an image classifier `epochs` epochs on the CIFAR-10 files in data_dir with
+// sweep-classifier's recipe (SGD, one-cycle lr 0.1, weight decay 5e-4, pad-4 crops and flips); a language model on
+// WikiText-2 (data_dir, or the copy halfgrad ships) as train-lm does (lr 20 quartered when validation stalls, clipping
+// 0.25). The line then has "dataset", "epochs", "seed", the final test accuracy (classifiers) or test perplexity
+// (language models), seconds and images or tokens per second per epoch (the mean over the epochs after the first,
+// which includes the autotuning) and the peak allocated memory. max-batch does not train.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -49,6 +57,10 @@ struct Settings {
   int64_t bptt = 35;
   size_t memory_budget = 0;    // max-batch: the allocator's limit while searching (0: the device's memory)
   int64_t max_batch = 65536;   // max-batch: the search's ceiling
+  int64_t epochs = 0;          // > 0: train this many epochs on real data and report accuracy (above)
+  std::string data_dir{};      // with epochs: the CIFAR-10 folder; for lm a WikiText-2 folder (empty: the shipped one)
+  uint64_t seed = 0;           // with epochs: the runs' seed (initial weights, shuffling, augmentation, dropout)
+  int workers = 4;             // with epochs: image loading threads
 };
 
 // What a suite runs, in order. models / precisions / batches, when not empty, replace the suite's own lists (each

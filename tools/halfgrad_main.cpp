@@ -483,6 +483,9 @@ int run_bench_torch(const BenchArgs& a, bool compile) {
 // JSON lines to stdout (and appended to --out, a whole line at a time, flushed: an interrupted run leaves every line
 // it finished), a progress line to stderr before each configuration (rewritten in place on a terminal).
 int run_bench(BenchArgs a) {
+  // Before anything trains, not after: tools/bench_torch.py times steps on synthetic data only.
+  HG_CHECK(!(a.with_pytorch && a.settings.epochs > 0), "bench: --with-pytorch and --epochs together: "
+           "tools/bench_torch.py has no accuracy runs yet (it times steps); run PyTorch's side without --epochs");
   a.settings.device = parse_device(a.device);
   a.settings.channels_last = !a.nchw;
   if (!a.memory_budget.empty()) {
@@ -745,6 +748,13 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   tb->add_option("--bptt", bench_args.settings.bptt, "language models: steps per window")->check(CLI::PositiveNumber)
       ->capture_default_str();
+  tb->add_option("--epochs", bench_args.settings.epochs, "train this many epochs on real data and report accuracy or "
+                 "perplexity instead of step times (vgg, resnet, lm; tools/bench.h)")->check(CLI::PositiveNumber);
+  tb->add_option("--data-dir", bench_args.settings.data_dir, "with --epochs: the CIFAR-10 files' folder; for lm a "
+                 "WikiText-2 folder (default: the shipped one)");
+  tb->add_option("--seed", bench_args.settings.seed, "with --epochs: the runs' seed")->capture_default_str();
+  tb->add_option("--workers", bench_args.settings.workers, "with --epochs: image loading threads")
+      ->check(CLI::Range(0, 256))->capture_default_str();
   tb->add_option("--out", bench_args.out, "also append the lines to this file");
   tb->add_flag("--with-pytorch", bench_args.with_pytorch, "then the same configurations in PyTorch "
                "(tools/bench_torch.py, eager channels_last), their lines to the same output");

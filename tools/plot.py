@@ -13,6 +13,9 @@ One figure per suite found in the lines, each written as PNG and SVG:
   sweep.{png,svg}      from `halfgrad sweep-classifier --jsonl` (its "row" lines; its other events are skipped): per
                        batch size and precision, training throughput, peak GPU memory and final test accuracy, each
                        the mean over the files given (runs of other seeds) with their spread as error bars
+  <suite>-accuracy.{png,svg}  from `halfgrad bench --epochs` lines: the same panels per model and batch (language
+                       models: tokens per second and test perplexity), the mean over the lines of a configuration
+                       (seeds) with their spread
 Lines of another framework (PyTorch) are drawn dashed next to halfgrad's, and CUDA-graph or torch.compile runs
 dotted as series of their own ("halfgrad graph", "pytorch compile"), so that every comparison comes from the files
 given. Later lines of the same configuration replace earlier ones. Needs matplotlib (Debian's
@@ -50,11 +53,23 @@ def sweep_row(line, where):
     return line
 
 
+def trained_row(line):
+    """A `bench --epochs` line as a row of a training run: its model, precision, batch and figures."""
+    row = {"model": line["model"], "precision": line["precision"], "batch_size": line["batch"],
+           "out_of_memory": line.get("out_of_memory", False),
+           "peak_memory_bytes": line.get("peak_allocated_bytes", 0)}
+    for key in ("images_per_second", "tokens_per_second", "final_test_accuracy", "test_perplexity"):
+        if key in line:
+            row[key] = line[key]
+    return row
+
+
 def read_lines(paths):
     """({suite: OrderedDict{(framework, model, precision, batch): line}}, the last line of a configuration winning;
-    [sweep rows])."""
+    [sweep rows]; {suite: [rows of `bench --epochs` runs, one per line: seeds are averaged]})."""
     suites = OrderedDict()
     sweep = []
+    trained = OrderedDict()
     for path in paths:
         with open(path) as f:
             for number, text in enumerate(f, 1):
@@ -72,13 +87,16 @@ def read_lines(paths):
                 for key in ("suite", "model", "precision", "batch"):
                     if key not in line:
                         sys.exit(f"plot: {path}:{number}: the line has no \"{key}\"")
+                if line.get("epochs"):  # trained on real data: accuracy, not step time
+                    trained.setdefault(line["suite"], []).append(trained_row(line))
+                    continue
                 # A CUDA-graph or torch.compile run is a series of its own ("halfgrad graph", "pytorch compile").
                 framework = line.get("framework", "halfgrad")
                 framework += " graph" if line.get("cuda_graph") else ""
                 framework += " compile" if line.get("compile") else ""
                 key = (framework, line["model"], line["precision"], line["batch"])
                 suites.setdefault(line["suite"], OrderedDict())[key] = line
-    return suites, sweep
+    return suites, sweep, trained
 
 
 def natural(text):
@@ -202,26 +220,25 @@ def plot_max_batch(lines, out_dir, title, frameworks):
     save(fig, out_dir, "max-batch")
 
 
-def plot_sweep(rows, out_dir, title):
-    runs = OrderedDict()  # (precision, batch) -> the rows of that configuration, one per file
+def plot_runs(rows, panels, out_dir, name, heading):
+    """Training runs as bars, one panel per (field, scale, label): per configuration (model and batch) and precision
+    the mean over the runs given (seeds), their spread as error bars."""
+    runs = OrderedDict()  # (model, precision, batch) -> the rows of that configuration, one per run
     for r in rows:
-        runs.setdefault((r["precision"].lower(), r["batch_size"]), []).append(r)
-    precisions = ordered({p for p, _ in runs}, PRECISIONS)
-    batches = sorted({b for _, b in runs})
-    panels = (("images_per_second", 1, "training throughput (images/s)"),
-              ("peak_memory_bytes", 2**20, "peak GPU memory (MiB)"),
-              ("final_test_accuracy", 1, "final test accuracy"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
+        runs.setdefault((r.get("model", ""), r["precision"].lower(), r["batch_size"]), []).append(r)
+    precisions = ordered({p for _, p, _ in runs}, PRECISIONS)
+    configurations = sorted({(m, b) for m, _, b in runs}, key=lambda c: (natural(c[0]), c[1]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     width = 0.8 / max(1, len(precisions))
     for ax, (field, scale, label) in zip(axes, panels):
         for i, precision in enumerate(precisions):
             xs, means, low, high = [], [], [], []
-            for c, batch in enumerate(batches):
+            for c, (model, batch) in enumerate(configurations):
                 x = c + (i - (len(precisions) - 1) / 2) * width
-                found = runs.get((precision, batch), [])
-                ran = [r[field] / scale for r in found if not r["out_of_memory"]]
+                found = runs.get((model, precision, batch), [])
+                ran = [r[field] / scale for r in found if not r["out_of_memory"] and field in r]
                 if not ran:
-                    if found:  # every run of it was out of memory
+                    if any(r["out_of_memory"] for r in found):  # every run of it was out of memory
                         ax.annotate("OOM", (x, 0), ha="center", va="bottom", fontsize=8, rotation=90,
                                     color=COLOURS.get(precision, "grey"))
                     continue
@@ -233,14 +250,35 @@ def plot_sweep(rows, out_dir, title):
             if xs:
                 ax.bar(xs, means, width, yerr=[low, high], capsize=3, label=precision,
                        color=COLOURS.get(precision, "grey"), edgecolor="white")
-        ax.set_xticks(range(len(batches)))
-        ax.set_xticklabels([f"batch {b}" for b in batches])
+        ax.set_xticks(range(len(configurations)))
+        ax.set_xlim(-0.5, len(configurations) - 0.5)  # a configuration without bars (out of memory) stays in view
+        ax.set_xticklabels([f"{m} batch {b}".strip() for m, b in configurations], rotation=20, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    files = max(len(v) for v in runs.values())
-    fig.suptitle(f"Mixed-precision sweep, {files} run(s) a configuration{' - ' + title if title else ''}")
-    save(fig, out_dir, "sweep")
+    most = max(len(v) for v in runs.values())
+    fig.suptitle(f"{heading}, {most} run(s) a configuration")
+    save(fig, out_dir, name)
+
+
+def plot_sweep(rows, out_dir, title):
+    panels = (("images_per_second", 1, "training throughput (images/s)"),
+              ("peak_memory_bytes", 2**20, "peak GPU memory (MiB)"),
+              ("final_test_accuracy", 1, "final test accuracy"))
+    plot_runs(rows, panels, out_dir, "sweep", f"Mixed-precision sweep{' - ' + title if title else ''}")
+
+
+def plot_trained(suite, rows, out_dir, title):
+    if suite == "lm":
+        panels = (("tokens_per_second", 1, "training throughput (tokens/s)"),
+                  ("peak_memory_bytes", 2**20, "peak GPU memory (MiB)"),
+                  ("test_perplexity", 1, "test perplexity"))
+    else:
+        panels = (("images_per_second", 1, "training throughput (images/s)"),
+                  ("peak_memory_bytes", 2**20, "peak GPU memory (MiB)"),
+                  ("final_test_accuracy", 1, "final test accuracy"))
+    plot_runs(rows, panels, out_dir, f"{suite}-accuracy",
+              f"{suite}, trained on real data{' - ' + title if title else ''}")
 
 
 def main():
@@ -251,11 +289,13 @@ def main():
     parser.add_argument("--title", default="", help="added to every figure's title (say, the GPU)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    suites, sweep = read_lines(args.files)
-    if not suites and not sweep:
+    suites, sweep, trained = read_lines(args.files)
+    if not suites and not sweep and not trained:
         sys.exit("plot: no bench lines or sweep rows in " + ", ".join(args.files))
     if sweep:
         plot_sweep(sweep, args.out_dir, args.title)
+    for suite, rows in trained.items():
+        plot_trained(suite, rows, args.out_dir, args.title)
     for suite, lines in suites.items():
         frameworks = ordered({f for f, _, _, _ in lines}, ["halfgrad", "pytorch"])
         if suite == "vgg":
