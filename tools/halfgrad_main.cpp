@@ -6,15 +6,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <csignal>
 #include <exception>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <limits>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,30 +43,57 @@ namespace {
 // the choices.
 CLI::IsMember one_of(std::vector<std::string> choices) { return CLI::IsMember(std::move(choices), CLI::ignore_case); }
 
-// Digits only: -1 is refused, not wrapped to 2^64 - 1 (a seed) or read as "all" (a limit).
-CLI::Validator non_negative_integer() {
+// An integer in [min, max] (max: T's largest by default), in decimal digits and a leading '-': -1 is refused where it
+// would wrap to 2^64 - 1 (a seed) or read as "all" (a limit), a number beyond T's range where CLI11 would clamp it,
+// hex and exponents where CLI11 takes them for some types and not others.
+template <typename T> CLI::Validator integer_in(T min, T max = std::numeric_limits<T>::max()) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
-        if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos)
-          return fmt::format("{} is not a non-negative integer", text);
+      [min, max](std::string& text) -> std::string {
+        const bool negative = !text.empty() && text[0] == '-';
+        const std::string digits = text.substr(negative ? 1 : 0);
+        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos)
+          return fmt::format("{} is not an integer", text);
+        if (negative && std::is_unsigned_v<T>) return fmt::format("{} must be >= {}", text, min);
+        T value{};
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (error == std::errc::result_out_of_range || (error == std::errc() && value > max))
+          return fmt::format("{} is out of range (at most {})", text, max);
+        if (error != std::errc() || end != text.data() + text.size()) return fmt::format("{} is not an integer", text);
+        if (value < min) return fmt::format("{} must be >= {}", text, min);
         return {};
       },
-      "INTEGER >= 0");
+      max == std::numeric_limits<T>::max() ? fmt::format("INTEGER >= {}", min)
+                                           : fmt::format("INTEGER in [{}, {}]", min, max));
 }
 
-// A finite number >= min (or > min when `strictly`): inf, nan and 1e400 are refused when the command line is parsed,
-// where CLI::PositiveNumber lets inf through.
-CLI::Validator finite_at_least(double min, bool strictly = false) {
+// A validator of finite numbers: inf, nan and 1e400 are refused when the command line is parsed (CLI::PositiveNumber
+// lets inf through, CLI::Range nan: every comparison with it is false); then `rule` says what else is wrong with the
+// value, if anything.
+CLI::Validator finite(std::function<std::string(const std::string& text, double value)> rule, std::string name) {
   return CLI::Validator(
-      [min, strictly](std::string& text) -> std::string {
+      [rule = std::move(rule)](std::string& text) -> std::string {
         char* end = nullptr;
         const double v = std::strtod(text.c_str(), &end);
         if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v))
           return fmt::format("{} is not a finite number", text);
-        if (strictly ? v <= min : v < min) return fmt::format("{} must be {} {}", text, strictly ? ">" : ">=", min);
-        return {};
+        return rule(text, v);
       },
-      fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
+      std::move(name));
+}
+
+// A finite number in [lo, hi].
+CLI::Validator finite_in(double lo, double hi) {
+  return finite([lo, hi](const std::string& text, double v) {
+    return v < lo || v > hi ? fmt::format("{} is not in [{}, {}]", text, lo, hi) : std::string();
+  }, fmt::format("FINITE in [{}, {}]", lo, hi));
+}
+
+// A finite number >= min (or > min when `strictly`).
+CLI::Validator finite_at_least(double min, bool strictly = false) {
+  return finite([min, strictly](const std::string& text, double v) {
+    return (strictly ? v <= min : v < min) ? fmt::format("{} must be {} {}", text, strictly ? ">" : ">=", min)
+                                           : std::string();
+  }, fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
 }
 
 // Whether progress lines go to a terminal (redrawn in place there) rather than a file or a pipe.
@@ -566,7 +597,7 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin (those there) and test_batch.bin "
                     "(CIFAR-10) or train.bin and test.bin (CIFAR-100)")->required();
-    sub->add_option("--epochs", c.epochs)->check(CLI::PositiveNumber)->capture_default_str();
+    sub->add_option("--epochs", c.epochs)->check(integer_in<int64_t>(1))->capture_default_str();
     sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->check(finite_at_least(0, true))
         ->capture_default_str();
     sub->add_option("--momentum", c.momentum, "SGD momentum; with --schedule onecycle the momentum cycles 0.95 -> "
@@ -579,21 +610,21 @@ int main(int argc, char** argv) {
         ->transform(one_of({"onecycle", "cosine", "constant"}))
         ->capture_default_str();
     sub->add_option("--pct-start", c.pct_start, "onecycle: the share of the steps spent raising the lr")
-        ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+        ->check(finite_in(0, 1))->capture_default_str();
     sub->add_option("--div-factor", c.div_factor, "onecycle: the first lr is --lr / this")
-        ->check(CLI::PositiveNumber)->capture_default_str();
+        ->check(finite_at_least(0, true))->capture_default_str();
     sub->add_option("--half", a.half, "float16 or bfloat16 (O1-O3)")->transform(one_of({"float16", "bfloat16"}))
         ->capture_default_str();
     sub->add_option("--device", a.device, "cpu, cuda or cuda:N")->capture_default_str();
     sub->add_flag("--channels-last", c.channels_last, "feed NHWC batches");
     sub->add_flag("--cuda-graph", c.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                   "(a last, smaller batch runs eagerly)");
-    sub->add_option("--workers", c.workers, "data loading threads")->check(CLI::Range(0, 256))->capture_default_str();
-    sub->add_option("--seed", c.seed)->check(non_negative_integer())->capture_default_str();
+    sub->add_option("--workers", c.workers, "data loading threads")->check(integer_in<int>(0, 256))->capture_default_str();
+    sub->add_option("--seed", c.seed)->check(integer_in<uint64_t>(0))->capture_default_str();
     sub->add_option("--limit-train", c.limit_train, "use the first N training images (0: all)")
-        ->check(non_negative_integer());
+        ->check(integer_in<int64_t>(0));
     sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)")
-        ->check(non_negative_integer());
+        ->check(integer_in<int64_t>(0));
     sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file");
     sub->add_option("--jsonl", a.jsonl_path, "also write the figures (and the progress lines) to this file, one JSON "
                     "object a line");
@@ -602,7 +633,7 @@ int main(int argc, char** argv) {
   ClassifierArgs train_args;
   CLI::App* tc = app.add_subcommand("train-classifier", "Train ResNet/VGG on CIFAR-10/100 (official binary files)");
   add_classifier_options(tc, train_args);
-  tc->add_option("--batch-size", train_args.config.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
+  tc->add_option("--batch-size", train_args.config.batch_size)->check(integer_in<int64_t>(1))->capture_default_str();
   tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
                  "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   tc->add_option("--train-checkpoint", train_args.config.train_checkpoint, "write a training checkpoint "
@@ -611,7 +642,7 @@ int main(int argc, char** argv) {
                  "last epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
-                 "(0: none)")->check(non_negative_integer())->capture_default_str();
+                 "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
   add_progress_seconds(tc, train_args.config.progress_seconds);
   tc->callback([&] {
     stop_on_signals();
@@ -630,10 +661,10 @@ int main(int argc, char** argv) {
       ->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   sweep_args.config.log_interval = 100;
   sc->add_option("--log-interval", sweep_args.config.log_interval, "a progress line every N training batches of each "
-                 "run (0: none)")->check(non_negative_integer())->capture_default_str();
+                 "run (0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
   add_progress_seconds(sc, sweep_args.config.progress_seconds);
   sc->add_option("--batch-sizes", batch_sizes, "batch sizes to run (a run that does not fit says so)")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')->check(integer_in<int64_t>(1))->capture_default_str();
   sc->callback([&] {
     sweep_args.config.data_dir = sweep_args.data_dir;
     rc = run_sweep_classifier(sweep_args.config, levels, batch_sizes, sweep_args.half, sweep_args.device,
@@ -649,15 +680,15 @@ int main(int argc, char** argv) {
       ->transform(one_of({"lstm", "gru", "rnn_tanh", "rnn_relu"}))
       ->capture_default_str();
   tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)");
-  tl->add_option("--emsize", lm.embedding_size)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--nhid", lm.hidden_size)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--nlayers", lm.num_layers)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--dropout", lm.dropout)->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  tl->add_option("--emsize", lm.embedding_size)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--nhid", lm.hidden_size)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--nlayers", lm.num_layers)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--dropout", lm.dropout)->check(finite_in(0, 0.99))->capture_default_str();
   tl->add_flag("--tied", lm.tie_weights, "tie the encoder and decoder weights");
-  tl->add_option("--epochs", lm.epochs)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--batch-size,--batch_size", lm.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--eval-batch-size", lm.eval_batch_size)->check(CLI::PositiveNumber)->capture_default_str();
-  tl->add_option("--bptt", lm.bptt)->check(CLI::PositiveNumber)->capture_default_str();
+  tl->add_option("--epochs", lm.epochs)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--batch-size,--batch_size", lm.batch_size)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--eval-batch-size", lm.eval_batch_size)->check(integer_in<int64_t>(1))->capture_default_str();
+  tl->add_option("--bptt", lm.bptt)->check(integer_in<int64_t>(1))->capture_default_str();
   tl->add_option("--lr", lm.lr)->check(finite_at_least(0, true))->capture_default_str();
   tl->add_option("--clip", lm.clip)->check(finite_at_least(0, true))->capture_default_str();
   tl->add_option("--opt-level", lm_opt_level, "O0, O1, O2 or O3")->transform(one_of({"O0", "O1", "O2", "O3"}))
@@ -667,9 +698,9 @@ int main(int argc, char** argv) {
   CLI::Option* lm_device_option = tl->add_option("--device", lm_device, "cpu, cuda or cuda:N")->capture_default_str();
   bool lm_cuda = false;
   tl->add_flag("--cuda", lm_cuda, "the same as --device cuda (pytorch/examples' spelling)")->excludes(lm_device_option);
-  tl->add_option("--seed", lm.seed)->check(non_negative_integer())->capture_default_str();
+  tl->add_option("--seed", lm.seed)->check(integer_in<uint64_t>(0))->capture_default_str();
   tl->add_option("--limit-tokens", lm.limit_tokens, "use the first N tokens of each split (0: all)")
-      ->check(non_negative_integer());
+      ->check(integer_in<int64_t>(0));
   lm.checkpoint = "model.safetensors";  // main.py saves to model.pt unless told otherwise
   tl->add_option("--save,--checkpoint", lm.checkpoint, "save the model with the best validation loss, its "
                  "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str();
@@ -686,7 +717,7 @@ int main(int argc, char** argv) {
                  "file, one JSON object a line");
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
-                 "(0: none)")->check(non_negative_integer())->capture_default_str();
+                 "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
   add_progress_seconds(tl, lm.progress_seconds);
   tl->callback([&] {
     stop_on_signals();
@@ -701,11 +732,11 @@ int main(int argc, char** argv) {
                                     "WikiText-2 in float32 and in mixed precision, side by side (make run)");
   td->add_option("--device", demo_device, "auto (a GPU when one is visible), cpu, cuda or cuda:N")
       ->capture_default_str();
-  td->add_option("--epochs", demo_epochs, "epochs at each opt level")->check(CLI::PositiveNumber)
+  td->add_option("--epochs", demo_epochs, "epochs at each opt level")->check(integer_in<int64_t>(1))
       ->capture_default_str();
   int64_t demo_limit_tokens = -1;
   td->add_option("--limit-tokens", demo_limit_tokens, "use the first N tokens of each split (0: all; default: all on "
-                 "a GPU, 150,000 on the CPU)")->check(non_negative_integer());
+                 "a GPU, 150,000 on the CPU)")->check(integer_in<int64_t>(0));
   td->callback([&] { rc = run_demo(demo_device, demo_epochs, demo_limit_tokens); });
 
   train::GenerateConfig gen;
@@ -714,12 +745,15 @@ int main(int argc, char** argv) {
   CLI::App* tg = app.add_subcommand("generate", "Sample text from a language model saved by train-lm --save "
                                     "(pytorch/examples' generate.py)");
   tg->add_option("--checkpoint", gen.checkpoint, "the model (safetensors, from train-lm --save)")->required();
-  tg->add_option("--words", gen.words, "number of words to generate")->capture_default_str();
-  tg->add_option("--temperature", gen.temperature, "higher: more diverse (>= 1e-3)")->capture_default_str();
-  tg->add_option("--seed", gen.seed)->capture_default_str();
+  tg->add_option("--words", gen.words, "number of words to generate")->check(integer_in<int64_t>(0))
+      ->capture_default_str();
+  tg->add_option("--temperature", gen.temperature, "higher: more diverse (>= 1e-3)")->check(finite_at_least(1e-3))
+      ->capture_default_str();
+  tg->add_option("--seed", gen.seed)->check(integer_in<uint64_t>(0))->capture_default_str();
   tg->add_option("--device", gen_device, "cpu, cuda or cuda:N")->capture_default_str();
   tg->add_option("--outf", gen_outf, "write the text to this file (default: stdout)");
-  tg->add_option("--log-interval", gen_log_interval, "a progress line every N words (0: none)")->capture_default_str();
+  tg->add_option("--log-interval", gen_log_interval, "a progress line every N words (0: none)")
+      ->check(integer_in<int64_t>(0))->capture_default_str();
   tg->callback([&] { rc = run_generate(gen, gen_device, gen_outf, gen_log_interval); });
 
   BenchArgs bench_args;
@@ -732,29 +766,30 @@ int main(int argc, char** argv) {
   tb->add_option("--precisions", bench_args.precisions, "instead of the suite's: fp32, amp, o2, fp16, bf16")
       ->delimiter(',')->transform(one_of(bench::precision_names()));
   tb->add_option("--batch", bench_args.batches, "instead of the suite's batch sizes (max-batch: where the search "
-                 "starts)")->delimiter(',')->check(CLI::PositiveNumber);
+                 "starts)")->delimiter(',')->check(integer_in<int64_t>(1));
   tb->add_option("--device", bench_args.device, "cuda, cuda:N or cpu")->capture_default_str();
-  tb->add_option("--steps", bench_args.settings.steps, "timed steps per configuration")->check(CLI::PositiveNumber)
+  tb->add_option("--steps", bench_args.settings.steps, "timed steps per configuration")->check(integer_in<int>(1))
       ->capture_default_str();
-  tb->add_option("--warmup", bench_args.settings.warmup, "untimed steps before them")->check(non_negative_integer())
+  tb->add_option("--warmup", bench_args.settings.warmup, "untimed steps before them")->check(integer_in<int>(0))
       ->capture_default_str();
   tb->add_flag("--cuda-graph", bench_args.settings.cuda_graph, "replay each step as a CUDA graph");
   tb->add_flag("--nchw", bench_args.nchw, "NCHW image batches (default on CUDA: channels_last)");
   tb->add_option("--memory-budget", bench_args.memory_budget, "max-batch: the memory the steps must fit in (8GiB, "
                  "512MiB; default: the device's)");
   tb->add_option("--max-batch", bench_args.settings.max_batch, "max-batch: the search's ceiling")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(integer_in<int64_t>(1))->capture_default_str();
   tb->add_option("--vocab", bench_args.settings.vocab, "language models: words in the vocabulary")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  tb->add_option("--bptt", bench_args.settings.bptt, "language models: steps per window")->check(CLI::PositiveNumber)
+      ->check(integer_in<int64_t>(1))->capture_default_str();
+  tb->add_option("--bptt", bench_args.settings.bptt, "language models: steps per window")->check(integer_in<int64_t>(1))
       ->capture_default_str();
   tb->add_option("--epochs", bench_args.settings.epochs, "train this many epochs on real data and report accuracy or "
-                 "perplexity instead of step times (vgg, resnet, lm; tools/bench.h)")->check(CLI::PositiveNumber);
+                 "perplexity instead of step times (vgg, resnet, lm; tools/bench.h)")->check(integer_in<int64_t>(1));
   tb->add_option("--data-dir", bench_args.settings.data_dir, "with --epochs: the CIFAR-10 files' folder; for lm a "
                  "WikiText-2 folder (default: the shipped one)");
-  tb->add_option("--seed", bench_args.settings.seed, "with --epochs: the runs' seed")->capture_default_str();
+  tb->add_option("--seed", bench_args.settings.seed, "with --epochs: the runs' seed")
+      ->check(integer_in<uint64_t>(0))->capture_default_str();
   tb->add_option("--workers", bench_args.settings.workers, "with --epochs: image loading threads")
-      ->check(CLI::Range(0, 256))->capture_default_str();
+      ->check(integer_in<int>(0, 256))->capture_default_str();
   tb->add_option("--out", bench_args.out, "also append the lines to this file");
   tb->add_flag("--with-pytorch", bench_args.with_pytorch, "then the same configurations in PyTorch "
                "(tools/bench_torch.py, eager channels_last), their lines to the same output");
