@@ -145,8 +145,8 @@ TEST_CASE("bench --epochs refuses max-batch and a classifier without its files b
                  }),
                  "the search does not train"));
   CHECK_FALSE(ran);
-  CHECK(contains(error_of([&] { bench::run_case({"lm", "lstm-8x1", "fp32", 2}, {.device = Device::cpu(), .epochs = -1}); }),
-                 "epochs must be >= 0"));
+  const bench::Settings negative{.device = Device::cpu(), .epochs = -1};
+  CHECK(contains(error_of([&] { bench::run_case({"lm", "lstm-8x1", "fp32", 2}, negative); }), "epochs must be >= 0"));
 }
 
 TEST_CASE("bench parses sizes in binary and decimal units and refuses anything else") {
