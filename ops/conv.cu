@@ -2,9 +2,9 @@
 // backward data and backward filter, each a one-operation graph.
 //
 //   candidates   the engine configurations cuDNN's heuristics rank for the graph (modes A and FALLBACK), less
-//                those whose numerics we do not accept (below), the first ten (kCandidateLimit); for
-//                float16/bfloat16 1x1 convolutions with stride 1, also the same product as one cuBLAS GEMM
-//                (ops/conv.cpp, conv2d_pointwise_*)
+//                those whose numerics we do not accept (below), the first ten (kCandidateLimit) and one that
+//                needs no workspace; for float16/bfloat16 1x1 convolutions with stride 1, also the same product
+//                as one cuBLAS GEMM (ops/conv.cpp, conv2d_pointwise_*)
 //   autotuning   the first time a thread sees a problem every candidate runs on the real buffers (one warm-up, then
 //                the median of three, timed with CUDA events) and the fastest is cached for the problem: device,
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
@@ -286,14 +286,24 @@ bool acceptable(const Descriptor& engine, const Problem& pb) {
   return true;
 }
 
-// At most this many candidates per problem, the best ranked first, as torch.backends.cudnn.benchmark_limit's
+// At most this many cuDNN engines per problem, the best ranked first, as torch.backends.cudnn.benchmark_limit's
 // default: finalizing and timing the plans far down the ranking cost the most and win the least. With every candidate,
 // `halfgrad bench vgg` (15 configurations) took 290 s on the H200, with ten 37 s, the step times unchanged
-// (2026-12-02, docs/benchmarks.md).
+// (2026-12-02, docs/benchmarks.md). Past the limit the ranking is still searched for one engine that needs no
+// workspace, so that a problem under memory pressure (bench max-batch's probes) always has an engine that runs.
 constexpr size_t kCandidateLimit = 10;
 
+size_t engines_in(const std::vector<Candidate>& candidates) {
+  auto is_engine = [](const Candidate& c) { return c.plan != nullptr; };
+  return size_t(std::count_if(candidates.begin(), candidates.end(), is_engine));
+}
+bool has_workspace_free(const std::vector<Candidate>& candidates) {
+  return std::any_of(candidates.begin(), candidates.end(), [](const Candidate& c) { return c.workspace == 0; });
+}
+
 // The engine configurations cuDNN's heuristics rank for the graph in `mode`, finalized into plans where the
-// engine supports the problem and its numerics are acceptable, until `out` holds kCandidateLimit.
+// engine supports the problem and its numerics are acceptable: kCandidateLimit engines, then (if none of the
+// candidates needs no workspace) the first that needs none.
 void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& graph, const Problem& pb,
                     cudnnHandle_t handle, cudnnBackendHeurMode_t mode) {
   Descriptor heuristics(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, pb.op());
@@ -314,7 +324,7 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
   HG_CUDNN_CHECK(cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                           CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned, raw.data()),
                  pb.op());
-  for (int64_t i = 0; i < returned && out.size() < kCandidateLimit; ++i) {
+  for (int64_t i = 0; i < returned && (engines_in(out) < kCandidateLimit || !has_workspace_free(out)); ++i) {
     Descriptor engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR, pb.op());
     int64_t got = 0;
     if (cudnnBackendGetAttribute(configs[size_t(i)]->get(), CUDNN_ATTR_ENGINECFG_ENGINE,
@@ -332,6 +342,7 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
     HG_CUDNN_CHECK(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64,
                                             1, &got, &workspace),
                    pb.op());
+    if (engines_in(out) >= kCandidateLimit && workspace > 0) continue;  // past the limit: only a workspace-free one
     out.push_back(Candidate{graph, configs[size_t(i)], plan, workspace, fmt::format("engine {}", index)});
   }
 }

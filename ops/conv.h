@@ -64,7 +64,8 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
 void set_conv_allow_tf32(bool allow);
 bool conv_allow_tf32();
 
-// Whether a CUDA convolution problem seen for the first time times every candidate engine and keeps the fastest
+// Whether a CUDA convolution problem seen for the first time times its candidate engines (ops/conv.cu: the ten
+// best-ranked, as PyTorch's cudnn.benchmark_limit) and keeps the fastest
 // (default true, as PyTorch's torch.backends.cudnn.benchmark = True), or takes the first that cuDNN's heuristics
 // rank and whose workspace fits (false: no timing, the choice PyTorch makes by default). Each setting keeps its own
 // choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.

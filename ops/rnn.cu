@@ -377,10 +377,10 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
 }
 
 // The backward's shared memory: w (A-aligned) holds w[r][u] = W_hh[r][j0 + u] (zero for u >= U) in chunks of
-// kChunk<S, UP> units, chunk by chunk: [UP / chunk][G H][chunk]. Lanes read consecutive rows, so a chunk's 16-byte
-// loads by a warp are consecutive (one row of UP float32 units, 32 bytes, read row by row, cost each load twice the
-// shared-memory wavefronts: ncu counted 49% of them excess, 2026-12-02). Then the step's sums [B][UP] in A, to which
-// the warps sharing a batch tile add their parts.
+// kChunk<S, UP> units (16 bytes, or all UP units where they take fewer), chunk by chunk: [UP / chunk][G H][chunk].
+// Lanes read consecutive rows, so a warp's loads of one chunk are consecutive (one row of UP float32 units, 32 bytes,
+// read row by row, cost each load twice the shared-memory wavefronts: ncu counted 49% of them excess, 2026-12-02).
+// Then the step's sums [B][UP] in A, to which the warps sharing a batch tile add their parts.
 template <typename S, int UP> constexpr int kChunk = UP < kVec<S> ? UP : kVec<S>;
 template <typename S, typename A> HG_HOST_DEVICE size_t backward_weights_bytes(int64_t G, int64_t H, int up) {
   return (size_t(G * H * up) * sizeof(S) + sizeof(A) - 1) / sizeof(A) * sizeof(A);
@@ -397,6 +397,7 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
   A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));
   const S* w_hh = static_cast<const S*>(a.w_hh);
   constexpr int kC = kChunk<S, UP>;
+  static_assert(UP % kC == 0, "a row of units is whole chunks");
 #pragma unroll 8
   for (int e = threadIdx.x; e < GH * UP; e += kThreads) {
     const int r = e / UP, u = e % UP;

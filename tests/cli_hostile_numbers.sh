@@ -11,8 +11,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 none=$work/none  # a folder or file that does not exist
 
-values=(-1 0 1 1.5 1e400 nan inf -inf 0x10 1e3 abc "" 2147483648 9223372036854775808 18446744073709551616
-        99999999999999999999)
+values=(-1 0 1 1.5 1e400 nan inf -inf 0x10 1e3 010 08 abc "" 2147483648 9223372036854775808
+        18446744073709551616 99999999999999999999)
+
+# The fewest numeric options --help must list per command: fewer means the listing's format changed and options
+# would go untested.
+declare -A at_least=([train-classifier]=13 [sweep-classifier]=13 [train-lm]=14 [generate]=4 [bench]=9)
 
 # Each command with settings under which an accepted value ends fast (demo is left out: it trains on the shipped
 # corpus, and its two options use the validators the others test). The option under test is never in its command's
@@ -28,16 +32,22 @@ declare -A base=(
 # Refused when the command line is parsed, naming the option: not a number, not finite; for integers also fractions,
 # hex, exponents and values past their type's range (INT: int64_t or int, UINT: uint64_t).
 refused_always=(1e400 nan inf -inf abc "")
-refused_integer=(1.5 0x10 1e3 99999999999999999999)
+refused_integer=(1.5 0x10 1e3 010 08 99999999999999999999)
 refused_int=(9223372036854775808)
 
 check_command() {
   local command=$1 failures=0 runs=0
   # The options whose value is a number, as --help lists them ("--epochs INT:...", "--lr FLOAT:...").
+  # The options whose value is a number and their bounds, as --help lists them: "--epochs INT:INTEGER >= 1=30",
+  # "--dropout FLOAT:FINITE in [0, 0.99]=0.2" -> "--epochs INT >= 1", "--dropout FLOAT in 0 0.99".
   local listed
-  listed=$("$cli" "$command" --help | sed -nE 's/^ +(--[a-z-]+)(,--[a-z_]+)? +(INT|UINT|FLOAT)\b.*/\1 \3/p')
-  [[ -n $listed ]] || { echo "FAIL: $command --help lists no numeric option"; return 1; }
-  while read -r option type; do
+  listed=$("$cli" "$command" --help </dev/null |
+           sed -nE 's/^ +(--[a-z-]+)(,--[a-z_]+)? +(INT|UINT|FLOAT)(:[A-Z]+ (>=|>|in) \[?([-0-9.e]+)(, ([-0-9.e]+)\])?)?.*/\1 \3 \5 \6 \8/p')
+  if (($(grep -c . <<<"$listed") < at_least[$command])); then
+    echo "FAIL: $command --help lists $(grep -c . <<<"$listed") numeric options, expected at least ${at_least[$command]}"
+    return 1
+  fi
+  while read -r option type relation low high; do
     local args kept=() i
     read -ra args <<<"${base[$command]}"
     for ((i = 0; i < ${#args[@]}; i++)); do  # the option under test (and its value) out of the base
@@ -46,10 +56,18 @@ check_command() {
     local refused=("${refused_always[@]}")
     [[ $type != FLOAT ]] && refused+=("${refused_integer[@]}")
     [[ $type == INT ]] && refused+=("${refused_int[@]}")
-    for value in "${values[@]}"; do
+    # Just past each bound the option states: below ">= low", at "> low", outside "in [low, high]".
+    local bounds=()
+    case $relation in
+      ">=") bounds+=("$(awk -v x="$low" 'BEGIN { print x - 1 }')") ;;
+      ">") bounds+=("$low") ;;
+      in) bounds+=("$(awk -v x="$low" 'BEGIN { print x - 1 }')" "$(awk -v x="$high" 'BEGIN { print x + 1 }')") ;;
+    esac
+    refused+=("${bounds[@]}")
+    for value in "${values[@]}" "${bounds[@]}"; do
       runs=$((runs + 1))
       local output rc what
-      output=$(timeout 20 "$cli" "$command" "${kept[@]}" "$option" "$value" 2>&1)
+      output=$(timeout 20 "$cli" "$command" "${kept[@]}" "$option" "$value" 2>&1 </dev/null)
       rc=$?
       what="$command $option '$value' (status $rc)"
       if ((rc >= 124)); then

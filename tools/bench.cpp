@@ -331,7 +331,7 @@ void check_case(const Case& c, const Settings& s) {
   HG_CHECK(s.epochs >= 0, "bench: epochs must be >= 0, got {}", s.epochs);
   if (s.epochs > 0) {
     HG_CHECK(c.suite != "max-batch", "bench max-batch: the search does not train (--epochs applies to vgg, resnet "
-             "and lm)");
+             "and lm, each named on its own: `bench all` includes max-batch)");
     HG_CHECK(c.suite == "lm" || !s.data_dir.empty(), "bench {}: --epochs trains on the CIFAR-10 files: give their "
              "folder with --data-dir", c.suite);
   }
@@ -371,20 +371,20 @@ void train_language_model_case(const Case& c, const Settings& s, json& line) {
                                           .bptt = s.bptt, .opt_level = p.level, .half_dtype = p.half,
                                           .device = s.device, .seed = s.seed, .cuda_graph = s.cuda_graph};
   const train::LanguageModelResult result = train::train_language_model(config);
-  // The epochs after the first (which includes the autotuning), or the first alone.
+  // The epochs after the first (which includes the autotuning), or the first alone, as sweep_classifier counts them:
+  // their tokens over their seconds.
   const size_t first = result.epochs.size() > 1 ? 1 : 0;
-  double seconds = 0, tokens_per_second = 0;
+  double seconds = 0, tokens = 0;
   int64_t peak = 0;
   for (size_t e = first; e < result.epochs.size(); ++e) {
     seconds += result.epochs[e].seconds;
-    tokens_per_second += result.epochs[e].tokens_per_second;
+    tokens += result.epochs[e].tokens_per_second * result.epochs[e].seconds;
     peak = std::max(peak, result.epochs[e].peak_memory_bytes);
   }
-  const double n = double(result.epochs.size() - first);
   line["test_perplexity"] = std::exp(result.test_loss);
   line["final_valid_perplexity"] = std::exp(result.epochs.back().valid_loss);
-  line["seconds_per_epoch"] = seconds / n;
-  line["tokens_per_second"] = tokens_per_second / n;
+  line["seconds_per_epoch"] = seconds / double(result.epochs.size() - first);
+  line["tokens_per_second"] = seconds > 0 ? tokens / seconds : 0.0;
   if (s.device.is_cuda()) line["peak_allocated_bytes"] = peak;
   int64_t skipped = 0;
   for (const train::LanguageModelEpochStats& e : result.epochs) skipped += e.skipped_steps;

@@ -43,23 +43,26 @@ namespace {
 // the choices.
 CLI::IsMember one_of(std::vector<std::string> choices) { return CLI::IsMember(std::move(choices), CLI::ignore_case); }
 
-// An integer in [min, max] (max: T's largest by default), in decimal digits and a leading '-': -1 is refused where it
-// would wrap to 2^64 - 1 (a seed) or read as "all" (a limit), a number beyond T's range where CLI11 would clamp it,
-// hex and exponents where CLI11 takes them for some types and not others.
+// An integer in [min, max] (max: T's largest by default), written in plain decimal: digits after an optional '-',
+// no leading zeros. -1 is refused where it would wrap to 2^64 - 1 (a seed) or read as "all" (a limit), a number beyond
+// T's range where CLI11 would clamp it, and hex, exponents and leading zeros, which CLI11 (strtoll, base 0) would read
+// as hex or octal: "010" would be 8.
 template <typename T> CLI::Validator integer_in(T min, T max = std::numeric_limits<T>::max()) {
   return CLI::Validator(
       [min, max](std::string& text) -> std::string {
         const bool negative = !text.empty() && text[0] == '-';
         const std::string digits = text.substr(negative ? 1 : 0);
-        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos)
-          return fmt::format("{} is not an integer", text);
+        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos ||
+            (digits[0] == '0' && (digits.size() > 1 || negative)))
+          return fmt::format("{} is not an integer in plain decimal", text);
         if (negative && std::is_unsigned_v<T>) return fmt::format("{} must be >= {}", text, min);
         T value{};
-        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-        if (error == std::errc::result_out_of_range || (error == std::errc() && value > max))
-          return fmt::format("{} is out of range (at most {})", text, max);
-        if (error != std::errc() || end != text.data() + text.size()) return fmt::format("{} is not an integer", text);
+        const auto error = std::from_chars(text.data(), text.data() + text.size(), value).ec;
+        if (error == std::errc::result_out_of_range)
+          return negative ? fmt::format("{} must be >= {}", text, min)
+                          : fmt::format("{} is out of range (at most {})", text, max);
         if (value < min) return fmt::format("{} must be >= {}", text, min);
+        if (value > max) return fmt::format("{} is out of range (at most {})", text, max);
         return {};
       },
       max == std::numeric_limits<T>::max() ? fmt::format("INTEGER >= {}", min)

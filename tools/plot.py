@@ -54,19 +54,26 @@ def sweep_row(line, where):
 
 
 def trained_row(line):
-    """A `bench --epochs` line as a row of a training run: its model, precision, batch and figures."""
-    row = {"model": line["model"], "precision": line["precision"], "batch_size": line["batch"],
-           "out_of_memory": line.get("out_of_memory", False),
-           "peak_memory_bytes": line.get("peak_allocated_bytes", 0)}
-    for key in ("images_per_second", "tokens_per_second", "final_test_accuracy", "test_perplexity"):
-        if key in line:
-            row[key] = line[key]
+    """A `bench --epochs` line as a row of a training run: its series (the model and its epochs, and the framework and
+    the CUDA graph where it is not halfgrad's eager run), precision, batch and figures."""
+    framework = line.get("framework", "halfgrad")
+    series = f"{line['model']} {line['epochs']} ep"
+    series += "" if framework == "halfgrad" else f" ({framework})"
+    series += " graph" if line.get("cuda_graph") else ""
+    row = {"model": series, "precision": line["precision"], "batch_size": line["batch"],
+           "out_of_memory": line.get("out_of_memory", False)}
+    for key, field in (("images_per_second", "images_per_second"), ("tokens_per_second", "tokens_per_second"),
+                       ("final_test_accuracy", "final_test_accuracy"), ("test_perplexity", "test_perplexity"),
+                       ("peak_memory_bytes", "peak_allocated_bytes")):  # no memory figure on the CPU
+        if field in line:
+            row[key] = line[field]
     return row
 
 
 def read_lines(paths):
     """({suite: OrderedDict{(framework, model, precision, batch): line}}, the last line of a configuration winning;
-    [sweep rows]; {suite: [rows of `bench --epochs` runs, one per line: seeds are averaged]})."""
+    [sweep rows]; {suite: [rows of `bench --epochs` runs: the last line of a configuration and seed winning, the
+    seeds of a configuration averaged]})."""
     suites = OrderedDict()
     sweep = []
     trained = OrderedDict()
@@ -88,7 +95,9 @@ def read_lines(paths):
                     if key not in line:
                         sys.exit(f"plot: {path}:{number}: the line has no \"{key}\"")
                 if line.get("epochs"):  # trained on real data: accuracy, not step time
-                    trained.setdefault(line["suite"], []).append(trained_row(line))
+                    row = trained_row(line)
+                    key = (row["model"], row["precision"], row["batch_size"], line.get("seed"))
+                    trained.setdefault(line["suite"], OrderedDict())[key] = row
                     continue
                 # A CUDA-graph or torch.compile run is a series of its own ("halfgrad graph", "pytorch compile").
                 framework = line.get("framework", "halfgrad")
@@ -295,7 +304,7 @@ def main():
     if sweep:
         plot_sweep(sweep, args.out_dir, args.title)
     for suite, rows in trained.items():
-        plot_trained(suite, rows, args.out_dir, args.title)
+        plot_trained(suite, list(rows.values()), args.out_dir, args.title)
     for suite, lines in suites.items():
         frameworks = ordered({f for f, _, _, _ in lines}, ["halfgrad", "pytorch"])
         if suite == "vgg":
