@@ -57,6 +57,7 @@ Precision precision_of(const std::string& name) {
 }
 
 struct LanguageModelShape {
+  std::string kind_name;  // "lstm", as train-lm's --model takes it
   nn::RecurrentKind kind = nn::RecurrentKind::LSTM;
   int64_t hidden = 0, layers = 0;
 };
@@ -72,7 +73,7 @@ std::optional<LanguageModelShape> language_model_shape(const std::string& name) 
       return 0;
     return std::stoll(s);
   };
-  LanguageModelShape shape{.hidden = number(hidden), .layers = number(layers)};
+  LanguageModelShape shape{.kind_name = kind, .hidden = number(hidden), .layers = number(layers)};
   if (kind == "lstm")
     shape.kind = nn::RecurrentKind::LSTM;
   else if (kind == "gru")
@@ -365,30 +366,20 @@ void train_language_model_case(const Case& c, const Settings& s, json& line) {
   const std::optional<LanguageModelShape> shape = language_model_shape(c.model);
   HG_CHECK(shape.has_value(), "bench: \"{}\" is not a language model", c.model);
   const Precision p = precision_of(c.precision);
-  const train::LanguageModelConfig config{.rnn = c.model.substr(0, c.model.find('-')), .data_dir = s.data_dir,
+  const train::LanguageModelConfig config{.rnn = shape->kind_name, .data_dir = s.data_dir,
                                           .embedding_size = shape->hidden, .hidden_size = shape->hidden,
                                           .num_layers = shape->layers, .epochs = s.epochs, .batch_size = c.batch,
                                           .bptt = s.bptt, .opt_level = p.level, .half_dtype = p.half,
                                           .device = s.device, .seed = s.seed, .cuda_graph = s.cuda_graph};
   const train::LanguageModelResult result = train::train_language_model(config);
-  // The epochs after the first (which includes the autotuning), or the first alone, as sweep_classifier counts them:
-  // their tokens over their seconds.
-  const size_t first = result.epochs.size() > 1 ? 1 : 0;
-  double seconds = 0, tokens = 0;
-  int64_t peak = 0;
-  for (size_t e = first; e < result.epochs.size(); ++e) {
-    seconds += result.epochs[e].seconds;
-    tokens += result.epochs[e].tokens_per_second * result.epochs[e].seconds;
-    peak = std::max(peak, result.epochs[e].peak_memory_bytes);
-  }
+  const train::SteadyState steady =
+      train::steady_state(result.epochs, &train::LanguageModelEpochStats::tokens_per_second);
   line["test_perplexity"] = std::exp(result.test_loss);
   line["final_valid_perplexity"] = std::exp(result.epochs.back().valid_loss);
-  line["seconds_per_epoch"] = seconds / double(result.epochs.size() - first);
-  line["tokens_per_second"] = seconds > 0 ? tokens / seconds : 0.0;
-  if (s.device.is_cuda()) line["peak_allocated_bytes"] = peak;
-  int64_t skipped = 0;
-  for (const train::LanguageModelEpochStats& e : result.epochs) skipped += e.skipped_steps;
-  line["skipped_steps"] = skipped;
+  line["seconds_per_epoch"] = steady.seconds_per_epoch;
+  line["tokens_per_second"] = steady.per_second;
+  if (s.device.is_cuda()) line["peak_allocated_bytes"] = steady.peak_memory_bytes;
+  line["skipped_steps"] = steady.skipped_steps;
 }
 
 }  // namespace

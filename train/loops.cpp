@@ -450,16 +450,11 @@ std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::
         std::function<void(const ClassifierProgress&)> progress;
         if (on_progress) progress = [&](const ClassifierProgress& p) { on_progress(row, p); };
         const std::vector<EpochStats> epochs = train_classifier(config, {}, progress);
-        const size_t from = epochs.size() > 1 ? 1 : 0;
-        double seconds = 0, images = 0;
-        for (size_t e = from; e < epochs.size(); ++e) {
-          seconds += epochs[e].seconds;
-          images += epochs[e].images_per_second * epochs[e].seconds;
-          row.peak_memory_bytes = std::max(row.peak_memory_bytes, epochs[e].peak_memory_bytes);
-        }
-        for (const EpochStats& e : epochs) row.skipped_steps += e.skipped_steps;
-        row.seconds_per_epoch = seconds / double(epochs.size() - from);
-        row.images_per_second = images / seconds;
+        const SteadyState steady = steady_state(epochs, &EpochStats::images_per_second);
+        row.seconds_per_epoch = steady.seconds_per_epoch;
+        row.images_per_second = steady.per_second;
+        row.peak_memory_bytes = steady.peak_memory_bytes;
+        row.skipped_steps = steady.skipped_steps;
         row.final_train_accuracy = epochs.back().train_accuracy;
         row.final_test_accuracy = epochs.back().test_accuracy;
         row.final_test_loss = epochs.back().test_loss;

@@ -11,6 +11,7 @@
 // (data/cifar.h, data/loader.h), the model (models/), SGD with momentum and weight decay under a schedule, a
 // mixed-precision level (optim/amp.h: O0 float32, O1 autocast, O2 half model with float32 masters, O3 pure half),
 // and per-epoch figures: loss and accuracy on both splits, time, throughput, peak GPU memory, skipped steps.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -200,6 +201,28 @@ struct EpochStats {
 std::vector<EpochStats> train_classifier(const ClassifierConfig& config,
                                          const std::function<void(const EpochStats&)>& on_epoch = {},
                                          const std::function<void(const ClassifierProgress&)>& on_progress = {});
+
+// A run's figures in its steady state: the epochs after the first (which includes cuDNN's autotuning), or the first
+// when there is only one; `rate` (images or tokens per second) over their seconds, the most memory they used, and
+// the steps skipped in every epoch. For EpochStats and LanguageModelEpochStats alike.
+struct SteadyState {
+  double seconds_per_epoch = 0, per_second = 0;
+  int64_t peak_memory_bytes = 0, skipped_steps = 0;
+};
+template <typename Stats> SteadyState steady_state(const std::vector<Stats>& epochs, double Stats::*rate) {
+  SteadyState s;
+  const size_t from = epochs.size() > 1 ? 1 : 0;
+  double seconds = 0, items = 0;
+  for (size_t e = from; e < epochs.size(); ++e) {
+    seconds += epochs[e].seconds;
+    items += epochs[e].*rate * epochs[e].seconds;
+    s.peak_memory_bytes = std::max(s.peak_memory_bytes, epochs[e].peak_memory_bytes);
+  }
+  for (const Stats& e : epochs) s.skipped_steps += e.skipped_steps;
+  s.seconds_per_epoch = epochs.size() > from ? seconds / double(epochs.size() - from) : 0;
+  s.per_second = seconds > 0 ? items / seconds : 0;
+  return s;
+}
 
 // The benchmark sweep of the mixed-precision experiments: the same training run at each opt level (FP32 = O0,
 // AMP = O1, O2 = half model with float32 masters, FP16 = O3) and batch size, one row each: time per epoch,
