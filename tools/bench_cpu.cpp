@@ -24,6 +24,7 @@
 #include "ops/loss.h"
 #include "ops/matmul.h"
 #include "optim/sgd.h"
+#include "tools/cli_checks.h"
 
 using namespace halfgrad;
 
@@ -144,7 +145,7 @@ int main(int argc, char** argv) {
   CLI::App app{"halfgrad CPU benchmark: matmul, linear, elementwise, reduction, the linear-regression example"};
   int repeats = 20;
   int example_runs = 3;
-  app.add_option("--repeats", repeats, "timed runs per figure (the median is printed)")->check(CLI::PositiveNumber);
+  app.add_option("--repeats", repeats, "timed runs per figure (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--example-runs", example_runs, "runs of the 500-iteration example (median; 0 skips it)");
   CLI11_PARSE(app, argc, argv);
 

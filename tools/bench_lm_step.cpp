@@ -45,6 +45,7 @@
 #include "optim/sgd.h"
 
 #include "tools/bench_layers.h"
+#include "tools/cli_checks.h"
 
 #if HALFGRAD_WITH_CUDA
 #include <cuda_runtime.h>
@@ -218,19 +219,19 @@ int main(int argc, char** argv) {
                "tools/bench_lm_step_torch.py)"};
   app.add_option("--model", s.model, "recurrent layer")->check(CLI::IsMember({"lstm", "gru", "rnn_tanh", "rnn_relu"}));
   app.add_option("--nhid", s.nhid, "hidden size per layer, and the embedding size (default 200; 32 on the CPU)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--nlayers", s.nlayers, "recurrent layers")->check(CLI::PositiveNumber);
-  app.add_option("--batch", s.batch, "batch size")->check(CLI::PositiveNumber);
-  app.add_option("--bptt", s.bptt, "sequence length")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", s.vocab, "vocabulary size (WikiText-2: 33278)")->check(CLI::PositiveNumber);
+      ->check(cli::integer_in<int64_t>(1));
+  app.add_option("--nlayers", s.nlayers, "recurrent layers")->check(cli::integer_in<int64_t>(1));
+  app.add_option("--batch", s.batch, "batch size")->check(cli::integer_in<int64_t>(1));
+  app.add_option("--bptt", s.bptt, "sequence length")->check(cli::integer_in<int64_t>(1));
+  app.add_option("--vocab", s.vocab, "vocabulary size (WikiText-2: 33278)")->check(cli::integer_in<int64_t>(1));
   app.add_option("--opt-levels", s.levels, "apex opt levels (default O0,O1; O0 on the CPU)")
       ->delimiter(',')
       ->check(CLI::IsMember({"O0", "O1", "O2", "O3"}));
-  app.add_option("--warmup", s.warmup, "untimed steps before the rounds")->check(CLI::NonNegativeNumber);
-  app.add_option("--steps", s.steps, "timed steps per round")->check(CLI::PositiveNumber);
-  app.add_option("--repeats", s.repeats, "rounds (each printed, then the median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", s.warmup, "untimed steps before the rounds")->check(cli::integer_in<int>(0));
+  app.add_option("--steps", s.steps, "timed steps per round")->check(cli::integer_in<int>(1));
+  app.add_option("--repeats", s.repeats, "rounds (each printed, then the median)")->check(cli::integer_in<int>(1));
   app.add_option("--device", s.device, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
-  app.add_option("--dropout", s.dropout, "dropout (main.py's default 0.2)")->check(CLI::Range(0.0, 0.99));
+  app.add_option("--dropout", s.dropout, "dropout (main.py's default 0.2)")->check(cli::finite_in(0, 0.99));
   app.add_option("--rnn-loop", s.rnn_loop,
                  "CUDA: the recurrent layers' time loops as persistent kernels, as per-step cuBLAS and cell kernels "
                  "replayed as a graph, or the faster of the two per problem (the default; ops/rnn.h's RnnCudaLoop)")

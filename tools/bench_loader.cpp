@@ -11,6 +11,7 @@
 
 #include "data/loader.h"
 #include "halfgrad.h"
+#include "tools/cli_checks.h"
 
 using namespace halfgrad;
 
@@ -19,10 +20,10 @@ int main(int argc, char** argv) {
   int epochs = 2;
   std::vector<int> workers = {0, 1, 2, 4};
   CLI::App app{"images per second through data::ImageLoader with the CIFAR training transform"};
-  app.add_option("--images", images, "images in the synthetic dataset")->check(CLI::PositiveNumber);
-  app.add_option("--batch", batch, "batch size")->check(CLI::PositiveNumber);
-  app.add_option("--workers", workers, "worker counts to try")->delimiter(',');
-  app.add_option("--epochs", epochs, "epochs per row (the first one is timed too)")->check(CLI::PositiveNumber);
+  app.add_option("--images", images, "images in the synthetic dataset")->check(cli::integer_in<int64_t>(1));
+  app.add_option("--batch", batch, "batch size")->check(cli::integer_in<int64_t>(1));
+  app.add_option("--workers", workers, "worker counts to try")->delimiter(',')->check(cli::integer_in<int>(0, 256));
+  app.add_option("--epochs", epochs, "epochs per row (the first one is timed too)")->check(cli::integer_in<int>(1));
   CLI11_PARSE(app, argc, argv);
 
   data::ImageDataset d;

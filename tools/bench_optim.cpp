@@ -24,6 +24,7 @@
 #include "optim/adam.h"
 #include "optim/clip_grad.h"
 #include "optim/sgd.h"
+#include "tools/cli_checks.h"
 
 #if HALFGRAD_WITH_CUDA
 #include <cuda_runtime.h>
@@ -111,7 +112,7 @@ int main(int argc, char** argv) {
   CLI::App app{"halfgrad fused optimizer step over ResNet-50's parameters"};
   app.add_option("--device", device_name, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   app.add_option("--dtype", dtype_name_arg, "parameter dtype")->check(CLI::IsMember({"float32", "float16", "bfloat16"}));
-  app.add_option("--repeats", repeats, "timed steps per row (the median is printed)")->check(CLI::PositiveNumber);
+  app.add_option("--repeats", repeats, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--warmup", warmup, "untimed steps first");
   CLI11_PARSE(app, argc, argv);
 

@@ -30,6 +30,7 @@
 #include "optim/sgd.h"
 
 #include "tools/bench_layers.h"
+#include "tools/cli_checks.h"
 
 using namespace halfgrad;
 
@@ -104,13 +105,13 @@ int main(int argc, char** argv) {
                "tools/bench_train_step_torch.py)"};
   app.add_option("--model", s.model, "resnet18/34/50/101/152, vgg11/13/16/19")
       ->check(CLI::IsMember(models::image_classifier_names()));
-  app.add_option("--batch", s.batches, "batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--batch", s.batches, "batch sizes")->delimiter(',')->check(cli::integer_in<int64_t>(1));
   app.add_option("--opt-levels", s.levels, "apex opt levels")->delimiter(',')->check(
       CLI::IsMember({"O0", "O1", "O2", "O3"}));
   app.add_flag("--nchw", s.nchw, "NCHW batches instead of channels_last");
   app.add_flag("--cuda-graph", s.cuda_graph, "capture the step after two eager ones and replay it");
-  app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(CLI::NonNegativeNumber);
+  app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
+  app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(cli::integer_in<int>(0));
   CLI11_PARSE(app, argc, argv);
 #if HALFGRAD_WITH_CUDA
   return bench::run_on_gpu("bench_train_step", [&] { return run(s); });

@@ -6,19 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <csignal>
 #include <exception>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iostream>
-#include <limits>
 #include <new>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -33,71 +29,19 @@
 #include "core/version.h"
 #include "models/classifiers.h"
 #include "tools/bench.h"
+#include "tools/cli_checks.h"
 #include "train/loops.h"
 
 using namespace halfgrad;
+using halfgrad::cli::finite_at_least;
+using halfgrad::cli::finite_in;
+using halfgrad::cli::integer_in;
 
 namespace {
 
 // A choice checked when the command line is parsed, in any case, replaced by its canonical spelling; --help lists
 // the choices.
 CLI::IsMember one_of(std::vector<std::string> choices) { return CLI::IsMember(std::move(choices), CLI::ignore_case); }
-
-// An integer in [min, max] (max: T's largest by default), written in plain decimal: digits after an optional '-',
-// no leading zeros. -1 is refused where it would wrap to 2^64 - 1 (a seed) or read as "all" (a limit), a number beyond
-// T's range where CLI11 would clamp it, and hex, exponents and leading zeros, which CLI11 (strtoll, base 0) would read
-// as hex or octal: "010" would be 8.
-template <typename T> CLI::Validator integer_in(T min, T max = std::numeric_limits<T>::max()) {
-  return CLI::Validator(
-      [min, max](std::string& text) -> std::string {
-        const bool negative = !text.empty() && text[0] == '-';
-        const std::string digits = text.substr(negative ? 1 : 0);
-        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos ||
-            (digits[0] == '0' && (digits.size() > 1 || negative)))
-          return fmt::format("{} is not an integer in plain decimal", text);
-        if (negative && std::is_unsigned_v<T>) return fmt::format("{} must be >= {}", text, min);
-        T value{};
-        const auto error = std::from_chars(text.data(), text.data() + text.size(), value).ec;
-        if (error == std::errc::result_out_of_range)
-          return negative ? fmt::format("{} must be >= {}", text, min)
-                          : fmt::format("{} is out of range (at most {})", text, max);
-        if (value < min) return fmt::format("{} must be >= {}", text, min);
-        if (value > max) return fmt::format("{} is out of range (at most {})", text, max);
-        return {};
-      },
-      max == std::numeric_limits<T>::max() ? fmt::format("INTEGER >= {}", min)
-                                           : fmt::format("INTEGER in [{}, {}]", min, max));
-}
-
-// A validator of finite numbers: inf, nan and 1e400 are refused when the command line is parsed (CLI::PositiveNumber
-// lets inf through, CLI::Range nan: every comparison with it is false); then `rule` says what else is wrong with the
-// value, if anything.
-CLI::Validator finite(std::function<std::string(const std::string& text, double value)> rule, std::string name) {
-  return CLI::Validator(
-      [rule = std::move(rule)](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v))
-          return fmt::format("{} is not a finite number", text);
-        return rule(text, v);
-      },
-      std::move(name));
-}
-
-// A finite number in [lo, hi].
-CLI::Validator finite_in(double lo, double hi) {
-  return finite([lo, hi](const std::string& text, double v) {
-    return v < lo || v > hi ? fmt::format("{} is not in [{}, {}]", text, lo, hi) : std::string();
-  }, fmt::format("FINITE in [{}, {}]", lo, hi));
-}
-
-// A finite number >= min (or > min when `strictly`).
-CLI::Validator finite_at_least(double min, bool strictly = false) {
-  return finite([min, strictly](const std::string& text, double v) {
-    return (strictly ? v <= min : v < min) ? fmt::format("{} must be {} {}", text, strictly ? ">" : ">=", min)
-                                           : std::string();
-  }, fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
-}
 
 // Whether progress lines go to a terminal (redrawn in place there) rather than a file or a pipe.
 bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) != 0; }
