@@ -327,6 +327,14 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
   line["reached_ceiling"] = good == s.max_batch;
 }
 
+// The line's "dataset": synthetic batches when timing steps; trained, CIFAR-10 for the classifiers, and for a
+// language model WikiText-2 unless data_dir names another corpus (the line then gives the folder).
+const char* dataset_of(const Case& c, const Settings& s) {
+  if (s.epochs == 0) return "synthetic";
+  if (c.suite != "lm") return "cifar10";
+  return s.data_dir.empty() ? "wikitext-2" : "text";
+}
+
 // What the settings allow for a case, checked before any case of a run starts.
 void check_case(const Case& c, const Settings& s) {
   HG_CHECK(s.epochs >= 0, "bench: epochs must be >= 0, got {}", s.epochs);
@@ -433,10 +441,8 @@ json run_case(const Case& c, const Settings& s) {
   HG_CHECK(!s.cuda_graph || s.device.is_cuda(), "bench: --cuda-graph needs a CUDA device, got {}", s.device.str());
   check_case(c, s);
   const bool trains = s.epochs > 0;
-  // A language model's corpus is WikiText-2 unless data_dir names another (the line then gives the folder).
-  const char* dataset = !trains ? "synthetic" : c.suite != "lm" ? "cifar10" : s.data_dir.empty() ? "wikitext-2" : "text";
   json line = {{"framework", "halfgrad"}, {"suite", c.suite}, {"model", c.model}, {"precision", c.precision},
-               {"batch", c.batch}, {"dataset", dataset}};
+               {"batch", c.batch}, {"dataset", dataset_of(c, s)}};
   line.update(environment(s));
   line["cuda_graph"] = s.cuda_graph;
   line["out_of_memory"] = false;
