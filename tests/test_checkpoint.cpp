@@ -354,7 +354,27 @@ TEST_CASE("garbage, bad JSON and impossible headers are errors with the file and
     std::string m = error_for(raw_file(header, std::string(4, '\0')));
     CHECK(contains(m, path));
     CHECK(contains(m, fmt::format("byte {}", 8 + bad)));
-    CHECK(contains(m, "expected a string key"));
+    CHECK(contains(m, "while parsing object key"));
+  }
+  SUBCASE("an entry's bad value: the offset points at the value's first byte, whatever its kind") {
+    // Each header has one bad value, the `needle`; strings, numbers, arrays and objects are located differently.
+    const std::pair<std::string, std::string> cases[] = {
+        {R"({"x":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", R"("F8_E4M3")"},
+        {R"({"x":{"dtype":"F\"32","shape":[1],"data_offsets":[0,1]}})", R"("F\"32")"},
+        {R"({"x":{"dtype":"F32","shape":[2, -1],"data_offsets":[0,4]}})", "-1"},
+        {R"({"x":{"dtype":"F32","shape":[1.5e0],"data_offsets":[0,4]}})", "1.5e0"},
+        {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0, 99999999999999999999]}})", "99999999999999999999"},
+        {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":  [4,0] }})", "[4,0]"},
+        {R"({"x":{"dtype":"F32","shape":true,"data_offsets":[0,4]}})", "true"},
+        {R"({"x":  {"dtype":"F32","shape":[1]}})", R"({"dtype")"},
+        {R"({"__metadata__":{"k":null}})", "null"},
+    };
+    for (const auto& [header, needle] : cases) {
+      CAPTURE(header);
+      std::string m = error_for(raw_file(header, std::string(4, '\0')));
+      CAPTURE(m);
+      CHECK(contains(m, fmt::format("corrupt header at byte {}:", 8 + header.find(needle))));
+    }
   }
   SUBCASE("JSON that is not an object, or not closed") {
     CHECK(contains(error_for(raw_file("[1, 2]", "")), "must be a JSON object"));
