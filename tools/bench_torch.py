@@ -4,6 +4,7 @@
     python3 tools/bench_torch.py SUITE [--models resnet50,lstm-650x2] [--precisions fp32,amp] [--batch 256]
                                  [--steps 20] [--warmup 5] [--compile] [--nchw] [--vocab 33278] [--bptt 35]
                                  [--memory-budget 8GiB] [--max-batch 65536] [--out bench.jsonl]
+                                 [--epochs 30 --data-dir CIFAR_FOLDER --seed 1]
 
 The suites, models, precisions, data and steps are tools/bench.h's (vgg, resnet, lm, max-batch, all): the same
 configurations in the same order, the same synthetic data (standard-normal CIFAR-shaped images, random labels and
@@ -18,15 +19,22 @@ model and inputs in float16); o2 (apex's O2) has no PyTorch equivalent: its conf
 Each line: "framework": "pytorch", the case, "ms" {median, min, p10, p90, max} of the timed steps (CUDA events around
 each), images or tokens per second, "peak_allocated_bytes" / "peak_reserved_bytes" (torch.cuda's peaks over the timed
 steps), "out_of_memory"; max-batch: the largest batch under the budget (torch.cuda.set_per_process_memory_fraction).
+With --epochs (vgg, resnet, lm) each configuration trains on real data instead, with halfgrad's recipes
+(tools/bench.h): a classifier on the CIFAR-10 files of --data-dir, a language model on WikiText-2 as pytorch/examples'
+main.py trains it; the line then has the final test accuracy or test perplexity, seconds and images or tokens per
+second per epoch (the mean after the first), the peak allocated memory.
 The models are those of tools/bench_train_step_torch.py and tools/bench_lm_step_torch.py. The project does not
 depend on PyTorch: this script is only for comparing; without it (or without a GPU) it prints why and exits 0.
 """
 import argparse
 import datetime
+import io
 import json
+import math
 import os
 import subprocess
 import sys
+import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
@@ -103,6 +111,17 @@ def _cudnn_version():
     return f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
 
 
+def clipped_update(loss, model, opt, scaler):
+    """A language model's update, main.py's with amp: backward through the scaler, unscale_, clipping at 0.25, the
+    step (skipped by the scaler on an overflow), zero_grad."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
 def workload(suite, model_name, precision, batch, args):
     """(step, items per step, unit): a training step on synthetic data already on the GPU."""
     gpu = torch.device("cuda")
@@ -126,12 +145,7 @@ def workload(suite, model_name, precision, batch, args):
             with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
                 output, state["hidden"] = forward(data, hidden)
                 loss = F.cross_entropy(output.float(), target)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            clipped_update(loss, model, opt, scaler)
 
         return step, args.bptt * batch, "tokens_per_second"
     layout = torch.contiguous_format if args.nchw else torch.channels_last
@@ -181,6 +195,208 @@ def measure(suite, model, precision, batch, args, line):
     line[unit] = items / (line["ms"]["median"] * 1e-3)
     line["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     line["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+
+
+# ---- accuracy (--epochs): the recipes of train/loops.cpp, as a PyTorch user writes them
+
+def read_cifar10(folder, split):
+    """(images uint8 [N, 3, 32, 32], labels int64 [N]) from the official binary files present in folder:
+    data_batch_1..5.bin for training (as halfgrad's loader, those that exist), test_batch.bin for testing."""
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] if split == "train" else ["test_batch.bin"]
+    paths = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
+    if not paths:
+        sys.exit(f"bench_torch: no CIFAR-10 {split} files ({', '.join(names)}) in {folder}")
+    records = []
+    for path in paths:
+        raw = open(path, "rb").read()
+        if len(raw) == 0 or len(raw) % 3073:
+            sys.exit(f"bench_torch: {path} is {len(raw)} bytes, not a whole number of 3,073-byte CIFAR-10 records")
+        records.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 3073))
+    data = torch.cat(records)
+    return data[:, 1:].reshape(-1, 3, 32, 32).contiguous(), data[:, 0].long()
+
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # data/cifar.h
+
+
+def normalised(images, gpu):
+    mean = torch.tensor(CIFAR10_MEAN, device=gpu).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD, device=gpu).view(1, 3, 1, 1)
+    return (images.to(gpu).float() / 255 - mean) / std
+
+
+def augmented(x, generator):
+    """data::ImageTransform::cifar_train on a normalised batch: a random 32x32 window of the image padded by 4 zeros
+    on each side, then a horizontal flip with probability 1/2, per image."""
+    n = x.shape[0]
+    padded = F.pad(x, (4, 4, 4, 4))
+    dy = torch.randint(0, 9, (n,), device=x.device, generator=generator)
+    dx = torch.randint(0, 9, (n,), device=x.device, generator=generator)
+    flip = torch.rand(n, device=x.device, generator=generator) < 0.5
+    ar = torch.arange(32, device=x.device)
+    rows = (dy[:, None] + ar)[:, None, :, None]
+    cols = dx[:, None] + ar
+    cols = torch.where(flip[:, None], cols.flip(1), cols)[:, None, None, :]
+    return padded[torch.arange(n, device=x.device)[:, None, None, None], torch.arange(3, device=x.device)[None, :, None, None],
+                  rows, cols]
+
+
+def train_classifier(model_name, precision, batch, args, line):
+    """sweep-classifier's recipe: SGD (momentum 0.9 cycled by the schedule, weight decay 5e-4), OneCycleLR to lr 0.1
+    (pct_start 0.3, div_factor 25), pad-4 crops and flips, batch `batch`, the last smaller batch kept; the final
+    model evaluated once on the test files; augmentation on the GPU. Seconds per epoch (the training part) and the peak
+    allocated memory: the mean and the most over the epochs after the first."""
+    gpu = torch.device("cuda")
+    torch.manual_seed(args.seed)
+    generator = torch.Generator(device=gpu)
+    generator.manual_seed(args.seed)
+    train_x, train_y = read_cifar10(args.data_dir, "train")
+    test_x, test_y = read_cifar10(args.data_dir, "test")
+    train_x, train_y, test_x, test_y = normalised(train_x, gpu), train_y.to(gpu), normalised(test_x, gpu), test_y.to(gpu)
+    layout = torch.contiguous_format if args.nchw else torch.channels_last
+    model = make_model(model_name).to(gpu, memory_format=layout)
+    half = precision == "fp16"
+    if half:
+        model.half()
+    autocast = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    steps_per_epoch = (len(train_y) + batch - 1) // batch
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=args.epochs, steps_per_epoch=steps_per_epoch,
+                                                   pct_start=0.3, div_factor=25)
+    seconds = []
+    for epoch in range(args.epochs):
+        if epoch <= 1:  # the peak of the epochs after the first (cudnn.benchmark's trials), as halfgrad's lines
+            torch.cuda.reset_peak_memory_stats()
+        model.train()
+        order = torch.randperm(len(train_y), device=gpu, generator=generator)
+        correct = torch.zeros((), dtype=torch.int64, device=gpu)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(0, len(train_y), batch):
+            index = order[i:i + batch]
+            x = augmented(train_x[index], generator).contiguous(memory_format=layout)
+            y = train_y[index]
+            with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+                logits = model(x.half() if half else x)
+                loss = F.cross_entropy(logits.float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            schedule.step()
+            correct += (logits.argmax(1) == y).sum()
+        stop.record()
+        torch.cuda.synchronize()
+        seconds.append(start.elapsed_time(stop) / 1000)
+    model.eval()
+    test_loss, test_correct = 0.0, 0
+    with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+        for i in range(0, len(test_y), batch):
+            x = test_x[i:i + batch].contiguous(memory_format=layout)
+            logits = model(x.half() if half else x).float()
+            test_loss += F.cross_entropy(logits, test_y[i:i + batch], reduction="sum").item()
+            test_correct += (logits.argmax(1) == test_y[i:i + batch]).sum().item()
+    steady = seconds[1:] or seconds
+    line.update({"final_test_accuracy": test_correct / len(test_y), "final_test_loss": test_loss / len(test_y),
+                 "final_train_accuracy": correct.item() / len(train_y),
+                 "seconds_per_epoch": sum(steady) / len(steady),
+                 "images_per_second": len(train_y) / (sum(steady) / len(steady)),
+                 "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+
+
+def read_corpus(folder):
+    """pytorch/examples' data.Corpus: words split on whitespace, "<eos>" after each line, ids in order of first
+    appearance over train, valid and test. Reads folder/{train,valid,test}.txt, or halfgrad's shipped archive."""
+    texts = {}
+    if folder:
+        for split in ("train", "valid", "test"):
+            with open(os.path.join(folder, f"{split}.txt"), encoding="utf-8") as f:
+                texts[split] = f.read()
+    else:
+        archive = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "wikitext-2",
+                               "wikitext-2.tar.xz")
+        with tarfile.open(archive, "r:xz") as tar:
+            for split in ("train", "valid", "test"):
+                texts[split] = tar.extractfile(f"wikitext-2/{split}.txt").read().decode("utf-8")
+    ids, splits = {}, {}
+    for split in ("train", "valid", "test"):
+        tokens = []
+        for text_line in io.StringIO(texts[split]):  # lines as main.py's file iteration gives them
+            for word in text_line.split() + ["<eos>"]:
+                tokens.append(ids.setdefault(word, len(ids)))
+        splits[split] = torch.tensor(tokens, dtype=torch.int64)
+    return splits, len(ids)
+
+
+def train_language_model(model_name, precision, batch, args, line):
+    """pytorch/examples' main.py with its defaults (dropout 0.2, lr 20 quartered when the validation loss does not
+    improve, clipping 0.25, evaluation batch 10, the best model tested), as train-lm trains: amp through autocast
+    float16 and a GradScaler (unscale_ before clipping), the update SGD's. Perplexities after args.epochs epochs."""
+    gpu = torch.device("cuda")
+    torch.manual_seed(args.seed)
+    splits, vocab = read_corpus(args.data_dir)
+
+    def batchify(data, size):
+        n = data.size(0) // size
+        return data[:n * size].view(size, n).t().contiguous().to(gpu)
+
+    train, valid, test = batchify(splits["train"], batch), batchify(splits["valid"], 10), batchify(splits["test"], 10)
+    kind, hidden, layers = language_model_shape(model_name)
+    model = RNNModel(kind, vocab, hidden, hidden, layers, 0.2).to(gpu)
+    if precision == "fp16":
+        model.half()
+    autocast = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
+    lr = 20.0
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def evaluate(source):
+        model.eval()
+        total, state = 0.0, model.init_hidden(10)
+        with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+            for i in range(0, source.size(0) - 1, args.bptt):
+                n = min(args.bptt, source.size(0) - 1 - i)
+                output, state = model(source[i:i + n], state)
+                total += n * F.cross_entropy(output.float(), source[i + 1:i + 1 + n].reshape(-1)).item()
+        return total / (source.size(0) - 1)
+
+    best, best_state, seconds = float("inf"), None, []
+    for epoch in range(args.epochs):
+        if epoch <= 1:
+            torch.cuda.reset_peak_memory_stats()
+        model.train()
+        state = model.init_hidden(batch)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(0, train.size(0) - 1, args.bptt):
+            n = min(args.bptt, train.size(0) - 1 - i)
+            state = repackage_hidden(state)
+            with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+                output, state = model(train[i:i + n], state)
+                loss = F.cross_entropy(output.float(), train[i + 1:i + 1 + n].reshape(-1))
+            clipped_update(loss, model, opt, scaler)
+        stop.record()
+        torch.cuda.synchronize()
+        seconds.append(start.elapsed_time(stop) / 1000)
+        valid_loss = evaluate(valid)
+        if valid_loss < best:
+            best, best_state = valid_loss, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            lr /= 4
+            for group in opt.param_groups:
+                group["lr"] = lr
+    final_valid = valid_loss
+    if best_state is None:
+        line["error"] = "no epoch had a finite validation loss"
+        return
+    model.load_state_dict(best_state)
+    steady = seconds[1:] or seconds
+    tokens = (train.size(0) - 1) * batch
+    line.update({"test_perplexity": math.exp(evaluate(test)), "final_valid_perplexity": math.exp(final_valid),
+                 "seconds_per_epoch": sum(steady) / len(steady),
+                 "tokens_per_second": tokens / (sum(steady) / len(steady)),
+                 "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
 
 
 def fits(suite, model, precision, batch, args):
@@ -239,7 +455,15 @@ def main():
     parser.add_argument("--memory-budget", default="")
     parser.add_argument("--max-batch", type=int, default=65536)
     parser.add_argument("--out", default="")
+    parser.add_argument("--epochs", type=int, default=0, help="train on real data instead of timing steps")
+    parser.add_argument("--data-dir", default="", help="with --epochs: the CIFAR-10 files' folder; for lm a folder "
+                        "of train/valid/test.txt (default: the WikiText-2 halfgrad ships)")
+    parser.add_argument("--seed", type=int, default=0, help="with --epochs: the runs' seed")
     args = parser.parse_args()
+    if args.epochs < 0 or (args.epochs > 0 and args.suite in ("max-batch", "all")):
+        sys.exit(f"bench_torch {args.suite}: --epochs {args.epochs}: trained runs are for vgg, resnet and lm, epochs >= 1")
+    if args.epochs > 0 and args.suite != "lm" and not args.data_dir:
+        sys.exit(f"bench_torch {args.suite}: --epochs trains on the CIFAR-10 files: give their folder with --data-dir")
     if not torch.cuda.is_available():
         print("bench_torch: no CUDA GPU is visible to PyTorch; nothing to compare.", file=sys.stderr)
         return
@@ -253,16 +477,24 @@ def main():
     for i, (suite, model, precision, batch) in enumerate(cases):
         print(f"bench_torch {suite}: [{i + 1}/{len(cases)}] {model} {precision} batch {batch}", file=sys.stderr)
         torch.backends.cudnn.allow_tf32 = suite != "lm"  # convolutions yes, cuDNN RNNs no: halfgrad's defaults
+        dataset = "synthetic" if not args.epochs else "cifar10" if suite != "lm" else \
+            "text" if args.data_dir else "wikitext-2"
         line = {"framework": "pytorch", "suite": suite, "model": model, "precision": precision, "batch": batch,
-                "dataset": "synthetic", **env, "compile": args.compile, "out_of_memory": False}
-        if suite != "max-batch":
+                "dataset": dataset, **env, "compile": args.compile, "out_of_memory": False}
+        if args.epochs:
+            line.update({"data_dir": args.data_dir, "epochs": args.epochs, "seed": args.seed})
+        elif suite != "max-batch":
             line.update({"warmup": args.warmup, "steps": args.steps})
+        if suite == "lm":
+            line["bptt"] = args.bptt
         if precision == "o2":
             line["error"] = "apex's O2 (a half model with float32 master weights) has no PyTorch equivalent"
         else:
             try:
                 if suite == "max-batch":
                     search_max_batch(suite, model, precision, batch, args, line)
+                elif args.epochs:
+                    (train_language_model if suite == "lm" else train_classifier)(model, precision, batch, args, line)
                 else:
                     measure(suite, model, precision, batch, args, line)
             except torch.cuda.OutOfMemoryError as e:

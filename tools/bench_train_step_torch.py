@@ -101,7 +101,15 @@ RESNETS = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet34": (BasicBlock, (3, 
 
 
 def make_model(name):
-    return VGG(VGG_CONFIGS[name]) if name in VGG_CONFIGS else ResNet(*RESNETS[name])
+    """The model, initialised as halfgrad's (models/resnet.cpp, models/vgg.cpp) and torchvision's: convolutions
+    kaiming_normal_(fan_out, relu) with zero biases; BatchNorm and Linear keep PyTorch's defaults."""
+    model = VGG(VGG_CONFIGS[name]) if name in VGG_CONFIGS else ResNet(*RESNETS[name])
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return model
 
 
 class ResNet(nn.Module):

@@ -451,8 +451,14 @@ int run_bench_torch(const BenchArgs& a, bool compile) {
   if (!a.memory_budget.empty()) command += " --memory-budget " + shell_quoted(a.memory_budget);
   if (a.nchw) command += " --nchw";
   if (compile) command += " --compile";
+  if (a.settings.epochs > 0) {
+    command += fmt::format(" --epochs {} --seed {}", a.settings.epochs, a.settings.seed);
+    if (!a.settings.data_dir.empty()) command += " --data-dir " + shell_quoted(a.settings.data_dir);
+  }
   if (!a.out.empty()) command += " --out " + shell_quoted(a.out);
+  fmt::print(stderr, "bench: PyTorch's side: {}\n", command);
   std::fflush(stdout);
+  std::fflush(stderr);
   const int status = std::system(command.c_str());
   HG_CHECK(status == 0, "bench --with-pytorch: `{}` failed (status {})", command, status);
   return 0;
@@ -461,9 +467,6 @@ int run_bench_torch(const BenchArgs& a, bool compile) {
 // JSON lines to stdout (and appended to --out, a whole line at a time, flushed: an interrupted run leaves every line
 // it finished), a progress line to stderr before each configuration (rewritten in place on a terminal).
 int run_bench(BenchArgs a) {
-  // Before anything trains, not after: tools/bench_torch.py times steps on synthetic data only.
-  HG_CHECK(!(a.with_pytorch && a.settings.epochs > 0), "bench: --with-pytorch and --epochs together: "
-           "tools/bench_torch.py has no accuracy runs yet (it times steps); run PyTorch's side without --epochs");
   a.settings.device = parse_device(a.device);
   a.settings.channels_last = !a.nchw;
   if (!a.memory_budget.empty()) {
@@ -739,7 +742,8 @@ int main(int argc, char** argv) {
       ->check(integer_in<int>(0, 256))->capture_default_str();
   tb->add_option("--out", bench_args.out, "also append the lines to this file");
   tb->add_flag("--with-pytorch", bench_args.with_pytorch, "then the same configurations in PyTorch "
-               "(tools/bench_torch.py, eager channels_last), their lines to the same output");
+               "(tools/bench_torch.py, eager channels_last; with --epochs trained the same way), their lines to the "
+               "same output");
   tb->add_flag("--torch-compile", bench_args.torch_compile, "with --with-pytorch: PyTorch under "
                "torch.compile(mode=\"reduce-overhead\") too");
   tb->callback([&] { rc = run_bench(bench_args); });
