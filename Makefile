@@ -98,14 +98,15 @@ SANITIZE_CI_EXCLUDE := $(strip $(subst | ,|,$(_sanitize_ci_exclude)))
 ifeq ($(SANITIZE_SUBSET),ci)
   SANITIZE_EXCLUDE := $(SANITIZE_CI_EXCLUDE)
 endif
-# The CPU library, its tests, the CLI and the two benchmark programs the CLI tests run, under AddressSanitizer and
-# UndefinedBehaviorSanitizer (gcc; leaks checked too): a report fails its test. Built at -O1 with assertions on:
+# The CPU library, its tests and the programs they run (CMake's halfgrad_test_programs: the CLI, two benchmark
+# programs, the process-group tests' worker), under AddressSanitizer and UndefinedBehaviorSanitizer (gcc; leaks
+# checked too): a report fails its test. Built at -O1 with assertions on:
 # 6.8 minutes on the 2-core development machine (2026-12-02) against 15 at -O3; the whole suite then took 11.5
 # minutes, CI's subset 1.6.
 sanitize: deps
 	cmake -S . -B "$(SANITIZE_DIR)" -G "$(GENERATOR)" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O1 \
 	  -DHALFGRAD_SANITIZE=ON -DHALFGRAD_CUDA=OFF -DHALFGRAD_BUILD_EXAMPLES=OFF
-	cmake --build "$(SANITIZE_DIR)" -j $(JOBS) --target halfgrad_tests halfgrad_cli bench_lm_step bench_loader
+	cmake --build "$(SANITIZE_DIR)" -j $(JOBS) --target halfgrad_test_programs
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --test-dir "$(SANITIZE_DIR)" --output-on-failure -j $(JOBS) -E '$(SANITIZE_EXCLUDE)'
 

@@ -59,6 +59,10 @@ optional=()
 if ! python3 -c 'import matplotlib' >/dev/null 2>&1 && [[ ! -e /usr/lib/python3/dist-packages/matplotlib/__init__.py ]]; then
   optional+=(python3-matplotlib)
 fi
+# Optional too: Gloo, for the process groups of dist/ (built and tested where it is present; CMake says so).
+if [[ ! -e /usr/share/cmake/Gloo/GlooConfig.cmake && ! -e /usr/local/share/cmake/Gloo/GlooConfig.cmake ]]; then
+  optional+=(libgloo-dev)
+fi
 
 sudo=()
 if ((EUID != 0)) && command -v sudo >/dev/null 2>&1; then
@@ -73,7 +77,8 @@ install_optional() {
      "${sudo[@]}" apt-get install -y --no-install-recommends "${optional[@]}" >/dev/null 2>&1; then
     echo "install_deps: installed (optional) ${optional[*]}"
   else
-    echo "install_deps: note: could not install the optional ${optional[*]} (tools/plot.py needs it; its test is skipped)"
+    echo "install_deps: note: could not install the optional ${optional[*]} (python3-matplotlib: tools/plot.py's" \
+         "figures, its test is skipped; libgloo-dev: dist/'s process groups, not built)"
   fi
 }
 updated=0
