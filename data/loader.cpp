@@ -55,26 +55,40 @@ ImageLoader::ImageLoader(ImageDataset dataset, ImageTransform transform, LoaderO
   for (float s : transform_.std) HG_CHECK(s > 0, "ImageLoader: std values must be positive, got {}", s);
   HG_CHECK(transform_.crop_padding >= 0, "ImageLoader: crop_padding must be >= 0, got {}", transform_.crop_padding);
   HG_CHECK(options_.batch_size >= 1, "ImageLoader: batch_size must be >= 1, got {}", options_.batch_size);
+  HG_CHECK(options_.world_size >= 1 && options_.rank >= 0 && options_.rank < options_.world_size,
+           "ImageLoader: rank {} is not in 0..{} (world_size {})", options_.rank, options_.world_size - 1,
+           options_.world_size);
   HG_CHECK(options_.workers >= 0 && options_.prefetch >= 1,
            "ImageLoader: workers must be >= 0 and prefetch >= 1, got workers = {}, prefetch = {}", options_.workers,
            options_.prefetch);
 }
 
+int64_t ImageLoader::samples_per_epoch() const {
+  const int64_t n = dataset_.size(), w = options_.world_size;
+  return n / w + (n % w != 0);
+}
+
 int64_t ImageLoader::batches_per_epoch() const {
-  const int64_t n = dataset_.size(), b = options_.batch_size;
+  const int64_t n = samples_per_epoch(), b = options_.batch_size;
   return options_.drop_last ? n / b : n / b + (n % b != 0);  // not (n + b - 1) / b: b may be near INT64_MAX
 }
 
 std::vector<int64_t> ImageLoader::order(int64_t epoch) const {
   std::vector<int64_t> order(size_t(dataset_.size()));
   std::iota(order.begin(), order.end(), int64_t(0));
-  if (!options_.shuffle) return order;
-  // Fisher-Yates, position i swapped with a uniform j <= i drawn from counter (epoch, i).
-  const uint64_t base = kShuffleDomain + uint64_t(epoch) * uint64_t(order.size());
-  for (int64_t i = int64_t(order.size()) - 1; i > 0; --i) {
-    std::swap(order[size_t(i)], order[size_t(below(Philox::generate(options_.seed, base + uint64_t(i)), i + 1))]);
+  if (options_.shuffle) {
+    // Fisher-Yates, position i swapped with a uniform j <= i drawn from counter (epoch, i).
+    const uint64_t base = kShuffleDomain + uint64_t(epoch) * uint64_t(order.size());
+    for (int64_t i = int64_t(order.size()) - 1; i > 0; --i) {
+      std::swap(order[size_t(i)], order[size_t(below(Philox::generate(options_.seed, base + uint64_t(i)), i + 1))]);
+    }
   }
-  return order;
+  if (options_.world_size == 1 || order.empty()) return order;
+  // This rank's shard: positions rank, rank + world_size, ... of the order padded with its own start.
+  std::vector<int64_t> shard(static_cast<size_t>(samples_per_epoch()));
+  for (size_t k = 0; k < shard.size(); ++k)
+    shard[k] = order[(size_t(options_.rank) + k * size_t(options_.world_size)) % order.size()];
+  return shard;
 }
 
 Batch ImageLoader::make_batch(int64_t epoch, int64_t k) const {
@@ -85,7 +99,7 @@ Batch ImageLoader::make_batch(int64_t epoch, int64_t k) const {
 
 Batch ImageLoader::make_batch(const std::vector<int64_t>& all, int64_t epoch, int64_t k) const {
   const int64_t first = k * options_.batch_size;
-  const int64_t count = std::min<int64_t>(options_.batch_size, dataset_.size() - first);
+  const int64_t count = std::min<int64_t>(options_.batch_size, int64_t(all.size()) - first);
   const int64_t C = dataset_.images.size(1), H = dataset_.images.size(2), W = dataset_.images.size(3);
   const int64_t pad = transform_.crop_padding, n = dataset_.size();
 

@@ -48,6 +48,10 @@ struct LoaderOptions {
   int workers = 2;         // threads that make batches; 0: made in the calling thread when asked for
   int prefetch = 2;        // batches in flight per worker
   uint64_t seed = 0;       // shuffling and augmentation
+  // Data parallel (torch's DistributedSampler): rank `rank` of `world_size` loads its shard of each epoch: the
+  // epoch's order (the same on every rank: same seed), padded with its own first indices to a multiple of
+  // world_size, then every world_size-th index from position `rank`. Every rank has the same number of batches.
+  int64_t rank = 0, world_size = 1;
 };
 
 struct Batch {
@@ -66,8 +70,9 @@ class ImageLoader {
 
   // Batch k of an epoch, made in the calling thread (what the workers run).
   Batch make_batch(int64_t epoch, int64_t k) const;
-  // The dataset indices of an epoch, in the order the batches take them.
+  // The dataset indices of an epoch (this rank's shard of them), in the order the batches take them.
   std::vector<int64_t> order(int64_t epoch) const;
+  int64_t samples_per_epoch() const;  // order(epoch).size(): the dataset's size, or a shard's
 
   class Epoch;
   // One pass over the data, from batch first_batch on (a run resumed within an epoch); the workers start now and

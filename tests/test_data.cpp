@@ -201,6 +201,49 @@ TEST_CASE("an epoch visits every sample once, in batches of batch_size, shuffled
   for (size_t i = 0; i < 50; ++i) CHECK(seen[i] == e1[i] % 10);
 }
 
+TEST_CASE("data parallel: the ranks' shards of an epoch cover it, padded to equal length, reshuffled each epoch") {
+  // 10 images over 3 ranks: 4 each, the order's first 2 indices repeated at the end (torch's DistributedSampler).
+  data::ImageLoader whole(synthetic(10), {}, {.batch_size = 3, .workers = 0});
+  std::vector<std::vector<int64_t>> shards;
+  for (int64_t rank = 0; rank < 3; ++rank) {
+    data::ImageLoader part(synthetic(10), {}, {.batch_size = 3, .workers = 0, .rank = rank, .world_size = 3});
+    CHECK(part.samples_per_epoch() == 4);
+    CHECK(part.batches_per_epoch() == 2);  // 3 + 1
+    shards.push_back(part.order(0));
+    std::vector<int64_t> seen;
+    for (const data::Batch& b : part.epoch(0))
+      for (int64_t t : to_vector<int64_t>(b.targets)) seen.push_back(t);
+    CHECK(seen.size() == 4);
+    for (size_t i = 0; i < seen.size(); ++i) CHECK(seen[i] == shards.back()[i] % 10);
+  }
+  CHECK(shards[0] == std::vector<int64_t>{0, 3, 6, 9});
+  CHECK(shards[1] == std::vector<int64_t>{1, 4, 7, 0});
+  CHECK(shards[2] == std::vector<int64_t>{2, 5, 8, 1});
+
+  // Shuffled: every rank draws the same order from the shared seed and keeps its positions; a new order each epoch.
+  for (int64_t epoch : {0, 1}) {
+    const std::vector<int64_t> order =
+        data::ImageLoader(synthetic(10), {}, {.shuffle = true, .seed = 5}).order(epoch);
+    std::vector<int64_t> together;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      const std::vector<int64_t> shard =
+          data::ImageLoader(synthetic(10), {}, {.shuffle = true, .seed = 5, .rank = rank, .world_size = 3}).order(epoch);
+      for (size_t k = 0; k < shard.size(); ++k) CHECK(shard[k] == order[(size_t(rank) + 3 * k) % 10]);
+      together.insert(together.end(), shard.begin(), shard.end());
+    }
+    std::sort(together.begin(), together.end());
+    together.erase(std::unique(together.begin(), together.end()), together.end());
+    CHECK(together == plain_order(10));  // every image in some shard
+  }
+  CHECK(data::ImageLoader(synthetic(10), {}, {.shuffle = true, .seed = 5, .rank = 1, .world_size = 3}).order(0) !=
+        data::ImageLoader(synthetic(10), {}, {.shuffle = true, .seed = 5, .rank = 1, .world_size = 3}).order(1));
+  // More ranks than images: each rank still gets one, the padding wrapping around.
+  CHECK(data::ImageLoader(synthetic(2), {}, {.rank = 4, .world_size = 5}).order(0) == std::vector<int64_t>{0});
+  CHECK(contains(error_of([] { data::ImageLoader(synthetic(2), {}, {.rank = 3, .world_size = 3}); }),
+                 "ImageLoader: rank 3 is not in 0..2 (world_size 3)"));
+  CHECK(contains(error_of([] { data::ImageLoader(synthetic(2), {}, {.world_size = 0}); }), "world_size 0"));
+}
+
 TEST_CASE("the evaluation transform scales to [0, 1] and normalises per channel") {
   data::ImageLoader loader(synthetic(3), data::ImageTransform::cifar_eval(), {.batch_size = 3, .workers = 0});
   data::Batch b = loader.make_batch(0, 0);
