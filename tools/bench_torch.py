@@ -111,6 +111,13 @@ def _cudnn_version():
     return f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
 
 
+def mixed_precision(precision):
+    """The autocast context of a precision: float16 for amp, bfloat16 for bf16, off for the others (a fresh one per
+    `with`)."""
+    dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    return torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None)
+
+
 def clipped_update(loss, model, opt, scaler):
     """A language model's update, main.py's with amp: backward through the scaler, unscale_, clipping at 0.25, the
     step (skipped by the scaler on an overflow), zero_grad."""
@@ -126,7 +133,6 @@ def workload(suite, model_name, precision, batch, args):
     """(step, items per step, unit): a training step on synthetic data already on the GPU."""
     gpu = torch.device("cuda")
     torch.manual_seed(0)
-    autocast = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
     if suite == "lm":
         kind, hidden, layers = language_model_shape(model_name)
@@ -142,7 +148,7 @@ def workload(suite, model_name, precision, batch, args):
 
         def step():
             hidden = repackage_hidden(state["hidden"])
-            with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+            with mixed_precision(precision):
                 output, state["hidden"] = forward(data, hidden)
                 loss = F.cross_entropy(output.float(), target)
             clipped_update(loss, model, opt, scaler)
@@ -160,7 +166,7 @@ def workload(suite, model_name, precision, batch, args):
     forward = torch.compile(model, mode="reduce-overhead") if args.compile else model
 
     def step():
-        with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+        with mixed_precision(precision):
             loss = F.cross_entropy(forward(x).float(), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -241,6 +247,12 @@ def augmented(x, generator):
                   rows, cols]
 
 
+def steady_seconds(seconds):
+    """Seconds an epoch in the steady state: the mean over the epochs after the first (halfgrad's steady_state)."""
+    steady = seconds[1:] or seconds
+    return sum(steady) / len(steady)
+
+
 def train_classifier(model_name, precision, batch, args, line):
     """sweep-classifier's recipe: SGD (momentum 0.9 cycled by the schedule, weight decay 5e-4), OneCycleLR to lr 0.1
     (pct_start 0.3, div_factor 25), pad-4 crops and flips, batch `batch`, the last smaller batch kept; the final
@@ -258,7 +270,6 @@ def train_classifier(model_name, precision, batch, args, line):
     half = precision == "fp16"
     if half:
         model.half()
-    autocast = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     steps_per_epoch = (len(train_y) + batch - 1) // batch
@@ -277,7 +288,7 @@ def train_classifier(model_name, precision, batch, args, line):
             index = order[i:i + batch]
             x = augmented(train_x[index], generator).contiguous(memory_format=layout)
             y = train_y[index]
-            with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+            with mixed_precision(precision):
                 logits = model(x.half() if half else x)
                 loss = F.cross_entropy(logits.float(), y)
             scaler.scale(loss).backward()
@@ -291,17 +302,16 @@ def train_classifier(model_name, precision, batch, args, line):
         seconds.append(start.elapsed_time(stop) / 1000)
     model.eval()
     test_loss, test_correct = 0.0, 0
-    with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+    with torch.no_grad(), mixed_precision(precision):
         for i in range(0, len(test_y), batch):
             x = test_x[i:i + batch].contiguous(memory_format=layout)
             logits = model(x.half() if half else x).float()
             test_loss += F.cross_entropy(logits, test_y[i:i + batch], reduction="sum").item()
             test_correct += (logits.argmax(1) == test_y[i:i + batch]).sum().item()
-    steady = seconds[1:] or seconds
+    per_epoch = steady_seconds(seconds)
     line.update({"final_test_accuracy": test_correct / len(test_y), "final_test_loss": test_loss / len(test_y),
-                 "final_train_accuracy": correct.item() / len(train_y),
-                 "seconds_per_epoch": sum(steady) / len(steady),
-                 "images_per_second": len(train_y) / (sum(steady) / len(steady)),
+                 "final_train_accuracy": correct.item() / len(train_y), "seconds_per_epoch": per_epoch,
+                 "images_per_second": len(train_y) / per_epoch,
                  "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
 
 
@@ -346,7 +356,6 @@ def train_language_model(model_name, precision, batch, args, line):
     model = RNNModel(kind, vocab, hidden, hidden, layers, 0.2).to(gpu)
     if precision == "fp16":
         model.half()
-    autocast = {"amp": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "amp")
     lr = 20.0
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -354,7 +363,7 @@ def train_language_model(model_name, precision, batch, args, line):
     def evaluate(source):
         model.eval()
         total, state = 0.0, model.init_hidden(10)
-        with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+        with torch.no_grad(), mixed_precision(precision):
             for i in range(0, source.size(0) - 1, args.bptt):
                 n = min(args.bptt, source.size(0) - 1 - i)
                 output, state = model(source[i:i + n], state)
@@ -372,7 +381,7 @@ def train_language_model(model_name, precision, batch, args, line):
         for i in range(0, train.size(0) - 1, args.bptt):
             n = min(args.bptt, train.size(0) - 1 - i)
             state = repackage_hidden(state)
-            with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+            with mixed_precision(precision):
                 output, state = model(train[i:i + n], state)
                 loss = F.cross_entropy(output.float(), train[i + 1:i + 1 + n].reshape(-1))
             clipped_update(loss, model, opt, scaler)
@@ -391,11 +400,9 @@ def train_language_model(model_name, precision, batch, args, line):
         line["error"] = "no epoch had a finite validation loss"
         return
     model.load_state_dict(best_state)
-    steady = seconds[1:] or seconds
-    tokens = (train.size(0) - 1) * batch
+    per_epoch = steady_seconds(seconds)
     line.update({"test_perplexity": math.exp(evaluate(test)), "final_valid_perplexity": math.exp(final_valid),
-                 "seconds_per_epoch": sum(steady) / len(steady),
-                 "tokens_per_second": tokens / (sum(steady) / len(steady)),
+                 "seconds_per_epoch": per_epoch, "tokens_per_second": (train.size(0) - 1) * batch / per_epoch,
                  "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
 
 
