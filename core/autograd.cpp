@@ -8,11 +8,14 @@
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace halfgrad {
 
 namespace {
 thread_local bool grad_mode_enabled = true;
+// The callbacks queued by the backward() running on this thread (null outside one): see queue_callback.
+thread_local std::vector<std::function<void()>>* queued_callbacks = nullptr;
 std::atomic<uint64_t> next_sequence_nr{0};
 
 TensorMeta meta_of(const Tensor& t) { return {t.shape(), t.dtype(), t.device()}; }
@@ -138,6 +141,12 @@ void Tensor::register_hook(GradHook hook) const {
   }
 }
 
+void Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const {
+  HG_CHECK(is_leaf() && requires_grad(), "register_post_accumulate_grad_hook: {} is not a leaf that requires grad "
+           "(only leaves accumulate into .grad)", meta());
+  impl()->autograd_meta().post_accumulate_hooks.push_back(std::move(hook));
+}
+
 void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
   halfgrad::backward({*this}, {gradient}, retain_graph);
 }
@@ -172,6 +181,8 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   } else {
     stored = stored.add(grad);  // out of place: a previous .grad handed out stays as it was
   }
+  const Tensor leaf(leaf_);
+  for (const auto& hook : leaf_->autograd_meta().post_accumulate_hooks) hook(leaf);
   return {};
 }
 
@@ -257,6 +268,12 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
            "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
+  // This pass's queue_callback list; a backward inside a hook has its own, and an error drops the list.
+  std::vector<std::function<void()>> callbacks;
+  struct CallbackScope {
+    std::vector<std::function<void()>>* outer;
+    ~CallbackScope() { queued_callbacks = outer; }
+  } scope{std::exchange(queued_callbacks, &callbacks)};
 
   // Input buffer of each node: the sum of the gradients that reached each of its outputs.
   std::unordered_map<Node*, TensorList> buffers;
@@ -353,6 +370,13 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     }
     owners.erase(node);
   }
+  for (size_t i = 0; i < callbacks.size(); ++i) callbacks[i]();  // by index: a callback may queue another
+}
+
+void queue_callback(std::function<void()> callback) {
+  HG_CHECK(queued_callbacks != nullptr, "queue_callback: no backward pass is running on this thread (call it from a "
+           "gradient hook)");
+  queued_callbacks->push_back(std::move(callback));
 }
 
 Tensor sum_to(const Tensor& grad, const Shape& shape) {

@@ -141,6 +141,11 @@ void check_inplace(const Tensor& self, const char* op);
 // Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves.
 void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);
 
+// Runs `callback` when the backward pass running on this thread has run every node, before backward() returns
+// (PyTorch's Engine.queue_callback): how a gradient hook defers work to the end of the pass. Callbacks run in the
+// order queued; an error in the pass drops them. Only from inside a backward pass (a hook): an error elsewhere.
+void queue_callback(std::function<void()> callback);
+
 // Reduces a broadcast gradient back to `shape` (sums over the broadcast dims).
 Tensor sum_to(const Tensor& grad, const Shape& shape);
 

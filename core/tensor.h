@@ -31,6 +31,9 @@ class Node;
 using TensorList = std::vector<Tensor>;
 // A gradient hook receives the gradient flowing into a tensor; returning a defined tensor replaces it.
 using GradHook = std::function<Tensor(const Tensor& grad)>;
+// A post-accumulate hook receives the leaf itself once its .grad holds the gradient of the backward pass
+// (what data parallelism needs: the moment a parameter's gradient is complete).
+using PostAccumulateGradHook = std::function<void(const Tensor& leaf)>;
 
 struct TensorOptions {
   DType dtype = kFloat32;
@@ -108,6 +111,8 @@ class Tensor {
   void retain_grad() const;  // keep .grad on a non-leaf too
   bool retains_grad() const;
   void register_hook(GradHook hook) const;
+  // Leaves only: `hook` runs each time a backward pass has added into this tensor's .grad.
+  void register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const;
   uint64_t version() const;  // bumped by each in-place write to the storage
   // Backpropagates from this tensor. `gradient` may be left out for a single-element tensor.
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
@@ -193,6 +198,7 @@ struct AutogradMeta {
   uint32_t output_nr = 0;         // which output of grad_fn this tensor is
   std::weak_ptr<Node> grad_accumulator;  // leaves: the node that adds into .grad
   std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn
+  std::vector<PostAccumulateGradHook> post_accumulate_hooks;  // leaves only
   bool retains_grad = false;
 };
 

@@ -21,6 +21,25 @@ const char* reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+void ProcessGroup::check_tensor(const Tensor& t, const char* op) const {
+  HG_CHECK(t.defined(), "{} ({}): the tensor is undefined", op, backend());
+  HG_CHECK(t.device() == device(), "{} ({}): {} is not on {}, where this group's collectives take their tensors (gloo: "
+           "CPU tensors; nccl: CUDA tensors on the rank's GPU)", op, backend(), t.meta(), device().str());
+  HG_CHECK(t.is_contiguous(), "{} ({}): {} is not contiguous: pass t.contiguous() and copy back", op, backend(),
+           t.meta());
+}
+
+void ProcessGroup::check_parts(const std::vector<Tensor>& parts, const Tensor& like, const char* op,
+                               const char* what) const {
+  HG_CHECK(int64_t(parts.size()) == size(), "{} ({}): {} has {} tensors, the group {} ranks", op, backend(), what,
+           parts.size(), size());
+  for (size_t r = 0; r < parts.size(); ++r) {
+    check_tensor(parts[r], op);
+    HG_CHECK(parts[r].dtype() == like.dtype() && parts[r].shape() == like.shape(), "{} ({}): {}[{}] is {}, unlike {}",
+             op, backend(), what, r, parts[r].meta(), like.meta());
+  }
+}
+
 namespace {
 
 // An integer environment variable in [lo, hi]; `fallback` when unset (nullopt fallback: required).
@@ -41,8 +60,23 @@ int env_int(const char* name, std::optional<int> fallback, int lo, int hi) {
 
 }  // namespace
 
+bool backend_available(const std::string& backend) {
+#ifdef HALFGRAD_HAVE_GLOO
+  if (backend == "gloo") return true;
+#endif
+#ifdef HALFGRAD_HAVE_NCCL
+  if (backend == "nccl") return true;
+#endif
+  return false;
+}
+
 std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions o) {
-  HG_CHECK(o.backend == "gloo", "init_process_group: unknown backend \"{}\" (gloo; nccl is not built yet)", o.backend);
+  HG_CHECK(o.backend == "gloo" || o.backend == "nccl", "init_process_group: unknown backend \"{}\" (gloo for CPU "
+           "tensors, nccl for CUDA tensors)", o.backend);
+  HG_CHECK(backend_available(o.backend), "init_process_group: this halfgrad was built without the {} backend's "
+           "library ({}) and must be built again with it", o.backend,
+           o.backend == "gloo" ? "Gloo: apt install libgloo-dev" : "NCCL: a CUDA build, with the CUDA toolkit's NCCL, "
+           "libnccl-dev, or NCCL_ROOT");
   constexpr int kMaxInt = std::numeric_limits<int>::max();
   if (o.world_size < 0) o.world_size = env_int("WORLD_SIZE", std::nullopt, 1, kMaxInt);
   if (o.rank < 0) o.rank = env_int("RANK", std::nullopt, 0, kMaxInt);
@@ -51,6 +85,7 @@ std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions o) {
     o.master_addr = addr && *addr ? addr : "127.0.0.1";
   }
   if (o.master_port < 0) o.master_port = env_int("MASTER_PORT", 29500, 1, 65535);
+  if (o.device_index < 0) o.device_index = env_int("LOCAL_RANK", 0, 0, kMaxInt);
   HG_CHECK(o.world_size >= 1 && o.rank >= 0 && o.rank < o.world_size,
            "init_process_group: rank {} is not in 0..{} (world size {})", o.rank, o.world_size - 1, o.world_size);
   HG_CHECK(o.timeout.count() > 0, "init_process_group: the timeout must be positive, got {} ms", o.timeout.count());
@@ -66,7 +101,13 @@ std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions o) {
                "WORLD_SIZE {}, rank 0 with {}", r, std::string(theirs.begin(), theirs.end()), expected);
     }
   }
-  return make_gloo_group(store, "default", o.rank, o.world_size, o.timeout);
+#ifdef HALFGRAD_HAVE_NCCL
+  if (o.backend == "nccl") return make_nccl_group(store, "default", o.rank, o.world_size, o.timeout, o.device_index);
+#endif
+#ifdef HALFGRAD_HAVE_GLOO
+  if (o.backend == "gloo") return make_gloo_group(store, "default", o.rank, o.world_size, o.timeout);
+#endif
+  HG_FAIL("init_process_group: no {} backend in this build", o.backend);
 }
 
 }  // namespace halfgrad::dist

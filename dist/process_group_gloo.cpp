@@ -148,6 +148,7 @@ class GlooGroup : public ProcessGroup {
   }
 
   std::string backend() const override { return "gloo"; }
+  Device device() const override { return Device::cpu(); }
 
   std::shared_ptr<Work> all_reduce(Tensor& tensor, ReduceOp op) override {
     check_tensor(tensor, "all_reduce");
@@ -237,21 +238,6 @@ class GlooGroup : public ProcessGroup {
     });
   }
 
-  void check_tensor(const Tensor& t, const char* name) const {
-    HG_CHECK(t.defined(), "{} (gloo): the tensor is undefined", name);
-    HG_CHECK(t.is_cpu(), "{} (gloo): {} is not on the CPU: Gloo reduces CPU tensors (CUDA tensors need the nccl "
-             "backend)", name, t.meta());
-    HG_CHECK(t.is_contiguous(), "{} (gloo): {} is not contiguous: pass t.contiguous() and copy back", name, t.meta());
-  }
-  void check_parts(const std::vector<Tensor>& parts, const Tensor& like, const char* name, const char* what) const {
-    HG_CHECK(int64_t(parts.size()) == size(), "{} (gloo): {} has {} tensors, the group {} ranks", name, what,
-             parts.size(), size());
-    for (size_t r = 0; r < parts.size(); ++r) {
-      check_tensor(parts[r], name);
-      HG_CHECK(parts[r].dtype() == like.dtype() && parts[r].shape() == like.shape(),
-               "{} (gloo): {}[{}] is {}, unlike {}", name, what, r, parts[r].meta(), like.meta());
-    }
-  }
 
   uint32_t next_tag() { return tag_++; }
 

@@ -6,6 +6,7 @@
 #include "core/autograd.h"
 #include "core/cuda.h"
 #include "core/log.h"
+#include "dist/process_group.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "optim/clip_grad.h"
@@ -86,7 +87,18 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
     unscale_kernel[device](grads, scale_on(device), flags[device]);
   }
   for (auto& [device, flag] : flags) p.found_inf.push_back(flag);
+  agree_on_overflow(p);
   p.unscaled = true;
+}
+
+void GradScaler::set_process_group(std::shared_ptr<dist::ProcessGroup> group) { group_ = std::move(group); }
+
+void GradScaler::agree_on_overflow(PerOptimizer& p) const {
+  if (!group_ || group_->size() == 1) return;
+  // A rank without gradients (or without a scale yet) still joins, with 0.
+  Tensor flag = scale_.defined() ? found_inf(p).to(group_->device()) : zeros({}, {.device = group_->device()});
+  group_->all_reduce(flag, dist::ReduceOp::Max)->wait();
+  p.found_inf = {flag};
 }
 
 Tensor GradScaler::clip_grad_norm_(optim::Optimizer& optimizer, double max_norm, double norm_type) {
@@ -101,10 +113,14 @@ Tensor GradScaler::clip_grad_norm_(optim::Optimizer& optimizer, double max_norm,
   p.unscaled = true;
   bool any_grad = false;
   for (const Tensor& param : last_parameters_) any_grad = any_grad || param.grad().defined();
-  if (!any_grad) return scaled_norm;
+  if (!any_grad) {
+    agree_on_overflow(p);
+    return scaled_norm;
+  }
   const Tensor scale = scale_on(scaled_norm.device());
   const Tensor norm = scaled_norm / scale;
   p.found_inf.push_back(logical_not(isfinite(scaled_norm)).to(kFloat32));
+  agree_on_overflow(p);
   p.grad_scale = (optim::clip_coefficient(norm, max_norm) / scale).to(kFloat32);
   return norm;
 }

@@ -18,6 +18,7 @@
 // scale in one kernel. The host reads the state only when asked (get_scale, state, skipped_steps) and, for the
 // overflow diagnosis, on the 1st, 101st, 201st... update.
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -27,6 +28,10 @@
 #include "core/half.h"  // HG_HOST_DEVICE
 #include "core/tensor.h"
 #include "optim/optimizer.h"
+
+namespace halfgrad::dist {
+class ProcessGroup;
+}
 
 namespace halfgrad::amp {
 
@@ -89,6 +94,11 @@ class GradScaler {
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
   // Reads the entries state_tensors() wrote from a checkpoint's named tensors (others are ignored).
   void load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named);
+  // Data parallelism: the overflow flag is all-reduced (max) over `group` once unscale_ or clip_grad_norm_ has found
+  // it, so every rank skips the same steps and keeps the same scale, even when the ranks' gradients differ (they do
+  // not after DistributedDataParallel's reduction, unless a rank's own arithmetic overflowed). One 4-byte
+  // all-reduce a step, on the group's device.
+  void set_process_group(std::shared_ptr<dist::ProcessGroup> group);
   // Names for the overflow diagnosis (model.named_parameters()); without them parameters are numbered.
   void set_parameter_names(std::vector<std::pair<std::string, Tensor>> named);
   // The overflow diagnosis, once the scale fell below warn_below_scale (also logged as a warning).
@@ -104,6 +114,8 @@ class GradScaler {
     Tensor grad_scale;              // after clip_grad_norm_: what step() multiplies the gradients by
   };
   PerOptimizer& per_optimizer(optim::Optimizer& optimizer);
+  // With a process group: p's flags become one, the maximum over the ranks.
+  void agree_on_overflow(PerOptimizer& p) const;
   // Creates the state tensors on `device` the first time; later calls keep the device they were made on.
   void place_state(Device device);
   Tensor scale_on(Device device);
@@ -122,6 +134,7 @@ class GradScaler {
   std::map<optim::Optimizer*, PerOptimizer> per_optimizer_;
   std::vector<Tensor> loss_was_finite_;  // from scale(): tells forward overflow from gradient overflow
   std::vector<std::pair<std::string, Tensor>> names_;
+  std::shared_ptr<dist::ProcessGroup> group_;
   TensorList last_parameters_;
   std::string diagnosis_;
   std::string floor_warning_;

@@ -117,6 +117,44 @@ TEST_CASE("hooks see the gradient and may replace it") {
   CHECK(values(x.grad()) == std::vector<double>{40, 40});
 }
 
+
+TEST_CASE("post-accumulate hooks see the leaf with its summed .grad, once per backward pass") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  std::vector<std::vector<double>> seen;
+  x.register_post_accumulate_grad_hook([&](const Tensor& leaf) { seen.push_back(values(leaf.grad())); });
+  (x * 3 + x * x).sum().backward();  // two paths into x, one accumulation: 3 + 2x
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0] == std::vector<double>{5, 7});
+  (x * 2).sum().backward();  // the second pass adds into .grad: the hook sees the running sum
+  REQUIRE(seen.size() == 2);
+  CHECK(seen[1] == std::vector<double>{7, 9});
+  Tensor y = x * 2;
+  CHECK_THROWS_WITH_AS(y.register_post_accumulate_grad_hook([](const Tensor&) {}), doctest::Contains("not a leaf"),
+                       Error);
+}
+
+TEST_CASE("queue_callback runs after every node of the pass, in order, and only inside a pass") {
+  Tensor a = tensor(std::vector<double>{1}).requires_grad_();
+  Tensor b = tensor(std::vector<double>{2}).requires_grad_();
+  std::vector<std::string> events;
+  a.register_post_accumulate_grad_hook([&](const Tensor&) {
+    events.push_back("a");
+    queue_callback([&] {
+      events.push_back("first callback");
+      queue_callback([&] { events.push_back("queued by a callback"); });
+    });
+    queue_callback([&] { events.push_back("second callback"); });
+  });
+  b.register_post_accumulate_grad_hook([&](const Tensor&) { events.push_back("b"); });
+  (a * 2 + b * 3).sum().backward();
+  REQUIRE(events.size() == 5);
+  CHECK(events[3] == "second callback");
+  CHECK(events[2] == "first callback");
+  CHECK(events[4] == "queued by a callback");
+  CHECK(std::count(events.begin(), events.begin() + 2, "a") == 1);
+  CHECK(std::count(events.begin(), events.begin() + 2, "b") == 1);
+  CHECK_THROWS_WITH_AS(queue_callback([] {}), doctest::Contains("no backward pass is running"), Error);
+}
 TEST_CASE("modifying a saved tensor in place makes backward fail loudly") {
   Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
   Tensor y = x.exp();  // exp saves its output

@@ -267,8 +267,10 @@ void measure(const Case& c, const Settings& s, json& line) {
   }
 }
 
-// Whether two training steps at `batch` fit; the step's tensors are gone when it returns.
-bool fits(const Case& c, const Settings& s, int64_t batch) {
+// Whether two training steps at `batch` fit; the step's tensors are gone when it returns. Out of memory: no. Another
+// error after a smaller batch ran (`smaller_fit`) is a size limit of the implementation, not of memory (cuDNN's
+// convolutions take at most 2^31 - 1 elements a tensor): no, and `limit` keeps the message; otherwise it goes on.
+bool fits(const Case& c, const Settings& s, int64_t batch, bool smaller_fit, std::string& limit) {
   try {
     Workload w = workload(c, s, batch);
     w.step();
@@ -276,6 +278,10 @@ bool fits(const Case& c, const Settings& s, int64_t batch) {
     synchronize(s.device);
     return true;
   } catch (const OutOfMemory&) {
+    return false;
+  } catch (const Error& e) {
+    if (!smaller_fit) throw;
+    limit = e.what();
     return false;
   }
 }
@@ -293,13 +299,14 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
   cuda::set_memory_limit(budget, s.device.index);
   set_conv_benchmark(false);  // every probe is a new batch size: autotuning each would take seconds per probe
   int64_t probes = 0;
+  int64_t good = 0, bad = 0;  // the largest batch known to fit, the smallest known not to (0: none yet)
+  std::string limit;          // a size limit other than memory that ended the search (empty: none met)
   auto probe = [&](int64_t batch) {
     ++probes;
-    const bool ok = fits(c, s, batch);
+    const bool ok = fits(c, s, batch, good > 0, limit);
     cuda::empty_cache();
     return ok;
   };
-  int64_t good = 0, bad = 0;  // the largest batch known to fit, the smallest known not to (0: none yet)
   try {
     for (int64_t b = std::max<int64_t>(1, c.batch); b <= s.max_batch; b *= 2) {
       if (!probe(b)) {
@@ -325,6 +332,7 @@ void search_max_batch(const Case& c, const Settings& s, json& line) {
   line["memory_budget_bytes"] = budget;
   line["probes"] = probes;
   line["reached_ceiling"] = good == s.max_batch;
+  if (!limit.empty()) line["limited_by"] = limit;
 }
 
 // The line's "dataset": synthetic batches when timing steps; trained, CIFAR-10 for the classifiers, and for a

@@ -73,7 +73,8 @@ std::vector<Case> suite_cases(const std::string& suite, const std::vector<std::s
 // CUDA, cuDNN, halfgrad's version and commit, the date), and
 //   "ms": {"median", "min", "p10", "p90", "max"} of the timed steps, "images_per_second" or "tokens_per_second"
 //   (from the median), "peak_allocated_bytes", "peak_reserved_bytes", "out_of_memory" (and "error" with the message);
-//   max-batch: "max_batch" (0 when not even the first batch fits) and "memory_budget_bytes", no timing.
+//   max-batch: "max_batch" (0 when not even the first batch fits) and "memory_budget_bytes", no timing; "limited_by"
+//              when a size limit other than memory ended the search (a kernel's largest tensor), with its message.
 // Errors that are not out-of-memory (bad settings, a model that does not exist) are thrown, naming the case.
 nlohmann::ordered_json run_case(const Case& c, const Settings& s);
 

@@ -406,7 +406,9 @@ def train_language_model(model_name, precision, batch, args, line):
                  "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
 
 
-def fits(suite, model, precision, batch, args):
+def fits(suite, model, precision, batch, args, smaller_fit, limit):
+    """Whether two steps at `batch` fit. Out of memory: no. Another error after a smaller batch ran is a size limit
+    of the implementation (as tools/bench.cpp's fits): no, its message appended to `limit`."""
     try:
         step, _, _ = workload(suite, model, precision, batch, args)
         step()
@@ -414,6 +416,11 @@ def fits(suite, model, precision, batch, args):
         torch.cuda.synchronize()
         return True
     except torch.cuda.OutOfMemoryError:
+        return False
+    except RuntimeError as e:
+        if not smaller_fit:
+            raise
+        limit.append(str(e).splitlines()[0])
         return False
     finally:
         torch.cuda.empty_cache()
@@ -425,10 +432,11 @@ def search_max_batch(suite, model, precision, start, args, line):
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     torch.backends.cudnn.benchmark = False  # as halfgrad's search: each probe is a new batch size
     good, bad, probes, b = 0, 0, 0, max(1, start)
+    limit = []
     try:
         while b <= args.max_batch:
             probes += 1
-            if not fits(suite, model, precision, b, args):
+            if not fits(suite, model, precision, b, args, good > 0, limit):
                 bad = b
                 break
             good, b = b, b * 2
@@ -436,7 +444,7 @@ def search_max_batch(suite, model, precision, start, args, line):
         while bad - good > max(1, good // 100):
             mid = good + (bad - good) // 2
             probes += 1
-            if fits(suite, model, precision, mid, args):
+            if fits(suite, model, precision, mid, args, good > 0, limit):
                 good = mid
             else:
                 bad = mid
@@ -445,6 +453,8 @@ def search_max_batch(suite, model, precision, start, args, line):
         torch.backends.cudnn.benchmark = True
     line.update({"max_batch": good, "memory_budget_bytes": budget, "probes": probes,
                  "reached_ceiling": good == args.max_batch})
+    if limit:
+        line["limited_by"] = limit[-1]
 
 
 def main():

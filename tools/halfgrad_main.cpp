@@ -30,6 +30,7 @@
 #include "models/classifiers.h"
 #include "tools/bench.h"
 #include "tools/cli_checks.h"
+#include "tools/launch.h"
 #include "train/loops.h"
 
 using namespace halfgrad;
@@ -141,6 +142,12 @@ void stop_on_signals() {
   std::signal(SIGTERM, on_stop_signal);
 }
 
+// How errors name this process: "halfgrad", or "halfgrad (rank 1)" in a launched run.
+std::string program_name() {
+  const char* rank = std::getenv("RANK");
+  return rank && *rank && std::getenv("WORLD_SIZE") ? fmt::format("halfgrad (rank {})", rank) : "halfgrad";
+}
+
 // After a stopped run: where it stopped and how to go on; the shell's exit status for SIGINT.
 int report_stop(const std::string& checkpoint, const char* option) {
   if (checkpoint.empty()) {
@@ -154,17 +161,21 @@ int report_stop(const std::string& checkpoint, const char* option) {
 }
 
 int run_train_classifier(train::ClassifierConfig config, const std::string& opt_level, const std::string& half,
-                         const std::string& device, const std::string& csv_path, const std::string& jsonl_path) {
+                         const std::string& device, std::string csv_path, std::string jsonl_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
+  config.group = cli::join_launched_group(config.device, "train-classifier");
+  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   std::ofstream csv = open_csv(csv_path, "train-classifier",
                                "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,"
                                "peak_memory_bytes,skipped_steps,loss_scale");
   JsonLines jsonl(jsonl_path, "train-classifier", !config.resume.empty());
-  fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}{}\n", config.model,
+  fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}{}{}\n", config.model,
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
-             config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "");
+             config.channels_last ? ", channels_last" : "", config.cuda_graph ? ", CUDA graph" : "",
+             config.group ? fmt::format(", data parallel over {} ranks ({}): batch {} a rank", config.group->size(),
+                                        config.group->backend(), config.batch_size) : "");
   std::fflush(stdout);
   ProgressLine line;
   auto progress = [&](const train::ClassifierProgress& p) {
@@ -260,19 +271,23 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
 }
 
 int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level, const std::string& half,
-                 const std::string& device, const std::string& csv_path, const std::string& jsonl_path) {
+                 const std::string& device, std::string csv_path, std::string jsonl_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
+  config.group = cli::join_launched_group(config.device, "train-lm");
+  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   std::ofstream csv = open_csv(csv_path, "train-lm",
                                "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,"
                                "peak_memory_bytes,skipped_steps,loss_scale");
   JsonLines jsonl(jsonl_path, "train-lm", !config.resume.empty());
   fmt::print("train-lm: {} {}x{} ({} layers, dropout {}{}) on {} ({}), {} epochs, batch {}, bptt {}, lr {}, clip {}, "
-             "opt level {}\n", config.rnn, config.embedding_size, config.hidden_size, config.num_layers, config.dropout,
+             "opt level {}{}\n", config.rnn, config.embedding_size, config.hidden_size, config.num_layers, config.dropout,
              config.tie_weights ? ", tied" : "",
              config.data_dir.empty() ? "the shipped WikiText-2" : config.data_dir.string(), config.device.str(),
-             config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level);
+             config.epochs, config.batch_size, config.bptt, config.lr, config.clip, opt_level,
+             config.group ? fmt::format(", data parallel over {} ranks ({}): batch {} a rank", config.group->size(),
+                                        config.group->backend(), config.batch_size) : "");
   std::fflush(stdout);
   // main.py's progress line, with the rate and the epoch's remaining time.
   ProgressLine line;
@@ -748,16 +763,37 @@ int main(int argc, char** argv) {
                "torch.compile(mode=\"reduce-overhead\") too");
   tb->callback([&] { rc = run_bench(bench_args); });
 
+  cli::LaunchOptions launch_options;
+  std::vector<std::string> launched;
+  CLI::App* tn = app.add_subcommand("launch", "Data parallel: start one process per GPU of this machine running a "
+                                    "halfgrad command (train-classifier, train-lm) as the ranks of one run, as "
+                                    "torchrun does: halfgrad launch --nproc-per-node 2 -- train-lm --device cuda");
+  tn->add_option("--nproc-per-node", launch_options.nproc_per_node, "processes (ranks) on this machine: one per GPU")
+      ->check(integer_in<int>(1, 1024))->capture_default_str();
+  tn->add_option("--nnodes", launch_options.nnodes, "machines in the run")->check(integer_in<int>(1))
+      ->capture_default_str();
+  tn->add_option("--node-rank", launch_options.node_rank, "this machine's place among them (0..nnodes-1)")
+      ->check(integer_in<int>(0))->capture_default_str();
+  tn->add_option("--master-addr", launch_options.master_addr, "the address of node 0, where rank 0 serves the "
+                 "rendezvous")->capture_default_str();
+  tn->add_option("--master-port", launch_options.master_port, "its port")->check(integer_in<int>(1, 65535))
+      ->capture_default_str();
+  tn->add_option("--grace-seconds", launch_options.grace_seconds, "after a rank fails, how long the others have to "
+                 "stop before they are killed")->check(finite_at_least(0))->capture_default_str();
+  tn->add_option("command", launched, "after --: the halfgrad command each rank runs, with its options")->required();
+  tn->callback([&] { rc = cli::launch(launch_options, launched); });
+
   try {
     CLI11_PARSE(app, argc, argv);
   } catch (const Error& e) {
-    fmt::print(stderr, "halfgrad: {}\n", e.what());
+    fmt::print(stderr, "{}: {}\n", program_name(), e.what());
     return 1;
   } catch (const std::bad_alloc&) {  // a size the machine cannot hold: say so, do not abort
-    fmt::print(stderr, "halfgrad: out of memory (std::bad_alloc): a size asked for is larger than this machine has\n");
+    fmt::print(stderr, "{}: out of memory (std::bad_alloc): a size asked for is larger than this machine has\n",
+               program_name());
     return 1;
   } catch (const std::exception& e) {  // std::system_error from thread creation, std::out_of_range, ...
-    fmt::print(stderr, "halfgrad: {}\n", e.what());
+    fmt::print(stderr, "{}: {}\n", program_name(), e.what());
     return 1;
   }
   return rc;

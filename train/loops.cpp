@@ -19,6 +19,7 @@
 #include "data/cifar.h"
 #include "data/loader.h"
 #include "data/text.h"
+#include "dist/data_parallel.h"
 #include "models/classifiers.h"
 #include "models/language_model.h"
 #include "models/language_model_checkpoint.h"
@@ -41,6 +42,43 @@ data::ImageDataset first(data::ImageDataset d, int64_t n) {
   d.images = d.images.narrow(0, 0, n).contiguous();
   d.labels = d.labels.narrow(0, 0, n).contiguous();
   return d;
+}
+
+// Rank `rank` of `size`'s slice of d for evaluation: consecutive images, slices differing by at most one image,
+// none repeated (unlike a training shard, which pads to equal length).
+data::ImageDataset slice_for_rank(data::ImageDataset d, int rank, int size) {
+  if (size == 1) return d;
+  const int64_t begin = d.size() * rank / size, end = d.size() * (rank + 1) / size;
+  d.images = d.images.narrow(0, begin, end - begin).contiguous();
+  d.labels = d.labels.narrow(0, begin, end - begin).contiguous();
+  return d;
+}
+
+// What a data-parallel run needs of its group, checked before anything trains.
+void check_group(const dist::ProcessGroup* group, Device device, bool cuda_graph, const char* command) {
+  if (!group) return;
+  HG_CHECK(group->device() == device, "{}: the model is on {}, but the {} group's collectives take tensors on {} (a "
+           "CUDA run of rank r uses cuda:LOCAL_RANK and the nccl backend; a CPU run the gloo backend)", command,
+           device.str(), group->backend(), group->device().str());
+  HG_CHECK(!cuda_graph, "{}: --cuda-graph is not available with data parallelism yet: the gradients' all-reduce is "
+           "launched from the host during backward, which a replayed graph would skip", command);
+}
+
+// `values` summed over the group's ranks in one all-reduce (float64); themselves without a group.
+std::vector<double> summed_over_ranks(dist::ProcessGroup* group, std::vector<double> values) {
+  if (!group || group->size() == 1) return values;
+  Tensor t = tensor(values).to(group->device());
+  group->all_reduce(t)->wait();
+  t = t.cpu();
+  return std::vector<double>(t.data<double>(), t.data<double>() + t.numel());
+}
+
+// Rank 0's `value` on every rank: decisions that must not differ between ranks (the language model's annealing).
+double rank0_value(dist::ProcessGroup* group, double value) {
+  if (!group || group->size() == 1) return value;
+  Tensor t = tensor(std::vector<double>{value}).to(group->device());
+  group->broadcast(t, 0)->wait();
+  return t.cpu().data<double>()[0];
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -304,6 +342,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-classifier: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
+  check_group(c.group.get(), c.device, c.cuda_graph, "train-classifier");
+  const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const bool cifar10 = c.dataset == "cifar10";
   const float(&mean)[3] = cifar10 ? data::kCifar10Mean : data::kCifar100Mean;
   const float(&std)[3] = cifar10 ? data::kCifar10Std : data::kCifar100Std;
@@ -311,8 +351,10 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     return cifar10 ? data::load_cifar10(c.data_dir, split) : data::load_cifar100(c.data_dir, split);
   };
   data::ImageLoader train_loader(first(load(data::Split::Train), c.limit_train), data::ImageTransform::cifar_train(mean, std),
-                                 {.batch_size = c.batch_size, .shuffle = true, .workers = c.workers, .seed = c.seed});
-  data::ImageLoader test_loader(first(load(data::Split::Test), c.limit_test), data::ImageTransform::cifar_eval(mean, std),
+                                 {.batch_size = c.batch_size, .shuffle = true, .workers = c.workers, .seed = c.seed,
+                                  .rank = rank, .world_size = ranks});
+  data::ImageLoader test_loader(slice_for_rank(first(load(data::Split::Test), c.limit_test), rank, ranks),
+                                data::ImageTransform::cifar_eval(mean, std),
                                 {.batch_size = c.batch_size, .workers = c.workers});
   const int64_t classes = cifar10 ? 10 : 100;
 
@@ -322,6 +364,14 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   optim::SGD sgd(model->parameters(),
                  {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay, .nesterov = c.nesterov});
   amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
+  // Data parallel: the wrapper whose forward the steps run (rank 0's buffers first) and whose hooks average the
+  // gradients; after amp::initialize, so that it holds the tensors the level trains (O2's half model).
+  std::shared_ptr<nn::DistributedDataParallel> ddp;
+  if (c.group) {
+    ddp = std::make_shared<nn::DistributedDataParallel>(model, c.group);
+    amp.scaler().set_process_group(c.group);
+  }
+  nn::Module& trained = ddp ? *ddp : *model;
   const int64_t steps_per_epoch = train_loader.batches_per_epoch();
   std::unique_ptr<optim::LRScheduler> schedule;
   if (c.schedule == "onecycle") {
@@ -333,7 +383,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
         sgd, optim::CosineAnnealingLROptions{.T_max = c.epochs * steps_per_epoch});
   }
 
-  const ClassifierStep eager_step = classifier_step(*model, amp);
+  const ClassifierStep eager_step = classifier_step(trained, amp);
   // --cuda-graph: the step on fixed input buffers, its figures copied into fixed outputs, captured after two eager
   // calls; the scheduler's lr and momentum reach the replays through SGD (optim/sgd.h). A last smaller batch runs
   // eagerly.
@@ -390,10 +440,10 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
                                    .schedule = schedule.get(), .log_interval = c.log_interval,
                                    .progress_seconds = c.progress_seconds};
     if (epoch == first_epoch && resumed.batches > 0) options.start = resumed;
-    const ClassifierEpochSums sums = train_classifier_epoch(*model, train_loader, step_of_run, sgd, options, on_progress);
+    const ClassifierEpochSums sums = train_classifier_epoch(trained, train_loader, step_of_run, sgd, options, on_progress);
     step += sums.batches - options.start.batches;
-    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume
-      if (!c.train_checkpoint.empty()) {
+    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume (one process)
+      if (!c.train_checkpoint.empty() && !c.group) {
         Metadata metadata = classifier_run(c);
         metadata["batch"] = std::to_string(sums.batches);
         metadata["seen"] = std::to_string(sums.seen);
@@ -404,18 +454,25 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.images_per_second = double(sums.seen - options.start.seen) / s.seconds;
-    s.train_loss = sums.loss_sum.item<double>() / double(sums.seen);
-    s.train_accuracy = sums.correct.item<double>() / double(sums.seen);
+    const std::vector<double> train = summed_over_ranks(
+        c.group.get(), {sums.loss_sum.item<double>(), sums.correct.item<double>(), double(sums.seen),
+                        double(sums.seen - options.start.seen)});
+    s.images_per_second = train[3] / s.seconds;
+    s.train_loss = train[0] / train[2];
+    s.train_accuracy = train[1] / train[2];
 
+    if (ddp) ddp->sync_buffers();  // every rank's slice evaluated with rank 0's running statistics
     const Evaluation test = evaluate_classifier(*model, test_loader, amp, c.device, c.channels_last);
-    s.test_loss = test.loss;
-    s.test_accuracy = test.accuracy;
+    const std::vector<double> tested =
+        summed_over_ranks(c.group.get(), {test.loss * double(test.count), test.accuracy * double(test.count),
+                                          double(test.count)});
+    s.test_loss = tested[0] / std::max(tested[2], 1.0);
+    s.test_accuracy = tested[1] / std::max(tested[2], 1.0);
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
     skipped_before += s.skipped_steps;
-    if (!c.train_checkpoint.empty())
+    if (!c.train_checkpoint.empty() && rank == 0)
       write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
     all.push_back(s);
     if (on_epoch) on_epoch(s);
@@ -604,6 +661,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-lm: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
+  check_group(c.group.get(), c.device, c.cuda_graph, "train-lm");
+  const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
   const data::Corpus corpus =
       data::load_corpus(c.data_dir.empty() ? data::default_data_directory() / "wikitext-2" : c.data_dir);
@@ -614,19 +673,34 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
              name, ids.size(0), batch, 2 * batch);
     return data::batchify(ids, batch).to(c.device);
   };
-  const Tensor train_data = split(corpus.train, c.batch_size, "training");
+  // Data parallel: this rank's columns of the split laid out for all ranks' columns.
+  const Tensor train_data =
+      split(corpus.train, c.batch_size * ranks, "training").narrow(1, c.batch_size * rank, c.batch_size).contiguous();
   const Tensor valid_data = split(corpus.valid, c.eval_batch_size, "validation");
   const Tensor test_data = split(corpus.test, c.eval_batch_size, "test");
   const int64_t vocab = corpus.vocab.size();
 
   manual_seed(c.seed);
-  models::LanguageModel model(vocab, {.kind = kind, .embedding_size = c.embedding_size, .hidden_size = c.hidden_size,
-                                      .num_layers = c.num_layers, .dropout = c.dropout, .tie_weights = c.tie_weights});
+  auto shared_model = std::make_shared<models::LanguageModel>(
+      vocab, models::LanguageModelOptions{.kind = kind, .embedding_size = c.embedding_size,
+                                          .hidden_size = c.hidden_size, .num_layers = c.num_layers,
+                                          .dropout = c.dropout, .tie_weights = c.tie_weights});
+  models::LanguageModel& model = *shared_model;
   model.to(c.device);
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
+  // Data parallel: rank 0's weights everywhere and the gradients averaged by the wrapper's hooks; the steps call the
+  // model's own forward (it takes the recurrent state; a language model has no buffers to share).
+  std::shared_ptr<nn::DistributedDataParallel> ddp;
+  if (c.group) {
+    ddp = std::make_shared<nn::DistributedDataParallel>(shared_model, c.group);
+    amp.scaler().set_process_group(c.group);
+  }
 
-  auto evaluate = [&](const Tensor& source) { return evaluate_language_model(model, source, c.bptt, amp); };
+  // Every rank evaluates; rank 0's figure decides for all.
+  auto evaluate = [&](const Tensor& source) {
+    return rank0_value(c.group.get(), evaluate_language_model(model, source, c.bptt, amp));
+  };
 
   LanguageModelResult result;
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
@@ -713,8 +787,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     }
     const LanguageModelEpochSums sums =
         train_language_model_epoch(model, train_data, step_of_run, sgd, options, on_progress);
-    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume
-      if (!c.train_checkpoint.empty()) {
+    if (sums.interrupted) {  // the step is done: keep where the epoch is, for --resume (one process)
+      if (!c.train_checkpoint.empty() && !c.group) {
         NamedTensors in_epoch{{"epoch.total", sums.total}, {"state.h", sums.state.h.detach()}};
         if (sums.state.c.defined()) in_epoch.emplace_back("state.c", sums.state.c.detach());
         save_training(epoch, in_epoch,
@@ -724,8 +798,10 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     }
     if (c.device.is_cuda()) cuda::synchronize(c.device.index);
     s.seconds = seconds_since(t0);
-    s.tokens_per_second = double(sums.tokens - options.start.tokens) / s.seconds;
-    s.train_loss = sums.total.item<double>() / double(sums.tokens);
+    const std::vector<double> train = summed_over_ranks(
+        c.group.get(), {sums.total.item<double>(), double(sums.tokens), double(sums.tokens - options.start.tokens)});
+    s.tokens_per_second = train[2] / s.seconds;
+    s.train_loss = train[0] / train[1];
     s.valid_loss = evaluate(valid_data);
     if (c.device.is_cuda()) s.peak_memory_bytes = int64_t(cuda::memory_stats(c.device.index).peak_allocated_bytes);
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
@@ -748,12 +824,12 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       best_valid = s.valid_loss;
       best_state.clear();
       for (const auto& [name, t] : model.state_dict()) best_state.emplace_back(name, t.detach().clone());
-      if (!c.checkpoint.empty()) models::save_language_model(model, corpus.vocab, c.checkpoint);
+      if (!c.checkpoint.empty() && rank == 0) models::save_language_model(model, corpus.vocab, c.checkpoint);
     } else {
       lr /= 4;  // main.py: anneal when the validation loss did not improve
       for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
     }
-    if (!c.train_checkpoint.empty()) save_training(epoch + 1, {}, {});
+    if (!c.train_checkpoint.empty() && rank == 0) save_training(epoch + 1, {}, {});
     result.epochs.push_back(s);
     if (on_epoch) on_epoch(s);
   }

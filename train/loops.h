@@ -23,6 +23,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "data/loader.h"
+#include "dist/process_group.h"
 #include "models/language_model.h"
 #include "optim/amp.h"
 #include "optim/scheduler.h"
@@ -183,6 +184,12 @@ struct ClassifierConfig {
   // CUDA: the training step captured once as a CUDA graph (after two eager steps) and replayed, the batch copied into
   // its input buffers first; a last batch smaller than batch_size runs eagerly (core/cuda_graph.h).
   bool cuda_graph = false;
+  // Data parallel (dist/data_parallel.h): this process is one rank of `group`, whose device() is `device`. It trains
+  // on its shard of each epoch, batch_size images a step (the global batch is batch_size x the group's size), the
+  // gradients averaged over the ranks and the loss scaler's overflow agreed on; it evaluates its slice of the test
+  // split; the epoch's figures are the group's (images per second: all ranks'). Only rank 0 writes train_checkpoint,
+  // at the end of each epoch (an interrupted epoch is trained again on --resume). Null: one process.
+  std::shared_ptr<dist::ProcessGroup> group{};
 };
 
 struct EpochStats {
@@ -281,6 +288,13 @@ struct LanguageModelConfig {
   double progress_seconds = 0;  // also on_progress mid-interval once this long has passed since the last (0: never)
   bool dry_run = false;      // one training batch per epoch, as main.py's --dry-run: the code and the model run
   bool cuda_graph = false;   // CUDA: the training step captured once as a CUDA graph and replayed (core/cuda_graph.h)
+  // Data parallel (dist/data_parallel.h): this process is one rank of `group`, whose device() is `device`. The
+  // training split is batchified in batch_size x the group's size columns and each rank trains its batch_size of them
+  // (so the run trains as one process with that many columns would), the gradients averaged over the ranks before
+  // clipping; every rank evaluates, and rank 0's validation loss decides the lr for all. Only rank 0 writes
+  // checkpoint and train_checkpoint, at the end of each epoch (an interrupted epoch is trained again on --resume).
+  // Null: one process.
+  std::shared_ptr<dist::ProcessGroup> group{};
 };
 
 struct LanguageModelEpochStats {

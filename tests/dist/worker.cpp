@@ -1,24 +1,43 @@
 // One rank of the process-group tests: tests/dist/run.sh starts N of these with RANK, WORLD_SIZE, MASTER_ADDR and
-// MASTER_PORT set, each running the scenario named by argv[1]. A rank prints what failed and exits 1; it exits 0 when
-// every check held.
+// MASTER_PORT set, each running the scenario named by argv[1] on the backend argv[2] names (gloo, the default, with
+// CPU tensors; nccl with CUDA tensors on GPU RANK, where the scenario takes one). A rank prints what failed and exits
+// 1; it exits 0 when every check held, printing "SKIP: ..." first when the backend cannot run here (no GPU).
 //
 //   collectives       every collective, every dtype it takes, exact expected values that depend on the rank
 //   dead_rank         rank 1 exits after a barrier; rank 0's next all_reduce must fail within the timeout,
 //                     with an error that names the collective and the rank
 //   store             the TcpStore alone: values, a counter, waits, and a key no rank sets (an error in 2 s)
 //   bad_environment   (one process) init_process_group refuses missing and malformed settings, naming them
+//   ddp_training      DistributedDataParallel on shards equals one process on the global batch (float64, 5 SGD
+//                     steps, one bucket and a bucket per parameter); the buckets, their order and launch points
+//   ddp_no_sync       gradient accumulation: no_sync keeps each rank's gradient local; the next backward reduces the sum
+//   ddp_unused        a parameter without a gradient: an error naming it; with find_unused_parameters, zeros in its
+//                     place, and no gradient where no rank used it
+//   ddp_mismatch      ranks with different models: every rank fails at the start, naming the first difference
+//   ddp_half          a float16 model: its gradients reduced in float16, the mean of the ranks' own gradients
+//   scaler_agrees     GradScaler with the group: one rank's overflow makes every rank skip the step and back off
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/autograd.h"
+#include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "dist/data_parallel.h"
 #include "dist/process_group.h"
+#include "nn/layers.h"
+#include "ops/elementwise.h"
+#include "ops/loss.h"
+#include "optim/grad_scaler.h"
+#include "optim/sgd.h"
 
 using namespace halfgrad;
 using namespace halfgrad::dist;
@@ -26,17 +45,26 @@ using namespace halfgrad::dist;
 namespace {
 
 int g_rank = -1;
+std::string g_backend = "gloo";
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("rank " + std::to_string(g_rank) + ": " + what);
 }
 
 std::vector<double> values(const Tensor& t) {
-  const Tensor d = t.to(kFloat64).contiguous();
+  const Tensor d = t.to(kFloat64).cpu().contiguous();
   return std::vector<double>(d.data<double>(), d.data<double>() + d.numel());
 }
 
-Tensor make(const std::vector<double>& v, DType dtype) { return tensor(v).to(dtype); }
+// The group of this test: the backend asked for, nccl on GPU RANK.
+std::shared_ptr<ProcessGroup> test_group(std::chrono::milliseconds timeout) {
+  ProcessGroupOptions o{.backend = g_backend, .timeout = timeout};
+  if (g_backend == "nccl") o.device_index = std::atoi(std::getenv("RANK"));
+  return init_process_group(o);
+}
+
+Device g_device = Device::cpu();  // the group's
+Tensor make(const std::vector<double>& v, DType dtype) { return tensor(v).to(dtype).to(g_device); }
 
 // The error message of fn, or "" when it does not throw.
 std::string error_of(const std::function<void()>& fn) {
@@ -49,10 +77,11 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 void collectives() {
-  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  auto pg = test_group(std::chrono::seconds(30));
   const int r = pg->rank(), n = pg->size();
   g_rank = r;
-  require(pg->backend() == "gloo", "backend " + pg->backend());
+  g_device = pg->device();
+  require(pg->backend() == g_backend, "backend " + pg->backend());
   const double triangle = n * (n + 1) / 2.0;  // 1 + 2 + ... + n
 
   for (DType dtype : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32, kUInt8}) {
@@ -78,14 +107,14 @@ void collectives() {
     require(values(b) == std::vector<double>{double(n - 1), double(n)}, name + " broadcast");
     // all_gather: part k is rank k's [k, 2k]
     std::vector<Tensor> parts;
-    for (int k = 0; k < n; ++k) parts.push_back(zeros({2}, {.dtype = dtype}));
+    for (int k = 0; k < n; ++k) parts.push_back(zeros({2}, {.dtype = dtype, .device = g_device}));
     pg->all_gather(parts, make({double(r), 2.0 * r}, dtype))->wait();
     for (int k = 0; k < n; ++k) require(values(parts[size_t(k)]) == std::vector<double>{double(k), 2.0 * k},
                                         name + " all_gather part " + std::to_string(k));
     // reduce_scatter: rank r gives (r + 1)(k + 1) to part k; rank k ends with (k + 1) n (n + 1) / 2
     std::vector<Tensor> inputs;
     for (int k = 0; k < n; ++k) inputs.push_back(make({(r + 1.0) * (k + 1), (r + 1.0) * (k + 1)}, dtype));
-    Tensor mine = zeros({2}, {.dtype = dtype});
+    Tensor mine = zeros({2}, {.dtype = dtype, .device = g_device});
     pg->reduce_scatter(mine, inputs)->wait();
     require(values(mine) == std::vector<double>{(r + 1) * triangle, (r + 1) * triangle}, name + " reduce_scatter");
   }
@@ -94,7 +123,7 @@ void collectives() {
   std::vector<Tensor> many;
   std::vector<std::shared_ptr<Work>> works;
   for (int k = 0; k < 3; ++k) {
-    many.push_back(full({1000}, double(k + 1)));
+    many.push_back(full({1000}, double(k + 1), {.device = g_device}));
     works.push_back(pg->all_reduce(many.back()));
   }
   for (int k = 2; k >= 0; --k) {
@@ -103,19 +132,25 @@ void collectives() {
     for (double v : values(many[size_t(k)])) require(v == (k + 1.0) * n, "async all_reduce " + std::to_string(k));
   }
   // Empty tensors and the barrier.
-  Tensor empty_tensor = zeros({0});
+  Tensor empty_tensor = zeros({0}, {.device = g_device});
   pg->all_reduce(empty_tensor)->wait();
   pg->barrier()->wait();
 
   // Bad calls are refused before anything is sent, naming the op and the tensor.
-  Tensor wide = zeros({2, 3});
+  Tensor wide = zeros({2, 3}, {.device = g_device});
   Tensor strided = wide.transpose(0, 1);
-  require(error_of([&] { pg->all_reduce(strided); }).find("all_reduce (gloo): float32[3, 2] cpu is not contiguous") !=
-              std::string::npos, "a strided tensor is refused: " + error_of([&] { pg->all_reduce(strided); }));
-  std::vector<Tensor> too_few(size_t(n + 1), zeros({2}));
-  require(error_of([&] { pg->all_gather(too_few, zeros({2})); }).find("has " + std::to_string(n + 1) + " tensors") !=
-              std::string::npos, "a wrong number of parts is refused");
-  Tensor flags = zeros({2}, {.dtype = kBool});
+  require(error_of([&] { pg->all_reduce(strided); }).find("all_reduce (" + g_backend + "): float32[3, 2] " +
+                                                           g_device.str() + " is not contiguous") != std::string::npos,
+          "a strided tensor is refused: " + error_of([&] { pg->all_reduce(strided); }));
+  Tensor elsewhere = g_device.is_cpu() ? Tensor() : zeros({2});
+  if (elsewhere.defined())
+    require(error_of([&] { pg->all_reduce(elsewhere); }).find("is not on " + g_device.str()) != std::string::npos,
+            "a tensor on another device is refused");
+  std::vector<Tensor> too_few(size_t(n + 1), zeros({2}, {.device = g_device}));
+  require(error_of([&] { pg->all_gather(too_few, zeros({2}, {.device = g_device})); })
+                  .find("has " + std::to_string(n + 1) + " tensors") != std::string::npos,
+          "a wrong number of parts is refused");
+  Tensor flags = zeros({2}, {.dtype = kBool, .device = g_device});
   require(!error_of([&] { pg->all_reduce(flags); }).empty(), "a bool all_reduce is refused");
   require(error_of([&] { pg->broadcast(wide, n); }).find("root " + std::to_string(n) + " is not a rank") !=
               std::string::npos, "a root past the ranks is refused");
@@ -193,17 +228,267 @@ void bad_environment() {
           "unknown backend");
 }
 
+
+// ---- DistributedDataParallel
+
+// Linear(4, hidden) - ReLU - Linear(hidden, 3), its initial values drawn from `seed`.
+std::shared_ptr<nn::Sequential> mlp(uint64_t seed, DType dtype = kFloat64, int64_t hidden = 6) {
+  manual_seed(seed);
+  auto m = nn::sequential({std::make_shared<nn::Linear>(4, hidden), std::make_shared<nn::ReLU>(),
+                           std::make_shared<nn::Linear>(hidden, 3)});
+  m->to(dtype);
+  return m;
+}
+
+// The global batch of a step: the same on every rank (drawn from the step's seed).
+std::pair<Tensor, Tensor> global_batch(uint64_t step, int64_t rows, DType dtype = kFloat64) {
+  manual_seed(1000 + step);
+  return {randn({rows, 4}).to(dtype), randint(0, 3, {rows})};
+}
+
+Tensor shard(const Tensor& t, int rank, int size) {
+  const int64_t per_rank = t.size(0) / size;
+  return t.narrow(0, per_rank * rank, per_rank);
+}
+
+double max_difference(const TensorList& a, const TensorList& b) {
+  require(a.size() == b.size(), "tensor lists of different lengths");
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    require(a[i].defined() == b[i].defined(), "tensor " + std::to_string(i) + " defined on one side only");
+    if (!a[i].defined()) continue;
+    const auto x = values(a[i]), y = values(b[i]);
+    for (size_t k = 0; k < x.size(); ++k) worst = std::max(worst, std::abs(x[k] - y[k]));
+  }
+  return worst;
+}
+
+TensorList grads_of(const nn::Module& m) {
+  TensorList out;
+  for (const Tensor& p : m.parameters()) out.push_back(p.grad());
+  return out;
+}
+
+// Every rank's copy of `t`'s sum of values, which must all be equal.
+void require_same_on_every_rank(dist::ProcessGroup& pg, const TensorList& ts, const std::string& what) {
+  double sum = 0;
+  for (const Tensor& t : ts)
+    for (double v : values(t)) sum += v;
+  std::vector<Tensor> parts;
+  for (int k = 0; k < pg.size(); ++k) parts.push_back(zeros({1}, {.dtype = kFloat64}));
+  for (Tensor& part : parts) part = part.to(pg.device());
+  pg.all_gather(parts, tensor(std::vector<double>{sum}).to(pg.device()))->wait();
+  for (int k = 0; k < pg.size(); ++k)
+    require(values(parts[size_t(k)])[0] == sum, what + ": rank " + std::to_string(k) + " differs");
+}
+
+void ddp_training() {
+  auto pg = test_group(std::chrono::seconds(30));
+  const int r = pg->rank(), n = pg->size();
+  g_rank = r;
+  g_device = pg->device();
+  const int64_t rows = 12;  // 6 or 4 a rank
+  for (double cap_mb : {25.0, 1e-6}) {
+    const std::string label = cap_mb > 1 ? "one bucket" : "a bucket per parameter";
+    auto model = mlp(100 + r);  // each rank its own initial values: rank 0's must win
+    auto reference = mlp(100);  // rank 0's, trained on the whole global batch in one process
+    model->to(g_device);
+    reference->to(g_device);
+    auto ddp = std::make_shared<nn::DistributedDataParallel>(model, pg,
+                                                             nn::DistributedDataParallelOptions{.bucket_cap_mb = cap_mb});
+    require(max_difference(model->parameters(), reference->parameters()) == 0,
+            label + ": the parameters after construction are not rank 0's");
+    const optim::SGDOptions sgd{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3};
+    optim::SGD opt(model->parameters(), sgd), ref_opt(reference->parameters(), sgd);
+    for (uint64_t step = 0; step < 5; ++step) {
+      auto [x_cpu, y_cpu] = global_batch(step, rows);
+      const Tensor x = x_cpu.to(g_device), y = y_cpu.to(g_device);
+      cross_entropy((*ddp)(shard(x, r, n)), shard(y, r, n)).backward();
+      opt.step();
+      opt.zero_grad();
+      cross_entropy((*reference)(x), y).backward();
+      ref_opt.step();
+      ref_opt.zero_grad();
+      const double diff = max_difference(model->parameters(), reference->parameters());
+      require(diff < 1e-12, label + ": step " + std::to_string(step) + " differs from one process by " +
+              std::to_string(diff));
+    }
+    require_same_on_every_rank(*pg, model->parameters(), label + ": parameters after 5 steps");
+
+    const auto names = ddp->bucket_parameter_names();
+    const auto points = ddp->last_launch_points();
+    using Names = std::vector<std::vector<std::string>>;
+    if (cap_mb > 1) {
+      require(names == Names{{"2.bias", "2.weight", "0.bias", "0.weight"}}, "one bucket, last layer first");
+      require(points == std::vector<size_t>{4}, "one bucket launches when all 4 gradients are ready");
+    } else {
+      require(names == Names{{"2.bias"}, {"2.weight"}, {"0.bias"}, {"0.weight"}}, "a bucket per parameter, last "
+              "layer first");
+      // The last layer's bucket was on its way while backward still had the first layer's gradients to compute.
+      require(points == std::vector<size_t>{1, 2, 3, 4}, "each bucket launches as soon as its gradient is ready");
+    }
+  }
+}
+
+void ddp_no_sync() {
+  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  const int r = pg->rank(), n = pg->size();
+  g_rank = r;
+  auto model = mlp(7);
+  auto ddp = std::make_shared<nn::DistributedDataParallel>(model, pg);
+  auto [xa, ya] = global_batch(1, 12);
+  auto [xb, yb] = global_batch(2, 12);
+  {
+    auto guard = ddp->no_sync();
+    cross_entropy((*ddp)(shard(xa, r, n)), shard(ya, r, n)).backward();
+  }
+  // Still this rank's own gradient.
+  auto local = mlp(7);
+  cross_entropy((*local)(shard(xa, r, n)), shard(ya, r, n)).backward();
+  require(max_difference(grads_of(*model), grads_of(*local)) == 0, "under no_sync the gradient was changed");
+  cross_entropy((*ddp)(shard(xb, r, n)), shard(yb, r, n)).backward();
+  // The sum of both micro-batches' gradients, averaged over the ranks: the global batches' gradients, summed.
+  auto reference = mlp(7);
+  cross_entropy((*reference)(xa), ya).backward();
+  cross_entropy((*reference)(xb), yb).backward();
+  const double diff = max_difference(grads_of(*model), grads_of(*reference));
+  require(diff < 1e-12, "the accumulated gradient differs from one process's by " + std::to_string(diff));
+}
+
+// Two heads on one input; `b` is used only where asked, `never` nowhere.
+class TwoHeads : public nn::Module {
+ public:
+  TwoHeads() {
+    manual_seed(5);
+    a = register_module("a", std::make_shared<nn::Linear>(4, 3));
+    b = register_module("b", std::make_shared<nn::Linear>(4, 3));
+    never = register_module("never", std::make_shared<nn::Linear>(4, 3));
+    to(kFloat64);
+  }
+  Tensor forward(const Tensor& x) override { return use_b ? a->forward(x) + b->forward(x) : a->forward(x); }
+  std::shared_ptr<nn::Linear> a, b, never;
+  bool use_b = true;
+};
+
+void ddp_unused() {
+  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  const int r = pg->rank(), n = pg->size();
+  g_rank = r;
+  auto [x, y] = global_batch(3, 6);
+  {
+    auto model = std::make_shared<TwoHeads>();
+    auto ddp = std::make_shared<nn::DistributedDataParallel>(model, pg);
+    const std::string error = error_of([&] { cross_entropy((*ddp)(x), y).backward(); });
+    require(error.find("received no gradient in this backward pass: never.weight, never.bias") != std::string::npos &&
+                error.find("find_unused_parameters") != std::string::npos, "an unused parameter's error: " + error);
+  }
+  // find_unused_parameters: rank 0 alone uses b; nobody uses `never`.
+  auto model = std::make_shared<TwoHeads>();
+  model->use_b = r == 0;
+  auto ddp = std::make_shared<nn::DistributedDataParallel>(
+      model, pg, nn::DistributedDataParallelOptions{.find_unused_parameters = true});
+  cross_entropy((*ddp)(x), y).backward();
+  auto with_b = std::make_shared<TwoHeads>(), without_b = std::make_shared<TwoHeads>();
+  without_b->use_b = false;
+  cross_entropy((*with_b)(x), y).backward();
+  cross_entropy((*without_b)(x), y).backward();
+  // a: rank 0's gradient (with b) and n - 1 others' (without), averaged; b: rank 0's alone, divided by n.
+  TensorList expected_a, expected_b;
+  for (const Tensor& p : with_b->a->parameters()) expected_a.push_back(p.grad() / double(n));
+  for (size_t k = 0; k < expected_a.size(); ++k)
+    expected_a[k] = expected_a[k] + without_b->a->parameters()[k].grad() * (double(n - 1) / n);
+  for (const Tensor& p : with_b->b->parameters()) expected_b.push_back(p.grad() / double(n));
+  require(max_difference(grads_of(*model->a), expected_a) < 1e-12, "a's gradient is not the average");
+  require(max_difference(grads_of(*model->b), expected_b) < 1e-12, "b's gradient is not rank 0's over the ranks");
+  require(!model->never->weight.grad().defined() && !model->never->bias.grad().defined(),
+          "a parameter no rank used got a gradient");
+}
+
+void ddp_mismatch() {
+  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  const int r = pg->rank();
+  g_rank = r;
+  auto model = mlp(1, kFloat64, r == 1 ? 7 : 6);
+  const std::string error = error_of([&] { nn::DistributedDataParallel ddp(model, pg); });
+  require(error.find("the ranks' models differ") != std::string::npos, "no mismatch error: " + error);
+  if (r == 1)
+    require(error.find("rank 0 has \"parameter 0.weight float64[6, 4] cpu\" where rank 1 has \"parameter 0.weight "
+                       "float64[7, 4] cpu\"") != std::string::npos, "the error names the difference: " + error);
+  else
+    require(error.find("rank 1 differs from rank 0") != std::string::npos, "the error names the rank: " + error);
+}
+
+void ddp_half() {
+  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  const int r = pg->rank(), n = pg->size();
+  g_rank = r;
+  auto model = mlp(3, kFloat16);
+  auto ddp = std::make_shared<nn::DistributedDataParallel>(model, pg);
+  auto [x, y] = global_batch(4, 12, kFloat16);
+  cross_entropy((*ddp)(shard(x, r, n)).to(kFloat32), shard(y, r, n)).backward();
+  // Every rank's own float16 gradient, gathered, averaged in float64.
+  auto local = mlp(3, kFloat16);
+  cross_entropy((*local)(shard(x, r, n)).to(kFloat32), shard(y, r, n)).backward();
+  const TensorList mine = grads_of(*model), own = grads_of(*local);
+  for (size_t k = 0; k < mine.size(); ++k) {
+    require(mine[k].dtype() == kFloat16, "a float16 gradient came back as " + std::string(dtype_name(mine[k].dtype())));
+    std::vector<Tensor> parts;
+    for (int q = 0; q < n; ++q) parts.push_back(zeros(own[k].shape(), {.dtype = kFloat16}));
+    pg->all_gather(parts, own[k].contiguous())->wait();
+    Tensor mean = zeros(own[k].shape(), {.dtype = kFloat64});
+    for (const Tensor& part : parts) mean = mean + part.to(kFloat64) / double(n);
+    const auto got = values(mine[k]), want = values(mean);
+    for (size_t i = 0; i < got.size(); ++i)
+      require(std::abs(got[i] - want[i]) <= 2e-3 * std::abs(want[i]) + 1e-6, "float16 gradient " + std::to_string(k) +
+              " element " + std::to_string(i) + ": " + std::to_string(got[i]) + " against " + std::to_string(want[i]));
+  }
+}
+
+void scaler_agrees() {
+  auto pg = init_process_group({.timeout = std::chrono::seconds(30)});
+  const int r = pg->rank();
+  g_rank = r;
+  Tensor w = ones({3}).requires_grad_();
+  optim::SGD opt({w}, {.lr = 0.5});
+  amp::GradScaler scaler({.init_scale = 1024});
+  scaler.set_process_group(pg);
+  // Rank 1's gradient overflows; the others' are clean.
+  Tensor loss = (w * (r == 1 ? std::numeric_limits<double>::infinity() : 1.0)).sum();
+  scaler.scale(loss).backward();
+  scaler.step(opt);
+  scaler.update();
+  require(values(w) == std::vector<double>{1, 1, 1}, "a rank stepped although rank 1 overflowed");
+  require(scaler.get_scale() == 512, "the scale did not back off on every rank: " + std::to_string(scaler.get_scale()));
+  // A clean step everywhere moves every rank's weights.
+  w.set_grad(Tensor());
+  scaler.scale((w * 2.0).sum()).backward();
+  scaler.step(opt);
+  scaler.update();
+  require(values(w) == std::vector<double>{0, 0, 0}, "the clean step did not move the weights");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
+  g_backend = argc > 2 ? argv[2] : "gloo";
+  if (g_backend == "nccl" && !cuda::is_available()) {
+    std::cout << "SKIP: the nccl scenarios need a CUDA GPU, and none is visible\n";
+    return 0;
+  }
   try {
     if (scenario == "collectives") collectives();
     else if (scenario == "dead_rank") dead_rank();
     else if (scenario == "store") store();
     else if (scenario == "bad_environment") bad_environment();
-    else throw std::runtime_error("unknown scenario \"" + scenario + "\" (collectives, dead_rank, store, "
-                                  "bad_environment)");
+    else if (scenario == "ddp_training") ddp_training();
+    else if (scenario == "ddp_no_sync") ddp_no_sync();
+    else if (scenario == "ddp_unused") ddp_unused();
+    else if (scenario == "ddp_mismatch") ddp_mismatch();
+    else if (scenario == "ddp_half") ddp_half();
+    else if (scenario == "scaler_agrees") scaler_agrees();
+    else throw std::runtime_error("unknown scenario \"" + scenario + "\" (see the list at the top of "
+                                  "tests/dist/worker.cpp)");
   } catch (const std::exception& e) {
     std::cerr << "FAILED: " << e.what() << "\n";
     return 1;

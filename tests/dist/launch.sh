@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# `halfgrad launch` end to end, on the CPU (gloo). Prints "PASS: <case>" when the case holds.
+#
+#   bash tests/dist/launch.sh build/halfgrad lm_equals_one_process
+#       2 ranks of train-lm, 4 columns each, give the figures one process gives with 8 columns (no dropout: the same
+#       arithmetic; the gradients averaged before clipping), and only rank 0 prints and writes files
+#   bash tests/dist/launch.sh build/halfgrad classifier_runs
+#       2 ranks of train-classifier on CIFAR-10 files: each trains its shard and evaluates its slice of the test split,
+#       and rank 0 prints the group's figures: training images per epoch and test images as one process counts them
+#   bash tests/dist/launch.sh build/halfgrad killed_rank
+#       a rank killed mid-run: the launcher names it, stops the other within its grace period and fails
+set -uo pipefail
+halfgrad=$1 case=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export OMP_NUM_THREADS=1
+lm=(train-lm --emsize 8 --nhid 8 --nlayers 1 --dropout 0 --bptt 5 --limit-tokens 3000 --log-interval 0 --save "")
+
+case $case in
+lm_equals_one_process)
+  "$halfgrad" "${lm[@]}" --epochs 2 --batch-size 8 --jsonl "$dir/one.jsonl" > "$dir/one.log" 2>&1 ||
+    { cat "$dir/one.log"; exit 1; }
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" -- "${lm[@]}" --epochs 2 --batch-size 4 \
+    --jsonl "$dir/two.jsonl" > "$dir/two.log" 2>&1 || { cat "$dir/two.log"; exit 1; }
+  cat "$dir/two.log"
+  grep -q "data parallel over 2 ranks (gloo): batch 4 a rank" "$dir/two.log" || { echo "no data-parallel header"; exit 1; }
+  [[ $(grep -c "^test loss" "$dir/two.log") == 1 ]] || { echo "not only rank 0 printed"; exit 1; }
+  python3 - "$dir/one.jsonl" "$dir/two.jsonl" <<'PY' || exit 1
+import json, sys
+def lines(path):
+    return [json.loads(l) for l in open(path)]
+one, two = lines(sys.argv[1]), lines(sys.argv[2])
+assert [l["event"] for l in one] == [l["event"] for l in two], ("events differ", one, two)
+for a, b in zip(one, two):
+    for key in ("train_loss", "valid_loss", "lr", "test_loss"):
+        if key in a:
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+print("one process and 2 ranks agree:", [(l.get("valid_loss"), l.get("test_loss")) for l in two])
+PY
+  echo "PASS: $case"
+  ;;
+classifier_runs)
+  # 96 training and 50 test images in the official format, a label byte then 3,072 pixel bytes each.
+  python3 - "$dir" <<'PY'
+import os, random, sys
+random.seed(1)
+def write(name, n):
+    with open(os.path.join(sys.argv[1], name), "wb") as f:
+        for _ in range(n):
+            f.write(bytes([random.randrange(10)]) + os.urandom(3072))
+write("data_batch_1.bin", 96)
+write("test_batch.bin", 50)
+PY
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" -- train-classifier --data-dir "$dir" --device cpu \
+    --model resnet18 --epochs 1 --batch-size 16 --workers 0 --log-interval 0 --jsonl "$dir/two.jsonl" \
+    > "$dir/two.log" 2>&1 || { cat "$dir/two.log"; exit 1; }
+  cat "$dir/two.log"
+  grep -q "data parallel over 2 ranks (gloo): batch 16 a rank" "$dir/two.log" || { echo "no data-parallel header"; exit 1; }
+  python3 - "$dir/two.jsonl" <<'PY' || exit 1
+import json, sys
+epochs = [l for l in map(json.loads, open(sys.argv[1])) if l["event"] == "epoch"]
+assert len(epochs) == 1, epochs
+e = epochs[0]
+# 96 images in 2 shards of 48: 3 steps of 16 a rank; the test split's 50 images in slices of 25: accuracy in 50ths.
+assert abs(e["images_per_second"] * e["seconds"] - 96) < 1e-6, e
+assert abs(e["test_accuracy"] * 50 - round(e["test_accuracy"] * 50)) < 1e-9, e
+assert abs(e["train_accuracy"] * 96 - round(e["train_accuracy"] * 96)) < 1e-9, e
+print("the group's figures:", e)
+PY
+  echo "PASS: $case"
+  ;;
+killed_rank)
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" --grace-seconds 3 -- "${lm[@]}" --epochs 1000 \
+    --batch-size 4 > "$dir/launch.log" 2>&1 &
+  launcher=$!
+  sleep 3
+  victim=$(pgrep -P "$launcher" | tail -1)
+  [[ -n $victim ]] || { echo "no rank running"; cat "$dir/launch.log"; exit 1; }
+  start=$SECONDS
+  kill -9 "$victim"
+  wait "$launcher"
+  status=$?
+  cat "$dir/launch.log"
+  ((status != 0)) || { echo "the launcher exited 0 after a rank was killed"; exit 1; }
+  ((SECONDS - start <= 15)) || { echo "the other rank took $((SECONDS - start)) s to stop"; exit 1; }
+  grep -qE "halfgrad launch: rank [01] \(local rank [01], pid $victim\) was killed by signal 9 \(Killed\); stopping the other ranks" \
+    "$dir/launch.log" || { echo "the launcher did not name the killed rank"; exit 1; }
+  echo "PASS: $case"
+  ;;
+*)
+  echo "unknown case $case"
+  exit 1
+  ;;
+esac
