@@ -95,10 +95,15 @@ def parse_bytes(text):
 
 
 def environment():
+    # As cmake/git_commit.cmake labels halfgrad's lines: "-dirty" with changes to tracked files.
     commit = "unknown"
     try:
-        commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short=12",
-                                 "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
+        commit = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        if subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                          check=True).stdout.strip():
+            commit += "-dirty"
     except (OSError, subprocess.CalledProcessError):
         pass
     return {"device": "cuda:0", "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,

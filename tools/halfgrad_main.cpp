@@ -544,6 +544,11 @@ int main(int argc, char** argv) {
       return;
     }
     std::cout << halfgrad::build_summary() << "\n";
+    std::cout << fmt::format("data parallel: gloo (CPU tensors) {}, nccl (CUDA tensors) {}\n",
+                             dist::backend_available("gloo") ? "built" : "not built",
+                             dist::backend_available("nccl") ? "built" : "not built");
+    if (const std::string launched = cli::launched_environment(); !launched.empty())
+      std::cout << "this process: " << launched << "\n";
     for (const std::string& line : halfgrad::cuda::describe_devices()) std::cout << line << "\n";
   });
 

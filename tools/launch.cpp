@@ -122,6 +122,16 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& command) {
   return result;
 }
 
+std::string launched_environment() {
+  auto get = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string(value ? value : "?");
+  };
+  if (!std::getenv("WORLD_SIZE")) return "";
+  return fmt::format("rank {} of {} (local rank {} of {}), rendezvous at {}:{}", get("RANK"), get("WORLD_SIZE"),
+                     get("LOCAL_RANK"), get("LOCAL_WORLD_SIZE"), get("MASTER_ADDR"), get("MASTER_PORT"));
+}
+
 std::shared_ptr<dist::ProcessGroup> join_launched_group(Device& device, const char* command) {
   const char* world = std::getenv("WORLD_SIZE");
   if (!world || !*world) return nullptr;

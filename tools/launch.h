@@ -33,4 +33,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& command
 // than 0 then writes nothing to stdout. Null when not launched (WORLD_SIZE unset): one process, `device` as it was.
 std::shared_ptr<dist::ProcessGroup> join_launched_group(Device& device, const char* command);
 
+// What a launcher told this process: "rank 3 of 4 (local rank 1 of 2), rendezvous at 127.0.0.1:29500"; empty when
+// not launched (WORLD_SIZE unset).
+std::string launched_environment();
+
 }  // namespace halfgrad::cli

@@ -7,6 +7,8 @@
 #   bash tests/dist/launch.sh build/halfgrad classifier_runs
 #       2 ranks of train-classifier on CIFAR-10 files: each trains its shard and evaluates its slice of the test split,
 #       and rank 0 prints the group's figures: training images per epoch and test images as one process counts them
+#   bash tests/dist/launch.sh build/halfgrad environment
+#       the second node of two, 2 ranks each: every rank is told its place (RANK, LOCAL_RANK, WORLD_SIZE, ...)
 #   bash tests/dist/launch.sh build/halfgrad killed_rank
 #       a rank killed mid-run: the launcher names it, stops the other within its grace period and fails
 set -uo pipefail
@@ -68,6 +70,18 @@ assert abs(e["test_accuracy"] * 50 - round(e["test_accuracy"] * 50)) < 1e-9, e
 assert abs(e["train_accuracy"] * 96 - round(e["train_accuracy"] * 96)) < 1e-9, e
 print("the group's figures:", e)
 PY
+  echo "PASS: $case"
+  ;;
+environment)
+  "$halfgrad" launch --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.1.2.3 --master-port 4567 -- info \
+    > "$dir/info.log" 2>&1 || { cat "$dir/info.log"; exit 1; }
+  cat "$dir/info.log"
+  for expected in "rank 2 of 4 (local rank 0 of 2), rendezvous at 10.1.2.3:4567" \
+                  "rank 3 of 4 (local rank 1 of 2), rendezvous at 10.1.2.3:4567"; do
+    grep -qF "this process: $expected" "$dir/info.log" || { echo "missing: $expected"; exit 1; }
+  done
+  "$halfgrad" launch --nproc-per-node 2 -- launch -- info > "$dir/nested.log" 2>&1 && { echo "nested launch ran"; exit 1; }
+  grep -q "the command is itself \`launch\`" "$dir/nested.log" || { cat "$dir/nested.log"; exit 1; }
   echo "PASS: $case"
   ;;
 killed_rank)
