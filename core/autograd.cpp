@@ -16,6 +16,8 @@ namespace {
 thread_local bool grad_mode_enabled = true;
 // The callbacks queued by the backward() running on this thread (null outside one): see queue_callback.
 thread_local std::vector<std::function<void()>>* queued_callbacks = nullptr;
+std::atomic<uint64_t> backward_passes{0};  // backward() calls begun in this process
+thread_local uint64_t current_pass = 0;   // the pass running on this thread (0: none)
 std::atomic<uint64_t> next_sequence_nr{0};
 
 TensorMeta meta_of(const Tensor& t) { return {t.shape(), t.dtype(), t.device()}; }
@@ -274,6 +276,10 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     std::vector<std::function<void()>>* outer;
     ~CallbackScope() { queued_callbacks = outer; }
   } scope{std::exchange(queued_callbacks, &callbacks)};
+  struct PassScope {
+    uint64_t outer;
+    ~PassScope() { current_pass = outer; }
+  } pass_scope{std::exchange(current_pass, ++backward_passes)};
 
   // Input buffer of each node: the sum of the gradients that reached each of its outputs.
   std::unordered_map<Node*, TensorList> buffers;
@@ -370,8 +376,13 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     }
     owners.erase(node);
   }
-  for (size_t i = 0; i < callbacks.size(); ++i) callbacks[i]();  // by index: a callback may queue another
+  for (size_t i = 0; i < callbacks.size(); ++i) {  // by index: a callback may queue another (and grow the list)
+    const std::function<void()> callback = std::move(callbacks[i]);
+    callback();
+  }
 }
+
+uint64_t current_backward_pass() { return current_pass; }
 
 void queue_callback(std::function<void()> callback) {
   HG_CHECK(queued_callbacks != nullptr, "queue_callback: no backward pass is running on this thread (call it from a "

@@ -145,6 +145,9 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bo
 // (PyTorch's Engine.queue_callback): how a gradient hook defers work to the end of the pass. Callbacks run in the
 // order queued; an error in the pass drops them. Only from inside a backward pass (a hook): an error elsewhere.
 void queue_callback(std::function<void()> callback);
+// The backward pass running on this thread, numbered from 1 in the order passes begin in this process; 0 outside one.
+// (A hook tells a new pass from the one whose end it is waiting for, even after a pass that ended in an error.)
+uint64_t current_backward_pass();
 
 // Reduces a broadcast gradient back to `shape` (sums over the broadcast dims).
 Tensor sum_to(const Tensor& grad, const Shape& shape);

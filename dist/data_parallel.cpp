@@ -12,11 +12,14 @@ namespace halfgrad::nn {
 
 namespace {
 
-// One line per tensor, "kind name dtype[shape]", for comparing models across ranks.
+// One line per tensor, "kind name dtype[shape]", for comparing models across ranks (not the device: each rank's GPU
+// is its own).
 std::string describe(const NamedTensors& params, const NamedTensors& buffers) {
   std::string text;
-  for (const auto& [name, t] : params) text += fmt::format("parameter {} {}\n", name, t.meta());
-  for (const auto& [name, t] : buffers) text += fmt::format("buffer {} {}\n", name, t.meta());
+  for (const auto& [name, t] : params)
+    text += fmt::format("parameter {} {}{}\n", name, dtype_name(t.dtype()), shape_str(t.shape()));
+  for (const auto& [name, t] : buffers)
+    text += fmt::format("buffer {} {}{}\n", name, dtype_name(t.dtype()), shape_str(t.shape()));
   return text;
 }
 
@@ -44,8 +47,10 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
   return std::string(reinterpret_cast<const char*>(bytes.data<uint8_t>()), size_t(n));
 }
 
-// Every tensor becomes rank 0's: one broadcast per dtype and device, through a flat copy.
-void broadcast_coalesced(dist::ProcessGroup& group, const TensorList& tensors) {
+}  // namespace
+
+void broadcast_from_rank0(dist::ProcessGroup& group, const TensorList& tensors) {
+  if (group.size() == 1) return;
   NoGradGuard no_grad;
   std::map<std::pair<int, std::string>, TensorList> groups;
   for (const Tensor& t : tensors) groups[{int(t.dtype()), t.device().str()}].push_back(t);
@@ -67,7 +72,11 @@ void broadcast_coalesced(dist::ProcessGroup& group, const TensorList& tensors) {
   }
 }
 
-}  // namespace
+void broadcast_from_rank0(dist::ProcessGroup& group, const Module& module) {
+  TensorList everything = module.parameters();
+  for (const Tensor& b : module.buffers()) everything.push_back(b);
+  broadcast_from_rank0(group, everything);
+}
 
 // The state the hooks share. Lives as long as the DistributedDataParallel (the hooks hold it weakly).
 struct DistributedDataParallel::Reducer {
@@ -88,12 +97,13 @@ struct DistributedDataParallel::Reducer {
   std::vector<bool> ready;        // per parameter, this pass
   size_t ready_count = 0;
   size_t next_bucket = 0;  // the next bucket to launch: buckets launch in index order on every rank
-  bool in_pass = false;    // a reducing backward pass is running (its callback is queued)
+  uint64_t pass = 0;       // the backward pass being reduced (core/autograd.h's numbers); 0: none
   bool sync = true;        // false under no_sync()
 
   void gradient_ready(size_t i) {
     if (!sync) return;
-    if (!in_pass) start_pass();
+    // A pass that ended in an error never ran its callback: a new pass starts afresh, whatever that one left.
+    if (pass != current_backward_pass()) start_pass();
     HG_CHECK(!ready[i], "DistributedDataParallel: parameter {} received its gradient twice in one backward pass",
              params[i].first);
     ready[i] = true;
@@ -103,16 +113,26 @@ struct DistributedDataParallel::Reducer {
   }
 
   void start_pass() {
-    in_pass = true;
+    pass = current_backward_pass();
     std::fill(ready.begin(), ready.end(), false);
     ready_count = 0;
     next_bucket = 0;
     for (Bucket& b : buckets) {
-      b.pending = b.members.size();
+      // A reduction left by a pass that failed still reads and writes the flat tensor: it finishes first. (Its error,
+      // if any, is the group's, and the next collective reports it.)
+      if (b.work) {
+        try {
+          b.work->wait();
+        } catch (const std::exception&) {
+        }
+      }
       b.work.reset();
+      b.pending = b.members.size();
     }
     // `this` outlives the pass: the DistributedDataParallel that owns it cannot be destroyed inside backward().
-    queue_callback([this] { finish_pass(); });
+    queue_callback([this, pass = pass] {
+      if (this->pass == pass) finish_pass();
+    });
   }
 
   // The bucket's gradients into its flat tensor (zeros for a gradient this rank has not got), divided by the world
@@ -135,7 +155,7 @@ struct DistributedDataParallel::Reducer {
   // The end of backward: every bucket launched (a parameter without a gradient is an error unless
   // find_unused_parameters), the reductions waited for, the averages written back into .grad.
   void finish_pass() {
-    in_pass = false;
+    pass = 0;
     if (next_bucket < buckets.size()) {
       std::vector<std::string> missing;
       for (size_t i = 0; i < params.size(); ++i)
@@ -150,7 +170,8 @@ struct DistributedDataParallel::Reducer {
     Tensor used_anywhere;
     if (options.find_unused_parameters) {
       std::vector<int32_t> used(params.size());
-      for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] ? 1 : 0;
+      // Used: a gradient from this pass, or one accumulated under no_sync since the last reduction.
+      for (size_t i = 0; i < params.size(); ++i) used[i] = ready[i] || params[i].second.grad().defined() ? 1 : 0;
       used_anywhere = tensor(used).to(group->device());
       group->all_reduce(used_anywhere, dist::ReduceOp::Max)->wait();
       used_anywhere = used_anywhere.cpu();
@@ -210,10 +231,7 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, std::shared_p
                ? fmt::format("rank {} differs from rank 0 (its error says how)", first_different - 1) : difference);
 
   // Rank 0's values everywhere.
-  TensorList everything;
-  for (const auto& [name, p] : reducer->params) everything.push_back(p);
-  for (const auto& [name, b] : buffers) everything.push_back(b);
-  broadcast_coalesced(*group_, everything);
+  broadcast_from_rank0(*group_, *module_);
 
   // Buckets: the parameters in reverse order, a new bucket when the dtype or device changes or the cap is reached.
   const double cap_bytes = options_.bucket_cap_mb * 1024 * 1024;
@@ -257,11 +275,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   return module_->forward(input);
 }
 
-void DistributedDataParallel::sync_buffers() {
-  if (group_->size() == 1) return;
-  const TensorList buffers = module_->buffers();
-  if (!buffers.empty()) broadcast_coalesced(*group_, buffers);
-}
+void DistributedDataParallel::sync_buffers() { broadcast_from_rank0(*group_, module_->buffers()); }
 
 DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.reducer_->sync) {
   ddp_.reducer_->sync = false;

@@ -43,6 +43,13 @@
 
 namespace halfgrad::nn {
 
+// Every rank's `tensors` (every rank the same list, in the same order) become rank 0's: one broadcast per dtype and
+// device, through a flat copy. The module form: its parameters, then its buffers. (DistributedDataParallel does this
+// at construction; a caller that copies the parameters elsewhere first, as mixed precision O2's float32 masters, calls
+// it before making those copies.)
+void broadcast_from_rank0(dist::ProcessGroup& group, const TensorList& tensors);
+void broadcast_from_rank0(dist::ProcessGroup& group, const Module& module);
+
 struct DistributedDataParallelOptions {
   double bucket_cap_mb = 25;  // MiB of gradients per all-reduce (a larger parameter gets a bucket of its own)
   bool broadcast_buffers = true;

@@ -6,7 +6,7 @@
 //
 // Every collective is asynchronous and returns a Work handle. Every rank must issue the same collectives in the same
 // order with tensors of the same shape and dtype, as in PyTorch. The tensors stay alive (the Work holds them) and
-// must stay unchanged until the collective is done; a Work must not outlive its group.
+// must stay unchanged until the collective is done.
 // - gloo: the collectives run in turn on the group's own thread; wait() blocks the host until it is done and
 //   rethrows its error.
 // - nccl: a collective starts after the work already queued on the caller's current stream and runs on the group's

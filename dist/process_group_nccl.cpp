@@ -54,23 +54,33 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 class NcclGroup;
 
+// A CUDA event, destroyed when the last of its holders (a Work, the watchdog) lets go of it.
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() { HG_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "nccl"); }
+  ~Event() { cudaEventDestroy(event); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
 class NcclWork : public Work {
  public:
-  NcclWork(NcclGroup& group, const char* name, TensorList keep) : group_(group), name_(name), keep_(std::move(keep)) {}
+  NcclWork(std::shared_ptr<NcclGroup> group, const char* name, TensorList keep)
+      : group_(std::move(group)), name_(name), keep_(std::move(keep)) {}
   ~NcclWork() override;
   bool is_completed() const override;
   void wait() override;
 
-  cudaEvent_t done = nullptr;
+  std::shared_ptr<Event> done = std::make_shared<Event>();  // recorded on the group's stream after the collective
 
  private:
-  NcclGroup& group_;
+  std::shared_ptr<NcclGroup> group_;
   const char* name_;
   TensorList keep_;  // the tensors NCCL reads and writes, alive until the stream that uses them has passed `done`
   bool waited_ = false;
 };
 
-class NcclGroup : public ProcessGroup {
+class NcclGroup : public ProcessGroup, public std::enable_shared_from_this<NcclGroup> {
  public:
   NcclGroup(std::shared_ptr<TcpStore> store, const std::string& prefix, int rank, int size,
             std::chrono::milliseconds timeout, int device_index)
@@ -108,10 +118,21 @@ class NcclGroup : public ProcessGroup {
     watchdog_.join();
     cuda::DeviceGuard guard(device_.index);
     if (comm_) {  // null once aborted
-      // Queued collectives finish first: ncclCommFinalize flushes them, then the communicator can go.
-      cudaStreamSynchronize(stream_);
-      if (ncclCommFinalize(comm_) == ncclInProgress) wait_ready("~ProcessGroup", Clock::now());
-      ncclCommDestroy(comm_);
+      // Queued collectives finish first (within the timeout, else the communicator is aborted): ncclCommFinalize
+      // flushes them, then the communicator can go.
+      const auto started = Clock::now();
+      while (cudaStreamQuery(stream_) == cudaErrorNotReady && Clock::now() - started < timeout_)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+        ncclCommAbort(comm_);
+      } else {
+        try {
+          if (ncclCommFinalize(comm_) == ncclInProgress) wait_ready("~ProcessGroup", Clock::now());
+          ncclCommDestroy(comm_);
+        } catch (const Error&) {  // wait_ready aborted it: a destructor says so and goes on
+          std::fprintf(stderr, "halfgrad: NCCL process group, rank %d: finalizing timed out; aborted\n", rank());
+        }
+      }
     }
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -205,7 +226,7 @@ class NcclGroup : public ProcessGroup {
     cuda::DeviceGuard guard(device_.index);
     std::lock_guard comm_lock(comm_mutex_);
     HG_CHECK(comm_ != nullptr, "{} (nccl): rank {} of {}: the communicator was aborted", name, rank(), size());
-    auto work = std::make_shared<NcclWork>(*this, name, std::move(keep));
+    auto work = std::make_shared<NcclWork>(shared_from_this(), name, std::move(keep));
     cudaEvent_t ready = nullptr;
     HG_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), name);
     HG_CUDA_CHECK(cudaEventRecord(ready, cuda::current_stream(device_.index)), name);
@@ -216,8 +237,7 @@ class NcclGroup : public ProcessGroup {
     if (r == ncclInProgress) r = wait_ready(name, started);
     HG_CHECK(r == ncclSuccess, "{} (nccl): rank {} of {}: {} ({})", name, rank(), size(), ncclGetErrorString(r),
              ncclGetLastError(comm_));
-    HG_CUDA_CHECK(cudaEventCreateWithFlags(&work->done, cudaEventDisableTiming), name);
-    HG_CUDA_CHECK(cudaEventRecord(work->done, stream_), name);
+    HG_CUDA_CHECK(cudaEventRecord(work->done->event, stream_), name);
     {
       std::lock_guard lock(mutex_);
       in_flight_.push_back({name, work->done, started});
@@ -260,7 +280,7 @@ class NcclGroup : public ProcessGroup {
         std::unique_lock lock(mutex_);
         wake_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
         if (stopping_) return;
-        while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done) != cudaErrorNotReady)
+        while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done->event) != cudaErrorNotReady)
           in_flight_.pop_front();
         if (in_flight_.empty() || !broken_.empty()) continue;
         oldest = in_flight_.front();
@@ -288,21 +308,13 @@ class NcclGroup : public ProcessGroup {
     }
   }
 
+  // A collective in flight. The watchdog holds its event until it is done, Work or no Work: a host that waits on the
+  // result some other way (a copy to the CPU) is still watched.
   struct Flight {
     const char* name = "";
-    cudaEvent_t done = nullptr;  // its Work's: the Work's destructor takes it out of in_flight_ before destroying it
+    std::shared_ptr<Event> done;
     Clock::time_point started;
   };
-
-  friend class NcclWork;
-  void forget(cudaEvent_t done) {
-    std::lock_guard lock(mutex_);
-    for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it)
-      if (it->done == done) {
-        in_flight_.erase(it);
-        break;
-      }
-  }
 
   std::shared_ptr<TcpStore> store_;
   std::chrono::milliseconds timeout_;
@@ -319,22 +331,20 @@ class NcclGroup : public ProcessGroup {
 };
 
 NcclWork::~NcclWork() {
-  if (!done) return;
+  if (waited_) return;
   // Whoever reuses these tensors' memory next must not overtake the collective: the caller's stream waits for it.
-  const int device = group_.device_of_group().index;
+  const int device = group_->device_of_group().index;
   cuda::DeviceGuard guard(device);
-  if (!waited_) cudaStreamWaitEvent(cuda::current_stream(device), done, 0);
-  group_.forget(done);
-  cudaEventDestroy(done);
+  cudaStreamWaitEvent(cuda::current_stream(device), done->event, 0);
 }
 
-bool NcclWork::is_completed() const { return cudaEventQuery(done) == cudaSuccess; }
+bool NcclWork::is_completed() const { return cudaEventQuery(done->event) == cudaSuccess; }
 
 void NcclWork::wait() {
-  group_.throw_if_broken(name_);
-  const int device = group_.device_of_group().index;
+  group_->throw_if_broken(name_);
+  const int device = group_->device_of_group().index;
   cuda::DeviceGuard guard(device);
-  HG_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(device), done, 0), name_);
+  HG_CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(device), done->event, 0), name_);
   waited_ = true;
 }
 

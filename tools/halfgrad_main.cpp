@@ -149,9 +149,12 @@ std::string program_name() {
 }
 
 // After a stopped run: where it stopped and how to go on; the shell's exit status for SIGINT.
-int report_stop(const std::string& checkpoint, const char* option) {
+int report_stop(const std::string& checkpoint, const char* option, bool data_parallel) {
   if (checkpoint.empty()) {
     fmt::print("interrupted; nothing was saved (no {} given)\n", option);
+  } else if (data_parallel) {  // every rank stopped after the same step; checkpoints are written at epochs' ends
+    fmt::print("interrupted; {} holds the run as of its last finished epoch: the same command with --resume {} "
+               "trains the interrupted epoch again\n", checkpoint, checkpoint);
   } else {
     fmt::print("interrupted; {} holds the run where it stopped: the same command with --resume {} continues it\n",
                checkpoint, checkpoint);
@@ -210,7 +213,8 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
     }
   }, progress);
   line.clear();
-  if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
+  if (train::stop_requested())
+    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr);
   return 0;
 }
 
@@ -326,7 +330,8 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
     }
   }, progress);
   line.clear();
-  if (train::stop_requested()) return report_stop(config.train_checkpoint, "--train-checkpoint");
+  if (train::stop_requested())
+    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr);
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
   jsonl.write("test", {{"test_loss", result.test_loss}, {"test_ppl", std::exp(result.test_loss)}});

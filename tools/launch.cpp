@@ -2,11 +2,13 @@
 #include "tools/launch.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <csignal>
@@ -49,32 +51,58 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& command) {
            "(--nnodes {})", o.node_rank, o.nnodes - 1, o.nnodes);
   HG_CHECK(o.master_port >= 1 && o.master_port <= 65535, "launch: --master-port must be in 1..65535, got {}",
            o.master_port);
-  HG_CHECK(command[0] != "launch", "launch: the command is itself `launch`: give the halfgrad command each rank runs");
+  // The commands that run as ranks of one run; others (sweep-classifier, bench) would be N copies of one job.
+  HG_CHECK(command[0] == "train-classifier" || command[0] == "train-lm" || command[0] == "info", "launch: `{}` does "
+           "not run data-parallel; the ranks run train-classifier or train-lm (or info, to see the ranks' settings)",
+           command[0]);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const int world = o.nproc_per_node * o.nnodes;
+
+  // Each rank's argv and environment, made before forking (between fork and exec only async-signal-safe calls).
+  std::vector<char*> argv{const_cast<char*>(self.c_str())};
+  for (const std::string& a : command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::vector<std::string>> settings(size_t(o.nproc_per_node));
+  std::vector<std::vector<char*>> environments(size_t(o.nproc_per_node));
+  const char* const ours[] = {"RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT="};
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    auto& set = settings[size_t(local)];
+    set = {fmt::format("RANK={}", o.node_rank * o.nproc_per_node + local), fmt::format("LOCAL_RANK={}", local),
+           fmt::format("WORLD_SIZE={}", world), fmt::format("LOCAL_WORLD_SIZE={}", o.nproc_per_node),
+           "MASTER_ADDR=" + o.master_addr, fmt::format("MASTER_PORT={}", o.master_port)};
+    auto& env = environments[size_t(local)];
+    for (char** e = environ; *e; ++e) {
+      bool replaced = false;
+      for (const char* name : ours) replaced = replaced || std::strncmp(*e, name, std::strlen(name)) == 0;
+      if (!replaced) env.push_back(*e);
+    }
+    for (std::string& v : set) env.push_back(v.data());
+    env.push_back(nullptr);
+  }
 
   std::signal(SIGINT, pass_signal_on);
   std::signal(SIGTERM, pass_signal_on);
   std::fflush(nullptr);  // nothing buffered twice
+  const pid_t launcher = ::getpid();
   std::vector<pid_t> pids;
   for (int local = 0; local < o.nproc_per_node; ++local) {
     const pid_t pid = ::fork();
-    HG_CHECK(pid >= 0, "launch: fork failed for local rank {}", local);
+    if (pid < 0) {  // the ranks already started cannot meet the missing one: they go
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+      for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+      HG_FAIL("launch: fork failed for local rank {}: {}", local, std::strerror(errno));
+    }
     if (pid == 0) {
+      // A process group of its own: a terminal's Ctrl-C reaches the launcher, which passes it on once. The rank goes
+      // when the launcher does, even killed outright.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != launcher) std::_Exit(1);
       std::signal(SIGINT, SIG_DFL);
       std::signal(SIGTERM, SIG_DFL);
-      auto set = [](const char* name, const std::string& value) { ::setenv(name, value.c_str(), 1); };
-      set("RANK", std::to_string(o.node_rank * o.nproc_per_node + local));
-      set("LOCAL_RANK", std::to_string(local));
-      set("WORLD_SIZE", std::to_string(world));
-      set("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node));
-      set("MASTER_ADDR", o.master_addr);
-      set("MASTER_PORT", std::to_string(o.master_port));
-      std::vector<char*> argv{const_cast<char*>(self.c_str())};
-      for (const std::string& a : command) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv(self.c_str(), argv.data());
-      std::fprintf(stderr, "halfgrad launch: could not start %s for local rank %d\n", self.c_str(), local);
+      ::execve(self.c_str(), argv.data(), environments[size_t(local)].data());
+      static const char message[] = "halfgrad launch: could not start the rank's program\n";
+      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, message, sizeof message - 1);
       std::_Exit(127);
     }
     pids.push_back(pid);

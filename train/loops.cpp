@@ -229,6 +229,15 @@ nn::TrainingCheckpoint resume_training(const std::string& path, const Metadata& 
 
 void request_stop() { g_stop_requested.store(true); }
 bool stop_requested() { return g_stop_requested.load(); }
+
+std::function<bool()> agreed_stop(dist::ProcessGroup* group, int64_t interval) {
+  HG_CHECK(interval >= 1, "agreed_stop: the interval must be >= 1, got {}", interval);
+  if (!group) return [] { return stop_requested(); };
+  return [group, interval, steps = int64_t(0)]() mutable {
+    if (++steps % interval != 0) return false;
+    return summed_over_ranks(group, {stop_requested() ? 1.0 : 0.0})[0] > 0;
+  };
+}
 void clear_stop() { g_stop_requested.store(false); }
 
 namespace {
@@ -320,7 +329,7 @@ ClassifierEpochSums train_classifier_epoch(nn::Module& model, data::ImageLoader&
         clock.reported(due.interval_end);
       }
     }
-    if (stop_requested()) {
+    if (o.stop ? o.stop() : stop_requested()) {
       sums.interrupted = true;
       break;
     }
@@ -361,6 +370,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   manual_seed(c.seed);
   std::shared_ptr<nn::Module> model = models::image_classifier(c.model, classes);
   model->to(c.device);
+  // Data parallel: rank 0's weights everywhere before O2 copies them into its float32 masters.
+  if (c.group) nn::broadcast_from_rank0(*c.group, *model);
   optim::SGD sgd(model->parameters(),
                  {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay, .nesterov = c.nesterov});
   amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
@@ -425,6 +436,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     step = ck.step;
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
+      HG_CHECK(!c.group, "train-classifier: {} was written within an epoch, by a run of one process; a data-parallel "
+               "run resumes from the end of an epoch", c.resume);
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.seen = metadata_count(ck, "seen", c.resume);
       resumed.loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
@@ -432,13 +445,14 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     }
   }
   int64_t skipped_before = amp.scaler().skipped_steps();
+  const std::function<bool()> stop = agreed_stop(c.group.get());
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
     const auto t0 = std::chrono::steady_clock::now();
     ClassifierEpochOptions options{.epoch = epoch, .device = c.device, .channels_last = c.channels_last,
                                    .schedule = schedule.get(), .log_interval = c.log_interval,
-                                   .progress_seconds = c.progress_seconds};
+                                   .progress_seconds = c.progress_seconds, .stop = stop};
     if (epoch == first_epoch && resumed.batches > 0) options.start = resumed;
     const ClassifierEpochSums sums = train_classifier_epoch(trained, train_loader, step_of_run, sgd, options, on_progress);
     step += sums.batches - options.start.batches;
@@ -643,7 +657,7 @@ LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, 
         clock.reported(due.interval_end);
       }
     }
-    sums.interrupted = stop_requested();
+    sums.interrupted = o.stop ? o.stop() : stop_requested();
   });
   return sums;
 }
@@ -687,6 +701,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
                                           .dropout = c.dropout, .tie_weights = c.tie_weights});
   models::LanguageModel& model = *shared_model;
   model.to(c.device);
+  if (c.group) nn::broadcast_from_rank0(*c.group, model);  // before O2 copies the weights into its masters
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
   // Data parallel: rank 0's weights everywhere and the gradients averaged by the wrapper's hooks; the steps call the
@@ -720,6 +735,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     }
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
+      HG_CHECK(!c.group, "train-lm: {} was written within an epoch, by a run of one process; a data-parallel run "
+               "resumes from the end of an epoch", c.resume);
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.tokens = metadata_count(ck, "tokens", c.resume);
       resumed.total = named(ck.extra, "epoch.total", c.resume).to(c.device);
@@ -771,12 +788,13 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
         (*captured)();
         return window_loss;
       });
+  const std::function<bool()> stop = agreed_stop(c.group.get());
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
     const auto t0 = std::chrono::steady_clock::now();
     LanguageModelEpochOptions options{.epoch = epoch, .bptt = c.bptt, .log_interval = c.log_interval,
-                                      .progress_seconds = c.progress_seconds, .dry_run = c.dry_run};
+                                      .progress_seconds = c.progress_seconds, .dry_run = c.dry_run, .stop = stop};
     const bool resuming = epoch == first_epoch && resumed.batches > 0;
     if (resuming) options.start = resumed;
     if (c.cuda_graph) {  // the state in its buffers, from zeros or from where the interrupted epoch stopped

@@ -38,6 +38,12 @@ void request_stop();
 bool stop_requested();
 void clear_stop();
 
+// Data parallel: whether to stop after this step, the same answer on every rank of `group`, to be asked after every
+// step. Every `interval` steps the ranks all-reduce their stop_requested() (4 bytes the host waits for), so a stop that
+// reaches the ranks at different steps (Ctrl-C) ends them all after the same one; in between it answers false. One
+// process (null group): stop_requested().
+std::function<bool()> agreed_stop(dist::ProcessGroup* group, int64_t interval = 16);
+
 // ---- Pieces of the loops, for loops of one's own
 
 // A classifier's mean cross entropy and accuracy over one pass of a loader: the model in eval mode (left so), no
@@ -90,6 +96,8 @@ struct ClassifierEpochOptions {
   ClassifierEpochSums start{};             // a resumed epoch's sums so far: its first `batches` batches are skipped
   int64_t log_interval = 0;                // on_progress after every this many batches (0: never)
   double progress_seconds = 0;             // also on_progress mid-interval once this long has passed (0: never)
+  std::function<bool()> stop{};            // asked after each step instead of stop_requested() (data parallel: the
+                                           // ranks' agreed answer, agreed_stop)
 };
 
 // One pass of `loader` in train mode, `step` per batch, then the schedule's step. No host synchronisation per batch:
@@ -140,6 +148,7 @@ struct LanguageModelEpochOptions {
   int64_t log_interval = 0;        // on_progress after every this many windows (0: never)
   double progress_seconds = 0;     // also on_progress mid-interval once this long has passed (0: never)
   bool dry_run = false;            // one window only, as main.py's --dry-run
+  std::function<bool()> stop{};    // asked after each window instead of stop_requested() (data parallel: agreed_stop)
 };
 
 // One pass over a batchified training split ([rows, batch], data::batchify, on the model's device) in windows of

@@ -3,7 +3,8 @@
 #
 #   bash tests/dist/launch.sh build/halfgrad lm_equals_one_process
 #       2 ranks of train-lm, 4 columns each, give the figures one process gives with 8 columns (no dropout: the same
-#       arithmetic; the gradients averaged before clipping), and only rank 0 prints and writes files
+#       arithmetic, but summed in another order; to 1e-4, as two epochs amplify rounding: 1.2e-5 in the ASan build),
+#       and only rank 0 prints and writes files
 #   bash tests/dist/launch.sh build/halfgrad classifier_runs
 #       2 ranks of train-classifier on CIFAR-10 files: each trains its shard and evaluates its slice of the test split,
 #       and rank 0 prints the group's figures: training images per epoch and test images as one process counts them
@@ -37,7 +38,7 @@ assert [l["event"] for l in one] == [l["event"] for l in two], ("events differ",
 for a, b in zip(one, two):
     for key in ("train_loss", "valid_loss", "lr", "test_loss"):
         if key in a:
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+            assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), (key, a[key], b[key])
 print("one process and 2 ranks agree:", [(l.get("valid_loss"), l.get("test_loss")) for l in two])
 PY
   echo "PASS: $case"
@@ -80,8 +81,10 @@ environment)
                   "rank 3 of 4 (local rank 1 of 2), rendezvous at 10.1.2.3:4567"; do
     grep -qF "this process: $expected" "$dir/info.log" || { echo "missing: $expected"; exit 1; }
   done
-  "$halfgrad" launch --nproc-per-node 2 -- launch -- info > "$dir/nested.log" 2>&1 && { echo "nested launch ran"; exit 1; }
-  grep -q "the command is itself \`launch\`" "$dir/nested.log" || { cat "$dir/nested.log"; exit 1; }
+  for other in launch sweep-classifier bench; do  # not ranks of one run: N copies of one job
+    "$halfgrad" launch --nproc-per-node 2 -- $other > "$dir/other.log" 2>&1 && { echo "launch ran $other"; exit 1; }
+    grep -q "\`$other\` does not run data-parallel" "$dir/other.log" || { cat "$dir/other.log"; exit 1; }
+  done
   echo "PASS: $case"
   ;;
 killed_rank)

@@ -10,7 +10,8 @@
 //   bad_environment   (one process) init_process_group refuses missing and malformed settings, naming them
 //   ddp_training      DistributedDataParallel on shards equals one process on the global batch (float64, 5 SGD
 //                     steps, one bucket and a bucket per parameter); the buckets, their order and launch points
-//   ddp_no_sync       gradient accumulation: no_sync keeps each rank's gradient local; the next backward reduces the sum
+//   ddp_no_sync       gradient accumulation: no_sync keeps each rank's gradient local; the next backward reduces the sum;
+//                     a backward that fails midway leaves the next one exact
 //   ddp_unused        a parameter without a gradient: an error naming it; with find_unused_parameters, zeros in its
 //                     place, and no gradient where no rank used it
 //   ddp_mismatch      ranks with different models: every rank fails at the start, naming the first difference
@@ -353,6 +354,25 @@ void ddp_no_sync() {
   cross_entropy((*reference)(xb), yb).backward();
   const double diff = max_difference(grads_of(*model), grads_of(*reference));
   require(diff < 1e-12, "the accumulated gradient differs from one process's by " + std::to_string(diff));
+
+  // A backward that fails after the last layer's gradients were reduced leaves nothing behind: the next one is exact.
+  {
+    auto layers = mlp(9);
+    auto failing = std::make_shared<nn::DistributedDataParallel>(
+        layers, pg, nn::DistributedDataParallelOptions{.bucket_cap_mb = 1e-6});
+    auto [x, y] = global_batch(5, 12);
+    Tensor hidden = (*layers)[1]->forward((*layers)[0]->forward(shard(x, r, n)));
+    hidden.register_hook([](const Tensor&) -> Tensor { throw Error("a failure inside backward"); });
+    const std::string error = error_of([&] { cross_entropy((*layers)[2]->forward(hidden), shard(y, r, n)).backward(); });
+    require(error.find("a failure inside backward") != std::string::npos, "the failing backward: " + error);
+    require(failing->last_launch_points().front() == 1, "the failed pass launched the last layer's bucket");
+    layers->zero_grad();
+    cross_entropy((*failing)(shard(x, r, n)), shard(y, r, n)).backward();
+    auto one = mlp(9);
+    cross_entropy((*one)(x), y).backward();
+    const double after = max_difference(grads_of(*layers), grads_of(*one));
+    require(after < 1e-12, "the backward after a failed one differs from one process's by " + std::to_string(after));
+  }
 }
 
 // Two heads on one input; `b` is used only where asked, `never` nowhere.
@@ -412,8 +432,8 @@ void ddp_mismatch() {
   const std::string error = error_of([&] { nn::DistributedDataParallel ddp(model, pg); });
   require(error.find("the ranks' models differ") != std::string::npos, "no mismatch error: " + error);
   if (r == 1)
-    require(error.find("rank 0 has \"parameter 0.weight float64[6, 4] cpu\" where rank 1 has \"parameter 0.weight "
-                       "float64[7, 4] cpu\"") != std::string::npos, "the error names the difference: " + error);
+    require(error.find("rank 0 has \"parameter 0.weight float64[6, 4]\" where rank 1 has \"parameter 0.weight "
+                       "float64[7, 4]\"") != std::string::npos, "the error names the difference: " + error);
   else
     require(error.find("rank 1 differs from rank 0") != std::string::npos, "the error names the rank: " + error);
 }
