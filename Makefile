@@ -99,7 +99,7 @@ ifeq ($(SANITIZE_SUBSET),ci)
   SANITIZE_EXCLUDE := $(SANITIZE_CI_EXCLUDE)
 endif
 # The CPU library, its tests and the programs they run (CMake's halfgrad_test_programs: the CLI, two benchmark
-# programs, the process-group tests' worker), under AddressSanitizer and UndefinedBehaviorSanitizer (gcc; leaks
+# programs, the process-group tests' worker, the fuzz targets' replay programs), under AddressSanitizer and UndefinedBehaviorSanitizer (gcc; leaks
 # checked too): a report fails its test. Built at -O1 with assertions on:
 # 6.8 minutes on the 2-core development machine (2026-12-02) against 15 at -O3; the whole suite then took 11.5
 # minutes, CI's subset 1.6.
