@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -46,6 +48,14 @@ constexpr size_t kMaxRequest = size_t(1) << 62;     // beyond this a request is 
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+std::atomic<bool>& caching_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* v = std::getenv("HALFGRAD_CUDA_NO_CACHING");
+    return !(v && *v && std::string(v) != "0");
+  }()};
+  return flag;
+}
+
 struct Block {
   size_t size = 0;       // rounded size of this block
   size_t requested = 0;  // what the owner asked for (while allocated)
@@ -76,16 +86,17 @@ class DeviceCache {
       std::lock_guard<std::mutex> lock(mutex_);
       throw_out_of_memory(nbytes, nbytes);
     }
-    const size_t size = round_up(nbytes, kMinBlockSize);
+    const bool cached = caching();
+    const size_t size = cached ? round_up(nbytes, kMinBlockSize) : nbytes;
     const bool small = size <= kSmallRequest;
     DeviceGuard guard(device_);
     cudaStream_t stream = current_stream(device_);
     std::lock_guard<std::mutex> lock(mutex_);
     FreeBlocks& pool = small ? small_free_ : large_free_;
 
-    Block* block = take_free(pool, stream, size);
-    if (!block) block = new_segment(size, nbytes, small, stream);
-    split(block, size, pool);
+    Block* block = cached ? take_free(pool, stream, size) : nullptr;
+    if (!block) block = new_segment(cached ? segment_size(size, small) : size, nbytes, small, stream);
+    if (cached) split(block, size, pool);
 
     block->allocated = true;
     block->requested = nbytes;
@@ -107,6 +118,14 @@ class DeviceCache {
     stats_.allocated_bytes -= block->size;
     stats_.requested_bytes -= block->requested;
     block->requested = 0;
+    if (!caching() && !block->prev && !block->next) {  // a whole segment: back to the driver at once
+      DeviceGuard guard(device_);
+      HG_CUDA_CHECK(cudaFree(block->ptr), "cuda caching allocator");
+      stats_.num_cuda_frees++;
+      stats_.reserved_bytes -= block->size;
+      delete block;
+      return;
+    }
     FreeBlocks& pool = block->small ? small_free_ : large_free_;
     // Merge with free neighbours so that the segment can be handed out whole again.
     for (Block* neighbour : {block->prev, block->next}) {
@@ -217,8 +236,11 @@ class DeviceCache {
     pool.insert(tail);
   }
 
-  Block* new_segment(size_t size, size_t requested, bool small, cudaStream_t stream) {
-    size_t segment = small ? kSmallSegment : size < kMinLargeAlloc ? kLargeSegment : round_up(size, kRoundLarge);
+  static size_t segment_size(size_t size, bool small) {
+    return small ? kSmallSegment : size < kMinLargeAlloc ? kLargeSegment : round_up(size, kRoundLarge);
+  }
+
+  Block* new_segment(size_t segment, size_t requested, bool small, cudaStream_t stream) {
     void* ptr = nullptr;
     auto over_limit = [&] { return limit_ != 0 && stats_.reserved_bytes + segment > limit_; };
     cudaError_t err = over_limit() ? cudaErrorMemoryAllocation : cudaMalloc(&ptr, segment);
@@ -391,6 +413,13 @@ size_t memory_limit(int device) {
   return caching_allocator().has(device) ? caching_allocator().cache(device, "memory_limit").limit() : 0;
 }
 
+bool caching() { return caching_flag().load(); }
+
+void set_caching(bool enabled) {
+  caching_flag().store(enabled);
+  if (!enabled) empty_cache();
+}
+
 void empty_cache() {
   int n = caching_allocator().size();
   for (int d = 0; d < n; ++d) caching_allocator().cache(d, "empty_cache").empty_cache();
@@ -410,6 +439,8 @@ void reset_peak(int) {}
 void set_memory_limit(size_t, int) { HG_FAIL("cuda::set_memory_limit: this build has no CUDA"); }
 size_t memory_limit(int) { return 0; }
 size_t device_memory(int) { HG_FAIL("cuda::device_memory: this build has no CUDA"); }
+bool caching() { return true; }
+void set_caching(bool) {}
 void empty_cache() {}
 void hold_stream_blocks(int, cudaStream_t) {}
 void release_stream_blocks(int, cudaStream_t) {}

@@ -12,6 +12,7 @@
 //     split when the rest is worth keeping; freed neighbours in a segment merge again;
 //   - when cudaMalloc fails, the cached blocks that are whole segments are released and the call retried
 //     once; a second failure throws halfgrad::OutOfMemory with the size and these statistics;
+//   - caching can be turned off (set_caching) for compute-sanitizer's memcheck;
 //   - a memory limit (set_memory_limit, as torch.cuda.set_per_process_memory_fraction) caps what is reserved: a
 //     segment that would pass it is an out-of-memory too, after the same release of the cache.
 #include <cstddef>
@@ -45,6 +46,13 @@ void set_memory_limit(size_t bytes, int device = -1);
 size_t memory_limit(int device = -1);  // 0: none
 // The device's memory in bytes (cudaMemGetInfo's total).
 size_t device_memory(int device = -1);
+// Caching on (the default) or off. Off (also HALFGRAD_CUDA_NO_CACHING=1 in the environment, as PyTorch's
+// PYTORCH_NO_CUDA_MEMORY_CACHING): every allocation is a cudaMalloc of its exact size, returned with cudaFree when
+// freed. Slow, but compute-sanitizer's memcheck then reports a kernel reading past a tensor's end, which inside a
+// cached segment lands in another block and goes unseen. Turning it off empties the cache; cuda::Graph refuses to
+// capture while it is off (a capture cannot call cudaMalloc).
+bool caching();
+void set_caching(bool enabled);
 // Returns every cached (free) whole segment of every device to the driver with cudaFree. Memory still in
 // use stays; so do free blocks that share a segment with a block in use.
 void empty_cache();

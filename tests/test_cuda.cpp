@@ -647,6 +647,31 @@ TEST_CASE("cuda: the caching allocator reuses freed blocks and keeps statistics"
   MESSAGE("allocator after empty_cache: " << cuda::memory_stats_str(0));
 }
 
+TEST_CASE("cuda: with caching off every tensor is its own cudaMalloc of its exact size, freed at once") {
+  SKIP_WITHOUT_GPU();
+  if (!cuda::caching()) return;  // HALFGRAD_CUDA_NO_CACHING is set for the whole run: the rest assumes it is not
+  cuda::synchronize();
+  cuda::set_caching(false);
+  CHECK(cuda::memory_stats(0).reserved_bytes == cuda::memory_stats(0).allocated_bytes);  // the cache was emptied
+  const cuda::MemoryStats before = cuda::memory_stats(0);
+  {
+    Tensor t = empty({4001}, {.dtype = kUInt8, .device = kGpu});  // not rounded to 512
+    const cuda::MemoryStats during = cuda::memory_stats(0);
+    CHECK(during.num_cuda_mallocs == before.num_cuda_mallocs + 1);
+    CHECK(during.reserved_bytes == before.reserved_bytes + 4001);
+    CHECK(during.allocated_bytes == before.allocated_bytes + 4001);
+    Tensor host = arange(4001, {.dtype = kFloat32});
+    CHECK((host.cuda().cpu() - host).abs().max().item<float>() == 0);  // an odd size round-trips uncached
+  }
+  const cuda::MemoryStats after = cuda::memory_stats(0);
+  CHECK(after.num_cuda_frees >= before.num_cuda_frees + 1);
+  CHECK(after.reserved_bytes == before.reserved_bytes);
+  CHECK_THROWS_WITH(cuda::Graph().capture(kGpu, [] {}), doctest::Contains("caching is off"));
+  cuda::set_caching(true);
+  { Tensor t = empty({4001}, {.dtype = kUInt8, .device = kGpu}); }
+  CHECK(cuda::memory_stats(0).reserved_bytes > cuda::memory_stats(0).allocated_bytes);  // cached again
+}
+
 TEST_CASE("cuda: running out of memory throws a catchable OutOfMemory that names the size") {
   SKIP_WITHOUT_GPU();
   const int64_t petabyte = int64_t(1) << 50;

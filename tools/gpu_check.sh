@@ -7,8 +7,9 @@
 #   bash tools/gpu_check.sh                       # sm_90 (H100/H200), into build-gpu/
 #   CUDA_ARCH=80 bash tools/gpu_check.sh          # another GPU generation
 #   SKIP_BENCH=1 bash tools/gpu_check.sh          # build and test only
-#   SANITIZE=1 bash tools/gpu_check.sh            # also the CUDA tests under compute-sanitizer memcheck
-#   SANITIZE_CASES='*batch_norm*' ...             # memcheck only the test cases matching (doctest filter)
+#   SANITIZE=1 bash tools/gpu_check.sh            # also the GPU test cases under compute-sanitizer memcheck
+#   SANITIZE=racecheck|both ...                   # racecheck instead, or both (tools/gpu_sanitize.sh)
+#   SANITIZE_CASES='*batch_norm*' ...             # only the test cases matching (doctest filter)
 #   CTEST_REGEX='cuda|CUDA' CUDA_RERUN=0 ...      # only the GPU tests, once
 #   BENCHES='bench_batch_norm' ...                # only these benchmarks (default: all six)
 #   LM_ARGS='--tf32' LM_HALFGRAD_ARGS='--rnn-loop steps' ...  # more flags for the language-model rows: both
@@ -136,16 +137,18 @@ if [[ ${CUDA_RERUN:-1} != 0 ]]; then
   [[ $cuda_rc -eq 0 ]] || failed=1
 fi
 
-# SANITIZE=1: the CUDA tests once more under compute-sanitizer's memcheck (out-of-bounds and misaligned
-# accesses), bounded to a few minutes; the >2^31-element test is left out (slow there), and so is the
-# out-of-memory test (its failing cudaMalloc is on purpose, but memcheck counts it as an error).
+# SANITIZE=1 (or memcheck, racecheck, both): the GPU test cases again under compute-sanitizer, one process a case
+# (tools/gpu_sanitize.sh says how each tool is run and why).
 if [[ -n ${SANITIZE:-} ]] && command -v compute-sanitizer >/dev/null; then
-  step "CUDA tests under compute-sanitizer memcheck"
-  timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 3 "$tests_bin" \
-    --test-case="${SANITIZE_CASES:-cuda:*}" --test-case-exclude='*2^31*,*out of memory*' >"$logs/sanitizer.log" 2>&1
-  sanitizer_rc=$?
-  grep -E 'ERROR SUMMARY|Invalid|test cases' "$logs/sanitizer.log" | head -n 20
-  summary+=("memcheck: rc $sanitizer_rc ($(grep -E 'ERROR SUMMARY' "$logs/sanitizer.log" | tail -n 1))")
+  case $SANITIZE in racecheck) sanitizer_tools=(racecheck) ;; both) sanitizer_tools=(memcheck racecheck) ;; *) sanitizer_tools=(memcheck) ;; esac
+  for tool in "${sanitizer_tools[@]}"; do
+    step "GPU test cases under compute-sanitizer $tool"
+    bash tools/gpu_sanitize.sh "$tool" "$tests_bin" "$logs/$tool" >"$logs/$tool.log" 2>&1
+    sanitizer_rc=$?
+    grep -E 'FAILED|TIMEOUT' "$logs/$tool.log" | head -n 20
+    summary+=("$tool: $(tail -n 1 "$logs/$tool.log")")
+    [[ $sanitizer_rc -eq 0 ]] || failed=1
+  done
 fi
 
 benches=" ${BENCHES:-bench_cuda bench_conv bench_batch_norm bench_optim bench_train_step bench_lm_step} "
