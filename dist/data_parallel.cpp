@@ -3,10 +3,12 @@
 #include "dist/data_parallel.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 #include "core/autograd.h"
 #include "core/error.h"
+#include "ops/copy.h"
 
 namespace halfgrad::nn {
 
@@ -47,6 +49,23 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
   return std::string(reinterpret_cast<const char*>(bytes.data<uint8_t>()), size_t(n));
 }
 
+// FNV-1a over the tensor's bytes in 8-byte words (the tail byte by byte), then its byte count.
+uint64_t content_hash(const Tensor& t) {
+  const Tensor host = t.detach().cpu().contiguous();
+  const size_t n = size_t(host.numel()) * element_size(host.dtype());
+  const auto* bytes = static_cast<const unsigned char*>(host.data_ptr());
+  constexpr uint64_t kPrime = 1099511628211ull;
+  uint64_t h = 14695981039346656037ull;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes + i, 8);
+    h = (h ^ word) * kPrime;
+  }
+  for (; i < n; ++i) h = (h ^ bytes[i]) * kPrime;
+  return (h ^ n) * kPrime;
+}
+
 }  // namespace
 
 void broadcast_from_rank0(dist::ProcessGroup& group, const TensorList& tensors) {
@@ -76,6 +95,28 @@ void broadcast_from_rank0(dist::ProcessGroup& group, const Module& module) {
   TensorList everything = module.parameters();
   for (const Tensor& b : module.buffers()) everything.push_back(b);
   broadcast_from_rank0(group, everything);
+}
+
+std::vector<std::string> replica_mismatches(dist::ProcessGroup& group, const Module& module, bool with_buffers) {
+  NamedTensors everything = module.named_parameters();
+  if (with_buffers)
+    for (auto& named : module.named_buffers()) everything.push_back(std::move(named));
+  std::vector<int64_t> hashes;
+  for (const auto& [name, t] : everything) {
+    const uint64_t h = content_hash(t);
+    int64_t as_signed;
+    std::memcpy(&as_signed, &h, 8);
+    hashes.push_back(as_signed);
+  }
+  std::vector<std::string> differ;
+  if (hashes.empty()) return differ;
+  Tensor smallest = tensor(hashes).to(group.device()), largest = smallest.clone();
+  group.all_reduce(smallest, dist::ReduceOp::Min)->wait();
+  group.all_reduce(largest, dist::ReduceOp::Max)->wait();
+  const Tensor same = smallest.eq(largest).cpu();
+  for (size_t i = 0; i < everything.size(); ++i)
+    if (!same.data<bool>()[i]) differ.push_back(everything[i].first);
+  return differ;
 }
 
 // The state the hooks share. Lives as long as the DistributedDataParallel (the hooks hold it weakly).
@@ -140,13 +181,15 @@ struct DistributedDataParallel::Reducer {
   void launch(size_t b) {
     NoGradGuard no_grad;
     Bucket& bucket = buckets[b];
+    TensorList parts, grads;  // copied in one launch a batch (copy_each_): a copy each cost ~0.8 ms a ResNet-50 step
     for (size_t k = 0; k < bucket.members.size(); ++k) {
       const Tensor& p = params[bucket.members[k]].second;
       Tensor part = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape());
       const Tensor grad = p.grad();
-      if (grad.defined()) part.copy_(grad);
+      if (grad.defined()) parts.push_back(part), grads.push_back(grad);
       else part.zero_();
     }
+    copy_each_(parts, grads);
     if (group->size() > 1) bucket.flat.mul_(1.0 / group->size());
     bucket.launch_point = ready_count;
     bucket.work = group->all_reduce(bucket.flat);
@@ -179,19 +222,20 @@ struct DistributedDataParallel::Reducer {
     NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
       bucket.work->wait();
+      TensorList grads, averages;
       for (size_t k = 0; k < bucket.members.size(); ++k) {
         const size_t i = bucket.members[k];
         const Tensor& p = params[i].second;
-        const Tensor averaged = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape());
         Tensor grad = p.grad();
-        if (grad.defined()) {
-          grad.copy_(averaged);
-        } else if (used_anywhere.defined() && used_anywhere.data<int32_t>()[i] != 0) {
-          Tensor fresh = empty_like(p);
-          fresh.copy_(averaged);
-          p.set_grad(fresh);
+        if (!grad.defined() && used_anywhere.defined() && used_anywhere.data<int32_t>()[i] != 0) {
+          grad = empty_like(p);
+          p.set_grad(grad);
         }
+        if (!grad.defined()) continue;
+        grads.push_back(grad);
+        averages.push_back(bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape()));
       }
+      copy_each_(grads, averages);
     }
   }
 };

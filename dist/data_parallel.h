@@ -50,6 +50,14 @@ namespace halfgrad::nn {
 void broadcast_from_rank0(dist::ProcessGroup& group, const TensorList& tensors);
 void broadcast_from_rank0(dist::ProcessGroup& group, const Module& module);
 
+// The names of `module`'s parameters (and its buffers, with_buffers) whose contents differ between the ranks of `group`
+// (empty: every rank holds the same, bit for bit). Each rank hashes each tensor's bytes on the host (a copy of the
+// model leaves the device), and two all-reduces compare the hashes (their smallest and largest over the ranks); every
+// rank gets the same answer. Buffers are left out by default: in training each rank's running statistics are its own
+// between forwards (DistributedDataParallel broadcasts rank 0's at the start of each). What `--check-replicas N` runs
+// every N steps, and bench's data-parallel lines once.
+std::vector<std::string> replica_mismatches(dist::ProcessGroup& group, const Module& module, bool with_buffers = false);
+
 struct DistributedDataParallelOptions {
   double bucket_cap_mb = 25;  // MiB of gradients per all-reduce (a larger parameter gets a bucket of its own)
   bool broadcast_buffers = true;

@@ -2,6 +2,9 @@
 #include "ops/copy.h"
 
 #include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
 
 #include "core/autograd.h"
 #include "ops/elementwise_math.h"
@@ -12,6 +15,7 @@ namespace halfgrad {
 
 KernelTable<CopyKernel> copy_kernel("copy");
 KernelTable<CopyKernel> transfer_kernel("transfer between devices");
+KernelTable<CopyEachKernel> copy_each_kernel("copy_each_");
 
 Tensor cast_nograd(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
@@ -96,6 +100,28 @@ Tensor Tensor::clone() const {
   return out;
 }
 
+void copy_each_(const TensorList& dst, const TensorList& src) {
+  HG_CHECK(dst.size() == src.size(), "copy_each_: {} destinations for {} sources", dst.size(), src.size());
+  NoGradGuard no_grad;
+  // The batched pairs grouped by device and dtype; the others copied one by one.
+  std::map<std::pair<std::string, int>, std::pair<TensorList, TensorList>> batched;
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const Tensor &d = dst[i], &s = src[i];
+    HG_CHECK(d.shape() == s.shape() && d.device() == s.device(), "copy_each_: pair {}: {} <- {} (each pair must "
+             "have one shape and one device)", i, d.meta(), s.meta());
+    check_inplace(d, "copy_each_");
+    if (d.numel() == 0) continue;
+    if (d.dtype() == s.dtype() && d.is_contiguous() && s.is_contiguous()) {
+      auto& [ds, ss] = batched[{d.device().str(), int(d.dtype())}];
+      ds.push_back(d);
+      ss.push_back(s);
+    } else {
+      copy_kernel[d.device()](d, s);
+    }
+  }
+  for (auto& [key, lists] : batched) copy_each_kernel[lists.first[0].device()](lists.first, lists.second);
+}
+
 namespace {
 // float16 <-> float32 between contiguous tensors of one shape (what autocast's casts are): the hardware's
 // conversion instructions, in blocks over the threads.
@@ -142,6 +168,12 @@ void copy_cpu(const Tensor& dst, const Tensor& src) {
 }
 }  // namespace
 
+// The CPU has no launches to save: a copy each.
+void copy_each_cpu(const TensorList& dst, const TensorList& src) {
+  for (size_t i = 0; i < dst.size(); ++i) copy_cpu(dst[i], src[i]);
+}
+
 HG_REGISTER_KERNEL(copy_kernel, CPU, copy_cpu);
+HG_REGISTER_KERNEL(copy_each_kernel, CPU, copy_each_cpu);
 
 }  // namespace halfgrad

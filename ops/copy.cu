@@ -1,5 +1,5 @@
-// Copies on CUDA: the dtype-converting strided copy (copy_kernel) and copies between the host and a GPU
-// or between GPUs (transfer_kernel).
+// Copies on CUDA: the dtype-converting strided copy (copy_kernel), copies between the host and a GPU or between GPUs
+// (transfer_kernel), and many contiguous copies in one launch (copy_each_kernel).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include "ops/copy.h"
 #include "ops/cuda_loops.cuh"
 #include "ops/elementwise_math.h"
+#include "ops/multi_tensor.cuh"
 
 namespace halfgrad {
 namespace {
@@ -243,9 +244,32 @@ void transfer_cuda(const Tensor& dst, const Tensor& src) {
   }
 }
 
+// ---- copy_each_kernel: contiguous pairs of one dtype, a launch per batch of them (ops/multi_tensor.cuh)
+
+// Operand 0 the source, 1 the destination; the elements move as unsigned integers of their size, so every bit pattern
+// (a NaN's payload, -0) arrives as it left.
+struct CopyEachOp {
+  static constexpr bool writes(int operand) { return operand == 1; }
+  template <typename M> __device__ void operator()(M (&r)[2], const multi_tensor::NoExtra&) const { r[1] = r[0]; }
+};
+
+void copy_each_cuda(const TensorList& dst, const TensorList& src) {
+  auto launch = [&]<typename Bits>() {
+    multi_tensor::launch_multi_tensor<Bits, 2, multi_tensor::NoExtra>(
+        "copy_each_", dst[0].device(), {&src, &dst}, [](size_t) { return multi_tensor::NoExtra{}; }, CopyEachOp{});
+  };
+  switch (element_size(dst[0].dtype())) {
+    case 1: return launch.template operator()<uint8_t>();
+    case 2: return launch.template operator()<uint16_t>();
+    case 4: return launch.template operator()<uint32_t>();
+    default: return launch.template operator()<uint64_t>();
+  }
+}
+
 }  // namespace
 
 HG_REGISTER_KERNEL(copy_kernel, CUDA, copy_cuda);
 HG_REGISTER_KERNEL(transfer_kernel, CUDA, transfer_cuda);
+HG_REGISTER_KERNEL(copy_each_kernel, CUDA, copy_each_cuda);
 
 }  // namespace halfgrad

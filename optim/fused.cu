@@ -1,5 +1,5 @@
 // The fused optimizer kernels on CUDA (optim/fused.h says what each computes), on multi-tensor apply
-// (optim/multi_tensor.cuh): a ResNet-50 step (161 tensors, 25.6M elements) is 3 launches for SGD with momentum and
+// (ops/multi_tensor.cuh): a ResNet-50 step (161 tensors, 25.6M elements) is 3 launches for SGD with momentum and
 // for Adam.
 #include <cuda_runtime.h>
 
@@ -11,7 +11,7 @@
 
 #include "core/cuda.h"
 #include "optim/fused.h"
-#include "optim/multi_tensor.cuh"
+#include "ops/multi_tensor.cuh"
 #include "optim/update_rules.h"
 
 namespace halfgrad::optim {

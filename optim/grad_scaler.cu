@@ -1,11 +1,11 @@
 // The loss scaler's kernels on CUDA: the fused unscale-and-check pass (all gradients of one dtype in a few
-// launches of multi-tensor apply, optim/multi_tensor.cuh) and the scale's update, both reading and writing the
+// launches of multi-tensor apply, ops/multi_tensor.cuh) and the scale's update, both reading and writing the
 // scaler's state on the device.
 #include <cuda_runtime.h>
 
 #include "core/cuda.h"
 #include "optim/grad_scaler.h"
-#include "optim/multi_tensor.cuh"
+#include "ops/multi_tensor.cuh"
 
 namespace halfgrad::amp {
 namespace {
@@ -17,7 +17,7 @@ struct UnscaleOp {
   float* found_inf;
   static constexpr __device__ bool writes(int) { return true; }
   template <typename M>
-  __device__ __forceinline__ void operator()(M (&r)[1], const optim::multi_tensor::NoExtra&) const {
+  __device__ __forceinline__ void operator()(M (&r)[1], const multi_tensor::NoExtra&) const {
     r[0] = r[0] * M(1.0f / __ldg(scale));
     if (!isfinite(r[0])) *found_inf = 1.0f;
   }
@@ -32,8 +32,8 @@ void unscale_cuda(const TensorList& grads, const Tensor& scale, const Tensor& fo
     g.storage()->bump_version();
   }
   dispatch_floating(grads[0].dtype(), "unscale_", [&]<typename T>() {
-    optim::multi_tensor::launch_multi_tensor<T, 1, optim::multi_tensor::NoExtra>(
-        "unscale_", device, {&grads}, [](size_t) { return optim::multi_tensor::NoExtra{}; },
+    multi_tensor::launch_multi_tensor<T, 1, multi_tensor::NoExtra>(
+        "unscale_", device, {&grads}, [](size_t) { return multi_tensor::NoExtra{}; },
         UnscaleOp{scale.data<float>(), found_inf.data<float>()});
   });
 }

@@ -285,6 +285,29 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
               "float16 + bfloat16 -> float32");
 }
 
+TEST_CASE("cuda: copy_each_ copies many tensors bit for bit in batched launches, and casts and strided pairs too") {
+  SKIP_WITHOUT_GPU();
+  const DType dtypes[] = {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool};
+  TensorList src, dst;
+  for (int i = 0; i < 200; ++i) {  // more tensors than one launch's batch holds
+    const DType dtype = dtypes[i % 8];
+    const int64_t n = 1 + (i * 37) % 5000 + (i == 7 ? 100000 : 0);  // one of several chunks
+    src.push_back((randn({n}) * 100).to(dtype).cuda());
+    // Every third destination starts one element into its storage: not 16-byte aligned, the one-element path.
+    Tensor d = empty({n + 1}, {.dtype = dtype, .device = kGpu});
+    dst.push_back(i % 3 == 0 ? d.narrow(0, 1, n) : d.narrow(0, 0, n));
+  }
+  src.push_back(randn({6, 5}).cuda());
+  dst.push_back(empty({6, 5}, {.dtype = kFloat16, .device = kGpu}));  // a cast
+  src.push_back(randn({5, 6}).cuda().t());
+  dst.push_back(empty({6, 5}, {.device = kGpu}));  // a transposed source
+  copy_each_(dst, src);
+  for (size_t i = 0; i < src.size(); ++i) {
+    CAPTURE(i);
+    CHECK(testing::values(dst[i].cpu()) == testing::values(src[i].to(dst[i].dtype()).cpu()));
+  }
+}
+
 TEST_CASE("cuda: where, clamp and fill match the CPU") {
   SKIP_WITHOUT_GPU();
   manual_seed(14);

@@ -148,6 +148,21 @@ TEST_CASE("a copy within one dtype keeps every bit, NaN payloads and signed zero
   CHECK(bits_of(back) == bits);
 }
 
+TEST_CASE("copy_each_ copies every pair as copy_ does: casts, strides, empty tensors; a mismatched pair is an error") {
+  TensorList src = {randn({3, 4}), randn({5}).to(kFloat16), randn({2, 3}).t(), randint(0, 9, {7}), randn({0}),
+                    randn({4})};
+  TensorList dst = {empty({3, 4}), empty({5}, {.dtype = kFloat16}), empty({3, 2}), empty({7}, {.dtype = kInt64}),
+                    empty({0}), empty({4}, {.dtype = kFloat64})};  // a transposed source; a cast
+  copy_each_(dst, src);
+  for (size_t i = 0; i < src.size(); ++i) {
+    CAPTURE(i);
+    CHECK(values(dst[i]) == values(src[i].to(dst[i].dtype())));
+  }
+  CHECK_THROWS_WITH(copy_each_({empty({2}), empty({2})}, {empty({2}), empty({3})}),
+                    doctest::Contains("copy_each_: pair 1: float32[2] cpu <- float32[3] cpu"));
+  CHECK_THROWS_WITH(copy_each_({empty({2})}, {}), doctest::Contains("copy_each_: 1 destinations for 0 sources"));
+}
+
 TEST_CASE("scalar operands on either side") {
   Tensor x = tensor(std::vector<double>{1, 2, 4});
   CHECK(values(x + 1) == std::vector<double>{2, 3, 5});

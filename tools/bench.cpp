@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -19,6 +20,7 @@
 #include "core/cuda_allocator.h"
 #include "core/cuda_graph.h"
 #include "core/version.h"
+#include "dist/data_parallel.h"
 #include "halfgrad.h"
 #include "models/classifiers.h"
 #include "models/language_model.h"
@@ -121,11 +123,17 @@ void synchronize(Device device) {
   if (device.is_cuda()) cuda::synchronize(device.index);
 }
 
-// The time of each of `steps` steps after `warmup`: between two CUDA events on the device (steps are not synchronized
-// one by one, so a step is timed by its kernels when the host keeps ahead and by the host when it does not), by the
-// wall clock on the CPU.
-std::vector<double> time_each_step(const std::function<void()>& step, const Settings& s) {
-  for (int i = 0; i < s.warmup; ++i) step();
+// The time of each of `steps` runs of `timed` after `warmup`: between two CUDA events on the device (runs are not
+// synchronized one by one, so a run is timed by its kernels when the host keeps ahead and by the host when it does
+// not), by the wall clock on the CPU. `before` and `after` (optional) run around each, untimed.
+std::vector<double> time_each(const std::function<void()>& timed, const Settings& s,
+                              const std::function<void()>& before = {}, const std::function<void()>& after = {}) {
+  auto run = [&] {
+    if (before) before();
+    timed();
+    if (after) after();
+  };
+  for (int i = 0; i < s.warmup; ++i) run();
   synchronize(s.device);
   std::vector<double> ms(size_t(s.steps));
 #if HALFGRAD_WITH_CUDA
@@ -137,9 +145,11 @@ std::vector<double> time_each_step(const std::function<void()>& step, const Sett
     std::vector<cudaEvent_t> events(size_t(2 * s.steps));
     for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
     for (int i = 0; i < s.steps; ++i) {
+      if (before) before();
       check(cudaEventRecord(events[size_t(2 * i)], stream), "cudaEventRecord");
-      step();
+      timed();
       check(cudaEventRecord(events[size_t(2 * i + 1)], stream), "cudaEventRecord");
+      if (after) after();
     }
     synchronize(s.device);
     for (int i = 0; i < s.steps; ++i) {
@@ -152,9 +162,11 @@ std::vector<double> time_each_step(const std::function<void()>& step, const Sett
   }
 #endif
   for (int i = 0; i < s.steps; ++i) {
+    if (before) before();
     const auto t0 = std::chrono::steady_clock::now();
-    step();
+    timed();
     ms[size_t(i)] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (after) after();
   }
   return ms;
 }
@@ -165,13 +177,38 @@ json spread(std::vector<double> ms) {
   return {{"median", at(0.5)}, {"min", ms.front()}, {"p10", at(0.1)}, {"p90", at(0.9)}, {"max", ms.back()}};
 }
 
-// A training step on synthetic data, with everything it needs alive as long as it is.
+// A training step on synthetic data in its three parts, with everything they need alive as long as it is. The step:
+// backward(forward()), then update() (clipping, the optimizer step, zero_grad, the recurrent state carried on).
 struct Workload {
-  std::function<void()> step;
-  double items = 0;          // images or tokens a step
+  std::function<Tensor()> forward;                  // the loss
+  std::function<void(const Tensor&)> backward;
+  std::function<void()> update;
+  std::function<void()> zero_grad;
+  double items = 0;          // images or tokens a step (this rank's)
   const char* unit = "";     // "images_per_second" or "tokens_per_second"
+  std::shared_ptr<nn::DistributedDataParallel> ddp;  // data parallel: the wrapper whose hooks reduce the gradients
+  std::shared_ptr<nn::Module> model;                 // what replica_mismatches compares
   std::shared_ptr<void> owner;
+
+  void step() const {
+    backward(forward());
+    update();
+  }
 };
+
+// Data parallel: rank 0's weights on every rank, before O2 copies them into its float32 masters.
+void broadcast_weights(const Settings& s, nn::Module& model) {
+  if (s.group) nn::broadcast_from_rank0(*s.group, model);
+}
+
+// Data parallel: the wrapper (after amp::initialize, so that it holds the tensors the level trains: O2's half model)
+// and the loss scaler's overflow agreed on by the ranks; null for one process.
+std::shared_ptr<nn::DistributedDataParallel> wrap(const Settings& s, const std::shared_ptr<nn::Module>& model,
+                                                  amp::Amp& amp) {
+  if (!s.group) return nullptr;
+  amp.scaler().set_process_group(s.group);
+  return std::make_shared<nn::DistributedDataParallel>(model, s.group);
+}
 
 Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
   struct State {
@@ -186,21 +223,30 @@ Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
   st->model = models::image_classifier(c.model);
   st->model->to(s.device);
   st->model->train();
+  broadcast_weights(s, *st->model);
   st->sgd = std::make_unique<optim::SGD>(st->model->parameters(),
                                          optim::SGDOptions{.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
   st->amp = std::make_unique<amp::Amp>(amp::initialize(*st->model, *st->sgd, p.level, {.half_dtype = p.half}));
+  const int rank = s.group ? s.group->rank() : 0;
+  manual_seed(uint64_t(1 + rank));  // each rank its own batch
   st->x = randn({batch, 3, 32, 32}, {.device = s.device});
   if (s.channels_last && s.device.is_cuda()) st->x = contiguous_channels_last(st->x);
   st->y = randint(0, 10, {batch}, {.dtype = kInt64, .device = s.device});
+  Workload w{.items = double(batch), .unit = "images_per_second", .ddp = wrap(s, st->model, *st->amp),
+             .model = st->model, .owner = st};
   State* raw = st.get();
-  auto step = [raw] {
-    Tensor logits = raw->amp->forward(*raw->model, raw->x);
-    Tensor loss = raw->amp->loss([&] { return cross_entropy(logits, raw->y); });
-    raw->amp->backward(loss);
+  nn::Module* trained = w.ddp ? static_cast<nn::Module*>(w.ddp.get()) : st->model.get();
+  w.forward = [raw, trained] {
+    Tensor logits = raw->amp->forward(*trained, raw->x);
+    return raw->amp->loss([&] { return cross_entropy(logits, raw->y); });
+  };
+  w.backward = [raw](const Tensor& loss) { raw->amp->backward(loss); };
+  w.update = [raw] {
     raw->amp->step();
     raw->amp->zero_grad();
   };
-  return {step, double(batch), "images_per_second", st};
+  w.zero_grad = [raw] { raw->amp->zero_grad(); };
+  return w;
 }
 
 Workload language_model_workload(const Case& c, const Settings& s, int64_t batch) {
@@ -208,43 +254,96 @@ Workload language_model_workload(const Case& c, const Settings& s, int64_t batch
   HG_CHECK(shape.has_value(), "bench: \"{}\" is not a language model (\"lstm-650x2\": lstm, gru, rnn_tanh or rnn_relu, "
            "hidden size x layers)", c.model);
   struct State {
-    std::unique_ptr<models::LanguageModel> model;
+    std::shared_ptr<models::LanguageModel> model;
     std::unique_ptr<optim::SGD> sgd;
     std::unique_ptr<amp::Amp> amp;
-    Tensor input, target, h, cell;
+    Tensor input, target, h, cell, next_h, next_cell;
   };
   auto st = std::make_shared<State>();
   const Precision p = precision_of(c.precision);
   manual_seed(0);
-  st->model = std::make_unique<models::LanguageModel>(
+  st->model = std::make_shared<models::LanguageModel>(
       s.vocab, models::LanguageModelOptions{.kind = shape->kind, .embedding_size = shape->hidden,
                                             .hidden_size = shape->hidden, .num_layers = shape->layers});
   st->model->to(s.device);
   st->model->train();
+  broadcast_weights(s, *st->model);
   st->sgd = std::make_unique<optim::SGD>(st->model->parameters(), optim::SGDOptions{.lr = 20});
   st->amp = std::make_unique<amp::Amp>(amp::initialize(*st->model, *st->sgd, p.level, {.half_dtype = p.half}));
+  const int rank = s.group ? s.group->rank() : 0;
+  manual_seed(uint64_t(1 + rank));  // each rank its own tokens
   st->input = randint(0, s.vocab, {s.bptt, batch}, {.dtype = kInt64, .device = s.device});
   st->target = randint(0, s.vocab, {s.bptt * batch}, {.dtype = kInt64, .device = s.device});
   st->h = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
   if (shape->kind == nn::RecurrentKind::LSTM) st->cell = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
+  // The wrapper's hooks reduce the gradients; the steps call the model's own features (it takes the recurrent state),
+  // as train-lm does.
+  Workload w{.items = double(s.bptt * batch), .unit = "tokens_per_second", .ddp = wrap(s, st->model, *st->amp),
+             .model = st->model, .owner = st};
   State* raw = st.get();
-  // The state carried in place from step to step (as train-lm --cuda-graph does), detached by NoGradGuard's copy.
-  auto step = [raw] {
+  w.forward = [raw] {
     auto out = raw->amp->run([&] { return raw->model->features(raw->input, raw->h, raw->cell); });
-    Tensor loss = raw->amp->loss([&] { return raw->model->loss(out.features, raw->target); });
-    raw->amp->backward(loss);
+    raw->next_h = out.h, raw->next_cell = out.c;
+    return raw->amp->loss([&] { return raw->model->loss(out.features, raw->target); });
+  };
+  w.backward = [raw](const Tensor& loss) { raw->amp->backward(loss); };
+  // The state carried in place from step to step (as train-lm --cuda-graph does), detached by NoGradGuard's copy.
+  w.update = [raw] {
     raw->amp->clip_grad_norm_(0.25);
     raw->amp->step();
     raw->amp->zero_grad();
     NoGradGuard no_grad;
-    raw->h.copy_(out.h);
-    if (raw->cell.defined()) raw->cell.copy_(out.c);
+    raw->h.copy_(raw->next_h);
+    if (raw->cell.defined()) raw->cell.copy_(raw->next_cell);
   };
-  return {step, double(s.bptt * batch), "tokens_per_second", st};
+  w.zero_grad = [raw] { raw->amp->zero_grad(); };
+  return w;
 }
 
 Workload workload(const Case& c, const Settings& s, int64_t batch) {
   return c.suite == "lm" ? language_model_workload(c, s, batch) : classifier_workload(c, s, batch);
+}
+
+double median_of(std::vector<double> ms) { return spread(std::move(ms))["median"].get<double>(); }
+
+// Data parallel: how much of the gradients' communication backward hides, and whether the ranks still agree (the
+// figures tools/bench.h lists). No optimizer step runs here, so the replicas stay as the timed steps left them.
+void measure_data_parallel(const Workload& w, const Settings& s, json& line) {
+  line["replicas_agree"] = true;
+  const std::vector<std::string> differ = nn::replica_mismatches(*s.group, *w.model);
+  if (!differ.empty()) line["replicas_agree"] = false, line["replicas_differ"] = differ;
+
+  Tensor loss;
+  auto forward = [&] { loss = w.forward(); };
+  auto backward = [&] { w.backward(loss); };
+  const double with_communication = median_of(time_each(backward, s, forward, w.zero_grad));
+  const double without = median_of(time_each(
+      [&] {
+        auto no_sync = w.ddp->no_sync();
+        w.backward(loss);
+      },
+      s, forward, w.zero_grad));
+  // The buckets' all-reduces alone, on tensors of the buckets' sizes and dtypes.
+  std::map<std::string, Tensor> parameters;
+  for (auto& [name, p] : w.ddp->module().named_parameters()) parameters[name] = p;
+  std::vector<Tensor> buckets;
+  for (const auto& names : w.ddp->bucket_parameter_names()) {
+    int64_t numel = 0;
+    for (const std::string& name : names) numel += parameters.at(name).numel();
+    const Tensor& first = parameters.at(names.front());
+    buckets.push_back(randn({numel}, {.device = s.device}).to(first.dtype()));
+  }
+  const double all_reduce = median_of(time_each(
+      [&] {
+        std::vector<std::shared_ptr<dist::Work>> works;
+        for (Tensor& b : buckets) works.push_back(s.group->all_reduce(b));
+        for (auto& work : works) work->wait();
+      },
+      s));
+  const double hidden = all_reduce > 0 ? (without + all_reduce - with_communication) / all_reduce : 1.0;
+  line["overlap"] = {{"backward_ms", with_communication}, {"backward_no_sync_ms", without},
+                     {"all_reduce_ms", all_reduce}, {"hidden", std::clamp(hidden, 0.0, 1.0)},
+                     {"buckets", buckets.size()}};
 }
 
 void measure(const Case& c, const Settings& s, json& line) {
@@ -256,15 +355,19 @@ void measure(const Case& c, const Settings& s, json& line) {
     cuda::reset_peak(s.device.index);
   }
   std::unique_ptr<cuda::CapturedStep> captured;
-  if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(s.device, w.step, 2);
-  const std::vector<double> ms = time_each_step(captured ? std::function<void()>([&] { (*captured)(); }) : w.step, s);
+  if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(s.device, [&] { w.step(); }, 2);
+  const std::vector<double> ms = time_each(captured ? std::function<void()>([&] { (*captured)(); })
+                                                    : std::function<void()>([&] { w.step(); }),
+                                           s);
+  const int ranks = s.group ? s.group->size() : 1;
   line["ms"] = spread(ms);
-  line[w.unit] = w.items / (line["ms"]["median"].get<double>() * 1e-3);
+  line[w.unit] = w.items * ranks / (line["ms"]["median"].get<double>() * 1e-3);
   if (s.device.is_cuda()) {
     const cuda::MemoryStats m = cuda::memory_stats(s.device.index);
     line["peak_allocated_bytes"] = m.peak_allocated_bytes;
     line["peak_reserved_bytes"] = m.peak_reserved_bytes;
   }
+  if (s.group) measure_data_parallel(w, s, line);
 }
 
 // Whether two training steps at `batch` fit; the step's tensors are gone when it returns. Out of memory: no. Another
@@ -354,6 +457,14 @@ void check_case(const Case& c, const Settings& s) {
   }
   HG_CHECK(c.suite != "max-batch" || s.device.is_cuda(), "bench max-batch: the search needs a CUDA device (memory "
            "budgets are the CUDA allocator's), got {}", s.device.str());
+  if (s.group) {
+    HG_CHECK(c.suite != "max-batch" && s.epochs == 0, "bench {}: under halfgrad launch the suites time data-parallel "
+             "steps; {} runs one process (leave out launch)", c.suite, c.suite == "max-batch" ? "max-batch" : "--epochs");
+    HG_CHECK(!s.cuda_graph, "bench {}: --cuda-graph is not available with data parallelism yet (the gradients' "
+             "all-reduces are launched from the host during backward)", c.suite);
+    HG_CHECK(s.group->device() == s.device, "bench {}: the steps run on {}, but the {} group's collectives take "
+             "tensors on {}", c.suite, s.device.str(), s.group->backend(), s.group->device().str());
+  }
 }
 
 // Accuracy: the classifier trained as sweep-classifier trains it, one row.
@@ -453,6 +564,7 @@ json run_case(const Case& c, const Settings& s) {
                {"batch", c.batch}, {"dataset", dataset_of(c, s)}};
   line.update(environment(s));
   line["cuda_graph"] = s.cuda_graph;
+  if (s.group) line["world_size"] = s.group->size(), line["global_batch"] = c.batch * s.group->size();
   line["out_of_memory"] = false;
   if (trains) {
     line["data_dir"] = s.data_dir;

@@ -20,6 +20,15 @@
 // Memory: the caching allocator's peaks (allocated and reserved) over the timed steps, after a first step.
 // A configuration that runs out of memory is a line saying so ("out_of_memory": true), never the end of the run.
 //
+// Data parallel (Settings::group, set when `halfgrad launch` starts the bench: one process per GPU): vgg, resnet and lm
+// time the step of nn::DistributedDataParallel around the model, `batch` a rank (so the line's throughput is the
+// group's, world_size x batch a step), and the line adds "world_size", "global_batch", "replicas_agree" (the ranks'
+// parameters equal bit for bit after the timed steps, nn::replica_mismatches; "replicas_differ" names those that are
+// not) and "overlap": the medians of backward with the gradients' all-reduces ("backward_ms"), of
+// backward under no_sync ("backward_no_sync_ms"), of the buckets' all-reduces alone ("all_reduce_ms"), and the share
+// of the all-reduces that backward hid ("hidden": (no_sync + all_reduce - backward) / all_reduce, clamped to 0..1).
+// Rank 0 writes the lines. Not with max-batch, --epochs, --cuda-graph or --with-pytorch.
+//
 // Accuracy (Settings::epochs > 0): each configuration of vgg, resnet and lm trains instead, on real data, as the
 // training commands do (train/loops.h): an image classifier `epochs` epochs on the CIFAR-10 files in data_dir with
 // sweep-classifier's recipe (SGD, one-cycle lr 0.1, weight decay 5e-4, pad-4 crops and flips); a language model on
@@ -29,12 +38,17 @@
 // which includes the autotuning) and the peak allocated memory. max-batch does not train.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+
+namespace halfgrad::dist {
+class ProcessGroup;
+}
 
 namespace halfgrad::bench {
 
@@ -61,6 +75,7 @@ struct Settings {
   std::string data_dir{};      // with epochs: the CIFAR-10 folder; for lm a WikiText-2 folder (empty: the shipped one)
   uint64_t seed = 0;           // with epochs: the runs' seed (initial weights, shuffling, augmentation, dropout)
   int workers = 4;             // with epochs: image loading threads
+  std::shared_ptr<dist::ProcessGroup> group{};  // data parallel: this process is a rank of it (above); null: one process
 };
 
 // What a suite runs, in order. models / precisions / batches, when not empty, replace the suite's own lists (each

@@ -501,6 +501,13 @@ int run_bench(BenchArgs a) {
   HG_CHECK(a.settings.device.is_cpu() || cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible",
            a.device);
   const std::vector<bench::Case> cases = bench::suite_cases(a.suite, a.models, a.precisions, a.batches);
+  a.settings.group = cli::join_launched_group(a.settings.device, "bench");
+  const bool rank0 = !a.settings.group || a.settings.group->rank() == 0;
+  if (a.settings.group) {
+    HG_CHECK(!a.with_pytorch, "bench: --with-pytorch is not available under halfgrad launch (PyTorch's side runs one "
+             "process); run it without launch");
+    if (!rank0) a.out.clear();  // rank 0 writes the lines
+  }
   std::ofstream out;
   if (!a.out.empty()) {
     out.open(a.out, std::ios::app);
@@ -520,6 +527,7 @@ int run_bench(BenchArgs a) {
         }
       },
       [&](size_t done, size_t total, const bench::Case& c) {
+        if (!rank0) return;
         fmt::print(stderr, "{}bench {}: [{}/{}] {} {} batch {}{}", tty ? "\r\033[K" : "", c.suite, done + 1, total,
                    c.model, c.precision, c.batch, tty ? "" : "\n");
         std::fflush(stderr);
@@ -619,6 +627,9 @@ int main(int argc, char** argv) {
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
   add_progress_seconds(tc, train_args.config.progress_seconds);
+  tc->add_option("--check-replicas", train_args.config.check_replicas_every, "under halfgrad launch: every N steps the "
+                 "ranks compare their weights and stop with an error naming any that differ (0: never)")
+      ->check(integer_in<int64_t>(0))->capture_default_str();
   tc->callback([&] {
     stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
@@ -685,6 +696,9 @@ int main(int argc, char** argv) {
                  "epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   tl->add_flag("--dry-run", lm.dry_run, "one training batch per epoch: check that the code and the model run "
                "(main.py's --dry-run)");
+  tl->add_option("--check-replicas", lm.check_replicas_every, "under halfgrad launch: every N steps the ranks compare "
+                 "their weights and stop with an error naming any that differ (0: never)")
+      ->check(integer_in<int64_t>(0))->capture_default_str();
   tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                "(the last, shorter window of an epoch runs eagerly)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");

@@ -51,10 +51,11 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& command) {
            "(--nnodes {})", o.node_rank, o.nnodes - 1, o.nnodes);
   HG_CHECK(o.master_port >= 1 && o.master_port <= 65535, "launch: --master-port must be in 1..65535, got {}",
            o.master_port);
-  // The commands that run as ranks of one run; others (sweep-classifier, bench) would be N copies of one job.
-  HG_CHECK(command[0] == "train-classifier" || command[0] == "train-lm" || command[0] == "info", "launch: `{}` does "
-           "not run data-parallel; the ranks run train-classifier or train-lm (or info, to see the ranks' settings)",
-           command[0]);
+  // The commands that run as ranks of one run (bench: its timed suites, data-parallel); others (sweep-classifier,
+  // generate) would be N copies of one job.
+  HG_CHECK(command[0] == "train-classifier" || command[0] == "train-lm" || command[0] == "bench" ||
+           command[0] == "info", "launch: `{}` does not run data-parallel; the ranks run train-classifier, train-lm or "
+           "bench (or info, to see the ranks' settings)", command[0]);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const int world = o.nproc_per_node * o.nnodes;
 

@@ -55,13 +55,36 @@ data::ImageDataset slice_for_rank(data::ImageDataset d, int rank, int size) {
 }
 
 // What a data-parallel run needs of its group, checked before anything trains.
-void check_group(const dist::ProcessGroup* group, Device device, bool cuda_graph, const char* command) {
+void check_group(const dist::ProcessGroup* group, Device device, bool cuda_graph, int64_t check_replicas_every,
+                 const char* command) {
+  HG_CHECK(check_replicas_every >= 0, "{}: check_replicas_every must be >= 0 (0: never), got {}", command,
+           check_replicas_every);
+  HG_CHECK(group || check_replicas_every == 0, "{}: --check-replicas compares the ranks of a data-parallel run; start "
+           "this one with `halfgrad launch`, or leave the option out", command);
   if (!group) return;
   HG_CHECK(group->device() == device, "{}: the model is on {}, but the {} group's collectives take tensors on {} (a "
            "CUDA run of rank r uses cuda:LOCAL_RANK and the nccl backend; a CPU run the gloo backend)", command,
            device.str(), group->backend(), group->device().str());
   HG_CHECK(!cuda_graph, "{}: --cuda-graph is not available with data parallelism yet: the gradients' all-reduce is "
            "launched from the host during backward, which a replayed graph would skip", command);
+}
+
+// `stop`, and every `every` steps (data parallel, every > 0) the ranks' models compared: an error naming the tensors
+// that differ (every rank gets the same list, so every rank stops).
+std::function<bool()> checking_replicas(std::function<bool()> stop, dist::ProcessGroup* group, const nn::Module& model,
+                                        int64_t every, const char* command) {
+  if (!group || every == 0) return stop;
+  return [stop = std::move(stop), group, &model, every, command, steps = int64_t(0)]() mutable {
+    if (++steps % every == 0) {
+      const std::vector<std::string> differ = nn::replica_mismatches(*group, model);
+      const size_t shown = std::min<size_t>(differ.size(), 5);
+      HG_CHECK(differ.empty(), "{}: after step {} of this run the ranks' models differ in {} of their tensors ({}{}); "
+               "data-parallel replicas must stay equal (--check-replicas {})", command, steps, differ.size(),
+               fmt::join(differ.begin(), differ.begin() + std::ptrdiff_t(shown), ", "),
+               differ.size() > shown ? ", ..." : "", every);
+    }
+    return stop();
+  };
 }
 
 // `values` summed over the group's ranks in one all-reduce (float64); themselves without a group.
@@ -351,7 +374,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-classifier: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
-  check_group(c.group.get(), c.device, c.cuda_graph, "train-classifier");
+  check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-classifier");
   const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const bool cifar10 = c.dataset == "cifar10";
   const float(&mean)[3] = cifar10 ? data::kCifar10Mean : data::kCifar100Mean;
@@ -445,7 +468,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     }
   }
   int64_t skipped_before = amp.scaler().skipped_steps();
-  const std::function<bool()> stop = agreed_stop(c.group.get());
+  const std::function<bool()> stop = checking_replicas(agreed_stop(c.group.get()), c.group.get(), *model,
+                                                       c.check_replicas_every, "train-classifier");
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
@@ -675,7 +699,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-lm: --train-checkpoint");
   HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
            c.device.str());
-  check_group(c.group.get(), c.device, c.cuda_graph, "train-lm");
+  check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-lm");
   const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
   const data::Corpus corpus =
@@ -788,7 +812,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
         (*captured)();
         return window_loss;
       });
-  const std::function<bool()> stop = agreed_stop(c.group.get());
+  const std::function<bool()> stop = checking_replicas(agreed_stop(c.group.get()), c.group.get(), model,
+                                                       c.check_replicas_every, "train-lm");
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     LanguageModelEpochStats s{.epoch = epoch, .lr = lr};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);

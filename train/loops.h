@@ -199,6 +199,9 @@ struct ClassifierConfig {
   // split; the epoch's figures are the group's (images per second: all ranks'). Only rank 0 writes train_checkpoint,
   // at the end of each epoch (an interrupted epoch is trained again on --resume). Null: one process.
   std::shared_ptr<dist::ProcessGroup> group{};
+  // Data parallel: every this many steps the ranks compare their parameters and buffers (nn::replica_mismatches, a
+  // copy of the model to the host) and the run stops with an error naming those that differ. 0: never.
+  int64_t check_replicas_every = 0;
 };
 
 struct EpochStats {
@@ -304,6 +307,7 @@ struct LanguageModelConfig {
   // checkpoint and train_checkpoint, at the end of each epoch (an interrupted epoch is trained again on --resume).
   // Null: one process.
   std::shared_ptr<dist::ProcessGroup> group{};
+  int64_t check_replicas_every = 0;  // as ClassifierConfig's
 };
 
 struct LanguageModelEpochStats {

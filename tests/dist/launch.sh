@@ -10,6 +10,10 @@
 #       and rank 0 prints the group's figures: training images per epoch and test images as one process counts them
 #   bash tests/dist/launch.sh build/halfgrad environment
 #       the second node of two, 2 ranks each: every rank is told its place (RANK, LOCAL_RANK, WORLD_SIZE, ...)
+#   bash tests/dist/launch.sh build/halfgrad bench_data_parallel
+#       2 ranks of bench lm and bench resnet on the CPU: rank 0 writes one line per configuration with the group's
+#       throughput, the replicas found equal, and the overlap figures; --check-replicas in a 2-rank train-lm, and
+#       refused without launch
 #   bash tests/dist/launch.sh build/halfgrad killed_rank
 #       a rank killed mid-run: the launcher names it, stops the other within its grace period and fails
 set -uo pipefail
@@ -81,10 +85,40 @@ environment)
                   "rank 3 of 4 (local rank 1 of 2), rendezvous at 10.1.2.3:4567"; do
     grep -qF "this process: $expected" "$dir/info.log" || { echo "missing: $expected"; exit 1; }
   done
-  for other in launch sweep-classifier bench; do  # not ranks of one run: N copies of one job
+  for other in launch sweep-classifier generate; do  # not ranks of one run: N copies of one job
     "$halfgrad" launch --nproc-per-node 2 -- $other > "$dir/other.log" 2>&1 && { echo "launch ran $other"; exit 1; }
     grep -q "\`$other\` does not run data-parallel" "$dir/other.log" || { cat "$dir/other.log"; exit 1; }
   done
+  echo "PASS: $case"
+  ;;
+bench_data_parallel)
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" -- bench lm --models lstm-8x1 --precisions fp32 \
+    --batch 4 --device cpu --vocab 50 --bptt 5 --steps 3 --warmup 1 --out "$dir/lines.jsonl" > "$dir/lm.log" 2>&1 ||
+    { cat "$dir/lm.log"; exit 1; }
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" -- bench resnet --models resnet18 --precisions fp32 \
+    --batch 2 --device cpu --steps 2 --warmup 1 --out "$dir/lines.jsonl" > "$dir/resnet.log" 2>&1 ||
+    { cat "$dir/resnet.log"; exit 1; }
+  cat "$dir/lines.jsonl"
+  python3 - "$dir/lines.jsonl" <<'PY' || exit 1
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert [l["suite"] for l in lines] == ["lm", "resnet"], "rank 0 alone writes, a line per configuration: %s" % lines
+for l, items, unit in ((lines[0], 5 * 4, "tokens_per_second"), (lines[1], 2, "images_per_second")):
+    assert l["world_size"] == 2 and l["global_batch"] == 2 * l["batch"], l
+    assert l["replicas_agree"] is True and "replicas_differ" not in l, l
+    # the group's throughput: both ranks' items a step
+    assert abs(l[unit] - 2 * items / (l["ms"]["median"] / 1e3)) <= 1e-9 * l[unit], (l[unit], l["ms"])
+    o = l["overlap"]
+    assert o["buckets"] >= 1 and 0 <= o["hidden"] <= 1, o
+    for key in ("backward_ms", "backward_no_sync_ms", "all_reduce_ms"):
+        assert o[key] > 0, (key, o)
+print("data-parallel bench lines:", [(l["suite"], l["overlap"]) for l in lines])
+PY
+  "$halfgrad" launch --nproc-per-node 2 --master-port "$port" -- "${lm[@]}" --epochs 1 --batch-size 4 \
+    --check-replicas 2 > "$dir/checked.log" 2>&1 || { cat "$dir/checked.log"; exit 1; }
+  "$halfgrad" "${lm[@]}" --epochs 1 --batch-size 4 --check-replicas 2 > "$dir/alone.log" 2>&1 &&
+    { echo "--check-replicas ran without launch"; exit 1; }
+  grep -q "check-replicas compares the ranks of a data-parallel run" "$dir/alone.log" || { cat "$dir/alone.log"; exit 1; }
   echo "PASS: $case"
   ;;
 killed_rank)

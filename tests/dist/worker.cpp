@@ -17,6 +17,9 @@
 //   ddp_mismatch      ranks with different models: every rank fails at the start, naming the first difference
 //   ddp_half          a float16 model: its gradients reduced in float16, the mean of the ranks' own gradients
 //   scaler_agrees     GradScaler with the group: one rank's overflow makes every rank skip the step and back off
+//   replicas          replica_mismatches: none for equal models; with one element one ulp off on the last rank, every
+//                     rank names exactly that parameter; a buffer changed on rank 0 is named only with_buffers (nccl:
+//                     one rank, nothing differs)
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -487,6 +490,44 @@ void scaler_agrees() {
   require(values(w) == std::vector<double>{0, 0, 0}, "the clean step did not move the weights");
 }
 
+void replicas() {
+  auto pg = test_group(std::chrono::seconds(30));
+  const int r = pg->rank(), n = pg->size();
+  g_rank = r;
+  g_device = pg->device();
+  auto model = nn::sequential({std::make_shared<nn::Linear>(4, 6), std::make_shared<nn::BatchNorm2d>(6)});
+  manual_seed(5);  // the same values on every rank
+  for (Tensor p : model->parameters()) {
+    NoGradGuard no_grad;
+    p.copy_(randn(p.shape()));
+  }
+  model->to(g_device);
+  require(nn::replica_mismatches(*pg, *model, true).empty(), "equal models were found to differ");
+  if (n == 1) return;
+  {
+    NoGradGuard no_grad;
+    Tensor bias = model->named_parameters()[1].second;  // "0.bias"
+    if (r == n - 1) {
+      Tensor host = bias.cpu();
+      host.data<float>()[2] = std::nextafter(host.data<float>()[2], 1e30f);
+      bias.copy_(host.to(g_device));
+    }
+  }
+  const std::vector<std::string> differ = nn::replica_mismatches(*pg, *model);
+  require(differ == std::vector<std::string>{"0.bias"},
+          "one ulp in 0.bias: found " + std::to_string(differ.size()) + " names, the first " +
+              (differ.empty() ? std::string("none") : differ[0]));
+  {
+    NoGradGuard no_grad;
+    nn::broadcast_from_rank0(*pg, *model);  // equal again
+    if (r == 0) model->named_buffers()[0].second.fill_(1.5);  // a running mean
+  }
+  require(nn::replica_mismatches(*pg, *model).empty(), "a changed buffer was found among the parameters");
+  const std::vector<std::string> buffers = nn::replica_mismatches(*pg, *model, true);
+  require(buffers == std::vector<std::string>{model->named_buffers()[0].first},
+          "a changed buffer: found " + std::to_string(buffers.size()) + " names");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -507,6 +548,7 @@ int main(int argc, char** argv) {
     else if (scenario == "ddp_mismatch") ddp_mismatch();
     else if (scenario == "ddp_half") ddp_half();
     else if (scenario == "scaler_agrees") scaler_agrees();
+    else if (scenario == "replicas") replicas();
     else throw std::runtime_error("unknown scenario \"" + scenario + "\" (see the list at the top of "
                                   "tests/dist/worker.cpp)");
   } catch (const std::exception& e) {

@@ -6,8 +6,8 @@
 // chunks of kChunk elements; the blocks of the launch walk the batch's chunks (grid-stride), finding a chunk's
 // tensor by binary search over the entries' first chunk. Inside a chunk each thread loads kVec-element vectors of
 // every operand (when all are aligned), runs the update in registers in opmath_t, and stores the operands the update
-// writes. Used by the fused optimizers and the grad norm (optim/fused.cu) and the loss scaler's unscale
-// (optim/grad_scaler.cu).
+// writes. Used by the fused optimizers and the grad norm (optim/fused.cu), the loss scaler's unscale
+// (optim/grad_scaler.cu) and the copies of many tensors at once (copy_each_, ops/copy.cu).
 #include <cuda_runtime.h>
 
 #include <array>
@@ -25,7 +25,7 @@
 #define HG_GRID_CONSTANT
 #endif
 
-namespace halfgrad::optim::multi_tensor {
+namespace halfgrad::multi_tensor {
 
 constexpr int kBlock = 512;            // threads per block
 constexpr int64_t kChunk = 16384;      // elements a block takes at a time: 8 vectors per thread
@@ -164,4 +164,4 @@ void launch_multi_tensor(const char* name, Device device, const std::array<const
   });
 }
 
-}  // namespace halfgrad::optim::multi_tensor
+}  // namespace halfgrad::multi_tensor
