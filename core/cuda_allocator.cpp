@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,7 @@
 
 #include "core/cuda.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/storage.h"
 
 #if HALFGRAD_WITH_CUDA
@@ -48,16 +50,19 @@ constexpr size_t kMaxRequest = size_t(1) << 62;     // beyond this a request is 
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+// HALFGRAD_CUDA_NO_CACHING: unset, empty, 0, false, no or off leave caching on; any other value turns it off.
 std::atomic<bool>& caching_flag() {
   static std::atomic<bool> flag{[] {
     const char* v = std::getenv("HALFGRAD_CUDA_NO_CACHING");
-    return !(v && *v && std::string(v) != "0");
+    std::string value = v ? v : "";
+    std::transform(value.begin(), value.end(), value.begin(), [](unsigned char ch) { return char(std::tolower(ch)); });
+    return value.empty() || value == "0" || value == "false" || value == "no" || value == "off";
   }()};
   return flag;
 }
 
 struct Block {
-  size_t size = 0;       // rounded size of this block
+  size_t size = 0;       // size of this block (rounded up to kMinBlockSize while caching is on)
   size_t requested = 0;  // what the owner asked for (while allocated)
   char* ptr = nullptr;
   cudaStream_t stream = nullptr;
@@ -118,14 +123,6 @@ class DeviceCache {
     stats_.allocated_bytes -= block->size;
     stats_.requested_bytes -= block->requested;
     block->requested = 0;
-    if (!caching() && !block->prev && !block->next) {  // a whole segment: back to the driver at once
-      DeviceGuard guard(device_);
-      HG_CUDA_CHECK(cudaFree(block->ptr), "cuda caching allocator");
-      stats_.num_cuda_frees++;
-      stats_.reserved_bytes -= block->size;
-      delete block;
-      return;
-    }
     FreeBlocks& pool = block->small ? small_free_ : large_free_;
     // Merge with free neighbours so that the segment can be handed out whole again.
     for (Block* neighbour : {block->prev, block->next}) {
@@ -143,6 +140,21 @@ class DeviceCache {
         if (neighbour->next) neighbour->next->prev = block;
         delete neighbour;
       }
+    }
+    // Caching off: a segment that is whole again goes back to the driver at once, unless a CUDA graph's replays write
+    // it (its stream is held).
+    if (!caching() && !block->prev && !block->next && !held_.count(block->stream)) {
+      DeviceGuard guard(device_);
+      // From a tensor's destructor: an error (a sticky one left by a faulty kernel) is logged, never thrown.
+      if (const cudaError_t err = cudaFree(block->ptr); err != cudaSuccess) {
+        (void)cudaGetLastError();
+        logger().error("cuda allocator: cudaFree of a {} segment on cuda:{} failed: {}", format_bytes(block->size),
+                       device_, cudaGetErrorString(err));
+      }
+      stats_.num_cuda_frees++;
+      stats_.reserved_bytes -= block->size;
+      delete block;
+      return;
     }
     pool.insert(block);
   }

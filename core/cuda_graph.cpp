@@ -58,7 +58,8 @@ void Graph::capture(Device device, const std::function<void()>& work) {
   HG_CHECK(!captured(), "cuda::Graph::capture: this graph holds a capture already; use a new Graph");
   HG_CHECK(capturing == nullptr, "cuda::Graph::capture: another graph is being captured on this thread");
   HG_CHECK(caching(), "cuda::Graph::capture: the CUDA allocator's caching is off (HALFGRAD_CUDA_NO_CACHING or "
-           "cuda::set_caching(false)), and a capture cannot call cudaMalloc; turn caching on to capture");
+           "cuda::set_caching(false)), and a graph needs its blocks kept for its replays (the graph pool); turn "
+           "caching on to capture");
   device_ = device.index;
   DeviceGuard guard(device_);
   const cudaStream_t ambient = current_stream(device_);

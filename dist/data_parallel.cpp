@@ -49,21 +49,28 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
   return std::string(reinterpret_cast<const char*>(bytes.data<uint8_t>()), size_t(n));
 }
 
-// FNV-1a over the tensor's bytes in 8-byte words (the tail byte by byte), then its byte count.
+// splitmix64's finaliser: every input bit moves every output bit.
+uint64_t mix(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The tensor's bytes in 8-byte words (the tail zero-padded), each mixed before it is folded in FNV-1a's way, then the
+// byte count. Unmixed, a word's top bit (a float64's sign) passes through the multiplications unchanged, and two words
+// differing only there would cancel.
 uint64_t content_hash(const Tensor& t) {
   const Tensor host = t.detach().cpu().contiguous();
   const size_t n = size_t(host.numel()) * element_size(host.dtype());
   const auto* bytes = static_cast<const unsigned char*>(host.data_ptr());
   constexpr uint64_t kPrime = 1099511628211ull;
   uint64_t h = 14695981039346656037ull;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, bytes + i, 8);
-    h = (h ^ word) * kPrime;
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, bytes + i, std::min<size_t>(8, n - i));
+    h = (h ^ mix(word)) * kPrime;
   }
-  for (; i < n; ++i) h = (h ^ bytes[i]) * kPrime;
-  return (h ^ n) * kPrime;
+  return mix(h ^ n);
 }
 
 }  // namespace
@@ -108,6 +115,13 @@ std::vector<std::string> replica_mismatches(dist::ProcessGroup& group, const Mod
     std::memcpy(&as_signed, &h, 8);
     hashes.push_back(as_signed);
   }
+  // The counts first: ranks holding different numbers of tensors would otherwise meet in all-reduces of different sizes.
+  Tensor counts = tensor(std::vector<int64_t>{int64_t(hashes.size()), -int64_t(hashes.size())}).to(group.device());
+  group.all_reduce(counts, dist::ReduceOp::Max)->wait();
+  counts = counts.cpu();
+  HG_CHECK(counts.data<int64_t>()[0] == -counts.data<int64_t>()[1], "replica_mismatches: rank {} compares {} tensors, "
+           "but the ranks hold between {} and {}: their models differ in structure", group.rank(), hashes.size(),
+           -counts.data<int64_t>()[1], counts.data<int64_t>()[0]);
   std::vector<std::string> differ;
   if (hashes.empty()) return differ;
   Tensor smallest = tensor(hashes).to(group.device()), largest = smallest.clone();
@@ -186,8 +200,9 @@ struct DistributedDataParallel::Reducer {
       const Tensor& p = params[bucket.members[k]].second;
       Tensor part = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape());
       const Tensor grad = p.grad();
-      if (grad.defined()) parts.push_back(part), grads.push_back(grad);
-      else part.zero_();
+      if (!grad.defined()) part.zero_();
+      else if (grad.data_ptr() != part.data_ptr()) parts.push_back(part), grads.push_back(grad);
+      // else: the bucket's view from the last reduction (gradient_as_bucket_view), no gradient since: in place already
     }
     copy_each_(parts, grads);
     if (group->size() > 1) bucket.flat.mul_(1.0 / group->size());
@@ -225,15 +240,17 @@ struct DistributedDataParallel::Reducer {
       TensorList grads, averages;
       for (size_t k = 0; k < bucket.members.size(); ++k) {
         const size_t i = bucket.members[k];
-        const Tensor& p = params[i].second;
-        Tensor grad = p.grad();
-        if (!grad.defined() && used_anywhere.defined() && used_anywhere.data<int32_t>()[i] != 0) {
-          grad = empty_like(p);
-          p.set_grad(grad);
+        Tensor p = params[i].second;
+        const bool used = p.grad().defined() || (used_anywhere.defined() && used_anywhere.data<int32_t>()[i] != 0);
+        if (!used) continue;
+        Tensor average = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape());
+        if (options.gradient_as_bucket_view && p.is_contiguous()) {  // .grad keeps its parameter's layout
+          p.set_grad(average);
+          continue;
         }
-        if (!grad.defined()) continue;
-        grads.push_back(grad);
-        averages.push_back(bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape()));
+        if (!p.grad().defined()) p.set_grad(empty_like(p));
+        grads.push_back(p.grad());
+        averages.push_back(average);
       }
       copy_each_(grads, averages);
     }

@@ -102,14 +102,16 @@ Tensor Tensor::clone() const {
 
 void copy_each_(const TensorList& dst, const TensorList& src) {
   HG_CHECK(dst.size() == src.size(), "copy_each_: {} destinations for {} sources", dst.size(), src.size());
+  for (size_t i = 0; i < dst.size(); ++i) {  // every pair checked before any is copied
+    HG_CHECK(dst[i].shape() == src[i].shape() && dst[i].device() == src[i].device(), "copy_each_: pair {}: {} <- {} "
+             "(each pair must have one shape and one device)", i, dst[i].meta(), src[i].meta());
+    check_inplace(dst[i], "copy_each_");
+  }
   NoGradGuard no_grad;
   // The batched pairs grouped by device and dtype; the others copied one by one.
   std::map<std::pair<std::string, int>, std::pair<TensorList, TensorList>> batched;
   for (size_t i = 0; i < dst.size(); ++i) {
     const Tensor &d = dst[i], &s = src[i];
-    HG_CHECK(d.shape() == s.shape() && d.device() == s.device(), "copy_each_: pair {}: {} <- {} (each pair must "
-             "have one shape and one device)", i, d.meta(), s.meta());
-    check_inplace(d, "copy_each_");
     if (d.numel() == 0) continue;
     if (d.dtype() == s.dtype() && d.is_contiguous() && s.is_contiguous()) {
       auto& [ds, ss] = batched[{d.device().str(), int(d.dtype())}];

@@ -262,7 +262,8 @@ void copy_each_cuda(const TensorList& dst, const TensorList& src) {
     case 1: return launch.template operator()<uint8_t>();
     case 2: return launch.template operator()<uint16_t>();
     case 4: return launch.template operator()<uint32_t>();
-    default: return launch.template operator()<uint64_t>();
+    case 8: return launch.template operator()<uint64_t>();
+    default: HG_FAIL("copy_each_: no copy for elements of {} bytes ({})", element_size(dst[0].dtype()), dst[0].meta());
   }
 }
 

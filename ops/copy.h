@@ -19,8 +19,9 @@ Tensor cast_nograd(const Tensor& t, DType dtype);
 // any dtypes. The pairs of one dtype that are both contiguous go to copy_each_kernel, which on CUDA copies a batch of
 // them in one launch (multi-tensor apply, ops/multi_tensor.cuh) where a copy each would cost a launch each (a
 // ResNet-50's 161 gradients into DistributedDataParallel's buckets and back: ~0.8 ms of tiny copies a step); the other
-// pairs are copied one by one. The lists of different lengths, or a pair of different shapes or devices, is an error
-// naming the pair.
+// pairs are copied one by one. No destination may overlap another pair's tensors (the copies are not ordered). Lists
+// of different lengths, or a pair of different shapes or devices, is an error naming the pair, before anything is
+// copied; so is a destination that autograd forbids writing (a leaf that requires grad, while grad mode is on).
 void copy_each_(const TensorList& dst, const TensorList& src);
 // Contiguous pairs of one dtype on one device, none empty.
 using CopyEachKernel = void (*)(const TensorList& dst, const TensorList& src);

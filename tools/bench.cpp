@@ -201,13 +201,15 @@ void broadcast_weights(const Settings& s, nn::Module& model) {
   if (s.group) nn::broadcast_from_rank0(*s.group, model);
 }
 
-// Data parallel: the wrapper (after amp::initialize, so that it holds the tensors the level trains: O2's half model)
-// and the loss scaler's overflow agreed on by the ranks; null for one process.
+// Data parallel: the wrapper (after amp::initialize, so that it holds the tensors the level trains: O2's half model;
+// gradients as bucket views, which the steps set to none each time, as the training loops do) and the loss scaler's
+// overflow agreed on by the ranks; null for one process.
 std::shared_ptr<nn::DistributedDataParallel> wrap(const Settings& s, const std::shared_ptr<nn::Module>& model,
                                                   amp::Amp& amp) {
   if (!s.group) return nullptr;
   amp.scaler().set_process_group(s.group);
-  return std::make_shared<nn::DistributedDataParallel>(model, s.group);
+  return std::make_shared<nn::DistributedDataParallel>(
+      model, s.group, nn::DistributedDataParallelOptions{.gradient_as_bucket_view = true});
 }
 
 Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
@@ -232,8 +234,9 @@ Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
   st->x = randn({batch, 3, 32, 32}, {.device = s.device});
   if (s.channels_last && s.device.is_cuda()) st->x = contiguous_channels_last(st->x);
   st->y = randint(0, 10, {batch}, {.dtype = kInt64, .device = s.device});
-  Workload w{.items = double(batch), .unit = "images_per_second", .ddp = wrap(s, st->model, *st->amp),
-             .model = st->model, .owner = st};
+  Workload w;
+  w.items = double(batch), w.unit = "images_per_second";
+  w.ddp = wrap(s, st->model, *st->amp), w.model = st->model, w.owner = st;
   State* raw = st.get();
   nn::Module* trained = w.ddp ? static_cast<nn::Module*>(w.ddp.get()) : st->model.get();
   w.forward = [raw, trained] {
@@ -278,8 +281,9 @@ Workload language_model_workload(const Case& c, const Settings& s, int64_t batch
   if (shape->kind == nn::RecurrentKind::LSTM) st->cell = zeros({shape->layers, batch, shape->hidden}, {.device = s.device});
   // The wrapper's hooks reduce the gradients; the steps call the model's own features (it takes the recurrent state),
   // as train-lm does.
-  Workload w{.items = double(s.bptt * batch), .unit = "tokens_per_second", .ddp = wrap(s, st->model, *st->amp),
-             .model = st->model, .owner = st};
+  Workload w;
+  w.items = double(s.bptt * batch), w.unit = "tokens_per_second";
+  w.ddp = wrap(s, st->model, *st->amp), w.model = st->model, w.owner = st;
   State* raw = st.get();
   w.forward = [raw] {
     auto out = raw->amp->run([&] { return raw->model->features(raw->input, raw->h, raw->cell); });
@@ -584,6 +588,8 @@ json run_case(const Case& c, const Settings& s) {
     else
       measure(c, s, line);
   } catch (const OutOfMemory& e) {
+    // Data parallel: the ranks' collectives would no longer line up if one went on alone, so the run ends.
+    if (s.group) throw;
     line["out_of_memory"] = true;
     line["error"] = e.what();
   }

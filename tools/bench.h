@@ -29,7 +29,8 @@
 // of the all-reduces that backward hid ("hidden": (no_sync + all_reduce - backward) / all_reduce, clamped to 0..1; the
 // wrapper's own work, the gradients' copies into the buckets and back, counts against it: at one rank, where the
 // all-reduce is a 0.03 ms copy, it reads 0).
-// Rank 0 writes the lines. Not with max-batch, --epochs, --cuda-graph or --with-pytorch.
+// Rank 0 writes the lines; an out-of-memory ends the run (the ranks must stay in step). Not with max-batch, --epochs,
+// --cuda-graph or --with-pytorch.
 //
 // Accuracy (Settings::epochs > 0): each configuration of vgg, resnet and lm trains instead, on real data, as the
 // training commands do (train/loops.h): an image classifier `epochs` epochs on the CIFAR-10 files in data_dir with

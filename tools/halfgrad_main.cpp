@@ -57,6 +57,13 @@ void add_progress_seconds(CLI::App* command, double& seconds) {
                       "30 otherwise)")->check(finite_at_least(0));
 }
 
+// --check-replicas (train-classifier, train-lm): under halfgrad launch, the ranks' weights compared every N steps.
+void add_check_replicas(CLI::App* command, int64_t& every) {
+  command->add_option("--check-replicas", every, "under halfgrad launch: every N steps the ranks compare their "
+                      "weights and stop with an error naming any that differ (0: never)")
+      ->check(integer_in<int64_t>(0))->capture_default_str();
+}
+
 DType parse_half(const std::string& half) {
   HG_CHECK(half == "float16" || half == "bfloat16", "--half must be float16 or bfloat16, got {}", half);
   return half == "float16" ? kFloat16 : kBFloat16;
@@ -627,9 +634,7 @@ int main(int argc, char** argv) {
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
   add_progress_seconds(tc, train_args.config.progress_seconds);
-  tc->add_option("--check-replicas", train_args.config.check_replicas_every, "under halfgrad launch: every N steps the "
-                 "ranks compare their weights and stop with an error naming any that differ (0: never)")
-      ->check(integer_in<int64_t>(0))->capture_default_str();
+  add_check_replicas(tc, train_args.config.check_replicas_every);
   tc->callback([&] {
     stop_on_signals();
     train_args.config.data_dir = train_args.data_dir;
@@ -696,9 +701,7 @@ int main(int argc, char** argv) {
                  "epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
   tl->add_flag("--dry-run", lm.dry_run, "one training batch per epoch: check that the code and the model run "
                "(main.py's --dry-run)");
-  tl->add_option("--check-replicas", lm.check_replicas_every, "under halfgrad launch: every N steps the ranks compare "
-                 "their weights and stop with an error naming any that differ (0: never)")
-      ->check(integer_in<int64_t>(0))->capture_default_str();
+  add_check_replicas(tl, lm.check_replicas_every);
   tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                "(the last, shorter window of an epoch runs eagerly)");
   tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");

@@ -399,10 +399,12 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
                  {.lr = c.lr, .momentum = c.momentum, .weight_decay = c.weight_decay, .nesterov = c.nesterov});
   amp::Amp amp = amp::initialize(*model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
   // Data parallel: the wrapper whose forward the steps run (rank 0's buffers first) and whose hooks average the
-  // gradients; after amp::initialize, so that it holds the tensors the level trains (O2's half model).
+  // gradients (their .grad the buckets' views: zero_grad sets them to none every step); after amp::initialize, so that
+  // it holds the tensors the level trains (O2's half model).
   std::shared_ptr<nn::DistributedDataParallel> ddp;
   if (c.group) {
-    ddp = std::make_shared<nn::DistributedDataParallel>(model, c.group);
+    ddp = std::make_shared<nn::DistributedDataParallel>(
+        model, c.group, nn::DistributedDataParallelOptions{.gradient_as_bucket_view = true});
     amp.scaler().set_process_group(c.group);
   }
   nn::Module& trained = ddp ? *ddp : *model;
@@ -728,11 +730,12 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   if (c.group) nn::broadcast_from_rank0(*c.group, model);  // before O2 copies the weights into its masters
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
-  // Data parallel: rank 0's weights everywhere and the gradients averaged by the wrapper's hooks; the steps call the
-  // model's own forward (it takes the recurrent state; a language model has no buffers to share).
+  // Data parallel: rank 0's weights everywhere and the gradients averaged by the wrapper's hooks (into the buckets'
+  // views); the steps call the model's own forward (it takes the recurrent state; a language model has no buffers to share).
   std::shared_ptr<nn::DistributedDataParallel> ddp;
   if (c.group) {
-    ddp = std::make_shared<nn::DistributedDataParallel>(shared_model, c.group);
+    ddp = std::make_shared<nn::DistributedDataParallel>(
+        shared_model, c.group, nn::DistributedDataParallelOptions{.gradient_as_bucket_view = true});
     amp.scaler().set_process_group(c.group);
   }
 

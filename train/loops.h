@@ -199,8 +199,8 @@ struct ClassifierConfig {
   // split; the epoch's figures are the group's (images per second: all ranks'). Only rank 0 writes train_checkpoint,
   // at the end of each epoch (an interrupted epoch is trained again on --resume). Null: one process.
   std::shared_ptr<dist::ProcessGroup> group{};
-  // Data parallel: every this many steps the ranks compare their parameters and buffers (nn::replica_mismatches, a
-  // copy of the model to the host) and the run stops with an error naming those that differ. 0: never.
+  // Data parallel: every this many steps the ranks compare their parameters (nn::replica_mismatches, a copy of the
+  // model to the host) and the run stops with an error naming those that differ. 0: never.
   int64_t check_replicas_every = 0;
 };
 

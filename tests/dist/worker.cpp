@@ -9,7 +9,8 @@
 //   store             the TcpStore alone: values, a counter, waits, and a key no rank sets (an error in 2 s)
 //   bad_environment   (one process) init_process_group refuses missing and malformed settings, naming them
 //   ddp_training      DistributedDataParallel on shards equals one process on the global batch (float64, 5 SGD
-//                     steps, one bucket and a bucket per parameter); the buckets, their order and launch points
+//                     steps and 2 accumulated backward passes; one bucket, a bucket per parameter, gradients as bucket
+//                     views); the buckets, their order and launch points
 //   ddp_no_sync       gradient accumulation: no_sync keeps each rank's gradient local; the next backward reduces the sum;
 //                     a backward that fails midway leaves the next one exact
 //   ddp_unused        a parameter without a gradient: an error naming it; with find_unused_parameters, zeros in its
@@ -18,8 +19,9 @@
 //   ddp_half          a float16 model: its gradients reduced in float16, the mean of the ranks' own gradients
 //   scaler_agrees     GradScaler with the group: one rank's overflow makes every rank skip the step and back off
 //   replicas          replica_mismatches: none for equal models; with one element one ulp off on the last rank, every
-//                     rank names exactly that parameter; a buffer changed on rank 0 is named only with_buffers (nccl:
-//                     one rank, nothing differs)
+//                     rank names exactly that parameter; a buffer changed on rank 0 is named only with_buffers; +0
+//                     against -0 is a difference; a rank with more tensors is an error everywhere (nccl: one rank,
+//                     nothing differs)
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -292,14 +294,15 @@ void ddp_training() {
   g_rank = r;
   g_device = pg->device();
   const int64_t rows = 12;  // 6 or 4 a rank
-  for (double cap_mb : {25.0, 1e-6}) {
-    const std::string label = cap_mb > 1 ? "one bucket" : "a bucket per parameter";
+  for (auto [cap_mb, as_view] : {std::pair{25.0, false}, std::pair{1e-6, false}, std::pair{25.0, true}}) {
+    const std::string label = std::string(cap_mb > 1 ? "one bucket" : "a bucket per parameter") +
+                              (as_view ? ", gradients as bucket views" : "");
     auto model = mlp(100 + r);  // each rank its own initial values: rank 0's must win
     auto reference = mlp(100);  // rank 0's, trained on the whole global batch in one process
     model->to(g_device);
     reference->to(g_device);
-    auto ddp = std::make_shared<nn::DistributedDataParallel>(model, pg,
-                                                             nn::DistributedDataParallelOptions{.bucket_cap_mb = cap_mb});
+    auto ddp = std::make_shared<nn::DistributedDataParallel>(
+        model, pg, nn::DistributedDataParallelOptions{.bucket_cap_mb = cap_mb, .gradient_as_bucket_view = as_view});
     require(max_difference(model->parameters(), reference->parameters()) == 0,
             label + ": the parameters after construction are not rank 0's");
     const optim::SGDOptions sgd{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3};
@@ -318,6 +321,22 @@ void ddp_training() {
               std::to_string(diff));
     }
     require_same_on_every_rank(*pg, model->parameters(), label + ": parameters after 5 steps");
+    // Two backward passes without zero_grad accumulate the averages, as one process accumulates its gradients; as
+    // bucket views, every gradient then lives in the one bucket's flat tensor.
+    for (uint64_t step = 5; step < 7; ++step) {
+      auto [x_cpu, y_cpu] = global_batch(step, rows);
+      const Tensor x = x_cpu.to(g_device), y = y_cpu.to(g_device);
+      cross_entropy((*ddp)(shard(x, r, n)), shard(y, r, n)).backward();
+      cross_entropy((*reference)(x), y).backward();
+    }
+    require(max_difference(grads_of(*model), grads_of(*reference)) < 1e-12, label + ": accumulated gradients differ");
+    if (as_view) {
+      const TensorList grads = grads_of(*model);
+      for (const Tensor& g : grads)
+        require(g.storage().get() == grads[0].storage().get(), label + ": a gradient is not a view of the bucket");
+    }
+    opt.zero_grad();
+    ref_opt.zero_grad();
 
     const auto names = ddp->bucket_parameter_names();
     const auto points = ddp->last_launch_points();
@@ -523,6 +542,21 @@ void replicas() {
     if (r == 0) model->named_buffers()[0].second.fill_(1.5);  // a running mean
   }
   require(nn::replica_mismatches(*pg, *model).empty(), "a changed buffer was found among the parameters");
+  // Signs: +0 on rank 0 and -0 elsewhere, in two float64 elements (an unmixed FNV hash lets such pairs cancel).
+  {
+    NoGradGuard no_grad;
+    auto pair = nn::sequential({std::make_shared<nn::Linear>(1, 2, false)});
+    pair->to(kFloat64);
+    pair->to(g_device);
+    pair->parameters()[0].copy_(tensor(std::vector<double>{r == 0 ? 0.0 : -0.0, r == 0 ? 0.0 : -0.0}).view({2, 1}));
+    require(nn::replica_mismatches(*pg, *pair) == std::vector<std::string>{"0.weight"}, "+0 against -0 went unseen");
+  }
+  // A rank with one more tensor: an error on every rank, not all-reduces of different sizes.
+  auto uneven = r == n - 1 ? nn::sequential({std::make_shared<nn::Linear>(1, 2), std::make_shared<nn::Linear>(2, 1)})
+                           : nn::sequential({std::make_shared<nn::Linear>(1, 2)});
+  uneven->to(g_device);
+  const std::string error = error_of([&] { nn::replica_mismatches(*pg, *uneven); });
+  require(error.find("their models differ in structure") != std::string::npos, "uneven models: " + error);
   const std::vector<std::string> buffers = nn::replica_mismatches(*pg, *model, true);
   require(buffers == std::vector<std::string>{model->named_buffers()[0].first},
           "a changed buffer: found " + std::to_string(buffers.size()) + " names");
