@@ -3,6 +3,7 @@
 #include "dist/data_parallel.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <map>
 
@@ -108,13 +109,8 @@ std::vector<std::string> replica_mismatches(dist::ProcessGroup& group, const Mod
   NamedTensors everything = module.named_parameters();
   if (with_buffers)
     for (auto& named : module.named_buffers()) everything.push_back(std::move(named));
-  std::vector<int64_t> hashes;
-  for (const auto& [name, t] : everything) {
-    const uint64_t h = content_hash(t);
-    int64_t as_signed;
-    std::memcpy(&as_signed, &h, 8);
-    hashes.push_back(as_signed);
-  }
+  std::vector<int64_t> hashes;  // int64 for the collectives: only equality matters
+  for (const auto& [name, t] : everything) hashes.push_back(std::bit_cast<int64_t>(content_hash(t)));
   // The counts first: ranks holding different numbers of tensors would otherwise meet in all-reduces of different sizes.
   Tensor counts = tensor(std::vector<int64_t>{int64_t(hashes.size()), -int64_t(hashes.size())}).to(group.device());
   group.all_reduce(counts, dist::ReduceOp::Max)->wait();
@@ -240,7 +236,7 @@ struct DistributedDataParallel::Reducer {
       TensorList grads, averages;
       for (size_t k = 0; k < bucket.members.size(); ++k) {
         const size_t i = bucket.members[k];
-        Tensor p = params[i].second;
+        const Tensor& p = params[i].second;
         const bool used = p.grad().defined() || (used_anywhere.defined() && used_anywhere.data<int32_t>()[i] != 0);
         if (!used) continue;
         Tensor average = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.shape());

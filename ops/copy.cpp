@@ -3,7 +3,7 @@
 
 #include <algorithm>
 #include <map>
-#include <string>
+#include <tuple>
 #include <utility>
 
 #include "core/autograd.h"
@@ -109,12 +109,12 @@ void copy_each_(const TensorList& dst, const TensorList& src) {
   }
   NoGradGuard no_grad;
   // The batched pairs grouped by device and dtype; the others copied one by one.
-  std::map<std::pair<std::string, int>, std::pair<TensorList, TensorList>> batched;
+  std::map<std::tuple<int, int, int>, std::pair<TensorList, TensorList>> batched;  // by device type, index, dtype
   for (size_t i = 0; i < dst.size(); ++i) {
     const Tensor &d = dst[i], &s = src[i];
     if (d.numel() == 0) continue;
     if (d.dtype() == s.dtype() && d.is_contiguous() && s.is_contiguous()) {
-      auto& [ds, ss] = batched[{d.device().str(), int(d.dtype())}];
+      auto& [ds, ss] = batched[{int(d.device().type), d.device().index, int(d.dtype())}];
       ds.push_back(d);
       ss.push_back(s);
     } else {
