@@ -59,7 +59,7 @@ inline constexpr OpRule kCastRules[] = {
     {"dropout", CastRule::Unchanged}, {"embedding", CastRule::Unchanged}, {"max", CastRule::Unchanged},
     {"min", CastRule::Unchanged}, {"argmax", CastRule::Unchanged},
     // BatchNorm: half activations with float32 parameters and statistics (the op handles the mix itself)
-    {"batch_norm", CastRule::Unchanged},
+    {"batch_norm", CastRule::Unchanged}, {"batch_norm_relu", CastRule::Unchanged},
 };
 
 consteval CastRule cast_rule(std::string_view op) {

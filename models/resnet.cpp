@@ -34,10 +34,10 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) {
   if (auto s = shortcut(in_planes, planes * kExpansion, stride)) downsample = register_module("downsample", s);
 }
 
+// relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)).
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = bn1->forward(conv1->forward(x)).relu();
-  out = bn2->forward(conv2->forward(out));
-  return (out + (downsample ? downsample->forward(x) : x)).relu();
+  Tensor out = bn1->forward_relu(conv1->forward(x));
+  return bn2->forward_relu(conv2->forward(out), downsample ? downsample->forward(x) : x);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
@@ -51,10 +51,9 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = bn1->forward(conv1->forward(x)).relu();
-  out = bn2->forward(conv2->forward(out)).relu();
-  out = bn3->forward(conv3->forward(out));
-  return (out + (downsample ? downsample->forward(x) : x)).relu();
+  Tensor out = bn1->forward_relu(conv1->forward(x));
+  out = bn2->forward_relu(conv2->forward(out));
+  return bn3->forward_relu(conv3->forward(out), downsample ? downsample->forward(x) : x);
 }
 
 ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions opts) : options(opts) {
@@ -104,7 +103,7 @@ ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions o
 
 Tensor ResNet::forward(const Tensor& x) {
   HG_CHECK(x.dim() == 4 && x.size(1) == 3, "ResNet: expected images [N, 3, H, W], got {}", x.meta());
-  Tensor out = maxpool->forward(bn1->forward(conv1->forward(x)).relu());
+  Tensor out = maxpool->forward(bn1->forward_relu(conv1->forward(x)));
   for (const auto& layer : layers) out = layer->forward(out);
   return fc->forward(avgpool->forward(out).flatten(1));
 }

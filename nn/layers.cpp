@@ -94,7 +94,13 @@ void BatchNorm2d::reset_running_stats() {
   num_batches_tracked.zero_();
 }
 
-Tensor BatchNorm2d::forward(const Tensor& x) {
+Tensor BatchNorm2d::forward(const Tensor& x) { return normalise(x, /*relu=*/false, Tensor()); }
+
+Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
+  return normalise(x, /*relu=*/true, residual);
+}
+
+Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual) {
   HG_CHECK(x.dim() == 4, "BatchNorm2d: expected a 4-D input (N, C, H, W), got {}", x.meta());
   HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
   // As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
@@ -109,6 +115,7 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   // Running stats are updated only while training; in eval they are read (or absent).
   Tensor mean = options.track_running_stats ? running_mean : Tensor();
   Tensor var = options.track_running_stats ? running_var : Tensor();
+  if (relu) return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual);
   return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps);
 }
 
@@ -191,9 +198,20 @@ Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
   for (const ModulePtr& m : modules) push_back(m);
 }
 
+// A BatchNorm2d followed by a ReLU runs as one op (BatchNorm2d::forward_relu): the same values in every dtype
+// (relu commutes with rounding), two passes over the activation fewer forward and one backward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (const auto& [name, child] : named_children()) y = child->forward(y);
+  const auto& children = named_children();
+  for (size_t i = 0; i < children.size(); ++i) {
+    auto* bn = dynamic_cast<BatchNorm2d*>(children[i].second.get());
+    if (bn && i + 1 < children.size() && dynamic_cast<ReLU*>(children[i + 1].second.get())) {
+      y = bn->forward_relu(y);
+      ++i;
+    } else {
+      y = children[i].second->forward(y);
+    }
+  }
   return y;
 }
 

@@ -83,6 +83,9 @@ class BatchNorm2d : public Module {
  public:
   explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}, TensorOptions tensor_options = {});
   Tensor forward(const Tensor& x) override;
+  // relu(forward(x) + residual) (residual undefined: relu(forward(x))) as one op, batch_norm_relu: what a ResNet
+  // block does after its convolutions, without the separate passes of the add and the relu.
+  Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string extra_repr() const override;
   void reset_running_stats();
@@ -94,6 +97,9 @@ class BatchNorm2d : public Module {
   Tensor& running_mean;         // undefined unless track_running_stats
   Tensor& running_var;          // undefined unless track_running_stats
   Tensor& num_batches_tracked;  // undefined unless track_running_stats
+
+ private:
+  Tensor normalise(const Tensor& x, bool relu, const Tensor& residual);
 };
 
 class ReLU : public Module {

@@ -14,6 +14,8 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/elementwise.h"
+#include "ops/elementwise_math.h"
 
 namespace halfgrad {
 
@@ -22,9 +24,12 @@ constinit KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel("batch
 
 namespace {
 std::atomic<BatchNormBackend> g_backend{BatchNormBackend::Auto};
+std::atomic<bool> g_fuse_relu{true};
 }
 void set_batch_norm_backend(BatchNormBackend backend) { g_backend = backend; }
 BatchNormBackend batch_norm_backend() { return g_backend; }
+void set_batch_norm_relu_fusion(bool enabled) { g_fuse_relu = enabled; }
+bool batch_norm_relu_fusion() { return g_fuse_relu; }
 
 // =====================================================================================================
 // 1. Layouts
@@ -86,34 +91,46 @@ void check_channel_tensor(const Tensor& t, const Tensor& input, int64_t channels
 // 2. The op
 // =====================================================================================================
 
-Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps) {
-  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps);
-  HG_CHECK(input.defined(), "batch_norm: the input is an undefined tensor");
+namespace {
+
+// batch_norm and batch_norm_relu: `relu` and `residual` are the epilogue (ops/batch_norm.h).
+Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
+                       const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps, bool relu,
+                       const Tensor& residual) {
+  HG_CHECK(input.defined(), "{}: the input is an undefined tensor", op);
   HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
-           "batch_norm: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", input.meta());
+           "{}: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", op, input.meta());
   const int64_t channels = input.size(1);
   check_channel_tensor(weight, input, channels, "weight");
   check_channel_tensor(bias, input, channels, "bias");
   check_channel_tensor(running_mean, input, channels, "running_mean");
   check_channel_tensor(running_var, input, channels, "running_var");
   HG_CHECK(running_mean.defined() == running_var.defined(),
-           "batch_norm: running_mean ({}) and running_var ({}) must both be given or both be undefined",
+           "{}: running_mean ({}) and running_var ({}) must both be given or both be undefined", op,
            running_mean.meta(), running_var.meta());
   HG_CHECK(training || running_mean.defined(),
-           "batch_norm: evaluation mode (training = false) normalises with running_mean and running_var, which are "
-           "undefined (input {}); pass them, or use training = true for batch statistics", input.meta());
+           "{}: evaluation mode (training = false) normalises with running_mean and running_var, which are "
+           "undefined (input {}); pass them, or use training = true for batch statistics", op, input.meta());
+  if (residual.defined()) {
+    HG_CHECK(residual.shape() == input.shape() && residual.is_floating_point(),
+             "{}: expected a floating-point residual of the input's shape, got input {} and residual {}", op,
+             input.meta(), residual.meta());
+    HG_CHECK(residual.device() == input.device(), "{}: input {} and residual {} are on different devices", op,
+             input.meta(), residual.meta());
+  }
 
   BatchNormShape shape{.batch = input.size(0), .channels = channels};
   for (int64_t d = 2; d < input.dim(); ++d) shape.spatial *= input.size(d);
   HG_CHECK(!training || shape.per_channel() > 1,
-           "batch_norm: expected more than 1 value per channel when training, got input {} ({} per channel)",
+           "{}: expected more than 1 value per channel when training, got input {} ({} per channel)", op,
            input.meta(), shape.per_channel());
   // A channels-last input stays so (what tensor-core convolutions produce); anything else becomes planes.
   shape.channels_last = shape.spatial == 1 || (!input.is_contiguous() && is_channels_last_nd(input));
 
   const DType acc = accumulation_dtype(input.dtype());
   auto parameter = [&](const Tensor& t) { return t.defined() ? cast_nograd(t.detach(), acc).contiguous() : Tensor(); };
+  const Tensor z = residual.defined() ? in_layout(cast_nograd(residual.detach(), input.dtype()), shape.channels_last)
+                                      : Tensor();
   BatchNormForwardArgs args{.shape = shape,
                             .input = in_layout(input, shape.channels_last),
                             .output = empty_in_layout(input.shape(), input.dtype(), input.device(), shape.channels_last),
@@ -123,14 +140,16 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
                             .running_var = parameter(running_var),
                             .save_mean = empty({channels}, {.dtype = acc, .device = input.device()}),
                             .save_invstd = empty({channels}, {.dtype = acc, .device = input.device()}),
+                            .relu = relu,
+                            .residual = z,
                             .training = training,
                             .momentum = momentum,
                             .eps = eps};
   if (training && running_mean.defined()) {
     // The kernel updates the running statistics in place; when they are not already contiguous in the
     // accumulation dtype, it updates converted copies, written back below.
-    check_inplace(running_mean, "batch_norm");
-    check_inplace(running_var, "batch_norm");
+    check_inplace(running_mean, op);
+    check_inplace(running_var, op);
   }
   if (input.numel() > 0) batch_norm_forward_kernel[input.device()](args);
   if (training && running_mean.defined()) {
@@ -141,32 +160,59 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   }
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
-  // caller's input when it already was, so an in-place change to it is still caught).
-  record("BatchNormBackward", {input, weight, bias}, {args.output},
-         [x = SavedTensor(args.input, "batch_norm"), w = SavedTensor(args.weight, "batch_norm"),
-          mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
+  // caller's input when it already was, so an in-place change to it is still caught); after relu, the output too.
+  if (!any_requires_grad({&input, &weight, &bias, &residual})) return args.output;
+  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual}, {args.output},
+         [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op),
+          y = relu ? SavedTensor(args.output, op) : SavedTensor(), mean = args.save_mean,
+          invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
            b.grad_output = in_layout(g[0].to(b.input.dtype()), shape.channels_last);
+           if (y.defined()) b.output = y.get();
            b.weight = w.get();
            b.save_mean = mean;
            b.save_invstd = invstd;
            b.training = training;
            b.eps = eps;
            const Tensor& xs = b.input;
-           if (g.needs(0)) b.grad_input = empty_in_layout(xs.shape(), xs.dtype(), xs.device(), shape.channels_last);
+           auto like_input = [&] { return empty_in_layout(xs.shape(), xs.dtype(), xs.device(), shape.channels_last); };
+           if (g.needs(0)) b.grad_input = like_input();
            if (g.needs(1)) b.grad_weight = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});
            if (g.needs(2)) b.grad_bias = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});
+           if (g.needs(3)) b.grad_residual = like_input();
            if (xs.numel() > 0) {
              batch_norm_backward_kernel[xs.device()](b);
            } else {  // no elements: the sums are zero
              if (b.grad_weight.defined()) b.grad_weight.zero_();
              if (b.grad_bias.defined()) b.grad_bias.zero_();
            }
-           return {b.grad_input, b.grad_weight, b.grad_bias};  // cast to each input's dtype by the engine
+           // cast to each input's dtype by the engine
+           return {b.grad_input, b.grad_weight, b.grad_bias, b.grad_residual};
          });
   return args.output;
+}
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps);
+  return batch_norm_impl("batch_norm", input, running_mean, running_var, weight, bias, training, momentum, eps,
+                         /*relu=*/false, Tensor());
+}
+
+Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
+                       const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps,
+                       const Tensor& residual) {
+  HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual);
+  if (!batch_norm_relu_fusion()) {
+    const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps);
+    return (residual.defined() ? y + residual.to(y.dtype()) : y).relu();
+  }
+  return batch_norm_impl("batch_norm_relu", input, running_mean, running_var, weight, bias, training, momentum, eps,
+                         /*relu=*/true, residual);
 }
 
 // =====================================================================================================
@@ -300,25 +346,41 @@ template <typename T, typename A> void batch_norm_forward_typed(const BatchNormF
   }
   const A* sc = scale.data();
   const A* sh = shift.data();
-  for_each_element(s, [&](int64_t c, int64_t at) { y[at] = T((A(x[at]) - save_mean[c]) * sc[c] + sh[c]); });
+  if (!a.relu) {
+    for_each_element(s, [&](int64_t c, int64_t at) { y[at] = T((A(x[at]) - save_mean[c]) * sc[c] + sh[c]); });
+    return;
+  }
+  const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
+  for_each_element(s, [&](int64_t c, int64_t at) {
+    A v = (A(x[at]) - save_mean[c]) * sc[c] + sh[c];
+    if (z) v += A(z[at]);
+    y[at] = T(unary_math<UnaryOp::Relu>(v));
+  });
 }
 
 template <typename T, typename A> void batch_norm_backward_typed(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   const int64_t C = s.channels;
   const double count = double(s.per_channel());
-  const T* g = a.grad_output.data<T>();
+  const T* g_out = a.grad_output.data<T>();
   const T* x = a.input.data<T>();
   const A* mean = a.save_mean.data<A>();
   const A* invstd = a.save_invstd.data<A>();
   const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
+  // The gradient that reaches the normalisation: after batch_norm_relu, only where the output is positive.
+  const T* y = a.output.defined() ? a.output.data<T>() : nullptr;
+  auto grad = [&](int64_t at) { return y && !(A(y[at]) > A(0)) ? A(0) : A(g_out[at]); };
+  if (a.grad_residual.defined()) {
+    T* gz = a.grad_residual.data<T>();
+    for_each_element(s, [&](int64_t, int64_t at) { gz[at] = T(grad(at)); });
+  }
 
   // sums[2c] = sum(g), sums[2c + 1] = sum(g * (x - mean)), when anything needs them
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
   std::vector<double> sums;
   if (need_sums) {
     sums = channel_sums<2>(s, [&](int64_t c, int64_t at, double* v) {
-      const double gv = double(A(g[at]));
+      const double gv = double(grad(at));
       v[0] = gv;
       v[1] = gv * (double(A(x[at])) - double(mean[c]));
     });
@@ -348,7 +410,7 @@ template <typename T, typename A> void batch_norm_backward_typed(const BatchNorm
   T* gi = a.grad_input.data<T>();
   const A *al = alpha.data(), *be = beta.data(), *ga = gamma.data();
   for_each_element(s, [&](int64_t c, int64_t at) {
-    gi[at] = T(A(g[at]) * al[c] + (A(x[at]) - mean[c]) * be[c] + ga[c]);
+    gi[at] = T(grad(at) * al[c] + (A(x[at]) - mean[c]) * be[c] + ga[c]);
   });
 }
 

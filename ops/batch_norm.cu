@@ -13,10 +13,13 @@
 //      instead of one per value, and no sum-of-squares cancellation when the mean is large next to the spread.
 //   2. finalize (one warp per channel): merges the splits, writes mean and invstd (saved for backward),
 //      updates the running statistics in place, and writes scale = invstd * weight, shift = bias.
-//   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise.
+//   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise; batch_norm_relu adds the residual and takes
+//      relu before the store.
 // Forward (eval): 2'. mean, invstd, scale, shift from the running statistics, 3. apply.
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
+// After batch_norm_relu, 1. and 3. read the output too and take g only where it is positive (relu's mask); 3.
+// writes that masked g as the residual's gradient.
 //
 // 4. cuDNN's kernels (the ones PyTorch calls), the second implementation of training, and the choice between
 //    the two per problem (BatchNormBackend in ops/batch_norm.h).
@@ -39,6 +42,7 @@
 #include "core/log.h"
 #include "ops/batch_norm.h"
 #include "ops/cuda_loops.cuh"
+#include "ops/elementwise_math.h"
 
 namespace halfgrad {
 namespace {
@@ -172,15 +176,19 @@ template <typename T> struct StatsReducer {
   }
 };
 
-// sum(g) and sum(g * (x - mean[c])).
-template <typename T> struct GradSumsReducer {
+// The gradient that reaches the normalisation: g, or after batch_norm_relu g where the output y is positive (the
+// mask of relu's backward, where(y > 0, g, 0)).
+template <typename A> __device__ __forceinline__ A passed(A g, A y) { return y > A(0) ? g : A(0); }
+
+// sum(g) and sum(g * (x - mean[c])); kMasked: of g masked by the output's sign (batch_norm_relu).
+template <typename T, bool kMasked = false> struct GradSumsReducer {
   using Input = T;
   using A = acc_t<T>;
   struct State {
     A dy, dy_xmu;
   };
-  static constexpr int kInputs = 2;
-  const T* in[kInputs];  // g, x
+  static constexpr int kInputs = kMasked ? 3 : 2;
+  const T* in[kInputs];  // g, x, and y when masked
   const A* mean;
 
   __device__ static State identity() { return {A(0), A(0)}; }
@@ -190,8 +198,10 @@ template <typename T> struct GradSumsReducer {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       if (e < k) {
-        s.dy += v[0][e];
-        s.dy_xmu += v[0][e] * (v[1][e] - m);
+        A g = v[0][e];
+        if constexpr (kMasked) g = passed(g, v[2][e]);
+        s.dy += g;
+        s.dy_xmu += g * (v[1][e] - m);
       }
     }
   }
@@ -215,7 +225,8 @@ template <typename T> struct GradSumsReducer {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (u < k) {
-          const A g = A(v[0][u].v[e]);
+          A g = A(v[0][u].v[e]);
+          if constexpr (kMasked) g = passed(g, A(v[2][u].v[e]));
           s.s[e].dy += g;
           s.s[e].dy_xmu += g * (A(v[1][u].v[e]) - m);
         }
@@ -279,9 +290,10 @@ __global__ void __launch_bounds__(kThreads, 4)
   using State = typename R::State;
   const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t lo = int64_t(blockIdx.y) * chunk, hi = smaller(rows, lo + chunk);
-  // kUnroll vectors in flight per thread whatever the number of inputs: the two-input gradient sums hold half
-  // as many rows (107 registers with 8 lanes x 2 inputs x 4 rows; 2 blocks per multiprocessor).
-  constexpr int kRowsUnroll = kUnroll / R::kInputs;
+  // About kUnroll vectors in flight per thread whatever the number of inputs: the two-input gradient sums hold half
+  // as many rows (107 registers with 8 lanes x 2 inputs x 4 rows; 2 blocks per multiprocessor), the masked
+  // three-input ones one row.
+  constexpr int kRowsUnroll = kUnroll / R::kInputs > 0 ? kUnroll / R::kInputs : 1;
   auto s = R::template lanes_identity<V>();
   if (c0 < channels) {
     for (int64_t m0 = lo + threadIdx.y; m0 < hi; m0 += int64_t(blockDim.y) * kRowsUnroll) {
@@ -394,8 +406,10 @@ typename R::State* reduce_channels(const R& r, const BatchNormShape& s, Device d
   int v = 1;
   if constexpr (R::kInputs == 1) {
     v = vector_width<T>(s, {r.in[0]});
-  } else {
+  } else if constexpr (R::kInputs == 2) {
     v = vector_width<T>(s, {r.in[0], r.in[1]});
+  } else {
+    v = vector_width<T>(s, {r.in[0], r.in[1], r.in[2]});
   }
   if (v == kVector<T>) return reduce_channels_vec<R, kVector<T>>(r, s, device, stream, workspace, splits);
   return reduce_channels_vec<R, 1>(r, s, device, stream, workspace, splits);
@@ -483,15 +497,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // coef[c] = alpha, coef[C + c] = beta, coef[2C + c] = gamma (ops/batch_norm.cpp's CPU kernel says why).
-template <typename T>
+template <typename R>
 __global__ void __launch_bounds__(kThreads)
-    finalize_grad_kernel(const typename GradSumsReducer<T>::State* partial, int splits, int64_t channels,
-                         const acc_t<T>* invstd, const acc_t<T>* weight, acc_t<T>* grad_weight, acc_t<T>* grad_bias,
-                         acc_t<T>* coef, int64_t count, bool training) {
-  using A = acc_t<T>;
+    finalize_grad_kernel(const typename R::State* partial, int splits, int64_t channels, const typename R::A* invstd,
+                         const typename R::A* weight, typename R::A* grad_weight, typename R::A* grad_bias,
+                         typename R::A* coef, int64_t count, bool training) {
+  using A = typename R::A;
   const int64_t c = warp_channel();
   if (c >= channels) return;
-  const auto s = partial ? merge_splits<GradSumsReducer<T>>(partial, splits, c) : GradSumsReducer<T>::identity();
+  const auto s = partial ? merge_splits<R>(partial, splits, c) : R::identity();
   if (threadIdx.x % 32 != 0) return;
   const A is = invstd[c];
   if (grad_weight) grad_weight[c] = s.dy_xmu * is;
@@ -537,10 +551,12 @@ template <typename A, int V, bool kRows> struct PerChannel {
 // thread visits starts at the same channel and the thread loads its per-channel constants once; loading them per
 // vector moved more bytes through L1 than the data (float32 constants for float16 values). Planes: one channel
 // per vector, looked up each time.
-template <typename T, int V, bool kRows>
+// kRelu: batch_norm_relu's epilogue, y = relu(normalised + z) with z (the residual) or without (z null).
+template <typename T, int V, bool kRows, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    apply_forward_kernel(T* __restrict__ y, const T* __restrict__ x, uint32_t vectors, ChannelOf channel_of,
-                         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ affine, uint32_t channels) {
+    apply_forward_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ z, uint32_t vectors,
+                         ChannelOf channel_of, const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ affine,
+                         uint32_t channels) {
   using A = acc_t<T>;
   const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
   if (first >= vectors) return;
@@ -555,18 +571,31 @@ __global__ void __launch_bounds__(kThreads)
       shift = PerChannel<A, V, kRows>(affine + channels, c);
     }
     const Vec<T, V> xv = load<T, V>(x + i);
+    Vec<T, V> zv;
+    if constexpr (kRelu) {
+      if (z != nullptr) zv = load<T, V>(z + i);
+    }
     Vec<T, V> out;
 #pragma unroll
-    for (int e = 0; e < V; ++e) out.v[e] = T((A(xv.v[e]) - m.v[e]) * scale.v[e] + shift.v[e]);
+    for (int e = 0; e < V; ++e) {
+      A v = (A(xv.v[e]) - m.v[e]) * scale.v[e] + shift.v[e];
+      if constexpr (kRelu) {
+        if (z != nullptr) v += A(zv.v[e]);
+        v = unary_math<UnaryOp::Relu>(v);
+      }
+      out.v[e] = T(v);
+    }
     store<T, V>(y + i, out);
   }
 }
 
-template <typename T, int V, bool kRows>
+// kMasked: after batch_norm_relu, g passes where the output y is positive; that gradient is also the residual's,
+// written to grad_residual unless it is null.
+template <typename T, int V, bool kRows, bool kMasked>
 __global__ void __launch_bounds__(kThreads)
-    apply_backward_kernel(T* __restrict__ grad_input, const T* __restrict__ g, const T* __restrict__ x,
-                          uint32_t vectors, ChannelOf channel_of, const acc_t<T>* __restrict__ mean,
-                          const acc_t<T>* __restrict__ coef, uint32_t channels) {
+    apply_backward_kernel(T* __restrict__ grad_input, T* __restrict__ grad_residual, const T* __restrict__ g,
+                          const T* __restrict__ x, const T* __restrict__ y, uint32_t vectors, ChannelOf channel_of,
+                          const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ coef, uint32_t channels) {
   using A = acc_t<T>;
   const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
   if (first >= vectors) return;
@@ -581,12 +610,68 @@ __global__ void __launch_bounds__(kThreads)
       beta = PerChannel<A, V, kRows>(coef + channels, c);
       gamma = PerChannel<A, V, kRows>(coef + 2 * channels, c);
     }
-    const Vec<T, V> gv = load<T, V>(g + i), xv = load<T, V>(x + i);
+    Vec<T, V> gv = load<T, V>(g + i);
+    const Vec<T, V> xv = load<T, V>(x + i);
+    if constexpr (kMasked) {
+      const Vec<T, V> yv = load<T, V>(y + i);
+#pragma unroll
+      for (int e = 0; e < V; ++e) gv.v[e] = T(passed(A(gv.v[e]), A(yv.v[e])));
+      if (grad_residual != nullptr) store<T, V>(grad_residual + i, gv);
+    }
     Vec<T, V> out;
 #pragma unroll
     for (int e = 0; e < V; ++e)
       out.v[e] = T(A(gv.v[e]) * alpha.v[e] + (A(xv.v[e]) - m.v[e]) * beta.v[e] + gamma.v[e]);
     store<T, V>(grad_input + i, out);
+  }
+}
+
+// ---- relu's epilogue and mask as passes of their own, over tensors of one layout seen as flat arrays: what
+// batch_norm_relu adds to cuDNN's kernels when they are the faster (cuDNN's own fused forms need a reserve space
+// and take fewer problems).
+
+// y = relu(y + z) in place (z null: relu(y)).
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    relu_epilogue_kernel(T* __restrict__ y, const T* __restrict__ z, int64_t vectors) {
+  using A = acc_t<T>;
+  for (int64_t q = int64_t(blockIdx.x) * kThreads + threadIdx.x; q < vectors; q += int64_t(gridDim.x) * kThreads) {
+    Vec<T, V> yv = load<T, V>(y + q * V);
+    Vec<T, V> zv;
+    if (z != nullptr) zv = load<T, V>(z + q * V);
+#pragma unroll
+    for (int e = 0; e < V; ++e) yv.v[e] = T(unary_math<UnaryOp::Relu>(A(yv.v[e]) + (z != nullptr ? A(zv.v[e]) : A(0))));
+    store<T, V>(y + q * V, yv);
+  }
+}
+
+// out = where(y > 0, g, 0).
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    relu_mask_kernel(T* __restrict__ out, const T* __restrict__ g, const T* __restrict__ y, int64_t vectors) {
+  using A = acc_t<T>;
+  for (int64_t q = int64_t(blockIdx.x) * kThreads + threadIdx.x; q < vectors; q += int64_t(gridDim.x) * kThreads) {
+    Vec<T, V> gv = load<T, V>(g + q * V);
+    const Vec<T, V> yv = load<T, V>(y + q * V);
+#pragma unroll
+    for (int e = 0; e < V; ++e) gv.v[e] = T(passed(A(gv.v[e]), A(yv.v[e])));
+    store<T, V>(out + q * V, gv);
+  }
+}
+
+// Launches kernel<T, V>(first, args..., vectors) over n elements with 16-byte vectors when n and every pointer allow.
+template <typename T, typename Launch>
+void launch_flat(int64_t n, Device device, std::initializer_list<const void*> pointers,
+                                                        const Launch& launch) {
+  bool aligned = n % kVector<T> == 0;
+  for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  const int v = aligned ? kVector<T> : 1;
+  const int64_t blocks =
+      std::min<int64_t>(16 * int64_t(multiprocessors(device.index)), (n / v + kThreads - 1) / kThreads);
+  if (aligned) {
+    launch.template operator()<kVector<T>>(unsigned(std::max<int64_t>(blocks, 1)), n / v);
+  } else {
+    launch.template operator()<1>(unsigned(std::max<int64_t>(blocks, 1)), n);
   }
 }
 
@@ -658,44 +743,72 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
   HG_CUDA_CHECK_LAUNCH("batch_norm");
 
   T* y = a.output.data<T>();
-  const int v = vector_width<T>(s, {x, y});
+  const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
+  const int v = vector_width<T>(s, {x, y, z});
   with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
     for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
-      apply_forward_kernel<T, V, kRows><<<blocks, kThreads, 0, stream>>>(
-          y + first, x + first, count / V, channel_of(s), save_mean, affine.data<A>(), uint32_t(s.channels));
+      auto launch = [&]<bool kRelu>() {
+        apply_forward_kernel<T, V, kRows, kRelu><<<blocks, kThreads, 0, stream>>>(
+            y + first, x + first, z ? z + first : nullptr, count / V, channel_of(s), save_mean, affine.data<A>(),
+            uint32_t(s.channels));
+      };
+      a.relu ? launch.template operator()<true>() : launch.template operator()<false>();
       HG_CUDA_CHECK_LAUNCH("batch_norm");
     });
   });
 }
 
-template <typename T> void backward_typed(const BatchNormBackwardArgs& a) {
+// grad_residual, or a scratch tensor, = where(y > 0, g, 0): the gradient batch_norm_relu's normalisation receives.
+template <typename T> void relu_mask(const Tensor& out, const Tensor& g, const Tensor& y) {
+  const Device device = g.device();
+  cudaStream_t stream = cuda::current_stream(device);
+  launch_flat<T>(g.numel(), device, {out.data_ptr(), g.data_ptr(), y.data_ptr()},
+                 [&]<int V>(unsigned blocks, int64_t n) {
+                   relu_mask_kernel<T, V><<<blocks, kThreads, 0, stream>>>(out.data<T>(), g.data<T>(), y.data<T>(), n);
+                 });
+  HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
+}
+
+template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardArgs& a) {
   using A = acc_t<T>;
+  using R = GradSumsReducer<T, kMasked>;
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::current_stream(device);
   const T* g = a.grad_output.data<T>();
   const T* x = a.input.data<T>();
+  const T* y = kMasked ? a.output.data<T>() : nullptr;
   const A* mean = a.save_mean.data<A>();
+  T* gz = a.grad_residual.defined() ? a.grad_residual.data<T>() : nullptr;
+  if (gz && !a.grad_input.defined()) relu_mask<T>(a.grad_residual, a.grad_output, a.output);
 
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
   Tensor workspace, coef;
-  const typename GradSumsReducer<T>::State* partial = nullptr;
+  const typename R::State* partial = nullptr;
   int splits = 0;
-  if (need_sums) partial = reduce_channels(GradSumsReducer<T>{{g, x}, mean}, s, device, stream, workspace, splits);
+  if (need_sums) {
+    R r{};
+    r.in[0] = g;
+    r.in[1] = x;
+    if constexpr (kMasked) r.in[2] = y;
+    r.mean = mean;
+    partial = reduce_channels(r, s, device, stream, workspace, splits);
+  }
   if (a.grad_input.defined()) coef = empty({3 * s.channels}, {.dtype = a.save_mean.dtype(), .device = device});
-  finalize_grad_kernel<T><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
+  finalize_grad_kernel<R><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
       partial, splits, s.channels, a.save_invstd.data<A>(), ptr<T>(a.weight), mutable_ptr<T>(a.grad_weight),
       mutable_ptr<T>(a.grad_bias), coef.defined() ? coef.data<A>() : nullptr, s.per_channel(), a.training);
   HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
   if (!a.grad_input.defined()) return;
 
   T* gi = a.grad_input.data<T>();
-  const int v = vector_width<T>(s, {gi, g, x});
+  const int v = vector_width<T>(s, {gi, g, x, y, gz});
   with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
     for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
-      apply_backward_kernel<T, V, kRows><<<blocks, kThreads, 0, stream>>>(
-          gi + first, g + first, x + first, count / V, channel_of(s), mean, coef.data<A>(), uint32_t(s.channels));
+      apply_backward_kernel<T, V, kRows, kMasked><<<blocks, kThreads, 0, stream>>>(
+          gi + first, gz ? gz + first : nullptr, g + first, x + first, y ? y + first : nullptr, count / V,
+          channel_of(s), mean, coef.data<A>(), uint32_t(s.channels));
       HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
     });
   });
@@ -789,12 +902,29 @@ void cudnn_forward(const BatchNormForwardArgs& a) {
                      a.save_mean.data_ptr(), a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes,
                      nullptr, 0),
                  "batch_norm");
+  if (!a.relu) return;
+  dispatch_floating(a.input.dtype(), "batch_norm_relu", [&]<typename T>() {
+    const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
+    launch_flat<T>(a.output.numel(), device, {a.output.data_ptr(), z}, [&]<int V>(unsigned blocks, int64_t n) {
+      relu_epilogue_kernel<T, V><<<blocks, kThreads, 0, cuda::current_stream(device)>>>(a.output.data<T>(), z, n);
+    });
+  });
+  HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
 }
 
 void cudnn_backward(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
   const CudnnProblem p(s, a.input, "batch_norm_backward");
+  // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted (a flat
+  // buffer in the gradient's memory order otherwise).
+  Tensor g = a.grad_output;
+  if (a.output.defined()) {
+    g = a.grad_residual.defined() ? a.grad_residual
+                                  : empty({a.grad_output.numel()}, {.dtype = a.grad_output.dtype(), .device = device});
+    dispatch_floating(a.input.dtype(), "batch_norm_relu",
+                      [&]<typename T>() { relu_mask<T>(g, a.grad_output, a.output); });
+  }
   size_t bytes = 0;
   HG_CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
                      p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, p.x.desc, nullptr, p.x.desc, nullptr, p.x.desc,
@@ -810,7 +940,7 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   const float one = 1, zero = 0;
   HG_CUDNN_CHECK(cudnnBatchNormalizationBackwardEx(
                      p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, &one, &zero, &one, &zero, p.x.desc,
-                     a.input.data_ptr(), nullptr, nullptr, p.x.desc, a.grad_output.data_ptr(), nullptr, nullptr,
+                     a.input.data_ptr(), nullptr, nullptr, p.x.desc, g.data_ptr(), nullptr, nullptr,
                      p.x.desc, a.grad_input.data_ptr(), p.param.desc, weight.data_ptr(), nullptr,
                      grad_weight.data_ptr(), grad_bias.data_ptr(), a.eps, a.save_mean.data_ptr(),
                      a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes, nullptr, 0),
@@ -822,6 +952,7 @@ struct ChoiceKey {
   int device;
   DType dtype;
   bool channels_last, backward;
+  int epilogue;  // 0 none, 1 relu, 2 residual and relu (batch_norm_relu)
   int64_t batch, channels, spatial;
   auto operator<=>(const ChoiceKey&) const = default;
 };
@@ -858,21 +989,24 @@ void own_forward(const BatchNormForwardArgs& a) {
 }
 
 void own_backward(const BatchNormBackwardArgs& a) {
-  dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() { backward_typed<T>(a); });
+  dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() {
+    a.output.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
+  });
 }
 
 void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !cudnn_takes(s, a.input.dtype(),
-                                  {&a.input, &a.output, &a.weight, &a.bias, &a.running_mean, &a.running_var,
-                                   &a.save_mean, &a.save_invstd})) {
+                                  {&a.input, &a.output, &a.residual, &a.weight, &a.bias, &a.running_mean,
+                                   &a.running_var, &a.save_mean, &a.save_invstd})) {
     return own_forward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
   // The timing runs leave the running statistics alone: only the real call below updates them.
   BatchNormForwardArgs timed = a;
   timed.running_mean = timed.running_var = Tensor();
-  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false, s.batch, s.channels, s.spatial};
+  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false,
+                      a.relu ? 1 + int(a.residual.defined()) : 0, s.batch, s.channels, s.spatial};
   if (choose_cudnn(key, [&] { own_forward(timed); }, [&] { cudnn_forward(timed); }, "batch_norm")) {
     cudnn_forward(a);
   } else {
@@ -884,12 +1018,13 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
       !cudnn_takes(s, a.input.dtype(),
-                   {&a.input, &a.grad_output, &a.grad_input, &a.weight, &a.save_mean, &a.save_invstd, &a.grad_weight,
-                    &a.grad_bias})) {
+                   {&a.input, &a.grad_output, &a.grad_input, &a.output, &a.grad_residual, &a.weight, &a.save_mean,
+                    &a.save_invstd, &a.grad_weight, &a.grad_bias})) {
     return own_backward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
-  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true, s.batch, s.channels, s.spatial};
+  const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
+                      a.output.defined() ? 1 + int(a.grad_residual.defined()) : 0, s.batch, s.channels, s.spatial};
   if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
     cudnn_backward(a);
   } else {

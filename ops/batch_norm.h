@@ -2,8 +2,8 @@
 // batch_norm: normalises each channel of an [N, C, ...] input over the batch and spatial dims.
 //
 // Path from the public op to the kernels (ops/batch_norm.cpp):
-//   batch_norm  ->  checks, input seen as [N, C, S] in one of two memory layouts, parameters in the
-//                   accumulation dtype  ->  batch_norm_forward_kernel[device]
+//   batch_norm, batch_norm_relu  ->  checks, input seen as [N, C, S] in one of two memory layouts, parameters
+//                   in the accumulation dtype  ->  batch_norm_forward_kernel[device]
 //   backward    ->  batch_norm_backward_kernel[device]
 // CPU kernels: ops/batch_norm.cpp; CUDA kernels: ops/batch_norm.cu, our own for both layouts, and cuDNN's as a
 // second implementation of training (BatchNormBackend below).
@@ -32,6 +32,24 @@ namespace halfgrad {
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
 
+// ---- batch_norm with what follows it in a ResNet or VGG block, in one op (the fusion torch.compile makes):
+//   y = relu(batch_norm(input, ...) + residual)        residual undefined: y = relu(batch_norm(input, ...))
+// The same arguments and statistics as batch_norm. residual: input's shape, on its device; it is read in input's
+// dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
+// Why one op: apart, the normalised values are written, read back by the add, written, read by relu and written
+// again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask from y (which
+// the next layer keeps anyway) inside the normalisation's own passes instead of a pass of its own. Gradients: as
+// batch_norm's, and residual's, which is relu's gradient (g where y > 0, else 0).
+// In float32 and float64 y equals the separate ops' result exactly; in float16/bfloat16 it is rounded once
+// instead of after each op.
+Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
+                       const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
+                       double eps = 1e-5, const Tensor& residual = Tensor());
+// Off: batch_norm_relu runs the separate ops (batch_norm, add, relu) instead, for the whole process (default on):
+// to measure what the fusion saves (bench_train_step --unfused) or to rule it out.
+void set_batch_norm_relu_fusion(bool enabled);
+bool batch_norm_relu_fusion();
+
 // ---- kernels
 //
 // The input is seen as [N, C, S] in one of two layouts:
@@ -52,6 +70,8 @@ struct BatchNormForwardArgs {
   Tensor weight, bias;                 // or undefined
   Tensor running_mean, running_var;    // or undefined; updated in place when training
   Tensor save_mean, save_invstd;       // written: the mean and 1 / sqrt(var + eps) used to normalise
+  bool relu = false;                   // batch_norm_relu: output = relu(normalised + residual)
+  Tensor residual;                     // or undefined; the input's layout and dtype
   bool training = true;
   double momentum = 0.1, eps = 1e-5;
 };
@@ -60,9 +80,13 @@ struct BatchNormForwardArgs {
 //   grad_bias   = sum(g)                       grad_weight = sum(g * (x - mean)) * invstd
 //   grad_input  = weight * invstd * (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M)
 //                 in training; weight * invstd * g in eval (the statistics did not depend on x).
+// After batch_norm_relu, g above is the gradient that passes relu, where(output > 0, grad_output, 0), which is
+// also the residual's gradient.
 struct BatchNormBackwardArgs {
   BatchNormShape shape;
   Tensor grad_output, input;
+  Tensor output;                       // batch_norm_relu's output, whose sign masks grad_output; else undefined
+  Tensor grad_residual;                // or undefined: not wanted (only with output)
   Tensor weight;                       // or undefined
   Tensor save_mean, save_invstd;
   Tensor grad_input;                   // or undefined: not wanted

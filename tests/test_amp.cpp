@@ -105,6 +105,7 @@ TEST_CASE("every row of the cast table names an op that runs under autocast with
       {"min", [&] { min(x); }},
       {"argmax", [&] { argmax(x, 1); }},
       {"batch_norm", [&] { batch_norm(image, stats_mean, stats_var, gamma, beta, true); }},
+      {"batch_norm_relu", [&] { batch_norm_relu(image, stats_mean, stats_var, gamma, beta, true, 0.1, 1e-5, image); }},
   };
   for (const amp::OpRule& row : amp::kCastRules) {
     const std::string op(row.op);

@@ -506,3 +506,232 @@ TEST_CASE("CUDA batch_norm through cuDNN's kernels, and Auto's choice, match the
   MESSAGE("built without CUDA: skipped");
 #endif
 }
+
+// ---- batch_norm_relu: relu(batch_norm(x) + residual) as one op
+
+namespace {
+
+// The separate ops batch_norm_relu stands for.
+Tensor unfused_batch_norm_relu(const Tensor& x, const Tensor& rm, const Tensor& rv, const Tensor& w, const Tensor& b,
+                               bool training, const Tensor& residual) {
+  Tensor y = batch_norm(x, rm, rv, w, b, training);
+  return (residual.defined() ? y + residual : y).relu();
+}
+
+// Forward values, the running statistics and (with `grads`) every gradient of batch_norm_relu against the separate
+// ops, on `device`, with `tol` (0: bit for bit). Gradients are compared where relu's mask is the same on both sides:
+// in float16 a sum within rounding of 0 may be positive on one side and 0 on the other.
+void check_against_unfused(DType dt, Device device, bool cl, bool training, bool with_residual, double tol,
+                           bool grads = true) {
+  const std::string dtype = dtype_name(dt);
+  CAPTURE(dtype);
+  CAPTURE(cl);
+  CAPTURE(training);
+  CAPTURE(with_residual);
+  const Shape shape{6, 8, 3, 5};
+  const DType pt = dt == kFloat64 ? kFloat64 : kFloat32;
+  auto place = [&](const Tensor& t) { return cl ? channels_last(t.to(device)) : t.to(device); };
+  Tensor x = place((randn(shape) * 2 + 0.5).to(dt)), z = place(randn(shape).to(dt)), g = place(randn(shape).to(dt));
+  Tensor w = (rand({8}) + 0.5).to(pt).to(device), b = randn({8}).to(pt).to(device);
+  Tensor rm = randn({8}).to(pt).to(device), rv = (rand({8}) + 0.5).to(pt).to(device);
+  Tensor rm2 = rm.clone(), rv2 = rv.clone();
+  auto leaves = [&] {
+    return TensorList{x.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_(),
+                      z.detach().requires_grad_()};
+  };
+  TensorList f = leaves(), u = leaves();
+  Tensor yf = batch_norm_relu(f[0], rm, rv, f[1], f[2], training, 0.1, 1e-5, with_residual ? f[3] : Tensor());
+  Tensor yu = unfused_batch_norm_relu(u[0], rm2, rv2, u[1], u[2], training, with_residual ? u[3] : Tensor());
+  CHECK(yf.grad_fn()->name() == "BatchNormReluBackward");
+  CHECK(yf.dtype() == dt);
+  if (cl) CHECK(is_channels_last_layout(yf));
+  check_close(values(yf.cpu()), values(yu.cpu()), tol);
+  check_close(values(rm.cpu()), values(rm2.cpu()), 0);
+  check_close(values(rv.cpu()), values(rv2.cpu()), 0);
+  if (!grads) return;
+  yf.backward(g);
+  yu.backward(g);
+  for (int k = 0; k < (with_residual ? 4 : 3); ++k) {
+    CAPTURE(k);
+    check_close(values(f[size_t(k)].grad().cpu()), values(u[size_t(k)].grad().cpu()), tol);
+  }
+  if (!with_residual) CHECK_FALSE(f[3].grad().defined());
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm_relu equals relu(batch_norm(x) + residual) bit for bit in float64 and float32 on the CPU") {
+  manual_seed(420);
+  for (DType dt : {kFloat64, kFloat32})
+    for (bool cl : {false, true})
+      for (bool training : {true, false})
+        for (bool with_residual : {false, true})
+          check_against_unfused(dt, Device::cpu(), cl, training, with_residual, 0);
+}
+
+TEST_CASE("batch_norm_relu gradients match finite differences: input, weight, bias and residual, both layouts") {
+  manual_seed(421);
+  for (bool training : {true, false}) {
+    CAPTURE(training);
+    Tensor rm = randn({3}, {.dtype = kFloat64}), rv = rand({3}, {.dtype = kFloat64}) + 0.5;
+    auto f = [&](const TensorList& in) {
+      return batch_norm_relu(in[0], rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5, in[3]);
+    };
+    gradcheck(f, {leaf({4, 3, 2, 3}), leaf({3}), leaf({3}), leaf({4, 3, 2, 3})});
+    gradcheck(f, {leaf({5, 3}), leaf({3}), leaf({3}), Tensor()});
+    gradcheck([&](const TensorList& in) { return f({channels_last(in[0]), in[1], in[2], channels_last(in[3])}); },
+              {leaf({2, 3, 3, 2}), leaf({3}), leaf({3}), leaf({2, 3, 3, 2})});
+    // a residual in the other layout than the input
+    gradcheck([&](const TensorList& in) { return f({channels_last(in[0]), in[1], in[2], in[3]}); },
+              {leaf({2, 3, 3, 2}), Tensor(), Tensor(), leaf({2, 3, 3, 2})});
+  }
+}
+
+TEST_CASE("batch_norm_relu rounds a float16 or bfloat16 result once: within an ulp of the float64 result") {
+  manual_seed(422);
+  for (DType dt : {kFloat16, kBFloat16}) {
+    for (bool cl : {false, true}) {
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
+      CAPTURE(cl);
+      Tensor x = (randn({8, 4, 3, 3}) * 3).to(dt), z = randn({8, 4, 3, 3}).to(dt);
+      if (cl) x = channels_last(x), z = channels_last(z);
+      Tensor w = rand({4}) + 0.5, b = randn({4});
+      Tensor y = batch_norm_relu(x, Tensor(), Tensor(), w, b, true, 0.1, 1e-5, z);
+      CHECK(y.dtype() == dt);
+      // The float64 result from the same (rounded) inputs, rounded to dt: the kernel's float32 arithmetic lands on
+      // the same value or, next to a rounding boundary, on its neighbour.
+      Tensor exact = batch_norm_relu(x.to(kFloat64), Tensor(), Tensor(), w.to(kFloat64), b.to(kFloat64), true, 0.1,
+                                     1e-5, z.to(kFloat64));
+      check_close(values(y), values(exact.to(dt)), dt == kFloat16 ? 1e-3 : 8e-3);
+    }
+  }
+}
+
+TEST_CASE("batch_norm_relu errors name the op and the operands") {
+  Tensor x = randn({2, 3, 4, 4});
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string shape = message(
+      [&] { batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, randn({2, 3, 4})); });
+  CHECK(shape.find("batch_norm_relu") != std::string::npos);
+  CHECK(shape.find("residual") != std::string::npos);
+  CHECK(shape.find("[2, 3, 4]") != std::string::npos);
+  const std::string ints = message([&] {
+    batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, zeros({2, 3, 4, 4}, {.dtype = kInt64}));
+  });
+  CHECK(ints.find("floating-point residual") != std::string::npos);
+  CHECK(message([&] { batch_norm_relu(randn({1, 3}), Tensor(), Tensor(), Tensor(), Tensor(), true); })
+            .find("batch_norm_relu: expected more than 1 value per channel") != std::string::npos);
+}
+
+TEST_CASE("batch_norm_relu: only the residual's gradient wanted, and a float32 residual for a float64 input") {
+  manual_seed(423);
+  Tensor x = randn({4, 3, 2, 2}, {.dtype = kFloat64});
+  Tensor z = randn({4, 3, 2, 2}).requires_grad_();  // float32: read in the input's dtype, its gradient cast back
+  Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, z);
+  CHECK(y.dtype() == kFloat64);
+  Tensor g = randn({4, 3, 2, 2}, {.dtype = kFloat64});
+  y.backward(g);
+  REQUIRE(z.grad().defined());
+  CHECK(z.grad().dtype() == kFloat32);
+  check_close(values(z.grad()), values(where(y.detach().gt(0), g, 0).to(kFloat32)), 0);
+}
+
+TEST_CASE("Sequential runs a BatchNorm2d followed by a ReLU as batch_norm_relu, with the same values and gradients") {
+  manual_seed(424);
+  auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}});
+  auto bn = std::make_shared<nn::BatchNorm2d>(4);
+  auto seq = nn::sequential({conv, bn, std::make_shared<nn::ReLU>()});
+  Tensor x = randn({2, 3, 5, 5});
+  Tensor y = seq->forward(x);
+  CHECK(y.grad_fn()->name() == "BatchNormReluBackward");
+  y.sum().backward();
+  Tensor fused_grad = conv->weight.grad().clone();
+  conv->weight.set_grad(Tensor());
+  // the modules one by one: batch_norm, then relu (the running statistics move a second time: same batch)
+  Tensor u = bn->forward(conv->forward(x)).relu();
+  CHECK(u.grad_fn()->name() != "BatchNormReluBackward");
+  check_close(values(y), values(u), 0);
+  u.sum().backward();
+  check_close(values(conv->weight.grad()), values(fused_grad), 0);
+}
+
+TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and cuDNN's, every dtype and layout") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(425);
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn, BatchNormBackend::Auto}) {
+    const BackendGuard guard(backend);
+    CAPTURE(int(backend));
+    for (bool cl : {false, true})
+      for (bool training : {true, false})
+        for (bool with_residual : {false, true}) {
+          // float32 and float64: the same arithmetic as the separate ops (cuDNN's forward is cuDNN's either way)
+          check_against_unfused(kFloat64, Device::cuda(0), cl, training, with_residual, 1e-12);
+          check_against_unfused(kFloat32, Device::cuda(0), cl, training, with_residual, 1e-5);
+          // float16: one rounding instead of two with a residual; without one the same values (relu commutes with
+          // rounding) when both sides run the same implementation
+          check_against_unfused(kFloat16, Device::cuda(0), cl, training, with_residual, 4e-3,
+                                !with_residual && backend != BatchNormBackend::Auto);
+        }
+  }
+  // Against the CPU at a shape cuDNN takes (channels last, 64 channels), every gradient. The reference backward takes
+  // relu's mask from the GPU's output: in float16 and bfloat16 a sum within rounding of 0 may come out 0 on one side
+  // and one ulp above on the other (cuDNN's output is rounded before the residual is added), and the mask is y's.
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn}) {
+    const BackendGuard guard(backend);
+    for (DType dt : {kFloat32, kFloat16, kBFloat16}) {
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(int(backend));
+      CAPTURE(dtype);
+      const Shape shape{16, 64, 6, 6};
+      Tensor x = channels_last((randn(shape) * 2).to(dt)), z = channels_last(randn(shape).to(dt));
+      Tensor g = channels_last(randn(shape).to(dt)), w = rand({64}) + 0.5, b = randn({64});
+      auto leaves = [&](Device d) {  // new leaves on d; channels last again on the GPU (.to copies contiguous)
+        TensorList in;
+        for (const Tensor& t : {x, w, b, z}) {
+          Tensor placed = t.detach().to(d);
+          in.push_back((t.dim() == 4 && d.is_cuda() ? channels_last(placed) : placed).requires_grad_());
+        }
+        return in;
+      };
+      TensorList gpu = leaves(Device::cuda(0)), c = leaves(Device::cpu());
+      Tensor yg = batch_norm_relu(gpu[0], Tensor(), Tensor(), gpu[1], gpu[2], true, 0.1, 1e-5, gpu[3]);
+      yg.backward(channels_last(g.cuda()));
+      Tensor yc = batch_norm_relu(c[0], Tensor(), Tensor(), c[1], c[2], true, 0.1, 1e-5, c[3]);
+      const double tol = dt == kFloat32 ? 1e-4 : dt == kFloat16 ? 4e-3 : 3e-2;
+      check_close(values(yg.cpu()), values(yc), tol);
+      // the reference: batch_norm(x) + z on the CPU, given the gradient that passes the GPU's mask
+      const Tensor passed = where(yg.detach().cpu().gt(0), g, 0);
+      (batch_norm(c[0], Tensor(), Tensor(), c[1], c[2], true) + c[3]).backward(passed);
+      check_close(values(gpu[0].grad().cpu()), values(c[0].grad()), tol * 4);
+      check_close(values(gpu[1].grad().cpu()), values(c[1].grad()), 1e-3 + tol);
+      check_close(values(gpu[2].grad().cpu()), values(c[2].grad()), 1e-3 + tol);
+      check_close(values(gpu[3].grad().cpu()), values(passed), 0);
+      // and the masks differ only where the CPU's output is within rounding of 0
+      const std::vector<double> ycv = values(yc), ygv = values(yg.cpu());
+      int flips = 0;
+      for (size_t i = 0; i < ycv.size(); ++i) flips += (ycv[i] > 0) != (ygv[i] > 0) && std::abs(ycv[i]) > tol;
+      CHECK(flips == 0);
+    }
+  }
+  // Only the residual needs a gradient: the mask alone.
+  {
+    Tensor x = randn({8, 16, 4, 4}, {.device = Device::cuda(0)});
+    Tensor z = randn({8, 16, 4, 4}, {.device = Device::cuda(0)}).requires_grad_();
+    Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, z);
+    Tensor g = randn({8, 16, 4, 4}, {.device = Device::cuda(0)});
+    y.backward(g);
+    check_close(values(z.grad().cpu()), values(where(y.detach().gt(0), g, 0).cpu()), 0);
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}

@@ -13,7 +13,9 @@
 //   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
 //
 //   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
-//                    [--cuda-graph]
+//                    [--cuda-graph] [--unfused]
+//   --unfused   batch norm, the residual add and relu as separate ops (set_batch_norm_relu_fusion(false)): the step
+//               before batch_norm_relu, to measure what the fusion saves in the same run
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
@@ -42,6 +44,7 @@ struct Settings {
   std::vector<std::string> levels = {"O0", "O1", "O2", "O3"};
   bool nchw = false;
   bool cuda_graph = false;
+  bool unfused = false;
   int iters = 30, warmup = 5;
 };
 
@@ -52,7 +55,10 @@ int run(const Settings& s) {
   fmt::print("bench_train_step: halfgrad {} training step (CIFAR, 10 classes) on {}, {}, data on the GPU{}, median of "
              "{} steps after {} warm-up steps\n",
              s.model, cuda::device_name(0), s.nchw ? "NCHW" : "channels_last",
-             s.cuda_graph ? ", the step replayed as a CUDA graph" : "", s.iters, s.warmup);
+             std::string(s.cuda_graph ? ", the step replayed as a CUDA graph" : "") +
+                 (s.unfused ? ", batch norm / add / relu unfused" : ""),
+             s.iters, s.warmup);
+  set_batch_norm_relu_fusion(!s.unfused);
   fmt::print("{:<9} {:>6} {:<6} {:>9} {:>10} {:>9} {:>9}\n", "model", "batch", "level", "ms", "images/s", "host ms",
              "peak MiB");
   for (int64_t batch : s.batches) {
@@ -110,6 +116,8 @@ int main(int argc, char** argv) {
       CLI::IsMember({"O0", "O1", "O2", "O3"}));
   app.add_flag("--nchw", s.nchw, "NCHW batches instead of channels_last");
   app.add_flag("--cuda-graph", s.cuda_graph, "capture the step after two eager ones and replay it");
+  app.add_flag("--unfused", s.unfused, "batch norm, the residual add and relu as separate ops (the step before "
+               "batch_norm_relu)");
   app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(cli::integer_in<int>(0));
   CLI11_PARSE(app, argc, argv);
