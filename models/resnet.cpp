@@ -37,7 +37,9 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) {
 // relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)).
 Tensor BasicBlock::forward(const Tensor& x) {
   Tensor out = bn1->forward_relu(conv1->forward(x));
-  return bn2->forward_relu(conv2->forward(out), downsample ? downsample->forward(x) : x);
+  out = conv2->forward(out);
+  const Tensor shortcut = downsample ? downsample->forward(x) : x;  // after the main path, as PyTorch's block
+  return bn2->forward_relu(out, shortcut);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
@@ -53,7 +55,9 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = bn1->forward_relu(conv1->forward(x));
   out = bn2->forward_relu(conv2->forward(out));
-  return bn3->forward_relu(conv3->forward(out), downsample ? downsample->forward(x) : x);
+  out = conv3->forward(out);
+  const Tensor shortcut = downsample ? downsample->forward(x) : x;
+  return bn3->forward_relu(out, shortcut);
 }
 
 ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions opts) : options(opts) {

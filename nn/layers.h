@@ -191,8 +191,9 @@ class Identity : public Module {
   std::string type_name() const override { return "Identity"; }
 };
 
-// Runs its children in order, each one's output the next one's input. Children are named "0", "1", ...
-// (PyTorch's names, so "features.0.weight" matches).
+// Runs its children in order, each one's output the next one's input, except that a BatchNorm2d followed by a ReLU
+// runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called). Children are named "0", "1",
+// ... (PyTorch's names, so "features.0.weight" matches).
 class Sequential : public Module {
  public:
   Sequential() = default;

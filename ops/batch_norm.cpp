@@ -76,13 +76,24 @@ Tensor in_layout(const Tensor& t, bool channels_last) {
 // The accumulation dtype of the statistics and parameters.
 DType accumulation_dtype(DType input) { return input == kFloat64 ? kFloat64 : kFloat32; }
 
-void check_channel_tensor(const Tensor& t, const Tensor& input, int64_t channels, const char* what) {
+void check_channel_tensor(const char* op, const Tensor& t, const Tensor& input, int64_t channels, const char* what) {
   if (!t.defined()) return;
   HG_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),
-           "batch_norm: expected {} to be a floating-point [{}] tensor (one value per channel of input {}), got {}",
-           what, channels, input.meta(), t.meta());
-  HG_CHECK(t.device() == input.device(), "batch_norm: input {} and {} {} are on different devices", input.meta(), what,
+           "{}: expected {} to be a floating-point [{}] tensor (one value per channel of input {}), got {}", op, what,
+           channels, input.meta(), t.meta());
+  HG_CHECK(t.device() == input.device(), "{}: input {} and {} {} are on different devices", op, input.meta(), what,
            t.meta());
+}
+
+// batch_norm_relu's residual: the input's shape, floating point, on its device (checked before either path runs).
+void check_residual(const Tensor& input, const Tensor& residual) {
+  if (!residual.defined()) return;
+  HG_CHECK(input.defined(), "batch_norm_relu: the input is an undefined tensor");
+  HG_CHECK(residual.shape() == input.shape() && residual.is_floating_point(),
+           "batch_norm_relu: expected a floating-point residual of the input's shape, got input {} and residual {}",
+           input.meta(), residual.meta());
+  HG_CHECK(residual.device() == input.device(), "batch_norm_relu: input {} and residual {} are on different devices",
+           input.meta(), residual.meta());
 }
 
 }  // namespace
@@ -101,23 +112,16 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
            "{}: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", op, input.meta());
   const int64_t channels = input.size(1);
-  check_channel_tensor(weight, input, channels, "weight");
-  check_channel_tensor(bias, input, channels, "bias");
-  check_channel_tensor(running_mean, input, channels, "running_mean");
-  check_channel_tensor(running_var, input, channels, "running_var");
+  check_channel_tensor(op, weight, input, channels, "weight");
+  check_channel_tensor(op, bias, input, channels, "bias");
+  check_channel_tensor(op, running_mean, input, channels, "running_mean");
+  check_channel_tensor(op, running_var, input, channels, "running_var");
   HG_CHECK(running_mean.defined() == running_var.defined(),
            "{}: running_mean ({}) and running_var ({}) must both be given or both be undefined", op,
            running_mean.meta(), running_var.meta());
   HG_CHECK(training || running_mean.defined(),
            "{}: evaluation mode (training = false) normalises with running_mean and running_var, which are "
            "undefined (input {}); pass them, or use training = true for batch statistics", op, input.meta());
-  if (residual.defined()) {
-    HG_CHECK(residual.shape() == input.shape() && residual.is_floating_point(),
-             "{}: expected a floating-point residual of the input's shape, got input {} and residual {}", op,
-             input.meta(), residual.meta());
-    HG_CHECK(residual.device() == input.device(), "{}: input {} and residual {} are on different devices", op,
-             input.meta(), residual.meta());
-  }
 
   BatchNormShape shape{.batch = input.size(0), .channels = channels};
   for (int64_t d = 2; d < input.dim(); ++d) shape.spatial *= input.size(d);
@@ -207,6 +211,7 @@ Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Te
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps,
                        const Tensor& residual) {
   HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual);
+  check_residual(input, residual);
   if (!batch_norm_relu_fusion()) {
     const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps);
     return (residual.defined() ? y + residual.to(y.dtype()) : y).relu();
@@ -369,7 +374,7 @@ template <typename T, typename A> void batch_norm_backward_typed(const BatchNorm
   const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
   // The gradient that reaches the normalisation: after batch_norm_relu, only where the output is positive.
   const T* y = a.output.defined() ? a.output.data<T>() : nullptr;
-  auto grad = [&](int64_t at) { return y && !(A(y[at]) > A(0)) ? A(0) : A(g_out[at]); };
+  auto grad = [&](int64_t at) { return y ? relu_backward_math(A(g_out[at]), A(y[at])) : A(g_out[at]); };
   if (a.grad_residual.defined()) {
     T* gz = a.grad_residual.data<T>();
     for_each_element(s, [&](int64_t, int64_t at) { gz[at] = T(grad(at)); });

@@ -176,11 +176,8 @@ template <typename T> struct StatsReducer {
   }
 };
 
-// The gradient that reaches the normalisation: g, or after batch_norm_relu g where the output y is positive (the
-// mask of relu's backward, where(y > 0, g, 0)).
-template <typename A> __device__ __forceinline__ A passed(A g, A y) { return y > A(0) ? g : A(0); }
-
-// sum(g) and sum(g * (x - mean[c])); kMasked: of g masked by the output's sign (batch_norm_relu).
+// sum(g) and sum(g * (x - mean[c])); kMasked: of the g that passes relu, relu_backward_math(g, y) with y the output
+// (batch_norm_relu).
 template <typename T, bool kMasked = false> struct GradSumsReducer {
   using Input = T;
   using A = acc_t<T>;
@@ -199,7 +196,7 @@ template <typename T, bool kMasked = false> struct GradSumsReducer {
     for (int e = 0; e < N; ++e) {
       if (e < k) {
         A g = v[0][e];
-        if constexpr (kMasked) g = passed(g, v[2][e]);
+        if constexpr (kMasked) g = relu_backward_math(g, v[2][e]);
         s.dy += g;
         s.dy_xmu += g * (v[1][e] - m);
       }
@@ -226,7 +223,7 @@ template <typename T, bool kMasked = false> struct GradSumsReducer {
       for (int u = 0; u < U; ++u) {
         if (u < k) {
           A g = A(v[0][u].v[e]);
-          if constexpr (kMasked) g = passed(g, A(v[2][u].v[e]));
+          if constexpr (kMasked) g = relu_backward_math(g, A(v[2][u].v[e]));
           s.s[e].dy += g;
           s.s[e].dy_xmu += g * (A(v[1][u].v[e]) - m);
         }
@@ -615,7 +612,7 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kMasked) {
       const Vec<T, V> yv = load<T, V>(y + i);
 #pragma unroll
-      for (int e = 0; e < V; ++e) gv.v[e] = T(passed(A(gv.v[e]), A(yv.v[e])));
+      for (int e = 0; e < V; ++e) gv.v[e] = T(relu_backward_math(A(gv.v[e]), A(yv.v[e])));
       if (grad_residual != nullptr) store<T, V>(grad_residual + i, gv);
     }
     Vec<T, V> out;
@@ -654,15 +651,15 @@ __global__ void __launch_bounds__(kThreads)
     Vec<T, V> gv = load<T, V>(g + q * V);
     const Vec<T, V> yv = load<T, V>(y + q * V);
 #pragma unroll
-    for (int e = 0; e < V; ++e) gv.v[e] = T(passed(A(gv.v[e]), A(yv.v[e])));
+    for (int e = 0; e < V; ++e) gv.v[e] = T(relu_backward_math(A(gv.v[e]), A(yv.v[e])));
     store<T, V>(out + q * V, gv);
   }
 }
 
-// Launches kernel<T, V>(first, args..., vectors) over n elements with 16-byte vectors when n and every pointer allow.
+// Calls launch.template operator()<V>(blocks, vectors) for a flat pass over n values: V = 16 / sizeof(T) values a
+// vector when n and every pointer allow it, else V = 1.
 template <typename T, typename Launch>
-void launch_flat(int64_t n, Device device, std::initializer_list<const void*> pointers,
-                                                        const Launch& launch) {
+void launch_flat(int64_t n, Device device, std::initializer_list<const void*> pointers, const Launch& launch) {
   bool aligned = n % kVector<T> == 0;
   for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
   const int v = aligned ? kVector<T> : 1;
@@ -784,6 +781,7 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
   if (gz && !a.grad_input.defined()) relu_mask<T>(a.grad_residual, a.grad_output, a.output);
 
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
+  if (!need_sums && !a.grad_input.defined()) return;  // only the residual's gradient was wanted
   Tensor workspace, coef;
   const typename R::State* partial = nullptr;
   int splits = 0;
@@ -952,7 +950,7 @@ struct ChoiceKey {
   int device;
   DType dtype;
   bool channels_last, backward;
-  int epilogue;  // 0 none, 1 relu, 2 residual and relu (batch_norm_relu)
+  int epilogue;  // batch_norm_relu: 0 none, 1 relu, 2 forward with a residual / backward with its gradient wanted
   int64_t batch, channels, spatial;
   auto operator<=>(const ChoiceKey&) const = default;
 };
@@ -997,8 +995,8 @@ void own_backward(const BatchNormBackwardArgs& a) {
 void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !cudnn_takes(s, a.input.dtype(),
-                                  {&a.input, &a.output, &a.residual, &a.weight, &a.bias, &a.running_mean,
-                                   &a.running_var, &a.save_mean, &a.save_invstd})) {
+                                  {&a.input, &a.output, &a.weight, &a.bias, &a.running_mean, &a.running_var,
+                                   &a.save_mean, &a.save_invstd})) {
     return own_forward(a);
   }
   cuda::DeviceGuard guard(a.input.device());

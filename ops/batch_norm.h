@@ -40,8 +40,10 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 // again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask from y (which
 // the next layer keeps anyway) inside the normalisation's own passes instead of a pass of its own. Gradients: as
 // batch_norm's, and residual's, which is relu's gradient (g where y > 0, else 0).
-// In float32 and float64 y equals the separate ops' result exactly; in float16/bfloat16 it is rounded once
-// instead of after each op.
+// In float32 and float64 y equals the separate ops' result exactly where both run the same kernels (on CUDA the
+// implementation timed fastest may differ between the two forms: BatchNormBackend). In float16/bfloat16 our kernels
+// round y once instead of after each op; after cuDNN's kernels, whose output is rounded, the residual is added to it
+// and rounded again, as the separate ops do.
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
                        double eps = 1e-5, const Tensor& residual = Tensor());
@@ -55,8 +57,8 @@ bool batch_norm_relu_fusion();
 // The input is seen as [N, C, S] in one of two layouts:
 //   planes        (NCHW contiguous):             element (n, c, s) at (n * C + c) * S + s
 //   channels last (NHWC, and every [N, C] input): element (n, c, s) at (n * S + s) * C + c
-// Every per-element tensor of one call (input, output, grad_output, grad_input) has the same layout and
-// dtype T; every per-channel tensor is [C], contiguous, in the accumulation dtype A (float32, or float64
+// Every per-element tensor of one call (input, output, residual, grad_output, grad_input, grad_residual) has the same
+// layout and dtype T; every per-channel tensor is [C], contiguous, in the accumulation dtype A (float32, or float64
 // when T is float64).
 struct BatchNormShape {
   int64_t batch = 1, channels = 1, spatial = 1;
@@ -98,9 +100,9 @@ struct BatchNormBackwardArgs {
 // ---- which CUDA implementation runs training (set for the whole process; default Auto). cuDNN's kernels, the
 // ones PyTorch calls, keep a block's share of the activation on chip between the statistics and the
 // normalisation; they are faster than ours on the smaller shapes and slower on the larger.
-//   Auto   the first time a host thread meets a problem (device, dtype, layout, direction, N, C, spatial size)
-//          that both take, both run on its buffers and the faster is kept for it, as conv2d keeps its fastest
-//          algorithm
+//   Auto   the first time a host thread meets a problem (device, dtype, layout, direction, batch_norm_relu's
+//          epilogue, N, C, spatial size) that both take, both run on its buffers and the faster is kept for it, as
+//          conv2d keeps its fastest algorithm
 //   Own    always ours
 //   Cudnn  cuDNN's wherever it takes the problem: float16/float32, spatial size > 1, contiguous runs (channels in
 //          channels last, planes in NCHW) of whole 16-byte vectors, 16-byte aligned data, fewer than 2^31

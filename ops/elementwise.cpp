@@ -77,7 +77,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Rsqrt: return g * y * y * y * -0.5;         // d x^-1/2 = -1/2 x^-3/2
     case UnaryOp::Tanh: return g * (1 - y * y);               // d tanh = 1 - tanh^2
     case UnaryOp::Sigmoid: return g * y * (1 - y);            // d s = s (1 - s)
-    case UnaryOp::Relu: return where(y.gt(0), g, 0);         // 0 at x == 0, as PyTorch
+    case UnaryOp::Relu: return where(y.gt(0), g, 0);         // relu_backward_math (ops/elementwise_math.h)
     case UnaryOp::Sign: return zeros_like(g);
     default: HG_FAIL("{}: not differentiable", op_name(op));
   }

@@ -95,6 +95,10 @@ template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
   }
 }
 
+// relu's backward from its output: the gradient g passes where y > 0 and is 0 elsewhere (at x == 0 and for NaN, as
+// PyTorch's). unary_backward (ops/elementwise.cpp) applies it as where(y > 0, g, 0); batch_norm_relu's kernels inline.
+template <typename T> HG_HOST_DEVICE inline T relu_backward_math(T g, T y) { return y > T(0) ? g : T(0); }
+
 template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T b) {
   using std::pow;
   if constexpr (OP == BinaryOp::Add) return T(a + b);
