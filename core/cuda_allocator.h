@@ -46,12 +46,13 @@ void set_memory_limit(size_t bytes, int device = -1);
 size_t memory_limit(int device = -1);  // 0: none
 // The device's memory in bytes (cudaMemGetInfo's total).
 size_t device_memory(int device = -1);
-// Caching on (the default) or off. Off (also HALFGRAD_CUDA_NO_CACHING=1 in the environment, any value but 0, false,
-// no, off or empty; as PyTorch's PYTORCH_NO_CUDA_MEMORY_CACHING): every allocation is a cudaMalloc of its exact size,
-// returned with cudaFree when freed. Slow, but compute-sanitizer's memcheck then reports a kernel reading past a tensor's end, which inside a
-// cached segment lands in another block and goes unseen. Turning it off empties the cache, and segments that become
-// whole again go back to the driver as their last block is freed; cuda::Graph refuses to capture while it is off (a
-// graph's replays write the blocks its capture was given, which must stay allocated and its own).
+// Caching on (the default) or off. Off (also HALFGRAD_CUDA_NO_CACHING=1 in the environment, any value but 0, false, no,
+// off or empty; as PyTorch's PYTORCH_NO_CUDA_MEMORY_CACHING): every allocation is a cudaMalloc of its exact size,
+// returned with cudaFree when freed. Slow, but compute-sanitizer's memcheck then reports a kernel reading past a
+// tensor's end, which inside a cached segment lands in another block and goes unseen. Turning it off empties the cache,
+// and segments that become whole again go back to the driver as their last block is freed; cuda::Graph refuses to
+// capture while it is off (a graph's replays write the blocks its capture was given, which must stay allocated and its
+// own).
 bool caching();
 void set_caching(bool enabled);
 // Returns every cached (free) whole segment of every device to the driver with cudaFree. Memory still in

@@ -111,7 +111,8 @@ std::vector<std::string> replica_mismatches(dist::ProcessGroup& group, const Mod
     for (auto& named : module.named_buffers()) everything.push_back(std::move(named));
   std::vector<int64_t> hashes;  // int64 for the collectives: only equality matters
   for (const auto& [name, t] : everything) hashes.push_back(std::bit_cast<int64_t>(content_hash(t)));
-  // The counts first: ranks holding different numbers of tensors would otherwise meet in all-reduces of different sizes.
+  // The counts first: ranks holding different numbers of tensors would otherwise meet in all-reduces of different
+  // sizes.
   Tensor counts = tensor(std::vector<int64_t>{int64_t(hashes.size()), -int64_t(hashes.size())}).to(group.device());
   group.all_reduce(counts, dist::ReduceOp::Max)->wait();
   counts = counts.cpu();

@@ -52,23 +52,13 @@ bool is_channels_last_nd(const Tensor& t) {
   return next(0);
 }
 
-// An uninitialised tensor of `shape` ([N, C, ...]) in the given layout.
-Tensor empty_in_layout(const Shape& shape, DType dtype, Device device, bool channels_last) {
-  if (!channels_last || shape.size() <= 2) return empty(shape, {.dtype = dtype, .device = device});
-  Shape stored{shape[0]};  // [N, d1, ..., dk, C]
-  stored.insert(stored.end(), shape.begin() + 2, shape.end());
-  stored.push_back(shape[1]);
-  Dims order{0, int64_t(shape.size()) - 1};  // back to [N, C, d1, ..., dk]
-  for (int64_t d = 1; d + 1 < int64_t(shape.size()); ++d) order.push_back(d);
-  return empty(stored, {.dtype = dtype, .device = device}).permute(order);
-}
 
 // t (no autograd) in the given layout: itself when it already is, else a copy.
 Tensor in_layout(const Tensor& t, bool channels_last) {
   Tensor d = t.detach();
   if (!channels_last) return d.contiguous();
   if (is_channels_last_nd(d)) return d;
-  Tensor out = empty_in_layout(d.shape(), d.dtype(), d.device(), true);
+  Tensor out = batch_norm_empty(d.shape(), d.dtype(), d.device(), true);
   copy_kernel[d.device()](out, d);
   return out;
 }
@@ -97,6 +87,16 @@ void check_residual(const Tensor& input, const Tensor& residual) {
 }
 
 }  // namespace
+
+Tensor batch_norm_empty(const Shape& shape, DType dtype, Device device, bool channels_last) {
+  if (!channels_last || shape.size() <= 2) return empty(shape, {.dtype = dtype, .device = device});
+  Shape stored{shape[0]};  // [N, d1, ..., dk, C]
+  stored.insert(stored.end(), shape.begin() + 2, shape.end());
+  stored.push_back(shape[1]);
+  Dims order{0, int64_t(shape.size()) - 1};  // back to [N, C, d1, ..., dk]
+  for (int64_t d = 1; d + 1 < int64_t(shape.size()); ++d) order.push_back(d);
+  return empty(stored, {.dtype = dtype, .device = device}).permute(order);
+}
 
 // =====================================================================================================
 // 2. The op
@@ -137,7 +137,8 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                                       : Tensor();
   BatchNormForwardArgs args{.shape = shape,
                             .input = in_layout(input, shape.channels_last),
-                            .output = empty_in_layout(input.shape(), input.dtype(), input.device(), shape.channels_last),
+                            .output = batch_norm_empty(input.shape(), input.dtype(), input.device(),
+                                                       shape.channels_last),
                             .weight = parameter(weight),
                             .bias = parameter(bias),
                             .running_mean = parameter(running_mean),
@@ -165,7 +166,6 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
   // caller's input when it already was, so an in-place change to it is still caught); after relu, the output too.
-  if (!any_requires_grad({&input, &weight, &bias, &residual})) return args.output;
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual}, {args.output},
          [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op),
           y = relu ? SavedTensor(args.output, op) : SavedTensor(), mean = args.save_mean,
@@ -181,7 +181,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
            b.training = training;
            b.eps = eps;
            const Tensor& xs = b.input;
-           auto like_input = [&] { return empty_in_layout(xs.shape(), xs.dtype(), xs.device(), shape.channels_last); };
+           auto like_input = [&] { return batch_norm_empty(xs.shape(), xs.dtype(), xs.device(), shape.channels_last); };
            if (g.needs(0)) b.grad_input = like_input();
            if (g.needs(1)) b.grad_weight = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});
            if (g.needs(2)) b.grad_bias = empty({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()});

@@ -623,54 +623,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- relu's epilogue and mask as passes of their own, over tensors of one layout seen as flat arrays: what
-// batch_norm_relu adds to cuDNN's kernels when they are the faster (cuDNN's own fused forms need a reserve space
-// and take fewer problems).
-
-// y = relu(y + z) in place (z null: relu(y)).
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads)
-    relu_epilogue_kernel(T* __restrict__ y, const T* __restrict__ z, int64_t vectors) {
-  using A = acc_t<T>;
-  for (int64_t q = int64_t(blockIdx.x) * kThreads + threadIdx.x; q < vectors; q += int64_t(gridDim.x) * kThreads) {
-    Vec<T, V> yv = load<T, V>(y + q * V);
-    Vec<T, V> zv;
-    if (z != nullptr) zv = load<T, V>(z + q * V);
-#pragma unroll
-    for (int e = 0; e < V; ++e) yv.v[e] = T(unary_math<UnaryOp::Relu>(A(yv.v[e]) + (z != nullptr ? A(zv.v[e]) : A(0))));
-    store<T, V>(y + q * V, yv);
-  }
-}
-
-// out = where(y > 0, g, 0).
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads)
-    relu_mask_kernel(T* __restrict__ out, const T* __restrict__ g, const T* __restrict__ y, int64_t vectors) {
-  using A = acc_t<T>;
-  for (int64_t q = int64_t(blockIdx.x) * kThreads + threadIdx.x; q < vectors; q += int64_t(gridDim.x) * kThreads) {
-    Vec<T, V> gv = load<T, V>(g + q * V);
-    const Vec<T, V> yv = load<T, V>(y + q * V);
-#pragma unroll
-    for (int e = 0; e < V; ++e) gv.v[e] = T(relu_backward_math(A(gv.v[e]), A(yv.v[e])));
-    store<T, V>(out + q * V, gv);
-  }
-}
-
-// Calls launch.template operator()<V>(blocks, vectors) for a flat pass over n values: V = 16 / sizeof(T) values a
-// vector when n and every pointer allow it, else V = 1.
-template <typename T, typename Launch>
-void launch_flat(int64_t n, Device device, std::initializer_list<const void*> pointers, const Launch& launch) {
-  bool aligned = n % kVector<T> == 0;
-  for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-  const int v = aligned ? kVector<T> : 1;
-  const int64_t blocks =
-      std::min<int64_t>(16 * int64_t(multiprocessors(device.index)), (n / v + kThreads - 1) / kThreads);
-  if (aligned) {
-    launch.template operator()<kVector<T>>(unsigned(std::max<int64_t>(blocks, 1)), n / v);
-  } else {
-    launch.template operator()<1>(unsigned(std::max<int64_t>(blocks, 1)), n);
-  }
-}
+// ---- relu's epilogue and mask as elementwise passes of their own (ops/cuda_loops.cuh): what batch_norm_relu adds to
+// cuDNN's kernels when they are the faster (cuDNN's own fused forms need a reserve space and take fewer problems), and
+// the residual's gradient alone when the input's is not wanted.
+template <typename T> struct ReluOfSum {
+  __device__ T operator()(T y, T z) const { return T(unary_math<UnaryOp::Relu>(acc_t<T>(y) + acc_t<T>(z))); }
+};
+template <typename T> struct ReluOf {
+  __device__ T operator()(T y) const { return T(unary_math<UnaryOp::Relu>(acc_t<T>(y))); }
+};
+template <typename T> struct ReluPasses {
+  __device__ T operator()(T g, T y) const { return T(relu_backward_math(acc_t<T>(g), acc_t<T>(y))); }
+};
 
 // Calls launch(first_element, count, blocks) for runs of whole samples of fewer than 2^31 elements; blocks
 // covers count / v vectors. In rows, blocks * kThreads is a multiple of the C / v vectors of a row (the apply
@@ -755,15 +719,10 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
   });
 }
 
-// grad_residual, or a scratch tensor, = where(y > 0, g, 0): the gradient batch_norm_relu's normalisation receives.
+// out = where(y > 0, g, 0): the gradient batch_norm_relu's normalisation receives (the residual's, or a scratch
+// tensor in the layout of g).
 template <typename T> void relu_mask(const Tensor& out, const Tensor& g, const Tensor& y) {
-  const Device device = g.device();
-  cudaStream_t stream = cuda::current_stream(device);
-  launch_flat<T>(g.numel(), device, {out.data_ptr(), g.data_ptr(), y.data_ptr()},
-                 [&]<int V>(unsigned blocks, int64_t n) {
-                   relu_mask_kernel<T, V><<<blocks, kThreads, 0, stream>>>(out.data<T>(), g.data<T>(), y.data<T>(), n);
-                 });
-  HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
+  cuda::launch_elementwise<T, T, T>("batch_norm_relu", out, ReluPasses<T>{}, {g, y});
 }
 
 template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardArgs& a) {
@@ -902,24 +861,23 @@ void cudnn_forward(const BatchNormForwardArgs& a) {
                  "batch_norm");
   if (!a.relu) return;
   dispatch_floating(a.input.dtype(), "batch_norm_relu", [&]<typename T>() {
-    const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
-    launch_flat<T>(a.output.numel(), device, {a.output.data_ptr(), z}, [&]<int V>(unsigned blocks, int64_t n) {
-      relu_epilogue_kernel<T, V><<<blocks, kThreads, 0, cuda::current_stream(device)>>>(a.output.data<T>(), z, n);
-    });
+    if (a.residual.defined()) {
+      cuda::launch_elementwise<T, T, T>("batch_norm_relu", a.output, ReluOfSum<T>{}, {a.output, a.residual});
+    } else {
+      cuda::launch_elementwise<T, T>("batch_norm_relu", a.output, ReluOf<T>{}, {a.output});
+    }
   });
-  HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
 }
 
 void cudnn_backward(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
   const CudnnProblem p(s, a.input, "batch_norm_backward");
-  // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted (a flat
-  // buffer in the gradient's memory order otherwise).
+  // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted.
   Tensor g = a.grad_output;
   if (a.output.defined()) {
     g = a.grad_residual.defined() ? a.grad_residual
-                                  : empty({a.grad_output.numel()}, {.dtype = a.grad_output.dtype(), .device = device});
+                                  : batch_norm_empty(g.shape(), g.dtype(), device, s.channels_last);
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
                       [&]<typename T>() { relu_mask<T>(g, a.grad_output, a.output); });
   }

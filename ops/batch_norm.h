@@ -60,6 +60,9 @@ bool batch_norm_relu_fusion();
 // Every per-element tensor of one call (input, output, residual, grad_output, grad_input, grad_residual) has the same
 // layout and dtype T; every per-channel tensor is [C], contiguous, in the accumulation dtype A (float32, or float64
 // when T is float64).
+// An uninitialised per-element tensor of `shape` ([N, C, ...]) in one of those layouts (channels_last: C innermost).
+Tensor batch_norm_empty(const Shape& shape, DType dtype, Device device, bool channels_last);
+
 struct BatchNormShape {
   int64_t batch = 1, channels = 1, spatial = 1;
   bool channels_last = false;

@@ -731,7 +731,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
   // Data parallel: rank 0's weights everywhere and the gradients averaged by the wrapper's hooks (into the buckets'
-  // views); the steps call the model's own forward (it takes the recurrent state; a language model has no buffers to share).
+  // views); the steps call the model's own forward (it takes the recurrent state; a language model has no buffers to
+  // share).
   std::shared_ptr<nn::DistributedDataParallel> ddp;
   if (c.group) {
     ddp = std::make_shared<nn::DistributedDataParallel>(
