@@ -31,9 +31,15 @@ constinit KernelTable<RnnLoopBackwardKernel> rnn_loop_backward_kernel("rnn backw
 
 namespace {
 std::atomic<RnnCudaLoop> g_cuda_loop{RnnCudaLoop::Fastest};
+std::atomic<int> g_batch_groups{0};
 }  // namespace
 void set_rnn_cuda_loop(RnnCudaLoop loop) { g_cuda_loop.store(loop); }
 RnnCudaLoop rnn_cuda_loop() { return g_cuda_loop.load(std::memory_order_relaxed); }
+void set_rnn_batch_groups(int groups) {
+  HG_CHECK(groups >= 0, "set_rnn_batch_groups: groups must be 0 (chosen) or positive, got {}", groups);
+  g_batch_groups.store(groups);
+}
+int rnn_batch_groups() { return g_batch_groups.load(std::memory_order_relaxed); }
 
 DType rnn_acc_dtype(DType storage) { return storage == kFloat64 ? kFloat64 : kFloat32; }
 

@@ -2,18 +2,20 @@
 // T steps each, in one of two ways; both run the cell arithmetic of ops/rnn_cell.h. ops/rnn.cpp drives them.
 //
 //   persistent   one cooperative launch for the whole loop. Block k owns `units` consecutive hidden units j (the
-//                units spread over every SM) and keeps the part of W_hh they need in shared memory for all T steps:
-//                forward, the G rows g H + j (the recurrent products of its own gates), backward, the columns j (the
-//                recurrent gradient reaching its own units). Per step every block copies the previous step's h of
-//                all units from L2 into shared memory (forward) or reads the next step's pre-activation gradients
-//                from L2 (backward), computes its products on CUDA cores (a warp: 4 batch rows by 4 rows or by the
-//                block's units, the lanes over the reduction, then a shuffle reduction; a float16/bfloat16 forward
-//                of kTensorCoreHidden units and more on tensor cores, below), runs the cell of its own
-//                units, and waits at a grid-wide barrier (about 1 µs on an H200). Measured on the H200 (LM shapes,
-//                batch 20, 35 steps): 4-9 µs a step, where cuBLAS's GEMM of a batch of 20 by a 650-unit LSTM's W_hh
-//                alone takes ~10 µs in float32 (latency, not arithmetic) and ~6 µs in float16. Taken when the blocks
-//                fit on the GPU at once (one per SM), the slices fit in shared memory and, backward, a block has at
-//                most 8 units (H <= 8 x the SMs).
+//                units spread over every SM) for one group of batch rows (Partition: from a batch of 16 up the
+//                batch is split in two, each block with twice the units; batch_groups below) and keeps the part of
+//                W_hh its units need in shared memory for all T steps: forward, the G rows g H + j (the recurrent
+//                products of its own gates), backward, the columns j (the recurrent gradient reaching its own
+//                units). Per step every block copies its group's rows of the previous step's h (all units) from L2
+//                into shared memory (forward) or reads those rows of the next step's pre-activation gradients from
+//                L2 (backward), computes its products on CUDA cores (a warp: 4 or 5 batch rows by as many rows, or
+//                2-4 batch rows by the block's units, the lanes over the reduction, then a shuffle reduction; a
+//                float16/bfloat16 forward of kTensorCoreHidden units and more on tensor cores, below), runs the cell
+//                of its own units and rows, and waits at a grid-wide barrier (about 1 µs on an H200). Measured on
+//                the H200 (LM shapes, batch 20, 35 steps): 4-9 µs a step, where cuBLAS's GEMM of a batch of 20 by a
+//                650-unit LSTM's W_hh alone takes ~10 µs in float32 (latency, not arithmetic) and ~6 µs in float16.
+//                Taken when the blocks fit on the GPU at once (one per SM), the slices fit in shared memory and,
+//                backward, a block has at most 12 units (H <= 12 x the SMs / the groups).
 //   steps        per step a cuBLAS GEMM (gemm_dense) and cell_kernel, one thread per (row, unit); the T steps
 //                are captured once as a CUDA graph and replayed while the buffers repeat (cuda::run_as_graph).
 //                Where the persistent kernel does not fit, or is slower.
@@ -34,6 +36,7 @@
 #include <functional>
 #include <map>
 #include <type_traits>
+#include <vector>
 
 #include "core/cuda.h"
 #include "core/log.h"
@@ -116,9 +119,27 @@ void backward_steps(const RnnLoopBackwardArgs& a) {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-// A warp's share of a step's products: kTile batch rows by kTile W_hh rows (forward) or by all the block's units
-// (backward), each lane summing over every 32nd 16-byte chunk (forward) or element (backward) of the reduction.
+// A warp's share of a step's products: TILE batch rows by TILE W_hh rows (forward; TILE 4 or 5, forward_tile below)
+// or kTile batch rows by all the block's units (backward; 2 rows for 12 units), each lane summing over every 32nd
+// 16-byte chunk (forward) or element (backward) of the reduction.
 constexpr int kTile = 4;
+
+// How a layer is shared out: block k owns `units` consecutive hidden units, from unit (k / groups) units, for the
+// `rows` consecutive batch rows of group k % groups, from row (k % groups) rows (the last group may have fewer, or
+// none). Each step a block reads only its group's rows of h (forward) or of the gate gradients (backward).
+struct Partition {
+  int units = 0, rows = 0, groups = 1;
+};
+struct BlockShare {
+  int j0, U, b0, rows;  // the block's first unit and its count, its first batch row and its count
+  __device__ BlockShare(const Partition& p, int H, int B) {
+    const int group = int(blockIdx.x) % p.groups;
+    j0 = int(blockIdx.x) / p.groups * p.units;
+    U = min(p.units, H - j0);
+    b0 = group * p.rows;
+    rows = max(0, min(p.rows, B - b0));
+  }
+};
 
 template <RnnKind K> constexpr int kGates = K == RnnKind::LSTM ? 4 : K == RnnKind::GRU ? 3 : 1;
 template <typename S> constexpr int kVec = 16 / int(sizeof(S));  // elements in a 16-byte load
@@ -185,13 +206,22 @@ template <int n, int offset, int N, typename A> __device__ void warp_sum_level(A
   }
 }
 
-// Sums each of N values (16 or 32) over the warp's 32 lanes with N shuffles instead of 5 N: at each level a lane keeps
-// half its values and adds its partner's copies of them. Afterwards lane l holds the total of value l (N = 32) or of
-// value l / 2 (N = 16, both lanes of a pair).
-template <int N, typename A> __device__ A warp_sum(A (&v)[N]) {
-  static_assert(N == 16 || N == 32, "the levels assume 16 or 32 values and 32 lanes");
-  warp_sum_level<N, 16>(v, int(threadIdx.x % 32));
-  return N == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
+// Sums each of N values (up to 32) over the warp's 32 lanes with P shuffles instead of 5 N, P = 16 for N <= 16, else
+// 32 (the values padded with zeros): at each level a lane keeps half its values and adds its partner's copies of
+// them. Afterwards lane l holds the total of value warp_sum_value<N>(l).
+template <int N> constexpr int kWarpSumSlots = N <= 16 ? 16 : 32;
+template <int N> __device__ int warp_sum_value(int lane) { return kWarpSumSlots<N> == 32 ? lane : lane / 2; }
+template <int N> __device__ bool warp_sum_writer(int lane) {
+  return (kWarpSumSlots<N> == 32 || lane % 2 == 0) && warp_sum_value<N>(lane) < N;  // one lane per value
+}
+template <int N, typename A> __device__ A warp_sum(const A (&values)[N]) {
+  static_assert(N <= 32, "at most one value a lane");
+  constexpr int P = kWarpSumSlots<N>;
+  A v[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) v[i] = i < N ? values[i] : A(0);
+  warp_sum_level<P, 16>(v, int(threadIdx.x % 32));
+  return P == 32 ? v[0] : v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
 }
 
 // Copies `rows` rows of `cols` elements from global memory (written by other blocks during this launch) into shared
@@ -247,25 +277,19 @@ template <typename S> using WmmaType = std::conditional_t<std::is_same_v<S, Half
 constexpr int kMma = 16;  // a WMMA tile's side
 
 // The forward's shared memory, in elements of S: w [rows][stride], row g U + u = W_hh's row g H + j0 + u (U the
-// block's units), then h_prev [h_rows][stride]; rows and columns padded with zeros to whole tiles and 16-byte
-// chunks, so the products need no bounds. On tensor cores the tiles are 16 x 16 and a row has an odd number of
-// 16-byte chunks (the 8 rows a tile load reads at once fall in different banks); then, after the rows, one float32
-// 16 x 16 tile per warp for the products' partial sums.
+// block's units), then h_prev [h_rows][stride] (the group's batch rows); rows and columns padded with zeros to whole
+// tiles (`tile`, 16 on tensor cores) and 16-byte chunks, so the products need no bounds. On tensor cores a row has
+// an odd number of 16-byte chunks (the 8 rows a tile load reads at once fall in different banks); then, after the
+// rows, one float32 16 x 16 tile per warp for the products' partial sums.
 struct ForwardLayout {
   int stride, rows, h_rows, partials;
-  HG_HOST_DEVICE ForwardLayout(int64_t G, int64_t units, int64_t H, int64_t B, int vec, bool tensor_cores) {
-    if (tensor_cores) {
-      const int k = round_up(int(H), kMma);
-      stride = k + ((k / vec) % 2 == 0 ? vec : 0);
-      rows = round_up(int(G * units), kMma);
-      h_rows = round_up(int(B), kMma);
-      partials = kWarps * kMma * kMma;
-    } else {
-      stride = round_up(int(H), vec);
-      rows = round_up(int(G * units), kTile);
-      h_rows = round_up(int(B), kTile);
-      partials = 0;
-    }
+  HG_HOST_DEVICE ForwardLayout(int64_t G, const Partition& p, int64_t H, int vec, int tile) {
+    const bool tensor_cores = tile == kMma;
+    const int k = round_up(int(H), tensor_cores ? kMma : vec);
+    stride = tensor_cores && (k / vec) % 2 == 0 ? k + vec : k;
+    rows = round_up(int(G * p.units), tile);
+    h_rows = round_up(p.rows, tile);
+    partials = tensor_cores ? kWarps * kMma * kMma : 0;
   }
   HG_HOST_DEVICE size_t w_elements() const { return size_t(rows) * stride; }
   HG_HOST_DEVICE size_t elements() const { return w_elements() + size_t(h_rows) * stride; }
@@ -279,7 +303,7 @@ struct ForwardLayout {
 // warp works; each warp's float32 tile goes to `partials`, and the threads then add a tile's splits.
 template <typename S>
 __device__ void tensor_core_products(const S* w, const S* h, float* partials, float* gh, const ForwardLayout& layout,
-                                     int G, int H, int B, int U, int j0) {
+                                     int G, int H, const BlockShare& my) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   if constexpr (std::is_same_v<S, BFloat16>) {  // bfloat16 WMMA needs sm_80: the host does not choose it below
     __trap();
@@ -309,24 +333,27 @@ __device__ void tensor_core_products(const S* w, const S* h, float* partials, fl
   }
   __syncthreads();
   // With tiles > kWarps a warp kept only its last tile: the plan allows tiles * splits <= kWarps here.
-  const int R = G * U;
-  for (int e = threadIdx.x; e < B * R; e += kThreads) {
+  const int U = my.U, R = G * U;
+  for (int e = threadIdx.x; e < my.rows * R; e += kThreads) {
     const int b = e / R, r = e % R, tile = (b / kMma) * n_tiles + r / kMma, at = (b % kMma) * kMma + r % kMma;
     float sum = 0;
     for (int split = 0; split < splits; ++split) sum += partials[(split * tiles + tile) * kMma * kMma + at];
-    gh[b * G * H + (r / U) * H + j0 + r % U] = sum;
+    gh[(my.b0 + b) * G * H + (r / U) * H + my.j0 + r % U] = sum;
   }
   }
 }
 
-template <typename S, RnnKind K, bool TC>
-__global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopForwardArgs a, int units) {
+// TILE: the CUDA-core products' tile (4 or 5), or kMma for the products on tensor cores.
+template <typename S, RnnKind K, int TILE>
+__global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopForwardArgs a, Partition p) {
   using A = opmath_t<S>;
   constexpr int G = kGates<K>, V = kVec<S>;
+  constexpr bool TC = TILE == kMma;
   extern __shared__ __align__(128) unsigned char shared[];
   const int H = int(a.hidden), B = int(a.batch), T = int(a.steps);
-  const int j0 = int(blockIdx.x) * units, U = min(units, H - j0), R = G * U;
-  const ForwardLayout layout(G, units, H, B, V, TC);
+  const BlockShare my(p, H, B);
+  const int j0 = my.j0, U = my.U, R = G * U;
+  const ForwardLayout layout(G, p, H, V, TILE);
   const int stride = layout.stride;
   S* w = reinterpret_cast<S*>(shared);
   S* h = w + layout.w_elements();
@@ -341,58 +368,68 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
   __syncthreads();
   A* gh = static_cast<A*>(a.gh);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int chunks = stride / V, b_tiles = layout.h_rows / kTile, r_tiles = layout.rows / kTile;
+  constexpr int kT = TC ? 1 : TILE;  // (the CUDA-core loop below is not compiled for tensor cores)
+  const int chunks = stride / V, b_tiles = layout.h_rows / kT, r_tiles = layout.rows / kT;
   const cg::grid_group grid = cg::this_grid();
   for (int t = 0; t < T; ++t) {
     const rnn_cell::Forward<S> cell(a, G, t);
-    stage_rows(h, stride, cell.h_prev, B, H);
+    stage_rows(h, stride, cell.h_prev + size_t(my.b0) * H, my.rows, H);
     __syncthreads();
-    if constexpr (TC) tensor_core_products(w, h, partials, gh, layout, G, H, B, U, j0);
+    if constexpr (TC) tensor_core_products(w, h, partials, gh, layout, G, H, my);
     for (int task = warp; !TC && task < b_tiles * r_tiles; task += kWarps) {
-      const int b0 = (task / r_tiles) * kTile, r0 = (task % r_tiles) * kTile;
+      const int b0 = (task / r_tiles) * kT, r0 = (task % r_tiles) * kT;
       const S* h_rows = h + b0 * stride;
       const S* w_rows = w + r0 * stride;
-      A acc[kTile * kTile] = {};
+      A acc[kT * kT] = {};
       for (int c = lane; c < chunks; c += 32) {
-        A hv[kTile][V], wv[kTile][V];
+        A hv[kT][V], wv[kT][V];
 #pragma unroll
-        for (int i = 0; i < kTile; ++i) load_widened<S, V>(h_rows + i * stride + c * V, hv[i]);
+        for (int i = 0; i < kT; ++i) load_widened<S, V>(h_rows + i * stride + c * V, hv[i]);
 #pragma unroll
-        for (int q = 0; q < kTile; ++q) load_widened<S, V>(w_rows + q * stride + c * V, wv[q]);
+        for (int q = 0; q < kT; ++q) load_widened<S, V>(w_rows + q * stride + c * V, wv[q]);
 #pragma unroll
-        for (int i = 0; i < kTile; ++i)
+        for (int i = 0; i < kT; ++i)
 #pragma unroll
-          for (int q = 0; q < kTile; ++q)
+          for (int q = 0; q < kT; ++q)
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[i * kTile + q] += hv[i][v] * wv[q][v];
+            for (int v = 0; v < V; ++v) acc[i * kT + q] += hv[i][v] * wv[q][v];
       }
-      const A sum = warp_sum<kTile * kTile>(acc);
-      const int b = b0 + (lane / 2) / kTile, r = r0 + (lane / 2) % kTile;
-      if (lane % 2 == 0 && b < B && r < R) gh[b * G * H + (r / U) * H + j0 + r % U] = sum;
+      const A sum = warp_sum<kT * kT>(acc);
+      const int value = warp_sum_value<kT * kT>(lane), b = b0 + value / kT, r = r0 + value % kT;
+      if (warp_sum_writer<kT * kT>(lane) && b < my.rows && r < R)
+        gh[(my.b0 + b) * G * H + (r / U) * H + j0 + r % U] = sum;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < B * U; e += kThreads) cell.template operator()<K>(e / U, j0 + e % U);
+    for (int e = threadIdx.x; e < my.rows * U; e += kThreads) cell.template operator()<K>(my.b0 + e / U, j0 + e % U);
     grid.sync();
   }
 }
 
 // The backward's shared memory: w (A-aligned) holds w[r][u] = W_hh[r][j0 + u] (zero for u >= U) in chunks of
-// kChunk<S, UP> units (16 bytes, or all UP units where they take fewer), chunk by chunk: [UP / chunk][G H][chunk].
+// kChunk<S, UP> units (the most that divide UP and take at most 16 bytes), chunk by chunk: [UP / chunk][G H][chunk].
 // Lanes read consecutive rows, so a warp's loads of one chunk are consecutive (one row of UP float32 units, 32 bytes,
 // read row by row, cost each load twice the shared-memory wavefronts: ncu counted 49% of them excess, 2026-12-02).
-// Then the step's sums [B][UP] in A, to which the warps sharing a batch tile add their parts.
-template <typename S, int UP> constexpr int kChunk = UP < kVec<S> ? UP : kVec<S>;
+// Then the step's sums [rows][UP] in A, to which the warps sharing a batch tile add their parts.
+template <typename S> constexpr int chunk_units(int up) {
+  int c = kVec<S>;
+  while (up % c != 0) c /= 2;
+  return c;
+}
+template <typename S, int UP> constexpr int kChunk = chunk_units<S>(UP);
+// A warp's batch rows in the backward's products: its kTile-by-UP sums stay in 32 registers at most.
+template <int UP> constexpr int kBackwardRows = 32 / UP < kTile ? 32 / UP : kTile;
 template <typename S, typename A> HG_HOST_DEVICE size_t backward_weights_bytes(int64_t G, int64_t H, int up) {
   return (size_t(G * H * up) * sizeof(S) + sizeof(A) - 1) / sizeof(A) * sizeof(A);
 }
 
 template <typename S, RnnKind K, int UP>
-__global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBackwardArgs a, int units) {
+__global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBackwardArgs a, Partition p) {
   using A = opmath_t<S>;
-  constexpr int G = kGates<K>;
+  constexpr int G = kGates<K>, kR = kBackwardRows<UP>;
   extern __shared__ __align__(128) unsigned char shared[];
   const int H = int(a.hidden), B = int(a.batch), T = int(a.steps), GH = G * H;
-  const int j0 = int(blockIdx.x) * units, U = min(units, H - j0);
+  const BlockShare my(p, H, B);
+  const int j0 = my.j0, U = my.U, rows = my.rows;
   S* w = reinterpret_cast<S*>(shared);
   A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));
   const S* w_hh = static_cast<const S*>(a.w_hh);
@@ -406,28 +443,29 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
   A* dh = static_cast<A*>(a.dh);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Batch tiles by slices of the reduction: enough tasks for every warp.
-  const int b_tiles = (B + kTile - 1) / kTile, splits = max(1, kWarps / b_tiles);
+  const int b_tiles = (rows + kR - 1) / kR, splits = max(1, kWarps / max(1, b_tiles));
   const int slice = round_up((GH + splits - 1) / splits, 32);
   const cg::grid_group grid = cg::this_grid();
   for (int t = T - 1; t >= 0; --t) {
     if (t + 1 < T) {
-      for (int e = threadIdx.x; e < B * UP; e += kThreads) sums[e] = A(0);
+      for (int e = threadIdx.x; e < rows * UP; e += kThreads) sums[e] = A(0);
       __syncthreads();
-      const S* next = rnn_cell::Backward<S>(a, G, t + 1).recurrent_gradient();
+      const S* next = rnn_cell::Backward<S>(a, G, t + 1).recurrent_gradient() + size_t(my.b0) * GH;
       for (int task = warp; task < b_tiles * splits; task += kWarps) {
-        const int b0 = (task / splits) * kTile, r_begin = (task % splits) * slice, r_end = min(GH, r_begin + slice);
-        const S* rows[kTile];  // rows past the batch read its last row; their sums are dropped
+        const int b0 = (task / splits) * kR, r_begin = (task % splits) * slice, r_end = min(GH, r_begin + slice);
+        const S* grad_rows[kR];  // rows past the group's read its last row; their sums are dropped
 #pragma unroll
-        for (int i = 0; i < kTile; ++i) rows[i] = next + size_t(min(b0 + i, B - 1)) * GH;
-        A acc[kTile * UP] = {};
+        for (int i = 0; i < kR; ++i) grad_rows[i] = next + size_t(min(b0 + i, rows - 1)) * GH;
+        A acc[kR * UP] = {};
         // The gradients come from L2: kDepth elements' loads are issued before their products.
         constexpr int kDepth = 4;
         for (int r0 = r_begin + lane; r0 < r_end; r0 += 32 * kDepth) {
-          A dv[kDepth][kTile];
+          A dv[kDepth][kR];
 #pragma unroll
           for (int d = 0; d < kDepth; ++d)
 #pragma unroll
-            for (int i = 0; i < kTile; ++i) dv[d][i] = r0 + 32 * d < r_end ? A(load_cg(rows[i] + r0 + 32 * d)) : A(0);
+            for (int i = 0; i < kR; ++i)
+              dv[d][i] = r0 + 32 * d < r_end ? A(load_cg(grad_rows[i] + r0 + 32 * d)) : A(0);
 #pragma unroll
           for (int d = 0; d < kDepth; ++d) {
             const int r = min(r0 + 32 * d, r_end - 1);  // beyond the end dv is 0
@@ -440,28 +478,30 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
               for (int v = 0; v < kC; ++v) wv[q * kC + v] = part[v];
             }
 #pragma unroll
-            for (int i = 0; i < kTile; ++i)
+            for (int i = 0; i < kR; ++i)
 #pragma unroll
               for (int u = 0; u < UP; ++u) acc[i * UP + u] += dv[d][i] * wv[u];
           }
         }
-        const A sum = warp_sum<kTile * UP>(acc);
-        const int value = kTile * UP == 32 ? lane : lane / 2, b = b0 + value / UP, u = value % UP;
-        if ((kTile * UP == 32 || lane % 2 == 0) && b < B && u < U) atomicAdd(&sums[b * UP + u], sum);
+        const A sum = warp_sum<kR * UP>(acc);
+        const int value = warp_sum_value<kR * UP>(lane), b = b0 + value / UP, u = value % UP;
+        if (warp_sum_writer<kR * UP>(lane) && b < rows && u < U) atomicAdd(&sums[b * UP + u], sum);
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < B * U; e += kThreads) dh[(e / U) * H + j0 + e % U] += sums[(e / U) * UP + e % U];
+      for (int e = threadIdx.x; e < rows * U; e += kThreads)
+        dh[(my.b0 + e / U) * H + j0 + e % U] += sums[(e / U) * UP + e % U];
       __syncthreads();
     }
     const rnn_cell::Backward<S> cell(a, G, t);
-    for (int e = threadIdx.x; e < B * U; e += kThreads) cell.template operator()<K>(e / U, j0 + e % U);
+    for (int e = threadIdx.x; e < rows * U; e += kThreads) cell.template operator()<K>(my.b0 + e / U, j0 + e % U);
     grid.sync();
   }
 }
 
-// How a problem splits over the blocks; blocks == 0 when the persistent kernel cannot run it.
+// A kernel's launch: the partition, its blocks and shared memory; blocks == 0 when the kernel cannot run the problem.
 struct Plan {
-  int blocks = 0, units = 0;
+  int blocks = 0;
+  Partition part;
   size_t smem = 0;
 };
 
@@ -476,12 +516,26 @@ int device_attribute(int device, cudaDeviceAttr attribute) {
 }
 int multiprocessors(int device) { return device_attribute(device, cudaDevAttrMultiProcessorCount); }
 
-// Computed once per kernel, device and sizes: the shared memory and co-residency checks query the device.
+// The partition into `groups` groups of batch rows: the hidden units spread over every SM, units * groups a block.
+Partition partition(int device, int64_t H, int64_t B, int groups) {
+  const int64_t sms = multiprocessors(device);
+  return {.units = int((H * groups + sms - 1) / sms), .rows = int((B + groups - 1) / groups), .groups = groups};
+}
+
+// The batch groups to try, first choice first: set_rnn_batch_groups's, or 2 from a batch of 16 up (half the rows
+// of h or of the gate gradients from L2 a step), then 1 (where 2 groups' slices do not fit).
+std::vector<int> batch_groups(int64_t B) {
+  if (const int set = rnn_batch_groups(); set > 0) return {set};
+  return B >= 16 ? std::vector<int>{2, 1} : std::vector<int>{1};
+}
+
+// Computed once per kernel, device and problem: the shared memory and co-residency checks query the device.
 template <typename Kernel>
-Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, int64_t B) {
-  using Key = std::array<int64_t, 5>;
+Plan plan_for(Kernel kernel, int device, const Partition& part, size_t smem, int64_t H) {
+  using Key = std::array<int64_t, 6>;
   thread_local std::map<std::pair<const void*, Key>, Plan> plans;
-  const std::pair<const void*, Key> key{reinterpret_cast<const void*>(kernel), {device, units, int64_t(smem), H, B}};
+  const std::pair<const void*, Key> key{reinterpret_cast<const void*>(kernel),
+                                        {device, part.units, part.rows, part.groups, int64_t(smem), H}};
   const auto found = plans.find(key);
   if (found != plans.end()) return found->second;
   const int sms = multiprocessors(device);
@@ -499,17 +553,11 @@ Plan plan_for(Kernel kernel, int device, int64_t units, size_t smem, int64_t H, 
     }
     int per_sm = 0;
     HG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem), "rnn");
-    const int64_t blocks = (H + units - 1) / units;
-    if (blocks <= int64_t(per_sm) * sms) plan = {int(blocks), int(units), smem};
+    const int64_t blocks = (H + part.units - 1) / part.units * part.groups;
+    if (blocks <= int64_t(per_sm) * sms) plan = {int(blocks), part, smem};
   }
   plans[key] = plan;
   return plan;
-}
-
-// The units per block: the hidden units spread over every SM.
-int64_t units_per_block(int device, int64_t H) {
-  const int64_t sms = multiprocessors(device);
-  return (H + sms - 1) / sms;
 }
 
 template <typename Args> bool persistent_allowed(const Args& a) {
@@ -517,7 +565,7 @@ template <typename Args> bool persistent_allowed(const Args& a) {
          a.batch * a.hidden * rnn_gates(a.kind) * 8 <= INT32_MAX && a.steps <= INT32_MAX;
 }
 
-template <typename Args> void launch_cooperative(void (*kernel)(Args, int), const Args& a, const Plan& plan,
+template <typename Args> void launch_cooperative(void (*kernel)(Args, Partition), const Args& a, const Plan& plan,
                                                  const char* op) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(plan.blocks));
@@ -529,41 +577,58 @@ template <typename Args> void launch_cooperative(void (*kernel)(Args, int), cons
   cooperative.val.cooperative = 1;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  HG_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, plan.units), op);
+  HG_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, plan.part), op);
   HG_CUDA_CHECK_LAUNCH(op);
 }
 
-// The forward kernel's plan; blocks == 0 when the problem does not fit it.
-template <typename S, RnnKind K, bool TC> Plan forward_plan(const RnnLoopForwardArgs& a) {
-  if (!persistent_allowed(a)) return {};
-  const int64_t units = units_per_block(a.device.index, a.hidden);
-  const ForwardLayout layout(kGates<K>, units, a.hidden, a.batch, kVec<S>, TC);
-  if (TC && (layout.h_rows / kMma) * (layout.rows / kMma) > kWarps) return {};  // a tile per warp at most
-  return plan_for(persistent_forward_kernel<S, K, TC>, a.device.index, units, layout.bytes<S>(), a.hidden, a.batch);
+// The CUDA-core forward's tile (kTile or 5): the one whose products take the fewest shared-memory loads on the
+// busiest warp, a round of tasks over the warps loading 2 TILE vectors a chunk (LSTM 650, batch 20: 25 tasks of 4 x
+// 4, two rounds for some warps, against 16 of 5 x 5 in one).
+int forward_tile(int64_t G, const Partition& p) {
+  auto busiest = [&](int tile) {
+    const int64_t tasks = (p.rows + tile - 1) / tile * ((G * p.units + tile - 1) / tile);
+    return (tasks + kWarps - 1) / kWarps * 2 * tile;
+  };
+  return busiest(5) < busiest(kTile) ? 5 : kTile;
+}
+
+// The forward kernel with TILE's plan; blocks == 0 when the problem does not fit it.
+template <typename S, RnnKind K, int TILE> Plan forward_plan(const RnnLoopForwardArgs& a, const Partition& part) {
+  const ForwardLayout layout(kGates<K>, part, a.hidden, kVec<S>, TILE);
+  if (TILE == kMma && (layout.h_rows / kMma) * (layout.rows / kMma) > kWarps) return {};  // a tile per warp at most
+  return plan_for(persistent_forward_kernel<S, K, TILE>, a.device.index, part, layout.bytes<S>(), a.hidden);
 }
 
 template <typename S, RnnKind K, int UP>
-bool backward_persistent_up(const RnnLoopBackwardArgs& a, int64_t units, bool launch) {
+bool backward_persistent_up(const RnnLoopBackwardArgs& a, const Partition& part, bool launch) {
   using A = opmath_t<S>;
-  const size_t smem = backward_weights_bytes<S, A>(kGates<K>, a.hidden, UP) + size_t(a.batch * UP) * sizeof(A);
-  const Plan plan = plan_for(persistent_backward_kernel<S, K, UP>, a.device.index, units, smem, a.hidden, a.batch);
+  const size_t smem = backward_weights_bytes<S, A>(kGates<K>, a.hidden, UP) + size_t(part.rows * UP) * sizeof(A);
+  const Plan plan = plan_for(persistent_backward_kernel<S, K, UP>, a.device.index, part, smem, a.hidden);
   if (plan.blocks == 0) return false;
   if (launch) launch_cooperative(persistent_backward_kernel<S, K, UP>, a, plan, "rnn backward");
   return true;
 }
 
-// The backward kernel holds all of a block's units in registers: 4 or 8 of them.
+// The backward kernel holds all of a block's units in registers: 4, 8 or 12 of them. Where the groups are chosen,
+// 16-bit storage keeps to 8 units a block: its 12-unit kernel (2 groups at 650 units) was slower than one group's
+// 8-unit kernel (LSTM 650x2 O1, 2026-12-03: benchmarks.md).
 template <typename S, RnnKind K> bool backward_persistent(const RnnLoopBackwardArgs& a, bool launch) {
   if (!persistent_allowed(a)) return false;
-  const int64_t units = units_per_block(a.device.index, a.hidden);
-  if (units <= 4) return backward_persistent_up<S, K, 4>(a, units, launch);
-  if (units <= 8) return backward_persistent_up<S, K, 8>(a, units, launch);
+  for (const int groups : batch_groups(a.batch)) {
+    const Partition part = partition(a.device.index, a.hidden, a.batch, groups);
+    if (rnn_batch_groups() == 0 && sizeof(S) == 2 && part.units > 8) continue;
+    if (part.units <= 4 && backward_persistent_up<S, K, 4>(a, part, launch)) return true;
+    if (part.units > 4 && part.units <= 8 && backward_persistent_up<S, K, 8>(a, part, launch)) return true;
+    if (part.units > 8 && part.units <= 12 && backward_persistent_up<S, K, 12>(a, part, launch)) return true;
+  }
   return false;
 }
 
 // ---- choosing per problem, as conv2d and batch_norm do: the first time a thread meets a forward problem that the
 // persistent kernel takes, both ways run on the real buffers (the forward loop only writes its outputs and scratch,
-// so running it again changes nothing) and the faster is kept for the problem's forward and backward.
+// so running it again changes nothing) and the faster is kept for the problem's forward and backward. A problem the
+// forward kernel does not take runs the steps both ways: the backward kernel alone, where it fits, was measured
+// slower there (LSTM 1500, batch 64, float16: 11.1 ms a training step against 6.3, 2026-12-03).
 
 using ChoiceKey = std::array<int64_t, 7>;
 template <typename Args> ChoiceKey choice_key(const Args& a) {
@@ -594,21 +659,30 @@ template <typename Fn> void dispatch_loop(DType storage, RnnKind kind, const cha
 void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
   cuda::DeviceGuard guard(a.device);
   dispatch_loop(a.storage, a.kind, "rnn", [&]<typename S, RnnKind K>() {
-    auto run = [&]<bool TC>(const Plan& plan) {
-      auto persistent = [&] { launch_cooperative(persistent_forward_kernel<S, K, TC>, a, plan, "rnn"); };
+    auto run = [&]<int TILE>(const Plan& plan) {
+      auto persistent = [&] { launch_cooperative(persistent_forward_kernel<S, K, TILE>, a, plan, "rnn"); };
       if (choose_persistent(a, persistent))
         persistent();
       else
         forward_steps(a);
     };
-    if constexpr (kTensorCores<S>) {
-      // (WMMA: float16 from sm_70, bfloat16 from sm_80)
-      const int major = device_attribute(a.device.index, cudaDevAttrComputeCapabilityMajor);
-      if (a.hidden >= kTensorCoreHidden && major >= (std::is_same_v<S, Half> ? 7 : 8)) {
-        if (const Plan plan = forward_plan<S, K, true>(a); plan.blocks > 0) return run.template operator()<true>(plan);
+    for (const int groups : persistent_allowed(a) ? batch_groups(a.batch) : std::vector<int>{}) {
+      const Partition part = partition(a.device.index, a.hidden, a.batch, groups);
+      if constexpr (kTensorCores<S>) {
+        // (WMMA: float16 from sm_70, bfloat16 from sm_80)
+        const int major = device_attribute(a.device.index, cudaDevAttrComputeCapabilityMajor);
+        if (a.hidden >= kTensorCoreHidden && major >= (std::is_same_v<S, Half> ? 7 : 8)) {
+          if (const Plan plan = forward_plan<S, K, kMma>(a, part); plan.blocks > 0)
+            return run.template operator()<kMma>(plan);
+        }
+      }
+      if (forward_tile(kGates<K>, part) == 5) {
+        if (const Plan plan = forward_plan<S, K, 5>(a, part); plan.blocks > 0) return run.template operator()<5>(plan);
+      } else if (const Plan plan = forward_plan<S, K, kTile>(a, part); plan.blocks > 0) {
+        return run.template operator()<kTile>(plan);
       }
     }
-    if (const Plan plan = forward_plan<S, K, false>(a); plan.blocks > 0) return run.template operator()<false>(plan);
+    t_persistent_chosen.emplace(choice_key(a), false);
     forward_steps(a);
   });
 }
@@ -616,8 +690,8 @@ void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
 void rnn_loop_backward_cuda(const RnnLoopBackwardArgs& a) {
   cuda::DeviceGuard guard(a.device);
   dispatch_loop(a.storage, a.kind, "rnn backward", [&]<typename S, RnnKind K>() {
-    // The forward's choice for the same problem; a backward without one (another thread ran the forward) takes
-    // the persistent kernel where it fits.
+    // The forward's choice for the same problem (steps where the forward kernel did not fit); a backward without
+    // one (another thread ran the forward) takes the persistent kernel where it fits.
     const auto it = t_persistent_chosen.find(choice_key(a));
     const bool steps_chosen = rnn_cuda_loop() == RnnCudaLoop::Fastest && it != t_persistent_chosen.end() && !it->second;
     if (!steps_chosen && backward_persistent<S, K>(a, true)) return;

@@ -65,6 +65,13 @@ enum class RnnCudaLoop { Fastest, Persistent, Steps };
 void set_rnn_cuda_loop(RnnCudaLoop loop);
 RnnCudaLoop rnn_cuda_loop();
 
+// How many groups of batch rows the persistent kernels split a batch into (ops/rnn.cu): a block then owns its units
+// for one group's rows, and reads only those rows of h (forward) or of the gate gradients (backward) from L2 each
+// step, with twice the units per block for two groups. 0 (the default) chooses: 2 groups from a batch of 16 up where
+// the kernels take them, else 1. Other values are for measuring and testing the partitions against each other.
+void set_rnn_batch_groups(int groups);
+int rnn_batch_groups();
+
 // ---- kernels (core/dispatch.h): one layer's whole time loop, T steps over a batch of B rows and H hidden units.
 // Pointers are raw and dense: rows of G H values (gate k's unit j at k H + j) or of H values; a sequence [T, ...]
 // is its T steps' rows one after the other. `S` is the storage dtype (GEMM operands: h, weights, gradients of the

@@ -380,22 +380,38 @@ TEST_CASE("cuda: rnn's outputs and gradients match the CPU for every kind and dt
   }
 }
 
+// Runs a scope with the persistent kernels' batch groups set (ops/rnn.h's set_rnn_batch_groups), and restores them.
+struct BatchGroups {
+  int previous = rnn_batch_groups();
+  explicit BatchGroups(int groups) { set_rnn_batch_groups(groups); }
+  ~BatchGroups() { set_rnn_batch_groups(previous); }
+};
+
+TEST_CASE("set_rnn_batch_groups refuses a negative count") {
+  CHECK_THROWS_WITH_AS(set_rnn_batch_groups(-1), doctest::Contains("set_rnn_batch_groups"), Error);
+  CHECK(rnn_batch_groups() == 0);
+}
+
 TEST_CASE("cuda: the persistent loop kernels equal the per-step kernels when units, rows and batch split into tiles") {
   SKIP_WITHOUT_GPU();
   // 300 units: several units per block on any GPU with fewer than 300 SMs, so a block's W_hh slice spans several
-  // gates' rows; batches of 1, 6 (a partial tile) and 33 (9 CUDA-core tiles, 3 tensor-core tiles); float64, so the
-  // sums' orders cannot hide an error, and float16 / bfloat16, whose products run on tensor cores.
-  // 650 units (5 a block on a GPU of 132 SMs): the backward holds 8 units a block, its W_hh slice in several 16-byte
-  // chunks of units (2 in float32, 4 in float64).
+  // gates' rows; batches of 1, 6 (a partial tile) and 33 (9 CUDA-core tiles of 4 rows or 7 of 5, 3 tensor-core
+  // tiles); float64, so the sums' orders cannot hide an error, and float16 / bfloat16, whose products run on tensor
+  // cores. 650 units (5 a block on a GPU of 132 SMs): the backward holds 8 units a block, its W_hh slice in several
+  // 16-byte chunks of units (2 in float32, 4 in float64). Each in 1, 2 and 3 groups of batch rows: 2 groups give a
+  // block 10 units at 650 (the backward's 12-unit kernel), 3 groups leave blocks of the batch of 1 with no rows, and
+  // 15 units at 650 take the backward off the persistent kernel (at most 12 units a block).
   for (RnnKind kind : kAllKinds) {
     for (auto [dtype, tol, hidden] : {std::tuple{kFloat64, 1e-10, 300}, {kFloat16, 1e-2, 300}, {kBFloat16, 5e-2, 300},
                                       {kFloat64, 1e-10, 650}, {kFloat32, 1e-4, 650}}) {
-      for (int64_t batch : {1, 6, 33}) {
+      for (auto [batch, groups] : {std::pair<int64_t, int>{1, 1}, {6, 1}, {33, 1}, {1, 3}, {6, 2}, {33, 2}, {33, 3}}) {
+        const BatchGroups split(groups);
         const std::string kind_name = rnn_kind_name(kind), dtype_str = dtype_name(dtype);
         CAPTURE(kind_name);
         CAPTURE(dtype_str);
         CAPTURE(hidden);
         CAPTURE(batch);
+        CAPTURE(groups);
         manual_seed(41);
         const Inputs in = make_inputs(kind, 5, batch, 7, hidden, 2, true, true, 0.8 / std::sqrt(double(hidden)));
         TensorList gpu;

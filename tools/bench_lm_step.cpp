@@ -20,7 +20,8 @@
 //
 //   bench_lm_step [--model lstm|gru|rnn_tanh|rnn_relu] [--nhid 200] [--nlayers 2] [--batch 20] [--bptt 35]
 //                 [--vocab 33278] [--opt-levels O0,O1] [--warmup 5] [--steps 20] [--repeats 3] [--device cuda|cpu]
-//                 [--rnn-loop fastest|persistent|steps] [--tf32] [--cuda-graph]
+//                 [--rnn-loop fastest|persistent|steps] [--rnn-batch-groups N] [--tf32] [--cuda-graph]
+//   --rnn-batch-groups  the persistent kernels' groups of batch rows (ops/rnn.h's set_rnn_batch_groups; 0 chooses)
 //   --cuda-graph  the step captured once as a CUDA graph and replayed (core/cuda_graph.h): the state is carried in
 //                 place from step to step, as train/loops.cpp's train-lm --cuda-graph does
 //   bench_lm_step --device cpu            # the CPU target: defaults to a 32x32 LSTM (--nhid 32) at O0
@@ -63,6 +64,7 @@ struct Settings {
   std::string device = "cuda";
   double dropout = 0.2, lr = 20, clip = 0.25;
   std::string rnn_loop = "fastest";
+  int rnn_batch_groups = 0;
   bool tf32 = false, cuda_graph = false;
 };
 
@@ -124,8 +126,9 @@ int run(const Settings& s) {
                                    : fmt::format("the CPU (OMP_NUM_THREADS={})", threads ? threads : "unset");
   const std::string name = fmt::format("{} {}x{}", s.model, s.nhid, s.nlayers);
   const std::string gpu_settings =
-      on_gpu ? fmt::format(", time loops: {}, TF32 {}{}", s.rnn_loop, s.tf32 ? "on" : "off",
-                           s.cuda_graph ? ", the step replayed as a CUDA graph" : "")
+      on_gpu ? fmt::format(", time loops: {}, batch groups: {}, TF32 {}{}", s.rnn_loop,
+                           s.rnn_batch_groups == 0 ? std::string("chosen") : std::to_string(s.rnn_batch_groups),
+                           s.tf32 ? "on" : "off", s.cuda_graph ? ", the step replayed as a CUDA graph" : "")
              : "";
   fmt::print("bench_lm_step: halfgrad word language model training step ({}, emsize = nhid, vocab {}, dropout {}, "
              "bptt {}, SGD lr {}, clip {}{}) on {}, data on the device, {} round(s) of {} steps after {} warm-up "
@@ -236,6 +239,9 @@ int main(int argc, char** argv) {
                  "CUDA: the recurrent layers' time loops as persistent kernels, as per-step cuBLAS and cell kernels "
                  "replayed as a graph, or the faster of the two per problem (the default; ops/rnn.h's RnnCudaLoop)")
       ->check(CLI::IsMember({"fastest", "persistent", "steps"}));
+  app.add_option("--rnn-batch-groups", s.rnn_batch_groups,
+                 "CUDA: the persistent kernels' groups of batch rows (0, the default, chooses; ops/rnn.h)")
+      ->check(cli::integer_in<int>(0));
   app.add_flag("--tf32", s.tf32, "CUDA: float32 GEMMs on TF32 tensor cores (cuda::set_allow_tf32; off by default)");
   app.add_flag("--cuda-graph", s.cuda_graph, "CUDA: capture the step once as a CUDA graph and replay it");
   CLI11_PARSE(app, argc, argv);
@@ -246,6 +252,7 @@ int main(int argc, char** argv) {
   set_rnn_cuda_loop(s.rnn_loop == "persistent" ? RnnCudaLoop::Persistent
                     : s.rnn_loop == "steps"    ? RnnCudaLoop::Steps
                                                : RnnCudaLoop::Fastest);
+  set_rnn_batch_groups(s.rnn_batch_groups);
   if (s.tf32) cuda::set_allow_tf32(true);
   if (s.device == "cpu") {
     if (app.count("--nhid") == 0) s.nhid = 32;
