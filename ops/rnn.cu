@@ -141,7 +141,7 @@ struct BlockShare {
   }
 };
 
-template <RnnKind K> constexpr int kGates = K == RnnKind::LSTM ? 4 : K == RnnKind::GRU ? 3 : 1;
+using rnn_cell::kGates;
 template <typename S> constexpr int kVec = 16 / int(sizeof(S));  // elements in a 16-byte load
 
 HG_HOST_DEVICE inline int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
@@ -280,9 +280,10 @@ constexpr int kMma = 16;  // a WMMA tile's side
 // block's units), then h_prev [h_rows][stride] (the group's batch rows); rows and columns padded with zeros to whole
 // tiles (`tile`, 16 on tensor cores) and 16-byte chunks, so the products need no bounds. On tensor cores a row has
 // an odd number of 16-byte chunks (the 8 rows a tile load reads at once fall in different banks); then, after the
-// rows, one float32 16 x 16 tile per warp for the products' partial sums.
+// rows, one float32 16 x 16 tile per warp for the products' partial sums. Last, in A, what the cells use of the block's
+// units and rows: the step's products gh [rows][G U] and, LSTM, the cell states [rows][U], kept from step to step.
 struct ForwardLayout {
-  int stride, rows, h_rows, partials;
+  int stride, rows, h_rows, partials, cell_values;
   HG_HOST_DEVICE ForwardLayout(int64_t G, const Partition& p, int64_t H, int vec, int tile) {
     const bool tensor_cores = tile == kMma;
     const int k = round_up(int(H), tensor_cores ? kMma : vec);
@@ -290,15 +291,22 @@ struct ForwardLayout {
     rows = round_up(int(G * p.units), tile);
     h_rows = round_up(p.rows, tile);
     partials = tensor_cores ? kWarps * kMma * kMma : 0;
+    cell_values = p.rows * int(G + 1) * p.units;
   }
   HG_HOST_DEVICE size_t w_elements() const { return size_t(rows) * stride; }
   HG_HOST_DEVICE size_t elements() const { return w_elements() + size_t(h_rows) * stride; }
+  template <typename S> HG_HOST_DEVICE size_t partials_offset() const {
+    return round_up(int(elements() * sizeof(S)), 128);
+  }
+  template <typename S> HG_HOST_DEVICE size_t cells_offset() const {
+    return partials_offset<S>() + size_t(partials) * sizeof(float);
+  }
   template <typename S> HG_HOST_DEVICE size_t bytes() const {
-    return round_up(int(elements() * sizeof(S)), 128) + size_t(partials) * sizeof(float);
+    return cells_offset<S>() + size_t(cell_values) * sizeof(opmath_t<S>);
   }
 };
 
-// One step's products on tensor cores: gh[b][g H + j0 + u] = sum_k h[b][k] w[g U + u][k] for the block's rows. The
+// One step's products on tensor cores: gh[b][g U + u] = sum_k h[b][k] w[g U + u][k] for the block's rows. The
 // output tiles (batch tiles by row tiles) are shared out with the reduction's k tiles split among the warps, so every
 // warp works; each warp's float32 tile goes to `partials`, and the threads then add a tile's splits.
 template <typename S>
@@ -338,7 +346,7 @@ __device__ void tensor_core_products(const S* w, const S* h, float* partials, fl
     const int b = e / R, r = e % R, tile = (b / kMma) * n_tiles + r / kMma, at = (b % kMma) * kMma + r % kMma;
     float sum = 0;
     for (int split = 0; split < splits; ++split) sum += partials[(split * tiles + tile) * kMma * kMma + at];
-    gh[(my.b0 + b) * G * H + (r / U) * H + my.j0 + r % U] = sum;
+    gh[b * R + r] = sum;
   }
   }
 }
@@ -357,7 +365,9 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
   const int stride = layout.stride;
   S* w = reinterpret_cast<S*>(shared);
   S* h = w + layout.w_elements();
-  float* partials = reinterpret_cast<float*>(shared + round_up(int(layout.elements() * sizeof(S)), 128));
+  float* partials = reinterpret_cast<float*>(shared + layout.partials_offset<S>());
+  A* gh = reinterpret_cast<A*>(shared + layout.cells_offset<S>());  // [rows][R]
+  A* c_state = gh + my.rows * R;                                     // [rows][U]
   const S* w_hh = static_cast<const S*>(a.w_hh);
 #pragma unroll 8
   for (int e = threadIdx.x; e < layout.rows * stride; e += kThreads) {
@@ -365,14 +375,26 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
     w[e] = r < R && k < H ? w_hh[size_t((r / U) * H + j0 + r % U) * H + k] : S(A(0));
   }
   for (int e = threadIdx.x; e < layout.h_rows * stride; e += kThreads) h[e] = S(A(0));
+  if constexpr (K == RnnKind::LSTM) {
+    for (int e = threadIdx.x; e < my.rows * U; e += kThreads)
+      c_state[e] = static_cast<const A*>(a.cells)[(my.b0 + e / U) * H + j0 + e % U];  // c0
+  }
   __syncthreads();
-  A* gh = static_cast<A*>(a.gh);
+  // Where each of the block's units and rows has a thread of its own, the cell's input terms (W_ih x + b_ih) are
+  // loaded at the start of the step, so that the loads overlap the copy of h and the products.
+  const bool early = my.rows * U <= kThreads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kT = TC ? 1 : TILE;  // (the CUDA-core loop below is not compiled for tensor cores)
   const int chunks = stride / V, b_tiles = layout.h_rows / kT, r_tiles = layout.rows / kT;
   const cg::grid_group grid = cg::this_grid();
   for (int t = 0; t < T; ++t) {
     const rnn_cell::Forward<S> cell(a, G, t);
+    A input_terms[G] = {};
+    if (early && threadIdx.x < my.rows * U) {
+#pragma unroll
+      for (int k = 0; k < G; ++k)
+        input_terms[k] = cell.input_term(my.b0 + threadIdx.x / U, k, j0 + threadIdx.x % U);
+    }
     stage_rows(h, stride, cell.h_prev + size_t(my.b0) * H, my.rows, H);
     __syncthreads();
     if constexpr (TC) tensor_core_products(w, h, partials, gh, layout, G, H, my);
@@ -396,11 +418,22 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
       }
       const A sum = warp_sum<kT * kT>(acc);
       const int value = warp_sum_value<kT * kT>(lane), b = b0 + value / kT, r = r0 + value % kT;
-      if (warp_sum_writer<kT * kT>(lane) && b < my.rows && r < R)
-        gh[(my.b0 + b) * G * H + (r / U) * H + j0 + r % U] = sum;
+      if (warp_sum_writer<kT * kT>(lane) && b < my.rows && r < R) gh[b * R + r] = sum;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < my.rows * U; e += kThreads) cell.template operator()<K>(my.b0 + e / U, j0 + e % U);
+    for (int e = threadIdx.x; e < my.rows * U; e += kThreads) {
+      const int b = e / U, u = e % U, j = j0 + u;
+      rnn_cell::ForwardInputs<A> x;
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        x.in[k] = early ? input_terms[k] : cell.input_term(my.b0 + b, k, j);
+        x.rec[k] = cell.recurrent_term_of(gh[b * R + k * U + u], k, j);
+      }
+      if constexpr (K == RnnKind::LSTM) x.c_prev = c_state[e];
+      if constexpr (K == RnnKind::GRU) x.h_prev = A(h[b * stride + j]);
+      const A c = cell.template apply<K>(my.b0 + b, j, x);
+      if constexpr (K == RnnKind::LSTM) c_state[e] = c;
+    }
     grid.sync();
   }
 }
@@ -409,7 +442,8 @@ __global__ void __launch_bounds__(kThreads) persistent_forward_kernel(RnnLoopFor
 // kChunk<S, UP> units (the most that divide UP and take at most 16 bytes), chunk by chunk: [UP / chunk][G H][chunk].
 // Lanes read consecutive rows, so a warp's loads of one chunk are consecutive (one row of UP float32 units, 32 bytes,
 // read row by row, cost each load twice the shared-memory wavefronts: ncu counted 49% of them excess, 2026-12-02).
-// Then the step's sums [rows][UP] in A, to which the warps sharing a batch tile add their parts.
+// Then, in A, the step's sums [rows][UP], to which the warps sharing a batch tile add their parts, and the gradients
+// the cells carry from step to step for the block's units and rows, dh and dc [rows][U] each: backward_carry_values.
 template <typename S> constexpr int chunk_units(int up) {
   int c = kVec<S>;
   while (up % c != 0) c /= 2;
@@ -421,6 +455,7 @@ template <int UP> constexpr int kBackwardRows = 32 / UP < kTile ? 32 / UP : kTil
 template <typename S, typename A> HG_HOST_DEVICE size_t backward_weights_bytes(int64_t G, int64_t H, int up) {
   return (size_t(G * H * up) * sizeof(S) + sizeof(A) - 1) / sizeof(A) * sizeof(A);
 }
+HG_HOST_DEVICE inline int backward_carry_values(const Partition& p) { return 2 * p.rows * p.units; }
 
 template <typename S, RnnKind K, int UP>
 __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBackwardArgs a, Partition p) {
@@ -431,7 +466,9 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
   const BlockShare my(p, H, B);
   const int j0 = my.j0, U = my.U, rows = my.rows;
   S* w = reinterpret_cast<S*>(shared);
-  A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));
+  A* sums = reinterpret_cast<A*>(shared + backward_weights_bytes<S, A>(G, H, UP));  // [rows][UP]
+  A* carried_dh = sums + p.rows * UP;                                                 // [rows][U]
+  A* carried_dc = carried_dh + rows * U;                                              // [rows][U]
   const S* w_hh = static_cast<const S*>(a.w_hh);
   constexpr int kC = kChunk<S, UP>;
   static_assert(UP % kC == 0, "a row of units is whole chunks");
@@ -440,15 +477,29 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
     const int r = e / UP, u = e % UP;
     w[((u / kC) * GH + r) * kC + u % kC] = u < U ? w_hh[size_t(r) * H + j0 + u] : S(A(0));
   }
+  // dh and dc of the block's units and rows stay on chip from step to step: no other block reads them.
   A* dh = static_cast<A*>(a.dh);
+  A* dc = static_cast<A*>(a.dc);
+  auto at = [&](int e) { return (my.b0 + e / U) * H + j0 + e % U; };
+  for (int e = threadIdx.x; e < rows * U; e += kThreads) {
+    carried_dh[e] = dh[at(e)];
+    carried_dc[e] = K == RnnKind::LSTM ? dc[at(e)] : A(0);
+  }
+  // Where each of the block's units and rows has a thread of its own, the cell's inputs are loaded at the start of
+  // the step, so that the loads overlap the products.
+  const bool early = rows * U <= kThreads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Batch tiles by slices of the reduction: enough tasks for every warp.
   const int b_tiles = (rows + kR - 1) / kR, splits = max(1, kWarps / max(1, b_tiles));
   const int slice = round_up((GH + splits - 1) / splits, 32);
   const cg::grid_group grid = cg::this_grid();
   for (int t = T - 1; t >= 0; --t) {
+    const rnn_cell::Backward<S> cell(a, G, t);
+    rnn_cell::BackwardInputs<A> early_inputs;
+    if (early && threadIdx.x < rows * U)
+      early_inputs = cell.template inputs<K>(my.b0 + threadIdx.x / U, j0 + threadIdx.x % U);
+    for (int e = threadIdx.x; e < rows * UP; e += kThreads) sums[e] = A(0);
     if (t + 1 < T) {
-      for (int e = threadIdx.x; e < rows * UP; e += kThreads) sums[e] = A(0);
       __syncthreads();
       const S* next = rnn_cell::Backward<S>(a, G, t + 1).recurrent_gradient() + size_t(my.b0) * GH;
       for (int task = warp; task < b_tiles * splits; task += kWarps) {
@@ -487,14 +538,21 @@ __global__ void __launch_bounds__(kThreads) persistent_backward_kernel(RnnLoopBa
         const int value = warp_sum_value<kR * UP>(lane), b = b0 + value / UP, u = value % UP;
         if (warp_sum_writer<kR * UP>(lane) && b < rows && u < U) atomicAdd(&sums[b * UP + u], sum);
       }
-      __syncthreads();
-      for (int e = threadIdx.x; e < rows * U; e += kThreads)
-        dh[(my.b0 + e / U) * H + j0 + e % U] += sums[(e / U) * UP + e % U];
-      __syncthreads();
     }
-    const rnn_cell::Backward<S> cell(a, G, t);
-    for (int e = threadIdx.x; e < rows * U; e += kThreads) cell.template operator()<K>(my.b0 + e / U, j0 + e % U);
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * U; e += kThreads) {
+      const int b = my.b0 + e / U, j = j0 + e % U;
+      const rnn_cell::BackwardInputs<A> x = early ? early_inputs : cell.template inputs<K>(b, j);
+      const rnn_cell::BackwardCarry<A> out =
+          cell.template apply<K>(b, j, x, {carried_dh[e] + sums[(e / U) * UP + e % U], carried_dc[e]});
+      carried_dh[e] = out.dh;
+      carried_dc[e] = out.dc;
+    }
     grid.sync();
+  }
+  for (int e = threadIdx.x; e < rows * U; e += kThreads) {
+    dh[at(e)] = carried_dh[e];
+    if constexpr (K == RnnKind::LSTM) dc[at(e)] = carried_dc[e];
   }
 }
 
@@ -602,7 +660,8 @@ template <typename S, RnnKind K, int TILE> Plan forward_plan(const RnnLoopForwar
 template <typename S, RnnKind K, int UP>
 bool backward_persistent_up(const RnnLoopBackwardArgs& a, const Partition& part, bool launch) {
   using A = opmath_t<S>;
-  const size_t smem = backward_weights_bytes<S, A>(kGates<K>, a.hidden, UP) + size_t(part.rows * UP) * sizeof(A);
+  const size_t smem = backward_weights_bytes<S, A>(kGates<K>, a.hidden, UP) +
+                      size_t(part.rows * UP + backward_carry_values(part)) * sizeof(A);
   const Plan plan = plan_for(persistent_backward_kernel<S, K, UP>, a.device.index, part, smem, a.hidden);
   if (plan.blocks == 0) return false;
   if (launch) launch_cooperative(persistent_backward_kernel<S, K, UP>, a, plan, "rnn backward");

@@ -87,7 +87,8 @@ struct RnnLoopForwardArgs {
   int64_t steps, batch, hidden;
   const void* w_hh;  // S [G H, H]
   const void* gi;    // A [T, B, G H]: W_ih x (no bias)
-  void* gh;          // A [B, G H]: scratch for each step's W_hh h_prev (no bias), read by the cell
+  void* gh;          // A [B, G H]: scratch for each step's W_hh h_prev (no bias), read by the cell (the per-step
+                     // loop; the persistent kernel keeps its products on chip)
   const void* b_ih;  // S [G H] or null
   const void* b_hh;  // S [G H] or null
   const void* h0;    // S [B, H]

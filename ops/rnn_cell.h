@@ -19,6 +19,9 @@
 
 namespace halfgrad::rnn_cell {
 
+// The gates of a unit: rnn_gates (ops/rnn.h) as a constant of the kind.
+template <RnnKind K> constexpr int kGates = K == RnnKind::LSTM ? 4 : K == RnnKind::GRU ? 3 : 1;
+
 template <typename A>
 HG_HOST_DEVICE inline A sigmoid(A x) {
   return unary_math<UnaryOp::Sigmoid>(x);
@@ -31,6 +34,15 @@ template <typename A>
 HG_HOST_DEVICE inline A relu(A x) {
   return unary_math<UnaryOp::Relu>(x);
 }
+
+// What a forward cell reads for unit j of row b: gate k's input term (W_ih x + b_ih) and recurrent term (W_hh h +
+// b_hh), and the unit's previous cell state (LSTM) or hidden state (GRU). Forward::inputs gathers them from the step's
+// buffers; the persistent CUDA kernel gathers the input terms early and keeps the rest on chip.
+template <typename A>
+struct ForwardInputs {
+  A in[4], rec[4];
+  A c_prev = A(0), h_prev = A(0);
+};
 
 template <typename S>
 struct Forward {
@@ -62,41 +74,73 @@ struct Forward {
     const int64_t col = k * H + j;
     return gi[b * G * H + col] + (b_ih ? A(b_ih[col]) : A(0));
   }
+  // Gate k's recurrent term from its product (W_hh h) for unit j.
+  HG_HOST_DEVICE A recurrent_term_of(A product, int64_t k, int64_t j) const {
+    return product + (b_hh ? A(b_hh[k * H + j]) : A(0));
+  }
   HG_HOST_DEVICE A recurrent_term(int64_t b, int64_t k, int64_t j) const {
-    const int64_t col = k * H + j;
-    return gh[b * G * H + col] + (b_hh ? A(b_hh[col]) : A(0));
+    return recurrent_term_of(gh[b * G * H + k * H + j], k, j);
   }
   HG_HOST_DEVICE void save_gate(int64_t b, int64_t k, int64_t j, A v) const {
     if (gates) gates[b * G * H + k * H + j] = v;
   }
 
   template <RnnKind K>
-  HG_HOST_DEVICE void operator()(int64_t b, int64_t j) const {
+  HG_HOST_DEVICE ForwardInputs<A> inputs(int64_t b, int64_t j) const {
+    ForwardInputs<A> x;
+    for (int k = 0; k < kGates<K>; ++k) x.in[k] = input_term(b, k, j), x.rec[k] = recurrent_term(b, k, j);
+    if constexpr (K == RnnKind::LSTM) x.c_prev = c_prev[b * H + j];
+    if constexpr (K == RnnKind::GRU) x.h_prev = A(h_prev[b * H + j]);
+    return x;
+  }
+
+  // The cell of unit j, row b, on its inputs: writes h, c (LSTM), the saved gates and hn (GRU); returns c (LSTM).
+  template <RnnKind K>
+  HG_HOST_DEVICE A apply(int64_t b, int64_t j, const ForwardInputs<A>& x) const {
     const int64_t e = b * H + j;
     if constexpr (K == RnnKind::LSTM) {
-      const A i = sigmoid(input_term(b, 0, j) + recurrent_term(b, 0, j));
-      const A f = sigmoid(input_term(b, 1, j) + recurrent_term(b, 1, j));
-      const A g = tanh(input_term(b, 2, j) + recurrent_term(b, 2, j));
-      const A o = sigmoid(input_term(b, 3, j) + recurrent_term(b, 3, j));
-      const A cell = f * c_prev[e] + i * g;
+      const A i = sigmoid(x.in[0] + x.rec[0]);
+      const A f = sigmoid(x.in[1] + x.rec[1]);
+      const A g = tanh(x.in[2] + x.rec[2]);
+      const A o = sigmoid(x.in[3] + x.rec[3]);
+      const A cell = f * x.c_prev + i * g;
       c[e] = cell;
       h[e] = S(o * tanh(cell));
       save_gate(b, 0, j, i), save_gate(b, 1, j, f), save_gate(b, 2, j, g), save_gate(b, 3, j, o);
+      return cell;
     } else if constexpr (K == RnnKind::GRU) {
-      const A r = sigmoid(input_term(b, 0, j) + recurrent_term(b, 0, j));
-      const A z = sigmoid(input_term(b, 1, j) + recurrent_term(b, 1, j));
-      const A hidden_n = recurrent_term(b, 2, j);
-      const A n = tanh(input_term(b, 2, j) + r * hidden_n);
-      h[e] = S(n + z * (A(h_prev[e]) - n));
+      const A r = sigmoid(x.in[0] + x.rec[0]);
+      const A z = sigmoid(x.in[1] + x.rec[1]);
+      const A hidden_n = x.rec[2];
+      const A n = tanh(x.in[2] + r * hidden_n);
+      h[e] = S(n + z * (x.h_prev - n));
       save_gate(b, 0, j, r), save_gate(b, 1, j, z), save_gate(b, 2, j, n);
       if (hn) hn[e] = hidden_n;
     } else {
-      const A pre = input_term(b, 0, j) + recurrent_term(b, 0, j);
-      const A out = K == RnnKind::RNNTanh ? tanh(pre) : relu(pre);
+      const A out = K == RnnKind::RNNTanh ? tanh(x.in[0] + x.rec[0]) : relu(x.in[0] + x.rec[0]);
       h[e] = S(out);
       save_gate(b, 0, j, out);
     }
+    return A(0);
   }
+
+  template <RnnKind K>
+  HG_HOST_DEVICE void operator()(int64_t b, int64_t j) const {
+    apply<K>(b, j, inputs<K>(b, j));
+  }
+};
+
+// What a backward cell reads for unit j of row b, all written before the loop: the gradient from above (dy), the
+// saved gate activations, the cell states (LSTM) or the previous hidden state and W_hn h + b_hn (GRU).
+template <typename A>
+struct BackwardInputs {
+  A dy = A(0), gate[4];
+  A c = A(0), c_prev = A(0), h_prev = A(0), hn = A(0);
+};
+// The gradients a backward cell carries from step to step for its unit: dh (without dy) and dc (LSTM).
+template <typename A>
+struct BackwardCarry {
+  A dh = A(0), dc = A(0);
 };
 
 template <typename S>
@@ -125,7 +169,6 @@ struct Backward {
         dgi(static_cast<S*>(a.dgi) + t * a.batch * G * H),
         dgh(a.dgh ? static_cast<S*>(a.dgh) + t * a.batch * G * H : nullptr) {}
 
-  HG_HOST_DEVICE A gate(int64_t b, int64_t k, int64_t j) const { return gates[b * G * H + k * H + j]; }
   // [B, G H]: this step's gradients of W_hh h_prev's pre-activations, which reach h_prev through W_hh.
   HG_HOST_DEVICE const S* recurrent_gradient() const { return dgh ? dgh : dgi; }
   // The gradient of gate k's pre-activation, the same for both projections.
@@ -135,35 +178,54 @@ struct Backward {
   }
 
   template <RnnKind K>
-  HG_HOST_DEVICE void operator()(int64_t b, int64_t j) const {
+  HG_HOST_DEVICE BackwardInputs<A> inputs(int64_t b, int64_t j) const {
     const int64_t e = b * H + j;
-    const A grad_h = A(dy[e]) + dh[e];
+    BackwardInputs<A> x;
+    x.dy = A(dy[e]);
+    for (int k = 0; k < kGates<K>; ++k) x.gate[k] = gates[b * G * H + k * H + j];
+    if constexpr (K == RnnKind::LSTM) x.c = c[e], x.c_prev = c_prev[e];
+    if constexpr (K == RnnKind::GRU) x.h_prev = A(h_prev[e]), x.hn = hn[e];
+    return x;
+  }
+
+  // The cell's backward for unit j, row b, on its inputs and the carried gradients: writes dgi (and dgh) and returns
+  // the gradients carried to step t - 1 (dh: the part that does not go through W_hh).
+  template <RnnKind K>
+  HG_HOST_DEVICE BackwardCarry<A> apply(int64_t b, int64_t j, const BackwardInputs<A>& x, BackwardCarry<A> in) const {
+    const A grad_h = x.dy + in.dh;
     if constexpr (K == RnnKind::LSTM) {
-      const A i = gate(b, 0, j), f = gate(b, 1, j), g = gate(b, 2, j), o = gate(b, 3, j);
-      const A tc = tanh(c[e]);
-      const A grad_c = dc[e] + grad_h * o * (A(1) - tc * tc);
+      const A i = x.gate[0], f = x.gate[1], g = x.gate[2], o = x.gate[3];
+      const A tc = tanh(x.c);
+      const A grad_c = in.dc + grad_h * o * (A(1) - tc * tc);
       put(b, 0, j, grad_c * g * i * (A(1) - i));
-      put(b, 1, j, grad_c * c_prev[e] * f * (A(1) - f));
+      put(b, 1, j, grad_c * x.c_prev * f * (A(1) - f));
       put(b, 2, j, grad_c * i * (A(1) - g * g));
       put(b, 3, j, grad_h * tc * o * (A(1) - o));
-      dc[e] = grad_c * f;
-      dh[e] = A(0);
+      return {A(0), grad_c * f};
     } else if constexpr (K == RnnKind::GRU) {
-      const A r = gate(b, 0, j), z = gate(b, 1, j), n = gate(b, 2, j);
+      const A r = x.gate[0], z = x.gate[1], n = x.gate[2];
       const A grad_pre_n = grad_h * (A(1) - z) * (A(1) - n * n);
-      const A grad_r = grad_pre_n * hn[e];
-      const A grad_z = grad_h * (A(h_prev[e]) - n);
+      const A grad_r = grad_pre_n * x.hn;
+      const A grad_z = grad_h * (x.h_prev - n);
       const int64_t row = b * G * H;
       dgi[row + j] = dgh[row + j] = S(grad_r * r * (A(1) - r));
       dgi[row + H + j] = dgh[row + H + j] = S(grad_z * z * (A(1) - z));
       dgi[row + 2 * H + j] = S(grad_pre_n);
       dgh[row + 2 * H + j] = S(grad_pre_n * r);
-      dh[e] = grad_h * z;
+      return {grad_h * z, A(0)};
     } else {
-      const A out = gate(b, 0, j);
+      const A out = x.gate[0];
       put(b, 0, j, K == RnnKind::RNNTanh ? grad_h * (A(1) - out * out) : (out > A(0) ? grad_h : A(0)));
-      dh[e] = A(0);
+      return {A(0), A(0)};
     }
+  }
+
+  template <RnnKind K>
+  HG_HOST_DEVICE void operator()(int64_t b, int64_t j) const {
+    const int64_t e = b * H + j;
+    const BackwardCarry<A> out = apply<K>(b, j, inputs<K>(b, j), {dh[e], K == RnnKind::LSTM ? dc[e] : A(0)});
+    dh[e] = out.dh;
+    if constexpr (K == RnnKind::LSTM) dc[e] = out.dc;
   }
 };
 
