@@ -434,6 +434,31 @@ TEST_CASE("cuda: the persistent loop kernels equal the per-step kernels when uni
   }
 }
 
+TEST_CASE("cuda: the persistent kernels' cells where a block has more units and rows than threads") {
+  SKIP_WITHOUT_GPU();
+  // A block's cells load their inputs at the start of the step where each (row, unit) has a thread of its own (512 a
+  // block); past that they load them at the cell. 600 rows in one group: every block has at least 600 cells.
+  const BatchGroups split(1);
+  for (RnnKind kind : kAllKinds) {
+    const std::string kind_name = rnn_kind_name(kind);
+    CAPTURE(kind_name);
+    manual_seed(44);
+    const Inputs in = make_inputs(kind, 3, 600, 5, 20, 2, true, true, 0.8 / std::sqrt(20.0));
+    TensorList gpu;
+    for (const Tensor& t : in.all())
+      gpu.push_back(t.defined() ? t.detach().to(Device::cuda(0)).requires_grad_() : Tensor());
+    auto run = [&](RnnCudaLoop loop) {
+      const CudaLoop loops(loop);
+      const RnnResult r =
+          rnn(gpu[0], gpu[1], gpu[2], TensorList(gpu.begin() + 3, gpu.end()), {.kind = kind, .num_layers = 2});
+      TensorList all = r.tensors();
+      for (const Tensor& g : gradients_of(r, gpu)) all.push_back(g);
+      return all;
+    };
+    check_same(run(RnnCudaLoop::Persistent), run(RnnCudaLoop::Steps), 1e-10);
+  }
+}
+
 TEST_CASE("cuda: a larger batch after a smaller one still runs the persistent kernels (training after evaluation)") {
   SKIP_WITHOUT_GPU();
   // Each batch size needs its own amount of shared memory; the kernel's limit once followed the last size planned,
