@@ -15,7 +15,8 @@
 //                the H200 (LM shapes, batch 20, 35 steps): 4-9 µs a step, where cuBLAS's GEMM of a batch of 20 by a
 //                650-unit LSTM's W_hh alone takes ~10 µs in float32 (latency, not arithmetic) and ~6 µs in float16.
 //                Taken when the blocks fit on the GPU at once (one per SM), the slices fit in shared memory and,
-//                backward, a block has at most 12 units (H <= 12 x the SMs / the groups).
+//                backward, a block has at most 12 units (H <= 12 x the SMs / the groups; 8 in 16-bit storage where
+//                the groups are chosen).
 //   steps        per step a cuBLAS GEMM (gemm_dense) and cell_kernel, one thread per (row, unit); the T steps
 //                are captured once as a CUDA graph and replayed while the buffers repeat (cuda::run_as_graph).
 //                Where the persistent kernel does not fit, or is slower.
@@ -640,8 +641,8 @@ template <typename Args> void launch_cooperative(void (*kernel)(Args, Partition)
 }
 
 // The CUDA-core forward's tile (kTile or 5): the one whose products take the fewest shared-memory loads on the
-// busiest warp, a round of tasks over the warps loading 2 TILE vectors a chunk (LSTM 650, batch 20: 25 tasks of 4 x
-// 4, two rounds for some warps, against 16 of 5 x 5 in one).
+// busiest warp, a round of tasks over the warps loading 2 TILE vectors a chunk (LSTM 650 at batch 20 in one group: 25
+// tasks of 4 x 4, two rounds for some warps, against 16 of 5 x 5 in one; in two groups, 30 against 16).
 int forward_tile(int64_t G, const Partition& p) {
   auto busiest = [&](int tile) {
     const int64_t tasks = (p.rows + tile - 1) / tile * ((G * p.units + tile - 1) / tile);
@@ -685,9 +686,10 @@ template <typename S, RnnKind K> bool backward_persistent(const RnnLoopBackwardA
 
 // ---- choosing per problem, as conv2d and batch_norm do: the first time a thread meets a forward problem that the
 // persistent kernel takes, both ways run on the real buffers (the forward loop only writes its outputs and scratch,
-// so running it again changes nothing) and the faster is kept for the problem's forward and backward. A problem the
-// forward kernel does not take runs the steps both ways: the backward kernel alone, where it fits, was measured
-// slower there (LSTM 1500, batch 64, float16: 11.1 ms a training step against 6.3, 2026-12-03).
+// so running it again changes nothing) and the faster is kept for the problem's forward and backward. With the
+// groups chosen, a problem the forward kernel does not take runs the steps both ways: the backward kernel alone,
+// where it fits, was measured slower there (LSTM 1500, batch 64, float16: 11.1 ms a training step against 6.3,
+// 2026-12-03).
 
 using ChoiceKey = std::array<int64_t, 7>;
 template <typename Args> ChoiceKey choice_key(const Args& a) {
@@ -735,13 +737,17 @@ void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
             return run.template operator()<kMma>(plan);
         }
       }
+      // (5 x 5 tiles pad more rows: where they do not fit, 4 x 4 may)
       if (forward_tile(kGates<K>, part) == 5) {
         if (const Plan plan = forward_plan<S, K, 5>(a, part); plan.blocks > 0) return run.template operator()<5>(plan);
-      } else if (const Plan plan = forward_plan<S, K, kTile>(a, part); plan.blocks > 0) {
-        return run.template operator()<kTile>(plan);
       }
+      if (const Plan plan = forward_plan<S, K, kTile>(a, part); plan.blocks > 0)
+        return run.template operator()<kTile>(plan);
     }
-    t_persistent_chosen.emplace(choice_key(a), false);
+    // Chosen, not measured: only where the kernel was allowed and the chosen groups found no plan (a forced loop or a
+    // forced group count must not leave the choice behind for later calls).
+    if (rnn_cuda_loop() == RnnCudaLoop::Fastest && rnn_batch_groups() == 0 && persistent_allowed(a))
+      t_persistent_chosen.emplace(choice_key(a), false);
     forward_steps(a);
   });
 }
