@@ -4,6 +4,7 @@
 #include <map>
 
 #include "core/autograd.h"
+#include "ops/conv.h"
 
 namespace halfgrad::nn {
 
@@ -148,7 +149,7 @@ void Module::train(bool on) {
 
 // ---- conversion
 
-void Module::convert_own(const DType* dtype, const Device* device,
+void Module::convert_own(const Conversion& to,
                          std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>>& converted) {
   NoGradGuard no_grad;
   auto convert = [&](Tensor& t) {
@@ -157,12 +158,18 @@ void Module::convert_own(const DType* dtype, const Device* device,
       t = it->second.second;  // shared with a slot converted earlier in this pass: stay shared
       return;
     }
-    DType to_dtype = dtype && t.is_floating_point() ? *dtype : t.dtype();
-    Device to_device = device ? *device : t.device();
-    if (to_dtype == t.dtype() && to_device == t.device()) return;  // nothing to do: keep the same tensor
-    Tensor c = t.detach().to(to_device, to_dtype);
+    const DType to_dtype = to.dtype && t.is_floating_point() ? *to.dtype : t.dtype();
+    const Device to_device = to.device ? *to.device : t.device();
+    const bool relayout = to.format && t.dim() == 4 && t.is_floating_point() &&
+                          !(*to.format == MemoryFormat::ChannelsLast ? is_channels_last(t) : t.is_contiguous());
+    if (to_dtype == t.dtype() && to_device == t.device() && !relayout) return;  // nothing to do: keep the same tensor
+    auto converted_copy = [&](const Tensor& x) {
+      Tensor c = x.detach().to(to_device, to_dtype);
+      return relayout ? contiguous(c, *to.format) : c;
+    };
+    Tensor c = converted_copy(t);
     if (t.requires_grad()) c.requires_grad_();
-    if (Tensor g = t.grad(); g.defined()) c.set_grad(g.to(to_device, to_dtype));
+    if (Tensor g = t.grad(); g.defined()) c.set_grad(converted_copy(g));
     converted.emplace(t.impl(), std::pair(t, c));
     t = c;  // writes the slot, which is the layer's member (see nn/module.h)
   };
@@ -170,18 +177,21 @@ void Module::convert_own(const DType* dtype, const Device* device,
   for (Slot& s : buffers_) convert(s.tensor);
 }
 
-void Module::convert_all(const DType* dtype, const Device* device, const std::function<bool(const Module&)>* select) {
-  HG_CHECK(!dtype || is_floating(*dtype), "{}: to({}): modules convert to floating dtypes only", type_name(),
-           dtype_name(*dtype));
+void Module::convert_all(const Conversion& to, const std::function<bool(const Module&)>* select) {
+  HG_CHECK(!to.dtype || is_floating(*to.dtype), "{}: to({}): modules convert to floating dtypes only", type_name(),
+           dtype_name(*to.dtype));
   std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>> converted;
   for (Module* m : modules())
-    if (!select || (*select)(*m)) m->convert_own(dtype, device, converted);
+    if (!select || (*select)(*m)) m->convert_own(to, converted);
 }
 
-void Module::to(Device device) { convert_all(nullptr, &device, nullptr); }
-void Module::to(DType dtype) { convert_all(&dtype, nullptr, nullptr); }
-void Module::to(Device device, DType dtype) { convert_all(&dtype, &device, nullptr); }
-void Module::to(DType dtype, const std::function<bool(const Module&)>& select) { convert_all(&dtype, nullptr, &select); }
+void Module::to(Device device) { convert_all({.device = &device}, nullptr); }
+void Module::to(DType dtype) { convert_all({.dtype = &dtype}, nullptr); }
+void Module::to(Device device, DType dtype) { convert_all({.dtype = &dtype, .device = &device}, nullptr); }
+void Module::to(DType dtype, const std::function<bool(const Module&)>& select) {
+  convert_all({.dtype = &dtype}, &select);
+}
+void Module::to(MemoryFormat format) { convert_all({.format = &format}, nullptr); }
 
 void Module::zero_grad() {
   for (Tensor& p : parameters())

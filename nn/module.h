@@ -122,6 +122,11 @@ class Module {
   // (every descendant is asked separately). Mixed precision O2, "the model in half except BatchNorm":
   //   model.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });
   void to(DType dtype, const std::function<bool(const Module&)>& select);
+  // Lays out every 4-D floating tensor (convolution weights) and its gradient as `format`, as PyTorch's
+  // model.to(memory_format=torch.channels_last) does: a channels_last input then meets weights that need no copy
+  // into its layout, forward or backward, and the optimizer updates them where they are (optim/optimizer.h).
+  // Replaces tensors as to(dtype) does; to(device) and to(dtype) keep the layout.
+  void to(MemoryFormat format);
 
   // Forgets every parameter's gradient (undefined, like PyTorch's set_to_none=True).
   void zero_grad();
@@ -158,9 +163,13 @@ class Module {
   // Converts this module's own tensors; `converted` maps each tensor already converted in this pass (by
   // identity) to (itself, its new version), so shared tensors stay shared. Holding the old tensor keeps its
   // address from being reused by another tensor during the pass.
-  void convert_own(const DType* dtype, const Device* device,
-                   std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>>& converted);
-  void convert_all(const DType* dtype, const Device* device, const std::function<bool(const Module&)>* select);
+  struct Conversion {
+    const DType* dtype = nullptr;  // null: keep (and likewise below)
+    const Device* device = nullptr;
+    const MemoryFormat* format = nullptr;
+  };
+  void convert_own(const Conversion& to, std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>>& converted);
+  void convert_all(const Conversion& to, const std::function<bool(const Module&)>* select);
 
   std::deque<Slot> parameters_;  // deque: push_back never moves existing slots, so references stay valid
   std::deque<Slot> buffers_;

@@ -25,12 +25,13 @@ Tensor cast_nograd(const Tensor& t, DType dtype) {
 }
 
 namespace {
-// A contiguous copy of t on `device` (same dtype).
+// A copy of t on `device` (same dtype), contiguous, or channels_last when t is (as PyTorch's to() keeps the layout).
 Tensor transfer(const Tensor& t, Device device) {
-  Tensor src = t.contiguous();
-  Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = device});
+  const MemoryFormat format = suggest_memory_format(t);
+  const Tensor src = format == MemoryFormat::ChannelsLast ? t : t.contiguous();
+  Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = device}, format);
   Device backend = device.is_cpu() ? src.device() : device;  // the non-CPU side performs the copy
-  transfer_kernel[backend](out, src);
+  transfer_kernel[backend](flat_storage_view(out), flat_storage_view(src));
   return out;
 }
 }  // namespace

@@ -35,6 +35,17 @@ Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
   return make_view(t, shape, strides, t.offset());
 }
 
+std::optional<MemoryFormat> dense_format(const Tensor& t) {
+  if (t.is_contiguous()) return MemoryFormat::Contiguous;
+  if (is_channels_last(t)) return MemoryFormat::ChannelsLast;
+  return std::nullopt;
+}
+
+Tensor flat_storage_view(const Tensor& t) {
+  HG_CHECK(dense_format(t).has_value(), "flat_storage_view: {} is dense in no memory format", t.meta());
+  return make_view(t, {t.numel()}, {1}, t.offset());
+}
+
 namespace {
 
 // A view op: the view, plus (when the input is in the graph) a node with the given backward.

@@ -5,6 +5,7 @@
 
 #include "core/autograd.h"
 #include "ops/elementwise.h"
+#include "ops/shape.h"
 #include "optim/fused.h"
 
 namespace halfgrad::optim {
@@ -46,10 +47,10 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
   // Per bucket: sum |g|^p (or max |g|) on the bucket's device; then combined on the first one.
   Tensor reduced;
   for (const TensorList& b : buckets) {
-    TensorList contiguous;
-    for (const Tensor& g : b) contiguous.push_back(g.contiguous());
+    TensorList flat;  // the norm does not depend on the order of the elements: any dense layout is read in place
+    for (const Tensor& g : b) flat.push_back(flat_storage_view(dense_format(g) ? g : g.contiguous()));
     Tensor part = empty({}, {.dtype = accumulate_dtype(b[0].dtype()), .device = b[0].device()});
-    norm_kernel[part.device()](contiguous, norm_type, part);
+    norm_kernel[part.device()](flat, norm_type, part);
     part = part.to(device, dtype);
     reduced = !reduced.defined() ? part : inf ? maximum(reduced, part) : reduced + part;
   }
@@ -62,16 +63,16 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
 void scale_buckets(const std::vector<TensorList>& buckets, const Tensor& coefficient) {
   for (const TensorList& b : buckets) {
     Tensor c = coefficient.to(b[0].device(), accumulate_dtype(b[0].dtype()));
-    TensorList contiguous;
+    TensorList flat;
     for (const Tensor& g : b) {
-      if (g.is_contiguous()) {
-        contiguous.push_back(g);
+      if (dense_format(g)) {
+        flat.push_back(flat_storage_view(g));
       } else {
         Tensor strided = g;  // rare (a gradient some backward left strided): an ordinary in-place op
         strided.mul_(c.to(g.dtype()));
       }
     }
-    if (!contiguous.empty()) scale_kernel[c.device()](contiguous, c);
+    if (!flat.empty()) scale_kernel[c.device()](flat, c);
   }
 }
 

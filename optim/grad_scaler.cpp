@@ -9,6 +9,7 @@
 #include "dist/process_group.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
+#include "ops/shape.h"
 #include "optim/clip_grad.h"
 
 namespace halfgrad::amp {
@@ -78,7 +79,8 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   last_parameters_ = optimizer.parameters();
   for (const Tensor& param : last_parameters_) {
     Tensor g = param.grad();
-    if (g.defined()) groups[{g.device(), g.dtype()}].push_back(g);
+    // A gradient dense in any layout (channels_last) is unscaled in place, as the 1-D view of its storage.
+    if (g.defined()) groups[{g.device(), g.dtype()}].push_back(dense_format(g) ? flat_storage_view(g) : g);
   }
   std::map<Device, Tensor> flags;
   for (auto& [key, grads] : groups) {

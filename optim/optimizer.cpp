@@ -12,6 +12,8 @@
 #include "core/autograd.h"
 #include "core/cuda.h"
 #include "core/log.h"
+#include "ops/conv.h"
+#include "ops/shape.h"
 #include "optim/clip_grad.h"
 
 namespace halfgrad::optim {
@@ -94,11 +96,14 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
     HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
              name_, p, g, param.meta());
     check_inplace(param, name_);
-    StepItem item{p, param, grad.contiguous(), Tensor()};
-    if (!param.is_contiguous()) {
-      item.original = param;
-      item.param = param.contiguous();
-    }
+    const std::optional<MemoryFormat> dense = dense_format(param);
+    const MemoryFormat format = dense.value_or(MemoryFormat::Contiguous);
+    StepItem item{.index = p,
+                  .param = flat_storage_view(dense ? param : param.contiguous()),
+                  .grad = flat_storage_view(contiguous(grad, format)),
+                  .parameter = param,
+                  .format = format,
+                  .copied = !dense};
     auto same_kind = [&](const std::vector<StepItem>& b) {
       return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
     };
@@ -114,31 +119,36 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
 
 void Optimizer::write_back(const std::vector<StepItem>& items) {
   for (const StepItem& item : items)
-    if (item.original.defined()) {
-      Tensor original = item.original;
-      original.copy_(item.param);
+    if (item.copied) {
+      Tensor parameter = item.parameter;
+      parameter.copy_(item.param.view(parameter.shape()));
     }
 }
 
-Tensor& Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* created) {
+Tensor Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* created) {
   ParamState& s = state(g, item.index);
   if (s.buffers.size() <= k) s.buffers.resize(k + 1);
   Tensor& buf = s.buffers[k];
-  const Tensor& p = item.param;
+  const Tensor& p = item.parameter;
   if (created) *created = !buf.defined();
-  if (!buf.defined()) {
-    // Made in a capture, the zeros would be made again by every replay.
+  const bool in_layout = buf.defined() && dense_format(buf) == item.format;
+  if (!in_layout) {
+    // Made in a capture, the zeros (or the buffer laid out again) would be made again by every replay.
     HG_CHECK(!cuda::is_capturing(p.device()),
-             "{}: the {} of parameter {} of group {} is created on its first step, inside a CUDA graph capture here; "
-             "run the step eagerly first (cuda::CapturedStep does)", name_, state_names(g).at(k), item.index, g);
-    buf = zeros(p.shape(), {.dtype = p.dtype(), .device = p.device()});
+             "{}: the {} of parameter {} of group {} is {} on its first step, inside a CUDA graph capture here; "
+             "run the step eagerly first (cuda::CapturedStep does)", name_, state_names(g).at(k), item.index, g,
+             buf.defined() ? "laid out as the parameter" : "created");
+  }
+  if (!buf.defined()) {
+    buf = empty(p.shape(), {.dtype = p.dtype(), .device = p.device()}, item.format).zero_();
   } else {
     HG_CHECK(buf.shape() == p.shape() && buf.dtype() == p.dtype() && buf.device() == p.device(),
              "{}: the {} of parameter {} of group {} is {} but the parameter is now {}; a parameter replaced after "
              "the optimizer's first step must keep its shape, dtype and device",
              name_, state_names(g).at(k), item.index, g, buf.meta(), p.meta());
+    if (!in_layout) buf = contiguous(buf, item.format);
   }
-  return buf;
+  return flat_storage_view(buf);
 }
 
 // ---- checkpoint state

@@ -109,21 +109,26 @@ class Optimizer {
   // Checks that every parameter is a floating leaf that requires grad and appears in one group only.
   void check_parameters() const;
 
-  // One parameter of a step, as a fused kernel takes it.
+  // One parameter of a step, as a fused kernel takes it: 1-D views of its elements in memory order, so that a
+  // parameter dense in any format (a channels_last convolution weight) is updated where it is.
   struct StepItem {
-    size_t index;     // the parameter's index in its group
-    Tensor param;     // contiguous: the parameter itself, or a copy that write_back() copies into `original`
-    Tensor grad;      // contiguous
-    Tensor original;  // defined when `param` is a copy of a non-contiguous parameter
+    size_t index;         // the parameter's index in its group
+    Tensor param;         // the parameter's storage (flat_storage_view), or that of a copy when it is dense in no format
+    Tensor grad;          // the gradient, laid out as `param`, element for element
+    Tensor parameter;     // the parameter as the model holds it
+    MemoryFormat format;  // the layout of `param`: the parameter's, or Contiguous for a copy
+    bool copied = false;  // `param` is a copy that write_back() copies into `parameter`
   };
   // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
   // call each. Checks each gradient against its parameter and bumps the parameter's version counter (the
   // step writes it in place, so a graph that saved it can no longer use it).
   std::vector<std::vector<StepItem>> step_items(size_t g);
   static void write_back(const std::vector<StepItem>& items);
-  // The state buffer k of parameter `item` of group g, created (zeros) when it does not exist yet; `created`
-  // tells which. Checks that an existing buffer still matches the parameter.
-  Tensor& state_buffer(size_t g, const StepItem& item, size_t k, bool* created = nullptr);
+  // The state buffer k of parameter `item` of group g as the kernel takes it (a flat view, element for element with
+  // item.param), created (zeros) when it does not exist yet; `created` tells which. The buffer is kept in the
+  // parameter's shape and layout (a buffer loaded in another layout is laid out again once). Checks that an existing
+  // buffer still matches the parameter.
+  Tensor state_buffer(size_t g, const StepItem& item, size_t k, bool* created = nullptr);
 
  private:
   const char* name_;

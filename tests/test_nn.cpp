@@ -186,6 +186,53 @@ TEST_CASE("to(dtype) converts floating parameters and buffers, keeps requires_gr
   CHECK(net.forward(x.to(kFloat64)).dtype() == kFloat64);
 }
 
+TEST_CASE("to(MemoryFormat::ChannelsLast) lays out the 4-D floating tensors NHWC with their gradients, and back") {
+  TinyResNet net;
+  Tensor x = randn({2, 3, 4, 4});
+  net.forward(x).sum().backward();
+  const Tensor old_conv = net.conv1->weight, old_fc = net.fc->weight;
+  const std::vector<double> conv_values = values(old_conv), conv_grad = values(old_conv.grad());
+
+  net.to(MemoryFormat::ChannelsLast);
+  for (auto& [name, p] : net.named_parameters()) {
+    CAPTURE(name);
+    CHECK(p.requires_grad());
+    CHECK(p.is_leaf());
+    REQUIRE(p.grad().defined());
+    const bool nhwc = p.dim() == 4;
+    CHECK(is_channels_last(p) == nhwc);
+    CHECK(p.is_contiguous() != nhwc);  // 3 x 3 kernels: NHWC and NCHW differ
+    CHECK(is_channels_last(p.grad()) == nhwc);
+  }
+  CHECK(values(net.conv1->weight) == conv_values);  // the same values in another order in memory
+  CHECK(values(net.conv1->weight.grad()) == conv_grad);
+  CHECK_FALSE(net.conv1->weight.same(old_conv));  // a new tensor, as to(dtype) makes
+  CHECK(old_conv.is_contiguous());
+  CHECK(net.fc->weight.same(old_fc));  // 2-D: left alone
+
+  // to(dtype) keeps the layout; already channels_last, nothing is replaced.
+  net.to(kFloat64);
+  CHECK(is_channels_last(net.conv1->weight));
+  CHECK_FALSE(net.conv1->weight.is_contiguous());
+  Tensor same = net.conv1->weight;
+  net.to(MemoryFormat::ChannelsLast);
+  CHECK(net.conv1->weight.same(same));
+
+  // The model computes what it computed, on NCHW and on NHWC inputs.
+  TinyResNet reference;
+  reference.to(kFloat64);
+  reference.load_state_dict(net.state_dict());
+  reference.eval();
+  net.eval();
+  const Tensor x64 = x.to(kFloat64);
+  CHECK(values(net.forward(x64)) == values(reference.forward(x64)));
+  CHECK(values(net.forward(contiguous_channels_last(x64))) == values(reference.forward(x64)));
+
+  net.to(MemoryFormat::Contiguous);
+  for (auto& [name, p] : net.named_parameters()) CHECK_MESSAGE(p.is_contiguous(), name);
+  CHECK(values(net.conv1->weight) == conv_values);
+}
+
 TEST_CASE("to(dtype, select) converts only the modules chosen: the model in half except BatchNorm") {
   TinyResNet net;
   net.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });

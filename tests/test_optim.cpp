@@ -305,6 +305,90 @@ TEST_CASE("a non-contiguous parameter is updated through a contiguous copy and w
   CHECK_FALSE(p.is_contiguous());
 }
 
+TEST_CASE("a channels_last parameter is updated where it is, element for element as the NCHW one, its state NHWC") {
+  auto check = [](auto make_optimizer) {
+    manual_seed(4);
+    const Tensor start = randn({3, 5, 2, 4}, {.dtype = kFloat64});
+    Tensor nchw = start.clone().requires_grad_();
+    Tensor nhwc = contiguous_channels_last(start).requires_grad_();
+    REQUIRE((is_channels_last(nhwc) && !nhwc.is_contiguous()));
+    auto opt_nchw = make_optimizer(nchw), opt_nhwc = make_optimizer(nhwc);
+    for (int s = 0; s < 4; ++s) {
+      const Tensor g = randn({3, 5, 2, 4}, {.dtype = kFloat64});
+      nchw.set_grad(g);
+      nhwc.set_grad(s % 2 == 0 ? contiguous_channels_last(g) : g);  // a gradient in either layout
+      opt_nchw.step();
+      opt_nhwc.step();
+      CHECK(bit_equal(nhwc, nchw));
+    }
+    CHECK((is_channels_last(nhwc) && !nhwc.is_contiguous()));
+    const NamedTensors a = opt_nchw.state_tensors(), b = opt_nhwc.state_tensors();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(b[i].first);
+      CHECK(bit_equal(b[i].second, a[i].second));
+      if (b[i].second.dim() == 4) CHECK((is_channels_last(b[i].second) && !b[i].second.is_contiguous()));
+    }
+  };
+  SUBCASE("SGD with momentum, weight decay and nesterov") {
+    check([](Tensor& p) {
+      return optim::SGD({p}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true});
+    });
+  }
+  SUBCASE("Adam with amsgrad") { check([](Tensor& p) { return optim::Adam({p}, {.lr = 0.01, .amsgrad = true}); }); }
+}
+
+TEST_CASE("optimizer state saved from an NCHW parameter goes on, laid out again, on a channels_last one") {
+  manual_seed(5);
+  Tensor nchw = randn({4, 3, 3, 3}, {.dtype = kFloat64}).requires_grad_();
+  optim::SGD opt({nchw}, {.lr = 0.1, .momentum = 0.9});
+  std::vector<Tensor> grads;
+  for (int s = 0; s < 3; ++s) grads.push_back(randn({4, 3, 3, 3}, {.dtype = kFloat64}));
+  nchw.set_grad(grads[0]);
+  opt.step();
+  NamedTensors saved;
+  for (const auto& [name, t] : opt.state_tensors()) saved.emplace_back(name, t.clone());  // NCHW buffers
+
+  Tensor nhwc = contiguous_channels_last(nchw.detach()).requires_grad_();
+  optim::SGD resumed({nhwc}, {.lr = 0.1, .momentum = 0.9});
+  resumed.load_state_tensors(saved);
+  for (int s = 1; s < 3; ++s) {
+    nchw.set_grad(grads[s]);
+    nhwc.set_grad(grads[s]);
+    opt.step();
+    resumed.step();
+  }
+  CHECK(bit_equal(nhwc, nchw));
+  for (const auto& [name, t] : resumed.state_tensors())
+    if (t.dim() == 4) CHECK_MESSAGE(is_channels_last(t), name);
+}
+
+TEST_CASE("clip_grad_norm_ and unscale_ read and scale channels_last gradients in place") {
+  manual_seed(6);
+  const Tensor g = randn({2, 3, 4, 5}, {.dtype = kFloat64});
+  Tensor nchw = zeros({2, 3, 4, 5}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor nhwc = contiguous_channels_last(zeros({2, 3, 4, 5}, {.dtype = kFloat64})).requires_grad_();
+  nchw.set_grad(g.clone());
+  nhwc.set_grad(contiguous_channels_last(g));
+  const Tensor nhwc_grad = nhwc.grad();
+  CHECK(optim::clip_grad_norm_({nhwc}, 1.0).item<double>() == optim::clip_grad_norm_({nchw}, 1.0).item<double>());
+  CHECK(nhwc.grad().same(nhwc_grad));  // scaled where it is
+  CHECK(is_channels_last(nhwc.grad()));
+  CHECK(bit_equal(nhwc.grad(), nchw.grad()));
+
+  Tensor w = contiguous_channels_last(ones({2, 3, 2, 2})).requires_grad_();
+  optim::SGD opt({w}, {.lr = 0.5});
+  amp::GradScaler scaler({.init_scale = 8});
+  scaler.scale((w * w).sum()).backward();
+  REQUIRE(is_channels_last(w.grad()));
+  scaler.unscale_(opt);
+  CHECK(values(w.grad()) == std::vector<double>(24, 2.0));  // d(w^2)/dw = 2, the scale of 8 divided out
+  scaler.step(opt);
+  scaler.update();
+  CHECK(values(w) == std::vector<double>(24, 0.0));
+  CHECK(is_channels_last(w));
+}
+
 TEST_CASE("a step bumps the parameter's version: a graph that saved the old value refuses to use it") {
   Tensor w = ones({2}, {.dtype = kFloat64, .requires_grad = true});
   Tensor y = (w * w).sum();  // saves w

@@ -224,6 +224,8 @@ Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
   manual_seed(0);
   st->model = models::image_classifier(c.model);
   st->model->to(s.device);
+  const bool channels_last = s.channels_last && s.device.is_cuda();
+  if (channels_last) st->model->to(MemoryFormat::ChannelsLast);  // as the PyTorch side's model.to(memory_format=...)
   st->model->train();
   broadcast_weights(s, *st->model);
   st->sgd = std::make_unique<optim::SGD>(st->model->parameters(),
@@ -232,7 +234,7 @@ Workload classifier_workload(const Case& c, const Settings& s, int64_t batch) {
   const int rank = s.group ? s.group->rank() : 0;
   manual_seed(uint64_t(1 + rank));  // each rank its own batch
   st->x = randn({batch, 3, 32, 32}, {.device = s.device});
-  if (s.channels_last && s.device.is_cuda()) st->x = contiguous_channels_last(st->x);
+  if (channels_last) st->x = contiguous_channels_last(st->x);
   st->y = randint(0, 10, {batch}, {.dtype = kInt64, .device = s.device});
   Workload w;
   w.items = double(batch), w.unit = "images_per_second";
@@ -269,6 +271,8 @@ Workload language_model_workload(const Case& c, const Settings& s, int64_t batch
       s.vocab, models::LanguageModelOptions{.kind = shape->kind, .embedding_size = shape->hidden,
                                             .hidden_size = shape->hidden, .num_layers = shape->layers});
   st->model->to(s.device);
+  const bool channels_last = s.channels_last && s.device.is_cuda();
+  if (channels_last) st->model->to(MemoryFormat::ChannelsLast);  // as the PyTorch side's model.to(memory_format=...)
   st->model->train();
   broadcast_weights(s, *st->model);
   st->sgd = std::make_unique<optim::SGD>(st->model->parameters(), optim::SGDOptions{.lr = 20});

@@ -67,6 +67,7 @@ int run(const Settings& s) {
       manual_seed(0);
       std::shared_ptr<nn::Module> model = models::image_classifier(s.model);
       model->to(gpu);
+      if (!s.nchw) model->to(MemoryFormat::ChannelsLast);  // as the PyTorch script's model.to(memory_format=...)
       model->train();
       optim::SGD sgd(model->parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
       amp::Amp amp = amp::initialize(*model, sgd, level);

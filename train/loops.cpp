@@ -393,6 +393,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   manual_seed(c.seed);
   std::shared_ptr<nn::Module> model = models::image_classifier(c.model, classes);
   model->to(c.device);
+  if (c.channels_last) model->to(MemoryFormat::ChannelsLast);  // the weights in the batches' layout: no copies
   // Data parallel: rank 0's weights everywhere before O2 copies them into its float32 masters.
   if (c.group) nn::broadcast_from_rank0(*c.group, *model);
   optim::SGD sgd(model->parameters(),
