@@ -22,6 +22,7 @@
 #include "ops/dropout.h"
 #include "ops/matmul.h"
 #include "ops/rnn_cell.h"
+#include "ops/shape.h"
 #include "ops/stack.h"
 
 namespace halfgrad {
@@ -84,11 +85,6 @@ struct Problem {
 // The storage dtype the drivers compute with: the CPU's kernels have no half GEMM with float32 output, so
 // float16/bfloat16 are widened there once per call.
 DType storage_dtype(DType dtype, Device device) { return device.is_cpu() && is_half(dtype) ? kFloat32 : dtype; }
-
-// Element `index` of a dense tensor viewed as rows of `row` elements: the address of row `index`.
-void* row_ptr(const Tensor& t, int64_t index, int64_t row) {
-  return static_cast<char*>(t.data_ptr()) + index * row * int64_t(element_size(t.dtype()));
-}
 
 void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
@@ -225,9 +221,11 @@ Gradients run_backward(const Problem& p, const Saved& f, const std::vector<Layer
                                         .gates = s.gates.data_ptr(), .cells = data_or_null(s.cells),
                                         .h0 = h_first.data_ptr(), .out = out.data_ptr(), .hn = data_or_null(s.hn),
                                         .dgi = dgi.data_ptr(), .dgh = gru ? dgh.data_ptr() : nullptr});
-    // h0's gradient through the first step's product.
-    gemm(p, p.acc, p.B, p.H, GH, dgh.data_ptr(), Trans::No, w[l].w_hh.data_ptr(), Trans::No, dh.data_ptr(), 1.0);
-    dh0[size_t(l)] = dh;
+    // h0's gradient through the first step's product (a language model's detached state needs none).
+    if (needs[1]) {
+      gemm(p, p.acc, p.B, p.H, GH, dgh.data_ptr(), Trans::No, w[l].w_hh.data_ptr(), Trans::No, dh.data_ptr(), 1.0);
+      dh0[size_t(l)] = dh;
+    }
     if (lstm) dc0[size_t(l)] = dc;
     LayerWeights& gw = g.weights[size_t(l)];
     const int64_t in = p.in(l), rows = p.T * p.B;
@@ -235,14 +233,17 @@ Gradients run_backward(const Problem& p, const Saved& f, const std::vector<Layer
       gw.w_ih = empty({GH, in}, storage);
       gemm(p, p.storage, GH, in, rows, dgi.data_ptr(), Trans::Yes, x.data_ptr(), Trans::No, gw.w_ih.data_ptr());
     }
-    if (wants(l, 1)) {
+    if (wants(l, 1)) {  // one product over every step's h_prev: [h0; out[0 .. T - 2]]
       gw.w_hh = empty({GH, p.H}, storage);
-      gemm(p, p.storage, GH, p.H, p.B, dgh.data_ptr(), Trans::Yes, h_first.data_ptr(), Trans::No, gw.w_hh.data_ptr());
-      gemm(p, p.storage, GH, p.H, rows - p.B, row_ptr(dgh, 1, p.B * GH), Trans::Yes, out.data_ptr(), Trans::No,
-           gw.w_hh.data_ptr(), 1.0);
+      const Tensor h_prev = cat({h_first, out.narrow(0, 0, p.T - 1).view({rows - p.B, p.H})}, 0);
+      gemm(p, p.storage, GH, p.H, rows, dgh.data_ptr(), Trans::Yes, h_prev.data_ptr(), Trans::No, gw.w_hh.data_ptr());
     }
-    if (p.bias && wants(l, 2)) gw.b_ih = dgi.view({rows, GH}).sum({0});
-    if (p.bias && wants(l, 3)) gw.b_hh = dgh.view({rows, GH}).sum({0});
+    if (p.bias && (wants(l, 2) || wants(l, 3))) {
+      // Where dgh is dgi (every kind but GRU) both biases have one gradient: summed once.
+      const Tensor sum_i = dgi.view({rows, GH}).sum({0});
+      if (wants(l, 2)) gw.b_ih = sum_i;
+      if (wants(l, 3)) gw.b_hh = gru ? dgh.view({rows, GH}).sum({0}) : wants(l, 2) ? sum_i.clone() : sum_i;
+    }
     if (l > lowest || (l == 0 && needs[0])) {
       Tensor dx = empty({p.T, p.B, in}, storage);
       gemm(p, p.storage, rows, in, GH, dgi.data_ptr(), Trans::No, w[l].w_ih.data_ptr(), Trans::No, dx.data_ptr());
