@@ -51,8 +51,10 @@ configure: deps
 build: configure
 	cmake --build "$(BUILD_DIR)" -j$(JOBS)
 
+# OMP_WAIT_POLICY=passive: the idle threads of one test's OpenMP team sleep instead of spinning on the cores that the
+# other tests run on (ctest -j$(JOBS) on as many cores): the suite took 301 s instead of 351 on 2 cores (2026-12-03).
 test: build
-	ctest --test-dir "$(BUILD_DIR)" --output-on-failure -j$(JOBS)
+	OMP_WAIT_POLICY=passive ctest --test-dir "$(BUILD_DIR)" --output-on-failure -j$(JOBS)
 
 run: build
 	@if [ -x "$(BUILD_DIR)/halfgrad" ]; then \
@@ -108,7 +110,7 @@ sanitize: deps
 	cmake -S . -B "$(SANITIZE_DIR)" -G "$(GENERATOR)" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O1 \
 	  -DHALFGRAD_SANITIZE=ON -DHALFGRAD_CUDA=OFF -DHALFGRAD_BUILD_EXAMPLES=OFF
 	cmake --build "$(SANITIZE_DIR)" -j $(JOBS) --target halfgrad_test_programs
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 OMP_WAIT_POLICY=passive \
 	  ctest --test-dir "$(SANITIZE_DIR)" --output-on-failure -j $(JOBS) -E '$(SANITIZE_EXCLUDE)'
 
 TSAN_DIR   ?= build-tsan
