@@ -104,8 +104,7 @@ SANITIZE_CI_EXCLUDE := $(strip $(subst | ,|,$(_sanitize_ci_exclude)))|^cli: the 
 SANITIZE_TARGETS ?= halfgrad_test_programs
 ifeq ($(SANITIZE_SUBSET),ci)
   SANITIZE_EXCLUDE := $(SANITIZE_CI_EXCLUDE)
-  SANITIZE_TARGETS := halfgrad_tests halfgrad_cli halfgrad_dist_worker fuzz_checkpoint_replay fuzz_cifar_replay \
-                      fuzz_text_replay
+  SANITIZE_TARGETS := halfgrad_test_programs_without_benchmarks
 endif
 # The CPU library, its tests and the programs they run (CMake's halfgrad_test_programs: the CLI, two benchmark
 # programs, the process-group tests' worker, the fuzz targets' replay programs), under AddressSanitizer and UndefinedBehaviorSanitizer (gcc; leaks
