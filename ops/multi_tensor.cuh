@@ -98,6 +98,25 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
 
 // ---- the elementwise multi-tensor kernel: `op(values, extra)` updates one element's operands in place
 
+// An op may name an operand whose zero leaves every operand as it is (Op::kUnchangedWhereZero: plain SGD's
+// gradient) and say at run time whether that holds (op.unchanged_where_zero<DEPTH>()): where a vector of that operand
+// is all zero bits, the others are neither read nor written. A language model's embedding gradient is zero outside
+// the step's few hundred words: SGD then moves 8 bytes an element less over most of its 21.6M (WikiText-2, 650 wide).
+template <typename Op> constexpr int unchanged_where_zero_operand() {
+  if constexpr (requires { Op::kUnchangedWhereZero; })
+    return Op::kUnchangedWhereZero;
+  else
+    return -1;
+}
+
+template <typename T, int N> __device__ __forceinline__ bool all_zero_bits(const Vec<T, N>& x) {
+  static_assert(sizeof(x) % 8 == 0, "whole 8-byte words");
+  unsigned long long bits = 0;
+#pragma unroll
+  for (size_t w = 0; w < sizeof(x) / 8; ++w) bits |= reinterpret_cast<const unsigned long long*>(&x)[w];
+  return bits == 0;
+}
+
 // skip: nullptr, or a flag that, when nonzero, leaves every operand as it is (SGDStepArgs::found_inf).
 template <typename T, int DEPTH, typename Extra, typename Op>
 __global__ void __launch_bounds__(kBlock)
@@ -118,11 +137,21 @@ __global__ void __launch_bounds__(kBlock)
     }
     int64_t done = 0;
     if (aligned) {
+      constexpr int kZero = unchanged_where_zero_operand<Op>();
+      bool zero_skips = false;
+      if constexpr (kZero >= 0) zero_skips = op.template unchanged_where_zero<DEPTH>();
       const int64_t vectors = n / kVec;
       for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
         M r[kVec][DEPTH];
+        if constexpr (kZero >= 0) {
+          const Vec<T, kVec> x = reinterpret_cast<const Vec<T, kVec>*>(ptr[kZero])[v];
+          if (zero_skips && all_zero_bits(x)) continue;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) r[k][kZero] = M(x.v[k]);
+        }
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
+          if (d == kZero) continue;
           const Vec<T, kVec> x = reinterpret_cast<const Vec<T, kVec>*>(ptr[d])[v];
 #pragma unroll
           for (int k = 0; k < kVec; ++k) r[k][d] = M(x.v[k]);

@@ -31,6 +31,14 @@ template <typename M> struct SGDOp {
   const double* hyperparameters;  // nullptr, or [lr, momentum] to read instead of lr and momentum
   const float* grad_scale;        // nullptr, or the factor each gradient is read with
   static constexpr __device__ bool writes(int d) { return d != 1; }  // not the gradient
+  // Without momentum or weight decay a gradient of +0 moves nothing: p - lr (scale * +0) is p, -0 and NaN included,
+  // where lr and the scale are finite and not negative (else the step could be NaN or -0).
+  static constexpr int kUnchangedWhereZero = 1;
+  template <int DEPTH> __device__ bool unchanged_where_zero() const {
+    const M lr = hyperparameters ? M(hyperparameters[0]) : scalars.lr, scale = grad_scale ? M(*grad_scale) : M(1);
+    return DEPTH == 2 && scalars.weight_decay == M(0) && isfinite(lr) && isfinite(scale) && !signbit(lr) &&
+           !signbit(scale);
+  }
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
     SGDScalars<M> s = scalars;
     if (hyperparameters) s.lr = M(hyperparameters[0]), s.momentum = M(hyperparameters[1]);

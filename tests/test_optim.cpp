@@ -803,6 +803,58 @@ TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay
   }
 }
 
+TEST_CASE("CUDA plain SGD skips the vectors whose gradient is +0, bit-exact with the CPU step where it is 0") {
+  SKIP_WITHOUT_GPU();
+  // Without momentum or weight decay the kernel neither reads nor writes a parameter vector whose gradient is all
+  // +0 (an embedding outside the step's words). Where the gradient is 0 the bits are the CPU's full formula's:
+  // p = -0 stays -0 under a +0 gradient and becomes +0 under a -0 one (-0 - (lr x -0): element 49); NaN stays NaN.
+  // A NaN clipping scale turns every parameter NaN, the skipped vectors too; with momentum nothing is skipped.
+  const int64_t n = 4 * 1000 + 3;  // whole vectors of 4 and a scalar tail
+  for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+    const std::string dt_name = dtype_name(dt);
+    CAPTURE(dt_name);
+    manual_seed(9);
+    const Tensor p_random = randn({n}), g_random = randn({n});
+    std::vector<float> pv(p_random.data<float>(), p_random.data<float>() + n),
+        gv(g_random.data<float>(), g_random.data<float>() + n);
+    for (size_t i = 0; i < size_t(n); ++i) {
+      if (i % 12 < 8) gv[i] = 0.0f;    // two zero vectors of every three
+      if (i % 24 == 1) gv[i] = -0.0f;  // some with a -0: updated as usual
+      if (i % 7 == 0) pv[i] = -0.0f;
+      if (i % 101 == 0) pv[i] = std::nanf("");
+    }
+    const Tensor p0 = tensor(pv).to(dt), g0 = tensor(gv).to(dt);
+    struct Case {
+      double momentum;
+      float scale;
+    };
+    for (const Case c : {Case{0, 1.0f}, Case{0, 0.5f}, Case{0, NAN}, Case{0.9, 1.0f}}) {
+      CAPTURE(c.momentum);
+      CAPTURE(c.scale);
+      TensorList on_cpu{p0.clone().requires_grad_()}, on_gpu{p0.to(Device::cuda(0)).requires_grad_()};
+      on_cpu[0].set_grad(g0.clone());
+      on_gpu[0].set_grad(g0.to(Device::cuda(0)));
+      optim::SGD cpu(on_cpu, {.lr = 0.1, .momentum = c.momentum}), gpu(on_gpu, {.lr = 0.1, .momentum = c.momentum});
+      cpu.step_scaled(Tensor(), full({}, c.scale, {.dtype = kFloat32}));
+      gpu.step_scaled(Tensor(), full({}, c.scale, {.dtype = kFloat32, .device = Device::cuda(0)}));
+      const Tensor a = on_cpu[0].detach().to(kFloat64), b = on_gpu[0].detach().cpu().to(kFloat64);
+      // Where the gradient is 0 (or p NaN) no rounding can differ: the bits must be the CPU's. Elsewhere the two
+      // differ by FMA contraction, as in the tests above.
+      int64_t differing = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = a.data<double>()[i], y = b.data<double>()[i];
+        const bool exact = gv[size_t(i)] == 0.0f || std::isnan(x) || std::isnan(y);
+        const bool same = exact ? (std::isnan(x) && std::isnan(y)) || (x == y && std::signbit(x) == std::signbit(y))
+                                : std::abs(x - y) <= 1e-6 * std::max(1.0, std::abs(x));
+        differing += same ? 0 : 1;
+      }
+      CHECK(differing == 0);
+      if (c.scale == 1.0f) CHECK((b.data<double>()[49] == 0 && !std::signbit(b.data<double>()[49])));  // -0 - (lr x -0)
+      if (std::isnan(c.scale)) CHECK(std::isnan(b.data<double>()[4]));  // a skipped vector's without the NaN
+    }
+  }
+}
+
 TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; every dtype)") {
   SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
