@@ -35,13 +35,18 @@ template <typename M> struct SGDOp {
   // where lr and the scale are finite and not negative (else the step could be NaN or -0).
   static constexpr int kUnchangedWhereZero = 1;
   template <int DEPTH> __device__ bool unchanged_where_zero() const {
-    const M lr = hyperparameters ? M(hyperparameters[0]) : scalars.lr, scale = grad_scale ? M(*grad_scale) : M(1);
+    const M lr = step_scalars().lr, scale = grad_scale ? M(*grad_scale) : M(1);
     return DEPTH == 2 && scalars.weight_decay == M(0) && isfinite(lr) && isfinite(scale) && !signbit(lr) &&
            !signbit(scale);
   }
-  template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
+  // The scalars this step uses: lr and momentum from `hyperparameters` where given.
+  __device__ __forceinline__ SGDScalars<M> step_scalars() const {
     SGDScalars<M> s = scalars;
     if (hyperparameters) s.lr = M(hyperparameters[0]), s.momentum = M(hyperparameters[1]);
+    return s;
+  }
+  template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const SGDExtra& extra) const {
+    const SGDScalars<M> s = step_scalars();
     const M g = grad_scale ? M(*grad_scale) * r[1] : r[1];
     const bool decay = s.weight_decay != M(0);
     if constexpr (DEPTH == 3) {  // with momentum: r[2] is the buffer
