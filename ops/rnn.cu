@@ -15,8 +15,7 @@
 //                the H200 (LM shapes, batch 20, 35 steps): 4-9 µs a step, where cuBLAS's GEMM of a batch of 20 by a
 //                650-unit LSTM's W_hh alone takes ~10 µs in float32 (latency, not arithmetic) and ~6 µs in float16.
 //                Taken when the blocks fit on the GPU at once (one per SM), the slices fit in shared memory and,
-//                backward, a block has at most 12 units (H <= 12 x the SMs / the groups; 8 in 16-bit storage where
-//                the groups are chosen).
+//                backward, a block has at most 12 units (H <= 12 x the SMs / the groups).
 //   steps        per step a cuBLAS GEMM (gemm_dense) and cell_kernel, one thread per (row, unit); the T steps
 //                are captured once as a CUDA graph and replayed while the buffers repeat (cuda::run_as_graph).
 //                Where the persistent kernel does not fit, or is slower.
@@ -669,14 +668,11 @@ bool backward_persistent_up(const RnnLoopBackwardArgs& a, const Partition& part,
   return true;
 }
 
-// The backward kernel holds all of a block's units in registers: 4, 8 or 12 of them. Where the groups are chosen,
-// 16-bit storage keeps to 8 units a block: its 12-unit kernel (2 groups at 650 units) was slower than one group's
-// 8-unit kernel (LSTM 650x2 O1, 2026-12-03: benchmarks.md).
+// The backward kernel holds all of a block's units in registers: 4, 8 or 12 of them.
 template <typename S, RnnKind K> bool backward_persistent(const RnnLoopBackwardArgs& a, bool launch) {
   if (!persistent_allowed(a)) return false;
   for (const int groups : batch_groups(a.batch)) {
     const Partition part = partition(a.device.index, a.hidden, a.batch, groups);
-    if (rnn_batch_groups() == 0 && sizeof(S) == 2 && part.units > 8) continue;
     if (part.units <= 4 && backward_persistent_up<S, K, 4>(a, part, launch)) return true;
     if (part.units > 4 && part.units <= 8 && backward_persistent_up<S, K, 8>(a, part, launch)) return true;
     if (part.units > 8 && part.units <= 12 && backward_persistent_up<S, K, 12>(a, part, launch)) return true;
