@@ -1,7 +1,7 @@
 #pragma once
 // The copy of one row-major matrix into another of any shape, shared by the products that run on padded operands:
-// matmul's zero-padded copies (ops/matmul.cu) and linear_cross_entropy's casts into padded operands and scaled copies
-// out of them (ops/linear_cross_entropy.cu). Each caller says what element (r, c) of the destination is.
+// matmul's zero-padded copies (ops/matmul.cu) and linear_cross_entropy's casts into padded operands and its copies out
+// of them (ops/linear_cross_entropy.cu). Each caller says what element (r, c) of the destination is.
 //
 // A warp copies a tile of one row, 32 x kCopyPerLane elements: each lane kCopyPerLane elements 32 apart, loads first,
 // so that every load and store of the warp is one coalesced run and a lane has kCopyPerLane loads in flight. (A lane

@@ -174,8 +174,8 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
     // x_p = [x, 1, 0...], w_p = [W, b, 0...]: the bias as one more column of the products' k.
     x_p = empty({n, in_p}, {.dtype = dtype, .device = device});
     w_p = empty({classes_p, in_p}, {.dtype = dtype, .device = device});
-    padded_copy_kernel[device](x_p, dense_rows(input.detach()), Tensor(), has_bias ? in : -1, Tensor());
-    padded_copy_kernel[device](w_p, dense_rows(weight.detach()), Tensor(), has_bias ? in : -1,
+    padded_copy_kernel[device](x_p, dense_rows(input.detach()), has_bias ? in : -1, Tensor());
+    padded_copy_kernel[device](w_p, dense_rows(weight.detach()), has_bias ? in : -1,
                                has_bias ? bias.detach().to(weight.dtype()).contiguous() : Tensor());
     logits = empty({n, classes_p}, {.dtype = dtype, .device = device});
     gemm_dense(device, dtype, dtype, n, classes_p, in_p, x_p.data_ptr(), Trans::No, w_p.data_ptr(), Trans::Yes,
@@ -192,27 +192,31 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
          [=](const GradContext& g) -> TensorList {
            NoGradGuard no_grad;
-           // Every gradient row of an ignored target is 0, so counted = 0 needs only a finite divisor.
+           // The products' alpha (and a zero beta), read on the device: the upstream gradient over the targets
+           // counted and kGradFactor. Every gradient row of an ignored target is 0, so counted = 0 needs only a
+           // finite divisor.
            const Tensor scale = g[0].to(acc).div(counted.clamp(1.0, std::nullopt).mul(kGradFactor));
+           const Tensor scalars = zeros({2}, {.dtype = acc, .device = device});
+           scalars.narrow(0, 0, 1).copy_(scale.view({1}));
            Tensor dx, dw, db;
            if (need_x) {  // G w_p
              const Tensor dx_p = empty({n, in_p}, {.dtype = acc, .device = device});
              gemm_dense(device, dtype, acc, n, in_p, classes_p, logits.data_ptr(), Trans::No, w_p.data_ptr(),
-                        Trans::No, dx_p.data_ptr());
+                        Trans::No, dx_p.data_ptr(), 0, nullptr, scalars.data_ptr());
              dx = empty({n, in}, {.dtype = x_dtype, .device = device});
-             padded_copy_kernel[device](dx, dx_p, scale, -1, Tensor());
+             padded_copy_kernel[device](dx, dx_p, -1, Tensor());
            }
            if (need_w || need_b) {  // G^T x_p: column `in` is the bias gradient
              const Tensor dw_p = empty({classes_p, in_p}, {.dtype = acc, .device = device});
              gemm_dense(device, dtype, acc, classes_p, in_p, n, logits.data_ptr(), Trans::Yes, x_p.data_ptr(),
-                        Trans::No, dw_p.data_ptr());
+                        Trans::No, dw_p.data_ptr(), 0, nullptr, scalars.data_ptr());
              if (need_w) {
                dw = empty({classes, in}, {.dtype = w_dtype, .device = device});
-               padded_copy_kernel[device](dw, dw_p, scale, -1, Tensor());
+               padded_copy_kernel[device](dw, dw_p, -1, Tensor());
              }
              if (need_b) {
                db = empty({classes, 1}, {.dtype = b_dtype, .device = device});
-               padded_copy_kernel[device](db, dw_p.narrow(1, in, 1), scale, -1, Tensor());
+               padded_copy_kernel[device](db, dw_p.narrow(1, in, 1), -1, Tensor());
                db = db.view({classes});
              }
            }

@@ -19,19 +19,17 @@ template <typename Src, typename Dst> struct PaddedElement {
   using A = opmath_t<Src>;
   const Src* src;
   int64_t src_rows, src_cols, src_ld;
-  const A* scale;
   int64_t extra_index;
   const Src* extra;  // nullptr: ones
   __device__ Dst operator()(int64_t r, int64_t c) const {
     if (r >= src_rows) return Dst(0);
-    if (c < src_cols) return Dst(scale ? A(src[r * src_ld + c]) * *scale : A(src[r * src_ld + c]));
+    if (c < src_cols) return Dst(A(src[r * src_ld + c]));
     if (c == extra_index) return extra ? Dst(extra[r]) : Dst(1);
     return Dst(0);
   }
 };
 
-void padded_copy_cuda(const Tensor& dst, const Tensor& src, const Tensor& scale, int64_t extra_index,
-                      const Tensor& extra) {
+void padded_copy_cuda(const Tensor& dst, const Tensor& src, int64_t extra_index, const Tensor& extra) {
   HG_CHECK(dst.dim() == 2 && dst.is_contiguous() && src.dim() == 2 && src.stride(1) == 1,
            "linear_cross_entropy: padded copy of {} into {}: a dense destination and unit column stride expected",
            src.meta(), dst.meta());
@@ -41,12 +39,8 @@ void padded_copy_cuda(const Tensor& dst, const Tensor& src, const Tensor& scale,
   cuda::DeviceGuard guard(dst.device());
   cudaStream_t stream = cuda::current_stream(dst.device());
   dispatch_floating(src.dtype(), "linear_cross_entropy", [&]<typename Src>() {
-    using A = opmath_t<Src>;
-    HG_CHECK(!scale.defined() || scale.dtype() == dtype_of<A>(), "linear_cross_entropy: a scale of {} for {}",
-             scale.meta(), src.meta());
     dispatch_floating(dst.dtype(), "linear_cross_entropy", [&]<typename Dst>() {
-      const PaddedElement<Src, Dst> element{src.data<Src>(), src.size(0), src.size(1), src.stride(0),
-                                            scale.defined() ? scale.data<A>() : nullptr, extra_index,
+      const PaddedElement<Src, Dst> element{src.data<Src>(), src.size(0), src.size(1), src.stride(0), extra_index,
                                             extra.defined() ? extra.data<Src>() : nullptr};
       launch_copy_matrix(dst.data<Dst>(), dst.size(0), dst.size(1), dst.size(1), element, stream);
       HG_CUDA_CHECK_LAUNCH("linear_cross_entropy");

@@ -20,9 +20,11 @@
 //     each that also casts to the compute dtype, so the bias rides in the product as one more column of k. The
 //     logits x_p w_p^T [N, C_p] become, in place and in one pass per row, (softmax - one-hot) * kGradFactor (zeros
 //     in the padded columns); the backward is two products on them, G w_p [N, in_p] and G^T x_p [C_p, in_p] (whose
-//     column `in` is the bias gradient), accumulated in float32 (float64 for float64) and copied out scaled by the
-//     upstream gradient / (targets counted * kGradFactor), in the dtypes of x, W and b. Nothing is synchronised
-//     with the host (a CUDA graph can capture it); a bad target stops the kernel as cross_entropy's does.
+//     column `in` is the bias gradient), accumulated in float32 (float64 for float64), scaled by the upstream
+//     gradient / (targets counted * kGradFactor) as the products' alpha (read on the device: a scale loaded per
+//     element made the weight gradient's copy out 96 µs a step where the copy in takes 46), and copied out in the
+//     dtypes of x, W and b. Nothing is synchronised with the host (a CUDA graph can capture it); a bad target stops
+//     the kernel as cross_entropy's does.
 //   Elsewhere (the CPU under autocast or for float16/bfloat16) it is that composition, with the same values.
 // Precision on CUDA under autocast (apex O1): the products in the autocast dtype (linear's "lower precision", the
 // casts of x, W and b done by the padding copies), the softmax and the loss in float32 (cross_entropy's "float32
@@ -48,10 +50,10 @@ Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Ten
 // for softmax values under 6e-8 rather than flushing them, and stays far from its overflow (65,504). Exact to undo.
 constexpr double kGradFactor = 1024;
 
-// dst [R, K] (dense) = scale * src[r, c] where r and c are within src (a matrix with unit column stride; scale a
-// 0-d tensor of src's compute dtype, or undefined for 1), `extra_column` at column `extra_index` of the rows within
-// src (its r-th element, or 1 when it is undefined; extra_index -1: none), zeros elsewhere; cast to dst's dtype.
-using PaddedCopyKernel = void (*)(const Tensor& dst, const Tensor& src, const Tensor& scale, int64_t extra_index,
+// dst [R, K] (dense) = src[r, c] where r and c are within src (a matrix with unit column stride), `extra_column` at
+// column `extra_index` of the rows within src (its r-th element, or 1 when it is undefined; extra_index -1: none),
+// zeros elsewhere; cast to dst's dtype.
+using PaddedCopyKernel = void (*)(const Tensor& dst, const Tensor& src, int64_t extra_index,
                                   const Tensor& extra_column);
 // logits [N, C_p] (dense, C_p * element size a multiple of 16), in place: row_loss[n] = the log-sum-exp of its first
 // `classes` columns less the target's logit and row_count[n] = 1, or both 0 where target[n] is ignore_index; with

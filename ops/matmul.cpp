@@ -27,7 +27,8 @@ namespace halfgrad {
 KernelTable<GemmKernel> gemm_kernel("gemm");
 
 void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a,
-                Trans trans_a, const void* b, Trans trans_b, void* c, double beta, const void* bias) {
+                Trans trans_a, const void* b, Trans trans_b, void* c, double beta, const void* bias,
+                const void* device_scalars) {
   if (m == 0 || n == 0) return;
   GemmArgs g;
   g.ab_dtype = ab, g.c_dtype = c_dtype, g.device = device;
@@ -37,6 +38,7 @@ void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, in
   g.c = c, g.ldc = n;
   g.beta = beta;
   g.bias = bias;
+  g.device_scalars = device_scalars;
   gemm_kernel[device](g);
 }
 
@@ -582,6 +584,7 @@ template <typename H> void gemm_half(const GemmArgs& g) {
 void gemm_cpu(const GemmArgs& g) {
   HG_CHECK(g.ab_dtype == g.c_dtype, "gemm (cpu): operands {} with output {} are not supported",
            dtype_name(g.ab_dtype), dtype_name(g.c_dtype));
+  HG_CHECK(g.device_scalars == nullptr, "gemm (cpu): alpha and beta in device memory are for CUDA products");
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
   // The blocked float32 kernel adds the bias as it writes C; the others start from C's rows set to it.
   if (g.bias && !(g.ab_dtype == kFloat32 && g.k > 0 && gemm_blocked::suits(g))) {

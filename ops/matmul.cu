@@ -213,10 +213,25 @@ void gemm_cublas(const GemmArgs& g) {
     alpha = &alpha32;
     beta = &beta32;
   }
+  if (g.device_scalars) {
+    alpha = g.device_scalars;
+    beta = static_cast<const char*>(g.device_scalars) + (g.ab_dtype == kFloat64 ? sizeof(double) : sizeof(float));
+  }
   const cudaDataType_t ab = cuda_type(g.ab_dtype), c = cuda_type(g.c_dtype);
 
   cuda::DeviceGuard guard(g.device);
   cublasHandle_t handle = cuda::cublas_handle(g.device.index);
+  // The handle is shared: its pointer mode goes back to the host's however the call ends.
+  struct PointerMode {
+    cublasHandle_t handle;
+    bool device;
+    PointerMode(cublasHandle_t h, bool d) : handle(h), device(d) {
+      if (device) HG_CUBLAS_CHECK(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_DEVICE), "matmul");
+    }
+    ~PointerMode() {
+      if (device) cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST);
+    }
+  } pointer_mode(handle, g.device_scalars != nullptr);
   // Column-major view: C^T (n x m) = op(B)^T (n x k) * op(A)^T (k x m).
   const int m = int(g.n), n = int(g.m), k = int(g.k);
   if (g.batch == 1) {
@@ -317,6 +332,10 @@ void gemm_empty_sum(const GemmArgs& g) {
 
 void gemm_cuda(const GemmArgs& g) {
   HG_CHECK(g.device.is_cuda(), "matmul: CUDA kernel given device {}", g.device.str());
+  HG_CHECK(!g.device_scalars || (is_floating(g.ab_dtype) && !g.bias && g.alpha == 1 && g.beta == 0),
+           "matmul (cuda): alpha and beta in device memory take floating operands, no bias, and alpha 1 and beta 0 "
+           "on the host (got {} operands, alpha {}, beta {}{})", dtype_name(g.ab_dtype), g.alpha, g.beta,
+           g.bias ? ", a bias" : "");
   if (g.batch == 0 || g.m == 0 || g.n == 0) return;
   if (std::optional<PaddedProblem> p = padded_problem(g)) {
     gemm_padded(g, *p);

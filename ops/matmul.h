@@ -51,6 +51,11 @@ struct GemmArgs {
   // Optional: n values of c_dtype, dense, added to every row of every C (linear's bias). Each kernel starts C as
   // these rows and accumulates onto them (start_from_bias), so beta must be 0.
   const void* bias = nullptr;
+  // Optional, CUDA only: alpha and beta read from device memory when the product runs (cuBLAS's device pointer mode),
+  // two values of the accumulation type (float; double for float64) at this address, the second 0; `alpha` and
+  // `beta` must then be 1 and 0. For a scale the device computes and the host never sees: linear_cross_entropy's
+  // upstream gradient.
+  const void* device_scalars = nullptr;
   Device device = Device::cpu();
 };
 
@@ -66,7 +71,8 @@ extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp; CUDA: ops/m
 // operands (lda = k, or m transposed; ldb = n, or k; ldc = n). Nothing runs when m or n is 0. Used by kernels that
 // compute on raw buffers (conv2d's CPU kernels, rnn, linear_cross_entropy).
 void gemm_dense(Device device, DType ab, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a,
-                Trans trans_a, const void* b, Trans trans_b, void* c, double beta = 0, const void* bias = nullptr);
+                Trans trans_a, const void* b, Trans trans_b, void* c, double beta = 0, const void* bias = nullptr,
+                const void* device_scalars = nullptr);
 
 // ---- ops
 // Autocast category of all three: "lower precision" (under autocast they run in float16/bfloat16).

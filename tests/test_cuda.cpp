@@ -561,6 +561,32 @@ TEST_CASE("cuda: tensor-core products of odd sizes (run on zero-padded copies) m
   cuda::set_allow_tf32(tf32);
 }
 
+TEST_CASE("cuda: a product with alpha and beta in device memory scales as alpha on the host does") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(57);
+  // Aligned (cuBLAS as it is) and 650 wide (the padded copies): both carry the device's alpha to cuBLAS.
+  for (int64_t k : {648, 650}) {
+    for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+      CAPTURE(k);
+      CAPTURE(dtype_name(dt));
+      const DType acc = dt == kFloat64 ? kFloat64 : kFloat32;
+      Tensor a = random({700, k}, dt).cuda(), b = random({3000, k}, dt).cuda();
+      Tensor scalars = tensor(std::vector<double>{-0.375, 0.0}).to(acc).cuda();
+      Tensor got = empty({700, 3000}, {.dtype = acc, .device = kGpu}).fill_(7);  // beta 0: what C held is dropped
+      gemm_dense(a.device(), dt, acc, 700, 3000, k, a.data_ptr(), Trans::No, b.data_ptr(), Trans::Yes, got.data_ptr(),
+                 0, nullptr, scalars.data_ptr());
+      const Tensor want = matmul(a.to(kFloat64), b.to(kFloat64).t()) * -0.375;
+      CHECK(relative_error(got, want) < (dt == kFloat64 ? 1e-12 : dt == kFloat32 ? 1e-5 : 2e-3));
+    }
+  }
+  Tensor a = random({4, 8}, kFloat32).cuda(), c = empty({4, 4}, {.device = kGpu});
+  Tensor scalars = tensor(std::vector<float>{2.0f, 0.0f}).cuda();
+  CHECK_THROWS_WITH_AS(gemm_dense(a.device(), kFloat32, kFloat32, 4, 4, 8, a.data_ptr(), Trans::No, a.data_ptr(),
+                                  Trans::Yes, c.data_ptr(), /*beta=*/1, nullptr, scalars.data_ptr()),
+                       doctest::Contains("alpha 1 and beta 0 on the host (got float32 operands, alpha 1, beta 1)"),
+                       Error);
+}
+
 TEST_CASE("cuda: operands on different devices are a clear error") {
   SKIP_WITHOUT_GPU();
   Tensor c = random({3}, kFloat32), g = random({3}, kFloat32).cuda();
