@@ -8,7 +8,8 @@
 //   backward   per t, last first: dh_t += dgh[t+1] W_hh; cell backward   the loop kernel
 //                                 -> dgi[t], dgh[t]
 //              dh_0 += dgh[0] W_hh; dx = dgi W_ih; dW_ih = dgi^T x;       GEMMs
-//              dW_hh = dgh^T [h0; y_0 .. y_{T-2}]; db = column sums
+//              dW_hh = dgh^T [h0; y_0 .. y_{T-2}] (or both as one product,
+//              one_weight_product); db = column sums
 // What forward keeps for backward, per layer: its input, its outputs, h0, the cell states (LSTM), the gate
 // activations, and GRU's W_hn h + b_hn. Dropout masks are regenerated from their Philox counters.
 #include "ops/rnn.h"
@@ -103,6 +104,16 @@ Tensor owned(const Tensor& t, DType dtype) {
 void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, const void* a, Trans ta, const void* b,
           Trans tb, void* c, double beta = 0) {
   gemm_dense(p.device, p.storage, c_dtype, m, n, k, a, ta, b, tb, c, beta);
+}
+
+// Whether a layer's two weight gradients run as one product, dgi^T [x | h_prev] (both gate gradients are dgi for
+// every kind but GRU): on CUDA where the joined rows are 16 bytes wide and a separate one's are not, so that one
+// product on aligned operands replaces two on zero-padded copies (ops/matmul.cu pads them; at 650 units in float32
+// the padded pair took 4 x 22.5 µs of products and 8 copies a step against 35 µs and 5 copies,
+// docs/benchmarks.md). Elsewhere the copies in and out would cost more than the launch saved.
+bool one_weight_product(const Problem& p, int64_t in) {
+  const auto aligned = [&](int64_t cols) { return cols * int64_t(element_size(p.storage)) % 16 == 0; };
+  return p.kind != RnnKind::GRU && p.device.is_cuda() && aligned(in + p.H) && !(aligned(in) && aligned(p.H));
 }
 
 struct LayerWeights {
@@ -229,14 +240,29 @@ Gradients run_backward(const Problem& p, const Saved& f, const std::vector<Layer
     if (lstm) dc0[size_t(l)] = dc;
     LayerWeights& gw = g.weights[size_t(l)];
     const int64_t in = p.in(l), rows = p.T * p.B;
-    if (wants(l, 0)) {
-      gw.w_ih = empty({GH, in}, storage);
-      gemm(p, p.storage, GH, in, rows, dgi.data_ptr(), Trans::Yes, x.data_ptr(), Trans::No, gw.w_ih.data_ptr());
-    }
-    if (wants(l, 1)) {  // one product over every step's h_prev: [h0; out[0 .. T - 2]]
-      gw.w_hh = empty({GH, p.H}, storage);
-      const Tensor h_prev = cat({h_first, out.narrow(0, 0, p.T - 1).view({rows - p.B, p.H})}, 0);
-      gemm(p, p.storage, GH, p.H, rows, dgh.data_ptr(), Trans::Yes, h_prev.data_ptr(), Trans::No, gw.w_hh.data_ptr());
+    // Every step's h_prev is [h0; out[0 .. T - 2]].
+    const Tensor out_prev = out.narrow(0, 0, p.T - 1).view({rows - p.B, p.H});
+    if (wants(l, 0) && wants(l, 1) && one_weight_product(p, in)) {
+      // dW_ih and dW_hh side by side: dgi^T [x | h_prev], the operand built in place by three copies.
+      const Tensor inputs = empty({rows, in + p.H}, storage), both = empty({GH, in + p.H}, storage);
+      inputs.narrow(1, 0, in).copy_(x.view({rows, in}));
+      inputs.narrow(1, in, p.H).narrow(0, 0, p.B).copy_(h_first);
+      inputs.narrow(1, in, p.H).narrow(0, p.B, rows - p.B).copy_(out_prev);
+      gemm(p, p.storage, GH, in + p.H, rows, dgi.data_ptr(), Trans::Yes, inputs.data_ptr(), Trans::No,
+           both.data_ptr());
+      gw.w_ih = both.narrow(1, 0, in).contiguous();
+      gw.w_hh = both.narrow(1, in, p.H).contiguous();
+    } else {
+      if (wants(l, 0)) {
+        gw.w_ih = empty({GH, in}, storage);
+        gemm(p, p.storage, GH, in, rows, dgi.data_ptr(), Trans::Yes, x.data_ptr(), Trans::No, gw.w_ih.data_ptr());
+      }
+      if (wants(l, 1)) {
+        gw.w_hh = empty({GH, p.H}, storage);
+        const Tensor h_prev = cat({h_first, out_prev}, 0);
+        gemm(p, p.storage, GH, p.H, rows, dgh.data_ptr(), Trans::Yes, h_prev.data_ptr(), Trans::No,
+             gw.w_hh.data_ptr());
+      }
     }
     if (p.bias && (wants(l, 2) || wants(l, 3))) {
       // Where dgh is dgi (every kind but GRU) both biases have one gradient: summed once.

@@ -11,6 +11,7 @@ import collections
 import csv
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,4 +113,5 @@ def main():
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, not with a traceback
     main()
