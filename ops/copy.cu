@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops/copy.h"
+#include "ops/copy_matrix.cuh"
 #include "ops/cuda_loops.cuh"
 #include "ops/elementwise_math.h"
 #include "ops/multi_tensor.cuh"
@@ -25,6 +26,14 @@ template <typename To, typename From> struct ConvertFn {
   __device__ To operator()(From x) const { return convert_value<To>(x); }
 };
 
+// Element (r, c) of a matrix [rows, cols] with unit column stride and row stride ld (launch_copy_matrix's element,
+// which asks for whole tiles: the columns past the end are not read).
+template <typename T> struct RowsOf {
+  const T* src;
+  int64_t cols, ld;
+  __device__ T operator()(int64_t r, int64_t c) const { return c < cols ? src[r * ld + c] : T(); }
+};
+
 void copy_cuda(const Tensor& dst, const Tensor& src) {
   HG_CHECK(dst.is_cuda() && src.device() == dst.device(), "copy: CUDA kernel given {} -> {}", src.meta(), dst.meta());
   if (dst.numel() == 0) return;
@@ -33,6 +42,19 @@ void copy_cuda(const Tensor& dst, const Tensor& src) {
     HG_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), size_t(dst.numel()) * element_size(dst.dtype()),
                                   cudaMemcpyDeviceToDevice, cuda::current_stream(dst.device())),
                   "copy");
+    return;
+  }
+  if (dst.dtype() == src.dtype() && dst.dim() == 2 && src.dim() == 2 && dst.stride(1) == 1 && src.stride(1) == 1 &&
+      src.size(0) == dst.size(0) && src.size(1) == dst.size(1)) {
+    // Rows of a matrix into rows of another (a column range of a wider matrix taken out or put in): the matrix
+    // copy's warps each move one coalesced run of a row (ops/copy_matrix.cuh), where the strided loop computes
+    // every element's offsets (2.5 TB/s on the H200 for a recurrent layer's 6.8 MB weight-gradient halves).
+    cuda::DeviceGuard guard(dst.device());
+    dispatch_all(dst.dtype(), "copy", [&]<typename T>() {
+      launch_copy_matrix(dst.data<T>(), dst.size(0), dst.size(1), dst.stride(0),
+                         RowsOf<T>{src.data<T>(), src.size(1), src.stride(0)}, cuda::current_stream(dst.device()));
+      HG_CUDA_CHECK_LAUNCH("copy");
+    });
     return;
   }
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {

@@ -161,6 +161,34 @@ TEST_CASE("cuda: device to device copies") {
   }
 }
 
+TEST_CASE("cuda: copies between matrices' rows (column ranges of wider matrices, row-broadcast sources) are exact") {
+  SKIP_WITHOUT_GPU();
+  // The rows path (ops/copy.cu): 2-D, same dtype, unit column stride; widths below, at and past a warp's tile.
+  for (DType dt : {kFloat32, kFloat16, kFloat64, kInt64}) {
+    for (auto [rows, cols] : {std::pair{3, 5}, {7, 256}, {33, 650}, {2, 1000}}) {
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype);
+      CAPTURE(cols);
+      const Tensor wide = random({rows, 2 * cols + 3}, dt);
+      const Tensor wide_gpu = wide.cuda();
+      // Taken out: the right-hand columns of a wider matrix into a dense one.
+      check_close(wide_gpu.narrow(1, cols, cols).contiguous(), wide.narrow(1, cols, cols).contiguous(), {0, 0},
+                  "column range out");
+      // Put in: a dense matrix into a column range, the columns around it untouched.
+      Tensor into = wide_gpu.clone();
+      const Tensor part = random({rows, cols}, dt);
+      into.narrow(1, 1, cols).copy_(part.cuda());
+      Tensor want = wide.clone();
+      want.narrow(1, 1, cols).copy_(part);
+      check_close(into, want, {0, 0}, "column range in");
+      // A row broadcast (row stride 0) as the source.
+      Tensor rowwise = empty({rows, cols}, {.dtype = dt, .device = Device::cuda(0)});
+      rowwise.copy_(part.cuda().narrow(0, 0, 1).expand({rows, cols}));
+      check_close(rowwise, part.narrow(0, 0, 1).expand({rows, cols}).contiguous(), {0, 0}, "row broadcast");
+    }
+  }
+}
+
 TEST_CASE("cuda: casts between every pair of dtypes match the CPU") {
   SKIP_WITHOUT_GPU();
   manual_seed(11);
