@@ -147,6 +147,9 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                             .save_invstd = empty({channels}, {.dtype = acc, .device = input.device()}),
                             .relu = relu,
                             .residual = z,
+                            .relu_mask = relu ? empty({ReluMask::words(input.numel())},
+                                                      {.dtype = kInt32, .device = input.device()})
+                                              : Tensor(),
                             .training = training,
                             .momentum = momentum,
                             .eps = eps};
@@ -165,16 +168,15 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   }
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
-  // caller's input when it already was, so an in-place change to it is still caught); after relu, the output too.
+  // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask too.
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual}, {args.output},
-         [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op),
-          y = relu ? SavedTensor(args.output, op) : SavedTensor(), mean = args.save_mean,
-          invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
+         [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
+          mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
            b.grad_output = in_layout(g[0].to(b.input.dtype()), shape.channels_last);
-           if (y.defined()) b.output = y.get();
+           b.relu_mask = mask;
            b.weight = w.get();
            b.save_mean = mean;
            b.save_invstd = invstd;
@@ -361,6 +363,15 @@ template <typename T, typename A> void batch_norm_forward_typed(const BatchNormF
     if (z) v += A(z[at]);
     y[at] = T(unary_math<UnaryOp::Relu>(v));
   });
+  // The mask word by word (a word's 32 elements may belong to two threads' rows above).
+  const int64_t n = a.output.numel(), words = ReluMask::words(n);
+  int32_t* mask = a.relu_mask.data<int32_t>();
+#pragma omp parallel for schedule(static) if (n >= kParallelGrain)
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t bits = 0;
+    for (int64_t i = w * 32, end = std::min(n, i + 32); i < end; ++i) bits |= uint32_t(A(y[i]) > A(0)) << (i % 32);
+    mask[w] = int32_t(bits);
+  }
 }
 
 template <typename T, typename A> void batch_norm_backward_typed(const BatchNormBackwardArgs& a) {
@@ -373,8 +384,8 @@ template <typename T, typename A> void batch_norm_backward_typed(const BatchNorm
   const A* invstd = a.save_invstd.data<A>();
   const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
   // The gradient that reaches the normalisation: after batch_norm_relu, only where the output is positive.
-  const T* y = a.output.defined() ? a.output.data<T>() : nullptr;
-  auto grad = [&](int64_t at) { return y ? relu_backward_math(A(g_out[at]), A(y[at])) : A(g_out[at]); };
+  const int32_t* mask = a.relu_mask.defined() ? a.relu_mask.data<int32_t>() : nullptr;
+  auto grad = [&](int64_t at) { return mask && !ReluMask::bit(mask, at) ? A(0) : A(g_out[at]); };
   if (a.grad_residual.defined()) {
     T* gz = a.grad_residual.data<T>();
     for_each_element(s, [&](int64_t, int64_t at) { gz[at] = T(grad(at)); });

@@ -7,10 +7,8 @@
 //        planes: block (256 threads) per (channel, split); a channel is N planes of S contiguous values.
 //        rows:   block (tx channel vectors x ty rows) per (channel tile, split); neighbouring threads read
 //                neighbouring channels of a row (coalesced).
-//      Statistics are Welford states (count, mean, sum of squared deviations), built a chunk at a time: each
-//      thread loads kUnroll vectors, takes the chunk's exact mean and squared deviations in registers (two
-//      passes over them) and merges the chunk into its state with Chan's formula: two divisions per chunk
-//      instead of one per value, and no sum-of-squares cancellation when the mean is large next to the spread.
+//      Statistics are sums shifted by a value of the channel (ShiftedSums: count, sum of x - K, sum of
+//      (x - K)^2), which merge by addition and do not cancel when the mean is large next to the spread.
 //   2. finalize (one warp per channel): merges the splits, writes mean and invstd (saved for backward),
 //      updates the running statistics in place, and writes scale = invstd * weight, shift = bias.
 //   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise; batch_norm_relu adds the residual and takes
@@ -51,7 +49,7 @@ using cuda::IntDivider;
 using cuda::Vec;
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;                // vectors in flight per thread, and per Welford chunk
+constexpr int kUnroll = 4;                // vectors in flight per thread
 constexpr int64_t kMinVectorsPerThread = 8;  // a split leaves each thread at least this many vectors
 
 template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -78,125 +76,134 @@ template <typename T, int V> __device__ __forceinline__ void store(T* p, const V
   *reinterpret_cast<Vec<T, V>*>(p) = v;
 }
 
+// ---- relu's mask (ReluMask, ops/batch_norm.h): bit i % 32 of word i / 32 for element i.
+
+// The V bits of the vector that starts at element e (e a multiple of V, V dividing 32: one word holds them).
+template <int V> __device__ __forceinline__ uint32_t mask_bits(const int32_t* mask, int64_t e) {
+  return (uint32_t(mask[e / 32]) >> (e % 32)) & ((1u << V) - 1u);
+}
+
+// Stores the bits of a warp's 32 consecutive vectors: lane L holds the V bits of the vector at element e0 + L V, e0
+// a multiple of 32. The lanes of each word OR their bits together by shuffles and the first of them stores the
+// word: one 4-byte store for 32 elements, and no word shared between warps. Every lane of the warp calls it; words
+// at or past words_end are not stored.
+template <int V>
+__device__ __forceinline__ void store_mask_bits(int32_t* mask, int64_t e0, uint32_t bits, int64_t words_end) {
+  constexpr int kLanes = 32 / V;  // lanes whose bits make one word
+  const int lane = int(threadIdx.x % 32);
+  uint32_t word = bits << ((lane % kLanes) * V);
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) word |= __shfl_xor_sync(0xffffffffu, word, offset);
+  const int64_t w = e0 / 32 + lane / kLanes;
+  if (lane % kLanes == 0 && w < words_end) mask[w] = int32_t(word);
+}
+
 // ---- reducers: what a channel's values are reduced to. Each takes chunks: v[input][0..k) are the chunk's
-// values of its inputs (k >= 1), all of channel c.
+// values of its inputs (k >= 1), all of channel c, and bits[u] relu's mask bits of the chunk's vector u (R::kMasked
+// reducers only; the kernels load them).
 
-// a / b for the statistics: float's fast division (two instructions, within 2 ulp) keeps the per-chunk merges
-// off the critical path of a memory-bound pass; float64 divides exactly.
-template <typename A> __device__ __forceinline__ A divide(A a, A b) {
-  if constexpr (std::is_same_v<A, float>) {
-    return __fdividef(a, b);
-  } else {
-    return a / b;
-  }
-}
-
-// n is 32-bit (reduce_channels checks that a channel has fewer than 2^31 values): converting a 64-bit count to
-// floating point is a slow multi-cycle instruction, and every chunk's merge converts three.
-template <typename A> struct Moments {
-  A mean, m2;
-  uint32_t n;
+// The statistics as shifted sums: with K a value of the channel (its first: the element of sample 0 at position 0),
+// s1 = sum (x - K) and s2 = sum (x - K)^2 over n values give mean = K + s1 / n and var = s2 / n - (s1 / n)^2. Shifted
+// by a value of the data, s1 / n is within a few deviations of 0, so the difference does not cancel when the mean is
+// large next to the spread (what plain sums of x and x^2 do). Partial states merge by addition: the reduction costs
+// a subtraction, an add and a fused multiply-add a value, and the finalize adds its splits up. (Welford states
+// merged by Chan's formula, chunk by chunk, took ~17 instructions a value: ncu gave the float16 statistics pass of a
+// 33.5 MB activation 16 us from L2, compute-bound, against ~7 for reading it.)
+template <typename A> struct ShiftedSums {
+  A s1, s2;
+  uint32_t n;  // 32-bit: reduce_channels checks that a channel has fewer than 2^31 values
 };
-
-// Chan et al.: the moments of the union of two disjoint sets.
-template <typename A> __device__ __forceinline__ Moments<A> merge_moments(const Moments<A>& a, const Moments<A>& b) {
-  if (b.n == 0) return a;
-  if (a.n == 0) return b;
-  const uint32_t n = a.n + b.n;
-  const A d = b.mean - a.mean, fb = divide(A(b.n), A(n));
-  return {a.mean + d * fb, a.m2 + b.m2 + d * d * A(a.n) * fb, n};
-}
 
 template <typename T> struct StatsReducer {
   using Input = T;
   using A = acc_t<T>;
-  using State = Moments<A>;
+  using State = ShiftedSums<A>;
   static constexpr int kInputs = 1;
   const T* in[kInputs];
+  // K of channel c is shift[c * shift_stride]: x[c] in rows (sample 0's row), x[c * S] in planes (its plane's first).
+  const T* shift;
+  int64_t shift_stride;
 
   __device__ static State identity() { return {A(0), A(0), 0}; }
-  __device__ static State merge(const State& a, const State& b) { return merge_moments(a, b); }
-  template <int N> __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t) const {
-    A sum = 0;
-#pragma unroll
-    for (int e = 0; e < N; ++e)
-      if (e < k) sum += v[0][e];
-    const A mean = divide(sum, A(k));
-    A m2 = 0;
+  __device__ static State merge(const State& a, const State& b) { return {a.s1 + b.s1, a.s2 + b.s2, a.n + b.n}; }
+  static constexpr bool kMasked = false;
+  template <int N, int U>
+  __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t c,
+                                      const uint32_t (&)[U]) const {
+    const A shift_c = A(shift[c * shift_stride]);
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       if (e < k) {
-        const A d = v[0][e] - mean;
-        m2 += d * d;
+        const A d = v[0][e] - shift_c;
+        s.s1 += d;
+        s.s2 += d * d;
       }
     }
-    s = merge_moments(s, State{mean, m2, uint32_t(k)});
+    s.n += uint32_t(k);
   }
 
-  // Rows: the V lanes of a thread (V neighbouring channels) see the same rows, so they share one count, and the
-  // two divisions of a chunk merge serve all V lanes.
+  // Rows: the V lanes of a thread (V neighbouring channels) see the same rows, so they share one count.
   template <int V> struct Lanes {
-    A mean[V], m2[V];
+    A s1[V], s2[V];
     uint32_t n;
   };
   template <int V> __device__ static Lanes<V> lanes_identity() {
     Lanes<V> s;
 #pragma unroll
-    for (int e = 0; e < V; ++e) s.mean[e] = s.m2[e] = A(0);
+    for (int e = 0; e < V; ++e) s.s1[e] = s.s2[e] = A(0);
     s.n = 0;
     return s;
   }
-  template <int V> __device__ static State lane(const Lanes<V>& s, int e) { return {s.mean[e], s.m2[e], s.n}; }
+  template <int V> __device__ static State lane(const Lanes<V>& s, int e) { return {s.s1[e], s.s2[e], s.n}; }
   // v[0][u]: the chunk's row u (u < k, k >= 1), lane e's value at .v[e]; kept as loaded (half the registers of
-  // float16 values widened up front) and widened where used.
+  // float16 values widened up front) and widened where used. In rows shift_stride is 1: the V shifts are one
+  // vector at c0 (16-byte aligned as the rows are).
   template <int V, int U>
-  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t) const {
-    const A inv_k = divide(A(1), A(k)), fb = divide(A(k), A(s.n + uint32_t(k))), na = A(s.n);
+  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t c0,
+                                           const uint32_t (&)[U]) const {
+    const Vec<T, V> shift_v = load<T, V>(shift + c0);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      A sum = 0;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (u < k) sum += A(v[0][u].v[e]);
-      const A mean = sum * inv_k;
-      A m2 = 0;
+      const A shift_c = A(shift_v.v[e]);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (u < k) {
-          const A d = A(v[0][u].v[e]) - mean;
-          m2 += d * d;
+          const A d = A(v[0][u].v[e]) - shift_c;
+          s.s1[e] += d;
+          s.s2[e] += d * d;
         }
       }
-      // Chan's merge of (n, mean[e], m2[e]) with (k, mean, m2); with n == 0 it gives (k, mean, m2).
-      const A d = mean - s.mean[e];
-      s.mean[e] += d * fb;
-      s.m2[e] += m2 + d * d * na * fb;
     }
     s.n += uint32_t(k);
   }
 };
 
-// sum(g) and sum(g * (x - mean[c])); kMasked: of the g that passes relu, relu_backward_math(g, y) with y the output
-// (batch_norm_relu).
-template <typename T, bool kMasked = false> struct GradSumsReducer {
+// sum(g) and sum(g * (x - mean[c])); kMasked: of the g that passes relu, g where relu's mask is set (batch_norm_relu).
+template <typename T, bool kMasked_ = false> struct GradSumsReducer {
   using Input = T;
   using A = acc_t<T>;
   struct State {
     A dy, dy_xmu;
   };
-  static constexpr int kInputs = kMasked ? 3 : 2;
-  const T* in[kInputs];  // g, x, and y when masked
+  static constexpr bool kMasked = kMasked_;
+  static constexpr int kInputs = 2;
+  const T* in[kInputs];  // g, x
   const A* mean;
+  const int32_t* mask;   // kMasked: relu's mask
 
   __device__ static State identity() { return {A(0), A(0)}; }
   __device__ static State merge(const State& a, const State& b) { return {a.dy + b.dy, a.dy_xmu + b.dy_xmu}; }
-  template <int N> __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t c) const {
+  // v[j][e]: element e % (N / U) of vector e / (N / U).
+  template <int N, int U>
+  __device__ __forceinline__ void add(State& s, const A (&v)[kInputs][N], int k, int64_t c,
+                                      const uint32_t (&bits)[U]) const {
+    constexpr int kPer = N / U;
     const A m = mean[c];
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       if (e < k) {
         A g = v[0][e];
-        if constexpr (kMasked) g = relu_backward_math(g, v[2][e]);
+        if constexpr (kMasked) g = (bits[e / kPer] >> (e % kPer)) & 1u ? g : A(0);
         s.dy += g;
         s.dy_xmu += g * (v[1][e] - m);
       }
@@ -215,7 +222,8 @@ template <typename T, bool kMasked = false> struct GradSumsReducer {
   }
   template <int V> __device__ static State lane(const Lanes<V>& s, int e) { return s.s[e]; }
   template <int V, int U>
-  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t c0) const {
+  __device__ __forceinline__ void add_rows(Lanes<V>& s, const Vec<T, V> (&v)[kInputs][U], int k, int64_t c0,
+                                           const uint32_t (&bits)[U]) const {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const A m = mean[c0 + e];
@@ -223,7 +231,7 @@ template <typename T, bool kMasked = false> struct GradSumsReducer {
       for (int u = 0; u < U; ++u) {
         if (u < k) {
           A g = A(v[0][u].v[e]);
-          if constexpr (kMasked) g = relu_backward_math(g, A(v[2][u].v[e]));
+          if constexpr (kMasked) g = (bits[u] >> e) & 1u ? g : A(0);
           s.s[e].dy += g;
           s.s[e].dy_xmu += g * (A(v[1][u].v[e]) - m);
         }
@@ -248,6 +256,7 @@ __global__ void __launch_bounds__(kThreads)
   State s = R::identity();
   for (uint32_t q0 = lo + threadIdx.x; q0 < hi; q0 += kThreads * kUnroll) {
     A v[R::kInputs][kUnroll * V];
+    uint32_t bits[kUnroll];
     int k = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -261,10 +270,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int e = 0; e < V; ++e) v[j][u * V + e] = A(x.v[e]);
         }
+        if constexpr (R::kMasked) bits[u] = mask_bits<V>(r.mask, at);
         k += V;
       }
     }
-    r.add(s, v, k, c);
+    r.add(s, v, k, c, bits);
   }
   __shared__ alignas(16) unsigned char raw[kThreads * sizeof(State)];
   State* states = reinterpret_cast<State*>(raw);
@@ -288,13 +298,13 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t lo = int64_t(blockIdx.y) * chunk, hi = smaller(rows, lo + chunk);
   // About kUnroll vectors in flight per thread whatever the number of inputs: the two-input gradient sums hold half
-  // as many rows (107 registers with 8 lanes x 2 inputs x 4 rows; 2 blocks per multiprocessor), the masked
-  // three-input ones one row.
+  // as many rows (107 registers with 8 lanes x 2 inputs x 4 rows; 2 blocks per multiprocessor).
   constexpr int kRowsUnroll = kUnroll / R::kInputs > 0 ? kUnroll / R::kInputs : 1;
   auto s = R::template lanes_identity<V>();
   if (c0 < channels) {
     for (int64_t m0 = lo + threadIdx.y; m0 < hi; m0 += int64_t(blockDim.y) * kRowsUnroll) {
       Vec<T, V> v[R::kInputs][kRowsUnroll];
+      uint32_t bits[kRowsUnroll];
       int k = 0;
 #pragma unroll
       for (int u = 0; u < kRowsUnroll; ++u) {
@@ -302,10 +312,11 @@ __global__ void __launch_bounds__(kThreads, 4)
         if (m < hi) {
 #pragma unroll
           for (int j = 0; j < R::kInputs; ++j) v[j][u] = load<T, V>(r.in[j] + m * channels + c0);
+          if constexpr (R::kMasked) bits[u] = mask_bits<V>(r.mask, m * channels + c0);
           ++k;
         }
       }
-      if (k > 0) r.add_rows(s, v, k, c0);
+      if (k > 0) r.add_rows(s, v, k, c0, bits);
     }
   }
   __shared__ alignas(16) unsigned char raw[kThreads * V * sizeof(State)];
@@ -431,8 +442,7 @@ template <typename S> __device__ __forceinline__ S shuffle_down(const S& s, int 
 }
 
 // The merge of partial[c * splits + 0 .. splits), in lane 0 of the calling warp. Each lane loads kBatch states
-// before merging any: a loop of load-then-merge waits out one L2 latency per state (the Welford merge's branches
-// kept the compiler from overlapping them; ncu: 9.5 us for the statistics' finalize vs 4 us for the gradients').
+// before merging any, so that the loads overlap: a loop of load-then-merge can wait out one L2 latency per state.
 template <typename R>
 __device__ __forceinline__ typename R::State merge_splits(const typename R::State* partial, int splits, int64_t c) {
   constexpr int kBatch = 8;
@@ -459,7 +469,7 @@ __device__ __forceinline__ int64_t warp_channel() {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     finalize_stats_kernel(const typename StatsReducer<T>::State* partial, int splits, int64_t channels,
-                          const acc_t<T>* weight, const acc_t<T>* bias, acc_t<T>* save_mean, acc_t<T>* save_invstd,
+                          const T* shift, int64_t shift_stride, const acc_t<T>* weight, const acc_t<T>* bias, acc_t<T>* save_mean, acc_t<T>* save_invstd,
                           acc_t<T>* running_mean, acc_t<T>* running_var, acc_t<T>* affine, double momentum,
                           double eps) {
   using A = acc_t<T>;
@@ -467,15 +477,17 @@ __global__ void __launch_bounds__(kThreads)
   if (c >= channels) return;  // whole warps leave together
   const auto s = merge_splits<StatsReducer<T>>(partial, splits, c);
   if (threadIdx.x % 32 != 0) return;
-  const A var = s.m2 / A(s.n);  // biased: what normalises the batch
+  const A shifted_mean = s.s1 / A(s.n);
+  const A mean = A(shift[c * shift_stride]) + shifted_mean;
+  const A var = max(s.s2 / A(s.n) - shifted_mean * shifted_mean, A(0));  // biased: what normalises the batch
   const A invstd = A(1) / ::sqrt(var + A(eps));
-  save_mean[c] = s.mean;
+  save_mean[c] = mean;
   save_invstd[c] = invstd;
   affine[c] = invstd * (weight ? weight[c] : A(1));
   affine[channels + c] = bias ? bias[c] : A(0);
   if (running_mean) {
     const A m = A(momentum);
-    running_mean[c] = (A(1) - m) * running_mean[c] + m * s.mean;
+    running_mean[c] = (A(1) - m) * running_mean[c] + m * mean;
     running_var[c] = (A(1) - m) * running_var[c] + m * var * A(s.n) / A(s.n - 1);  // unbiased
   }
 }
@@ -544,22 +556,44 @@ template <typename A, int V, bool kRows> struct PerChannel {
   }
 };
 
+// Runs body(q) for every vector q < vectors of the grid's stride loop with whole warps in step, so that relu's mask
+// can be stored word by word: body returns the vector's mask bits (0 for a vector past the end), stored when mask is
+// not null at element mask_first + q V of the whole tensor (mask_first, the piece's first element, a multiple of 32:
+// for_each_piece). The grid is whole blocks of whole warps, so a warp's first vector is a multiple of 32.
+template <int V, typename Body>
+__device__ __forceinline__ void for_each_vector(uint32_t vectors, int32_t* mask, int64_t mask_first,
+                                                int64_t mask_words, const Body& body) {
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t q0 = blockIdx.x * kThreads + threadIdx.x - lane; q0 < vectors; q0 += gridDim.x * kThreads) {
+    const uint32_t q = q0 + lane;
+    const uint32_t bits = q < vectors ? body(q) : 0u;
+    if (mask != nullptr) store_mask_bits<V>(mask, mask_first + int64_t(q0) * V, bits, mask_words);
+  }
+}
+
+// The mask bits of a vector of relu's results.
+template <typename T, int V> __device__ __forceinline__ uint32_t positive_bits(const Vec<T, V>& y) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int e = 0; e < V; ++e) bits |= uint32_t(acc_t<T>(y.v[e]) > acc_t<T>(0)) << e;
+  return bits;
+}
+
 // Rows: the launch makes the grid's stride a multiple of C / V vectors (for_each_piece), so every vector a
 // thread visits starts at the same channel and the thread loads its per-channel constants once; loading them per
 // vector moved more bytes through L1 than the data (float32 constants for float16 values). Planes: one channel
 // per vector, looked up each time.
-// kRelu: batch_norm_relu's epilogue, y = relu(normalised + z) with z (the residual) or without (z null).
+// kRelu: batch_norm_relu's epilogue, y = relu(normalised + z) with z (the residual) or without (z null), and relu's
+// mask.
 template <typename T, int V, bool kRows, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
     apply_forward_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ z, uint32_t vectors,
                          ChannelOf channel_of, const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ affine,
-                         uint32_t channels) {
+                         uint32_t channels, int32_t* __restrict__ mask, int64_t mask_first, int64_t mask_words) {
   using A = acc_t<T>;
-  const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
-  if (first >= vectors) return;
-  uint32_t c = channel_of(first * V);
+  uint32_t c = channel_of((blockIdx.x * kThreads + threadIdx.x) * V);
   PerChannel<A, V, kRows> m(mean, c), scale(affine, c), shift(affine + channels, c);
-  for (uint32_t q = first; q < vectors; q += gridDim.x * kThreads) {
+  for_each_vector<V>(vectors, kRelu ? mask : nullptr, mask_first, mask_words, [&](uint32_t q) {
     const uint32_t i = q * V;
     if constexpr (!kRows) {
       c = channel_of(i);
@@ -583,16 +617,18 @@ __global__ void __launch_bounds__(kThreads)
       out.v[e] = T(v);
     }
     store<T, V>(y + i, out);
-  }
+    return kRelu ? positive_bits<T, V>(out) : 0u;
+  });
 }
 
-// kMasked: after batch_norm_relu, g passes where the output y is positive; that gradient is also the residual's,
-// written to grad_residual unless it is null.
+// kMasked: after batch_norm_relu, g passes where relu's mask is set (element mask_first + i of the whole tensor for
+// element i of the piece); that gradient is also the residual's, written to grad_residual unless it is null.
 template <typename T, int V, bool kRows, bool kMasked>
 __global__ void __launch_bounds__(kThreads)
     apply_backward_kernel(T* __restrict__ grad_input, T* __restrict__ grad_residual, const T* __restrict__ g,
-                          const T* __restrict__ x, const T* __restrict__ y, uint32_t vectors, ChannelOf channel_of,
-                          const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ coef, uint32_t channels) {
+                          const T* __restrict__ x, const int32_t* __restrict__ mask, int64_t mask_first,
+                          uint32_t vectors, ChannelOf channel_of, const acc_t<T>* __restrict__ mean,
+                          const acc_t<T>* __restrict__ coef, uint32_t channels) {
   using A = acc_t<T>;
   const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
   if (first >= vectors) return;
@@ -610,9 +646,9 @@ __global__ void __launch_bounds__(kThreads)
     Vec<T, V> gv = load<T, V>(g + i);
     const Vec<T, V> xv = load<T, V>(x + i);
     if constexpr (kMasked) {
-      const Vec<T, V> yv = load<T, V>(y + i);
+      const uint32_t bits = mask_bits<V>(mask, mask_first + i);
 #pragma unroll
-      for (int e = 0; e < V; ++e) gv.v[e] = T(relu_backward_math(A(gv.v[e]), A(yv.v[e])));
+      for (int e = 0; e < V; ++e) gv.v[e] = (bits >> e) & 1u ? gv.v[e] : T(0);
       if (grad_residual != nullptr) store<T, V>(grad_residual + i, gv);
     }
     Vec<T, V> out;
@@ -623,28 +659,62 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- relu's epilogue and mask as elementwise passes of their own (ops/cuda_loops.cuh): what batch_norm_relu adds to
-// cuDNN's kernels when they are the faster (cuDNN's own fused forms need a reserve space and take fewer problems), and
-// the residual's gradient alone when the input's is not wanted.
-template <typename T> struct ReluOfSum {
-  __device__ T operator()(T y, T z) const { return T(unary_math<UnaryOp::Relu>(acc_t<T>(y) + acc_t<T>(z))); }
-};
-template <typename T> struct ReluOf {
-  __device__ T operator()(T y) const { return T(unary_math<UnaryOp::Relu>(acc_t<T>(y))); }
-};
-template <typename T> struct ReluPasses {
-  __device__ T operator()(T g, T y) const { return T(relu_backward_math(acc_t<T>(g), acc_t<T>(y))); }
-};
+// ---- relu's epilogue and mask as passes of their own: what batch_norm_relu adds to cuDNN's kernels when they are
+// the faster (cuDNN's own fused forms need a reserve space and take fewer problems), and the residual's gradient
+// alone when the input's is not wanted. y = relu(y + z) (z null: relu(y)) in place, with the mask.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    relu_epilogue_kernel(T* y, const T* __restrict__ z, uint32_t vectors, int32_t* __restrict__ mask,
+                         int64_t mask_first, int64_t mask_words) {
+  for_each_vector<V>(vectors, mask, mask_first, mask_words, [&](uint32_t q) {
+    const uint32_t i = q * V;
+    const Vec<T, V> yv = load<T, V>(y + i);
+    Vec<T, V> zv;
+    if (z != nullptr) zv = load<T, V>(z + i);
+    Vec<T, V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      acc_t<T> v = acc_t<T>(yv.v[e]);
+      if (z != nullptr) v += acc_t<T>(zv.v[e]);
+      out.v[e] = T(unary_math<UnaryOp::Relu>(v));
+    }
+    store<T, V>(y + i, out);
+    return positive_bits<T, V>(out);
+  });
+}
+
+// out = g where relu's mask is set, else 0.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    masked_gradient_kernel(T* __restrict__ out, const T* __restrict__ g, uint32_t vectors,
+                           const int32_t* __restrict__ mask, int64_t mask_first) {
+  for (uint32_t q = blockIdx.x * kThreads + threadIdx.x; q < vectors; q += gridDim.x * kThreads) {
+    const uint32_t i = q * V;
+    const uint32_t bits = mask_bits<V>(mask, mask_first + i);
+    Vec<T, V> gv = load<T, V>(g + i);
+#pragma unroll
+    for (int e = 0; e < V; ++e) gv.v[e] = (bits >> e) & 1u ? gv.v[e] : T(0);
+    store<T, V>(out + i, gv);
+  }
+}
 
 // Calls launch(first_element, count, blocks) for runs of whole samples of fewer than 2^31 elements; blocks
 // covers count / v vectors. In rows, blocks * kThreads is a multiple of the C / v vectors of a row (the apply
 // kernels rely on it): whole samples start at channel 0, and a stride of whole rows keeps every thread on its
-// channels.
-template <typename Launch> void for_each_piece(const BatchNormShape& s, Device device, int v, const Launch& launch) {
+// channels. writes_mask: every piece starts at a multiple of 32 elements, so that each word of relu's mask is one
+// piece's (for_each_vector).
+template <typename Launch>
+void for_each_piece(const BatchNormShape& s, Device device, int v, bool writes_mask, const Launch& launch) {
   const int64_t sample = s.channels * s.spatial;
   HG_CHECK(sample < (int64_t(1) << 31), "batch_norm: one sample of {} elements is more than the CUDA kernels handle "
            "(2^31)", sample);
-  const int64_t per_piece = std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / sample);
+  int64_t per_piece = std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / sample);
+  if (writes_mask && per_piece < s.batch) {
+    const int64_t whole = 32 / std::gcd(sample, int64_t(32));  // samples that end on a word
+    HG_CHECK(per_piece >= whole, "batch_norm_relu: {} samples of {} elements are more than the CUDA kernels' relu "
+             "mask handles (2^31 elements, in runs of whole 32-element words)", s.batch, sample);
+    per_piece = per_piece / whole * whole;
+  }
   const int64_t max_blocks = 16 * int64_t(multiprocessors(device.index));
   const int64_t row_vectors = s.channels / v;
   const int64_t period = s.channels_last ? row_vectors / std::gcd(row_vectors, int64_t(kThreads)) : 1;
@@ -692,9 +762,10 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
   Tensor workspace, affine = empty({2 * s.channels}, {.dtype = a.save_mean.dtype(), .device = device});
   if (a.training) {
     int splits = 1;
-    auto* partial = reduce_channels(StatsReducer<T>{{x}}, s, device, stream, workspace, splits);
+    const int64_t shift_stride = s.channels_last ? 1 : s.spatial;
+    auto* partial = reduce_channels(StatsReducer<T>{{x}, x, shift_stride}, s, device, stream, workspace, splits);
     finalize_stats_kernel<T><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
-        partial, splits, s.channels, ptr<T>(a.weight), ptr<T>(a.bias), save_mean, save_invstd,
+        partial, splits, s.channels, x, shift_stride, ptr<T>(a.weight), ptr<T>(a.bias), save_mean, save_invstd,
         mutable_ptr<T>(a.running_mean), mutable_ptr<T>(a.running_var), affine.data<A>(), a.momentum, a.eps);
   } else {
     eval_stats_kernel<A><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
@@ -705,13 +776,14 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
 
   T* y = a.output.data<T>();
   const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
+  int32_t* mask = a.relu ? a.relu_mask.data<int32_t>() : nullptr;
   const int v = vector_width<T>(s, {x, y, z});
   with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
-    for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
+    for_each_piece(s, device, V, a.relu, [&](int64_t first, uint32_t count, unsigned blocks) {
       auto launch = [&]<bool kRelu>() {
         apply_forward_kernel<T, V, kRows, kRelu><<<blocks, kThreads, 0, stream>>>(
             y + first, x + first, z ? z + first : nullptr, count / V, channel_of(s), save_mean, affine.data<A>(),
-            uint32_t(s.channels));
+            uint32_t(s.channels), mask, first, a.relu ? a.relu_mask.numel() : 0);
       };
       a.relu ? launch.template operator()<true>() : launch.template operator()<false>();
       HG_CUDA_CHECK_LAUNCH("batch_norm");
@@ -719,10 +791,35 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
   });
 }
 
-// out = where(y > 0, g, 0): the gradient batch_norm_relu's normalisation receives (the residual's, or a scratch
-// tensor in the layout of g).
-template <typename T> void relu_mask(const Tensor& out, const Tensor& g, const Tensor& y) {
-  cuda::launch_elementwise<T, T, T>("batch_norm_relu", out, ReluPasses<T>{}, {g, y});
+// After cuDNN's normalisation into y: y = relu(y + z) (z undefined: relu(y)) in place, and relu's mask.
+template <typename T> void relu_epilogue(const BatchNormShape& s, const Tensor& y, const Tensor& z, const Tensor& mask) {
+  const Device device = y.device();
+  cudaStream_t stream = cuda::current_stream(device);
+  const T* zp = z.defined() ? z.data<T>() : nullptr;
+  with_vector_and_layout<T>(vector_width<T>(s, {y.data_ptr(), zp}), s.channels_last, [&]<int V, bool>() {
+    for_each_piece(s, device, V, true, [&](int64_t first, uint32_t count, unsigned blocks) {
+      relu_epilogue_kernel<T, V><<<blocks, kThreads, 0, stream>>>(y.data<T>() + first, zp ? zp + first : nullptr,
+                                                                  count / V, mask.data<int32_t>(), first,
+                                                                  mask.numel());
+      HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
+    });
+  });
+}
+
+// out = g where relu's mask is set, else 0: the gradient batch_norm_relu's normalisation receives (the residual's,
+// or a scratch tensor in the layout of g).
+template <typename T> void masked_gradient(const BatchNormShape& s, const Tensor& out, const Tensor& g,
+                                           const Tensor& mask) {
+  const Device device = g.device();
+  cudaStream_t stream = cuda::current_stream(device);
+  with_vector_and_layout<T>(vector_width<T>(s, {out.data_ptr(), g.data_ptr()}), s.channels_last,
+                            [&]<int V, bool>() {
+    for_each_piece(s, device, V, false, [&](int64_t first, uint32_t count, unsigned blocks) {
+      masked_gradient_kernel<T, V><<<blocks, kThreads, 0, stream>>>(out.data<T>() + first, g.data<T>() + first,
+                                                                    count / V, mask.data<int32_t>(), first);
+      HG_CUDA_CHECK_LAUNCH("batch_norm_relu backward");
+    });
+  });
 }
 
 template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardArgs& a) {
@@ -734,10 +831,10 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
   cudaStream_t stream = cuda::current_stream(device);
   const T* g = a.grad_output.data<T>();
   const T* x = a.input.data<T>();
-  const T* y = kMasked ? a.output.data<T>() : nullptr;
+  const int32_t* mask = kMasked ? a.relu_mask.data<int32_t>() : nullptr;
   const A* mean = a.save_mean.data<A>();
   T* gz = a.grad_residual.defined() ? a.grad_residual.data<T>() : nullptr;
-  if (gz && !a.grad_input.defined()) relu_mask<T>(a.grad_residual, a.grad_output, a.output);
+  if (gz && !a.grad_input.defined()) masked_gradient<T>(s, a.grad_residual, a.grad_output, a.relu_mask);
 
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
   if (!need_sums && !a.grad_input.defined()) return;  // only the residual's gradient was wanted
@@ -748,8 +845,8 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
     R r{};
     r.in[0] = g;
     r.in[1] = x;
-    if constexpr (kMasked) r.in[2] = y;
     r.mean = mean;
+    if constexpr (kMasked) r.mask = mask;
     partial = reduce_channels(r, s, device, stream, workspace, splits);
   }
   if (a.grad_input.defined()) coef = empty({3 * s.channels}, {.dtype = a.save_mean.dtype(), .device = device});
@@ -760,12 +857,12 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
   if (!a.grad_input.defined()) return;
 
   T* gi = a.grad_input.data<T>();
-  const int v = vector_width<T>(s, {gi, g, x, y, gz});
+  const int v = vector_width<T>(s, {gi, g, x, gz});
   with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
-    for_each_piece(s, device, V, [&](int64_t first, uint32_t count, unsigned blocks) {
+    for_each_piece(s, device, V, false, [&](int64_t first, uint32_t count, unsigned blocks) {
       apply_backward_kernel<T, V, kRows, kMasked><<<blocks, kThreads, 0, stream>>>(
-          gi + first, gz ? gz + first : nullptr, g + first, x + first, y ? y + first : nullptr, count / V,
-          channel_of(s), mean, coef.data<A>(), uint32_t(s.channels));
+          gi + first, gz ? gz + first : nullptr, g + first, x + first, mask, first, count / V, channel_of(s), mean,
+          coef.data<A>(), uint32_t(s.channels));
       HG_CUDA_CHECK_LAUNCH("batch_norm_backward");
     });
   });
@@ -860,13 +957,8 @@ void cudnn_forward(const BatchNormForwardArgs& a) {
                      nullptr, 0),
                  "batch_norm");
   if (!a.relu) return;
-  dispatch_floating(a.input.dtype(), "batch_norm_relu", [&]<typename T>() {
-    if (a.residual.defined()) {
-      cuda::launch_elementwise<T, T, T>("batch_norm_relu", a.output, ReluOfSum<T>{}, {a.output, a.residual});
-    } else {
-      cuda::launch_elementwise<T, T>("batch_norm_relu", a.output, ReluOf<T>{}, {a.output});
-    }
-  });
+  dispatch_floating(a.input.dtype(), "batch_norm_relu",
+                    [&]<typename T>() { relu_epilogue<T>(s, a.output, a.residual, a.relu_mask); });
 }
 
 void cudnn_backward(const BatchNormBackwardArgs& a) {
@@ -875,11 +967,11 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   const CudnnProblem p(s, a.input, "batch_norm_backward");
   // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted.
   Tensor g = a.grad_output;
-  if (a.output.defined()) {
+  if (a.relu_mask.defined()) {
     g = a.grad_residual.defined() ? a.grad_residual
                                   : batch_norm_empty(g.shape(), g.dtype(), device, s.channels_last);
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
-                      [&]<typename T>() { relu_mask<T>(g, a.grad_output, a.output); });
+                      [&]<typename T>() { masked_gradient<T>(s, g, a.grad_output, a.relu_mask); });
   }
   size_t bytes = 0;
   HG_CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
@@ -946,7 +1038,7 @@ void own_forward(const BatchNormForwardArgs& a) {
 
 void own_backward(const BatchNormBackwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() {
-    a.output.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
+    a.relu_mask.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
   });
 }
 
@@ -974,13 +1066,14 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
       !cudnn_takes(s, a.input.dtype(),
-                   {&a.input, &a.grad_output, &a.grad_input, &a.output, &a.grad_residual, &a.weight, &a.save_mean,
+                   {&a.input, &a.grad_output, &a.grad_input, &a.grad_residual, &a.weight, &a.save_mean,
                     &a.save_invstd, &a.grad_weight, &a.grad_bias})) {
     return own_backward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
-                      a.output.defined() ? 1 + int(a.grad_residual.defined()) : 0, s.batch, s.channels, s.spatial};
+                      a.relu_mask.defined() ? 1 + int(a.grad_residual.defined()) : 0, s.batch, s.channels,
+                      s.spatial};
   if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
     cudnn_backward(a);
   } else {

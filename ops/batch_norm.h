@@ -37,9 +37,11 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 // The same arguments and statistics as batch_norm. residual: input's shape, on its device; it is read in input's
 // dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
 // Why one op: apart, the normalised values are written, read back by the add, written, read by relu and written
-// again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask from y (which
-// the next layer keeps anyway) inside the normalisation's own passes instead of a pass of its own. Gradients: as
-// batch_norm's, and residual's, which is relu's gradient (g where y > 0, else 0).
+// again; here the kernel that normalises adds and clamps as it writes, and writes relu's mask (y > 0) as bits
+// beside y. The backward reads the mask inside the normalisation's own passes instead of a pass of its own, and
+// reads 1 bit an element where y would cost 16 or 32. Gradients: as batch_norm's, and residual's, which is relu's
+// gradient (g where y > 0, else 0). The op keeps its mask, not y: an in-place change to y before backward does not
+// change the gradients.
 // In float32 and float64 y equals the separate ops' result exactly where both run the same kernels (on CUDA the
 // implementation timed fastest may differ between the two forms: BatchNormBackend). In float16/bfloat16 our kernels
 // round y once instead of after each op; after cuDNN's kernels, whose output is rounded, the residual is added to it
@@ -69,6 +71,13 @@ struct BatchNormShape {
   int64_t per_channel() const { return batch * spatial; }  // values that each channel's statistics cover
 };
 
+// batch_norm_relu's mask: bit i % 32 of 32-bit word i / 32 is set where element i of the output (its offset in the
+// layout above) is positive; int32 [ceil(N C S / 32)], the bits past the last element 0.
+struct ReluMask {
+  static int64_t words(int64_t elements) { return (elements + 31) / 32; }
+  static bool bit(const int32_t* mask, int64_t i) { return (uint32_t(mask[i / 32]) >> (i % 32)) & 1u; }
+};
+
 struct BatchNormForwardArgs {
   BatchNormShape shape;
   Tensor input, output;
@@ -77,6 +86,7 @@ struct BatchNormForwardArgs {
   Tensor save_mean, save_invstd;       // written: the mean and 1 / sqrt(var + eps) used to normalise
   bool relu = false;                   // batch_norm_relu: output = relu(normalised + residual)
   Tensor residual;                     // or undefined; the input's layout and dtype
+  Tensor relu_mask;                    // with relu: written, the output's signs as bits (ReluMask)
   bool training = true;
   double momentum = 0.1, eps = 1e-5;
 };
@@ -90,8 +100,8 @@ struct BatchNormForwardArgs {
 struct BatchNormBackwardArgs {
   BatchNormShape shape;
   Tensor grad_output, input;
-  Tensor output;                       // batch_norm_relu's output, whose sign masks grad_output; else undefined
-  Tensor grad_residual;                // or undefined: not wanted (only with output)
+  Tensor relu_mask;                    // batch_norm_relu's mask (ReluMask), which masks grad_output; else undefined
+  Tensor grad_residual;                // or undefined: not wanted (only with relu_mask)
   Tensor weight;                       // or undefined
   Tensor save_mean, save_invstd;
   Tensor grad_input;                   // or undefined: not wanted

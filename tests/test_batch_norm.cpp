@@ -614,14 +614,26 @@ TEST_CASE("batch_norm_relu rounds a float16 or bfloat16 result once, where the s
   }
 }
 
-TEST_CASE("batch_norm_relu's saved output: an in-place change to it before backward is an error") {
-  Tensor x = randn({4, 3, 2, 2}).requires_grad_();
-  Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true);
-  {
-    NoGradGuard no_grad;
-    y.mul_(2);
+TEST_CASE("batch_norm_relu keeps relu's mask, not its output: an in-place change to the output leaves the gradients") {
+  manual_seed(427);
+  // 4 x 3 x 3 x 3 = 108 elements: a mask of 3 whole words and a partial one.
+  Tensor x = randn({4, 3, 3, 3}), z = randn({4, 3, 3, 3}), g = randn({4, 3, 3, 3});
+  TensorList want, got;
+  for (bool change : {false, true}) {
+    Tensor xl = x.detach().requires_grad_(), zl = z.detach().requires_grad_();
+    Tensor y = batch_norm_relu(xl, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, zl);
+    if (change) {
+      NoGradGuard no_grad;
+      y.mul_(-1);  // every sign flipped: a mask read from y would now pass the other elements
+    }
+    y.backward(g);
+    (change ? got : want) = TensorList{xl.grad(), zl.grad()};
   }
-  CHECK_THROWS_WITH_AS(y.sum().backward(), doctest::Contains("batch_norm_relu"), Error);
+  check_close(values(got[0]), values(want[0]), 0);
+  check_close(values(got[1]), values(want[1]), 0);
+  // the residual's gradient is g where the (unchanged) output was positive
+  const Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, z);
+  check_close(values(want[1]), values(where(y.gt(0), g, 0)), 0);
 }
 
 TEST_CASE("batch_norm_relu with the fusion switched off runs the separate ops, with the same checks") {
@@ -739,6 +751,9 @@ TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and c
         }
     // NCHW planes of whole 16-byte vectors (the shapes above run one value at a time there)
     check_against_unfused(kFloat32, Device::cuda(0), false, true, true, 1e-5, true, {8, 16, 4, 4});
+    // more vectors than the grid's threads: each warp stores relu's mask words on several trips of the loop (in
+    // float64, whose 65,536-value sums the two forms add in different orders without a visible difference)
+    check_against_unfused(kFloat64, Device::cuda(0), true, true, true, 1e-10, true, {64, 64, 32, 32});
     check_against_unfused(kFloat16, Device::cuda(0), false, true, false, 4e-3, backend != BatchNormBackend::Auto,
                           {8, 16, 4, 4});
   }
