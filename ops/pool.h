@@ -81,8 +81,9 @@ extern KernelTable<AdaptiveAvgPool2dKernel> adaptive_avg_pool2d_kernel;
 extern KernelTable<AdaptiveAvgPool2dBackwardKernel> adaptive_avg_pool2d_backward_kernel;
 
 // The window of output cell o among n over an input of size `in` (adaptive pooling): [start, end).
-HG_HOST_DEVICE inline int64_t adaptive_start(int64_t o, int64_t in, int64_t n) { return (o * in) / n; }
-HG_HOST_DEVICE inline int64_t adaptive_end(int64_t o, int64_t in, int64_t n) { return ((o + 1) * in + n - 1) / n; }
+// (templates: the CUDA kernels compute them in 32 bits where the products fit)
+template <typename I> HG_HOST_DEVICE inline I adaptive_start(I o, I in, I n) { return (o * in) / n; }
+template <typename I> HG_HOST_DEVICE inline I adaptive_end(I o, I in, I n) { return ((o + 1) * in + n - 1) / n; }
 
 // The window of avg_pool2d's output o along one dim: the input range [start, end) it averages and the size
 // count_include_pad divides by (the window clipped to the padded input, as PyTorch).
