@@ -12,12 +12,12 @@
 //   2. finalize (one warp per channel): merges the splits, writes mean and invstd (saved for backward),
 //      updates the running statistics in place, and writes scale = invstd * weight, shift = bias.
 //   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise; batch_norm_relu adds the residual and takes
-//      relu before the store.
+//      relu before the store, and stores relu's mask (y > 0) as bits.
 // Forward (eval): 2'. mean, invstd, scale, shift from the running statistics, 3. apply.
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
-// After batch_norm_relu, 1. and 3. read the output too and take g only where it is positive (relu's mask); 3.
-// writes that masked g as the residual's gradient.
+// After batch_norm_relu, 1. and 3. read relu's mask too and take g only where its bit is set; 3. writes that masked
+// g as the residual's gradient.
 //
 // 4. cuDNN's kernels (the ones PyTorch calls), the second implementation of training, and the choice between
 //    the two per problem (BatchNormBackend in ops/batch_norm.h).
