@@ -83,6 +83,13 @@ template <int V> __device__ __forceinline__ uint32_t mask_bits(const int32_t* ma
   return (uint32_t(mask[e / 32]) >> (e % 32)) & ((1u << V) - 1u);
 }
 
+// g where its mask bit is set, else 0: bit e of bits for value e.
+template <typename T, int V> __device__ __forceinline__ Vec<T, V> masked(Vec<T, V> g, uint32_t bits) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) g.v[e] = (bits >> e) & 1u ? g.v[e] : T(0);
+  return g;
+}
+
 // Stores the bits of a warp's 32 consecutive vectors: lane L holds the V bits of the vector at element e0 + L V, e0
 // a multiple of 32. The lanes of each word OR their bits together by shuffles and the first of them stores the
 // word: one 4-byte store for 32 elements, and no word shared between warps. Every lane of the warp calls it; words
@@ -646,9 +653,7 @@ __global__ void __launch_bounds__(kThreads)
     Vec<T, V> gv = load<T, V>(g + i);
     const Vec<T, V> xv = load<T, V>(x + i);
     if constexpr (kMasked) {
-      const uint32_t bits = mask_bits<V>(mask, mask_first + i);
-#pragma unroll
-      for (int e = 0; e < V; ++e) gv.v[e] = (bits >> e) & 1u ? gv.v[e] : T(0);
+      gv = masked(gv, mask_bits<V>(mask, mask_first + i));
       if (grad_residual != nullptr) store<T, V>(grad_residual + i, gv);
     }
     Vec<T, V> out;
@@ -690,11 +695,7 @@ __global__ void __launch_bounds__(kThreads)
                            const int32_t* __restrict__ mask, int64_t mask_first) {
   for (uint32_t q = blockIdx.x * kThreads + threadIdx.x; q < vectors; q += gridDim.x * kThreads) {
     const uint32_t i = q * V;
-    const uint32_t bits = mask_bits<V>(mask, mask_first + i);
-    Vec<T, V> gv = load<T, V>(g + i);
-#pragma unroll
-    for (int e = 0; e < V; ++e) gv.v[e] = (bits >> e) & 1u ? gv.v[e] : T(0);
-    store<T, V>(out + i, gv);
+    store<T, V>(out + i, masked(load<T, V>(g + i), mask_bits<V>(mask, mask_first + i)));
   }
 }
 

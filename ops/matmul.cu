@@ -53,7 +53,6 @@ void check_int(int64_t v, const char* what) {
 // dropped on the way back. float32 without TF32 runs as it is: its CUDA-core kernels gain nothing from alignment
 // that pays for the copies.
 
-constexpr int64_t kAlignBytes = 16;
 // Below this the copies' launches cost more than the faster kernel saves. A language model's decoder products are
 // 9-30 GFLOP; its recurrent layers' input products at 650 units 2.4 (65 TFLOP/s unpadded).
 constexpr double kMinPaddedFlops = 1e9;
@@ -69,8 +68,8 @@ struct StoredMatrix {
   int64_t padded_rows, padded_cols;
   size_t element_size;
   bool needs_copy() const {
-    return padded_rows != rows || padded_cols != cols || ld % (kAlignBytes / int64_t(element_size)) != 0 ||
-           reinterpret_cast<uintptr_t>(data) % kAlignBytes != 0;
+    return padded_rows != rows || padded_cols != cols || ld % (kGemmAlignBytes / int64_t(element_size)) != 0 ||
+           reinterpret_cast<uintptr_t>(data) % kGemmAlignBytes != 0;
   }
   int64_t padded_bytes() const { return padded_rows * padded_cols * int64_t(element_size); }
 };
@@ -94,7 +93,7 @@ std::optional<PaddedProblem> padded_problem(const GemmArgs& g) {
   if (!tensor_cores || g.batch != 1) return std::nullopt;
   const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
   if (flops < kMinPaddedFlops) return std::nullopt;
-  const int64_t per_vector = kAlignBytes / int64_t(element_size(g.ab_dtype));
+  const int64_t per_vector = kGemmAlignBytes / int64_t(element_size(g.ab_dtype));
   auto round_up = [&](int64_t v) { return (v + per_vector - 1) / per_vector * per_vector; };
   const bool ta = g.trans_a == Trans::Yes, tb = g.trans_b == Trans::Yes;
   // An extent is padded where it is some matrix's contiguous one: k for A as stored or B transposed, m for A
@@ -111,44 +110,12 @@ std::optional<PaddedProblem> padded_problem(const GemmArgs& g) {
   return p;
 }
 
-// The one copy the padded products need, three ways: dst [rows, cols] (leading dimension dst_ld) takes src
-// [src_rows, src_cols] (leading dimension src_ld) where it reaches, zeros beyond: a zero-padded copy (dst larger),
-// the corner of a padded C copied back (dst smaller), and bias rows (src_ld 0: one row for all). ops/copy_matrix.cuh
-// says how the copy is laid over the warps.
-template <typename T> struct ZeroPadded {
-  const T* src;
-  int64_t src_rows, src_cols, src_ld;
-  __device__ T operator()(int64_t r, int64_t c) const {
-    return r < src_rows && c < src_cols ? src[r * src_ld + c] : T(0);
-  }
-};
-
-struct MatrixRef {
-  const void* data;
-  int64_t rows, cols, ld;
-};
-
-void copy_matrix(size_t element_size, void* dst, int64_t rows, int64_t cols, int64_t dst_ld, MatrixRef src,
-                 cudaStream_t stream) {
-  auto launch = [&]<typename T>() {
-    launch_copy_matrix(static_cast<T*>(dst), rows, cols, dst_ld,
-                       ZeroPadded<T>{static_cast<const T*>(src.data), src.rows, src.cols, src.ld}, stream);
-    HG_CUDA_CHECK_LAUNCH("matmul");
-  };
-  switch (element_size) {
-    case 1: launch.template operator()<uint8_t>(); break;
-    case 2: launch.template operator()<uint16_t>(); break;
-    case 4: launch.template operator()<uint32_t>(); break;
-    default: launch.template operator()<uint64_t>(); break;
-  }
-}
-
 // Every row of C (of each batch entry) starts as g.bias.
 void write_bias_rows(const GemmArgs& g, void* c, int64_t ldc, cudaStream_t stream) {
   const size_t size = element_size(g.c_dtype);
   for (int64_t b = 0; b < g.batch; ++b)
     copy_matrix(size, static_cast<char*>(c) + b * g.stride_c * int64_t(size), g.m, g.n, ldc, {g.bias, g.m, g.n, 0},
-                stream);
+                stream, "matmul");
 }
 
 void gemm_cublas(const GemmArgs& g);
@@ -170,7 +137,7 @@ void gemm_padded(const GemmArgs& g, const PaddedProblem& p) {
     next += slot(x.padded_bytes());
     if (fill)
       copy_matrix(x.element_size, dst, x.padded_rows, x.padded_cols, x.padded_cols, {x.data, x.rows, x.cols, x.ld},
-                  stream);
+                  stream, "matmul");
     return dst;
   };
   GemmArgs padded = g;
@@ -188,7 +155,7 @@ void gemm_padded(const GemmArgs& g, const PaddedProblem& p) {
   gemm_cublas(padded);
   if (p.c.needs_copy())
     copy_matrix(p.c.element_size, g.c, g.m, g.n, g.ldc, {padded.c, p.c.padded_rows, p.c.padded_cols, p.c.padded_cols},
-                stream);
+                stream, "matmul");
 }
 
 void gemm_cublas(const GemmArgs& g) {

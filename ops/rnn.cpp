@@ -107,12 +107,12 @@ void gemm(const Problem& p, DType c_dtype, int64_t m, int64_t n, int64_t k, cons
 }
 
 // Whether a layer's two weight gradients run as one product, dgi^T [x | h_prev] (both gate gradients are dgi for
-// every kind but GRU): on CUDA where the joined rows are 16 bytes wide and a separate one's are not, so that one
+// every kind but GRU): on CUDA where the joined rows are whole multiples of kGemmAlignBytes and a separate one's are not, so that one
 // product on aligned operands replaces two on zero-padded copies (ops/matmul.cu pads them; at 650 units in float32
 // the padded pair took 4 x 22.5 µs of products and 8 copies a step against 35 µs and 5 copies,
 // docs/benchmarks.md). Elsewhere the copies in and out would cost more than the launch saved.
 bool one_weight_product(const Problem& p, int64_t in) {
-  const auto aligned = [&](int64_t cols) { return cols * int64_t(element_size(p.storage)) % 16 == 0; };
+  const auto aligned = [&](int64_t cols) { return cols * int64_t(element_size(p.storage)) % kGemmAlignBytes == 0; };
   return p.kind != RnnKind::GRU && p.device.is_cuda() && aligned(in + p.H) && !(aligned(in) && aligned(p.H));
 }
 

@@ -302,8 +302,6 @@ TEST_CASE("matmul, bmm and linear report mismatched shapes, dtypes and devices w
   CHECK_THROWS_WITH_AS(linear(ones({4, 5}), ones({15})), doctest::Contains("linear: weight must be 2-D"), Error);
 }
 
-// Gradchecks: float64, central differences (tests/gradcheck.h). Products are linear in each operand, so the
-// finite differences are exact up to rounding and the default tolerances hold with a wide margin.
 TEST_CASE("gemm with alpha and beta in device memory is an error on the CPU, naming it") {
   Tensor a = randn({2, 3}), b = randn({3, 4}), c = empty({2, 4}), scalars = tensor(std::vector<float>{2.0f, 0.0f});
   CHECK_THROWS_WITH_AS(gemm_dense(Device::cpu(), kFloat32, kFloat32, 2, 4, 3, a.data_ptr(), Trans::No, b.data_ptr(),
@@ -311,6 +309,8 @@ TEST_CASE("gemm with alpha and beta in device memory is an error on the CPU, nam
                        doctest::Contains("gemm (cpu): alpha and beta in device memory are for CUDA products"), Error);
 }
 
+// Gradchecks: float64, central differences (tests/gradcheck.h). Products are linear in each operand, so the
+// finite differences are exact up to rounding and the default tolerances hold with a wide margin.
 TEST_CASE("matmul gradients match finite differences for every rank combination") {
   manual_seed(16);
   for (const auto& [sa, sb] : kRankCases) {
