@@ -171,9 +171,15 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
     // broadcast view: own a contiguous copy unless nothing else can see this one.
     bool sole_owner = grad.impl_ptr().use_count() == 1 && grad.storage().use_count() == 1;
     // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last
-    // leaf), so optimizers walk parameter and gradient in the same order and nothing transposes later.
-    MemoryFormat layout = suggest_memory_format(Tensor(leaf_));
-    bool matches = layout == MemoryFormat::ChannelsLast ? suggest_memory_format(grad) == layout : grad.is_contiguous();
+    // leaf; here also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same
+    // order and nothing transposes later.
+    const MemoryFormat layout = kept_memory_format(Tensor(leaf_));
+    bool matches = false;
+    switch (layout) {
+      case MemoryFormat::ChannelsLast: matches = suggest_memory_format(grad) == layout; break;
+      case MemoryFormat::AlignedRows: matches = is_aligned_rows(grad); break;
+      case MemoryFormat::Contiguous: matches = grad.is_contiguous(); break;
+    }
     if (sole_owner && matches) {
       stored = grad;
     } else {

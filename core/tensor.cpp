@@ -1,6 +1,7 @@
 // Tensor metadata, factories, random numbers and printing.
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -167,7 +168,41 @@ Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, opti
 // ---- memory formats
 
 const char* memory_format_name(MemoryFormat format) {
-  return format == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
+  switch (format) {
+    case MemoryFormat::Contiguous: return "contiguous";
+    case MemoryFormat::ChannelsLast: return "channels_last";
+    case MemoryFormat::AlignedRows: return "aligned_rows";
+  }
+  return "?";
+}
+
+int64_t aligned_row_extent(int64_t n, DType dtype) {
+  const int64_t per_vector = std::max<int64_t>(1, kAlignedRowBytes / int64_t(element_size(dtype)));
+  return (n + per_vector - 1) / per_vector * per_vector;
+}
+
+bool is_aligned_rows(const Tensor& t) {
+  if (!t.defined() || t.dim() != 2 || t.offset() != 0 || t.impl()->is_view) return false;
+  const int64_t rows = aligned_row_extent(t.size(0), t.dtype()), cols = aligned_row_extent(t.size(1), t.dtype());
+  return t.stride(1) == 1 && t.stride(0) == cols &&
+         t.storage()->nbytes() == size_t(rows * cols) * element_size(t.dtype());
+}
+
+Tensor as_aligned_rows(const Tensor& padded, int64_t rows, int64_t cols) {
+  HG_CHECK(padded.defined() && padded.dim() == 2 && padded.is_contiguous() && padded.offset() == 0 &&
+               !padded.impl()->is_view && rows >= 0 && cols >= 0 &&
+               padded.size(0) == aligned_row_extent(rows, padded.dtype()) &&
+               padded.size(1) == aligned_row_extent(cols, padded.dtype()) &&
+               padded.storage()->nbytes() == size_t(padded.numel()) * element_size(padded.dtype()),
+           "as_aligned_rows: {} is not a whole dense [{}, {}] matrix to hold an aligned-rows [{}, {}] one",
+           padded.defined() ? padded.meta() : "an undefined tensor", aligned_row_extent(rows, padded.dtype()),
+           aligned_row_extent(cols, padded.dtype()), rows, cols);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = padded.storage();
+  impl->shape = {rows, cols};
+  impl->strides = {padded.size(1), 1};
+  impl->dtype = padded.dtype();
+  return Tensor(std::move(impl));
 }
 
 bool is_channels_last(const Tensor& t) {
@@ -187,8 +222,32 @@ MemoryFormat suggest_memory_format(const Tensor& t) {
   return is_channels_last(t) && !t.is_contiguous() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
 }
 
+MemoryFormat kept_memory_format(const Tensor& t) {
+  // Contiguous first: a contiguous matrix whose sizes are whole vectors of its dtype is aligned rows too, but a cast
+  // to a smaller dtype would pad it.
+  return is_aligned_rows(t) && !t.is_contiguous() ? MemoryFormat::AlignedRows : suggest_memory_format(t);
+}
+
+namespace {
+Tensor empty_aligned_rows(const Shape& shape, TensorOptions options) {
+  HG_CHECK(shape.size() == 2, "empty: the aligned_rows format needs a 2-D [rows, columns] shape, got {}",
+           shape_str(shape));
+  const bool requires_grad = options.requires_grad;
+  options.requires_grad = false;
+  const int64_t rows = shape[0], cols = shape[1];
+  const Tensor padded = empty({aligned_row_extent(rows, options.dtype), aligned_row_extent(cols, options.dtype)},
+                              options);
+  padded.narrow(1, cols, padded.size(1) - cols).zero_();
+  padded.narrow(0, rows, padded.size(0) - rows).zero_();
+  Tensor t = as_aligned_rows(padded, rows, cols);
+  if (requires_grad) t.requires_grad_();
+  return t;
+}
+}  // namespace
+
 Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format) {
   if (format == MemoryFormat::Contiguous) return empty(shape, options);
+  if (format == MemoryFormat::AlignedRows) return empty_aligned_rows(shape, options);
   HG_CHECK(shape.size() == 4, "empty: the channels_last format needs a 4-D [N, C, H, W] shape, got {}",
            shape_str(shape));
   const bool requires_grad = options.requires_grad;

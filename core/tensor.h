@@ -246,20 +246,46 @@ Tensor tensor(const std::vector<T>& values, TensorOptions options = {.dtype = dt
 // A tensor's values as a host vector of T (converted), in row-major order.
 template <typename T> std::vector<T> to_vector(const Tensor& t);
 
-// ---- memory formats: the dense layouts an op may produce (4-D tensors only for channels_last)
+// ---- memory formats: the layouts an op may produce (4-D tensors only for channels_last, 2-D for aligned_rows)
 enum class MemoryFormat : uint8_t {
   Contiguous,    // NCHW: strides [C*H*W, H*W, W, 1]
   ChannelsLast,  // NHWC: strides [H*W*C, 1, W*C, C]
+  // A matrix [R, C] in the top-left corner of a zero-filled [R_p, C_p] one, strides [C_p, 1], R_p and C_p the
+  // multiples of kAlignedRowBytes / element size at or above R and C. cuBLAS's tensor-core products take such a
+  // matrix as it is where a dense one of odd size runs on a padded copy (ops/matmul.cu): the layout of a language
+  // model's decoder weight (models/language_model.h). Not dense: the padding stays zero because ops write only a
+  // tensor's elements, and the kernels that walk a parameter's whole storage (optimizers, the gradient norm,
+  // unscaling, transfers) pair it with a gradient or state of the same layout, whose padding is zero too.
+  AlignedRows,
 };
 const char* memory_format_name(MemoryFormat format);
+
+// The row alignment of MemoryFormat::AlignedRows: the 16 bytes cuBLAS's tensor-core kernels want of every
+// contiguous extent (ops/matmul.h's kGemmAlignBytes is this).
+constexpr int64_t kAlignedRowBytes = 16;
+// n rounded up to a whole number of kAlignedRowBytes vectors of `dtype`.
+int64_t aligned_row_extent(int64_t n, DType dtype);
+// Whether t is an aligned-rows matrix: made by empty(shape, options, MemoryFormat::AlignedRows), a copy that keeps
+// the format, or as_aligned_rows; 2-D, strides [C_p, 1], at the start of a storage of exactly R_p x C_p elements, and
+// not a view (a view with these strides may sit in a storage whose padding holds other values).
+bool is_aligned_rows(const Tensor& t);
+// The top-left [rows, cols] of `padded` as an aligned-rows tensor on its storage. padded: a dense [R_p, C_p] matrix
+// (not a view) whose padding is zero, handed over: nothing else may write its storage afterwards. For ops that
+// compute a padded result in place (linear_cross_entropy's weight gradient).
+Tensor as_aligned_rows(const Tensor& padded, int64_t rows, int64_t cols);
 
 // Whether t is 4-D and dense in N, H, W, C order (the strides of size-1 dims do not matter, so a tensor
 // with C == 1 or H == W == 1 is both channels_last and contiguous).
 bool is_channels_last(const Tensor& t);
 // The format an op should produce for input t: ChannelsLast when t is channels_last and not also
-// contiguous, else Contiguous (4-D tensors that are dense in neither layout are computed as NCHW).
+// contiguous, else Contiguous (4-D tensors that are dense in neither layout are computed as NCHW; an
+// aligned-rows operand gives a contiguous result).
 MemoryFormat suggest_memory_format(const Tensor& t);
-// An uninitialised 4-D [N, C, H, W] tensor laid out in `format`.
+// The format a copy of t keeps where PyTorch's would keep t's layout (to(device), to(dtype), .grad): AlignedRows
+// for an aligned-rows t that is not also contiguous, else suggest_memory_format(t).
+MemoryFormat kept_memory_format(const Tensor& t);
+// A tensor laid out in `format`: uninitialised, but for the padding of AlignedRows, which is zero. ChannelsLast
+// takes a 4-D [N, C, H, W] shape, AlignedRows a 2-D one.
 Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format);
 
 

@@ -44,4 +44,8 @@ Tensor LanguageModel::loss(const Tensor& features, const Tensor& targets) {
   return linear_cross_entropy(features.reshape({-1, options.hidden_size}), decoder->weight, decoder->bias, targets);
 }
 
+void LanguageModel::align_decoder() {
+  if (decoder->weight.is_cuda() && !options.tie_weights) decoder->to(MemoryFormat::AlignedRows);
+}
+
 }  // namespace halfgrad::models

@@ -50,6 +50,11 @@ class LanguageModel : public nn::Module {
   // as cross_entropy(decoder(features).reshape({-1, vocab}), targets), through linear_cross_entropy: on the CPU
   // the logits are never written (ops/linear_cross_entropy.h).
   Tensor loss(const Tensor& features, const Tensor& targets);
+  // On CUDA, lays the decoder's weight out as MemoryFormat::AlignedRows, which linear_cross_entropy's products take
+  // with no padded copy of the weight in or of its gradient out (ops/linear_cross_entropy.h); nothing elsewhere, or
+  // with tied weights (the encoder reads that matrix by rows). Call it after to(device) and before building the
+  // optimizer, as nn::Module::to(MemoryFormat) (nn/module.h).
+  void align_decoder();
   std::string type_name() const override { return "LanguageModel"; }
 
   const int64_t vocab_size;

@@ -149,6 +149,28 @@ void Module::train(bool on) {
 
 // ---- conversion
 
+namespace {
+// Whether to(format) lays t out again: channels_last applies to 4-D tensors, aligned rows to 2-D ones, contiguous to
+// both.
+bool format_applies(MemoryFormat format, const Tensor& t) {
+  switch (format) {
+    case MemoryFormat::ChannelsLast: return t.dim() == 4;
+    case MemoryFormat::AlignedRows: return t.dim() == 2;
+    case MemoryFormat::Contiguous: return t.dim() == 4 || t.dim() == 2;
+  }
+  return false;
+}
+
+bool in_format(const Tensor& t, MemoryFormat format) {
+  switch (format) {
+    case MemoryFormat::ChannelsLast: return is_channels_last(t);
+    case MemoryFormat::AlignedRows: return is_aligned_rows(t);
+    case MemoryFormat::Contiguous: return t.is_contiguous();
+  }
+  return false;
+}
+}  // namespace
+
 void Module::convert_own(const Conversion& to,
                          std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>>& converted) {
   NoGradGuard no_grad;
@@ -160,13 +182,13 @@ void Module::convert_own(const Conversion& to,
     }
     const DType to_dtype = to.dtype && t.is_floating_point() ? *to.dtype : t.dtype();
     const Device to_device = to.device ? *to.device : t.device();
-    const bool relayout = to.format && t.dim() == 4 && t.is_floating_point() &&
-                          !(*to.format == MemoryFormat::ChannelsLast ? is_channels_last(t) : t.is_contiguous());
+    const bool relayout = to.format && t.is_floating_point() && format_applies(*to.format, t) &&
+                          !in_format(t, *to.format);
     if (to_dtype == t.dtype() && to_device == t.device() && !relayout) return;  // nothing to do: keep the same tensor
-    auto converted_copy = [&](const Tensor& x) {
-      Tensor c = x.detach().to(to_device, to_dtype);
-      return relayout ? contiguous(c, *to.format) : c;
-    };
+    // The layout the copy ends in: the one asked for, else t's own (detach() makes a view, which to() would not
+    // keep aligned).
+    const MemoryFormat layout = relayout ? *to.format : kept_memory_format(t);
+    auto converted_copy = [&](const Tensor& x) { return contiguous(x.detach().to(to_device, to_dtype), layout); };
     Tensor c = converted_copy(t);
     if (t.requires_grad()) c.requires_grad_();
     if (Tensor g = t.grad(); g.defined()) c.set_grad(converted_copy(g));

@@ -122,10 +122,12 @@ class Module {
   // (every descendant is asked separately). Mixed precision O2, "the model in half except BatchNorm":
   //   model.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });
   void to(DType dtype, const std::function<bool(const Module&)>& select);
-  // Lays out every 4-D floating tensor (convolution weights) and its gradient as `format`, as PyTorch's
-  // model.to(memory_format=torch.channels_last) does: a channels_last input then meets weights that need no copy
-  // into its layout, forward or backward, and the optimizer updates them where they are (optim/optimizer.h).
-  // Replaces tensors as to(dtype) does; to(device) and to(dtype) keep the layout.
+  // Lays out every floating tensor the format applies to, and its gradient, as `format`: ChannelsLast, the 4-D ones
+  // (convolution weights), as PyTorch's model.to(memory_format=torch.channels_last) does: a channels_last input then
+  // meets weights that need no copy into its layout, forward or backward; AlignedRows, the 2-D ones (a language
+  // model's decoder weight: its products need no padded copy, ops/linear_cross_entropy.h); Contiguous, both back.
+  // The optimizer updates them where they are (optim/optimizer.h). Replaces tensors as to(dtype) does; to(device)
+  // and to(dtype) keep the layout.
   void to(MemoryFormat format);
 
   // Forgets every parameter's gradient (undefined, like PyTorch's set_to_none=True).

@@ -43,7 +43,12 @@ Tensor contiguous_channels_last(const Tensor& t) {
 }
 
 Tensor contiguous(const Tensor& t, MemoryFormat format) {
-  return format == MemoryFormat::ChannelsLast ? contiguous_channels_last(t) : t.contiguous();
+  switch (format) {
+    case MemoryFormat::ChannelsLast: return contiguous_channels_last(t);
+    case MemoryFormat::AlignedRows: return contiguous_aligned_rows(t);
+    case MemoryFormat::Contiguous: break;
+  }
+  return t.contiguous();
 }
 
 // ---- conv2d

@@ -27,7 +27,8 @@ std::string pair_str(const Pair2d& p);  // "(3, 3)": how error messages and modu
 
 // t laid out as NHWC: itself when already is_channels_last, else a copy (differentiable, like contiguous()).
 Tensor contiguous_channels_last(const Tensor& t);
-// t dense in `format` (itself when already so; differentiable).
+// t laid out in `format` (itself when already so; differentiable): contiguous_channels_last, contiguous_aligned_rows
+// (ops/copy.h) or contiguous().
 Tensor contiguous(const Tensor& t, MemoryFormat format);
 // ---- conv2d
 

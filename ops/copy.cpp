@@ -19,16 +19,17 @@ KernelTable<CopyEachKernel> copy_each_kernel("copy_each_");
 
 Tensor cast_nograd(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
-  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()}, suggest_memory_format(t));
+  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()}, kept_memory_format(t));
   copy_kernel[t.device()](out, t);
   return out;
 }
 
 namespace {
-// A copy of t on `device` (same dtype), contiguous, or channels_last when t is (as PyTorch's to() keeps the layout).
+// A copy of t on `device` (same dtype), contiguous, or channels_last or aligned rows when t is (as PyTorch's to()
+// keeps the layout): the storage moves as it is, padding included.
 Tensor transfer(const Tensor& t, Device device) {
-  const MemoryFormat format = suggest_memory_format(t);
-  const Tensor src = format == MemoryFormat::ChannelsLast ? t : t.contiguous();
+  const MemoryFormat format = kept_memory_format(t);
+  const Tensor src = format == MemoryFormat::Contiguous ? t.contiguous() : t;
   Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = device}, format);
   Device backend = device.is_cpu() ? src.device() : device;  // the non-CPU side performs the copy
   transfer_kernel[backend](flat_storage_view(out), flat_storage_view(src));
@@ -88,6 +89,18 @@ Tensor Tensor::contiguous() const {
   copy_kernel[device()](out, *this);
   if (any_requires_grad({this})) {
     record("ContiguousBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+  }
+  return out;
+}
+
+Tensor contiguous_aligned_rows(const Tensor& t) {
+  HG_CHECK(t.defined() && t.dim() == 2, "contiguous_aligned_rows: expected a 2-D tensor, got {}",
+           t.defined() ? t.meta() : "an undefined tensor");
+  if (is_aligned_rows(t)) return t;
+  Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}, MemoryFormat::AlignedRows);
+  copy_kernel[t.device()](out, t);
+  if (any_requires_grad({&t})) {
+    record("ContiguousBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
   }
   return out;
 }

@@ -12,8 +12,13 @@ extern KernelTable<CopyKernel> copy_kernel;
 // dst and src have the same dtype and shape and are contiguous.
 extern KernelTable<CopyKernel> transfer_kernel;
 
-// Casts without recording autograd: for ops that convert their inputs internally.
+// Casts without recording autograd: for ops that convert their inputs internally. The result keeps t's layout
+// (kept_memory_format).
 Tensor cast_nograd(const Tensor& t, DType dtype);
+
+// A 2-D t as an aligned-rows matrix (MemoryFormat::AlignedRows): itself when it is one, else a copy
+// (differentiable, like contiguous()).
+Tensor contiguous_aligned_rows(const Tensor& t);
 
 // dst[i].copy_(src[i]) for every i, without autograd (torch._foreach_copy_): every pair the same shape and device,
 // any dtypes. The pairs of one dtype that are both contiguous go to copy_each_kernel, which on CUDA copies a batch of

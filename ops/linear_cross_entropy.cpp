@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "ops/loss.h"
 #include "ops/matmul.h"
+#include "ops/shape.h"
 
 namespace halfgrad {
 
@@ -167,23 +168,34 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
              need_b = grad && has_bias && bias.requires_grad();
   const bool any_grad = need_x || need_w || need_b;
+  // An aligned-rows weight of the products' dtype whose padding has room for the bias column is w_p itself: its
+  // padding is zero, so the bias joins the logits in the row pass instead, and where its gradient has the
+  // accumulation's dtype that gradient is made in place as an aligned-rows tensor. No copy in, none out.
+  const bool weight_aligned = is_aligned_rows(weight);
+  const bool weight_in_place = weight_aligned && weight.dtype() == dtype && weight.stride(0) == in_p;
   Tensor x_p, w_p, logits, counted, loss;
   {
     NoGradGuard no_grad;
     auto dense_rows = [](const Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); };
     // x_p = [x, 1, 0...], w_p = [W, b, 0...]: the bias as one more column of the products' k.
     x_p = empty({n, in_p}, {.dtype = dtype, .device = device});
-    w_p = empty({classes_p, in_p}, {.dtype = dtype, .device = device});
     padded_copy_kernel[device](x_p, dense_rows(input.detach()), has_bias ? in : -1, Tensor());
-    padded_copy_kernel[device](w_p, dense_rows(weight.detach()), has_bias ? in : -1,
-                               has_bias ? bias.detach().to(weight.dtype()).contiguous() : Tensor());
+    Tensor row_bias;  // the bias the row pass adds, where w_p does not hold it
+    if (weight_in_place) {
+      w_p = make_view(weight.detach(), {classes_p, in_p}, {in_p, 1}, 0);
+      if (has_bias) row_bias = bias.detach().to(dtype).contiguous();
+    } else {
+      w_p = empty({classes_p, in_p}, {.dtype = dtype, .device = device});
+      padded_copy_kernel[device](w_p, dense_rows(weight.detach()), has_bias ? in : -1,
+                                 has_bias ? bias.detach().to(weight.dtype()).contiguous() : Tensor());
+    }
     logits = empty({n, classes_p}, {.dtype = dtype, .device = device});
     gemm_dense(device, dtype, dtype, n, classes_p, in_p, x_p.data_ptr(), Trans::No, w_p.data_ptr(), Trans::Yes,
                logits.data_ptr());
     const Tensor row_loss = empty({n}, {.dtype = acc, .device = device});
     const Tensor row_count = empty({n}, {.dtype = acc, .device = device});
-    lce_rows_kernel[device](logits, classes, target.to(kInt64).contiguous(), ignore_index, row_loss, row_count,
-                            any_grad ? kGradFactor : 0.0);
+    lce_rows_kernel[device](logits, classes, row_bias, target.to(kInt64).contiguous(), ignore_index, row_loss,
+                            row_count, any_grad ? kGradFactor : 0.0);
     counted = row_count.sum();
     loss = row_loss.sum().div(counted).to(loss_dtype);  // 0 / 0: NaN when every target is ignored
   }
@@ -210,14 +222,23 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
              const Tensor dw_p = empty({classes_p, in_p}, {.dtype = acc, .device = device});
              gemm_dense(device, dtype, acc, classes_p, in_p, n, logits.data_ptr(), Trans::Yes, x_p.data_ptr(),
                         Trans::No, dw_p.data_ptr(), 0, nullptr, scalars.data_ptr());
-             if (need_w) {
-               dw = empty({classes, in}, {.dtype = w_dtype, .device = device});
-               padded_copy_kernel[device](dw, dw_p, -1, Tensor());
-             }
              if (need_b) {
                db = empty({classes, 1}, {.dtype = b_dtype, .device = device});
                padded_copy_kernel[device](db, dw_p.narrow(1, in, 1), -1, Tensor());
                db = db.view({classes});
+             }
+             if (need_w && weight_in_place && acc == w_dtype) {
+               // dw_p is zero beyond column `in` (x_p is) and below row `classes` (the logits' gradient is): with
+               // the bias column cleared it is the aligned-rows gradient, W's own layout.
+               if (has_bias) dw_p.narrow(1, in, 1).zero_();
+               dw = as_aligned_rows(dw_p, classes, in);
+             } else if (need_w) {  // copied out in W's layout: an aligned-rows W's padding written as zeros
+               const Shape shape = weight_aligned ? Shape{aligned_row_extent(classes, w_dtype),
+                                                          aligned_row_extent(in, w_dtype)}
+                                                  : Shape{classes, in};
+               const Tensor out = empty(shape, {.dtype = w_dtype, .device = device});
+               padded_copy_kernel[device](out, dw_p.narrow(0, 0, classes).narrow(1, 0, in), -1, Tensor());
+               dw = weight_aligned ? as_aligned_rows(out, classes, in) : out;
              }
            }
            return {dx, dw, db};

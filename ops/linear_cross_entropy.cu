@@ -53,8 +53,9 @@ constexpr int kRowThreads = 512;
 // One block per row of the padded logits x [ld] (16-byte aligned, ld a whole number of vectors).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    lce_rows_cuda_kernel(T* logits, int64_t ld, int64_t classes, const int64_t* target, int64_t ignore_index,
-                         opmath_t<T>* row_loss, opmath_t<T>* row_count, opmath_t<T> grad_factor) {
+    lce_rows_cuda_kernel(T* logits, int64_t ld, int64_t classes, const T* bias, const int64_t* target,
+                         int64_t ignore_index, opmath_t<T>* row_loss, opmath_t<T>* row_count,
+                         opmath_t<T> grad_factor) {
   using A = opmath_t<T>;
   using namespace log_sum_exp;
   constexpr int V = Vec16<T>::kSize;
@@ -66,14 +67,17 @@ __global__ void __launch_bounds__(kRowThreads)
            (long long)row, (long long)classes);
     __assert_fail("target in [0, classes) or ignore_index", __FILE__, __LINE__, __func__);
   }
+  // Logit j with the bias (j < classes).
+  auto logit = [&](const Vec16<T>& in, int k, int64_t j) { return bias ? A(in.v[k]) + A(bias[j]) : A(in.v[k]); };
   // Read before row_reduce's barrier: past it the row is overwritten by the gradient.
-  const A picked = threadIdx.x == 0 && !ignored ? A(logits[row * ld + c]) : A(0);
+  const A picked =
+      threadIdx.x == 0 && !ignored ? A(logits[row * ld + c]) + (bias ? A(bias[c]) : A(0)) : A(0);
   MaxSum<A> st{-INFINITY, A(0)};
   for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
     const Vec16<T> in = x[v];
 #pragma unroll
     for (int k = 0; k < V; ++k)
-      if (v * V + k < classes) st = add_element(st, A(in.v[k]));
+      if (v * V + k < classes) st = add_element(st, logit(in, k, v * V + k));
   }
   st = row_reduce<kRowThreads>(st, MergeOp{});
   const A lse = st.m + device_log(st.s);
@@ -88,27 +92,30 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int64_t j = v * V + k;
-      const A g = ignored || j >= classes ? A(0) : device_exp(A(in.v[k]) - lse) - (j == c ? A(1) : A(0));
+      const A g = ignored || j >= classes ? A(0) : device_exp(logit(in, k, j) - lse) - (j == c ? A(1) : A(0));
       out.v[k] = T(grad_factor * g);
     }
     x[v] = out;
   }
 }
 
-void lce_rows_cuda(const Tensor& logits, int64_t classes, const Tensor& target, int64_t ignore_index,
-                   const Tensor& row_loss, const Tensor& row_count, double grad_factor) {
+void lce_rows_cuda(const Tensor& logits, int64_t classes, const Tensor& bias, const Tensor& target,
+                   int64_t ignore_index, const Tensor& row_loss, const Tensor& row_count, double grad_factor) {
   const int64_t rows = logits.size(0), ld = logits.size(1);
   HG_CHECK(logits.is_contiguous() && ld * int64_t(element_size(logits.dtype())) % 16 == 0 &&
                reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 && classes <= ld &&
-               target.dtype() == kInt64 && target.is_contiguous() && target.numel() == rows,
-           "linear_cross_entropy: padded logits {} with {} classes and target {}", logits.meta(), classes,
-           target.meta());
+               target.dtype() == kInt64 && target.is_contiguous() && target.numel() == rows &&
+               (!bias.defined() || (bias.dtype() == logits.dtype() && bias.is_contiguous() &&
+                                    bias.numel() == classes && bias.device() == logits.device())),
+           "linear_cross_entropy: padded logits {} with {} classes, bias {} and target {}", logits.meta(), classes,
+           bias.defined() ? bias.meta() : "none", target.meta());
   if (rows == 0) return;
   cuda::DeviceGuard guard(logits.device());
   cudaStream_t stream = cuda::current_stream(logits.device());
   dispatch_floating(logits.dtype(), "linear_cross_entropy", [&]<typename T>() {
     using A = opmath_t<T>;
     lce_rows_cuda_kernel<T><<<unsigned(rows), kRowThreads, 0, stream>>>(logits.data<T>(), ld, classes,
+                                                                         bias.defined() ? bias.data<T>() : nullptr,
                                                                          target.data<int64_t>(), ignore_index,
                                                                          row_loss.data<A>(), row_count.data<A>(),
                                                                          A(grad_factor));

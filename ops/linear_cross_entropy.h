@@ -23,8 +23,12 @@
 //     column `in` is the bias gradient), accumulated in float32 (float64 for float64), scaled by the upstream
 //     gradient / (targets counted * kGradFactor) as the products' alpha (read on the device: a scale loaded per
 //     element made the weight gradient's copy out 96 µs a step where the copy in takes 46), and copied out in the
-//     dtypes of x, W and b. Nothing is synchronised with the host (a CUDA graph can capture it); a bad target stops
-//     the kernel as cross_entropy's does.
+//     dtypes of x, W and b. A weight laid out as MemoryFormat::AlignedRows (core/tensor.h) in the products' dtype,
+//     with a spare column, is w_p as it is (its padding is zero): the bias is then added in the row pass instead,
+//     and the weight gradient, where it has the accumulation's dtype, is G^T x_p itself with its bias column
+//     cleared, an aligned-rows tensor like W. That saves the copies of W in and of its gradient out: the language
+//     model's decoder lays its weight out so (models/language_model.h). Nothing is synchronised with the host (a
+//     CUDA graph can capture it); a bad target stops the kernel as cross_entropy's does.
 //   Elsewhere (the CPU under autocast or for float16/bfloat16) it is that composition, with the same values.
 // Precision on CUDA under autocast (apex O1): the products in the autocast dtype (linear's "lower precision", the
 // casts of x, W and b done by the padding copies), the softmax and the loss in float32 (cross_entropy's "float32
@@ -55,12 +59,14 @@ constexpr double kGradFactor = 1024;
 // zeros elsewhere; cast to dst's dtype.
 using PaddedCopyKernel = void (*)(const Tensor& dst, const Tensor& src, int64_t extra_index,
                                   const Tensor& extra_column);
-// logits [N, C_p] (dense, C_p * element size a multiple of 16), in place: row_loss[n] = the log-sum-exp of its first
-// `classes` columns less the target's logit and row_count[n] = 1, or both 0 where target[n] is ignore_index; with
-// grad_factor != 0 the row becomes grad_factor * (softmax - one-hot) over those columns, zeros beyond (zeros
-// throughout for an ignored row). row_loss and row_count: [N] in the logits' compute dtype (float32 for 16-bit).
-using LceRowsKernel = void (*)(const Tensor& logits, int64_t classes, const Tensor& target, int64_t ignore_index,
-                               const Tensor& row_loss, const Tensor& row_count, double grad_factor);
+// logits [N, C_p] (dense, C_p * element size a multiple of 16), in place, each row's first `classes` logits taken
+// plus bias (dense [classes] of the logits' dtype; undefined: none): row_loss[n] = their log-sum-exp less the
+// target's and row_count[n] = 1, or both 0 where target[n] is ignore_index; with grad_factor != 0 the row becomes
+// grad_factor * (softmax - one-hot) over those columns, zeros beyond (zeros throughout for an ignored row). row_loss
+// and row_count: [N] in the logits' compute dtype (float32 for 16-bit).
+using LceRowsKernel = void (*)(const Tensor& logits, int64_t classes, const Tensor& bias, const Tensor& target,
+                               int64_t ignore_index, const Tensor& row_loss, const Tensor& row_count,
+                               double grad_factor);
 extern KernelTable<PaddedCopyKernel> padded_copy_kernel;
 extern KernelTable<LceRowsKernel> lce_rows_kernel;
 

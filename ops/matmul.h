@@ -65,7 +65,7 @@ GemmArgs start_from_bias(const GemmArgs& g);
 
 // The row alignment cuBLAS's tensor-core products want: a row-major matrix whose rows (or leading dimension) are not
 // a multiple of it runs on zero-padded copies (ops/matmul.cu); a caller that can shape its operands may avoid them.
-constexpr int64_t kGemmAlignBytes = 16;
+constexpr int64_t kGemmAlignBytes = kAlignedRowBytes;  // MemoryFormat::AlignedRows's (core/tensor.h)
 
 using GemmKernel = void (*)(const GemmArgs&);
 extern KernelTable<GemmKernel> gemm_kernel;  // CPU: ops/matmul.cpp; CUDA: ops/matmul.cu (cuBLAS)

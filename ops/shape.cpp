@@ -35,15 +35,20 @@ Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
   return make_view(t, shape, strides, t.offset());
 }
 
-std::optional<MemoryFormat> dense_format(const Tensor& t) {
+std::optional<MemoryFormat> storage_format(const Tensor& t) {
   if (t.is_contiguous()) return MemoryFormat::Contiguous;
   if (is_channels_last(t)) return MemoryFormat::ChannelsLast;
+  if (is_aligned_rows(t)) return MemoryFormat::AlignedRows;
   return std::nullopt;
 }
 
 Tensor flat_storage_view(const Tensor& t) {
-  HG_CHECK(dense_format(t).has_value(), "flat_storage_view: {} is dense in no memory format", t.meta());
-  return make_view(t, {t.numel()}, {1}, t.offset());
+  const std::optional<MemoryFormat> format = storage_format(t);
+  HG_CHECK(format.has_value(), "flat_storage_view: {} is laid out in no memory format", t.meta());
+  const int64_t n = *format == MemoryFormat::AlignedRows
+                        ? aligned_row_extent(t.size(0), t.dtype()) * aligned_row_extent(t.size(1), t.dtype())
+                        : t.numel();
+  return make_view(t, {n}, {1}, t.offset());
 }
 
 namespace {

@@ -48,7 +48,7 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
   Tensor reduced;
   for (const TensorList& b : buckets) {
     TensorList flat;  // the norm does not depend on the order of the elements: any dense layout is read in place
-    for (const Tensor& g : b) flat.push_back(flat_storage_view(dense_format(g) ? g : g.contiguous()));
+    for (const Tensor& g : b) flat.push_back(flat_storage_view(storage_format(g) ? g : g.contiguous()));
     Tensor part = empty({}, {.dtype = accumulate_dtype(b[0].dtype()), .device = b[0].device()});
     norm_kernel[part.device()](flat, norm_type, part);
     part = part.to(device, dtype);
@@ -65,7 +65,7 @@ void scale_buckets(const std::vector<TensorList>& buckets, const Tensor& coeffic
     Tensor c = coefficient.to(b[0].device(), accumulate_dtype(b[0].dtype()));
     TensorList flat;
     for (const Tensor& g : b) {
-      if (dense_format(g)) {
+      if (storage_format(g)) {
         flat.push_back(flat_storage_view(g));
       } else {
         Tensor strided = g;  // rare (a gradient some backward left strided): an ordinary in-place op

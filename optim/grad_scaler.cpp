@@ -80,7 +80,7 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   for (const Tensor& param : last_parameters_) {
     Tensor g = param.grad();
     // A gradient dense in any layout (channels_last) is unscaled in place, as the 1-D view of its storage.
-    if (g.defined()) groups[{g.device(), g.dtype()}].push_back(dense_format(g) ? flat_storage_view(g) : g);
+    if (g.defined()) groups[{g.device(), g.dtype()}].push_back(storage_format(g) ? flat_storage_view(g) : g);
   }
   std::map<Device, Tensor> flags;
   for (auto& [key, grads] : groups) {

@@ -96,14 +96,14 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
     HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
              name_, p, g, param.meta());
     check_inplace(param, name_);
-    const std::optional<MemoryFormat> dense = dense_format(param);
-    const MemoryFormat format = dense.value_or(MemoryFormat::Contiguous);
+    const std::optional<MemoryFormat> laid_out = storage_format(param);
+    const MemoryFormat format = laid_out.value_or(MemoryFormat::Contiguous);
     StepItem item{.index = p,
-                  .param = flat_storage_view(dense ? param : param.contiguous()),
+                  .param = flat_storage_view(laid_out ? param : param.contiguous()),
                   .grad = flat_storage_view(contiguous(grad, format)),
                   .parameter = param,
                   .format = format,
-                  .copied = !dense};
+                  .copied = !laid_out};
     auto same_kind = [&](const std::vector<StepItem>& b) {
       return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
     };
@@ -131,7 +131,7 @@ Tensor Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* c
   Tensor& buf = s.buffers[k];
   const Tensor& p = item.parameter;
   if (created) *created = !buf.defined();
-  const bool in_layout = buf.defined() && dense_format(buf) == item.format;
+  const bool in_layout = buf.defined() && storage_format(buf) == item.format;
   if (!in_layout) {
     // Made in a capture, the zeros (or the buffer laid out again) would be made again by every replay.
     HG_CHECK(!cuda::is_capturing(p.device()),

@@ -109,11 +109,12 @@ class Optimizer {
   // Checks that every parameter is a floating leaf that requires grad and appears in one group only.
   void check_parameters() const;
 
-  // One parameter of a step, as a fused kernel takes it: 1-D views of its elements in memory order, so that a
-  // parameter dense in any format (a channels_last convolution weight) is updated where it is.
+  // One parameter of a step, as a fused kernel takes it: 1-D views of its storage in memory order, so that a
+  // parameter laid out in any format (a channels_last convolution weight, an aligned-rows decoder weight, whose zero
+  // padding its gradient and state share and keep at zero) is updated where it is.
   struct StepItem {
     size_t index;         // the parameter's index in its group
-    Tensor param;         // the parameter's storage (flat_storage_view), or that of a copy when it is dense in no format
+    Tensor param;         // the parameter's storage (flat_storage_view), or that of a copy when it is in no format
     Tensor grad;          // the gradient, laid out as `param`, element for element
     Tensor parameter;     // the parameter as the model holds it
     MemoryFormat format;  // the layout of `param`: the parameter's, or Contiguous for a copy

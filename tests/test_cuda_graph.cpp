@@ -27,23 +27,38 @@ struct LmRun {
 // How the step clips: PyTorch's way (unscale_, then clip_grad_norm_), or amp.clip_grad_norm_ (unscaled and clipped
 // as SGD's kernel reads the gradients), as train-lm does.
 enum class Clipping { UnscaleThenClip, Fused };
+// How the loss is made: cross_entropy of forward's logits, or model.loss (linear_cross_entropy) as train-lm does, with
+// the decoder weight as the model makes it or laid out by align_decoder (13 units leave the bias a spare column).
+enum class Decoder { Logits, Fused, FusedAligned };
 
 LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOptions scaler = {},
-               Clipping clipping = Clipping::UnscaleThenClip) {
+               Clipping clipping = Clipping::UnscaleThenClip, Decoder decoder = Decoder::Logits) {
   const Device cuda = Device::cuda();
   manual_seed(11);
-  models::LanguageModel model(50, {.kind = nn::RecurrentKind::LSTM, .embedding_size = 16, .hidden_size = 16,
+  models::LanguageModel model(50, {.kind = nn::RecurrentKind::LSTM, .embedding_size = 13, .hidden_size = 13,
                                    .num_layers = 2, .dropout = 0.3});
   model.to(cuda);
+  if (decoder == Decoder::FusedAligned) {
+    model.align_decoder();
+    REQUIRE(is_aligned_rows(model.decoder->weight));
+  }
   model.train();
   optim::SGD sgd(model.parameters(), {.lr = 0.5, .momentum = 0.9});
   amp::Amp amp = amp::initialize(model, sgd, level, {.scaler = scaler});
   const Tensor input = randint(0, 50, {7, 4}, {.dtype = kInt64, .device = cuda});
   const Tensor target = randint(0, 50, {7 * 4}, {.dtype = kInt64, .device = cuda});
-  Tensor h = zeros({2, 4, 16}, {.device = cuda}), c = zeros({2, 4, 16}, {.device = cuda});
+  Tensor h = zeros({2, 4, 13}, {.device = cuda}), c = zeros({2, 4, 13}, {.device = cuda});
   auto step = [&] {
-    auto out = amp.run([&] { return model.forward(input, h, c); });
-    Tensor loss = cross_entropy(out.logits.reshape({-1, 50}).to(kFloat32), target);
+    Tensor loss, next_h, next_c;
+    if (decoder == Decoder::Logits) {
+      auto out = amp.run([&] { return model.forward(input, h, c); });
+      loss = cross_entropy(out.logits.reshape({-1, 50}).to(kFloat32), target);
+      next_h = out.h, next_c = out.c;
+    } else {
+      auto out = amp.run([&] { return model.features(input, h, c); });
+      loss = amp.loss([&] { return model.loss(out.features, target); });
+      next_h = out.h, next_c = out.c;
+    }
     amp.backward(loss);
     if (clipping == Clipping::Fused)
       amp.clip_grad_norm_(0.5);
@@ -52,8 +67,8 @@ LmRun train_lm(bool graph, amp::OptLevel level, int steps, amp::GradScalerOption
     amp.step();
     amp.zero_grad();
     NoGradGuard no_grad;
-    h.copy_(out.h);
-    c.copy_(out.c);
+    h.copy_(next_h);
+    c.copy_(next_c);
   };
   if (graph) {
     cuda::CapturedStep captured(cuda, step, 2);
@@ -91,6 +106,16 @@ TEST_CASE("cuda graph: a replayed language-model step equals the eager step over
       CHECK(max_relative_difference(replayed.params, eager.params) < 1e-4);
       CHECK(replayed.skipped == eager.skipped);
     }
+  }
+  // The decoder weight laid out as aligned rows: the fused loss's products take it in place and its gradient comes
+  // back in its layout; the step is the dense weight's up to rounding, eager and replayed.
+  for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
+    CAPTURE(amp::opt_level_name(level));
+    const LmRun dense = train_lm(false, level, 12, {}, Clipping::Fused, Decoder::Fused),
+                aligned = train_lm(false, level, 12, {}, Clipping::Fused, Decoder::FusedAligned),
+                replayed = train_lm(true, level, 12, {}, Clipping::Fused, Decoder::FusedAligned);
+    CHECK(max_relative_difference(aligned.params, dense.params) < 1e-4);
+    CHECK(max_relative_difference(replayed.params, aligned.params) < 1e-4);
   }
   // The two ways of clipping are the same step up to rounding.
   const LmRun unfused = train_lm(false, amp::OptLevel::O1, 25), fused = train_lm(true, amp::OptLevel::O1, 25, {},

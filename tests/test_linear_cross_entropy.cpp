@@ -10,6 +10,7 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::aligned_padding;
 using halfgrad::testing::check_close;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
@@ -230,5 +231,42 @@ TEST_CASE("cuda: linear_cross_entropy under autocast, and on half inputs, within
     const Result pure = run(h, true);
     CHECK(h.w.grad().dtype() == half);
     check_same(pure, exact, half == kFloat16 ? 1e-2 : 5e-2);
+  }
+}
+
+// A weight laid out as aligned rows (models/language_model.h's decoder) is the op's padded operand as it is: the
+// results of the dense weight, the gradient in the weight's layout with its padding zero. 13 and 650 columns leave a
+// spare column for the bias; 16 does not (a float32 or float64 weight then takes the padded copy).
+TEST_CASE("cuda: linear_cross_entropy on an aligned-rows weight equals the dense one, its gradient aligned") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(9);
+  for (auto [n, in, classes] : {std::tuple{40, 13, 901}, {37, 16, 900}, {70, 650, 3327}}) {
+    CAPTURE(n);
+    CAPTURE(in);
+    CAPTURE(classes);
+    Problem p = problem(n, in, classes, kFloat64);
+    for (DType dtype : {kFloat64, kFloat32, kFloat16}) {
+      CAPTURE(dtype_name(dtype));
+      for (bool with_bias : {true, false}) {
+        CAPTURE(with_bias);
+        const Result cpu = run(p, true, -100, with_bias);
+        Problem g = to_cuda(p, dtype);
+        g.w = contiguous_aligned_rows(g.w.detach()).requires_grad_(true);
+        REQUIRE(is_aligned_rows(g.w));
+        const Result got = run(g, true, -100, with_bias);
+        check_same(got, cpu, dtype == kFloat64 ? 1e-10 : dtype == kFloat32 ? 2e-5 : 1e-2);
+        REQUIRE(is_aligned_rows(g.w.grad()));
+        const std::vector<double> padding = aligned_padding(g.w.grad());
+        CHECK(padding == std::vector<double>(padding.size(), 0.0));
+      }
+    }
+  }
+  SUBCASE("under autocast: a float32 weight is cast into the padded copy, as a dense one is") {
+    Problem p = problem(30, 13, 501, kFloat64);
+    Problem dense = to_cuda(p, kFloat32), aligned = to_cuda(p, kFloat32);
+    aligned.w = contiguous_aligned_rows(aligned.w.detach()).requires_grad_(true);
+    amp::AutocastGuard autocast(kFloat16);
+    const Result a = run(aligned, true), d = run(dense, true);
+    check_same(a, d, 0);
   }
 }

@@ -233,6 +233,66 @@ TEST_CASE("to(MemoryFormat::ChannelsLast) lays out the 4-D floating tensors NHWC
   CHECK(values(net.conv1->weight) == conv_values);
 }
 
+TEST_CASE("to(MemoryFormat::AlignedRows) lays out the 2-D floating tensors with their gradients; saved as values") {
+  manual_seed(16);
+  nn::Linear fc(7, 5);
+  const Tensor x = randn({3, 7});
+  fc.forward(x).sum().backward();
+  const std::vector<double> weight = values(fc.weight), weight_grad = values(fc.weight.grad());
+  const Tensor old_bias = fc.bias;
+
+  fc.to(MemoryFormat::AlignedRows);
+  CHECK(is_aligned_rows(fc.weight));
+  CHECK((fc.weight.is_leaf() && fc.weight.requires_grad()));
+  CHECK(is_aligned_rows(fc.weight.grad()));
+  CHECK(values(fc.weight) == weight);
+  CHECK(values(fc.weight.grad()) == weight_grad);
+  CHECK(fc.bias.same(old_bias));  // 1-D: left alone
+  const Tensor same = fc.weight;
+  fc.to(MemoryFormat::AlignedRows);
+  CHECK(fc.weight.same(same));  // already laid out: nothing replaced
+
+  // to(dtype) keeps the layout, at float64's extents; the layer computes what it computed.
+  fc.to(kFloat64);
+  CHECK(is_aligned_rows(fc.weight));
+  CHECK(fc.weight.stride(0) == 8);
+  nn::Linear reference(7, 5);
+  reference.to(kFloat64);
+  reference.load_state_dict(fc.state_dict());
+  CHECK(reference.weight.is_contiguous());
+  CHECK(values(fc.forward(x.to(kFloat64))) == values(reference.forward(x.to(kFloat64))));
+
+  // A checkpoint holds the values; loading copies them into an aligned weight, which stays aligned.
+  testing::TempDir dir;
+  const std::string path = (dir.path / "fc.safetensors").string();
+  nn::save(fc, path);
+  nn::Linear loaded(7, 5);
+  loaded.to(kFloat64);
+  loaded.to(MemoryFormat::AlignedRows);
+  nn::load(loaded, path);
+  CHECK(is_aligned_rows(loaded.weight));
+  CHECK(values(loaded.weight) == values(fc.weight));
+
+  fc.to(MemoryFormat::Contiguous);
+  CHECK(fc.weight.is_contiguous());
+  CHECK(values(fc.weight) == values(reference.weight));
+}
+
+TEST_CASE("LanguageModel::align_decoder lays out the decoder weight on CUDA only, and not when it is tied") {
+  models::LanguageModel lm(30, {.embedding_size = 6, .hidden_size = 6, .num_layers = 1});
+  lm.align_decoder();
+  CHECK(lm.decoder->weight.is_contiguous());  // the CPU's fused op reads it densely
+  if (!cuda::is_available()) return;
+  lm.to(Device::cuda());
+  lm.align_decoder();
+  CHECK(is_aligned_rows(lm.decoder->weight));
+  models::LanguageModel tied(30, {.embedding_size = 6, .hidden_size = 6, .num_layers = 1, .tie_weights = true});
+  tied.to(Device::cuda());
+  tied.align_decoder();
+  CHECK(tied.decoder->weight.same(tied.encoder->weight));
+  CHECK(tied.decoder->weight.is_contiguous());
+}
+
 TEST_CASE("to(dtype, select) converts only the modules chosen: the model in half except BatchNorm") {
   TinyResNet net;
   net.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });

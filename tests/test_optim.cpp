@@ -22,6 +22,7 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::aligned_padding;
 using halfgrad::testing::values;
 using halfgrad::testing::bit_equal;
 using halfgrad::testing::TempDir;
@@ -336,6 +337,74 @@ TEST_CASE("a channels_last parameter is updated where it is, element for element
     });
   }
   SUBCASE("Adam with amsgrad") { check([](Tensor& p) { return optim::Adam({p}, {.lr = 0.01, .amsgrad = true}); }); }
+}
+
+TEST_CASE("an aligned-rows parameter is updated where it is, as the contiguous one, its state aligned, padding zero") {
+  auto check = [](auto make_optimizer) {
+    manual_seed(14);
+    const Tensor start = randn({5, 7}, {.dtype = kFloat64});
+    Tensor dense = start.clone().requires_grad_();
+    Tensor aligned = contiguous_aligned_rows(start).requires_grad_();
+    REQUIRE(is_aligned_rows(aligned));
+    const std::shared_ptr<Storage> storage = aligned.storage();
+    auto opt_dense = make_optimizer(dense), opt_aligned = make_optimizer(aligned);
+    for (int s = 0; s < 4; ++s) {
+      const Tensor g = randn({5, 7}, {.dtype = kFloat64});
+      dense.set_grad(g);
+      aligned.set_grad(s % 2 == 0 ? contiguous_aligned_rows(g) : g);  // a gradient in either layout
+      opt_dense.step();
+      opt_aligned.step();
+      CHECK(bit_equal(aligned, dense));
+    }
+    CHECK(is_aligned_rows(aligned));
+    CHECK(aligned.storage() == storage);  // updated in place
+    CHECK(aligned_padding(aligned) == std::vector<double>(6 * 8 - 35, 0.0));
+    const NamedTensors a = opt_dense.state_tensors(), b = opt_aligned.state_tensors();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(b[i].first);
+      CHECK(bit_equal(b[i].second, a[i].second));
+      if (b[i].second.dim() == 2) {
+        CHECK(is_aligned_rows(b[i].second));
+        CHECK(aligned_padding(b[i].second) == std::vector<double>(6 * 8 - 35, 0.0));
+      }
+    }
+  };
+  SUBCASE("SGD with momentum, weight decay and nesterov") {
+    check([](Tensor& p) {
+      return optim::SGD({p}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true});
+    });
+  }
+  SUBCASE("Adam with amsgrad and weight decay") {
+    check([](Tensor& p) { return optim::Adam({p}, {.lr = 0.01, .weight_decay = 1e-2, .amsgrad = true}); });
+  }
+}
+
+TEST_CASE("clip_grad_norm_ and unscale_ read and scale aligned-rows gradients in place, the padding left at zero") {
+  manual_seed(15);
+  const Tensor g = randn({9, 3}, {.dtype = kFloat64});
+  Tensor dense = zeros({9, 3}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor aligned = contiguous_aligned_rows(zeros({9, 3}, {.dtype = kFloat64})).requires_grad_();
+  dense.set_grad(g.clone());
+  aligned.set_grad(contiguous_aligned_rows(g));
+  const Tensor aligned_grad = aligned.grad();
+  CHECK(optim::clip_grad_norm_({aligned}, 1.0).item<double>() == optim::clip_grad_norm_({dense}, 1.0).item<double>());
+  CHECK(aligned.grad().same(aligned_grad));
+  CHECK(bit_equal(aligned.grad(), dense.grad()));
+  CHECK(aligned_padding(aligned.grad()) == std::vector<double>(10 * 4 - 27, 0.0));
+
+  Tensor w = contiguous_aligned_rows(ones({3, 5})).requires_grad_();
+  optim::SGD opt({w}, {.lr = 0.5});
+  amp::GradScaler scaler({.init_scale = 8});
+  scaler.scale((w * w).sum()).backward();
+  REQUIRE(is_aligned_rows(w.grad()));
+  scaler.unscale_(opt);
+  CHECK(values(w.grad()) == std::vector<double>(15, 2.0));
+  scaler.step(opt);
+  scaler.update();
+  CHECK(values(w) == std::vector<double>(15, 0.0));
+  CHECK(is_aligned_rows(w));
+  CHECK(aligned_padding(w) == std::vector<double>(4 * 8 - 15, 0.0));
 }
 
 TEST_CASE("optimizer state saved from an NCHW parameter goes on, laid out again, on a channels_last one") {

@@ -3,12 +3,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "halfgrad.h"
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::aligned_padding;
 using halfgrad::testing::values;
 
 TEST_CASE("a tensor is storage seen through shape, strides and offset") {
@@ -209,6 +211,78 @@ TEST_CASE("elementwise ops, casts and clone keep a channels_last layout; contigu
   (leaf * 3).sum().backward();
   CHECK(is_channels_last(leaf.grad()));
   CHECK(to_vector<float>(leaf.grad()) == std::vector<float>(120, 3.0f));
+}
+
+TEST_CASE("an aligned-rows matrix: rows and columns padded to 16 bytes with zeros; to(), casts and .grad keep it") {
+  // Extents per dtype: float64 pads to 2, float32 to 4, 16-bit to 8 elements.
+  for (auto [dtype, rows, cols] : {std::tuple{kFloat64, 6, 8}, {kFloat32, 8, 8}, {kFloat16, 8, 8}}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = empty({5, 7}, {.dtype = dtype}, MemoryFormat::AlignedRows);
+    CHECK(x.strides() == Shape{cols, 1});
+    CHECK(x.storage()->nbytes() == size_t(rows * cols) * element_size(dtype));
+    CHECK(is_aligned_rows(x));
+    CHECK_FALSE(x.is_contiguous());
+    CHECK(storage_format(x) == MemoryFormat::AlignedRows);
+    CHECK(flat_storage_view(x).numel() == rows * cols);
+    CHECK(aligned_padding(x) == std::vector<double>(size_t(rows * cols - 35), 0.0));
+  }
+  manual_seed(3);
+  const Tensor dense = randn({5, 7}, {.dtype = kFloat64});
+  const Tensor x = contiguous_aligned_rows(dense);
+  REQUIRE(is_aligned_rows(x));
+  CHECK(values(x) == values(dense));
+  CHECK(contiguous_aligned_rows(x).same(x));
+  CHECK(aligned_padding(x) == std::vector<double>(48 - 35, 0.0));
+  // Casts keep the format at the new dtype's extents; elementwise results are contiguous.
+  const Tensor half = x.to(kFloat16);
+  CHECK(is_aligned_rows(half));
+  CHECK(half.stride(0) == 8);
+  CHECK(values(half) == values(dense.to(kFloat16)));
+  CHECK(aligned_padding(half) == std::vector<double>(64 - 35, 0.0));
+  CHECK((x * 2).is_contiguous());
+  CHECK(x.contiguous().is_contiguous());
+  // A leaf's gradient comes back in its layout.
+  Tensor leaf = contiguous_aligned_rows(dense).requires_grad_();
+  (leaf * 3).sum().backward();
+  CHECK(is_aligned_rows(leaf.grad()));
+  CHECK(values(leaf.grad()) == std::vector<double>(35, 3.0));
+  CHECK(aligned_padding(leaf.grad()) == std::vector<double>(48 - 35, 0.0));
+  // Aligned already: the format is contiguous, with the rows padded in storage only.
+  const Tensor wide = empty({3, 8}, {.dtype = kFloat32}, MemoryFormat::AlignedRows);
+  CHECK(wide.is_contiguous());
+  CHECK(storage_format(wide) == MemoryFormat::Contiguous);
+  // A bug fixed: a contiguous float64 [700, 650] is aligned rows as well (650 is a whole number of float64 pairs),
+  // and its cast to float32 came out padded to 652 columns, which kernels reading raw rows of 650 misread.
+  const Tensor plain = randn({700, 650}, {.dtype = kFloat64});
+  REQUIRE(is_aligned_rows(plain));
+  CHECK(kept_memory_format(plain) == MemoryFormat::Contiguous);
+  CHECK(plain.to(kFloat32).is_contiguous());
+  CHECK(plain.to(kFloat16).is_contiguous());
+}
+
+TEST_CASE("a view with an aligned-rows matrix's strides is not one: its storage holds other values there") {
+  const Tensor big = ones({6, 8}, {.dtype = kFloat64});
+  const Tensor corner = big.narrow(0, 0, 5).narrow(1, 0, 7);
+  CHECK(corner.strides() == Shape{8, 1});
+  CHECK_FALSE(is_aligned_rows(corner));
+  CHECK_FALSE(storage_format(corner).has_value());
+  CHECK_FALSE(is_aligned_rows(contiguous_aligned_rows(big.narrow(1, 0, 7)).detach()));  // detach() is a view
+  CHECK_THROWS_WITH_AS(empty({2, 3, 4}, {}, MemoryFormat::AlignedRows),
+                       doctest::Contains("the aligned_rows format needs a 2-D"), Error);
+  CHECK_THROWS_WITH_AS(as_aligned_rows(big, 5, 5), doctest::Contains("as_aligned_rows: float64[6, 8] cpu"), Error);
+}
+
+TEST_CASE("cuda: an aligned-rows matrix moves between devices as it is, padding and all") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(4);
+  const Tensor dense = randn({33, 13});
+  const Tensor gpu = contiguous_aligned_rows(dense).cuda();
+  CHECK(is_aligned_rows(gpu));
+  CHECK(values(gpu) == values(dense));
+  CHECK(aligned_padding(gpu) == std::vector<double>(36 * 16 - 33 * 13, 0.0));
+  const Tensor back = gpu.to(kFloat16).cpu();
+  CHECK(is_aligned_rows(back));
+  CHECK(values(back) == values(dense.to(kFloat16)));
 }
 
 TEST_CASE("the CPU allocator keeps large freed blocks for the next request of their size class, up to its limit") {

@@ -83,6 +83,15 @@ inline void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
 // A tensor's values as float64, in row-major order (any dtype, device or layout).
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
 
+// The values an aligned-rows matrix's storage holds in its padding (MemoryFormat::AlignedRows: all zeros).
+inline std::vector<double> aligned_padding(const Tensor& t) {
+  const std::vector<double> storage = values(flat_storage_view(t));
+  std::vector<double> padding;
+  for (int64_t i = 0; i < int64_t(storage.size()); ++i)
+    if (i / t.stride(0) >= t.size(0) || i % t.stride(0) >= t.size(1)) padding.push_back(storage[size_t(i)]);
+  return padding;
+}
+
 // Same dtype, shape and values (each compared exactly, as float64).
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.dtype() == b.dtype() && a.shape() == b.shape() && values(a) == values(b);

@@ -271,8 +271,7 @@ Workload language_model_workload(const Case& c, const Settings& s, int64_t batch
       s.vocab, models::LanguageModelOptions{.kind = shape->kind, .embedding_size = shape->hidden,
                                             .hidden_size = shape->hidden, .num_layers = shape->layers});
   st->model->to(s.device);
-  const bool channels_last = s.channels_last && s.device.is_cuda();
-  if (channels_last) st->model->to(MemoryFormat::ChannelsLast);  // as the PyTorch side's model.to(memory_format=...)
+  st->model->align_decoder();
   st->model->train();
   broadcast_weights(s, *st->model);
   st->sgd = std::make_unique<optim::SGD>(st->model->parameters(), optim::SGDOptions{.lr = 20});

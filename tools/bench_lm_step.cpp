@@ -21,9 +21,12 @@
 //   bench_lm_step [--model lstm|gru|rnn_tanh|rnn_relu] [--nhid 200] [--nlayers 2] [--batch 20] [--bptt 35]
 //                 [--vocab 33278] [--opt-levels O0,O1] [--warmup 5] [--steps 20] [--repeats 3] [--device cuda|cpu]
 //                 [--rnn-loop fastest|persistent|steps] [--rnn-batch-groups N] [--tf32] [--cuda-graph]
+//                 [--decoder-layout aligned|contiguous]
 //   --rnn-batch-groups  the persistent kernels' groups of batch rows (ops/rnn.h's set_rnn_batch_groups; 0 chooses)
 //   --cuda-graph  the step captured once as a CUDA graph and replayed (core/cuda_graph.h): the state is carried in
 //                 place from step to step, as train/loops.cpp's train-lm --cuda-graph does
+//   --decoder-layout  aligned (the default, as train-lm): the decoder weight laid out by LanguageModel::align_decoder;
+//                 contiguous: as the model makes it, for measuring what the layout saves
 //   bench_lm_step --device cpu            # the CPU target: defaults to a 32x32 LSTM (--nhid 32) at O0
 #include <CLI/CLI.hpp>
 
@@ -66,6 +69,7 @@ struct Settings {
   std::string rnn_loop = "fastest";
   int rnn_batch_groups = 0;
   bool tf32 = false, cuda_graph = false;
+  std::string decoder_layout = "aligned";
 };
 
 nn::RecurrentKind kind_of(const std::string& name) {
@@ -126,9 +130,10 @@ int run(const Settings& s) {
                                    : fmt::format("the CPU (OMP_NUM_THREADS={})", threads ? threads : "unset");
   const std::string name = fmt::format("{} {}x{}", s.model, s.nhid, s.nlayers);
   const std::string gpu_settings =
-      on_gpu ? fmt::format(", time loops: {}, batch groups: {}, TF32 {}{}", s.rnn_loop,
+      on_gpu ? fmt::format(", time loops: {}, batch groups: {}, TF32 {}, decoder weight {}{}", s.rnn_loop,
                            s.rnn_batch_groups == 0 ? std::string("chosen") : std::to_string(s.rnn_batch_groups),
-                           s.tf32 ? "on" : "off", s.cuda_graph ? ", the step replayed as a CUDA graph" : "")
+                           s.tf32 ? "on" : "off", s.decoder_layout,
+                           s.cuda_graph ? ", the step replayed as a CUDA graph" : "")
              : "";
   fmt::print("bench_lm_step: halfgrad word language model training step ({}, emsize = nhid, vocab {}, dropout {}, "
              "bptt {}, SGD lr {}, clip {}{}) on {}, data on the device, {} round(s) of {} steps after {} warm-up "
@@ -143,6 +148,7 @@ int run(const Settings& s) {
     models::LanguageModel model(s.vocab, {.kind = kind_of(s.model), .embedding_size = s.nhid, .hidden_size = s.nhid,
                                           .num_layers = s.nlayers, .dropout = s.dropout});
     model.to(device);
+    if (s.decoder_layout == "aligned") model.align_decoder();
     model.train();
     optim::SGD sgd(model.parameters(), {.lr = s.lr});
     amp::Amp amp = amp::initialize(model, sgd, level);
@@ -244,6 +250,10 @@ int main(int argc, char** argv) {
       ->check(cli::integer_in<int>(0));
   app.add_flag("--tf32", s.tf32, "CUDA: float32 GEMMs on TF32 tensor cores (cuda::set_allow_tf32; off by default)");
   app.add_flag("--cuda-graph", s.cuda_graph, "CUDA: capture the step once as a CUDA graph and replay it");
+  app.add_option("--decoder-layout", s.decoder_layout,
+                 "CUDA: the decoder weight as train-lm lays it out (aligned: LanguageModel::align_decoder) or "
+                 "contiguous (the padded copies it saves)")
+      ->check(CLI::IsMember({"aligned", "contiguous"}));
   CLI11_PARSE(app, argc, argv);
   if (s.cuda_graph && s.device != "cuda") {
     fmt::print(stderr, "bench_lm_step: --cuda-graph needs --device cuda\n");

@@ -728,6 +728,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
                                           .dropout = c.dropout, .tie_weights = c.tie_weights});
   models::LanguageModel& model = *shared_model;
   model.to(c.device);
+  model.align_decoder();
   if (c.group) nn::broadcast_from_rank0(*c.group, model);  // before O2 copies the weights into its masters
   optim::SGD sgd(model.parameters(), {.lr = c.lr});
   amp::Amp amp = amp::initialize(model, sgd, c.opt_level, {.half_dtype = c.half_dtype});
