@@ -432,3 +432,30 @@ TEST_CASE("cuda: pooling forward and backward match the CPU in every dtype, NCHW
     }
   }
 }
+
+// Global average pooling's backward has a kernel of its own (16-byte vectors of dx, ops/pool.cu) where H W (NCHW)
+// or C (NHWC) is a whole number of vectors: every element is dy[n, c] / (H W), whatever dy's strides.
+TEST_CASE("cuda: global average pooling's backward gives every element dy / (H W), NCHW and NHWC, any dy strides") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(47);
+  const Device gpu = Device::cuda(0);
+  for (DType dt : kFloatTypes) {
+    for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(memory_format_name(format));
+      Tensor x = contiguous(random({4, 16, 3, 8}, dt).to(gpu), format).detach().requires_grad_();
+      const Tensor wide = random({4, 40}, dt).to(gpu);
+      const Tensor dy = wide.narrow(1, 5, 16).view({4, 16, 1, 1});  // row stride 40
+      adaptive_avg_pool2d(x, {1, 1}).backward(dy);
+      CHECK(suggest_memory_format(x.grad()) == format);
+      const std::vector<double> got = to_vector<double>(x.grad()), share = to_vector<double>(dy.to(kFloat64) / 24.0);
+      const double tol = dt == kFloat64 ? 1e-15 : dt == kFloat32 ? 1e-7 : dt == kFloat16 ? 1e-3 : 8e-3;
+      int bad = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const double want = share[i / 24];  // [4, 16, 3, 8] in NCHW order: 24 elements a channel
+        if (!(std::abs(got[i] - want) <= tol * std::abs(want)) && bad++ < 3)
+          FAIL_CHECK("element " << i << ": " << got[i] << " vs " << want);
+      }
+    }
+  }
+}
