@@ -160,7 +160,9 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
   std::vector<bool> needs(next_edges.size());
   for (size_t i = 0; i < next_edges.size(); ++i) needs[i] = next_edges[i].node != nullptr;
-  return fn_(GradContext(grad_outputs, needs));
+  accumulated.resize(next_edges.size());
+  took_accumulated.assign(next_edges.size(), false);
+  return fn_(GradContext(grad_outputs, needs, accumulated, took_accumulated));
 }
 
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
@@ -361,6 +363,19 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
       if (replaced.defined()) grads[output] = replaced;
     }
 
+    // Each input's gradient so far, handed to the backward to add into where nothing else holds it: not the
+    // gradient of one of this node's own outputs (an add's backward passes one tensor to both of its inputs), not
+    // a view, of the input's dtype. Taken out of its slot meanwhile.
+    node->accumulated.assign(node->next_edges.size(), Tensor());
+    for (size_t i = 0; i < node->next_edges.size(); ++i) {
+      const Edge& edge = node->next_edges[i];
+      auto found = edge.node ? buffers.find(edge.node.get()) : buffers.end();
+      if (found == buffers.end() || edge.input_nr >= found->second.size()) continue;
+      Tensor& slot = found->second[edge.input_nr];
+      if (slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1 &&
+          !slot.requires_grad() && slot.dtype() == node->input_meta[i].dtype)
+        node->accumulated[i] = std::move(slot);
+    }
     TensorList input_grads = node->apply(std::move(grads));
     if (!retain_graph) node->release_saved();
 
@@ -368,6 +383,11 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
       const Edge& edge = node->next_edges[i];
       if (!edge.node) continue;
       Tensor g = i < input_grads.size() ? input_grads[i] : Tensor();
+      Tensor handed = std::move(node->accumulated[i]);
+      const bool took = i < node->took_accumulated.size() && node->took_accumulated[i];
+      HG_CHECK(!took || (handed.defined() && g.same(handed)), "{}: backward took the gradient accumulated for input "
+               "{} but returned another tensor (a bug in the op's backward)", node->name(), i);
+      if (handed.defined() && !took) accumulate(edge, std::move(handed));  // back in its slot, first as before
       if (g.defined()) {
         const TensorMeta& m = node->input_meta[i];
         HG_CHECK(g.shape() == m.shape, "{}: backward returned a gradient {} for input {} of shape {} (a bug in "
@@ -380,6 +400,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         ready.push(edge.node.get());
       }
     }
+    node->accumulated.clear();
+    node->took_accumulated.clear();
     owners.erase(node);
   }
   for (size_t i = 0; i < callbacks.size(); ++i) {  // by index: a callback may queue another (and grow the list)

@@ -24,6 +24,7 @@
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
 #include "ops/reduce.h"
+#include "ops/shape.h"
 
 namespace halfgrad {
 
@@ -132,16 +133,29 @@ Tensor conv2d_forward(const Tensor& input, const Tensor& weight, const Tensor& b
   return out;
 }
 
-// One gradient, the input's (other = weight) or the weight's (other = input): a `shape` tensor in grad_output's
-// dtype and device, laid out as `format`; zero when grad_output has no elements.
-template <typename Kernel>
-Tensor gradient(KernelTable<Kernel>& kernel, const Tensor& grad_output, const Tensor& other, const Shape& shape,
-                const Conv2dParams& params, MemoryFormat format) {
+// The input's gradient: a `shape` tensor in grad_output's dtype and device, laid out as `format`; zero when
+// grad_output has no elements. With `sum` (the input's gradient so far, of that shape, dtype and layout:
+// GradContext::accumulated) the kernel adds into it, and it is the result.
+Tensor input_gradient(const Tensor& grad_output, const Tensor& weight, const Shape& shape, const Conv2dParams& params,
+                      MemoryFormat format, const Tensor& sum = Tensor()) {
+  NoGradGuard no_grad;
+  Tensor grad = sum.defined() ? sum : empty(shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
+  if (grad.numel() == 0) return grad;
+  if (grad_output.numel() == 0) return sum.defined() ? grad : grad.zero_();
+  conv2d_backward_input_kernel[grad_output.device()](grad, dense(grad_output, format), dense(weight, format), params,
+                                                     sum.defined());
+  return grad;
+}
+
+// The weight's gradient: a `shape` tensor in grad_output's dtype and device, laid out as `format`; zero when
+// grad_output has no elements.
+Tensor weight_gradient(const Tensor& grad_output, const Tensor& input, const Shape& shape, const Conv2dParams& params,
+                       MemoryFormat format) {
   NoGradGuard no_grad;
   Tensor grad = empty(shape, {.dtype = grad_output.dtype(), .device = grad_output.device()}, format);
   if (grad.numel() == 0) return grad;
   if (grad_output.numel() == 0) return grad.zero_();
-  kernel[grad_output.device()](grad, dense(grad_output, format), dense(other, format), params);
+  conv2d_backward_weight_kernel[grad_output.device()](grad, dense(grad_output, format), dense(input, format), params);
   return grad;
 }
 
@@ -187,12 +201,16 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
              const Tensor& g = ctx[0];  // [N, O, OH, OW]
              Tensor grad_input, grad_weight, grad_bias;
              if (ctx.needs(0)) {
-               grad_input = gradient(conv2d_backward_input_kernel, g, saved_weight.get(), input_shape, params, format);
+               // The input's gradient from its other consumers (a residual block's shortcut), where the engine hands
+               // it over in this layout: the kernel adds into it, which spares the engine's add of the two.
+               const Tensor& sum = ctx.accumulated(0);
+               const bool add_into = sum.defined() && sum.shape() == input_shape && sum.dtype() == g.dtype() &&
+                                     sum.device() == g.device() && storage_format(sum) == format;
+               if (add_into) ctx.take_accumulated(0);
+               grad_input =
+                   input_gradient(g, saved_weight.get(), input_shape, params, format, add_into ? sum : Tensor());
              }
-             if (ctx.needs(1)) {
-               grad_weight =
-                   gradient(conv2d_backward_weight_kernel, g, saved_input.get(), weight_shape, params, format);
-             }
+             if (ctx.needs(1)) grad_weight = weight_gradient(g, saved_input.get(), weight_shape, params, format);
              if (ctx.needs(2)) grad_bias = g.sum({0, 2, 3});
              return {grad_input, grad_weight, grad_bias};
            });
@@ -214,8 +232,7 @@ Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
            grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());
-  return gradient(conv2d_backward_input_kernel, grad_output, weight, input_shape, params_of(options),
-                  suggest_memory_format(grad_output));
+  return input_gradient(grad_output, weight, input_shape, params_of(options), suggest_memory_format(grad_output));
 }
 
 Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
@@ -231,8 +248,7 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
            grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));
-  return gradient(conv2d_backward_weight_kernel, grad_output, input, weight_shape, params_of(options),
-                  suggest_memory_format(input));
+  return weight_gradient(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
 }
 
 // ---- pointwise convolutions as GEMMs (used by the CPU and the CUDA kernels)
@@ -270,7 +286,8 @@ void conv2d_pointwise_forward(const Tensor& out, const Tensor& input, const Tens
   gemm_kernel[out.device()](g);
 }
 
-void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight) {
+void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
+                                     bool accumulate) {
   const int64_t N = grad_input.size(0), C = grad_input.size(1), HW = grad_input.size(2) * grad_input.size(3);
   const int64_t O = weight.size(0);
   GemmArgs g = gemm_args(grad_input);
@@ -287,6 +304,7 @@ void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& gra
     g.b = grad_output.data_ptr(), g.ldb = HW, g.stride_b = O * HW;
     g.c = grad_input.data_ptr(), g.ldc = HW, g.stride_c = C * HW;
   }
+  g.beta = accumulate ? 1.0 : 0.0;
   gemm_kernel[grad_input.device()](g);
 }
 
@@ -540,10 +558,16 @@ void conv2d_forward_cpu(const Tensor& out, const Tensor& input, const Tensor& we
 }
 
 void conv2d_backward_input_cpu(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
-                               const Conv2dParams& params) {
+                               const Conv2dParams& params, bool accumulate) {
   NoGradGuard no_grad;
   if (conv2d_is_pointwise(weight.shape(), params)) {
-    conv2d_pointwise_backward_input(grad_input, grad_output, weight);
+    conv2d_pointwise_backward_input(grad_input, grad_output, weight, accumulate);
+    return;
+  }
+  if (accumulate) {  // the column buffer's scatter writes: computed apart, then added
+    const Tensor part = empty(grad_input.shape(), {.dtype = grad_input.dtype()}, suggest_memory_format(grad_input));
+    conv2d_backward_input_cpu(part, grad_output, weight, params, false);
+    Tensor(grad_input).add_(part);
     return;
   }
   const DType compute = compute_dtype(grad_input.dtype());

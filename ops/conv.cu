@@ -115,7 +115,7 @@ int64_t alignment_of(const Tensor& t) {
   return a;
 }
 
-using ProblemKey = std::array<int64_t, 22>;
+using ProblemKey = std::array<int64_t, 23>;
 
 struct Problem {
   Direction direction;
@@ -123,11 +123,12 @@ struct Problem {
   const Tensor& w;
   const Tensor& y;
   const Conv2dParams& params;
+  bool accumulate;  // the computed operand is added into (beta = 1), not written
   bool nhwc;
   DType dtype;
 
-  Problem(Direction d, const Tensor& x_, const Tensor& w_, const Tensor& y_, const Conv2dParams& p)
-      : direction(d), x(x_), w(w_), y(y_), params(p),
+  Problem(Direction d, const Tensor& x_, const Tensor& w_, const Tensor& y_, const Conv2dParams& p, bool add = false)
+      : direction(d), x(x_), w(w_), y(y_), params(p), accumulate(add),
         // The op layer hands all operands dense in one format: NHWC if any of them is NHWC only.
         nhwc(strictly_channels_last(x_) || strictly_channels_last(w_) || strictly_channels_last(y_)),
         dtype(x_.dtype()) {}
@@ -140,7 +141,7 @@ struct Problem {
     return {int64_t(direction), device(), int64_t(dtype), int64_t(nhwc), x.size(0), x.size(1), x.size(2),
             x.size(3), w.size(0), w.size(1), w.size(2), w.size(3), params.stride[0], params.stride[1],
             params.padding[0], params.padding[1], params.dilation[0], params.dilation[1], int64_t(tf32()),
-            alignment_of(x), alignment_of(w), alignment_of(y)};
+            alignment_of(x), alignment_of(w), alignment_of(y), int64_t(accumulate)};
   }
 
   std::string str() const {
@@ -227,7 +228,7 @@ struct Graph {
         .set(CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, p.dilation.data());
     conv.finalize();
 
-    // alpha = 1, beta = 0: the output is written, never read.
+    // alpha = 1, and beta = 0 (the output is written, never read) or 1 (added into).
     const float f_one = 1, f_zero = 0;
     const double d_one = 1, d_zero = 0;
     const cudnnBackendAttributeType_t scalar = is_double ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
@@ -239,7 +240,7 @@ struct Graph {
         .set(names.y, y)
         .set(names.conv, conv)
         .set(names.alpha, scalar, 1, one)
-        .set(names.beta, scalar, 1, zero);
+        .set(names.beta, scalar, 1, pb.accumulate ? one : zero);
     operation.finalize();
     cudnnBackendDescriptor_t op = operation.get();
     graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op)
@@ -350,7 +351,7 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
 void run_gemm(const Problem& pb) {
   switch (pb.direction) {
     case Direction::Forward: conv2d_pointwise_forward(pb.y, pb.x, pb.w); break;
-    case Direction::BackwardData: conv2d_pointwise_backward_input(pb.x, pb.y, pb.w); break;
+    case Direction::BackwardData: conv2d_pointwise_backward_input(pb.x, pb.y, pb.w, pb.accumulate); break;
     case Direction::BackwardFilter: conv2d_pointwise_backward_weight(pb.w, pb.y, pb.x); break;
   }
 }
@@ -419,6 +420,13 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   for (const Candidate& c : candidates) most = std::max(most, c.workspace);
   int64_t got = 0;
   Tensor workspace = workspace_up_to(most, pb.x.device(), got);
+  // A backward that adds into the input's gradient is timed on zeros laid out as it: the timing runs must not add
+  // into the result.
+  const Tensor scratch =
+      pb.accumulate ? empty(pb.x.shape(), {.dtype = pb.x.dtype(), .device = pb.x.device()},
+                            pb.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous).zero_()
+                    : Tensor();
+  const Problem timed(pb.direction, pb.accumulate ? scratch : pb.x, pb.w, pb.y, pb.params, pb.accumulate);
   const Candidate* best = nullptr;
   float best_ms = 0;
   std::string report;
@@ -428,7 +436,7 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
       logger().debug("{} (cuda): {} -> {} (heuristic, not timed)", pb.op(), pb.str(), c.label);
       return c;
     }
-    const float ms = time_candidate(c, pb, handle, workspace);
+    const float ms = time_candidate(c, timed, handle, workspace);
     report += fmt::format(" {} {:.3f} ms;", c.label, ms);
     if (ms >= 0 && (best == nullptr || ms < best_ms)) {
       best = &c;
@@ -459,8 +467,9 @@ void check_sizes(const Problem& pb) {
   }
 }
 
-void run(Direction direction, const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params) {
-  const Problem pb(direction, x, w, y, params);
+void run(Direction direction, const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params,
+         bool accumulate = false) {
+  const Problem pb(direction, x, w, y, params, accumulate);
   check_sizes(pb);
   cuda::DeviceGuard guard(x.device());
   cudnnHandle_t handle = cuda::cudnn_handle(pb.device());
@@ -494,15 +503,18 @@ void conv2d_forward_cuda(const Tensor& out, const Tensor& input, const Tensor& w
 }
 
 void conv2d_backward_input_cuda(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
-                                const Conv2dParams& params) {
+                                const Conv2dParams& params, bool accumulate) {
   if (float64_nhwc(grad_input, grad_output, weight)) {
     NoGradGuard no_grad;
     Tensor nchw = empty(grad_input.shape(), {.dtype = grad_input.dtype(), .device = grad_input.device()});
-    conv2d_backward_input_cuda(nchw, grad_output.contiguous(), weight.contiguous(), params);
-    copy_kernel[grad_input.device()](grad_input, nchw);
+    conv2d_backward_input_cuda(nchw, grad_output.contiguous(), weight.contiguous(), params, false);
+    if (accumulate)
+      Tensor(grad_input).add_(nchw);
+    else
+      copy_kernel[grad_input.device()](grad_input, nchw);
     return;
   }
-  run(Direction::BackwardData, grad_input, weight, grad_output, params);
+  run(Direction::BackwardData, grad_input, weight, grad_output, params, accumulate);
 }
 
 void conv2d_backward_weight_cuda(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input,

@@ -91,8 +91,10 @@ struct Conv2dParams {
 
 using Conv2dForwardKernel = void (*)(const Tensor& out, const Tensor& input, const Tensor& weight,
                                      const Tensor& bias, const Conv2dParams& params);
+// accumulate: grad_input holds a gradient already, and the kernel adds the input's gradient into it (GradContext::
+// accumulated: cuDNN's beta = 1, a GEMM's beta = 1) instead of writing it.
 using Conv2dBackwardInputKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output,
-                                           const Tensor& weight, const Conv2dParams& params);
+                                           const Tensor& weight, const Conv2dParams& params, bool accumulate);
 using Conv2dBackwardWeightKernel = void (*)(const Tensor& grad_weight, const Tensor& grad_output,
                                             const Tensor& input, const Conv2dParams& params);
 
@@ -109,7 +111,8 @@ extern KernelTable<Conv2dBackwardWeightKernel> conv2d_backward_weight_kernel;
 // conv2d_pointwise_backward_weight requires is_channels_last operands.
 bool conv2d_is_pointwise(const Shape& weight_shape, const Conv2dParams& params);
 void conv2d_pointwise_forward(const Tensor& out, const Tensor& input, const Tensor& weight);
-void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight);
+void conv2d_pointwise_backward_input(const Tensor& grad_input, const Tensor& grad_output, const Tensor& weight,
+                                     bool accumulate = false);
 void conv2d_pointwise_backward_weight(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& input);
 
 }  // namespace halfgrad

@@ -42,6 +42,51 @@ TEST_CASE("a tensor used twice gets the sum of both paths, and shared gradients 
   CHECK(values(x.grad()) == std::vector<double>{36});
 }
 
+// GradContext::accumulated: the engine hands a backward the gradient its input already has, to add into, only when
+// nothing else holds that tensor. An op of this test's own, k * x, whose backward adds into it when it can.
+TEST_CASE("a backward may add into its input's gradient so far, handed over only where nothing else holds it") {
+  bool took = false;
+  auto scale_into = [&took](const Tensor& x, double k) {
+    Tensor out = x.detach().mul(k);
+    record("ScaleInto", {x}, {out}, [k, &took](const GradContext& ctx) -> TensorList {
+      const Tensor& sum = ctx.accumulated(0);
+      if (!sum.defined()) return {ctx[0].mul(k)};
+      ctx.take_accumulated(0);
+      Tensor(sum).add_(ctx[0].mul(k));
+      took = true;
+      return {sum};
+    });
+    return out;
+  };
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  SUBCASE("the other consumer's gradient is a tensor of its own: taken, and the sum is right") {
+    Tensor h = x.mul(1.0);
+    const Tensor scaled = scale_into(h, 5.0);
+    const Tensor tripled = h.mul(3.0);  // made later, so its backward runs first and delivers h's first gradient
+    (scaled + tripled).sum().backward();
+    CHECK(took);
+    CHECK(values(x.grad()) == std::vector<double>{8, 8});
+  }
+  SUBCASE("it is also the node's own output gradient (add's backward passes one tensor to both): not handed") {
+    Tensor h = x.mul(1.0);
+    Tensor y = scale_into(h, 5.0) + h;
+    y.sum().backward();
+    CHECK_FALSE(took);
+    CHECK(values(x.grad()) == std::vector<double>{6, 6});
+  }
+  SUBCASE("a backward that takes it must return it") {
+    Tensor h = x.mul(1.0);
+    Tensor out = h.detach().mul(5.0);
+    record("TakesAndDrops", {h}, {out}, [](const GradContext& ctx) -> TensorList {
+      if (ctx.accumulated(0).defined()) ctx.take_accumulated(0);
+      return {ctx[0].mul(5.0)};
+    });
+    const Tensor tripled = h.mul(3.0);
+    CHECK_THROWS_WITH_AS((out + tripled).sum().backward(),
+                         doctest::Contains("TakesAndDrops: backward took the gradient"), Error);
+  }
+}
+
 TEST_CASE("backward runs nodes in reverse topological order on a diamond graph") {
   Tensor x = leaf({3});
   gradcheck(

@@ -272,6 +272,30 @@ TEST_CASE("conv2d gradients of input, weight and bias pass gradcheck") {
   }
 }
 
+// A residual block's input has two gradients: its shortcut's and the convolution's. Where the engine hands the
+// first to conv2d's backward (GradContext::accumulated), the kernel adds into it: the 3x3 kernel through a buffer, the
+// 1x1 as a GEMM with beta = 1 (on CUDA, cuDNN with beta = 1; test_cuda.cpp).
+TEST_CASE("conv2d's backward adds into its input's gradient from a shortcut: gradcheck of conv(x) + 2x") {
+  manual_seed(26);
+  for (auto [kernel, padding] : {std::pair{3, 1}, {1, 0}}) {
+    CAPTURE(kernel);
+    const Conv2dOptions o{.padding = {padding, padding}};
+    // The shortcut made after the convolution: its backward runs first, so the convolution's adds into it.
+    auto block = [&](const TensorList& in) {
+      const Tensor conv = conv2d(in[0], in[1], Tensor(), o);
+      return conv + in[0].mul(2.0);
+    };
+    gradcheck(block, {leaf({2, 3, 4, 5}), leaf({3, 3, kernel, kernel})});
+    Tensor x_cl;
+    {
+      NoGradGuard no_grad;
+      x_cl = contiguous_channels_last(randn({2, 3, 4, 5}, {.dtype = kFloat64}));
+    }
+    x_cl.requires_grad_();
+    gradcheck(block, {x_cl, leaf({3, 3, kernel, kernel})});
+  }
+}
+
 TEST_CASE("conv2d gradients are right for channels_last and strided inputs, and for one input at a time") {
   manual_seed(25);
   const Conv2dOptions o{.stride = {1, 2}, .padding = {1, 1}};
@@ -445,6 +469,40 @@ TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, 
         check_cuda_close(xg.grad(), xc.grad(), dt, "grad input");
         check_cuda_close(wg.grad(), wc.grad(), dt, "grad weight");
         if (b.defined()) check_cuda_close(bg.grad(), bc.grad(), dt, "grad bias");
+      }
+    }
+  }
+}
+
+// conv(x) + 2x: the engine hands the shortcut's gradient to conv2d's backward, whose kernel adds into it (cuDNN's
+// beta = 1, or the 1x1 GEMM's); the autotuner times the engines on zeros, so the result is added once.
+TEST_CASE("cuda: conv2d's backward adds into the input's gradient from a shortcut as the CPU's does") {
+  SKIP_WITHOUT_GPU();
+  TF32Off tf32_off;
+  manual_seed(30);
+  const Device gpu = Device::cuda(0);
+  for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+    for (auto [kernel, padding] : {std::pair{3, 1}, {1, 0}}) {
+      for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(kernel);
+        CAPTURE(memory_format_name(format));
+        const Conv2dOptions o{.padding = {padding, padding}};
+        const Tensor x = contiguous(random({4, 16, 8, 8}, dt), format), w = random({16, 16, kernel, kernel}, dt);
+        const Tensor gy = random({4, 16, 8, 8}, dt);
+        // The shortcut made after the convolution: its backward runs first, so the convolution's adds into it.
+        auto block = [&](const Tensor& in, const Tensor& weight) {
+          const Tensor conv = conv2d(in, weight, {}, o);
+          return conv + in.mul(2.0);
+        };
+        Tensor xc = x.detach().requires_grad_();
+        block(xc, w).backward(gy);
+        for (int call = 0; call < 2; ++call) {  // the first call autotunes, the second takes the cached engine
+          Tensor xg = contiguous(x.to(gpu), format).detach().requires_grad_();
+          block(xg, w.to(gpu)).backward(gy.to(gpu));
+          CHECK(suggest_memory_format(xg.grad()) == suggest_memory_format(xc.grad()));
+          check_cuda_close(xg.grad(), xc.grad(), dt, "grad input");
+        }
       }
     }
   }
