@@ -168,14 +168,14 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   Tensor grad = apply_hooks(leaf_->autograd_meta().hooks, std::move(grad_outputs[0]));
   Tensor& stored = leaf_->autograd_meta().grad;
+  // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last leaf; here
+  // also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same order and
+  // nothing transposes later.
+  const MemoryFormat layout = kept_memory_format(Tensor(leaf_));
   if (!stored.defined()) {
     // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
     // broadcast view: own a contiguous copy unless nothing else can see this one.
     bool sole_owner = grad.impl_ptr().use_count() == 1 && grad.storage().use_count() == 1;
-    // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last
-    // leaf; here also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same
-    // order and nothing transposes later.
-    const MemoryFormat layout = kept_memory_format(Tensor(leaf_));
     bool matches = false;
     switch (layout) {
       case MemoryFormat::ChannelsLast: matches = suggest_memory_format(grad) == layout; break;
@@ -188,6 +188,10 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
       stored = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()}, layout);
       stored.copy_(grad);
     }
+  } else if (layout == MemoryFormat::AlignedRows) {  // add's result would be contiguous: summed in the layout
+    Tensor sum = empty(grad.shape(), {.dtype = stored.dtype(), .device = stored.device()}, layout);
+    sum.copy_(stored);
+    stored = sum.add_(grad);
   } else {
     stored = stored.add(grad);  // out of place: a previous .grad handed out stays as it was
   }

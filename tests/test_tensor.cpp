@@ -247,6 +247,10 @@ TEST_CASE("an aligned-rows matrix: rows and columns padded to 16 bytes with zero
   CHECK(is_aligned_rows(leaf.grad()));
   CHECK(values(leaf.grad()) == std::vector<double>(35, 3.0));
   CHECK(aligned_padding(leaf.grad()) == std::vector<double>(48 - 35, 0.0));
+  (leaf * 2).sum().backward();  // accumulated into .grad: still in the leaf's layout
+  CHECK(is_aligned_rows(leaf.grad()));
+  CHECK(values(leaf.grad()) == std::vector<double>(35, 5.0));
+  CHECK(aligned_padding(leaf.grad()) == std::vector<double>(48 - 35, 0.0));
   // Aligned already: the format is contiguous, with the rows padded in storage only.
   const Tensor wide = empty({3, 8}, {.dtype = kFloat32}, MemoryFormat::AlignedRows);
   CHECK(wide.is_contiguous());

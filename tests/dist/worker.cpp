@@ -294,13 +294,25 @@ void ddp_training() {
   g_rank = r;
   g_device = pg->device();
   const int64_t rows = 12;  // 6 or 4 a rank
-  for (auto [cap_mb, as_view] : {std::pair{25.0, false}, std::pair{1e-6, false}, std::pair{25.0, true}}) {
+  struct Setup {
+    double cap_mb;
+    bool as_view, aligned;
+  };
+  // aligned: the weights laid out as aligned rows (5 hidden units: the second weight, [3, 5], is padded to 6
+  // columns), whose gradients reach the buckets and come back by copies, in their layout.
+  for (auto [cap_mb, as_view, aligned] : {Setup{25.0, false, false}, Setup{1e-6, false, false},
+                                          Setup{25.0, true, false}, Setup{25.0, true, true}}) {
     const std::string label = std::string(cap_mb > 1 ? "one bucket" : "a bucket per parameter") +
-                              (as_view ? ", gradients as bucket views" : "");
-    auto model = mlp(100 + r);  // each rank its own initial values: rank 0's must win
-    auto reference = mlp(100);  // rank 0's, trained on the whole global batch in one process
+                              (as_view ? ", gradients as bucket views" : "") + (aligned ? ", aligned rows" : "");
+    const int64_t hidden = aligned ? 5 : 6;
+    auto model = mlp(100 + r, kFloat64, hidden);  // each rank its own initial values: rank 0's must win
+    auto reference = mlp(100, kFloat64, hidden);  // rank 0's, trained on the whole global batch in one process
     model->to(g_device);
     reference->to(g_device);
+    if (aligned) {
+      model->to(MemoryFormat::AlignedRows);
+      reference->to(MemoryFormat::AlignedRows);
+    }
     auto ddp = std::make_shared<nn::DistributedDataParallel>(
         model, pg, nn::DistributedDataParallelOptions{.bucket_cap_mb = cap_mb, .gradient_as_bucket_view = as_view});
     require(max_difference(model->parameters(), reference->parameters()) == 0,
@@ -330,10 +342,17 @@ void ddp_training() {
       cross_entropy((*reference)(x), y).backward();
     }
     require(max_difference(grads_of(*model), grads_of(*reference)) < 1e-12, label + ": accumulated gradients differ");
-    if (as_view) {
-      const TensorList grads = grads_of(*model);
-      for (const Tensor& g : grads)
-        require(g.storage().get() == grads[0].storage().get(), label + ": a gradient is not a view of the bucket");
+    if (as_view) {  // the contiguous parameters' gradients: views of the one bucket; an aligned one's in its layout
+      const TensorList params = model->parameters(), grads = grads_of(*model);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i].is_contiguous()) {
+          require(grads[i].storage().get() == grads[0].storage().get(), label + ": a gradient is not a view of the "
+                  "bucket");
+        } else {
+          require(is_aligned_rows(params[i]) && is_aligned_rows(grads[i]), label + ": an aligned weight's gradient "
+                  "is not laid out as the weight");
+        }
+      }
     }
     opt.zero_grad();
     ref_opt.zero_grad();
