@@ -1,6 +1,7 @@
 #include "core/autograd.h"
 
 #include "core/autocast.h"
+#include "ops/shape.h"
 
 #include <algorithm>
 #include <cctype>
@@ -155,14 +156,25 @@ void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
 
 // ---- nodes
 
+namespace {
+// What the engine hands the backward it runs on this thread (GradContext::accumulated): per input, the gradient
+// accumulated so far that the backward may add into, and whether it took it. Kept by the engine, not on the node, so
+// that backward passes on other threads over a shared graph do not meet.
+struct HandOver {
+  TensorList accumulated;
+  std::vector<bool> took;
+};
+thread_local HandOver* t_hand_over = nullptr;
+}  // namespace
+
 TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   HG_CHECK(fn_ != nullptr, "{}: trying to backward through the graph a second time (or to use saved tensors after "
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
   std::vector<bool> needs(next_edges.size());
   for (size_t i = 0; i < next_edges.size(); ++i) needs[i] = next_edges[i].node != nullptr;
-  accumulated.resize(next_edges.size());
-  took_accumulated.assign(next_edges.size(), false);
-  return fn_(GradContext(grad_outputs, needs, accumulated, took_accumulated));
+  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false)};
+  HandOver& hand_over = t_hand_over && t_hand_over->accumulated.size() == next_edges.size() ? *t_hand_over : none;
+  return fn_(GradContext(grad_outputs, needs, hand_over.accumulated, hand_over.took));
 }
 
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
@@ -367,28 +379,36 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
       if (replaced.defined()) grads[output] = replaced;
     }
 
-    // Each input's gradient so far, handed to the backward to add into where nothing else holds it: not the
-    // gradient of one of this node's own outputs (an add's backward passes one tensor to both of its inputs), not
-    // a view, of the input's dtype. Taken out of its slot meanwhile.
-    node->accumulated.assign(node->next_edges.size(), Tensor());
+    // Each input's gradient so far, handed to the backward to add into where nothing else holds it (not the
+    // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid
+    // out in some format (not a broadcast view, whose elements overlap), of the input's dtype. Taken out of its slot
+    // meanwhile.
+    HandOver hand_over{TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false)};
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& edge = node->next_edges[i];
       auto found = edge.node ? buffers.find(edge.node.get()) : buffers.end();
       if (found == buffers.end() || edge.input_nr >= found->second.size()) continue;
       Tensor& slot = found->second[edge.input_nr];
       if (slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1 &&
-          !slot.requires_grad() && slot.dtype() == node->input_meta[i].dtype)
-        node->accumulated[i] = std::move(slot);
+          !slot.requires_grad() && slot.dtype() == node->input_meta[i].dtype && storage_format(slot).has_value())
+        hand_over.accumulated[i] = std::move(slot);
     }
-    TensorList input_grads = node->apply(std::move(grads));
+    TensorList input_grads;
+    {
+      struct Scope {
+        HandOver* outer;
+        ~Scope() { t_hand_over = outer; }
+      } scope{std::exchange(t_hand_over, &hand_over)};
+      input_grads = node->apply(std::move(grads));
+    }
     if (!retain_graph) node->release_saved();
 
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& edge = node->next_edges[i];
       if (!edge.node) continue;
       Tensor g = i < input_grads.size() ? input_grads[i] : Tensor();
-      Tensor handed = std::move(node->accumulated[i]);
-      const bool took = i < node->took_accumulated.size() && node->took_accumulated[i];
+      Tensor handed = std::move(hand_over.accumulated[i]);
+      const bool took = hand_over.took[i];
       HG_CHECK(!took || (handed.defined() && g.same(handed)), "{}: backward took the gradient accumulated for input "
                "{} but returned another tensor (a bug in the op's backward)", node->name(), i);
       if (handed.defined() && !took) accumulate(edge, std::move(handed));  // back in its slot, first as before
@@ -404,8 +424,6 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         ready.push(edge.node.get());
       }
     }
-    node->accumulated.clear();
-    node->took_accumulated.clear();
     owners.erase(node);
   }
   for (size_t i = 0; i < callbacks.size(); ++i) {  // by index: a callback may queue another (and grow the list)

@@ -63,10 +63,11 @@ class GradContext {
   const Tensor& operator[](size_t output) const { return grads_[output]; }
   bool needs(size_t input) const { return needs_[input]; }
   // The gradient that the input's other consumers have already delivered, where the engine can hand it over for this
-  // backward to add its own into (nothing else holds it or its storage); else undefined. A backward that adds into
-  // it calls take_accumulated and returns that very tensor, now the sum, for the input; otherwise the engine adds
-  // the two, as always. conv2d's backward adds in cuDNN (beta = 1): a residual block's input then needs no add of
-  // its two gradients.
+  // backward to add its own into (nothing else holds it or its storage, and it is laid out in some memory format: no
+  // broadcast view); else undefined. Its layout is any format's: a backward checks that it is the one it writes. A
+  // backward that adds into it calls take_accumulated and returns that very tensor, now the sum, for the input;
+  // otherwise the engine adds the two, as always. conv2d's backward adds in cuDNN (beta = 1): a residual block's
+  // input then needs no add of its two gradients.
   const Tensor& accumulated(size_t input) const { return accumulated_[input]; }
   void take_accumulated(size_t input) const { took_[input] = true; }
 
@@ -93,10 +94,6 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<TensorMeta> output_meta;      // one per output: missing gradients become zeros of it
   std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook/retain_grad
   uint64_t sequence_nr = 0;                 // creation order: later nodes run first in backward
-  // Set by the engine around apply(), one per input: the gradient already accumulated for it that the backward may
-  // add into (GradContext::accumulated), and whether it took it.
-  TensorList accumulated;
-  std::vector<bool> took_accumulated;
 };
 
 // The node an op records: its name and its backward function.

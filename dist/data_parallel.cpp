@@ -245,10 +245,11 @@ struct DistributedDataParallel::Reducer {
           p.set_grad(average);
           continue;
         }
-        if (!p.grad().defined())  // an aligned-rows parameter's gradient in its layout: the optimizer reads it there
-          p.set_grad(is_aligned_rows(p) ? empty(p.shape(), {.dtype = p.dtype(), .device = p.device()},
-                                                MemoryFormat::AlignedRows)
-                                        : empty_like(p));
+        if (!p.grad().defined()) {  // an aligned-rows parameter's gradient in its layout: the optimizer reads it there
+          const bool aligned = kept_memory_format(p) == MemoryFormat::AlignedRows;
+          p.set_grad(aligned ? empty(p.shape(), {.dtype = p.dtype(), .device = p.device()}, MemoryFormat::AlignedRows)
+                             : empty_like(p));
+        }
         grads.push_back(p.grad());
         averages.push_back(average);
       }

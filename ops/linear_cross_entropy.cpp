@@ -168,9 +168,10 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
              need_b = grad && has_bias && bias.requires_grad();
   const bool any_grad = need_x || need_w || need_b;
-  // An aligned-rows weight of the products' dtype whose padding has room for the bias column is w_p itself: its
-  // padding is zero, so the bias joins the logits in the row pass instead, and where its gradient has the
-  // accumulation's dtype that gradient is made in place as an aligned-rows tensor. No copy in, none out.
+  // An aligned-rows weight of the products' dtype laid out as w_p would be (room for the bias column, or no bias) is
+  // w_p itself: its padding is zero, so the bias joins the logits in the row pass instead, and where its gradient
+  // has the accumulation's dtype that gradient is made in place as an aligned-rows tensor. No copy in, none out. (A
+  // contiguous weight whose sizes are whole vectors and that has no bias is such a w_p too.)
   const bool weight_aligned = is_aligned_rows(weight);
   const bool weight_in_place = weight_aligned && weight.dtype() == dtype && weight.stride(0) == in_p;
   Tensor x_p, w_p, logits, counted, loss;
@@ -201,9 +202,12 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   }
   if (!any_grad) return loss;
   const DType x_dtype = input.dtype(), w_dtype = weight.dtype(), b_dtype = has_bias ? bias.dtype() : dtype;
+  // w_p is the weight itself there: the backward's dx product reads it, so an in-place change before then is an error.
+  const SavedTensor saved_weight(weight_in_place && need_x ? weight : Tensor(), kOp);
   record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
          [=](const GradContext& g) -> TensorList {
            NoGradGuard no_grad;
+           if (saved_weight.defined()) saved_weight.get();  // checks the version
            // The products' alpha (and a zero beta), read on the device: the upstream gradient over the targets
            // counted and kGradFactor. Every gradient row of an ignored target is 0, so counted = 0 needs only a
            // finite divisor.

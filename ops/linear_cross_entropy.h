@@ -24,7 +24,8 @@
 //     gradient / (targets counted * kGradFactor) as the products' alpha (read on the device: a scale loaded per
 //     element made the weight gradient's copy out 96 µs a step where the copy in takes 46), and copied out in the
 //     dtypes of x, W and b. A weight laid out as MemoryFormat::AlignedRows (core/tensor.h) in the products' dtype,
-//     with a spare column, is w_p as it is (its padding is zero): the bias is then added in the row pass instead,
+//     with a spare column for the bias (or no bias), is w_p as it is (its padding is zero; an in-place change to it
+//     before the backward is an error, as for a saved tensor): the bias is then added in the row pass instead,
 //     and the weight gradient, where it has the accumulation's dtype, is G^T x_p itself with its bias column
 //     cleared, an aligned-rows tensor like W. That saves the copies of W in and of its gradient out: the language
 //     model's decoder lays its weight out so (models/language_model.h). Nothing is synchronised with the host (a

@@ -363,7 +363,8 @@ void adaptive_avg_pool2d_cuda(const Tensor& out, const Tensor& input) {
 }
 
 // global_avg_pool_backward_kernel where it applies: a 1 x 1 output, grad_input contiguous with H W a whole number of
-// 16-byte vectors or channels_last with C one, aligned, and every offset within 32 bits. Returns false elsewhere.
+// 16-byte vectors or channels_last with C a whole number of them, aligned, and every offset within 32 bits. Returns
+// false elsewhere.
 bool global_avg_pool_backward_cuda(const Tensor& grad_input, const Tensor& grad_output) {
   if (grad_output.size(2) != 1 || grad_output.size(3) != 1) return false;
   const int64_t per_vector = 16 / int64_t(element_size(grad_input.dtype()));

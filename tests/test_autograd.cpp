@@ -74,6 +74,14 @@ TEST_CASE("a backward may add into its input's gradient so far, handed over only
     CHECK_FALSE(took);
     CHECK(values(x.grad()) == std::vector<double>{6, 6});
   }
+  SUBCASE("a broadcast view (mean's gradient) overlaps itself: not handed") {
+    Tensor h = x.mul(1.0);
+    const Tensor scaled = scale_into(h, 5.0);
+    const Tensor average = h.mean();  // made later: its expanded gradient reaches h first
+    (scaled.sum() + average).backward();
+    CHECK_FALSE(took);
+    CHECK(values(x.grad()) == std::vector<double>{5.5, 5.5});
+  }
   SUBCASE("a backward that takes it must return it") {
     Tensor h = x.mul(1.0);
     Tensor out = h.detach().mul(5.0);

@@ -261,6 +261,17 @@ TEST_CASE("cuda: linear_cross_entropy on an aligned-rows weight equals the dense
       }
     }
   }
+  SUBCASE("the weight is the product's operand itself: changed in place before the backward, an error") {
+    Problem p = problem(20, 13, 301, kFloat32);
+    Problem g = to_cuda(p, kFloat32);
+    g.w = contiguous_aligned_rows(g.w.detach()).requires_grad_(true);
+    Tensor loss = linear_cross_entropy(g.x, g.w, g.b, g.t);
+    {
+      NoGradGuard no_grad;
+      g.w.mul_(2.0);
+    }
+    CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("linear_cross_entropy"), Error);
+  }
   SUBCASE("under autocast: a float32 weight is cast into the padded copy, as a dense one is") {
     Problem p = problem(30, 13, 501, kFloat64);
     Problem dense = to_cuda(p, kFloat32), aligned = to_cuda(p, kFloat32);
