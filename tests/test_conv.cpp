@@ -286,6 +286,21 @@ TEST_CASE("conv2d's backward adds into its input's gradient from a shortcut: gra
       return conv + in[0].mul(2.0);
     };
     gradcheck(block, {leaf({2, 3, 4, 5}), leaf({3, 3, kernel, kernel})});
+    // The hand-over happened: the shortcut's gradient tensor, summed into by the convolution's kernel, becomes
+    // x.grad itself (AccumulateGrad keeps a gradient nothing else holds).
+    {
+      Tensor x = leaf({2, 3, 4, 5}), w = leaf({3, 3, kernel, kernel});
+      const Tensor conv = conv2d(x, w, Tensor(), o);
+      const Tensor doubled = x.detach().mul(2.0);
+      const Storage* shortcut_gradient = nullptr;
+      record("Shortcut", {x}, {doubled}, [&shortcut_gradient](const GradContext& ctx) -> TensorList {
+        Tensor g = ctx[0].mul(2.0);
+        shortcut_gradient = g.storage().get();
+        return {g};
+      });
+      (conv + doubled).sum().backward();
+      CHECK(x.grad().storage().get() == shortcut_gradient);
+    }
     Tensor x_cl;
     {
       NoGradGuard no_grad;
