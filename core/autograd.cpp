@@ -172,9 +172,10 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
   std::vector<bool> needs(next_edges.size());
   for (size_t i = 0; i < next_edges.size(); ++i) needs[i] = next_edges[i].node != nullptr;
-  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false)};
-  HandOver& hand_over = t_hand_over && t_hand_over->accumulated.size() == next_edges.size() ? *t_hand_over : none;
-  return fn_(GradContext(grad_outputs, needs, hand_over.accumulated, hand_over.took));
+  if (t_hand_over && t_hand_over->accumulated.size() == next_edges.size())
+    return fn_(GradContext(grad_outputs, needs, t_hand_over->accumulated, t_hand_over->took));
+  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false)};  // called outside backward
+  return fn_(GradContext(grad_outputs, needs, none.accumulated, none.took));
 }
 
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {

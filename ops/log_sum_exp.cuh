@@ -1,20 +1,12 @@
 #pragma once
 // The softmax normaliser on CUDA, shared by softmax / log_softmax (ops/softmax.cu), cross_entropy (ops/loss.cu) and
 // linear_cross_entropy (ops/linear_cross_entropy.cu): the running (max, sum of exp) pair of a set of elements, merged
-// across the threads of a row; and the 16-byte vector the row kernels read a row in.
+// across the threads of a row. The row kernels read a row in 16-byte vectors (ops/vec16.cuh).
 #include <cuda_runtime.h>
 
 #include <cmath>
 
-namespace halfgrad {
-
-// kSize elements of T in one 16-byte load or store.
-template <typename T> struct alignas(16) Vec16 {
-  static constexpr int kSize = int(16 / sizeof(T));
-  T v[kSize];
-};
-
-}  // namespace halfgrad
+#include "ops/vec16.cuh"
 
 namespace halfgrad::log_sum_exp {
 

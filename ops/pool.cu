@@ -16,6 +16,7 @@
 
 #include "core/cuda.h"
 #include "ops/pool.h"
+#include "ops/vec16.cuh"
 
 namespace halfgrad {
 namespace {
@@ -267,14 +268,11 @@ template <typename T, bool kChannelsLast>
 __global__ void global_avg_pool_backward_kernel(T* dx, const T* dy, int32_t C, int32_t HW, int32_t dy_n, int32_t dy_c,
                                                 int32_t vectors) {
   using Acc = opmath_t<T>;
-  constexpr int V = int(16 / sizeof(T));
-  struct alignas(16) Vector {
-    T v[V];
-  };
+  constexpr int V = Vec16<T>::kSize;
   const Acc area = Acc(HW);
   for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < vectors; i += int32_t(gridDim.x * blockDim.x)) {
     const int32_t e = i * V;  // the vector's first element, in dx's memory order
-    Vector out;
+    Vec16<T> out;
     if constexpr (kChannelsLast) {
       const int32_t c = e % C, n = e / (C * HW);
 #pragma unroll
@@ -285,7 +283,7 @@ __global__ void global_avg_pool_backward_kernel(T* dx, const T* dy, int32_t C, i
 #pragma unroll
       for (int k = 0; k < V; ++k) out.v[k] = value;
     }
-    reinterpret_cast<Vector*>(dx)[i] = out;
+    reinterpret_cast<Vec16<T>*>(dx)[i] = out;
   }
 }
 
