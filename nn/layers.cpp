@@ -96,13 +96,17 @@ void BatchNorm2d::reset_running_stats() {
   num_batches_tracked.zero_();
 }
 
-Tensor BatchNorm2d::forward(const Tensor& x) { return normalise(x, /*relu=*/false, Tensor()); }
+Tensor BatchNorm2d::forward(const Tensor& x) { return normalise(x, /*relu=*/false, Tensor(), Tensor()); }
 
 Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
-  return normalise(x, /*relu=*/true, residual);
+  return normalise(x, /*relu=*/true, residual, Tensor());
 }
 
-Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual) {
+Tensor BatchNorm2d::forward_with_input_bias(const Tensor& x, const Tensor& input_bias, bool relu) {
+  return normalise(x, relu, Tensor(), input_bias);
+}
+
+Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias) {
   HG_CHECK(x.dim() == 4, "BatchNorm2d: expected a 4-D input (N, C, H, W), got {}", x.meta());
   HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
   // As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
@@ -117,8 +121,10 @@ Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual
   // Running stats are updated only while training; in eval they are read (or absent).
   Tensor mean = options.track_running_stats ? running_mean : Tensor();
   Tensor var = options.track_running_stats ? running_var : Tensor();
-  if (relu) return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual);
-  return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps);
+  if (relu) {
+    return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual, input_bias);
+  }
+  return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, input_bias);
 }
 
 std::string BatchNorm2d::extra_repr() const {
@@ -202,7 +208,10 @@ Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
 
 // A BatchNorm2d followed by a ReLU runs as one op (BatchNorm2d::forward_relu): the values of the two modules (relu
 // commutes with rounding; on CUDA the kernels timed fastest for each form may differ in the last bit), two passes over
-// the activation fewer forward and one backward. Exactly those two classes: a subclass may override forward.
+// the activation fewer forward and one backward. A Conv2d's bias before a BatchNorm2d is the batch norm's input_bias:
+// with batch statistics it cancels, so its add forward and its gradient's sum backward are skipped (ops/batch_norm.h
+// says what differs: its gradient is zero instead of the rounding error of a sum that is zero). Exactly those
+// classes: a subclass may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
   const auto& children = named_children();
@@ -210,7 +219,14 @@ Tensor Sequential::forward(const Tensor& x) {
     return i < children.size() && typeid(*children[i].second) == type;
   };
   for (size_t i = 0; i < children.size(); ++i) {
-    if (is(i, typeid(BatchNorm2d)) && is(i + 1, typeid(ReLU))) {
+    if (is(i, typeid(Conv2d)) && is(i + 1, typeid(BatchNorm2d)) &&
+        static_cast<Conv2d&>(*children[i].second).bias.defined()) {
+      const auto& conv = static_cast<Conv2d&>(*children[i].second);
+      const bool relu = is(i + 2, typeid(ReLU));
+      y = static_cast<BatchNorm2d&>(*children[i + 1].second)
+              .forward_with_input_bias(conv2d(y, conv.weight, Tensor(), conv.options), conv.bias, relu);
+      i += relu ? 2 : 1;
+    } else if (is(i, typeid(BatchNorm2d)) && is(i + 1, typeid(ReLU))) {
       y = static_cast<BatchNorm2d&>(*children[i].second).forward_relu(y);
       ++i;
     } else {

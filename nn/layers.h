@@ -86,6 +86,9 @@ class BatchNorm2d : public Module {
   // relu(forward(x) + residual) (residual undefined: relu(forward(x))) as one op, batch_norm_relu: what a ResNet
   // block does after its convolutions, without the separate passes of the add and the relu.
   Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
+  // forward(x + input_bias) (relu after it when `relu`) with the per-channel input_bias folded into the op
+  // (batch_norm's input_bias): a convolution's bias before this layer, its add and its gradient's sum skipped.
+  Tensor forward_with_input_bias(const Tensor& x, const Tensor& input_bias, bool relu);
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string extra_repr() const override;
   void reset_running_stats();
@@ -99,7 +102,7 @@ class BatchNorm2d : public Module {
   Tensor& num_batches_tracked;  // undefined unless track_running_stats
 
  private:
-  Tensor normalise(const Tensor& x, bool relu, const Tensor& residual);
+  Tensor normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias);
 };
 
 class ReLU : public Module {
@@ -192,8 +195,10 @@ class Identity : public Module {
 };
 
 // Runs its children in order, each one's output the next one's input, except that a BatchNorm2d followed by a ReLU
-// runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called). Children are named "0", "1",
-// ... (PyTorch's names, so "features.0.weight" matches).
+// runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called), and that a Conv2d with a bias
+// followed by a BatchNorm2d runs its convolution without the bias, which the batch norm takes as its input_bias
+// (BatchNorm2d::forward_with_input_bias). Children are named "0", "1", ... (PyTorch's names, so "features.0.weight"
+// matches).
 class Sequential : public Module {
  public:
   Sequential() = default;

@@ -25,11 +25,14 @@ constinit KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel("batch
 namespace {
 std::atomic<BatchNormBackend> g_backend{BatchNormBackend::Auto};
 std::atomic<bool> g_fuse_relu{true};
+std::atomic<bool> g_fold_input_bias{true};
 }
 void set_batch_norm_backend(BatchNormBackend backend) { g_backend = backend; }
 BatchNormBackend batch_norm_backend() { return g_backend; }
 void set_batch_norm_relu_fusion(bool enabled) { g_fuse_relu = enabled; }
 bool batch_norm_relu_fusion() { return g_fuse_relu; }
+void set_batch_norm_input_bias_fold(bool enabled) { g_fold_input_bias = enabled; }
+bool batch_norm_input_bias_fold() { return g_fold_input_bias; }
 
 // =====================================================================================================
 // 1. Layouts
@@ -107,7 +110,7 @@ namespace {
 // batch_norm and batch_norm_relu: `relu` and `residual` are the epilogue (ops/batch_norm.h).
 Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps, bool relu,
-                       const Tensor& residual) {
+                       const Tensor& residual, const Tensor& input_bias) {
   HG_CHECK(input.defined(), "{}: the input is an undefined tensor", op);
   HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
            "{}: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", op, input.meta());
@@ -116,6 +119,8 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   check_channel_tensor(op, bias, input, channels, "bias");
   check_channel_tensor(op, running_mean, input, channels, "running_mean");
   check_channel_tensor(op, running_var, input, channels, "running_var");
+  check_channel_tensor(op, input_bias, input, channels, "input_bias");
+  HG_CHECK(!input_bias.defined() || training, "{}: input_bias is folded only with batch statistics", op);
   HG_CHECK(running_mean.defined() == running_var.defined(),
            "{}: running_mean ({}) and running_var ({}) must both be given or both be undefined", op,
            running_mean.meta(), running_var.meta());
@@ -165,11 +170,13 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
     for (auto [user, updated] : {std::pair{running_mean, args.running_mean}, std::pair{running_var, args.running_var}}) {
       if (updated.storage() != user.storage()) copy_kernel[user.device()](user, updated);
     }
+    // The kernel's running mean took mean(input); the batch's is mean(input) + input_bias.
+    if (input_bias.defined()) Tensor(running_mean).add_(input_bias.detach().to(running_mean.dtype()), momentum);
   }
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
   // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask too.
-  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual}, {args.output},
+  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias}, {args.output},
          [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
           mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
@@ -194,32 +201,64 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
              if (b.grad_weight.defined()) b.grad_weight.zero_();
              if (b.grad_bias.defined()) b.grad_bias.zero_();
            }
+           // input_bias's gradient, the sum of grad_input over each channel, is zero with batch statistics (the
+           // only ones it is folded with): ops/batch_norm.h
+           const Tensor grad_input_bias =
+               g.needs(4) ? zeros({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()}) : Tensor();
            // cast to each input's dtype by the engine
-           return {b.grad_input, b.grad_weight, b.grad_bias, b.grad_residual};
+           return {b.grad_input, b.grad_weight, b.grad_bias, b.grad_residual, grad_input_bias};
          });
   return args.output;
 }
 
 }  // namespace
 
+namespace {
+
+// Whether batch_norm's input_bias is added to the input first instead of folded into the op (ops/batch_norm.h).
+bool adds_input_bias_first(const Tensor& input_bias, bool training) {
+  return input_bias.defined() && (!training || !batch_norm_input_bias_fold());
+}
+
+// input + input_bias over each channel, in the input's dtype: the convolution's bias add that the fold skips.
+Tensor add_input_bias(const char* op, const Tensor& input, const Tensor& input_bias) {
+  HG_CHECK(input.defined() && input.dim() >= 2, "{}: expected an input of shape [N, C, ...], got {}", op,
+           input.defined() ? input.meta() : std::string("an undefined tensor"));
+  check_channel_tensor(op, input_bias, input, input.size(1), "input_bias");
+  Shape per_channel(size_t(input.dim()), 1);
+  per_channel[1] = input.size(1);
+  return input + input_bias.to(input.dtype()).view(per_channel);
+}
+
+}  // namespace
+
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps) {
-  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps);
+                  const Tensor& bias, bool training, double momentum, double eps, const Tensor& input_bias) {
+  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias);
+  if (adds_input_bias_first(input_bias, training)) {
+    return batch_norm(add_input_bias("batch_norm", input, input_bias), running_mean, running_var, weight, bias,
+                      training, momentum, eps);
+  }
   return batch_norm_impl("batch_norm", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/false, Tensor());
+                         /*relu=*/false, Tensor(), input_bias);
 }
 
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps,
-                       const Tensor& residual) {
-  HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual);
+                       const Tensor& residual, const Tensor& input_bias) {
+  HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual,
+              input_bias);
   check_residual(input, residual);
+  if (adds_input_bias_first(input_bias, training)) {
+    return batch_norm_relu(add_input_bias("batch_norm_relu", input, input_bias), running_mean, running_var, weight,
+                           bias, training, momentum, eps, residual);
+  }
   if (!batch_norm_relu_fusion()) {
-    const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps);
+    const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias);
     return (residual.defined() ? y + residual.to(y.dtype()) : y).relu();
   }
   return batch_norm_impl("batch_norm_relu", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/true, residual);
+                         /*relu=*/true, residual, input_bias);
 }
 
 // =====================================================================================================

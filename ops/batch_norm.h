@@ -29,8 +29,21 @@ namespace halfgrad {
 // the dtype of the parameters, which may differ from the input's (float16 input with float32 weight, bias
 // and running statistics is the usual mixed-precision case). Gradients: input, weight and bias, in both
 // modes (eval: the statistics are constants).
+//
+// input_bias: [C] or undefined. Normalises input + input_bias (added to every value of its channel) without forming
+// the sum: a convolution's bias before batch norm (nn::Sequential passes it so, VGG's conv -> bn -> relu).
+//   training: the batch mean takes the shift and the variance does not, so y is the same as without it; the running
+//             mean is updated with mean(input) + input_bias. The gradient of input_bias is the sum over each
+//             channel of the input's gradient, which with batch statistics is zero (the sum of
+//             weight * invstd * (g - mean(g) - xhat * mean(g * xhat)) over a channel is -weight * invstd *
+//             mean(g * xhat) * sum(xhat), and sum(xhat) = 0): it is returned as zeros, where the separate ops
+//             return the rounding error of that sum. Skipped: the bias's add forward (a pass reading and writing
+//             the activation) and the sum of its gradient backward (a pass reading it).
+//   eval:     the sum is formed (an add in the input's dtype, as the convolution's would be) and normalised.
+// set_batch_norm_input_bias_fold(false): the sum is formed in training too.
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5,
+                  const Tensor& input_bias = Tensor());
 
 // ---- batch_norm with what follows it in a ResNet or VGG block, in one op (the fusion torch.compile makes):
 //   y = relu(batch_norm(input, ...) + residual)        residual undefined: y = relu(batch_norm(input, ...))
@@ -46,13 +59,18 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 // implementation timed fastest may differ between the two forms: BatchNormBackend). In float16/bfloat16 our kernels
 // round y once instead of after each op; after cuDNN's kernels, whose output is rounded, the residual is added to it
 // and rounded again, as the separate ops do.
+// input_bias: as batch_norm's.
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
-                       double eps = 1e-5, const Tensor& residual = Tensor());
+                       double eps = 1e-5, const Tensor& residual = Tensor(), const Tensor& input_bias = Tensor());
 // Off: batch_norm_relu runs the separate ops (batch_norm, add, relu) instead, for the whole process (default on):
 // to measure what the fusion saves (bench_train_step --unfused) or to rule it out.
 void set_batch_norm_relu_fusion(bool enabled);
 bool batch_norm_relu_fusion();
+// Off: batch_norm's input_bias is added to the input as a separate op in training too, for the whole process
+// (default on): to measure what the fold saves (bench_train_step --no-bias-fold) or to rule it out.
+void set_batch_norm_input_bias_fold(bool enabled);
+bool batch_norm_input_bias_fold();
 
 // ---- kernels
 //

@@ -714,7 +714,7 @@ TEST_CASE("Sequential fuses exactly a BatchNorm2d and a ReLU, not subclasses tha
 
 TEST_CASE("Sequential runs a BatchNorm2d followed by a ReLU as batch_norm_relu, with the same values and gradients") {
   manual_seed(424);
-  auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}});
+  auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}, /*bias=*/false);
   auto bn = std::make_shared<nn::BatchNorm2d>(4);
   auto seq = nn::sequential({conv, bn, std::make_shared<nn::ReLU>()});
   Tensor x = randn({2, 3, 5, 5});
@@ -819,5 +819,188 @@ TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and c
   }
 #else
   MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+// ---- input_bias: a convolution's bias folded into the batch norm after it
+
+namespace {
+
+// batch_norm or batch_norm_relu of (x + input_bias), folded or formed by hand, with running statistics of their own.
+struct BiasedRun {
+  Tensor y, x, input_bias, running_mean, running_var;
+};
+BiasedRun run_biased(const Tensor& x, const Tensor& input_bias, const Tensor& w, const Tensor& b, bool relu,
+                     bool training, bool folded, const Tensor& g) {
+  BiasedRun r{.x = x.detach().requires_grad_(), .input_bias = input_bias.detach().requires_grad_()};
+  r.running_mean = full({x.size(1)}, 0.5, {.dtype = w.dtype(), .device = x.device()});
+  r.running_var = full({x.size(1)}, 2.0, {.dtype = w.dtype(), .device = x.device()});
+  Shape per_channel{1, x.size(1), 1, 1};
+  const Tensor in = folded ? r.x : r.x + r.input_bias.to(x.dtype()).view(per_channel);
+  const Tensor ib = folded ? r.input_bias : Tensor();
+  r.y = relu ? batch_norm_relu(in, r.running_mean, r.running_var, w, b, training, 0.1, 1e-5, Tensor(), ib)
+             : batch_norm(in, r.running_mean, r.running_var, w, b, training, 0.1, 1e-5, ib);
+  r.y.backward(g);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm's input_bias gives batch_norm(input + input_bias): values, running statistics, gradients") {
+  manual_seed(430);
+  const TensorOptions f64{.dtype = kFloat64};
+  for (bool cl : {false, true})
+    for (bool relu : {false, true})
+      for (bool training : {true, false}) {
+        CAPTURE(cl);
+        CAPTURE(relu);
+        CAPTURE(training);
+        Tensor x = randn({4, 3, 3, 2}, f64) * 2 + 1, g = randn({4, 3, 3, 2}, f64);
+        if (cl) x = channels_last(x);
+        const Tensor input_bias = randn({3}, f64) * 3;  // far from zero: a fold that dropped it would show
+        const Tensor w = rand({3}, f64) + 0.5, b = randn({3}, f64);
+        const BiasedRun folded = run_biased(x, input_bias, w, b, relu, training, true, g);
+        const BiasedRun separate = run_biased(x, input_bias, w, b, relu, training, false, g);
+        check_close(values(folded.y), values(separate.y), 1e-12);
+        check_close(values(folded.running_mean), values(separate.running_mean), 1e-12);
+        check_close(values(folded.running_var), values(separate.running_var), 1e-12);
+        check_close(values(folded.x.grad()), values(separate.x.grad()), 1e-11);
+        if (training) {
+          // The sum of the input's gradient over each channel: zero exactly, where the separate ops' sum has the
+          // rounding error of adding values that cancel.
+          check_close(values(folded.input_bias.grad()), std::vector<double>(3, 0.0), 0);
+          check_close(values(separate.input_bias.grad()), std::vector<double>(3, 0.0), 1e-12);
+        } else {
+          // eval: the sum is formed, and its gradient is the input's gradient summed over each channel
+          check_close(values(folded.input_bias.grad()), values(separate.input_bias.grad()), 1e-12);
+          CHECK(values(folded.input_bias.grad().abs().sum()).front() > 0.1);
+        }
+      }
+}
+
+TEST_CASE("batch_norm's input_bias: gradients match finite differences, with and without relu, both modes") {
+  manual_seed(431);
+  for (bool training : {true, false}) {
+    CAPTURE(training);
+    Tensor rm = randn({3}, {.dtype = kFloat64}), rv = rand({3}, {.dtype = kFloat64}) + 0.5;
+    gradcheck([&](const TensorList& in) {
+      return batch_norm(in[0], rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5, in[3]);
+    }, {leaf({4, 3, 2, 3}, 2.0, 1.0), leaf({3}), leaf({3}), leaf({3}, 3.0)});
+    gradcheck([&](const TensorList& in) {
+      return batch_norm_relu(channels_last(in[0]), rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5,
+                             channels_last(in[4]), in[3]);
+    }, {leaf({2, 3, 3, 2}), leaf({3}), leaf({3}), leaf({3}, 3.0), leaf({2, 3, 3, 2})});
+  }
+}
+
+TEST_CASE("batch_norm's input_bias with the fold switched off is added first, with the same checks") {
+  manual_seed(432);
+  Tensor x = randn({4, 3, 2, 2}), g = randn({4, 3, 2, 2}), ib = randn({3}), w = rand({3}) + 0.5, b = randn({3});
+  set_batch_norm_input_bias_fold(false);
+  CHECK_FALSE(batch_norm_input_bias_fold());
+  const BiasedRun off = run_biased(x, ib, w, b, true, true, true, g);
+  const BiasedRun separate = run_biased(x, ib, w, b, true, true, false, g);
+  CHECK_THROWS_WITH_AS(batch_norm(x, Tensor(), Tensor(), w, b, true, 0.1, 1e-5, randn({4})),
+                       doctest::Contains("batch_norm: expected input_bias to be a floating-point [3] tensor"), Error);
+  set_batch_norm_input_bias_fold(true);
+  CHECK(batch_norm_input_bias_fold());
+  // the same ops as the separate ones, so the same values bit for bit, the gradient's rounding error included
+  check_close(values(off.y), values(separate.y), 0);
+  check_close(values(off.input_bias.grad()), values(separate.input_bias.grad()), 0);
+  check_close(values(off.running_mean), values(separate.running_mean), 0);
+}
+
+TEST_CASE("batch_norm's input_bias errors name the op, the operand and the shapes") {
+  Tensor x = randn({2, 3, 4, 4});
+  for (bool training : {true, false}) {
+    CAPTURE(training);
+    CHECK_THROWS_WITH_AS(batch_norm(x, zeros({3}), ones({3}), Tensor(), Tensor(), training, 0.1, 1e-5, randn({2})),
+                         doctest::Contains("batch_norm: expected input_bias to be a floating-point [3] tensor (one "
+                                           "value per channel of input"),
+                         Error);
+    CHECK_THROWS_WITH_AS(
+        batch_norm_relu(x, zeros({3}), ones({3}), Tensor(), Tensor(), training, 0.1, 1e-5, Tensor(),
+                        zeros({3}, {.dtype = kInt64})),
+        doctest::Contains("batch_norm_relu: expected input_bias to be a floating-point [3] tensor"), Error);
+  }
+}
+
+TEST_CASE("Sequential folds a Conv2d's bias into the BatchNorm2d after it, training and eval, with or without ReLU") {
+  manual_seed(433);
+  const TensorOptions f64{.dtype = kFloat64};
+  for (bool relu : {false, true}) {
+    CAPTURE(relu);
+    auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}, true, f64);
+    {
+      NoGradGuard no_grad;
+      conv->bias.copy_(randn({4}, f64) * 2);  // not its zero-free default only: a bias far from zero
+    }
+    auto bn = std::make_shared<nn::BatchNorm2d>(4, nn::BatchNormOptions{}, f64);
+    auto seq = relu ? nn::sequential({conv, bn, std::make_shared<nn::ReLU>()}) : nn::sequential({conv, bn});
+    Tensor x = randn({2, 3, 5, 5}, f64), g = randn({2, 4, 5, 5}, f64);
+    for (bool training : {true, false}) {
+      CAPTURE(training);
+      seq->train(training);
+      const Tensor mean_before = bn->running_mean.clone(), var_before = bn->running_var.clone();
+      Tensor y = seq->forward(x);
+      CHECK(y.grad_fn()->name() == (relu ? "BatchNormReluBackward" : "BatchNormBackward"));
+      y.backward(g);
+      const Tensor weight_grad = conv->weight.grad().clone(), bias_grad = conv->bias.grad().clone();
+      const Tensor mean_after = bn->running_mean.clone(), var_after = bn->running_var.clone();
+      conv->weight.set_grad(Tensor());
+      conv->bias.set_grad(Tensor());
+      // the modules one by one from the same running statistics
+      {
+        NoGradGuard no_grad;
+        bn->running_mean.copy_(mean_before);
+        bn->running_var.copy_(var_before);
+      }
+      Tensor u = bn->forward(conv->forward(x));
+      if (relu) u = u.relu();
+      u.backward(g);
+      check_close(values(y), values(u), 1e-12);
+      check_close(values(mean_after), values(bn->running_mean), 1e-12);
+      check_close(values(var_after), values(bn->running_var), 1e-12);
+      check_close(values(weight_grad), values(conv->weight.grad()), 1e-11);
+      if (training) {
+        check_close(values(bias_grad), std::vector<double>(4, 0.0), 0);
+      } else {
+        check_close(values(bias_grad), values(conv->bias.grad()), 1e-11);
+      }
+      conv->weight.set_grad(Tensor());
+      conv->bias.set_grad(Tensor());
+    }
+  }
+}
+
+TEST_CASE("CUDA batch_norm's input_bias matches the CPU: float16 channels last with a float32 bias, ours and cuDNN's") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(434);
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn}) {
+    const BackendGuard guard(backend);
+    for (bool relu : {false, true}) {
+      CAPTURE(int(backend));
+      CAPTURE(relu);
+      const Shape shape{16, 64, 6, 6};
+      const Tensor x = channels_last(randn(shape).to(kFloat16)), g = channels_last(randn(shape).to(kFloat16));
+      const Tensor ib = randn({64}) * 2, w = rand({64}) + 0.5, b = randn({64});
+      const Device gpu = Device::cuda(0);
+      const BiasedRun on_gpu = run_biased(channels_last(x.cuda()), ib.cuda(), w.cuda(), b.cuda(), relu, true, true,
+                                          channels_last(g.cuda()));
+      // the reference: the sum formed in float64 on the CPU
+      const BiasedRun on_cpu = run_biased(x.to(kFloat64), ib.to(kFloat64), w.to(kFloat64), b.to(kFloat64), relu,
+                                          true, false, g.to(kFloat64));
+      CHECK(on_gpu.y.dtype() == kFloat16);
+      CHECK(on_gpu.y.device() == gpu);
+      check_close(values(on_gpu.y.cpu()), values(on_cpu.y), 4e-3);
+      check_close(values(on_gpu.running_mean.cpu()), values(on_cpu.running_mean), 1e-5);
+      check_close(values(on_gpu.running_var.cpu()), values(on_cpu.running_var), 1e-4);
+      check_close(values(on_gpu.x.grad().cpu()), values(on_cpu.x.grad()), 2e-2);
+      REQUIRE(on_gpu.input_bias.grad().defined());
+      CHECK(on_gpu.input_bias.grad().dtype() == kFloat32);
+      check_close(values(on_gpu.input_bias.grad().cpu()), std::vector<double>(64, 0.0), 0);
+    }
+  }
 #endif
 }

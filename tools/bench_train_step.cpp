@@ -13,9 +13,11 @@
 //   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
 //
 //   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
-//                    [--cuda-graph] [--unfused]
+//                    [--cuda-graph] [--unfused] [--no-bias-fold]
 //   --unfused   batch norm, the residual add and relu as separate ops (set_batch_norm_relu_fusion(false)): the step
 //               before batch_norm_relu, to measure what the fusion saves in the same run
+//   --no-bias-fold  a convolution's bias before batch norm added as its own op (set_batch_norm_input_bias_fold(false)):
+//               the step before the fold, to measure what it saves (VGG; the ResNets' convolutions have no bias)
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
@@ -45,6 +47,7 @@ struct Settings {
   bool nchw = false;
   bool cuda_graph = false;
   bool unfused = false;
+  bool no_bias_fold = false;
   int iters = 30, warmup = 5;
 };
 
@@ -56,9 +59,11 @@ int run(const Settings& s) {
              "{} steps after {} warm-up steps\n",
              s.model, cuda::device_name(0), s.nchw ? "NCHW" : "channels_last",
              std::string(s.cuda_graph ? ", the step replayed as a CUDA graph" : "") +
-                 (s.unfused ? ", batch norm / add / relu unfused" : ""),
+                 (s.unfused ? ", batch norm / add / relu unfused" : "") +
+                 (s.no_bias_fold ? ", convolution biases added before batch norm" : ""),
              s.iters, s.warmup);
   set_batch_norm_relu_fusion(!s.unfused);
+  set_batch_norm_input_bias_fold(!s.no_bias_fold);
   fmt::print("{:<9} {:>6} {:<6} {:>9} {:>10} {:>9} {:>9}\n", "model", "batch", "level", "ms", "images/s", "host ms",
              "peak MiB");
   for (int64_t batch : s.batches) {
@@ -119,6 +124,8 @@ int main(int argc, char** argv) {
   app.add_flag("--cuda-graph", s.cuda_graph, "capture the step after two eager ones and replay it");
   app.add_flag("--unfused", s.unfused, "batch norm, the residual add and relu as separate ops (the step before "
                "batch_norm_relu)");
+  app.add_flag("--no-bias-fold", s.no_bias_fold, "a convolution's bias before batch norm added as its own op (the "
+               "step before the fold)");
   app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(cli::integer_in<int>(0));
   CLI11_PARSE(app, argc, argv);
