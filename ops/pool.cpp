@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/autocast.h"
@@ -77,11 +78,15 @@ TensorOptions like(const Tensor& t, DType dtype) { return {.dtype = dtype, .devi
 
 // ---- max_pool2d. Autocast category: "unchanged".
 
-std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, Pair2d kernel_size,
-                                                  const MaxPool2dOptions& options) {
+namespace {
+
+// max_pool2d and max_pool2d_with_indices: `flat` asks for the flat indices, else window positions are kept where
+// the window is small enough (MaxPool2dKernel's `indices`).
+std::pair<Tensor, Tensor> max_pool2d_impl(const Tensor& input, Pair2d kernel_size, const MaxPool2dOptions& options,
+                                          bool flat) {
   HG_CHECK(input.defined(), "max_pool2d: got an undefined input");
   if (input.dim() == 3) {  // unbatched
-    auto [out, indices] = max_pool2d_with_indices(input.unsqueeze(0), kernel_size, options);
+    auto [out, indices] = max_pool2d_impl(input.unsqueeze(0), kernel_size, options, flat);
     return {out.squeeze(0), indices.squeeze(0)};
   }
   check_input("max_pool2d", input);
@@ -90,7 +95,8 @@ std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, Pair2d ke
   const Shape shape = pooled_shape("max_pool2d", input, p, options.ceil_mode);
   const MemoryFormat format = suggest_memory_format(input);
   Tensor out = empty(shape, like(input, input.dtype()), format);
-  Tensor indices = empty(shape, like(input, kInt64), format);
+  const bool positions = !flat && p.kernel[0] * p.kernel[1] <= kMaxWindowPositions;
+  Tensor indices = empty(shape, like(input, positions ? kUInt8 : kInt64), format);
   if (out.numel() > 0) max_pool2d_kernel[input.device()](out, indices, input, p);
 
   if (!any_requires_grad({&input})) return {out, indices};
@@ -105,9 +111,16 @@ std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, Pair2d ke
   return {out, indices};
 }
 
+}  // namespace
+
+std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, Pair2d kernel_size,
+                                                  const MaxPool2dOptions& options) {
+  return max_pool2d_impl(input, kernel_size, options, /*flat=*/true);
+}
+
 Tensor max_pool2d(const Tensor& input, Pair2d kernel_size, const MaxPool2dOptions& options) {
   HG_AUTOCAST(max_pool2d, input, kernel_size, options);
-  return max_pool2d_with_indices(input, kernel_size, options).first;
+  return max_pool2d_impl(input, kernel_size, options, /*flat=*/false).first;
 }
 
 // ---- avg_pool2d. Autocast category: "unchanged".
@@ -185,22 +198,22 @@ template <typename Fn> void for_each_plane(int64_t N, int64_t C, int64_t work_pe
   }
 }
 
-template <typename T> void max_pool_cpu_typed(const Tensor& out, const Tensor& indices, const Tensor& input,
-                                              const Pool2dParams& p) {
+template <typename T, typename S>
+void max_pool_cpu_typed(const Tensor& out, const Tensor& indices, const Tensor& input, const Pool2dParams& p) {
   using Acc = opmath_t<T>;
   const int64_t N = input.size(0), C = input.size(1), H = input.size(2), W = input.size(3);
   const int64_t OH = out.size(2), OW = out.size(3);
   const Strided4<const T> x(input);
   const Strided4<T> y(out);
-  const Strided4<int64_t> idx(indices);
+  const Strided4<S> idx(indices);
   for_each_plane(N, C, OH * OW * p.kernel[0] * p.kernel[1], [&](int64_t n, int64_t c) {
     const T* xp = x.plane(n, c);
     T* yp = y.plane(n, c);
-    int64_t* ip = idx.plane(n, c);
+    S* ip = idx.plane(n, c);
     for (int64_t oh = 0; oh < OH; ++oh) {
       for (int64_t ow = 0; ow < OW; ++ow) {
         Acc best = -std::numeric_limits<Acc>::infinity();
-        int64_t best_index = -1;
+        int64_t best_index = -1, best_position = 0;
         for (int64_t kh = 0; kh < p.kernel[0]; ++kh) {
           const int64_t ih = oh * p.stride[0] - p.padding[0] + kh * p.dilation[0];
           if (ih < 0 || ih >= H) continue;
@@ -212,11 +225,12 @@ template <typename T> void max_pool_cpu_typed(const Tensor& out, const Tensor& i
             if (best_index < 0 || v > best || std::isnan(v)) {
               best = v;
               best_index = ih * W + iw;
+              best_position = kh * p.kernel[1] + kw;
             }
           }
         }
         yp[oh * y.s[2] + ow * y.s[3]] = T(best);
-        ip[oh * idx.s[2] + ow * idx.s[3]] = best_index;
+        ip[oh * idx.s[2] + ow * idx.s[3]] = S(std::is_same_v<S, uint8_t> ? best_position : best_index);
       }
     }
   });
@@ -247,18 +261,25 @@ void scatter_backward(const Tensor& grad_input, int64_t work_per_plane, Scatter&
   }
 }
 
-template <typename T> void max_pool_backward_cpu_typed(const Tensor& grad_input, const Tensor& grad_output,
-                                                       const Tensor& indices) {
+template <typename T, typename S>
+void max_pool_backward_cpu_typed(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
+                                 const Pool2dParams& p) {
   using Acc = opmath_t<T>;
-  const int64_t OH = grad_output.size(2), OW = grad_output.size(3);
+  const int64_t OH = grad_output.size(2), OW = grad_output.size(3), W = grad_input.size(3);
   const Strided4<const T> g(grad_output);
-  const Strided4<const int64_t> idx(indices);
+  const Strided4<const S> idx(indices);
   scatter_backward<T>(grad_input, OH * OW, [&](int64_t n, int64_t c, Acc* acc) {
     const T* gp = g.plane(n, c);
-    const int64_t* ip = idx.plane(n, c);
+    const S* ip = idx.plane(n, c);
     for (int64_t oh = 0; oh < OH; ++oh) {
       for (int64_t ow = 0; ow < OW; ++ow) {
-        const int64_t i = ip[oh * idx.s[2] + ow * idx.s[3]];
+        const int64_t saved = int64_t(ip[oh * idx.s[2] + ow * idx.s[3]]);
+        int64_t i = saved;
+        if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: its row and column in the plane
+          const int64_t ih = oh * p.stride[0] - p.padding[0] + (saved / p.kernel[1]) * p.dilation[0];
+          const int64_t iw = ow * p.stride[1] - p.padding[1] + (saved % p.kernel[1]) * p.dilation[1];
+          i = ih * W + iw;
+        }
         if (i >= 0) acc[i] += Acc(gp[oh * g.s[2] + ow * g.s[3]]);
       }
     }
@@ -358,12 +379,17 @@ template <typename T> void adaptive_avg_pool_backward_cpu_typed(const Tensor& gr
 }
 
 void max_pool2d_cpu(const Tensor& out, const Tensor& indices, const Tensor& input, const Pool2dParams& p) {
-  dispatch_floating(input.dtype(), "max_pool2d", [&]<typename T>() { max_pool_cpu_typed<T>(out, indices, input, p); });
+  dispatch_floating(input.dtype(), "max_pool2d", [&]<typename T>() {
+    dispatch_max_pool_indices(indices, [&]<typename S>() { max_pool_cpu_typed<T, S>(out, indices, input, p); });
+  });
 }
 void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
-                             const Pool2dParams&) {
-  dispatch_floating(grad_input.dtype(), "max_pool2d backward",
-                    [&]<typename T>() { max_pool_backward_cpu_typed<T>(grad_input, grad_output, indices); });
+                             const Pool2dParams& p) {
+  dispatch_floating(grad_input.dtype(), "max_pool2d backward", [&]<typename T>() {
+    dispatch_max_pool_indices(indices, [&]<typename S>() {
+      max_pool_backward_cpu_typed<T, S>(grad_input, grad_output, indices, p);
+    });
+  });
 }
 void avg_pool2d_cpu(const Tensor& out, const Tensor& input, const Pool2dParams& p) {
   dispatch_floating(input.dtype(), "avg_pool2d", [&]<typename T>() { avg_pool_cpu_typed<T>(out, input, p); });

@@ -1,7 +1,8 @@
 #pragma once
 // 2-D pooling: max_pool2d, avg_pool2d, adaptive_avg_pool2d (torch.nn.functional semantics), forward and
 // backward, on CPU (ops/pool.cpp, OpenMP over the N*C planes) and CUDA (ops/pool.cu, one thread per
-// output element for the forward and per input element for the backward: gathers, no atomics).
+// output element for the forward and per input element for the backward: gathers, no atomics; max pooling over
+// windows that tile a channels-last input, a thread per output position and 16-byte vector of channels).
 //
 // Inputs are [N, C, H, W] or unbatched [C, H, W], of a floating dtype, in any strided layout; the output
 // has the input's memory format (a channels_last input gives a channels_last output, ops/conv.h).
@@ -33,6 +34,9 @@ struct AvgPool2dOptions {
 //   max_pool2d(x, {2, 2});                                       // stride 2
 //   max_pool2d(x, {3, 3}, {.stride = {2, 2}, .padding = {1, 1}});
 // The gradient goes to the window's maximum (the first one on ties; a nan is the maximum when present).
+// For its backward it keeps where each maximum lies within its window, one byte an output element (windows of up to
+// kMaxWindowPositions elements), where the flat indices of max_pool2d_with_indices take eight: at VGG16's first
+// pooling at batch 2048 that is 34 MB to write and read back instead of 268.
 Tensor max_pool2d(const Tensor& input, Pair2d kernel_size, const MaxPool2dOptions& options = {});
 // Also returns where each maximum came from: int64, index h * W + w within its [H, W] plane (PyTorch's
 // return_indices=True convention).
@@ -62,9 +66,21 @@ struct Pool2dParams {
   bool count_include_pad = true;  // avg only
 };
 
+// What max pooling's kernels write into `indices` and its backward reads, by the tensor's dtype:
+//   int64  the flat index ih * W + iw of each maximum in its input plane (max_pool2d_with_indices' result)
+//   uint8  its position within the window, kh * kernel_w + kw (max_pool2d's own record for its backward)
+constexpr int64_t kMaxWindowPositions = 255;
+// Calls f.template operator()<S>() with S the C++ type of `indices`: int64_t or uint8_t.
+template <typename F> void dispatch_max_pool_indices(const Tensor& indices, F&& f) {
+  if (indices.dtype() == kUInt8)
+    f.template operator()<uint8_t>();
+  else
+    f.template operator()<int64_t>();
+}
+
 using MaxPool2dKernel = void (*)(const Tensor& out, const Tensor& indices, const Tensor& input,
                                  const Pool2dParams& params);
-// grad_input[n, c, i] = sum of grad_output[n, c, o] over the outputs o whose index is i.
+// grad_input[n, c, i] = sum of grad_output[n, c, o] over the outputs o whose maximum lies at i.
 using MaxPool2dBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
                                          const Pool2dParams& params);
 using AvgPool2dKernel = void (*)(const Tensor& out, const Tensor& input, const Pool2dParams& params);

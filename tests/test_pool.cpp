@@ -459,3 +459,116 @@ TEST_CASE("cuda: global average pooling's backward gives every element dy / (H W
     }
   }
 }
+
+// ---- the window positions max_pool2d keeps for its backward (ops/pool.h: one byte an output, not an int64 index)
+
+namespace {
+
+// What max_pool2d's kernel writes into a uint8 tensor on `device`: each maximum's position within its window.
+std::vector<int64_t> window_positions(const Tensor& x, Pair2d kernel, const MaxPool2dOptions& o, Device device) {
+  const Pair2d stride = o.stride == Pair2d{0, 0} ? kernel : o.stride;
+  const Pool2dParams p{.kernel = kernel, .stride = stride, .padding = o.padding, .dilation = o.dilation};
+  const Tensor y = max_pool2d(x, kernel, o);  // the output's shape and layout
+  Tensor positions = contiguous(zeros(y.shape(), {.dtype = kUInt8, .device = device}), suggest_memory_format(y));
+  Tensor out = empty_like(y);
+  max_pool2d_kernel[device](out, positions, x, p);
+  return to_vector<int64_t>(positions);
+}
+
+// The positions the flat indices of the reference stand for: (h - (oh s - p)) / d rows and so many columns in.
+std::vector<int64_t> positions_of(const Tensor& x, Pair2d kernel, const MaxPool2dOptions& o) {
+  const Pair2d stride = o.stride == Pair2d{0, 0} ? kernel : o.stride;
+  Shape shape;
+  const std::vector<int64_t> flat = reference_max_pool(x, kernel, o, shape).second;
+  const int64_t W = x.size(3), OH = shape[2], OW = shape[3];
+  std::vector<int64_t> positions;
+  for (size_t i = 0; i < flat.size(); ++i) {
+    const int64_t ow = int64_t(i) % OW, oh = (int64_t(i) / OW) % OH;
+    const int64_t kh = (flat[i] / W - (oh * stride[0] - o.padding[0])) / o.dilation[0];
+    const int64_t kw = (flat[i] % W - (ow * stride[1] - o.padding[1])) / o.dilation[1];
+    positions.push_back(kh * kernel[1] + kw);
+  }
+  return positions;
+}
+
+}  // namespace
+
+TEST_CASE("max_pool2d keeps each maximum's window position for its backward: exact positions, the same gradients") {
+  manual_seed(48);
+  for (DType dt : kFloatTypes) {
+    for (const MaxCase& c : kMaxCases) {
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
+      // Values from a few integers: ties in most windows, where the first maximum is the one kept.
+      Tensor x = randint(-3, 4, c.input, {.dtype = dt});
+      CHECK(window_positions(x, c.kernel, c.options, Device::cpu()) == positions_of(x, c.kernel, c.options));
+      // Backward from the positions (max_pool2d) and from the flat indices (max_pool2d_with_indices): the same.
+      Tensor a = x.detach().requires_grad_(), b = x.detach().requires_grad_();
+      Tensor g = random(max_pool2d(x, c.kernel, c.options).shape(), dt);
+      max_pool2d(a, c.kernel, c.options).backward(g);
+      max_pool2d_with_indices(b, c.kernel, c.options).first.backward(g);
+      CHECK(to_vector<double>(a.grad()) == to_vector<double>(b.grad()));
+    }
+  }
+  // A window of 256 elements has more positions than a byte holds: flat indices are kept, with the same result.
+  Tensor x = random({2, 3, 16, 16}, kFloat32).requires_grad_();
+  max_pool2d(x, {16, 16}).sum().backward();
+  Shape shape;
+  const std::vector<int64_t> argmax = reference_max_pool(x.detach(), {16, 16}, {}, shape).second;
+  const std::vector<double> grad = to_vector<double>(x.grad());
+  for (int64_t plane = 0; plane < 6; ++plane) {
+    for (int64_t i = 0; i < 256; ++i) CHECK(grad[size_t(plane * 256 + i)] == (i == argmax[size_t(plane)] ? 1.0 : 0.0));
+  }
+}
+
+TEST_CASE("cuda: max pooling over windows that tile a channels-last input runs on its vector kernels, exactly as the CPU") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(49);
+  const Device gpu = Device::cuda(0);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Tiled {
+    const char* name;
+    Shape input;
+    Pair2d kernel;
+  };
+  // The first three tile (C a whole number of 16-byte vectors in every dtype); the others take the general kernels:
+  // 3 channels, a row left over, and a window that does not tile.
+  const std::vector<Tiled> cases = {{"2x2 (VGG)", {4, 64, 8, 8}, {2, 2}},
+                                    {"3x2", {3, 16, 6, 4}, {3, 2}},
+                                    {"1x1", {2, 8, 3, 3}, {1, 1}},
+                                    {"3 channels", {2, 3, 8, 8}, {2, 2}},
+                                    {"7 rows", {2, 16, 7, 8}, {2, 2}}};
+  for (DType dt : kFloatTypes) {
+    for (const Tiled& c : cases) {
+      INFO("dtype: " << dtype_name(dt));
+      INFO("case: " << c.name);
+      Tensor x = randint(-3, 4, c.input, {.dtype = kFloat64});  // ties
+      {
+        NoGradGuard no_grad;
+        x.view({-1}).narrow(0, 5, 1).fill_(nan);  // a nan in one window: it is the maximum
+      }
+      x = contiguous(x.to(dt), MemoryFormat::ChannelsLast);
+      const Tensor xg = contiguous(x.to(gpu), MemoryFormat::ChannelsLast);
+      CHECK(window_positions(xg, c.kernel, {}, gpu) == window_positions(x, c.kernel, {}, Device::cpu()));
+      Tensor a = x.detach().requires_grad_(), b = xg.detach().requires_grad_();
+      const Tensor ya = max_pool2d(a, c.kernel), yb = max_pool2d(b, c.kernel);
+      CHECK(is_channels_last(yb));
+      const std::vector<double> va = to_vector<double>(ya), vb = to_vector<double>(yb);
+      REQUIRE(va.size() == vb.size());
+      for (size_t i = 0; i < va.size(); ++i) CHECK(((std::isnan(va[i]) && std::isnan(vb[i])) || va[i] == vb[i]));
+      const Tensor g = contiguous(random(ya.shape(), dt), MemoryFormat::ChannelsLast);
+      ya.backward(g);
+      yb.backward(contiguous(g.to(gpu), MemoryFormat::ChannelsLast));
+      CHECK(to_vector<double>(b.grad()) == to_vector<double>(a.grad()));
+    }
+  }
+  // Dense channels-last data that is not 16-byte aligned (one element into its buffer): the general kernels.
+  Tensor buffer = random({4 * 8 * 8 * 64 + 1}, kFloat16).to(gpu);
+  Tensor x = buffer.narrow(0, 1, 4 * 8 * 8 * 64).view({4, 8, 8, 64}).permute({0, 3, 1, 2}).requires_grad_();
+  REQUIRE(is_channels_last(x));
+  Tensor xc = x.detach().cpu().requires_grad_();
+  max_pool2d(x, {2, 2}).sum().backward();
+  max_pool2d(xc, {2, 2}).sum().backward();
+  CHECK(to_vector<double>(max_pool2d(x, {2, 2})) == to_vector<double>(max_pool2d(xc, {2, 2})));
+  CHECK(to_vector<double>(x.grad()) == to_vector<double>(xc.grad()));
+}
