@@ -96,6 +96,9 @@ void BatchNorm2d::reset_running_stats() {
   num_batches_tracked.zero_();
 }
 
+// As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
+bool BatchNorm2d::uses_batch_stats() const { return is_training() || !options.track_running_stats; }
+
 Tensor BatchNorm2d::forward(const Tensor& x) { return normalise(x, /*relu=*/false, Tensor(), Tensor()); }
 
 Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
@@ -109,8 +112,7 @@ Tensor BatchNorm2d::forward_with_input_bias(const Tensor& x, const Tensor& input
 Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias) {
   HG_CHECK(x.dim() == 4, "BatchNorm2d: expected a 4-D input (N, C, H, W), got {}", x.meta());
   HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
-  // As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
-  bool use_batch_stats = is_training() || !options.track_running_stats;
+  bool use_batch_stats = uses_batch_stats();
   double momentum = options.momentum.value_or(0.0);
   if (is_training() && options.track_running_stats) {
     NoGradGuard no_grad;
@@ -208,10 +210,11 @@ Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
 
 // A BatchNorm2d followed by a ReLU runs as one op (BatchNorm2d::forward_relu): the values of the two modules (relu
 // commutes with rounding; on CUDA the kernels timed fastest for each form may differ in the last bit), two passes over
-// the activation fewer forward and one backward. A Conv2d's bias before a BatchNorm2d is the batch norm's input_bias:
-// with batch statistics it cancels, so its add forward and its gradient's sum backward are skipped (ops/batch_norm.h
-// says what differs: its gradient is zero instead of the rounding error of a sum that is zero). Exactly those
-// classes: a subclass may override forward.
+// the activation fewer forward and one backward. Where the BatchNorm2d after a Conv2d with a bias uses batch
+// statistics, the bias is the batch norm's input_bias: it cancels, so its add forward and its gradient's sum backward
+// are skipped (ops/batch_norm.h says what differs: its gradient is zero instead of the rounding error of a sum that is
+// zero); the convolution runs as conv2d without it (Conv2d::forward is not called). Exactly those classes: a subclass
+// may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
   const auto& children = named_children();
@@ -220,7 +223,8 @@ Tensor Sequential::forward(const Tensor& x) {
   };
   for (size_t i = 0; i < children.size(); ++i) {
     if (is(i, typeid(Conv2d)) && is(i + 1, typeid(BatchNorm2d)) &&
-        static_cast<Conv2d&>(*children[i].second).bias.defined()) {
+        static_cast<Conv2d&>(*children[i].second).bias.defined() &&
+        static_cast<BatchNorm2d&>(*children[i + 1].second).uses_batch_stats()) {
       const auto& conv = static_cast<Conv2d&>(*children[i].second);
       const bool relu = is(i + 2, typeid(ReLU));
       y = static_cast<BatchNorm2d&>(*children[i + 1].second)

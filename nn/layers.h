@@ -89,6 +89,8 @@ class BatchNorm2d : public Module {
   // forward(x + input_bias) (relu after it when `relu`) with the per-channel input_bias folded into the op
   // (batch_norm's input_bias): a convolution's bias before this layer, its add and its gradient's sum skipped.
   Tensor forward_with_input_bias(const Tensor& x, const Tensor& input_bias, bool relu);
+  // Whether forward normalises with the batch's statistics: in training, or without running statistics.
+  bool uses_batch_stats() const;
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string extra_repr() const override;
   void reset_running_stats();
@@ -196,8 +198,8 @@ class Identity : public Module {
 
 // Runs its children in order, each one's output the next one's input, except that a BatchNorm2d followed by a ReLU
 // runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called), and that a Conv2d with a bias
-// followed by a BatchNorm2d runs its convolution without the bias, which the batch norm takes as its input_bias
-// (BatchNorm2d::forward_with_input_bias). Children are named "0", "1", ... (PyTorch's names, so "features.0.weight"
+// followed by a BatchNorm2d that uses batch statistics runs as conv2d without the bias (Conv2d::forward is not
+// called), which the batch norm takes as its input_bias (BatchNorm2d::forward_with_input_bias). Children are named "0", "1", ... (PyTorch's names, so "features.0.weight"
 // matches).
 class Sequential : public Module {
  public:

@@ -167,11 +167,14 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   if (input.numel() > 0) batch_norm_forward_kernel[input.device()](args);
   if (training && running_mean.defined()) {
     NoGradGuard no_grad;
+    // The kernel's running mean took mean(input); the batch's is mean(input) + input_bias. Added in the accumulation
+    // dtype, before a float16 running mean is rounded once by the copy back.
+    if (input_bias.defined() && input.numel() > 0) {
+      args.running_mean.add_(input_bias.detach().to(args.running_mean.dtype()), momentum);
+    }
     for (auto [user, updated] : {std::pair{running_mean, args.running_mean}, std::pair{running_var, args.running_var}}) {
       if (updated.storage() != user.storage()) copy_kernel[user.device()](user, updated);
     }
-    // The kernel's running mean took mean(input); the batch's is mean(input) + input_bias.
-    if (input_bias.defined()) Tensor(running_mean).add_(input_bias.detach().to(running_mean.dtype()), momentum);
   }
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the

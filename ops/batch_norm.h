@@ -38,8 +38,13 @@ namespace halfgrad {
 //             weight * invstd * (g - mean(g) - xhat * mean(g * xhat)) over a channel is -weight * invstd *
 //             mean(g * xhat) * sum(xhat), and sum(xhat) = 0): it is returned as zeros, where the separate ops
 //             return the rounding error of that sum. Skipped: the bias's add forward (a pass reading and writing
-//             the activation) and the sum of its gradient backward (a pass reading it).
-//   eval:     the sum is formed (an add in the input's dtype, as the convolution's would be) and normalised.
+//             the activation) and the sum of its gradient backward (a pass reading it); added: three launches
+//             on [C] vectors (the running mean's add, its cast, the zeros). What a user sees differ: the bias
+//             and its optimizer state stay where weight decay and momentum alone take them, where in PyTorch
+//             an optimizer that scales a gradient by its own size (Adam, RMSprop) moves the bias by up to lr a
+//             step on that rounding error. Neither changes the output in training.
+//   eval:     the sum is formed (an add in the input's dtype) and normalised. nn::Sequential folds only where
+//             the batch norm uses batch statistics, so there the convolution adds its own bias.
 // set_batch_norm_input_bias_fold(false): the sum is formed in training too.
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5,

@@ -907,7 +907,25 @@ TEST_CASE("batch_norm's input_bias with the fold switched off is added first, wi
   // the same ops as the separate ones, so the same values bit for bit, the gradient's rounding error included
   check_close(values(off.y), values(separate.y), 0);
   check_close(values(off.input_bias.grad()), values(separate.input_bias.grad()), 0);
+  check_close(values(off.x.grad()), values(separate.x.grad()), 0);
   check_close(values(off.running_mean), values(separate.running_mean), 0);
+  check_close(values(off.running_var), values(separate.running_var), 0);
+}
+
+TEST_CASE("batch_norm_relu with the relu fusion off still folds its input_bias") {
+  manual_seed(435);
+  const TensorOptions f64{.dtype = kFloat64};
+  Tensor x = randn({4, 3, 2, 2}, f64), g = randn({4, 3, 2, 2}, f64), ib = randn({3}, f64) * 3;
+  Tensor w = rand({3}, f64) + 0.5, b = randn({3}, f64);
+  const BiasedRun fused = run_biased(x, ib, w, b, true, true, true, g);
+  set_batch_norm_relu_fusion(false);
+  const BiasedRun separate_relu = run_biased(x, ib, w, b, true, true, true, g);
+  set_batch_norm_relu_fusion(true);
+  CHECK(separate_relu.y.grad_fn()->name() == "ReluBackward");
+  check_close(values(separate_relu.y), values(fused.y), 1e-12);
+  check_close(values(separate_relu.running_mean), values(fused.running_mean), 1e-12);
+  check_close(values(separate_relu.x.grad()), values(fused.x.grad()), 1e-11);
+  check_close(values(separate_relu.input_bias.grad()), std::vector<double>(3, 0.0), 0);
 }
 
 TEST_CASE("batch_norm's input_bias errors name the op, the operand and the shapes") {
@@ -971,6 +989,65 @@ TEST_CASE("Sequential folds a Conv2d's bias into the BatchNorm2d after it, train
       conv->bias.set_grad(Tensor());
     }
   }
+}
+
+TEST_CASE("Sequential's fold with momentum None, without affine parameters, and without running statistics") {
+  manual_seed(436);
+  const TensorOptions f64{.dtype = kFloat64};
+  const std::vector<nn::BatchNormOptions> variants = {{.momentum = std::nullopt}, {.affine = false},
+                                                      {.track_running_stats = false}};
+  for (const nn::BatchNormOptions& options : variants) {
+    for (bool training : {true, false}) {
+      CAPTURE(options.affine);
+      CAPTURE(options.track_running_stats);
+      CAPTURE(training);
+      auto conv = std::make_shared<nn::Conv2d>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}, true, f64);
+      {
+        NoGradGuard no_grad;
+        conv->bias.copy_(randn({4}, f64) * 2);
+      }
+      auto bn = std::make_shared<nn::BatchNorm2d>(4, options, f64);
+      auto seq = nn::sequential({conv, bn, std::make_shared<nn::ReLU>()});
+      seq->train(training);
+      Tensor x = randn({2, 3, 5, 5}, f64), g = randn({2, 4, 5, 5}, f64);
+      // three steps: momentum None averages over the batches so far (1/1, 1/2, 1/3)
+      std::vector<Tensor> folded_means;
+      for (int step = 0; step < 3; ++step) {
+        seq->forward(x * double(step + 1)).backward(g);
+        if (options.track_running_stats) folded_means.push_back(bn->running_mean.clone());
+      }
+      const Tensor bias_grad = conv->bias.grad().clone(), weight_grad = conv->weight.grad().clone();
+      conv->weight.set_grad(Tensor());
+      conv->bias.set_grad(Tensor());
+      if (options.track_running_stats) bn->reset_running_stats();
+      for (int step = 0; step < 3; ++step) {
+        bn->forward(conv->forward(x * double(step + 1))).relu().backward(g);
+        if (options.track_running_stats) {
+          check_close(values(folded_means[size_t(step)]), values(bn->running_mean), 1e-12);
+        }
+      }
+      check_close(values(weight_grad), values(conv->weight.grad()), 1e-10);
+      // batch statistics (training, or no running statistics at all): folded, a zero gradient
+      if (training || !options.track_running_stats) {
+        check_close(values(bias_grad), std::vector<double>(4, 0.0), 0);
+      } else {
+        check_close(values(bias_grad), values(conv->bias.grad()), 1e-10);
+      }
+    }
+  }
+}
+
+TEST_CASE("batch_norm's input_bias with everything in float16 (O3): the running mean close to the separate ops'") {
+  manual_seed(437);
+  const TensorOptions f16{.dtype = kFloat16};
+  const Tensor x = randn({8, 4, 3, 3}, f16), g = randn({8, 4, 3, 3}, f16), ib = (randn({4}) * 3).to(kFloat16);
+  const Tensor w = (rand({4}) + 0.5).to(kFloat16), b = randn({4}, f16);
+  const BiasedRun folded = run_biased(x, ib, w, b, true, true, true, g);
+  const BiasedRun separate = run_biased(x, ib, w, b, true, true, false, g);
+  CHECK(folded.running_mean.dtype() == kFloat16);
+  check_close(values(folded.running_mean), values(separate.running_mean), 2e-3);
+  check_close(values(folded.running_var), values(separate.running_var), 2e-3);
+  check_close(values(folded.y), values(separate.y), 1e-2);
 }
 
 TEST_CASE("CUDA batch_norm's input_bias matches the CPU: float16 channels last with a float32 bias, ours and cuDNN's") {

@@ -16,8 +16,9 @@
 //                    [--cuda-graph] [--unfused] [--no-bias-fold]
 //   --unfused   batch norm, the residual add and relu as separate ops (set_batch_norm_relu_fusion(false)): the step
 //               before batch_norm_relu, to measure what the fusion saves in the same run
-//   --no-bias-fold  a convolution's bias before batch norm added as its own op (set_batch_norm_input_bias_fold(false)):
-//               the step before the fold, to measure what it saves (VGG; the ResNets' convolutions have no bias)
+//   --no-bias-fold  a convolution's bias before batch norm added by an op of its own (set_batch_norm_input_bias_fold(
+//               false)): an add forward and its gradient's sum backward, the passes the convolution's own bias made
+//               before the fold, to measure what it saves (VGG; the ResNets' convolutions have no bias)
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>

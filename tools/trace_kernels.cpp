@@ -10,7 +10,9 @@
 // usable on the project's GPU machine. CUPTI's concurrent-kernel activity records every kernel's start and end on
 // the GPU's clock, graph nodes with their graph and node ids, and leaves the kernels running as they would.
 //
-// Each record is one CSV line, written when CUPTI hands over its buffer (flushed every 200 ms and at exit):
+// Each record is one CSV line, written when CUPTI hands over its buffer: a buffer whose records are all complete
+// comes back when full or at an unforced flush every 200 ms, the rest at exit (a forced flush; a program that keeps
+// the GPU busy to its end depends on that one, made while its CUDA context may already be gone):
 // start_ns,end_ns,graph_id,graph_node_id,kind,name (kind: kernel, memset or memcpy; graph_id 0 outside graphs).
 #include <cupti.h>
 
