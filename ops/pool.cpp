@@ -2,7 +2,7 @@
 // The CUDA kernels are in ops/pool.cu.
 //
 // Backward formulas (g: the gradient of the output, x: input positions):
-//   max:       dx[i] = sum of g[o] over the outputs o whose argmax index is i
+//   max:       dx[i] = sum of g[o] over the outputs o whose maximum lies at i (flat index or window position)
 //   avg:       dx[i] = sum of g[o] / divisor(o) over the windows o that contain i
 //   adaptive:  dx[i] = sum of g[o] / area(o) over the cells o whose window contains i
 #include "ops/pool.h"
@@ -213,7 +213,7 @@ void max_pool_cpu_typed(const Tensor& out, const Tensor& indices, const Tensor& 
     for (int64_t oh = 0; oh < OH; ++oh) {
       for (int64_t ow = 0; ow < OW; ++ow) {
         Acc best = -std::numeric_limits<Acc>::infinity();
-        int64_t best_index = -1, best_position = 0;
+        int64_t best_index = -1, best_position = kNoWindowPosition;
         for (int64_t kh = 0; kh < p.kernel[0]; ++kh) {
           const int64_t ih = oh * p.stride[0] - p.padding[0] + kh * p.dilation[0];
           if (ih < 0 || ih >= H) continue;
@@ -276,6 +276,7 @@ void max_pool_backward_cpu_typed(const Tensor& grad_input, const Tensor& grad_ou
         const int64_t saved = int64_t(ip[oh * idx.s[2] + ow * idx.s[3]]);
         int64_t i = saved;
         if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: its row and column in the plane
+          if (saved == kNoWindowPosition) continue;
           const int64_t ih = oh * p.stride[0] - p.padding[0] + (saved / p.kernel[1]) * p.dilation[0];
           const int64_t iw = ow * p.stride[1] - p.padding[1] + (saved % p.kernel[1]) * p.dilation[1];
           i = ih * W + iw;

@@ -5,8 +5,8 @@
 // over windows that tile a channels-last input (VGG's 2 x 2, stride 2) has kernels of its own: a thread per output
 // position and 16-byte vector of channels, forward and backward (max_pool_tiled_*).
 // Elements are numbered in the order of the output's memory format (N, C, H, W or N, H, W, C), so that
-// neighbouring threads touch neighbouring addresses in both layouts; every operand is addressed through its
-// own strides. Sums are accumulated in opmath_t (float for float16/bfloat16) and rounded once. Max pooling and
+// neighbouring threads touch neighbouring addresses in both layouts; every operand of the general kernels is
+// addressed through its own strides (the tiled ones take dense NHWC operands only). Sums are accumulated in opmath_t (float for float16/bfloat16) and rounded once. Max pooling and
 // adaptive average pooling, in every CNN's step, index in 32 bits where every offset fits (fits_int32).
 #include <cuda_runtime.h>
 
@@ -132,7 +132,7 @@ __global__ void max_pool_kernel(const T* x, T* y, S* indices, Geometry<I> g, Win
   HG_GRID_STRIDE_LOOP(I, i, total) {
     const Index4<I> o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
     Acc best = -std::numeric_limits<Acc>::infinity();
-    I best_index = -1, best_position = 0;
+    I best_index = -1, best_position = kNoWindowPosition;
     for (I kh = 0; kh < p.kernel[0]; ++kh) {
       const I ih = o.p * p.stride[0] - p.padding[0] + kh * p.dilation[0];
       if (ih < 0 || ih >= g.H) continue;
@@ -177,7 +177,7 @@ __global__ void max_pool_backward_kernel(T* dx, const T* dy, const S* indices, G
         bool here;
         if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: this element's own within (oh, ow)?
           const I k = I(saved);
-          here = oh * p.stride[0] - p.padding[0] + (k / p.kernel[1]) * p.dilation[0] == e.p &&
+          here = saved != kNoWindowPosition && oh * p.stride[0] - p.padding[0] + (k / p.kernel[1]) * p.dilation[0] == e.p &&
                  ow * p.stride[1] - p.padding[1] + (k % p.kernel[1]) * p.dilation[1] == e.q;
         } else {
           here = saved == me;

@@ -56,7 +56,7 @@ int64_t pool_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad
 
 // ---- kernels (core/dispatch.h)
 // All tensors are 4-D [N, C, H, W] (indices and outputs [N, C, OH, OW]) of one floating dtype (indices:
-// int64) and may have any strides; outputs are written, never read. A kernel walks its outputs in the order
+// int64 or uint8, below) and may have any strides; outputs are written, never read. A kernel walks its outputs in the order
 // of their memory format (is_channels_last), so that neighbouring threads touch neighbouring memory.
 struct Pool2dParams {
   Pair2d kernel = {1, 1};
@@ -68,8 +68,11 @@ struct Pool2dParams {
 
 // What max pooling's kernels write into `indices` and its backward reads, by the tensor's dtype:
 //   int64  the flat index ih * W + iw of each maximum in its input plane (max_pool2d_with_indices' result)
-//   uint8  its position within the window, kh * kernel_w + kw (max_pool2d's own record for its backward)
-constexpr int64_t kMaxWindowPositions = 255;
+//   uint8  its position within the window, kh * kernel_w + kw (max_pool2d's own record for its backward), or
+//          kNoWindowPosition where the window holds no input element (padding and dilation can leave one empty;
+//          its output is -inf, as where the flat index is -1)
+constexpr int64_t kMaxWindowPositions = 255;  // window elements, positions 0 to 254
+constexpr uint8_t kNoWindowPosition = 255;
 // Calls f.template operator()<S>() with S the C++ type of `indices`: int64_t or uint8_t.
 template <typename F> void dispatch_max_pool_indices(const Tensor& indices, F&& f) {
   if (indices.dtype() == kUInt8)

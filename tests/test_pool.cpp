@@ -470,7 +470,7 @@ std::vector<int64_t> window_positions(const Tensor& x, Pair2d kernel, const MaxP
   const Pool2dParams p{.kernel = kernel, .stride = stride, .padding = o.padding, .dilation = o.dilation};
   const Tensor y = max_pool2d(x, kernel, o);  // the output's shape and layout
   Tensor positions = contiguous(zeros(y.shape(), {.dtype = kUInt8, .device = device}), suggest_memory_format(y));
-  Tensor out = empty_like(y);
+  Tensor out = contiguous(empty_like(y), suggest_memory_format(y));  // the layout the op gives: the tiled path's
   max_pool2d_kernel[device](out, positions, x, p);
   return to_vector<int64_t>(positions);
 }
@@ -510,7 +510,7 @@ TEST_CASE("max_pool2d keeps each maximum's window position for its backward: exa
       CHECK(to_vector<double>(a.grad()) == to_vector<double>(b.grad()));
     }
   }
-  // A window of 256 elements has more positions than a byte holds: flat indices are kept, with the same result.
+  // A window of 256 elements, one more than kMaxWindowPositions: flat indices are kept, with the same result.
   Tensor x = random({2, 3, 16, 16}, kFloat32).requires_grad_();
   max_pool2d(x, {16, 16}).sum().backward();
   Shape shape;
@@ -518,6 +518,22 @@ TEST_CASE("max_pool2d keeps each maximum's window position for its backward: exa
   const std::vector<double> grad = to_vector<double>(x.grad());
   for (int64_t plane = 0; plane < 6; ++plane) {
     for (int64_t i = 0; i < 256; ++i) CHECK(grad[size_t(plane * 256 + i)] == (i == argmax[size_t(plane)] ? 1.0 : 0.0));
+  }
+}
+
+TEST_CASE("max_pool2d: a window that holds no input element gives -inf and passes no gradient, on every device") {
+  // W = 1, padding 1 and dilation 2: the window's two columns are -1 and 1, both outside the input.
+  const MaxPool2dOptions o{.stride = {1, 1}, .padding = {0, 1}, .dilation = {1, 2}};
+  std::vector<Device> devices{Device::cpu()};
+  if (cuda::device_count() > 0) devices.push_back(Device::cuda(0));
+  for (Device device : devices) {
+    CAPTURE(device.str());
+    Tensor x = tensor<float>({1, 2, 3}, {1, 1, 3, 1}).to(device).requires_grad_();
+    Tensor y = max_pool2d(x, {1, 2}, o);
+    for (double v : to_vector<double>(y)) CHECK(v == -std::numeric_limits<double>::infinity());
+    y.backward(full(y.shape(), 10.0, {.device = device}));
+    CHECK(to_vector<double>(x.grad()) == std::vector<double>{0, 0, 0});
+    CHECK(window_positions(x.detach(), {1, 2}, o, device) == std::vector<int64_t>{255, 255, 255});
   }
 }
 
@@ -534,6 +550,7 @@ TEST_CASE("cuda: max pooling over windows that tile a channels-last input runs o
   // The first three tile (C a whole number of 16-byte vectors in every dtype); the others take the general kernels:
   // 3 channels, a row left over, and a window that does not tile.
   const std::vector<Tiled> cases = {{"2x2 (VGG)", {4, 64, 8, 8}, {2, 2}},
+                                    {"one image", {1, 32, 4, 6}, {2, 2}},
                                     {"3x2", {3, 16, 6, 4}, {3, 2}},
                                     {"1x1", {2, 8, 3, 3}, {1, 1}},
                                     {"3 channels", {2, 3, 8, 8}, {2, 2}},
@@ -560,6 +577,10 @@ TEST_CASE("cuda: max pooling over windows that tile a channels-last input runs o
       ya.backward(g);
       yb.backward(contiguous(g.to(gpu), MemoryFormat::ChannelsLast));
       CHECK(to_vector<double>(b.grad()) == to_vector<double>(a.grad()));
+      // an NCHW gradient: the general backward kernel reads the positions the vector forward wrote
+      Tensor xn = xg.detach().requires_grad_();
+      max_pool2d(xn, c.kernel).backward(g.contiguous().to(gpu));
+      CHECK(to_vector<double>(xn.grad()) == to_vector<double>(a.grad()));
     }
   }
   // Dense channels-last data that is not 16-byte aligned (one element into its buffer): the general kernels.
