@@ -199,8 +199,8 @@ class Identity : public Module {
 // Runs its children in order, each one's output the next one's input, except that a BatchNorm2d followed by a ReLU
 // runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called), and that a Conv2d with a bias
 // followed by a BatchNorm2d that uses batch statistics runs as conv2d without the bias (Conv2d::forward is not
-// called), which the batch norm takes as its input_bias (BatchNorm2d::forward_with_input_bias). Children are named "0", "1", ... (PyTorch's names, so "features.0.weight"
-// matches).
+// called), which the batch norm takes as its input_bias (BatchNorm2d::forward_with_input_bias). Children are named
+// "0", "1", ... (PyTorch's names, so "features.0.weight" matches).
 class Sequential : public Module {
  public:
   Sequential() = default;

@@ -179,7 +179,8 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
   // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask too.
-  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias}, {args.output},
+  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias},
+         {args.output},
          [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
           mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;

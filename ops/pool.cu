@@ -6,8 +6,9 @@
 // position and 16-byte vector of channels, forward and backward (max_pool_tiled_*).
 // Elements are numbered in the order of the output's memory format (N, C, H, W or N, H, W, C), so that
 // neighbouring threads touch neighbouring addresses in both layouts; every operand of the general kernels is
-// addressed through its own strides (the tiled ones take dense NHWC operands only). Sums are accumulated in opmath_t (float for float16/bfloat16) and rounded once. Max pooling and
-// adaptive average pooling, in every CNN's step, index in 32 bits where every offset fits (fits_int32).
+// addressed through its own strides (the tiled ones take dense NHWC operands only). Sums are accumulated in opmath_t
+// (float for float16/bfloat16) and rounded once. Max pooling and adaptive average pooling, in every CNN's step, index
+// in 32 bits where every offset fits (fits_int32).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -177,7 +178,8 @@ __global__ void max_pool_backward_kernel(T* dx, const T* dy, const S* indices, G
         bool here;
         if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: this element's own within (oh, ow)?
           const I k = I(saved);
-          here = saved != kNoWindowPosition && oh * p.stride[0] - p.padding[0] + (k / p.kernel[1]) * p.dilation[0] == e.p &&
+          here = saved != kNoWindowPosition &&
+                 oh * p.stride[0] - p.padding[0] + (k / p.kernel[1]) * p.dilation[0] == e.p &&
                  ow * p.stride[1] - p.padding[1] + (k % p.kernel[1]) * p.dilation[1] == e.q;
         } else {
           here = saved == me;
@@ -204,8 +206,9 @@ struct Tiling {
   int32_t C, W, OH, OW, KH, KW, vectors;  // vectors: N OH OW C / V, one per thread
 };
 
+// The offset in x (or dx) of the window's first element, (n, oh KH, ow KW, c), for thread i.
 template <typename T>
-__device__ __forceinline__ int32_t tiled_window_start(int32_t i, const Tiling& t) {  // x's offset of (n, oh KH, ow KW, c)
+__device__ __forceinline__ int32_t tiled_window_start(int32_t i, const Tiling& t) {
   constexpr int V = Vec16<T>::kSize;
   const int32_t CV = t.C / V, cv = i % CV, r = i / CV, ow = r % t.OW, r2 = r / t.OW, oh = r2 % t.OH, n = r2 / t.OH;
   return ((n * t.OH * t.KH + oh * t.KH) * t.W + ow * t.KW) * t.C + cv * V;
@@ -215,7 +218,8 @@ template <typename T>
 __global__ void max_pool_tiled_kernel(const T* x, T* y, uint8_t* positions, Tiling t) {
   using Acc = opmath_t<T>;
   constexpr int V = Vec16<T>::kSize;
-  for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < t.vectors; i += int32_t(gridDim.x * blockDim.x)) {
+  const int32_t step = int32_t(gridDim.x * blockDim.x);
+  for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < t.vectors; i += step) {
     const T* window = x + tiled_window_start<T>(i, t);
     Acc best[V];
     Positions<V> at;
@@ -245,7 +249,8 @@ template <typename T>
 __global__ void max_pool_tiled_backward_kernel(T* dx, const T* dy, const uint8_t* positions, Tiling t) {
   using Acc = opmath_t<T>;
   constexpr int V = Vec16<T>::kSize;
-  for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < t.vectors; i += int32_t(gridDim.x * blockDim.x)) {
+  const int32_t step = int32_t(gridDim.x * blockDim.x);
+  for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < t.vectors; i += step) {
     const Vec16<T> g = reinterpret_cast<const Vec16<T>*>(dy)[i];
     const Positions<V> at = reinterpret_cast<const Positions<V>*>(positions)[i];
     T* window = dx + tiled_window_start<T>(i, t);

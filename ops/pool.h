@@ -56,8 +56,8 @@ int64_t pool_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad
 
 // ---- kernels (core/dispatch.h)
 // All tensors are 4-D [N, C, H, W] (indices and outputs [N, C, OH, OW]) of one floating dtype (indices:
-// int64 or uint8, below) and may have any strides; outputs are written, never read. A kernel walks its outputs in the order
-// of their memory format (is_channels_last), so that neighbouring threads touch neighbouring memory.
+// int64 or uint8, below) and may have any strides; outputs are written, never read. A kernel walks its outputs in
+// the order of their memory format (is_channels_last), so that neighbouring threads touch neighbouring memory.
 struct Pool2dParams {
   Pair2d kernel = {1, 1};
   Pair2d stride = {1, 1};

@@ -537,7 +537,7 @@ TEST_CASE("max_pool2d: a window that holds no input element gives -inf and passe
   }
 }
 
-TEST_CASE("cuda: max pooling over windows that tile a channels-last input runs on its vector kernels, exactly as the CPU") {
+TEST_CASE("cuda: max pooling over windows that tile a channels-last input: its vector kernels give the CPU's results") {
   SKIP_WITHOUT_GPU();
   manual_seed(49);
   const Device gpu = Device::cuda(0);
