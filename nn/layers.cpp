@@ -208,6 +208,16 @@ Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
   for (const ModulePtr& m : modules) push_back(m);
 }
 
+namespace {
+
+// Child i of a Sequential when it is exactly an M (not a subclass, which may override forward), else null.
+template <typename M> M* exactly(const std::vector<std::pair<std::string, ModulePtr>>& children, size_t i) {
+  if (i >= children.size() || typeid(*children[i].second) != typeid(M)) return nullptr;
+  return static_cast<M*>(children[i].second.get());
+}
+
+}  // namespace
+
 // A BatchNorm2d followed by a ReLU runs as one op (BatchNorm2d::forward_relu): the values of the two modules (relu
 // commutes with rounding; on CUDA the kernels timed fastest for each form may differ in the last bit), two passes over
 // the activation fewer forward and one backward. Where the BatchNorm2d after a Conv2d with a bias uses batch
@@ -218,20 +228,15 @@ Sequential::Sequential(std::initializer_list<ModulePtr> modules) {
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
   const auto& children = named_children();
-  auto is = [&](size_t i, const std::type_info& type) {
-    return i < children.size() && typeid(*children[i].second) == type;
-  };
   for (size_t i = 0; i < children.size(); ++i) {
-    if (is(i, typeid(Conv2d)) && is(i + 1, typeid(BatchNorm2d)) &&
-        static_cast<Conv2d&>(*children[i].second).bias.defined() &&
-        static_cast<BatchNorm2d&>(*children[i + 1].second).uses_batch_stats()) {
-      const auto& conv = static_cast<Conv2d&>(*children[i].second);
-      const bool relu = is(i + 2, typeid(ReLU));
-      y = static_cast<BatchNorm2d&>(*children[i + 1].second)
-              .forward_with_input_bias(conv2d(y, conv.weight, Tensor(), conv.options), conv.bias, relu);
+    const Conv2d* conv = exactly<Conv2d>(children, i);
+    BatchNorm2d* next_bn = exactly<BatchNorm2d>(children, i + 1);
+    if (conv && conv->bias.defined() && next_bn && next_bn->uses_batch_stats()) {
+      const bool relu = exactly<ReLU>(children, i + 2) != nullptr;
+      y = next_bn->forward_with_input_bias(conv2d(y, conv->weight, Tensor(), conv->options), conv->bias, relu);
       i += relu ? 2 : 1;
-    } else if (is(i, typeid(BatchNorm2d)) && is(i + 1, typeid(ReLU))) {
-      y = static_cast<BatchNorm2d&>(*children[i].second).forward_relu(y);
+    } else if (BatchNorm2d* bn = exactly<BatchNorm2d>(children, i); bn && exactly<ReLU>(children, i + 1)) {
+      y = bn->forward_relu(y);
       ++i;
     } else {
       y = children[i].second->forward(y);
