@@ -34,12 +34,15 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) {
   if (auto s = shortcut(in_planes, planes * kExpansion, stride)) downsample = register_module("downsample", s);
 }
 
-// relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)).
+// relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)). Each
+// keeps its result for its backward instead of relu's mask (ReluSaved::Output): the result goes to a convolution,
+// the block's next or the next block's first, which keeps it anyway. (The last block's goes to global average
+// pooling, which keeps nothing: its result is kept in place of 1/16 of it, at the smallest resolution.)
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = bn1->forward_relu(conv1->forward(x));
+  Tensor out = bn1->forward_relu(conv1->forward(x), Tensor(), ReluSaved::Output);
   out = conv2->forward(out);
   const Tensor shortcut = downsample ? downsample->forward(x) : x;  // after the main path, as PyTorch's block
-  return bn2->forward_relu(out, shortcut);
+  return bn2->forward_relu(out, shortcut, ReluSaved::Output);
 }
 
 Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
@@ -53,11 +56,11 @@ Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = bn1->forward_relu(conv1->forward(x));
-  out = bn2->forward_relu(conv2->forward(out));
+  Tensor out = bn1->forward_relu(conv1->forward(x), Tensor(), ReluSaved::Output);
+  out = bn2->forward_relu(conv2->forward(out), Tensor(), ReluSaved::Output);
   out = conv3->forward(out);
   const Tensor shortcut = downsample ? downsample->forward(x) : x;
-  return bn3->forward_relu(out, shortcut);
+  return bn3->forward_relu(out, shortcut, ReluSaved::Output);
 }
 
 ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions opts) : options(opts) {
@@ -107,7 +110,10 @@ ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions o
 
 Tensor ResNet::forward(const Tensor& x) {
   HG_CHECK(x.dim() == 4 && x.size(1) == 3, "ResNet: expected images [N, 3, H, W], got {}", x.meta());
-  Tensor out = maxpool->forward(bn1->forward_relu(conv1->forward(x)));
+  // The stem's result goes to the first block's convolution (CIFAR) or to max pooling, which keeps window positions,
+  // not its input: there relu's mask is the smaller to keep.
+  const ReluSaved stem_saved = options.cifar_stem ? ReluSaved::Output : ReluSaved::Mask;
+  Tensor out = maxpool->forward(bn1->forward_relu(conv1->forward(x), Tensor(), stem_saved));
   for (const auto& layer : layers) out = layer->forward(out);
   return fc->forward(avgpool->forward(out).flatten(1));
 }

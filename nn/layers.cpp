@@ -99,17 +99,20 @@ void BatchNorm2d::reset_running_stats() {
 // As PyTorch's _BatchNorm.forward: batch statistics in training, or whenever there are no running stats.
 bool BatchNorm2d::uses_batch_stats() const { return is_training() || !options.track_running_stats; }
 
-Tensor BatchNorm2d::forward(const Tensor& x) { return normalise(x, /*relu=*/false, Tensor(), Tensor()); }
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  return normalise(x, /*relu=*/false, Tensor(), Tensor(), ReluSaved::Mask);
+}
 
-Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual) {
-  return normalise(x, /*relu=*/true, residual, Tensor());
+Tensor BatchNorm2d::forward_relu(const Tensor& x, const Tensor& residual, ReluSaved saved) {
+  return normalise(x, /*relu=*/true, residual, Tensor(), saved);
 }
 
 Tensor BatchNorm2d::forward_with_input_bias(const Tensor& x, const Tensor& input_bias, bool relu) {
-  return normalise(x, relu, Tensor(), input_bias);
+  return normalise(x, relu, Tensor(), input_bias, ReluSaved::Mask);
 }
 
-Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias) {
+Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias,
+                              ReluSaved saved) {
   HG_CHECK(x.dim() == 4, "BatchNorm2d: expected a 4-D input (N, C, H, W), got {}", x.meta());
   HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
   bool use_batch_stats = uses_batch_stats();
@@ -124,7 +127,8 @@ Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual
   Tensor mean = options.track_running_stats ? running_mean : Tensor();
   Tensor var = options.track_running_stats ? running_var : Tensor();
   if (relu) {
-    return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual, input_bias);
+    return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual, input_bias,
+                           saved);
   }
   return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, input_bias);
 }

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "nn/module.h"
+#include "ops/batch_norm.h"
 #include "ops/conv.h"
 #include "ops/pool.h"
 
@@ -84,8 +85,10 @@ class BatchNorm2d : public Module {
   explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}, TensorOptions tensor_options = {});
   Tensor forward(const Tensor& x) override;
   // relu(forward(x) + residual) (residual undefined: relu(forward(x))) as one op, batch_norm_relu: what a ResNet
-  // block does after its convolutions, without the separate passes of the add and the relu.
-  Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor());
+  // block does after its convolutions, without the separate passes of the add and the relu. saved: what the backward
+  // keeps to know where the result is positive; ReluSaved::Output where the next op is a convolution, which keeps
+  // the result anyway (ops/batch_norm.h).
+  Tensor forward_relu(const Tensor& x, const Tensor& residual = Tensor(), ReluSaved saved = ReluSaved::Mask);
   // forward(x + input_bias) (relu after it when `relu`) with the per-channel input_bias folded into the op
   // (batch_norm's input_bias): a convolution's bias before this layer, its add and its gradient's sum skipped.
   Tensor forward_with_input_bias(const Tensor& x, const Tensor& input_bias, bool relu);
@@ -104,7 +107,7 @@ class BatchNorm2d : public Module {
   Tensor& num_batches_tracked;  // undefined unless track_running_stats
 
  private:
-  Tensor normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias);
+  Tensor normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias, ReluSaved saved);
 };
 
 class ReLU : public Module {

@@ -107,10 +107,11 @@ Tensor batch_norm_empty(const Shape& shape, DType dtype, Device device, bool cha
 
 namespace {
 
-// batch_norm and batch_norm_relu: `relu` and `residual` are the epilogue (ops/batch_norm.h).
+// batch_norm and batch_norm_relu: `relu` and `residual` are the epilogue, `saved` what relu's backward keeps
+// (ops/batch_norm.h).
 Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps, bool relu,
-                       const Tensor& residual, const Tensor& input_bias) {
+                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved) {
   HG_CHECK(input.defined(), "{}: the input is an undefined tensor", op);
   HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
            "{}: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", op, input.meta());
@@ -152,9 +153,10 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                             .save_invstd = empty({channels}, {.dtype = acc, .device = input.device()}),
                             .relu = relu,
                             .residual = z,
-                            .relu_mask = relu ? empty({ReluMask::words(input.numel())},
-                                                      {.dtype = kInt32, .device = input.device()})
-                                              : Tensor(),
+                            .relu_mask = relu && saved == ReluSaved::Mask
+                                             ? empty({ReluMask::words(input.numel())},
+                                                     {.dtype = kInt32, .device = input.device()})
+                                             : Tensor(),
                             .training = training,
                             .momentum = momentum,
                             .eps = eps};
@@ -178,16 +180,19 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   }
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
-  // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask too.
+  // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask or the
+  // output too.
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias},
          {args.output},
          [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
+          y = relu && saved == ReluSaved::Output ? SavedTensor(args.output, op) : SavedTensor(),
           mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
            b.grad_output = in_layout(g[0].to(b.input.dtype()), shape.channels_last);
            b.relu_mask = mask;
+           if (y.defined()) b.output = y.get();
            b.weight = w.get();
            b.save_mean = mean;
            b.save_invstd = invstd;
@@ -244,25 +249,25 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
                       training, momentum, eps);
   }
   return batch_norm_impl("batch_norm", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/false, Tensor(), input_bias);
+                         /*relu=*/false, Tensor(), input_bias, ReluSaved::Mask);
 }
 
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps,
-                       const Tensor& residual, const Tensor& input_bias) {
+                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved) {
   HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual,
-              input_bias);
+              input_bias, saved);
   check_residual(input, residual);
   if (adds_input_bias_first(input_bias, training)) {
     return batch_norm_relu(add_input_bias("batch_norm_relu", input, input_bias), running_mean, running_var, weight,
-                           bias, training, momentum, eps, residual);
+                           bias, training, momentum, eps, residual, Tensor(), saved);
   }
   if (!batch_norm_relu_fusion()) {
     const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias);
     return (residual.defined() ? y + residual.to(y.dtype()) : y).relu();
   }
   return batch_norm_impl("batch_norm_relu", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/true, residual, input_bias);
+                         /*relu=*/true, residual, input_bias, saved);
 }
 
 // =====================================================================================================
@@ -406,6 +411,7 @@ template <typename T, typename A> void batch_norm_forward_typed(const BatchNormF
     if (z) v += A(z[at]);
     y[at] = T(unary_math<UnaryOp::Relu>(v));
   });
+  if (!a.relu_mask.defined()) return;
   // The mask word by word (a word's 32 elements may belong to two threads' rows above).
   const int64_t n = a.output.numel(), words = ReluMask::words(n);
   int32_t* mask = a.relu_mask.data<int32_t>();
@@ -428,7 +434,11 @@ template <typename T, typename A> void batch_norm_backward_typed(const BatchNorm
   const A* weight = a.weight.defined() ? a.weight.data<A>() : nullptr;
   // The gradient that reaches the normalisation: after batch_norm_relu, only where the output is positive.
   const int32_t* mask = a.relu_mask.defined() ? a.relu_mask.data<int32_t>() : nullptr;
-  auto grad = [&](int64_t at) { return mask && !ReluMask::bit(mask, at) ? A(0) : A(g_out[at]); };
+  const T* y = a.output.defined() ? a.output.data<T>() : nullptr;
+  auto grad = [&](int64_t at) {
+    if (mask) return ReluMask::bit(mask, at) ? A(g_out[at]) : A(0);
+    return y ? relu_backward_math(A(g_out[at]), A(y[at])) : A(g_out[at]);
+  };
   if (a.grad_residual.defined()) {
     T* gz = a.grad_residual.data<T>();
     for_each_element(s, [&](int64_t, int64_t at) { gz[at] = T(grad(at)); });

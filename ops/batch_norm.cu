@@ -12,12 +12,12 @@
 //   2. finalize (one warp per channel): merges the splits, writes mean and invstd (saved for backward),
 //      updates the running statistics in place, and writes scale = invstd * weight, shift = bias.
 //   3. apply: y = (x - mean[c]) * scale[c] + shift[c], elementwise; batch_norm_relu adds the residual and takes
-//      relu before the store, and stores relu's mask (y > 0) as bits.
+//      relu before the store, and stores relu's mask (y > 0) as bits unless the op keeps y instead (ReluSaved).
 // Forward (eval): 2'. mean, invstd, scale, shift from the running statistics, 3. apply.
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
 // After batch_norm_relu, 1. and 3. read relu's mask too and take g only where its bit is set; 3. writes that masked
-// g as the residual's gradient.
+// g as the residual's gradient. Where the op kept y instead of the mask, a pass makes the mask from y first.
 //
 // 4. cuDNN's kernels (the ones PyTorch calls), the second implementation of training, and the choice between
 //    the two per problem (BatchNormBackend in ops/batch_norm.h).
@@ -665,8 +665,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- relu's epilogue and mask as passes of their own: what batch_norm_relu adds to cuDNN's kernels when they are
-// the faster (cuDNN's own fused forms need a reserve space and take fewer problems), and the residual's gradient
-// alone when the input's is not wanted. y = relu(y + z) (z null: relu(y)) in place, with the mask.
+// the faster (cuDNN's own fused forms need a reserve space and take fewer problems), the mask from a kept y, and the
+// residual's gradient alone when the input's is not wanted. y = relu(y + z) (z null: relu(y)) in place, with the
+// mask unless it is null.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     relu_epilogue_kernel(T* y, const T* __restrict__ z, uint32_t vectors, int32_t* __restrict__ mask,
@@ -686,6 +687,15 @@ __global__ void __launch_bounds__(kThreads)
     store<T, V>(y + i, out);
     return positive_bits<T, V>(out);
   });
+}
+
+// relu's mask of y (ReluSaved::Output's backward).
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    relu_mask_kernel(const T* __restrict__ y, uint32_t vectors, int32_t* __restrict__ mask, int64_t mask_first,
+                     int64_t mask_words) {
+  for_each_vector<V>(vectors, mask, mask_first, mask_words,
+                     [&](uint32_t q) { return positive_bits<T, V>(load<T, V>(y + int64_t(q) * V)); });
 }
 
 // out = g where relu's mask is set, else 0.
@@ -777,14 +787,14 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
 
   T* y = a.output.data<T>();
   const T* z = a.residual.defined() ? a.residual.data<T>() : nullptr;
-  int32_t* mask = a.relu ? a.relu_mask.data<int32_t>() : nullptr;
+  int32_t* mask = a.relu_mask.defined() ? a.relu_mask.data<int32_t>() : nullptr;
   const int v = vector_width<T>(s, {x, y, z});
   with_vector_and_layout<T>(v, s.channels_last, [&]<int V, bool kRows>() {
-    for_each_piece(s, device, V, a.relu, [&](int64_t first, uint32_t count, unsigned blocks) {
+    for_each_piece(s, device, V, mask != nullptr, [&](int64_t first, uint32_t count, unsigned blocks) {
       auto launch = [&]<bool kRelu>() {
         apply_forward_kernel<T, V, kRows, kRelu><<<blocks, kThreads, 0, stream>>>(
             y + first, x + first, z ? z + first : nullptr, count / V, channel_of(s), save_mean, affine.data<A>(),
-            uint32_t(s.channels), mask, first, a.relu ? a.relu_mask.numel() : 0);
+            uint32_t(s.channels), mask, first, mask ? a.relu_mask.numel() : 0);
       };
       a.relu ? launch.template operator()<true>() : launch.template operator()<false>();
       HG_CUDA_CHECK_LAUNCH("batch_norm");
@@ -792,19 +802,35 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
   });
 }
 
-// After cuDNN's normalisation into y: y = relu(y + z) (z undefined: relu(y)) in place, and relu's mask.
+// After cuDNN's normalisation into y: y = relu(y + z) (z undefined: relu(y)) in place, and relu's mask unless it is
+// undefined.
 template <typename T> void relu_epilogue(const BatchNormShape& s, const Tensor& y, const Tensor& z, const Tensor& mask) {
   const Device device = y.device();
   cudaStream_t stream = cuda::current_stream(device);
   const T* zp = z.defined() ? z.data<T>() : nullptr;
+  int32_t* bits = mask.defined() ? mask.data<int32_t>() : nullptr;
   with_vector_and_layout<T>(vector_width<T>(s, {y.data_ptr(), zp}), s.channels_last, [&]<int V, bool>() {
-    for_each_piece(s, device, V, true, [&](int64_t first, uint32_t count, unsigned blocks) {
+    for_each_piece(s, device, V, bits != nullptr, [&](int64_t first, uint32_t count, unsigned blocks) {
       relu_epilogue_kernel<T, V><<<blocks, kThreads, 0, stream>>>(y.data<T>() + first, zp ? zp + first : nullptr,
-                                                                  count / V, mask.data<int32_t>(), first,
-                                                                  mask.numel());
+                                                                  count / V, bits, first, bits ? mask.numel() : 0);
       HG_CUDA_CHECK_LAUNCH("batch_norm_relu");
     });
   });
+}
+
+// relu's mask of batch_norm_relu's output y (ReluMask), for a backward that kept y instead (ReluSaved::Output).
+template <typename T> Tensor relu_mask_of(const BatchNormShape& s, const Tensor& y) {
+  const Device device = y.device();
+  cudaStream_t stream = cuda::current_stream(device);
+  Tensor mask = empty({ReluMask::words(y.numel())}, {.dtype = kInt32, .device = device});
+  with_vector_and_layout<T>(vector_width<T>(s, {y.data_ptr()}), s.channels_last, [&]<int V, bool>() {
+    for_each_piece(s, device, V, true, [&](int64_t first, uint32_t count, unsigned blocks) {
+      relu_mask_kernel<T, V><<<blocks, kThreads, 0, stream>>>(y.data<T>() + first, count / V, mask.data<int32_t>(),
+                                                              first, mask.numel());
+      HG_CUDA_CHECK_LAUNCH("batch_norm_relu backward");
+    });
+  });
+  return mask;
 }
 
 // out = g where relu's mask is set, else 0: the gradient batch_norm_relu's normalisation receives (the residual's,
@@ -1063,8 +1089,16 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   }
 }
 
-void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
-  const BatchNormShape& s = a.shape;
+void batch_norm_backward_cuda(const BatchNormBackwardArgs& kept) {
+  const BatchNormShape& s = kept.shape;
+  // The kernels below read relu's mask: made here from y where the op kept y instead.
+  BatchNormBackwardArgs a = kept;
+  if (a.output.defined()) {
+    cuda::DeviceGuard guard(a.output.device());
+    a.relu_mask = dispatch_floating(a.output.dtype(), "batch_norm_relu backward",
+                                    [&]<typename T>() { return relu_mask_of<T>(s, a.output); });
+    a.output = Tensor();
+  }
   if (!a.training || !a.grad_input.defined() ||
       !cudnn_takes(s, a.input.dtype(),
                    {&a.input, &a.grad_output, &a.grad_input, &a.grad_residual, &a.weight, &a.save_mean,

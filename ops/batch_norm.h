@@ -55,19 +55,28 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 // The same arguments and statistics as batch_norm. residual: input's shape, on its device; it is read in input's
 // dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
 // Why one op: apart, the normalised values are written, read back by the add, written, read by relu and written
-// again; here the kernel that normalises adds and clamps as it writes, and writes relu's mask (y > 0) as bits
-// beside y. The backward reads the mask inside the normalisation's own passes instead of a pass of its own, and
-// reads 1 bit an element where y would cost 16 or 32. Gradients: as batch_norm's, and residual's, which is relu's
-// gradient (g where y > 0, else 0). The op keeps its mask, not y: an in-place change to y before backward does not
-// change the gradients.
+// again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask (y > 0) inside
+// the normalisation's own passes instead of a pass of its own. Gradients: as batch_norm's, and residual's, which is
+// relu's gradient (g where y > 0, else 0).
+// saved: what the backward keeps to know where y > 0 (ReluSaved below).
 // In float32 and float64 y equals the separate ops' result exactly where both run the same kernels (on CUDA the
 // implementation timed fastest may differ between the two forms: BatchNormBackend). In float16/bfloat16 our kernels
 // round y once instead of after each op; after cuDNN's kernels, whose output is rounded, the residual is added to it
 // and rounded again, as the separate ops do.
 // input_bias: as batch_norm's.
+//   Mask    relu's mask as bits beside y, written by the forward: 1/16 of a float16 y's bytes, read by the backward
+//           where y would cost 16 or 32 bits an element. For a y that nothing else keeps for its own backward: before
+//           max pooling (which keeps window positions) or global average pooling. An in-place change to y before
+//           backward does not change the gradients.
+//   Output  y itself, which costs no memory where the next op keeps y anyway: a convolution keeps its input for its
+//           weight's gradient (a ResNet block's batch_norm_relu is always followed by one). The forward stores no bits;
+//           on CUDA the backward makes them from y in a pass of its own (one more read of y than Mask). An in-place
+//           change to y before backward is an error, as for any kept tensor.
+enum class ReluSaved { Mask, Output };
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
-                       double eps = 1e-5, const Tensor& residual = Tensor(), const Tensor& input_bias = Tensor());
+                       double eps = 1e-5, const Tensor& residual = Tensor(), const Tensor& input_bias = Tensor(),
+                       ReluSaved saved = ReluSaved::Mask);
 // Off: batch_norm_relu runs the separate ops (batch_norm, add, relu) instead, for the whole process (default on):
 // to measure what the fusion saves (bench_train_step --unfused) or to rule it out.
 void set_batch_norm_relu_fusion(bool enabled);
@@ -109,7 +118,7 @@ struct BatchNormForwardArgs {
   Tensor save_mean, save_invstd;       // written: the mean and 1 / sqrt(var + eps) used to normalise
   bool relu = false;                   // batch_norm_relu: output = relu(normalised + residual)
   Tensor residual;                     // or undefined; the input's layout and dtype
-  Tensor relu_mask;                    // with relu: written, the output's signs as bits (ReluMask)
+  Tensor relu_mask;                    // or undefined; with relu: written, the output's signs as bits (ReluMask)
   bool training = true;
   double momentum = 0.1, eps = 1e-5;
 };
@@ -119,18 +128,21 @@ struct BatchNormForwardArgs {
 //   grad_input  = weight * invstd * (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M)
 //                 in training; weight * invstd * g in eval (the statistics did not depend on x).
 // After batch_norm_relu, g above is the gradient that passes relu, where(output > 0, grad_output, 0), which is
-// also the residual's gradient.
+// also the residual's gradient. The kernels read where output > 0 from relu_mask, or from output when that is given
+// instead (ReluSaved::Output).
 struct BatchNormBackwardArgs {
   BatchNormShape shape;
   Tensor grad_output, input;
-  Tensor relu_mask;                    // batch_norm_relu's mask (ReluMask), which masks grad_output; else undefined
-  Tensor grad_residual;                // or undefined: not wanted (only with relu_mask)
+  Tensor relu_mask;                    // batch_norm_relu's mask (ReluMask), which masks grad_output; or undefined
+  Tensor output;                       // batch_norm_relu's output, in place of relu_mask; or undefined
+  Tensor grad_residual;                // or undefined: not wanted (only after batch_norm_relu)
   Tensor weight;                       // or undefined
   Tensor save_mean, save_invstd;
   Tensor grad_input;                   // or undefined: not wanted
   Tensor grad_weight, grad_bias;       // or undefined: not wanted
   bool training = true;
   double eps = 1e-5;                   // the forward's (cuDNN's backward takes it; save_invstd already has it)
+  bool after_relu() const { return relu_mask.defined() || output.defined(); }
 };
 
 // ---- which CUDA implementation runs training (set for the whole process; default Auto). cuDNN's kernels, the

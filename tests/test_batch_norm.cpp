@@ -520,12 +520,15 @@ Tensor unfused_batch_norm_relu(const Tensor& x, const Tensor& rm, const Tensor& 
 
 // Forward values, the running statistics and (with `grads`) every gradient of batch_norm_relu against the separate
 // ops, on `device`, with `tol` (0: bit for bit). Callers leave the gradients out where relu's mask may differ between
-// the two: in float16 a sum within rounding of 0 may be positive on one side and 0 on the other.
+// the two: in float16 a sum within rounding of 0 may be positive on one side and 0 on the other. `saved`: what the
+// fused op keeps for relu's backward.
 void check_against_unfused(DType dt, Device device, bool cl, bool training, bool with_residual, double tol,
-                           bool grads = true, const Shape& shape = {6, 8, 3, 5}) {
+                           bool grads = true, const Shape& shape = {6, 8, 3, 5}, ReluSaved saved = ReluSaved::Mask) {
   const std::string dtype = dtype_name(dt), dims = shape_str(shape);
+  const bool keeps_output = saved == ReluSaved::Output;
   CAPTURE(dtype);
   CAPTURE(dims);
+  CAPTURE(keeps_output);
   CAPTURE(cl);
   CAPTURE(training);
   CAPTURE(with_residual);
@@ -541,7 +544,8 @@ void check_against_unfused(DType dt, Device device, bool cl, bool training, bool
                       z.detach().requires_grad_()};
   };
   TensorList f = leaves(), u = leaves();
-  Tensor yf = batch_norm_relu(f[0], rm, rv, f[1], f[2], training, 0.1, 1e-5, with_residual ? f[3] : Tensor());
+  Tensor yf = batch_norm_relu(f[0], rm, rv, f[1], f[2], training, 0.1, 1e-5, with_residual ? f[3] : Tensor(),
+                              Tensor(), saved);
   Tensor yu = unfused_batch_norm_relu(u[0], rm2, rv2, u[1], u[2], training, with_residual ? u[3] : Tensor());
   CHECK(yf.grad_fn()->name() == "BatchNormReluBackward");
   CHECK(yf.dtype() == dt);
@@ -569,16 +573,20 @@ TEST_CASE("batch_norm_relu equals relu(batch_norm(x) + residual) bit for bit in 
     for (bool cl : {false, true})
       for (bool training : {true, false})
         for (bool with_residual : {false, true})
-          check_against_unfused(dt, Device::cpu(), cl, training, with_residual, 0);
+          for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output})
+            check_against_unfused(dt, Device::cpu(), cl, training, with_residual, 0, true, {6, 8, 3, 5}, saved);
 }
 
 TEST_CASE("batch_norm_relu gradients match finite differences: input, weight, bias and residual, both layouts") {
   manual_seed(421);
-  for (bool training : {true, false}) {
+  for (int form = 0; form < 4; ++form) {
+    const bool training = form % 2 == 0;
+    const ReluSaved saved = form < 2 ? ReluSaved::Mask : ReluSaved::Output;
     CAPTURE(training);
+    CAPTURE(int(saved));
     Tensor rm = randn({3}, {.dtype = kFloat64}), rv = rand({3}, {.dtype = kFloat64}) + 0.5;
     auto f = [&](const TensorList& in) {
-      return batch_norm_relu(in[0], rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5, in[3]);
+      return batch_norm_relu(in[0], rm.clone(), rv.clone(), in[1], in[2], training, 0.1, 1e-5, in[3], Tensor(), saved);
     };
     gradcheck(f, {leaf({4, 3, 2, 3}), leaf({3}), leaf({3}), leaf({4, 3, 2, 3})});
     gradcheck(f, {leaf({5, 3}), leaf({3}), leaf({3}), Tensor()});
@@ -614,7 +622,8 @@ TEST_CASE("batch_norm_relu rounds a float16 or bfloat16 result once, where the s
   }
 }
 
-TEST_CASE("batch_norm_relu keeps relu's mask, not its output: an in-place change to the output leaves the gradients") {
+TEST_CASE("batch_norm_relu keeps relu's mask by default, not its output: an in-place change to the output leaves the "
+          "gradients") {
   manual_seed(427);
   // 4 x 3 x 3 x 3 = 108 elements: a mask of 3 whole words and a partial one.
   Tensor x = randn({4, 3, 3, 3}), z = randn({4, 3, 3, 3}), g = randn({4, 3, 3, 3});
@@ -634,6 +643,77 @@ TEST_CASE("batch_norm_relu keeps relu's mask, not its output: an in-place change
   // the residual's gradient is g where the (unchanged) output was positive
   const Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, z);
   check_close(values(want[1]), values(where(y.gt(0), g, 0)), 0);
+}
+
+TEST_CASE("batch_norm_relu with ReluSaved::Output keeps its output: an in-place change to it before backward is an "
+          "error") {
+  Tensor x = randn({4, 3, 2, 2}).requires_grad_();
+  Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), Tensor(),
+                             ReluSaved::Output);
+  {
+    NoGradGuard no_grad;
+    y.mul_(2);
+  }
+  CHECK_THROWS_WITH_AS(y.sum().backward(), doctest::Contains("batch_norm_relu"), Error);
+}
+
+namespace {
+
+// batch_norm_relu keeping relu's mask and keeping its output give the same result and gradients bit for bit, for
+// each set of wanted gradients, which decides the backward's passes: the residual's alone (the masked gradient only),
+// the weight's alone (the masked sums without the apply), and all.
+void check_relu_saved_forms_agree(Device device, DType dt, bool cl, const Shape& shape) {
+  const std::string dtype = dtype_name(dt), dims = shape_str(shape);
+  CAPTURE(dtype);
+  CAPTURE(dims);
+  CAPTURE(cl);
+  auto place = [&](const Tensor& t) { return cl ? channels_last(t.to(device)) : t.to(device); };
+  Tensor x = place((randn(shape) * 2).to(dt)), z = place(randn(shape).to(dt)), g = place(randn(shape).to(dt));
+  Tensor w = (rand({shape[1]}) + 0.5).to(device);
+  for (int wanted = 0; wanted < 3; ++wanted) {
+    CAPTURE(wanted);
+    TensorList results[2];
+    for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+      Tensor xl = x.detach().requires_grad_(wanted == 2), zl = z.detach().requires_grad_(wanted != 1);
+      Tensor wl = w.detach().requires_grad_(wanted != 0);
+      Tensor y = batch_norm_relu(xl, Tensor(), Tensor(), wl, Tensor(), true, 0.1, 1e-5, zl, Tensor(), saved);
+      y.backward(g);
+      results[int(saved)] = {y.detach(), xl.grad(), zl.grad(), wl.grad()};
+    }
+    for (size_t k = 0; k < 4; ++k) {
+      CAPTURE(k);
+      REQUIRE(results[0][k].defined() == results[1][k].defined());
+      if (results[0][k].defined()) check_close(values(results[1][k].cpu()), values(results[0][k].cpu()), 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm_relu's two ReluSaved forms give the same values and gradients bit for bit") {
+  manual_seed(429);
+  // 4 x 3 x 3 x 3 = 108 elements: a mask of 3 whole words and a partial one
+  for (bool cl : {false, true}) check_relu_saved_forms_agree(Device::cpu(), kFloat32, cl, {4, 3, 3, 3});
+}
+
+TEST_CASE("CUDA batch_norm_relu's two ReluSaved forms give the same values and gradients bit for bit") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(430);
+  // our kernels and cuDNN's (whose backward masks the gradient in a pass of its own), one value at a time and in
+  // 16-byte vectors, and more vectors than the grid's threads
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn}) {
+    const BackendGuard guard(backend);
+    CAPTURE(int(backend));
+    for (bool cl : {false, true}) {
+      check_relu_saved_forms_agree(Device::cuda(0), kFloat32, cl, {4, 3, 3, 3});
+      check_relu_saved_forms_agree(Device::cuda(0), kFloat16, cl, {16, 64, 6, 6});
+      check_relu_saved_forms_agree(Device::cuda(0), kBFloat16, cl, {64, 64, 32, 32});
+    }
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
 }
 
 TEST_CASE("batch_norm_relu with the fusion switched off runs the separate ops, with the same checks") {
@@ -742,8 +822,12 @@ TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and c
       for (bool training : {true, false})
         for (bool with_residual : {false, true}) {
           // float32 and float64: the same arithmetic as the separate ops (cuDNN's forward is cuDNN's either way)
-          check_against_unfused(kFloat64, Device::cuda(0), cl, training, with_residual, 1e-12);
-          check_against_unfused(kFloat32, Device::cuda(0), cl, training, with_residual, 1e-5);
+          for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+            check_against_unfused(kFloat64, Device::cuda(0), cl, training, with_residual, 1e-12, true, {6, 8, 3, 5},
+                                  saved);
+            check_against_unfused(kFloat32, Device::cuda(0), cl, training, with_residual, 1e-5, true, {6, 8, 3, 5},
+                                  saved);
+          }
           // float16: one rounding instead of two with a residual; without one the same values (relu commutes with
           // rounding) when both sides run the same implementation
           check_against_unfused(kFloat16, Device::cuda(0), cl, training, with_residual, 4e-3,
@@ -753,9 +837,14 @@ TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and c
     check_against_unfused(kFloat32, Device::cuda(0), false, true, true, 1e-5, true, {8, 16, 4, 4});
     // more vectors than the grid's threads: each warp stores relu's mask words on several trips of the loop (in
     // float64, whose 65,536-value sums the two forms add in different orders without a visible difference)
-    check_against_unfused(kFloat64, Device::cuda(0), true, true, true, 1e-10, true, {64, 64, 32, 32});
-    check_against_unfused(kFloat16, Device::cuda(0), false, true, false, 4e-3, backend != BatchNormBackend::Auto,
-                          {8, 16, 4, 4});
+    // (and the mask the backward makes from a kept y, on as many trips)
+    for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+      check_against_unfused(kFloat64, Device::cuda(0), true, true, true, 1e-10, true, {64, 64, 32, 32}, saved);
+      check_against_unfused(kFloat16, Device::cuda(0), false, true, false, 4e-3, backend != BatchNormBackend::Auto,
+                            {8, 16, 4, 4}, saved);
+      check_against_unfused(kFloat16, Device::cuda(0), true, true, false, 4e-3, backend != BatchNormBackend::Auto,
+                            {8, 64, 4, 4}, saved);
+    }
   }
   // Only the weight needs a gradient: the masked sums without the apply pass.
   {

@@ -86,6 +86,29 @@ TEST_CASE("ResNet initialisation: convolutions He-normal by fan-out, BatchNorm 1
   CHECK(contains(error_of([&] { net->forward(zeros({1, 1, 32, 32})); }), "expected images [N, 3, H, W]"));
 }
 
+TEST_CASE("ResNet blocks keep their batch_norm_relu results for relu's backward (ReluSaved::Output), not masks") {
+  // The result goes to a convolution, which keeps it anyway: changing it in place before backward is an error that
+  // names the op, as for any kept tensor (with a mask the gradient would not depend on it).
+  manual_seed(6);
+  for (bool bottleneck : {false, true}) {
+    CAPTURE(bottleneck);
+    std::shared_ptr<nn::Module> block;
+    if (bottleneck) {
+      block = std::make_shared<models::Bottleneck>(16, 4, 1);
+    } else {
+      block = std::make_shared<models::BasicBlock>(16, 16, 1);
+    }
+    Tensor x = randn({2, 16, 4, 4}).requires_grad_();
+    Tensor y = block->forward(x);
+    CHECK(y.grad_fn()->name() == "BatchNormReluBackward");
+    {
+      NoGradGuard no_grad;
+      y.mul_(2);
+    }
+    CHECK(contains(error_of([&] { y.sum().backward(); }), "batch_norm_relu"));
+  }
+}
+
 TEST_CASE("VGG: torchvision's feature numbering, the CIFAR classifier and parameter counts") {
   auto net = models::vgg16();
   CHECK(parameter_count(*net) == 14728266);
