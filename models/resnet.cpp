@@ -26,7 +26,8 @@ std::shared_ptr<nn::Sequential> shortcut(int64_t in, int64_t out, int64_t stride
 }  // namespace
 
 // Registered in torchvision's order (conv1, bn1, conv2, bn2, downsample): state_dict() lists them so.
-BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) {
+BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, ReluSaved saved)
+    : result_saved(saved) {
   conv1 = register_module("conv1", conv3x3(in_planes, planes, stride));
   bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(planes));
   conv2 = register_module("conv2", conv3x3(planes, planes, 1));
@@ -34,18 +35,18 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) {
   if (auto s = shortcut(in_planes, planes * kExpansion, stride)) downsample = register_module("downsample", s);
 }
 
-// relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)). Each
-// keeps its result for its backward instead of relu's mask (ReluSaved::Output): the result goes to a convolution,
-// the block's next or the next block's first, which keeps it anyway. (The last block's goes to global average
-// pooling, which keeps nothing: its result is kept in place of 1/16 of it, at the smallest resolution.)
+// relu(bn(conv(x)) + shortcut) is one op, batch_norm_relu (nn::BatchNorm2d::forward_relu), as is relu(bn(...)). The
+// inner ones keep their results for relu's backward (ReluSaved::Output), which the next convolution keeps anyway;
+// the block's result keeps what result_saved says (models/resnet.h).
 Tensor BasicBlock::forward(const Tensor& x) {
   Tensor out = bn1->forward_relu(conv1->forward(x), Tensor(), ReluSaved::Output);
   out = conv2->forward(out);
   const Tensor shortcut = downsample ? downsample->forward(x) : x;  // after the main path, as PyTorch's block
-  return bn2->forward_relu(out, shortcut, ReluSaved::Output);
+  return bn2->forward_relu(out, shortcut, result_saved);
 }
 
-Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride) {
+Bottleneck::Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, ReluSaved saved)
+    : result_saved(saved) {
   conv1 = register_module("conv1", conv1x1(in_planes, planes, 1));
   bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(planes));
   conv2 = register_module("conv2", conv3x3(planes, planes, stride));
@@ -60,7 +61,7 @@ Tensor Bottleneck::forward(const Tensor& x) {
   out = bn2->forward_relu(conv2->forward(out), Tensor(), ReluSaved::Output);
   out = conv3->forward(out);
   const Tensor shortcut = downsample ? downsample->forward(x) : x;
-  return bn3->forward_relu(out, shortcut, ReluSaved::Output);
+  return bn3->forward_relu(out, shortcut, result_saved);
 }
 
 ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions opts) : options(opts) {
@@ -82,10 +83,13 @@ ResNet::ResNet(ResNetBlock block, std::array<int64_t, 4> blocks, ResNetOptions o
     auto layer = std::make_shared<nn::Sequential>();
     for (int64_t b = 0; b < blocks[size_t(stage)]; ++b) {
       const int64_t stride = stage > 0 && b == 0 ? 2 : 1;
+      // Every block's result goes to the next block's convolutions but the last one's, to global average pooling.
+      const bool last = stage == 3 && b + 1 == blocks[3];
+      const ReluSaved saved = last ? ReluSaved::Mask : ReluSaved::Output;
       if (block == ResNetBlock::Basic) {
-        layer->push_back(std::make_shared<BasicBlock>(in_planes, planes, stride));
+        layer->push_back(std::make_shared<BasicBlock>(in_planes, planes, stride, saved));
       } else {
-        layer->push_back(std::make_shared<Bottleneck>(in_planes, planes, stride));
+        layer->push_back(std::make_shared<Bottleneck>(in_planes, planes, stride, saved));
       }
       in_planes = planes * expansion;
     }

@@ -24,13 +24,18 @@ struct ResNetOptions {
   bool zero_init_residual = false;  // last BatchNorm of each block starts at weight 0 (Goyal et al. 2017)
 };
 
+// result_saved: what the block's last batch_norm_relu keeps for relu's backward (ops/batch_norm.h's ReluSaved): its
+// result, where the next op is a convolution that keeps it anyway (the next block's), or relu's mask, where it is
+// not (the last block's, before global average pooling). The block's inner batch_norm_relu keep their results: a
+// convolution follows each.
 class BasicBlock : public nn::Module {
  public:
   static constexpr int64_t kExpansion = 1;
-  BasicBlock(int64_t in_planes, int64_t planes, int64_t stride);
+  BasicBlock(int64_t in_planes, int64_t planes, int64_t stride, ReluSaved result_saved = ReluSaved::Output);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "BasicBlock"; }
 
+  const ReluSaved result_saved;
   std::shared_ptr<nn::Conv2d> conv1, conv2;
   std::shared_ptr<nn::BatchNorm2d> bn1, bn2;
   std::shared_ptr<nn::Sequential> downsample;  // null when the shortcut is the identity
@@ -39,10 +44,11 @@ class BasicBlock : public nn::Module {
 class Bottleneck : public nn::Module {
  public:
   static constexpr int64_t kExpansion = 4;
-  Bottleneck(int64_t in_planes, int64_t planes, int64_t stride);
+  Bottleneck(int64_t in_planes, int64_t planes, int64_t stride, ReluSaved result_saved = ReluSaved::Output);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Bottleneck"; }
 
+  const ReluSaved result_saved;  // as BasicBlock's
   std::shared_ptr<nn::Conv2d> conv1, conv2, conv3;
   std::shared_ptr<nn::BatchNorm2d> bn1, bn2, bn3;
   std::shared_ptr<nn::Sequential> downsample;

@@ -1028,6 +1028,7 @@ struct ChoiceKey {
   DType dtype;
   bool channels_last, backward;
   int epilogue;  // batch_norm_relu: 0 none, 1 relu, 2 forward with a residual / backward with its gradient wanted
+  bool stores_mask;  // forward: relu's mask is written (ReluSaved::Mask), which costs our apply kernel ~10%
   int64_t batch, channels, spatial;
   auto operator<=>(const ChoiceKey&) const = default;
 };
@@ -1081,7 +1082,8 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   BatchNormForwardArgs timed = a;
   timed.running_mean = timed.running_var = Tensor();
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false,
-                      a.relu ? 1 + int(a.residual.defined()) : 0, s.batch, s.channels, s.spatial};
+                      a.relu ? 1 + int(a.residual.defined()) : 0, a.relu_mask.defined(), s.batch, s.channels,
+                      s.spatial};
   if (choose_cudnn(key, [&] { own_forward(timed); }, [&] { cudnn_forward(timed); }, "batch_norm")) {
     cudnn_forward(a);
   } else {
@@ -1107,7 +1109,7 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& kept) {
   }
   cuda::DeviceGuard guard(a.input.device());
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
-                      a.relu_mask.defined() ? 1 + int(a.grad_residual.defined()) : 0, s.batch, s.channels,
+                      a.relu_mask.defined() ? 1 + int(a.grad_residual.defined()) : 0, false, s.batch, s.channels,
                       s.spatial};
   if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
     cudnn_backward(a);

@@ -647,14 +647,20 @@ TEST_CASE("batch_norm_relu keeps relu's mask by default, not its output: an in-p
 
 TEST_CASE("batch_norm_relu with ReluSaved::Output keeps its output: an in-place change to it before backward is an "
           "error") {
-  Tensor x = randn({4, 3, 2, 2}).requires_grad_();
-  Tensor y = batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), Tensor(),
-                             ReluSaved::Output);
-  {
-    NoGradGuard no_grad;
-    y.mul_(2);
+  // plain, with a folded input_bias (training), and with the input_bias added first (eval: the op is called again
+  // on the sum, with `saved` passed on)
+  for (int form = 0; form < 3; ++form) {
+    CAPTURE(form);
+    const bool training = form < 2;
+    Tensor x = randn({4, 3, 2, 2}).requires_grad_(), ib = form > 0 ? randn({3}) : Tensor();
+    Tensor rm = zeros({3}), rv = ones({3});
+    Tensor y = batch_norm_relu(x, rm, rv, Tensor(), Tensor(), training, 0.1, 1e-5, Tensor(), ib, ReluSaved::Output);
+    {
+      NoGradGuard no_grad;
+      y.mul_(2);
+    }
+    CHECK_THROWS_WITH_AS(y.sum().backward(), doctest::Contains("batch_norm_relu"), Error);
   }
-  CHECK_THROWS_WITH_AS(y.sum().backward(), doctest::Contains("batch_norm_relu"), Error);
 }
 
 namespace {

@@ -86,26 +86,47 @@ TEST_CASE("ResNet initialisation: convolutions He-normal by fan-out, BatchNorm 1
   CHECK(contains(error_of([&] { net->forward(zeros({1, 1, 32, 32})); }), "expected images [N, 3, H, W]"));
 }
 
-TEST_CASE("ResNet blocks keep their batch_norm_relu results for relu's backward (ReluSaved::Output), not masks") {
-  // The result goes to a convolution, which keeps it anyway: changing it in place before backward is an error that
-  // names the op, as for any kept tensor (with a mask the gradient would not depend on it).
+TEST_CASE("ResNet blocks keep their results for relu's backward where a convolution follows, masks before pooling") {
+  // A kept result changed in place before backward is an error that names the op, as for any kept tensor; with a
+  // mask kept instead the gradient does not depend on it.
   manual_seed(6);
   for (bool bottleneck : {false, true}) {
-    CAPTURE(bottleneck);
-    std::shared_ptr<nn::Module> block;
-    if (bottleneck) {
-      block = std::make_shared<models::Bottleneck>(16, 4, 1);
-    } else {
-      block = std::make_shared<models::BasicBlock>(16, 16, 1);
+    for (ReluSaved saved : {ReluSaved::Output, ReluSaved::Mask}) {
+      CAPTURE(bottleneck);
+      CAPTURE(int(saved));
+      std::shared_ptr<nn::Module> block;
+      if (bottleneck) {
+        block = std::make_shared<models::Bottleneck>(16, 4, 1, saved);
+      } else {
+        block = std::make_shared<models::BasicBlock>(16, 16, 1, saved);
+      }
+      Tensor x = randn({2, 16, 4, 4}).requires_grad_();
+      Tensor y = block->forward(x);
+      CHECK(y.grad_fn()->name() == "BatchNormReluBackward");
+      {
+        NoGradGuard no_grad;
+        y.mul_(2);
+      }
+      const std::string error = error_of([&] { y.sum().backward(); });
+      if (saved == ReluSaved::Output) {
+        CHECK(contains(error, "batch_norm_relu"));
+      } else {
+        CHECK(error == "(no error)");
+      }
     }
-    Tensor x = randn({2, 16, 4, 4}).requires_grad_();
-    Tensor y = block->forward(x);
-    CHECK(y.grad_fn()->name() == "BatchNormReluBackward");
-    {
-      NoGradGuard no_grad;
-      y.mul_(2);
+  }
+  // In a ResNet every block's result goes to the next block's convolutions, the last one's to global average pooling.
+  for (const auto& net : {models::resnet18(), models::resnet50()}) {
+    std::vector<ReluSaved> kept;
+    for (const auto& stage : net->layers) {
+      for (const auto& [name, child] : stage->named_children()) {
+        if (auto* b = dynamic_cast<models::BasicBlock*>(child.get())) kept.push_back(b->result_saved);
+        if (auto* b = dynamic_cast<models::Bottleneck*>(child.get())) kept.push_back(b->result_saved);
+      }
     }
-    CHECK(contains(error_of([&] { y.sum().backward(); }), "batch_norm_relu"));
+    REQUIRE(kept.size() >= 8);
+    CHECK(kept.back() == ReluSaved::Mask);
+    CHECK(std::count(kept.begin(), kept.end(), ReluSaved::Output) == int64_t(kept.size()) - 1);
   }
 }
 
