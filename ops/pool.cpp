@@ -215,10 +215,10 @@ void max_pool_cpu_typed(const Tensor& out, const Tensor& indices, const Tensor& 
         Acc best = -std::numeric_limits<Acc>::infinity();
         int64_t best_index = -1, best_position = kNoWindowPosition;
         for (int64_t kh = 0; kh < p.kernel[0]; ++kh) {
-          const int64_t ih = oh * p.stride[0] - p.padding[0] + kh * p.dilation[0];
+          const int64_t ih = window_input(p, 0, oh, kh);
           if (ih < 0 || ih >= H) continue;
           for (int64_t kw = 0; kw < p.kernel[1]; ++kw) {
-            const int64_t iw = ow * p.stride[1] - p.padding[1] + kw * p.dilation[1];
+            const int64_t iw = window_input(p, 1, ow, kw);
             if (iw < 0 || iw >= W) continue;
             const Acc v = Acc(xp[ih * x.s[2] + iw * x.s[3]]);
             // The first element of the window, then strictly larger ones; nan wins (PyTorch's rule).
@@ -277,9 +277,7 @@ void max_pool_backward_cpu_typed(const Tensor& grad_input, const Tensor& grad_ou
         int64_t i = saved;
         if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: its row and column in the plane
           if (saved == kNoWindowPosition) continue;
-          const int64_t ih = oh * p.stride[0] - p.padding[0] + (saved / p.kernel[1]) * p.dilation[0];
-          const int64_t iw = ow * p.stride[1] - p.padding[1] + (saved % p.kernel[1]) * p.dilation[1];
-          i = ih * W + iw;
+          i = window_position_input(p, 0, oh, saved) * W + window_position_input(p, 1, ow, saved);
         }
         if (i >= 0) acc[i] += Acc(gp[oh * g.s[2] + ow * g.s[3]]);
       }

@@ -135,10 +135,10 @@ __global__ void max_pool_kernel(const T* x, T* y, S* indices, Geometry<I> g, Win
     Acc best = -std::numeric_limits<Acc>::infinity();
     I best_index = -1, best_position = kNoWindowPosition;
     for (I kh = 0; kh < p.kernel[0]; ++kh) {
-      const I ih = o.p * p.stride[0] - p.padding[0] + kh * p.dilation[0];
+      const I ih = window_input(p, 0, o.p, kh);
       if (ih < 0 || ih >= g.H) continue;
       for (I kw = 0; kw < p.kernel[1]; ++kw) {
-        const I iw = o.q * p.stride[1] - p.padding[1] + kw * p.dilation[1];
+        const I iw = window_input(p, 1, o.q, kw);
         if (iw < 0 || iw >= g.W) continue;
         const Acc v = Acc(x[offset(g.in, o.n, o.c, ih, iw)]);
         if (best_index < 0 || v > best || v != v) {  // first element, then larger; nan wins (as the CPU)
@@ -178,9 +178,8 @@ __global__ void max_pool_backward_kernel(T* dx, const T* dy, const S* indices, G
         bool here;
         if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: this element's own within (oh, ow)?
           const I k = I(saved);
-          here = saved != kNoWindowPosition &&
-                 oh * p.stride[0] - p.padding[0] + (k / p.kernel[1]) * p.dilation[0] == e.p &&
-                 ow * p.stride[1] - p.padding[1] + (k % p.kernel[1]) * p.dilation[1] == e.q;
+          here = saved != kNoWindowPosition && window_position_input(p, 0, oh, k) == e.p &&
+                 window_position_input(p, 1, ow, k) == e.q;
         } else {
           here = saved == me;
         }

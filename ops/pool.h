@@ -73,6 +73,18 @@ struct Pool2dParams {
 //          its output is -inf, as where the flat index is -1)
 constexpr int64_t kMaxWindowPositions = 255;  // window elements, positions 0 to 254
 constexpr uint8_t kNoWindowPosition = 255;
+
+// Along dim d (0: rows, 1: columns) of a window `p` (Pool2dParams, or the CUDA kernels' copy of its numbers): the
+// input index of window offset k of output o, and of the element at window position `position` (kh * kernel_w + kw).
+// Max pooling's forward visits the window by the first and its backward decodes its record by the second, on every
+// device.
+template <typename I, typename P> HG_HOST_DEVICE inline I window_input(const P& p, int d, I o, I k) {
+  return o * I(p.stride[d]) - I(p.padding[d]) + k * I(p.dilation[d]);
+}
+template <typename I, typename P> HG_HOST_DEVICE inline I window_position_input(const P& p, int d, I o, I position) {
+  const I kernel_w = I(p.kernel[1]);
+  return window_input(p, d, o, d == 0 ? position / kernel_w : position % kernel_w);
+}
 // Calls f.template operator()<S>() with S the C++ type of `indices`: int64_t or uint8_t.
 template <typename F> void dispatch_max_pool_indices(const Tensor& indices, F&& f) {
   if (indices.dtype() == kUInt8)
