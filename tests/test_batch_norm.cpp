@@ -9,6 +9,7 @@
 
 #include "core/autocast.h"
 #include "core/cuda.h"
+#include "core/cuda_allocator.h"
 #include "halfgrad.h"
 #include "tests/testing.h"
 #include "ops/batch_norm.h"
@@ -716,6 +717,32 @@ TEST_CASE("CUDA batch_norm_relu's two ReluSaved forms give the same values and g
       check_relu_saved_forms_agree(Device::cuda(0), kFloat16, cl, {16, 64, 6, 6});
       check_relu_saved_forms_agree(Device::cuda(0), kBFloat16, cl, {64, 64, 32, 32});
     }
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+TEST_CASE("CUDA batch_norm_relu with ReluSaved::Output keeps no mask: its node holds the mask's bytes less") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(431);
+  const Shape shape{64, 64, 16, 16};  // 1,048,576 elements: a mask of 32,768 words
+  const Tensor x = channels_last(randn(shape, {.device = Device::cuda(0)}).to(kFloat16));
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn}) {
+    const BackendGuard guard(backend);
+    CAPTURE(int(backend));
+    int64_t held[2] = {0, 0};  // bytes the result and its node hold, by ReluSaved
+    for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+      Tensor xl = x.detach().requires_grad_();
+      cuda::synchronize();
+      const int64_t before = int64_t(cuda::memory_stats(0).requested_bytes);
+      Tensor y =
+          batch_norm_relu(xl, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), Tensor(), saved);
+      cuda::synchronize();
+      held[int(saved)] = int64_t(cuda::memory_stats(0).requested_bytes) - before;
+    }
+    CHECK(held[int(ReluSaved::Mask)] - held[int(ReluSaved::Output)] == ReluMask::words(x.numel()) * 4);
   }
 #else
   MESSAGE("built without CUDA: skipped");
