@@ -17,7 +17,9 @@
 // Backward: 1. per-channel sums of g and g * (x - mean) (same reduction kernels), 2. finalize: grad_weight,
 // grad_bias and three per-channel coefficients, 3. apply: grad_input = g * alpha + (x - mean) * beta + gamma.
 // After batch_norm_relu, 1. and 3. read relu's mask too and take g only where its bit is set; 3. writes that masked
-// g as the residual's gradient. Where the op kept y instead of the mask, a pass makes the mask from y first.
+// g as the residual's gradient. Where the op kept y instead of the mask, a pass makes the mask from y first (reading
+// y in both passes cost more: session 44, docs/benchmarks.md); the masked-gradient pass (before cuDNN's kernels, or
+// for the residual's gradient alone) reads y itself.
 //
 // 4. cuDNN's kernels (the ones PyTorch calls), the second implementation of training, and the choice between
 //    the two per problem (BatchNormBackend in ops/batch_norm.h).
@@ -89,6 +91,25 @@ template <typename T, int V> __device__ __forceinline__ Vec<T, V> masked(Vec<T, 
   for (int e = 0; e < V; ++e) g.v[e] = (bits >> e) & 1u ? g.v[e] : T(0);
   return g;
 }
+
+// The mask bits of a vector of relu's results.
+template <typename T, int V> __device__ __forceinline__ uint32_t positive_bits(const Vec<T, V>& y) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int e = 0; e < V; ++e) bits |= uint32_t(acc_t<T>(y.v[e]) > acc_t<T>(0)) << e;
+  return bits;
+}
+
+// Which values of batch_norm_relu's output passed relu, for a pass that reads them once: the bits of relu's mask
+// (ReluSaved::Mask), or the signs of the output itself (ReluSaved::Output), which spares making the bits first.
+template <typename T> struct ReluGate {
+  const int32_t* mask = nullptr;  // exactly one of the two is set
+  const T* y = nullptr;
+  // The bits of the V values from element e of the whole tensor (e a multiple of V).
+  template <int V> __device__ __forceinline__ uint32_t bits(int64_t e) const {
+    return y != nullptr ? positive_bits<T, V>(load<T, V>(y + e)) : mask_bits<V>(mask, e);
+  }
+};
 
 // Stores the bits of a warp's 32 consecutive vectors: lane L holds the V bits of the vector at element e0 + L V, e0
 // a multiple of 32. The lanes of each word OR their bits together by shuffles and the first of them stores the
@@ -578,14 +599,6 @@ __device__ __forceinline__ void for_each_vector(uint32_t vectors, int32_t* mask,
   }
 }
 
-// The mask bits of a vector of relu's results.
-template <typename T, int V> __device__ __forceinline__ uint32_t positive_bits(const Vec<T, V>& y) {
-  uint32_t bits = 0;
-#pragma unroll
-  for (int e = 0; e < V; ++e) bits |= uint32_t(acc_t<T>(y.v[e]) > acc_t<T>(0)) << e;
-  return bits;
-}
-
 // Rows: the launch makes the grid's stride a multiple of C / V vectors (for_each_piece), so every vector a
 // thread visits starts at the same channel and the thread loads its per-channel constants once; loading them per
 // vector moved more bytes through L1 than the data (float32 constants for float16 values). Planes: one channel
@@ -698,14 +711,14 @@ __global__ void __launch_bounds__(kThreads)
                      [&](uint32_t q) { return positive_bits<T, V>(load<T, V>(y + int64_t(q) * V)); });
 }
 
-// out = g where relu's mask is set, else 0.
+// out = g where relu let it pass, else 0 (element piece_first + i of the whole tensor for element i of the piece).
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    masked_gradient_kernel(T* __restrict__ out, const T* __restrict__ g, uint32_t vectors,
-                           const int32_t* __restrict__ mask, int64_t mask_first) {
+    masked_gradient_kernel(T* __restrict__ out, const T* __restrict__ g, uint32_t vectors, ReluGate<T> relu,
+                           int64_t piece_first) {
   for (uint32_t q = blockIdx.x * kThreads + threadIdx.x; q < vectors; q += gridDim.x * kThreads) {
     const uint32_t i = q * V;
-    store<T, V>(out + i, masked(load<T, V>(g + i), mask_bits<V>(mask, mask_first + i)));
+    store<T, V>(out + i, masked(load<T, V>(g + i), relu.template bits<V>(piece_first + i)));
   }
 }
 
@@ -833,17 +846,23 @@ template <typename T> Tensor relu_mask_of(const BatchNormShape& s, const Tensor&
   return mask;
 }
 
-// out = g where relu's mask is set, else 0: the gradient batch_norm_relu's normalisation receives (the residual's,
-// or a scratch tensor in the layout of g).
+// Where batch_norm_relu's backward finds which values passed relu: the mask, or the output kept in its place.
+template <typename T> ReluGate<T> relu_gate(const BatchNormBackwardArgs& a) {
+  return {a.relu_mask.defined() ? a.relu_mask.data<int32_t>() : nullptr,
+          a.output.defined() ? a.output.data<T>() : nullptr};
+}
+
+// out = g where relu let it pass, else 0: the gradient batch_norm_relu's normalisation receives (the residual's,
+// or a scratch tensor in the layout of g). One pass, which reads y itself where the op kept y.
 template <typename T> void masked_gradient(const BatchNormShape& s, const Tensor& out, const Tensor& g,
-                                           const Tensor& mask) {
+                                           ReluGate<T> relu) {
   const Device device = g.device();
   cudaStream_t stream = cuda::current_stream(device);
-  with_vector_and_layout<T>(vector_width<T>(s, {out.data_ptr(), g.data_ptr()}), s.channels_last,
+  with_vector_and_layout<T>(vector_width<T>(s, {out.data_ptr(), g.data_ptr(), relu.y}), s.channels_last,
                             [&]<int V, bool>() {
     for_each_piece(s, device, V, false, [&](int64_t first, uint32_t count, unsigned blocks) {
       masked_gradient_kernel<T, V><<<blocks, kThreads, 0, stream>>>(out.data<T>() + first, g.data<T>() + first,
-                                                                    count / V, mask.data<int32_t>(), first);
+                                                                    count / V, relu, first);
       HG_CUDA_CHECK_LAUNCH("batch_norm_relu backward");
     });
   });
@@ -858,13 +877,15 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
   cudaStream_t stream = cuda::current_stream(device);
   const T* g = a.grad_output.data<T>();
   const T* x = a.input.data<T>();
-  const int32_t* mask = kMasked ? a.relu_mask.data<int32_t>() : nullptr;
   const A* mean = a.save_mean.data<A>();
   T* gz = a.grad_residual.defined() ? a.grad_residual.data<T>() : nullptr;
-  if (gz && !a.grad_input.defined()) masked_gradient<T>(s, a.grad_residual, a.grad_output, a.relu_mask);
+  if (gz && !a.grad_input.defined()) masked_gradient<T>(s, a.grad_residual, a.grad_output, relu_gate<T>(a));
 
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
   if (!need_sums && !a.grad_input.defined()) return;  // only the residual's gradient was wanted
+  // The two passes below read relu's bits: made here where the op kept y.
+  const Tensor mask_tensor = kMasked && !a.relu_mask.defined() ? relu_mask_of<T>(s, a.output) : a.relu_mask;
+  const int32_t* mask = kMasked ? mask_tensor.data<int32_t>() : nullptr;
   Tensor workspace, coef;
   const typename R::State* partial = nullptr;
   int splits = 0;
@@ -994,11 +1015,11 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   const CudnnProblem p(s, a.input, "batch_norm_backward");
   // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted.
   Tensor g = a.grad_output;
-  if (a.relu_mask.defined()) {
+  if (a.relu_mask.defined() || a.output.defined()) {
     g = a.grad_residual.defined() ? a.grad_residual
                                   : batch_norm_empty(g.shape(), g.dtype(), device, s.channels_last);
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
-                      [&]<typename T>() { masked_gradient<T>(s, g, a.grad_output, a.relu_mask); });
+                      [&]<typename T>() { masked_gradient<T>(s, g, a.grad_output, relu_gate<T>(a)); });
   }
   size_t bytes = 0;
   HG_CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
@@ -1028,7 +1049,9 @@ struct ChoiceKey {
   DType dtype;
   bool channels_last, backward;
   int epilogue;  // batch_norm_relu: 0 none, 1 relu, 2 forward with a residual / backward with its gradient wanted
-  bool stores_mask;  // forward: relu's mask is written (ReluSaved::Mask), which costs our apply kernel ~10%
+  // batch_norm_relu with ReluSaved::Mask: the forward writes relu's mask (~10% more in our apply kernel); the backward
+  // reads it, where with y kept ours first makes the mask and cuDNN's path reads y.
+  bool mask;
   int64_t batch, channels, spatial;
   auto operator<=>(const ChoiceKey&) const = default;
 };
@@ -1066,7 +1089,7 @@ void own_forward(const BatchNormForwardArgs& a) {
 
 void own_backward(const BatchNormBackwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() {
-    a.relu_mask.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
+    a.relu_mask.defined() || a.output.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
   });
 }
 
@@ -1091,16 +1114,8 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   }
 }
 
-void batch_norm_backward_cuda(const BatchNormBackwardArgs& kept) {
-  const BatchNormShape& s = kept.shape;
-  // The kernels below read relu's mask: made here from y where the op kept y instead.
-  BatchNormBackwardArgs a = kept;
-  if (a.output.defined()) {
-    cuda::DeviceGuard guard(a.output.device());
-    a.relu_mask = dispatch_floating(a.output.dtype(), "batch_norm_relu backward",
-                                    [&]<typename T>() { return relu_mask_of<T>(s, a.output); });
-    a.output = Tensor();
-  }
+void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
+  const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
       !cudnn_takes(s, a.input.dtype(),
                    {&a.input, &a.grad_output, &a.grad_input, &a.grad_residual, &a.weight, &a.save_mean,
@@ -1109,8 +1124,8 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& kept) {
   }
   cuda::DeviceGuard guard(a.input.device());
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
-                      a.relu_mask.defined() ? 1 + int(a.grad_residual.defined()) : 0, false, s.batch, s.channels,
-                      s.spatial};
+                      a.relu_mask.defined() || a.output.defined() ? 1 + int(a.grad_residual.defined()) : 0,
+                      a.relu_mask.defined(), s.batch, s.channels, s.spatial};
   if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
     cudnn_backward(a);
   } else {

@@ -70,10 +70,10 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 //           change to y before backward does not change the gradients.
 //   Output  y itself, which costs no memory where the next op keeps y anyway: a convolution keeps its input for its
 //           weight's gradient (models/resnet.h: inside a ResNet and between its blocks). The forward stores no bits;
-//           on CUDA the backward makes them from y in a pass of its own: one more read of y than Mask, the price of
-//           the memory (ResNet-50 amp at batch 256, its blocks on Output but the last: 3,476 -> 3,384 MiB at the
-//           peak, ~3.6% more time a step). An in-place
-//           change to y before backward is an error, as for any kept tensor.
+//           on CUDA our backward makes them from y in a pass of its own (the masked gradient before cuDNN's reads y
+//           itself): one more read of y than Mask, the price of the memory (ResNet-50 amp at batch 256, its blocks
+//           on Output but the last: 3,476 -> 3,384 MiB at the peak, ~2-3.6% more time a step). An in-place change
+//           to y before backward is an error, as for any kept tensor.
 // With the fusion off (set_batch_norm_relu_fusion(false)) the separate relu keeps y whatever `saved` says.
 enum class ReluSaved { Mask, Output };
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
