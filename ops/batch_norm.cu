@@ -883,7 +883,8 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
 
   const bool need_sums = a.grad_weight.defined() || a.grad_bias.defined() || (a.grad_input.defined() && a.training);
   if (!need_sums && !a.grad_input.defined()) return;  // only the residual's gradient was wanted
-  // The two passes below read relu's bits: made here where the op kept y.
+  // The passes below (the sums, the apply) read relu's bits: made here where the op kept y. (Where the residual's and
+  // the parameters' gradients are wanted but not the input's, y is then read twice; no model in models/ asks for that.)
   const Tensor mask_tensor = kMasked && !a.relu_mask.defined() ? relu_mask_of<T>(s, a.output) : a.relu_mask;
   const int32_t* mask = kMasked ? mask_tensor.data<int32_t>() : nullptr;
   Tensor workspace, coef;

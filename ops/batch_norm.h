@@ -151,8 +151,8 @@ struct BatchNormBackwardArgs {
 // ones PyTorch calls, keep a block's share of the activation on chip between the statistics and the
 // normalisation; they are faster than ours on the smaller shapes and slower on the larger.
 //   Auto   the first time a host thread meets a problem (device, dtype, layout, direction, batch_norm_relu's
-//          epilogue, N, C, spatial size) that both take, both run on its buffers and the faster is kept for it, as
-//          conv2d keeps its fastest algorithm
+//          epilogue and whether it keeps the mask or y, N, C, spatial size) that both take, both run on its buffers
+//          and the faster is kept for it, as conv2d keeps its fastest algorithm
 //   Own    always ours
 //   Cudnn  cuDNN's wherever it takes the problem: float16/float32, spatial size > 1, contiguous runs (channels in
 //          channels last, planes in NCHW) of whole 16-byte vectors, 16-byte aligned data, fewer than 2^31
