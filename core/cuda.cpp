@@ -144,6 +144,24 @@ std::string device_name(int device) {
   return prop.name;
 }
 
+namespace {
+int device_attribute(int device, cudaDeviceAttr attribute) {
+  thread_local std::map<std::pair<int, cudaDeviceAttr>, int> values;
+  const std::pair key{device, attribute};
+  if (auto it = values.find(key); it != values.end()) return it->second;
+  check_device_index(device, "cuda::device_attribute");
+  int value = 0;
+  HG_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return values.emplace(key, value).first->second;
+}
+}  // namespace
+
+int multiprocessor_count(int device) { return device_attribute(device, cudaDevAttrMultiProcessorCount); }
+int compute_capability(int device) {
+  return device_attribute(device, cudaDevAttrComputeCapabilityMajor) * 10 +
+         device_attribute(device, cudaDevAttrComputeCapabilityMinor);
+}
+
 void synchronize() {
   detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaDeviceSynchronize());
@@ -394,6 +412,8 @@ Versions versions() { return {"none", "none", "none"}; }
 int current_device() { no_cuda("cuda::current_device"); }
 void set_device(int) { no_cuda("cuda::set_device"); }
 std::string device_name(int) { no_cuda("cuda::device_name"); }
+int multiprocessor_count(int) { no_cuda("cuda::multiprocessor_count"); }
+int compute_capability(int) { no_cuda("cuda::compute_capability"); }
 void synchronize() { no_cuda("cuda::synchronize"); }
 void synchronize(int) { no_cuda("cuda::synchronize"); }
 DeviceGuard::DeviceGuard(int device) {

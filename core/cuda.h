@@ -40,6 +40,9 @@ int device_count();   // 0 without a driver or GPU; never throws
 int current_device();
 void set_device(int device);
 std::string device_name(int device);  // "NVIDIA H200"
+// Asked once per device and host thread, then cached: kernels size their grids by the SM count on every launch.
+int multiprocessor_count(int device);  // 132 on an H200
+int compute_capability(int device);    // major * 10 + minor: 90 on an H200
 // Synchronizes the whole device (every stream): the host waits until all work queued on it is done.
 void synchronize();            // the current device
 void synchronize(int device);

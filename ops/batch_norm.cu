@@ -60,16 +60,6 @@ template <typename T> constexpr int kVector = int(16 / sizeof(T));  // values pe
 // (halfgrad::min, the reduction, would hide CUDA's min wherever ops/reduce.h is visible)
 template <typename I> __host__ __device__ __forceinline__ I smaller(I a, I b) { return a < b ? a : b; }
 
-int multiprocessors(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int count = 0;
-    HG_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "batch_norm");
-    cached[device] = std::max(count, 1);
-  }
-  return cached[device];
-}
 
 template <typename T, int V> __device__ __forceinline__ Vec<T, V> load(const T* p) {
   return *reinterpret_cast<const Vec<T, V>*>(p);
@@ -394,7 +384,7 @@ typename R::State* reduce_channels_vec(const R& r, const BatchNormShape& s, Devi
                                        Tensor& workspace, int& splits_out) {
   using State = typename R::State;
   const int64_t C = s.channels, M = s.per_channel();
-  const int64_t target = 4 * int64_t(multiprocessors(device.index));
+  const int64_t target = 4 * int64_t(cuda::multiprocessor_count(device.index));
   int64_t splits = 1, chunk = 0;
   dim3 grid, block;
   HG_CHECK(M < (int64_t(1) << 31) && C < (int64_t(1) << 31),
@@ -415,7 +405,7 @@ typename R::State* reduce_channels_vec(const R& r, const BatchNormShape& s, Devi
     const int64_t ty = kThreads / tx, tiles = (channel_vectors + tx - 1) / tx;
     // One full wave of blocks: with 4 blocks per multiprocessor asked for and 2-3 fitting, the last third of a
     // wave ran alone (ncu: 27% of warps active in the float16 NHWC reductions).
-    const int64_t wave = resident_blocks_per_sm(reduce_rows_kernel<R, V>) * int64_t(multiprocessors(device.index));
+    const int64_t wave = resident_blocks_per_sm(reduce_rows_kernel<R, V>) * int64_t(cuda::multiprocessor_count(device.index));
     splits = std::clamp<int64_t>(wave / tiles, 1, std::max<int64_t>(1, M / (ty * kMinVectorsPerThread)));
     chunk = (M + splits - 1) / splits;
     splits = (M + chunk - 1) / chunk;
@@ -739,7 +729,7 @@ void for_each_piece(const BatchNormShape& s, Device device, int v, bool writes_m
              "mask handles (2^31 elements, in runs of whole 32-element words)", s.batch, sample);
     per_piece = per_piece / whole * whole;
   }
-  const int64_t max_blocks = 16 * int64_t(multiprocessors(device.index));
+  const int64_t max_blocks = 16 * int64_t(cuda::multiprocessor_count(device.index));
   const int64_t row_vectors = s.channels / v;
   const int64_t period = s.channels_last ? row_vectors / std::gcd(row_vectors, int64_t(kThreads)) : 1;
   for (int64_t n0 = 0; n0 < s.batch; n0 += per_piece) {

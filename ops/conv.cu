@@ -4,7 +4,9 @@
 //   candidates   the engine configurations cuDNN's heuristics rank for the graph (modes A and FALLBACK), less
 //                those whose numerics we do not accept (below), the first ten (kCandidateLimit) and one that
 //                needs no workspace; for float16/bfloat16 1x1 convolutions with stride 1, also the same product
-//                as one cuBLAS GEMM (ops/conv.cpp, conv2d_pointwise_*)
+//                as one cuBLAS GEMM (ops/conv.cpp, conv2d_pointwise_*); for float16/bfloat16 windows of at most 32
+//                values (an RGB input under a 3x3 kernel), also our kernels of ops/conv_few_channels.cu (forward
+//                and weight gradient)
 //   autotuning   the first time a thread sees a problem every candidate runs on the real buffers (one warm-up, then
 //                the median of three, timed with CUDA events) and the fastest is cached for the problem: device,
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
@@ -36,6 +38,7 @@
 #include "core/cuda.h"
 #include "core/log.h"
 #include "ops/conv.h"
+#include "ops/conv_few_channels.h"
 #include "ops/copy.h"
 #include "ops/elementwise.h"
 
@@ -251,14 +254,21 @@ struct Graph {
 
 // ---- candidates
 
-// One way to compute a problem: a finalized execution plan (with the engine configuration and graph it was
-// built from), or the cuBLAS GEMM of a pointwise convolution (plan == nullptr).
+// One way to compute a problem: a finalized cuDNN execution plan (with the engine configuration and graph it was
+// built from), the cuBLAS GEMM of a pointwise convolution, or our few-channels kernels.
+enum class Implementation { Cudnn, PointwiseGemm, FewChannels };
+
 struct Candidate {
   std::shared_ptr<Graph> graph;
-  std::shared_ptr<Descriptor> config, plan;
+  std::shared_ptr<Descriptor> config, plan;  // Cudnn only
   int64_t workspace = 0;
-  std::string label;  // "engine 12" or "cuBLAS GEMM"
+  std::string label;  // "engine 12", "cuBLAS GEMM" or "few-channels kernel"
+  Implementation implementation = Implementation::Cudnn;
 };
+
+bool takes_few_channels(const Problem& pb) {
+  return pb.direction != Direction::BackwardData && few_channels_conv_takes(pb.x, pb.w, pb.y, pb.params);
+}
 
 bool is_pointwise_gemm(const Problem& pb) {
   if (!is_half(pb.dtype) || !conv2d_is_pointwise(pb.w.shape(), pb.params)) return false;
@@ -358,10 +368,21 @@ void run_gemm(const Problem& pb) {
 
 void* data_of(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
+void run_few_channels(const Problem& pb, const Tensor& workspace) {
+  if (pb.direction == Direction::Forward)
+    few_channels_conv_forward(pb.y, pb.x, pb.w, pb.params);
+  else
+    few_channels_conv_backward_weight(pb.w, pb.y, pb.x, pb.params, workspace);
+}
+
 // Runs one candidate on the problem's buffers with `workspace` (at least c.workspace bytes).
 void execute(const Candidate& c, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
-  if (!c.plan) {
+  if (c.implementation == Implementation::PointwiseGemm) {
     run_gemm(pb);
+    return;
+  }
+  if (c.implementation == Implementation::FewChannels) {
+    run_few_channels(pb, workspace);
     return;
   }
   const std::array<int64_t, 3> uids{kUidX, kUidW, kUidY};
@@ -409,7 +430,15 @@ thread_local std::map<ProblemKey, Candidate> t_heuristic_choices;  // conv_bench
 
 Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   std::vector<Candidate> candidates;
-  if (is_pointwise_gemm(pb)) candidates.push_back(Candidate{nullptr, nullptr, nullptr, 0, "cuBLAS GEMM"});
+  if (is_pointwise_gemm(pb)) {
+    candidates.push_back(Candidate{nullptr, nullptr, nullptr, 0, "cuBLAS GEMM", Implementation::PointwiseGemm});
+  }
+  if (takes_few_channels(pb)) {
+    const int64_t workspace =
+        pb.direction == Direction::BackwardFilter ? few_channels_weight_workspace(pb.x, pb.w, pb.y) : 0;
+    candidates.push_back(
+        Candidate{nullptr, nullptr, nullptr, workspace, "few-channels kernel", Implementation::FewChannels});
+  }
   auto graph = std::make_shared<Graph>(pb, handle);
   add_candidates(candidates, graph, pb, handle, CUDNN_HEUR_MODE_A);
   add_candidates(candidates, graph, pb, handle, CUDNN_HEUR_MODE_FALLBACK);

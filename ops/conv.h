@@ -67,9 +67,9 @@ bool conv_allow_tf32();
 
 // Whether a CUDA convolution problem seen for the first time times its candidate engines (ops/conv.cu: the ten
 // best-ranked, as PyTorch's cudnn.benchmark_limit) and keeps the fastest
-// (default true, as PyTorch's torch.backends.cudnn.benchmark = True), or takes the first that cuDNN's heuristics
-// rank and whose workspace fits (false: no timing, the choice PyTorch makes by default). Each setting keeps its own
-// choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.
+// (default true, as PyTorch's torch.backends.cudnn.benchmark = True), or takes the first candidate whose workspace
+// fits (false: no timing): the cuBLAS GEMM or our few-channels kernels where they take the problem, else the engine
+// cuDNN's heuristics rank first, the choice PyTorch makes by default. Each setting keeps its own choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.
 void set_conv_benchmark(bool benchmark);
 bool conv_benchmark();
 

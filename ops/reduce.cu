@@ -308,19 +308,12 @@ __global__ void __launch_bounds__(kReduceThreads)
 // Columns per thread in the columns kernel: as many as one 4-byte load holds.
 template <typename T> constexpr int kColumnVector = sizeof(T) < 4 ? int(4 / sizeof(T)) : 1;
 
-int multiprocessors(int device) {
-  static std::vector<int> counts(size_t(cuda::device_count()), 0);
-  int& c = counts[size_t(device)];
-  if (c == 0) HG_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device), "reduce");
-  return c;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // How many pieces to cut the reduced dim into so that `blocks` blocks become enough to fill the GPU,
 // while each thread still gets at least kMinPerThread items of `per_item` elements.
 int64_t choose_splits(int64_t blocks, int64_t reduced, int64_t threads_along, int64_t per_item, int device) {
-  const int64_t target = 8 * int64_t(multiprocessors(device));  // 8 blocks of 256 threads fill an SM
+  const int64_t target = 8 * int64_t(cuda::multiprocessor_count(device));  // 8 blocks of 256 threads fill an SM
   if (blocks >= target || reduced <= threads_along * per_item * kMinPerThread) return 1;
   return std::clamp<int64_t>(std::min(ceil_div(target, blocks), reduced / (threads_along * per_item * kMinPerThread)),
                              1, kMaxSplits);

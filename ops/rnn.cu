@@ -563,20 +563,10 @@ struct Plan {
   size_t smem = 0;
 };
 
-// A device attribute, asked once per device and thread (every layer's launch needs the SM count).
-int device_attribute(int device, cudaDeviceAttr attribute) {
-  thread_local std::map<std::pair<int, cudaDeviceAttr>, int> values;
-  const std::pair key{device, attribute};
-  if (auto it = values.find(key); it != values.end()) return it->second;
-  int value = 0;
-  HG_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device), "rnn");
-  return values.emplace(key, value).first->second;
-}
-int multiprocessors(int device) { return device_attribute(device, cudaDevAttrMultiProcessorCount); }
 
 // The partition into `groups` groups of batch rows: the hidden units spread over every SM, units * groups a block.
 Partition partition(int device, int64_t H, int64_t B, int groups) {
-  const int64_t sms = multiprocessors(device);
+  const int64_t sms = cuda::multiprocessor_count(device);
   return {.units = int((H * groups + sms - 1) / sms), .rows = int((B + groups - 1) / groups), .groups = groups};
 }
 
@@ -596,7 +586,7 @@ Plan plan_for(Kernel kernel, int device, const Partition& part, size_t smem, int
                                         {device, part.units, part.rows, part.groups, int64_t(smem), H}};
   const auto found = plans.find(key);
   if (found != plans.end()) return found->second;
-  const int sms = multiprocessors(device);
+  const int sms = cuda::multiprocessor_count(device);
   int max_smem = 0;
   HG_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "rnn");
   Plan plan;
@@ -727,7 +717,7 @@ void rnn_loop_forward_cuda(const RnnLoopForwardArgs& a) {
       const Partition part = partition(a.device.index, a.hidden, a.batch, groups);
       if constexpr (kTensorCores<S>) {
         // (WMMA: float16 from sm_70, bfloat16 from sm_80)
-        const int major = device_attribute(a.device.index, cudaDevAttrComputeCapabilityMajor);
+        const int major = cuda::compute_capability(a.device.index) / 10;
         if (a.hidden >= kTensorCoreHidden && major >= (std::is_same_v<S, Half> ? 7 : 8)) {
           if (const Plan plan = forward_plan<S, K, kMma>(a, part); plan.blocks > 0)
             return run.template operator()<kMma>(plan);

@@ -13,6 +13,7 @@
 #include "halfgrad.h"
 #include "tests/testing.h"
 #include "ops/conv.h"
+#include "ops/conv_few_channels.h"
 #include "tests/gradcheck.h"
 
 using namespace halfgrad;
@@ -590,3 +591,112 @@ TEST_CASE("cuda: conv2d with autotuning off takes cuDNN's first fitting engine a
   // Different engines sum in different orders: equal to float16 rounding of float32 sums.
   for (size_t i = 0; i < 3; ++i) check_cuda_close(heuristic[i], tuned[i].to(Device::cpu()), kFloat16, names[i]);
 }
+
+// ---- our kernels for windows of at most 32 values (ops/conv_few_channels.cu), called directly: the autotuner
+// may prefer cuDNN for a problem, and these must be right whichever it takes. (A build without CUDA has no such
+// kernels to link.)
+
+#if HALFGRAD_WITH_CUDA
+namespace {
+
+struct FewChannelsCase {
+  const char* name;
+  Shape input, weight;
+  Conv2dParams params;
+};
+
+const std::vector<FewChannelsCase> kFewChannelsCases = {
+    {"CIFAR stem: RGB, 3x3, padding 1, a partial last tile", {5, 3, 17, 13}, {64, 3, 3, 3}, {.padding = {1, 1}}},
+    {"two output chunks (72 = 64 + 8), stride (2, 1), dilation (2, 1)", {3, 3, 19, 23}, {72, 3, 3, 3},
+     {.stride = {2, 1}, .padding = {1, 2}, .dilation = {2, 1}}},
+    {"one channel, 5x5 (a 25-value window)", {4, 1, 12, 15}, {16, 1, 5, 5}, {.padding = {2, 2}}},
+    {"a window of exactly 32: 2 channels, 4x4, stride (2, 3)", {3, 2, 14, 16}, {8, 2, 4, 4}, {.stride = {2, 3}}},
+    {"1x1 over 32 channels", {2, 32, 9, 7}, {24, 32, 1, 1}, {}},
+};
+
+// The float64 convolution of the operands' values and, per output, sum |x| |w|.
+Reference few_channels_reference(const Tensor& x, const Tensor& w, const Conv2dParams& p) {
+  return reference_conv2d(x.contiguous(), w.contiguous(), Tensor(),
+                          {.stride = p.stride, .padding = p.padding, .dilation = p.dilation});
+}
+
+// Each value within one rounding of the float64 result (2^-11 float16, 2^-8 bfloat16, relative) plus a float32 sum
+// of `terms` products (2^-24 per term of the sum of magnitudes, the worst case of any order).
+void check_rounded(const Tensor& got, const Reference& want, DType dt, int64_t terms, const char* what) {
+  INFO(what);
+  REQUIRE(got.shape() == want.shape);
+  const std::vector<double> a = to_vector<double>(got.contiguous());
+  const double rounding = dt == kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  int bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double allowed = rounding * std::abs(want.values[i]) + std::ldexp(double(terms), -24) * want.magnitude[i];
+    if (!(std::abs(a[i] - want.values[i]) <= allowed) && bad++ < 3) {
+      FAIL_CHECK("element " << i << ": " << a[i] << " vs " << want.values[i] << " (allowed " << allowed << ")");
+    }
+  }
+  CHECK_MESSAGE(bad == 0, bad << " of " << a.size() << " elements differ");
+}
+
+}  // namespace
+
+TEST_CASE("cuda: the few-channels kernels compute conv2d's forward and weight gradient (float16, bfloat16)") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(32);
+  const Device gpu = Device::cuda(0);
+  if (cuda::compute_capability(0) < 80) return;  // mma.sync m16n8k16 needs sm_80
+  for (DType dt : {kFloat16, kBFloat16}) {
+    for (const FewChannelsCase& c : kFewChannelsCases) {
+      for (MemoryFormat weight_format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(c.name);
+        CAPTURE(memory_format_name(weight_format));
+        const Tensor x = random(c.input, dt), w = contiguous(random(c.weight, dt), weight_format);
+        const Conv2dOptions options{.stride = c.params.stride, .padding = c.params.padding,
+                                    .dilation = c.params.dilation};
+        const Shape out_shape = conv2d(x, w, {}, options).shape();
+        const Tensor xg = contiguous_channels_last(x.to(gpu)), wg = contiguous(w.to(gpu), weight_format);
+        const Tensor y = empty(out_shape, {.dtype = dt, .device = gpu}, MemoryFormat::ChannelsLast);
+        REQUIRE(few_channels_conv_takes(xg, wg, y, c.params));
+        few_channels_conv_forward(y, xg, wg, c.params);
+        check_rounded(y, few_channels_reference(x, w, c.params), dt, 32, "output");
+
+        // The weight gradient is the convolution of x with dy over the batch and positions: against the float64
+        // gradient of the CPU's float64 convolution, with magnitudes from the same sums of |x| |dy|.
+        const Tensor dy = random(out_shape, dt);
+        Tensor x64 = x.to(kFloat64), w64 = w.to(kFloat64).contiguous().requires_grad_();
+        conv2d(x64, w64, {}, options).backward(dy.to(kFloat64));
+        Tensor w_abs = w64.detach().abs().requires_grad_();
+        conv2d(x64.abs(), w_abs, {}, options).backward(dy.to(kFloat64).abs());
+        const Reference want{w64.grad().shape(), to_vector<double>(w64.grad()), to_vector<double>(w_abs.grad())};
+        const Tensor dyg = contiguous_channels_last(dy.to(gpu));
+        const Tensor workspace = empty({few_channels_weight_workspace(xg, wg, dyg)}, {.dtype = kUInt8, .device = gpu});
+        const Tensor dw = empty(c.weight, {.dtype = dt, .device = gpu}, weight_format);
+        few_channels_conv_backward_weight(dw, dyg, xg, c.params, workspace);
+        check_rounded(dw, want, dt, y.numel() / y.size(1), "weight gradient");
+        // Summed in a fixed order: the same bits again.
+        const Tensor again = empty(c.weight, {.dtype = dt, .device = gpu}, weight_format);
+        few_channels_conv_backward_weight(again, dyg, xg, c.params, workspace);
+        CHECK(to_vector<double>(again) == to_vector<double>(dw));
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: the few-channels kernels decline what they cannot compute") {
+  SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const TensorOptions half{.dtype = kFloat16, .device = gpu};
+  auto nhwc = [&](const Shape& s, const TensorOptions& o) { return empty(s, o, MemoryFormat::ChannelsLast); };
+  const Tensor x = nhwc({2, 3, 8, 8}, half), w = empty({64, 3, 3, 3}, half), y = nhwc({2, 64, 8, 8}, half);
+  const Conv2dParams same{.padding = {1, 1}};
+  CHECK(few_channels_conv_takes(x, w, y, same) == (cuda::compute_capability(0) >= 80));
+  const TensorOptions single{.dtype = kFloat32, .device = gpu};
+  CHECK_FALSE(few_channels_conv_takes(nhwc({2, 3, 8, 8}, single), empty({64, 3, 3, 3}, single),
+                                      nhwc({2, 64, 8, 8}, single), same));  // float32
+  CHECK_FALSE(few_channels_conv_takes(nhwc({2, 4, 8, 8}, half), empty({64, 4, 3, 3}, half), y, same));  // 36 values
+  CHECK_FALSE(few_channels_conv_takes(x, empty({60, 3, 3, 3}, half), nhwc({2, 60, 8, 8}, half), same));  // O % 8
+  CHECK_FALSE(few_channels_conv_takes(empty({2, 3, 8, 8}, half), w, y, same));                         // NCHW input
+  CHECK_FALSE(few_channels_conv_takes(x, w, empty({2, 64, 8, 8}, half), same));                        // NCHW output
+  CHECK_FALSE(few_channels_conv_takes(x, w, y, {.padding = {1, 1}, .groups = 3}));                     // groups
+}
+#endif  // HALFGRAD_WITH_CUDA
