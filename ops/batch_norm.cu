@@ -60,7 +60,6 @@ template <typename T> constexpr int kVector = int(16 / sizeof(T));  // values pe
 // (halfgrad::min, the reduction, would hide CUDA's min wherever ops/reduce.h is visible)
 template <typename I> __host__ __device__ __forceinline__ I smaller(I a, I b) { return a < b ? a : b; }
 
-
 template <typename T, int V> __device__ __forceinline__ Vec<T, V> load(const T* p) {
   return *reinterpret_cast<const Vec<T, V>*>(p);
 }
@@ -405,7 +404,8 @@ typename R::State* reduce_channels_vec(const R& r, const BatchNormShape& s, Devi
     const int64_t ty = kThreads / tx, tiles = (channel_vectors + tx - 1) / tx;
     // One full wave of blocks: with 4 blocks per multiprocessor asked for and 2-3 fitting, the last third of a
     // wave ran alone (ncu: 27% of warps active in the float16 NHWC reductions).
-    const int64_t wave = resident_blocks_per_sm(reduce_rows_kernel<R, V>) * int64_t(cuda::multiprocessor_count(device.index));
+    const int64_t wave =
+        resident_blocks_per_sm(reduce_rows_kernel<R, V>) * int64_t(cuda::multiprocessor_count(device.index));
     splits = std::clamp<int64_t>(wave / tiles, 1, std::max<int64_t>(1, M / (ty * kMinVectorsPerThread)));
     chunk = (M + splits - 1) / splits;
     splits = (M + chunk - 1) / chunk;

@@ -68,8 +68,8 @@ bool conv_allow_tf32();
 // Whether a CUDA convolution problem seen for the first time times its candidate engines (ops/conv.cu: the ten
 // best-ranked, as PyTorch's cudnn.benchmark_limit) and keeps the fastest
 // (default true, as PyTorch's torch.backends.cudnn.benchmark = True), or takes the first candidate whose workspace
-// fits (false: no timing): the cuBLAS GEMM or our few-channels kernels where they take the problem, else the engine
-// cuDNN's heuristics rank first, the choice PyTorch makes by default. Each setting keeps its own choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.
+// fits (false: no timing): the cuBLAS GEMM for a half 1x1 convolution, else the engine cuDNN's heuristics rank first,
+// the choice PyTorch makes by default. Each setting keeps its own choices. bench max-batch searches with it off: each probe's new batch size would otherwise autotune again.
 void set_conv_benchmark(bool benchmark);
 bool conv_benchmark();
 

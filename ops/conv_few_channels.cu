@@ -18,8 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
-#include <set>
-#include <utility>
+#include <type_traits>
 
 #include "core/cuda.h"
 #include "core/error.h"
@@ -45,7 +44,7 @@ struct Geometry {
 };
 
 // Where value k of a window comes from, k = (kh kW + kw) C + c: a block's table, made once, so that the gathers do
-// no division and issue their loads together. c < 0 past the window.
+// no division. c < 0 past the window.
 struct Taps {
   int kh[kWindow], kw[kWindow], c[kWindow];
 
@@ -306,17 +305,6 @@ __global__ void __launch_bounds__(kReduceGroups * 32)
 
 // ---- host side
 
-// These kernels hold 29-34 KB of shared memory a block, for five blocks an SM. The split between L1 and shared
-// memory that the driver picks by default may hold fewer (the kernels then run in several times as many waves), so
-// each asks for the largest shared share, once per device.
-template <typename Kernel> void prefer_shared_memory(Kernel* kernel, int device, const char* op) {
-  thread_local std::set<std::pair<const void*, int>> asked;
-  if (asked.emplace(reinterpret_cast<const void*>(kernel), device).second) {
-    HG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       int(cudaSharedmemCarveoutMaxShared)), op);
-  }
-}
-
 int tiles_of(const Geometry& g) { return (g.pixels + kTilePixels - 1) / kTilePixels; }
 int chunks_of(const Geometry& g) { return (g.O + kOutputChunk - 1) / kOutputChunk; }
 
@@ -325,7 +313,7 @@ template <typename T> int weight_blocks(const Geometry& g, int device) {
   thread_local std::map<int, int> resident;  // blocks an SM holds, per device
   auto it = resident.find(device);
   if (it == resident.end()) {
-    prefer_shared_memory(weight_partials_kernel<T>, device, "conv2d backward (weight)");
+    cuda::DeviceGuard guard(device);  // the occupancy is the current device's
     int per_sm = 0;
     HG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, weight_partials_kernel<T>, kThreads, 0),
                   "conv2d backward (weight)");
@@ -358,6 +346,7 @@ uint16_t* mutable_bits_of(const Tensor& t) { return static_cast<uint16_t*>(t.dat
 
 bool few_channels_conv_takes(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params) {
   if (!x.device().is_cuda() || !is_half(x.dtype()) || w.dtype() != x.dtype() || y.dtype() != x.dtype()) return false;
+  if (x.numel() == 0 || w.numel() == 0 || y.numel() == 0) return false;  // the gathers load from x's first value
   if (params.groups != 1 || x.dim() != 4 || w.size(1) * w.size(2) * w.size(3) > kWindow || w.size(0) % 8 != 0) {
     return false;
   }
@@ -373,7 +362,6 @@ void few_channels_conv_forward(const Tensor& y, const Tensor& x, const Tensor& w
   const cudaStream_t stream = cuda::current_stream(x.device());
   const dim3 grid(unsigned(tiles_of(g)), unsigned(chunks_of(g)));
   with_type(x.dtype(), [&]<typename T>() {
-    prefer_shared_memory(forward_kernel<T>, x.device().index, "conv2d");
     forward_kernel<T><<<grid, kThreads, 0, stream>>>(mutable_bits_of(y), bits_of(x), bits_of(w), g);
     HG_CUDA_CHECK_LAUNCH("conv2d");
   });

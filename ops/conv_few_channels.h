@@ -16,16 +16,17 @@
 
 namespace halfgrad {
 
-// Whether the kernels take the problem: float16 or bfloat16 on a GPU of compute capability 8.0 or newer, one group,
-// C * kH * kW <= 32, O a multiple of 8, the input and output dense channels_last (x [N, C, H, W] and y [N, O, OH, OW]
+// Whether the kernels take the problem: float16 or bfloat16 on a GPU of compute capability 8.0 or newer, no empty
+// operand, one group, C * kH * kW <= 32, O a multiple of 8, the input and output dense channels_last (x [N, C, H, W] and y [N, O, OH, OW]
 // as NHWC) and y 16-byte aligned; the weight may have any strides. (x, w, y) in the forward's roles.
 bool few_channels_conv_takes(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params);
 
 // y = conv2d(x, w) without bias, written.
 void few_channels_conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& params);
 
-// grad_weight = the weight's gradient, written, summed in a fixed order (deterministic): per-block float32 partial
-// sums in `workspace` (uint8, at least few_channels_weight_workspace bytes), then one pass adds them up.
+// grad_weight = the weight's gradient, written, summed in a fixed order: per-block float32 partial sums in `workspace`
+// (uint8, at least few_channels_weight_workspace bytes), then one pass adds them up. The same bits run to run on one
+// GPU; another model may differ (the number of blocks follows its SM count and occupancy).
 int64_t few_channels_weight_workspace(const Tensor& x, const Tensor& w, const Tensor& y);
 void few_channels_conv_backward_weight(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& x,
                                        const Conv2dParams& params, const Tensor& workspace);

@@ -563,7 +563,6 @@ struct Plan {
   size_t smem = 0;
 };
 
-
 // The partition into `groups` groups of batch rows: the hidden units spread over every SM, units * groups a block.
 Partition partition(int device, int64_t H, int64_t B, int groups) {
   const int64_t sms = cuda::multiprocessor_count(device);
