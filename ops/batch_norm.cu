@@ -1006,7 +1006,7 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   const CudnnProblem p(s, a.input, "batch_norm_backward");
   // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted.
   Tensor g = a.grad_output;
-  if (a.relu_mask.defined() || a.output.defined()) {
+  if (a.after_relu()) {
     g = a.grad_residual.defined() ? a.grad_residual
                                   : batch_norm_empty(g.shape(), g.dtype(), device, s.channels_last);
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
@@ -1080,7 +1080,7 @@ void own_forward(const BatchNormForwardArgs& a) {
 
 void own_backward(const BatchNormBackwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm_backward", [&]<typename T>() {
-    a.relu_mask.defined() || a.output.defined() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
+    a.after_relu() ? backward_typed<T, true>(a) : backward_typed<T, false>(a);
   });
 }
 
@@ -1115,7 +1115,7 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   }
   cuda::DeviceGuard guard(a.input.device());
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
-                      a.relu_mask.defined() || a.output.defined() ? 1 + int(a.grad_residual.defined()) : 0,
+                      a.after_relu() ? 1 + int(a.grad_residual.defined()) : 0,
                       a.relu_mask.defined(), s.batch, s.channels, s.spatial};
   if (choose_cudnn(key, [&] { own_backward(a); }, [&] { cudnn_backward(a); }, "batch_norm_backward")) {
     cudnn_backward(a);

@@ -145,6 +145,7 @@ struct BatchNormBackwardArgs {
   Tensor grad_weight, grad_bias;       // or undefined: not wanted
   bool training = true;
   double eps = 1e-5;                   // the forward's (cuDNN's backward takes it; save_invstd already has it)
+  bool after_relu() const { return relu_mask.defined() || output.defined(); }  // batch_norm_relu's backward
 };
 
 // ---- which CUDA implementation runs training (set for the whole process; default Auto). cuDNN's kernels, the

@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <map>
 #include <type_traits>
@@ -307,6 +306,10 @@ __global__ void __launch_bounds__(kReduceGroups * 32)
 
 int tiles_of(const Geometry& g) { return (g.pixels + kTilePixels - 1) / kTilePixels; }
 int chunks_of(const Geometry& g) { return (g.O + kOutputChunk - 1) / kOutputChunk; }
+// The weight gradient's partial sums: one block's [kOutputChunk][kWindow] float32, per block and output chunk.
+int64_t partials_bytes(const Geometry& g, int blocks) {
+  return int64_t(chunks_of(g)) * blocks * kOutputChunk * kWindow * int64_t(sizeof(float));
+}
 
 // One wave of the weight gradient's blocks (each loops over tiles), at most one per tile.
 template <typename T> int weight_blocks(const Geometry& g, int device) {
@@ -323,16 +326,8 @@ template <typename T> int weight_blocks(const Geometry& g, int device) {
   return std::max(1, std::min(tiles_of(g), wave));
 }
 
-bool dense_nhwc(const Tensor& t) {
-  const int64_t C = t.size(1), H = t.size(2), W = t.size(3);
-  const std::array<int64_t, 4> want{H * W * C, 1, W * C, C};
-  for (int d = 0; d < 4; ++d) {
-    if (t.size(d) > 1 && t.stride(d) != want[size_t(d)]) return false;
-  }
-  return true;
-}
-
-template <typename Fn> void with_type(DType dtype, Fn&& fn) {
+// fn.template operator()<T>() with T the storage type of a float16 or bfloat16 dtype.
+template <typename Fn> void dispatch_half_type(DType dtype, Fn&& fn) {
   if (dtype == kFloat16)
     fn.template operator()<Half>();
   else
@@ -347,21 +342,35 @@ uint16_t* mutable_bits_of(const Tensor& t) { return static_cast<uint16_t*>(t.dat
 bool few_channels_conv_takes(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params) {
   if (!x.device().is_cuda() || !is_half(x.dtype()) || w.dtype() != x.dtype() || y.dtype() != x.dtype()) return false;
   if (x.numel() == 0 || w.numel() == 0 || y.numel() == 0) return false;  // the gathers load from x's first value
-  if (params.groups != 1 || x.dim() != 4 || w.size(1) * w.size(2) * w.size(3) > kWindow || w.size(0) % 8 != 0) {
+  if (params.groups != 1 || w.dim() != 4 || w.size(1) * w.size(2) * w.size(3) > kWindow || w.size(0) % 8 != 0) {
     return false;
   }
-  if (!dense_nhwc(x) || !dense_nhwc(y) || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) return false;
+  // Dense NHWC x and y (is_channels_last is also false for anything but 4-D).
+  if (!is_channels_last(x) || !is_channels_last(y) || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) {
+    return false;
+  }
   if (x.numel() > INT32_MAX || y.numel() > INT32_MAX) return false;
   return cuda::compute_capability(x.device().index) >= 80;
 }
 
+namespace {
+// The entry points' own check, so that a caller that skipped few_channels_conv_takes gets an error, not a fault.
+void check_takes(const char* op, const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params) {
+  HG_CHECK(few_channels_conv_takes(x, w, y, params),
+           "{} (few-channels kernel): does not take input {}, weight {}, output {} with groups {} (see "
+           "few_channels_conv_takes: half types on sm_80+, C kH kW <= 32, O a multiple of 8, NHWC x and y)", op,
+           x.meta(), w.meta(), y.meta(), params.groups);
+}
+}  // namespace
+
 void few_channels_conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& params) {
+  if (y.numel() == 0) return;
+  check_takes("conv2d", x, w, y, params);
   const Geometry g = geometry_of(x, w, y, params);
-  if (g.pixels == 0) return;
   cuda::DeviceGuard guard(x.device());
   const cudaStream_t stream = cuda::current_stream(x.device());
   const dim3 grid(unsigned(tiles_of(g)), unsigned(chunks_of(g)));
-  with_type(x.dtype(), [&]<typename T>() {
+  dispatch_half_type(x.dtype(), [&]<typename T>() {
     forward_kernel<T><<<grid, kThreads, 0, stream>>>(mutable_bits_of(y), bits_of(x), bits_of(w), g);
     HG_CUDA_CHECK_LAUNCH("conv2d");
   });
@@ -370,18 +379,23 @@ void few_channels_conv_forward(const Tensor& y, const Tensor& x, const Tensor& w
 int64_t few_channels_weight_workspace(const Tensor& x, const Tensor& w, const Tensor& y) {
   const Geometry g = geometry_of(x, w, y, {});
   int blocks = 0;
-  with_type(x.dtype(), [&]<typename T>() { blocks = weight_blocks<T>(g, x.device().index); });
-  return int64_t(chunks_of(g)) * blocks * kOutputChunk * kWindow * int64_t(sizeof(float));
+  dispatch_half_type(x.dtype(), [&]<typename T>() { blocks = weight_blocks<T>(g, x.device().index); });
+  return partials_bytes(g, blocks);
 }
 
 void few_channels_conv_backward_weight(const Tensor& grad_weight, const Tensor& grad_output, const Tensor& x,
                                        const Conv2dParams& params, const Tensor& workspace) {
+  if (grad_output.numel() == 0) {  // no pixels: a zero gradient
+    Tensor(grad_weight).zero_();
+    return;
+  }
+  check_takes("conv2d backward (weight)", x, grad_weight, grad_output, params);
   const Geometry g = geometry_of(x, grad_weight, grad_output, params);
   cuda::DeviceGuard guard(x.device());
   const cudaStream_t stream = cuda::current_stream(x.device());
-  with_type(x.dtype(), [&]<typename T>() {
+  dispatch_half_type(x.dtype(), [&]<typename T>() {
     const int blocks = weight_blocks<T>(g, x.device().index);
-    HG_CHECK(workspace.numel() >= int64_t(chunks_of(g)) * blocks * kOutputChunk * kWindow * int64_t(sizeof(float)),
+    HG_CHECK(workspace.numel() >= partials_bytes(g, blocks),
              "conv2d backward (weight): a workspace of {} bytes is too small for {}", workspace.numel(),
              grad_weight.meta());
     auto* partials = static_cast<float*>(workspace.data_ptr());

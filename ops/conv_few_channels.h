@@ -21,6 +21,9 @@ namespace halfgrad {
 // as NHWC) and y 16-byte aligned; the weight may have any strides. (x, w, y) in the forward's roles.
 bool few_channels_conv_takes(const Tensor& x, const Tensor& w, const Tensor& y, const Conv2dParams& params);
 
+// The two kernels below throw (naming the operands) for a problem few_channels_conv_takes declines; with no output
+// pixels they write nothing (forward) or zeros (weight gradient).
+
 // y = conv2d(x, w) without bias, written.
 void few_channels_conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Conv2dParams& params);
 
