@@ -70,7 +70,7 @@ Reference reference_conv2d(const Tensor& x, const Tensor& w, const Tensor& b, co
 
 // One convolution problem: input shape, weight shape, options, bias or not.
 struct Case {
-  const char* name;
+  std::string name;
   Shape input, weight;
   Conv2dOptions options;
   bool bias = true;
@@ -252,7 +252,7 @@ TEST_CASE("conv2d errors name the op and the shapes") {
 TEST_CASE("conv2d gradients of input, weight and bias pass gradcheck") {
   manual_seed(24);
   struct GradCase {
-    const char* name;
+    std::string name;
     Shape input, weight;
     Conv2dOptions options;
   };
@@ -600,7 +600,7 @@ TEST_CASE("cuda: conv2d with autotuning off takes cuDNN's first fitting engine a
 namespace {
 
 struct FewChannelsCase {
-  const char* name;
+  std::string name;
   Shape input, weight;
   Conv2dParams params;
 };

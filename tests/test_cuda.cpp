@@ -210,7 +210,7 @@ TEST_CASE("cuda: unary ops match the CPU in every dtype they take") {
   SKIP_WITHOUT_GPU();
   manual_seed(12);
   struct Case {
-    const char* name;
+    std::string name;
     Tensor (*op)(const Tensor&);
     bool positive;
   };
@@ -249,7 +249,7 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
   manual_seed(13);
   using Op = Tensor (*)(const Tensor&, const Tensor&);
   struct Case {
-    const char* name;
+    std::string name;
     Op op;
   };
   const std::vector<Case> arithmetic = {{"add", [](const Tensor& a, const Tensor& b) { return a + b; }},

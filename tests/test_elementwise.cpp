@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <string>
 
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
@@ -35,7 +36,7 @@ static double tolerance(DType t) {
 
 TEST_CASE("unary ops match the float64 reference in every floating dtype") {
   struct Case {
-    const char* name;
+    std::string name;
     Tensor (*op)(const Tensor&);
     double (*ref)(double);
     bool positive;

@@ -141,7 +141,7 @@ void check_values(const Tensor& got, const std::vector<double>& want, DType dt) 
 }
 
 struct MaxCase {
-  const char* name;
+  std::string name;
   Shape input;
   Pair2d kernel;
   MaxPool2dOptions options;
@@ -157,7 +157,7 @@ const std::vector<MaxCase> kMaxCases = {
 };
 
 struct AvgCase {
-  const char* name;
+  std::string name;
   Shape input;
   Pair2d kernel;
   AvgPool2dOptions options;
@@ -543,7 +543,7 @@ TEST_CASE("cuda: max pooling over windows that tile a channels-last input: its v
   const Device gpu = Device::cuda(0);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   struct Tiled {
-    const char* name;
+    std::string name;
     Shape input;
     Pair2d kernel;
   };

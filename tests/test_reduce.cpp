@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #include "core/autocast.h"
 #include "halfgrad.h"
@@ -84,7 +85,7 @@ double tolerance(DType t) {
 
 // The layouts every reduction must handle: contiguous, transposed, permuted, strided slice, broadcast.
 struct Layout {
-  const char* name;
+  std::string name;
   std::function<Tensor(const Tensor&)> make;  // from a contiguous [6, 10, 14] tensor to a 3-d tensor
 };
 std::vector<Layout> layouts() {
