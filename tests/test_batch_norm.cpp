@@ -954,9 +954,11 @@ struct BiasedRun {
 };
 BiasedRun run_biased(const Tensor& x, const Tensor& input_bias, const Tensor& w, const Tensor& b, bool relu,
                      bool training, bool folded, const Tensor& g) {
-  BiasedRun r{.x = x.detach().requires_grad_(), .input_bias = input_bias.detach().requires_grad_()};
-  r.running_mean = full({x.size(1)}, 0.5, {.dtype = w.dtype(), .device = x.device()});
-  r.running_var = full({x.size(1)}, 2.0, {.dtype = w.dtype(), .device = x.device()});
+  BiasedRun r{.y = Tensor(),
+              .x = x.detach().requires_grad_(),
+              .input_bias = input_bias.detach().requires_grad_(),
+              .running_mean = full({x.size(1)}, 0.5, {.dtype = w.dtype(), .device = x.device()}),
+              .running_var = full({x.size(1)}, 2.0, {.dtype = w.dtype(), .device = x.device()})};
   Shape per_channel{1, x.size(1), 1, 1};
   const Tensor in = folded ? r.x : r.x + r.input_bias.to(x.dtype()).view(per_channel);
   const Tensor ib = folded ? r.input_bias : Tensor();
