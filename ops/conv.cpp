@@ -60,6 +60,8 @@ namespace {
 
 std::atomic<bool> g_conv_allow_tf32{true};
 std::atomic<bool> g_conv_benchmark{true};
+std::atomic<bool> g_conv_knob_search{false};
+std::atomic<double> g_conv_knob_required_gain{0.02};
 
 Conv2dParams params_of(const Conv2dOptions& o) {
   return {o.stride, o.padding, o.dilation, o.groups, g_conv_allow_tf32.load(std::memory_order_relaxed)};
@@ -165,6 +167,13 @@ void set_conv_allow_tf32(bool allow) { g_conv_allow_tf32.store(allow); }
 bool conv_allow_tf32() { return g_conv_allow_tf32.load(); }
 void set_conv_benchmark(bool benchmark) { g_conv_benchmark.store(benchmark); }
 bool conv_benchmark() { return g_conv_benchmark.load(); }
+void set_conv_knob_search(const ConvKnobSearch& search) {
+  HG_CHECK(search.required_gain < 1, "set_conv_knob_search: required_gain is a share of the engine's own time, below 1; "
+           "got {}", search.required_gain);
+  g_conv_knob_search.store(search.enabled);
+  g_conv_knob_required_gain.store(search.required_gain);
+}
+ConvKnobSearch conv_knob_search() { return {g_conv_knob_search.load(), g_conv_knob_required_gain.load()}; }
 
 int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
   const int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;

@@ -12,6 +12,10 @@
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
 //                address alignment (an engine may need 16-byte aligned data). PyTorch's cudnn.benchmark does the
 //                same over its top candidates. With set_conv_benchmark(false), the first candidate that fits.
+//   knobs        with set_conv_knob_search({.enabled = true}), autotuning goes on where a cuDNN engine won: the
+//                knobs cuDNN's heuristics leave to that engine (tile and cluster shapes, split-K, stages) are
+//                searched, and a setting that computes the same result at least 2% faster replaces the engine's own
+//                (search_knobs)
 //   numerics     accepted: tensor cores for float16/bfloat16, and for float32 only when conv_allow_tf32();
 //                refused: engines that down-convert inputs or reduce in reduced precision (float16/bfloat16
 //                products accumulate in float32, as on the CPU)
@@ -28,19 +32,26 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/cuda.h"
 #include "core/log.h"
+#include "core/random.h"
 #include "ops/conv.h"
 #include "ops/conv_few_channels.h"
 #include "ops/copy.h"
 #include "ops/elementwise.h"
+#include "ops/reduce.h"
 
 namespace halfgrad {
 namespace {
@@ -149,9 +160,9 @@ struct Problem {
 
   std::string str() const {
     return fmt::format("input {}, weight {}, output {}, stride ({}, {}), padding ({}, {}), dilation ({}, {}), "
-                       "groups {}, layout {}", x.meta(), w.meta(), y.meta(), params.stride[0], params.stride[1],
+                       "groups {}, layout {}{}", x.meta(), w.meta(), y.meta(), params.stride[0], params.stride[1],
                        params.padding[0], params.padding[1], params.dilation[0], params.dilation[1], params.groups,
-                       nhwc ? "NHWC" : "NCHW");
+                       nhwc ? "NHWC" : "NCHW", accumulate ? ", adding into the result" : "");
   }
 };
 
@@ -262,8 +273,11 @@ struct Candidate {
   std::shared_ptr<Graph> graph;               // these three: Cudnn only
   std::shared_ptr<Descriptor> config, plan;
   int64_t workspace = 0;
-  std::string label;  // "engine 12", "cuBLAS GEMM" or "few-channels kernel"
+  std::string label;  // "engine 12", "cuBLAS GEMM", "few-channels kernel" or "engine 12 with knobs 27=2 28=1"
   Implementation implementation = Implementation::Cudnn;
+  int64_t engine_index = -1;  // Cudnn: the engine's global index
+  // A configuration search_knobs made refers to its engine and knob-choice descriptors: they live as long as it.
+  std::vector<std::shared_ptr<Descriptor>> referred;
 };
 
 bool takes_few_channels(const Problem& pb) {
@@ -354,7 +368,8 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
                                             1, &got, &workspace),
                    pb.op());
     if (engines_in(out) >= kCandidateLimit && workspace > 0) continue;  // past the limit: only a workspace-free one
-    out.push_back(Candidate{graph, configs[size_t(i)], plan, workspace, fmt::format("engine {}", index)});
+    out.push_back(Candidate{.graph = graph, .config = configs[size_t(i)], .plan = plan, .workspace = workspace,
+                            .label = fmt::format("engine {}", index), .engine_index = index});
   }
 }
 
@@ -421,17 +436,401 @@ float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle
   }
 }
 
+// ---- the engine's knobs (set_conv_knob_search)
+//
+// An engine configuration holds the engine's knob choices (tile and cluster shape, split-K, stages), as many as
+// cuDNN's heuristics set; the engine picks the others itself. Other choices can do better: on the H200, 15 of
+// ResNet-18's 30 convolution problems (batch 256, float16 NHWC) ran up to 13.5% faster with knobs set, always those
+// of the engine already fastest (docs/benchmarks.md, "cuDNN's engine knobs"). search_knobs looks for such a setting of
+// the autotuner's winner by coordinate descent, as that probe did where an engine had many settings: from the
+// configuration's own knob choices (or, where it holds none, every knob at its lowest value), each knob in turn over
+// its values with the others held, moving to the fastest setting so far, two passes. It runs on operands of its own,
+// random values of the problem's shapes and layout, so that neither the step's data (zeros, or the infinities of a
+// first loss-scaled backward) nor its buffers are involved. Before it is timed, a setting's result must match the
+// engine's own (an engine may take a setting it then computes wrongly, or not at all). The fastest setting is timed again
+// against the engine's own choice, alternately, and replaces it only if it saves the required share of its time
+// (2%): the timings of one run each are noisy, and a search that keeps noise is worse than none. A setting that
+// faults on the GPU (an illegal address: a sticky error) would end the process, as any failing kernel does; the
+// probe's ~4,600 plans ran without one.
+
+struct Knob {
+  cudnnBackendKnobType_t type;
+  std::vector<int64_t> values;  // lowest, lowest + stride, ..., highest; a bounded number, spread evenly
+};
+
+// One value per knob (knobs_of's order), or none: the engine's own choice for that knob.
+using KnobSetting = std::vector<std::optional<int64_t>>;
+
+constexpr size_t kKnobSettings = 256;  // settings tried a problem, those cuDNN refuses included
+constexpr int kKnobPasses = 2;
+constexpr size_t kKnobValues = 32;  // values a knob at most; fewer where many knobs share kKnobSettings
+constexpr int kKnobRetimes = 4;     // rounds of the final comparison, which of the two runs first alternating
+
+// Whether the engine compiles its kernels at run time (NVRTC): every setting would compile anew.
+bool compiles_at_run_time(const Descriptor& engine) {
+  std::array<cudnnBackendBehaviorNote_t, CUDNN_BEHAVIOR_NOTE_TYPE_COUNT> notes{};
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
+                               int64_t(notes.size()), &count, notes.data()) != CUDNN_STATUS_SUCCESS) {
+    return true;  // unknown: not searched
+  }
+  const auto end = notes.begin() + std::clamp<int64_t>(count, 0, int64_t(notes.size()));
+  return std::find(notes.begin(), end, CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) != end;
+}
+
+// A descriptor attribute that is an array of descriptors of `type` (at most CUDNN_KNOB_TYPE_COUNTS of them: an
+// engine's knob infos, a configuration's knob choices), read into descriptors made for it.
+std::vector<std::unique_ptr<Descriptor>> knob_descriptors(const Descriptor& of, cudnnBackendAttributeName_t name,
+                                                          cudnnBackendDescriptorType_t type, const char* op) {
+  std::vector<std::unique_ptr<Descriptor>> out;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int i = 0; i < CUDNN_KNOB_TYPE_COUNTS; ++i) {
+    out.push_back(std::make_unique<Descriptor>(type, op));
+    raw.push_back(out.back()->get());
+  }
+  int64_t count = 0;
+  HG_CUDNN_CHECK(cudnnBackendGetAttribute(of.get(), name, CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(raw.size()), &count,
+                                          raw.data()),
+                 op);
+  out.resize(size_t(std::clamp<int64_t>(count, 0, int64_t(out.size()))));
+  return out;
+}
+
+int64_t int64_attribute(const Descriptor& d, cudnnBackendAttributeName_t name, const char* op) {
+  int64_t value = 0, got = 0;
+  HG_CUDNN_CHECK(cudnnBackendGetAttribute(d.get(), name, CUDNN_TYPE_INT64, 1, &got, &value), op);
+  return value;
+}
+
+// The engine's knobs and the values searched for each: all of a knob's values where they fit its share of
+// kKnobSettings, else that many spread from its lowest to its highest.
+std::vector<Knob> knobs_of(const Descriptor& engine, const char* op) {
+  struct Range {
+    cudnnBackendKnobType_t type;
+    int64_t lowest, stride, last;  // values lowest + stride * i for i in [0, last]
+  };
+  std::vector<Range> ranges;
+  for (const auto& info :
+       knob_descriptors(engine, CUDNN_ATTR_ENGINE_KNOB_INFO, CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR, op)) {
+    Range r{};
+    int64_t got = 0;
+    HG_CUDNN_CHECK(
+        cudnnBackendGetAttribute(info->get(), CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &got, &r.type), op);
+    r.lowest = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, op);
+    const int64_t highest = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, op);
+    r.stride = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_STRIDE, op);
+    int64_t span = 0;
+    if (r.stride <= 0 || highest < r.lowest || __builtin_sub_overflow(highest, r.lowest, &span)) continue;  // no range
+    r.last = span / r.stride;
+    ranges.push_back(r);
+  }
+  if (ranges.empty()) return {};
+  const int64_t per_knob =
+      std::clamp<int64_t>(int64_t(kKnobSettings / (kKnobPasses * ranges.size())), 2, int64_t(kKnobValues));
+  std::vector<Knob> knobs;
+  for (const Range& r : ranges) {
+    Knob knob{.type = r.type, .values = {}};
+    const int64_t taken = std::min(r.last, per_knob - 1) + 1;
+    for (int64_t j = 0; j < taken; ++j) {
+      const int64_t step = taken == r.last + 1 ? j : int64_t(double(j) * double(r.last) / double(taken - 1));
+      knob.values.push_back(r.lowest + r.stride * std::min(step, r.last));
+    }
+    knobs.push_back(std::move(knob));
+  }
+  return knobs;
+}
+
+// The knob choices a configuration holds, as a setting of `knobs` (none where it holds none of them).
+KnobSetting choices_of(const Descriptor& config, const std::vector<Knob>& knobs, const char* op) {
+  KnobSetting setting(knobs.size());
+  for (const auto& choice :
+       knob_descriptors(config, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, op)) {
+    cudnnBackendKnobType_t type{};
+    int64_t got = 0;
+    HG_CUDNN_CHECK(
+        cudnnBackendGetAttribute(choice->get(), CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &got, &type),
+        op);
+    const int64_t value = int64_attribute(*choice, CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, op);
+    for (size_t k = 0; k < knobs.size(); ++k)
+      if (knobs[k].type == type) setting[k] = value;
+  }
+  return setting;
+}
+
+// The operand a problem computes: y forward, x backward data, w backward filter.
+const Tensor& computed(const Problem& pb) {
+  switch (pb.direction) {
+    case Direction::Forward: return pb.y;
+    case Direction::BackwardData: return pb.x;
+    case Direction::BackwardFilter: return pb.w;
+  }
+  return pb.y;
+}
+
+// How far a setting's result may lie from the engine's own, relative to the largest |value| of the engine's: the
+// bounds tests/test_conv.cpp puts on CUDA against the CPU (another split of the sums, another order of adding).
+double knob_tolerance(const Problem& pb) {
+  switch (pb.dtype) {
+    case kFloat64: return 1e-10;
+    case kFloat32: return pb.tf32() ? 1e-2 : 1e-4;
+    case kFloat16: return 4e-3;
+    default: return 3e-2;  // bfloat16
+  }
+}
+
+// The search's operands: values uniform in [-1, 1), element i of a buffer from Philox counter i / 4 of a seed per
+// operand (`operand`: 0, 1, 2), drawn on the device. The global generator is neither read nor advanced, so the user's
+// random stream (and other threads' draws) go on as without the search.
+constexpr int kOperandThreads = 256;
+constexpr uint64_t kOperandSeed = 0x6b6e6f62;  // "knob"
+
+template <typename T>
+__global__ void __launch_bounds__(kOperandThreads) search_operand_kernel(T* out, int64_t n, uint64_t seed) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c * 4 >= n) return;
+  const Philox::U4 r = Philox::generate(seed, uint64_t(c));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (c * 4 + k < n) out[c * 4 + k] = T(opmath_t<T>(2.0f * Philox::uniform(r.x[k]) - 1.0f));
+  }
+}
+
+// A fresh tensor of t's shape, dtype and device in the problem's layout, filled as above.
+Tensor search_operand(const Tensor& t, bool nhwc, int operand) {
+  Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = t.device()},
+                     nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+  const int64_t n = out.numel(), counters = (n + 3) / 4;
+  if (n == 0) return out;
+  dispatch_floating(out.dtype(), "conv2d knob search", [&]<typename T>() {
+    search_operand_kernel<T>
+        <<<unsigned((counters + kOperandThreads - 1) / kOperandThreads), kOperandThreads, 0,
+           cuda::current_stream(t.device().index)>>>(out.data<T>(), n, kOperandSeed + uint64_t(operand));
+    HG_CUDA_CHECK_LAUNCH("conv2d knob search");
+  });
+  return out;
+}
+
+class KnobSearch {
+ public:
+  KnobSearch(const Candidate& chosen, const Problem& problem, cudnnHandle_t handle, const Tensor& workspace,
+             double required_gain)
+      : chosen_(chosen),
+        handle_(handle),
+        workspace_(workspace),
+        required_gain_(required_gain),
+        x_(search_operand(problem.x, problem.nhwc, 0)),
+        w_(search_operand(problem.w, problem.nhwc, 1)),
+        y_(search_operand(problem.y, problem.nhwc, 2)),
+        pb_(problem.direction, x_, w_, y_, problem.params, problem.accumulate) {}
+
+  // The engine's own choice, or a setting of its knobs that computes the same result in less time.
+  Candidate run() {
+    engine_ = std::make_shared<Descriptor>(CUDNN_BACKEND_ENGINE_DESCRIPTOR, pb_.op());
+    engine_->set(CUDNN_ATTR_ENGINE_OPERATION_GRAPH, chosen_.graph->graph)
+        .set(CUDNN_ATTR_ENGINE_GLOBAL_INDEX, chosen_.engine_index);
+    if (!engine_->try_finalize()) return keep("cuDNN does not build the engine again by its index");
+    if (compiles_at_run_time(*engine_)) return keep("the engine compiles its kernels at run time");
+    knobs_ = knobs_of(*engine_, pb_.op());
+    if (knobs_.empty()) return keep("the engine has no knobs");
+
+    // Where the result is added into, the output starts from values of its own, the same for every run.
+    if (pb_.accumulate) initial_ = computed(pb_).clone();
+    // The engine's own result, against which every setting's is checked.
+    prepare_output();
+    execute(chosen_, pb_, handle_, workspace_);
+    const Tensor& out = computed(pb_);
+    reference_ = out.dtype() == wide() ? out.clone() : out.to(wide());
+    scale_ = max(abs(reference_)).item<double>();
+    if (!std::isfinite(scale_)) return keep("the engine's own result on random operands is not finite");
+
+    // The engine's own time on these operands (the autotuner's was on the step's). The descent starts from the
+    // configuration's own choices, where a setting must beat that time by the required share to move it, or from
+    // every knob at its lowest value, taken even where cuDNN refuses it: its neighbours may run.
+    const float own_ms = time_candidate(chosen_, pb_, handle_, workspace_);
+    if (!(own_ms > 0)) return keep("the engine's own choice did not time on the search's operands");
+    const double allowed_ms = (1 - required_gain_) * own_ms;
+    current_ = choices_of(*chosen_.config, knobs_, pb_.op());
+    if (std::any_of(current_.begin(), current_.end(), [](const auto& v) { return v.has_value(); })) {
+      tried_.insert(current_);
+      current_ms_ = allowed_ms;
+    } else {
+      for (size_t k = 0; k < knobs_.size(); ++k) current_[k] = knobs_[k].values.front();
+      try_setting(current_);
+    }
+    for (int pass = 0; pass < kKnobPasses; ++pass) {
+      const KnobSetting start = current_;
+      for (size_t k = 0; k < knobs_.size(); ++k) {
+        for (int64_t value : knobs_[k].values) {
+          KnobSetting setting = current_;
+          setting[k] = value;
+          try_setting(setting);
+        }
+      }
+      if (current_ == start) break;  // the next pass would try the same settings again
+    }
+    if (!best_ || current_ms_ > allowed_ms) return keep("no setting ran faster and computed the same result");
+
+    // The winner of single timings, timed again alternately with the engine's own choice.
+    float own = 0, set = 0;
+    for (int round = 0; round < kKnobRetimes; ++round) {
+      const bool own_first = round % 2 == 0;
+      const float first = time_candidate(own_first ? chosen_ : *best_, pb_, handle_, workspace_);
+      const float second = time_candidate(own_first ? *best_ : chosen_, pb_, handle_, workspace_);
+      if (first < 0 || second < 0) return keep("the final timing failed");
+      own += own_first ? first : second;
+      set += own_first ? second : first;
+    }
+    const bool taken = set <= (1 - required_gain_) * own;
+    logger().debug("{} (cuda): {}: knob search: {} -> {}: {:.3f} ms against {:.3f} ms for the engine's own "
+                   "choice{} ({})",
+                   pb_.op(), pb_.str(), chosen_.label, best_->label, set / kKnobRetimes, own / kKnobRetimes,
+                   taken ? ", taken" : ", not taken: too little faster", counts());
+    return taken ? *best_ : chosen_;
+  }
+
+ private:
+  DType wide() const { return pb_.dtype == kFloat64 ? kFloat64 : kFloat32; }
+
+  Candidate keep(const char* why) const {
+    logger().debug("{} (cuda): {}: knob search: {} kept: {} ({})", pb_.op(), pb_.str(), chosen_.label, why, counts());
+    return chosen_;
+  }
+
+  std::string counts() const {
+    return fmt::format("{} settings tried: {} computed the same result, {} another, {} refused by cuDNN or failed to "
+                       "run", matched_ + mismatched_ + refused_, matched_, mismatched_, refused_);
+  }
+
+  // The computed operand before a run: NaN where it is written, so that a plan that skips any of it fails the
+  // check; the same starting values where it is added into.
+  void prepare_output() {
+    Tensor out = computed(pb_);
+    if (pb_.accumulate)
+      out.copy_(initial_);
+    else
+      out.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+
+  // The engine with the setting's knob choices as a plan for the problem, or nothing where cuDNN refuses it or it
+  // needs more workspace than the autotuner's candidates (the memory the problem was tuned within).
+  std::optional<Candidate> plan_for(const KnobSetting& setting) {
+    Candidate c{.graph = chosen_.graph, .label = chosen_.label + " with knobs", .engine_index = chosen_.engine_index};
+    c.referred.push_back(engine_);
+    std::vector<cudnnBackendDescriptor_t> choices;
+    for (size_t k = 0; k < knobs_.size(); ++k) {
+      if (!setting[k]) continue;
+      auto choice = std::make_shared<Descriptor>(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, pb_.op());
+      choice->set(CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &knobs_[k].type)
+          .set(CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, *setting[k]);
+      if (!choice->try_finalize()) return std::nullopt;
+      choices.push_back(choice->get());
+      c.referred.push_back(std::move(choice));
+      c.label += fmt::format(" {}={}", int(knobs_[k].type), *setting[k]);
+    }
+    c.config = std::make_shared<Descriptor>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, pb_.op());
+    c.config->set(CUDNN_ATTR_ENGINECFG_ENGINE, *engine_);
+    if (!choices.empty()) {
+      c.config->set(CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(choices.size()),
+                    choices.data());
+    }
+    if (!c.config->try_finalize()) return std::nullopt;
+    c.plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, pb_.op());
+    c.plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *c.config)
+        .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle_);
+    if (!c.plan->try_finalize()) return std::nullopt;
+    c.workspace = int64_attribute(*c.plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, pb_.op());
+    const int64_t have = workspace_.defined() ? workspace_.numel() : 0;
+    if (c.workspace > have) return std::nullopt;
+    return c;
+  }
+
+  // Checks and times one setting (once: a setting tried before is skipped, as is any past kKnobSettings); the
+  // descent moves to it where it is the fastest so far.
+  void try_setting(const KnobSetting& setting) {
+    if (tried_.size() >= kKnobSettings || !tried_.insert(setting).second) return;
+    try {
+      std::optional<Candidate> c = plan_for(setting);
+      if (!c) {
+        ++refused_;
+        return;
+      }
+      prepare_output();
+      execute(*c, pb_, handle_, workspace_);
+      const double off = max(abs(computed(pb_).to(wide()) - reference_)).item<double>();
+      if (!(off <= knob_tolerance(pb_) * scale_)) {  // NaN (a part left unwritten) fails too
+        ++mismatched_;
+        logger().debug("{} (cuda): {}: {} differs from the engine's own result by {} (largest |value| {})", pb_.op(),
+                       pb_.str(), c->label, off, scale_);
+        return;
+      }
+      const float ms = time_candidate(*c, pb_, handle_, workspace_);
+      if (ms < 0) {
+        (void)cudaGetLastError();
+        ++refused_;
+        return;
+      }
+      ++matched_;
+      if (ms < current_ms_) {
+        current_ = setting;
+        current_ms_ = ms;
+        best_ = std::move(*c);
+      }
+    } catch (const OutOfMemory&) {
+      throw;  // the search ends: the engine's own choice stands
+    } catch (const Error&) {  // cuDNN refused an attribute or the plan failed to run: the next setting is tried
+      (void)cudaGetLastError();  // a launch error is not left for the next kernel's check
+      ++refused_;
+    }
+  }
+
+  const Candidate& chosen_;
+  cudnnHandle_t handle_;
+  const Tensor& workspace_;
+  const double required_gain_;
+  const Tensor x_, w_, y_;  // the search's own operands
+  const Problem pb_;        // the problem on them
+
+  std::shared_ptr<Descriptor> engine_;
+  std::vector<Knob> knobs_;
+  Tensor initial_, reference_;
+  double scale_ = 0;
+  KnobSetting current_;  // the descent's point: the fastest setting so far, or its start
+  double current_ms_ = std::numeric_limits<double>::infinity();
+  std::optional<Candidate> best_;  // the plan of current_, once a setting ran faster than the engine's own choice
+  std::set<KnobSetting> tried_;
+  int matched_ = 0, mismatched_ = 0, refused_ = 0;
+};
+
+// The timed winner, or the same engine with its knobs set where that is faster (KnobSearch). The search's own ops
+// (random operands, the checks' casts and reductions) are neither autocast nor traced, and no error leaves it: the
+// timed choice stands.
+Candidate search_knobs(const Candidate& chosen, const Problem& pb, cudnnHandle_t handle, const Tensor& workspace) {
+  if (chosen.implementation != Implementation::Cudnn) return chosen;
+  NoGradGuard no_grad;
+  amp::detail::ApplyingGuard outside_autocast;
+  try {
+    return KnobSearch(chosen, pb, handle, workspace, conv_knob_search().required_gain).run();
+  } catch (const std::exception& e) {
+    (void)cudaGetLastError();
+    logger().debug("{} (cuda): {}: the knob search failed ({}); {} kept", pb.op(), pb.str(), e.what(), chosen.label);
+    return chosen;
+  }
+}
+
 // ---- the choice per problem: autotuned once per host thread, then cached
+
+// How a problem's candidate is chosen: the first that fits (conv_benchmark() off), the fastest (on), or the fastest
+// with its knobs searched (conv_knob_search() on too). Each way keeps its own choices.
+enum class Choosing { FirstFitting, Fastest, FastestWithKnobs };
 
 // Per thread, as PyTorch's benchmark cache: a plan is finalized with its thread's cuDNN handle, and cuDNN does not
 // promise that every engine's plan may run concurrently from several threads.
-thread_local std::map<ProblemKey, Candidate> t_choices;
-thread_local std::map<ProblemKey, Candidate> t_heuristic_choices;  // conv_benchmark() off
+thread_local std::array<std::map<ProblemKey, Candidate>, size_t(Choosing::FastestWithKnobs) + 1> t_choices;
 
-Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
+Candidate autotune(const Problem& pb, cudnnHandle_t handle, Choosing choosing) {
   std::vector<Candidate> candidates;
   if (is_pointwise_gemm(pb)) {
-    candidates.push_back(Candidate{nullptr, nullptr, nullptr, 0, "cuBLAS GEMM", Implementation::PointwiseGemm});
+    candidates.push_back(Candidate{.label = "cuBLAS GEMM", .implementation = Implementation::PointwiseGemm});
   }
   auto graph = std::make_shared<Graph>(pb, handle);
   add_candidates(candidates, graph, pb, handle, CUDNN_HEUR_MODE_A);
@@ -440,8 +839,8 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   if (takes_few_channels(pb)) {
     const int64_t workspace =
         pb.direction == Direction::BackwardFilter ? few_channels_weight_workspace(pb.x, pb.w, pb.y) : 0;
-    candidates.push_back(
-        Candidate{nullptr, nullptr, nullptr, workspace, "few-channels kernel", Implementation::FewChannels});
+    candidates.push_back(Candidate{.workspace = workspace, .label = "few-channels kernel",
+                                   .implementation = Implementation::FewChannels});
   }
   HG_CHECK(!candidates.empty(), "{} (cuda): cuDNN has no engine for {} whose numerics are acceptable", pb.op(),
            pb.str());
@@ -462,7 +861,7 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   std::string report;
   for (const Candidate& c : candidates) {
     if (c.workspace > got) continue;
-    if (!benchmark) {  // the heuristics' order, no timing
+    if (choosing == Choosing::FirstFitting) {  // the heuristics' order, no timing
       logger().debug("{} (cuda): {} -> {} (heuristic, not timed)", pb.op(), pb.str(), c.label);
       return c;
     }
@@ -476,15 +875,16 @@ Candidate autotune(const Problem& pb, cudnnHandle_t handle, bool benchmark) {
   HG_CHECK(best != nullptr, "{} (cuda): none of the {} candidate engines ran for {} (workspace available: {} bytes)",
            pb.op(), candidates.size(), pb.str(), got);
   logger().debug("{} (cuda): {} -> {} ({:.3f} ms);{}", pb.op(), pb.str(), best->label, best_ms, report);
-  return *best;
+  return choosing == Choosing::FastestWithKnobs ? search_knobs(*best, pb, handle, workspace) : *best;
 }
 
 Candidate choice_for(const Problem& pb, cudnnHandle_t handle) {
   const ProblemKey key = pb.key();
-  const bool benchmark = conv_benchmark();
-  std::map<ProblemKey, Candidate>& choices = benchmark ? t_choices : t_heuristic_choices;
+  Choosing choosing = Choosing::FirstFitting;
+  if (conv_benchmark()) choosing = conv_knob_search().enabled ? Choosing::FastestWithKnobs : Choosing::Fastest;
+  std::map<ProblemKey, Candidate>& choices = t_choices[size_t(choosing)];
   auto it = choices.find(key);
-  if (it == choices.end()) it = choices.emplace(key, autotune(pb, handle, benchmark)).first;
+  if (it == choices.end()) it = choices.emplace(key, autotune(pb, handle, choosing)).first;
   return it->second;
 }
 

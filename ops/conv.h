@@ -73,6 +73,20 @@ bool conv_allow_tf32();
 void set_conv_benchmark(bool benchmark);
 bool conv_benchmark();
 
+// Whether autotuning (conv_benchmark() on) goes on to search the knobs of the fastest cuDNN engine (its tile and
+// cluster shapes, split-K, stages, which cuDNN's heuristics leave partly to the engine) and keeps a setting that
+// computes the same result in at least `required_gain` less time (ops/conv.cu, search_knobs). Off by default: the
+// search tries up to 256 settings a problem, adding seconds to a model's first step. Choices made with the search are
+// cached apart from those made without it (each problem's first choice under the search is kept, whatever
+// required_gain is later). A required_gain below 0 takes a slower setting too (the tests use it to run one). Run with
+// HALFGRAD_LOG=debug to see each search.
+struct ConvKnobSearch {
+  bool enabled = false;
+  double required_gain = 0.02;  // a share of the engine's own time, < 1
+};
+void set_conv_knob_search(const ConvKnobSearch& search);
+ConvKnobSearch conv_knob_search();
+
 // One spatial dim of the output: (in + 2 pad - dilation (kernel - 1) - 1) / stride + 1; may be <= 0,
 // which callers report as an error.
 int64_t conv_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation);

@@ -2,9 +2,15 @@
 // channels_last), errors, gradchecks of every input, the half-precision accumulation, autocast, and CUDA
 // against the CPU (skipped without a GPU).
 #include <doctest/doctest.h>
+#include <spdlog/sinks/ostream_sink.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
+#include <memory>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -454,6 +460,41 @@ struct TF32Off {
   ~TF32Off() { set_conv_allow_tf32(previous); }
 };
 
+// While alive: halfgrad's logger at debug level, its messages collected; its other sinks print no more than before.
+class DebugLog {
+ public:
+  DebugLog() : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(text_)), level_(logger().level()) {
+    for (const spdlog::sink_ptr& s : logger().sinks()) {
+      sink_levels_.push_back(s->level());
+      s->set_level(std::max(s->level(), level_));
+    }
+    sink_->set_pattern("%v");
+    logger().sinks().push_back(sink_);
+    logger().set_level(spdlog::level::debug);
+  }
+  ~DebugLog() {
+    logger().set_level(level_);
+    std::vector<spdlog::sink_ptr>& sinks = logger().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    for (size_t i = 0; i < sinks.size() && i < sink_levels_.size(); ++i) sinks[i]->set_level(sink_levels_[i]);
+  }
+  DebugLog(const DebugLog&) = delete;
+  DebugLog& operator=(const DebugLog&) = delete;
+
+  std::vector<std::string> lines() const {
+    std::vector<std::string> out;
+    std::istringstream in(text_.str());
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  }
+
+ private:
+  std::ostringstream text_;
+  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
+  spdlog::level::level_enum level_;
+  std::vector<spdlog::level::level_enum> sink_levels_;
+};
+
 }  // namespace
 
 TEST_CASE("cuda: conv2d forward and all gradients match the CPU in every dtype, NCHW and channels_last") {
@@ -590,6 +631,79 @@ TEST_CASE("cuda: conv2d with autotuning off takes cuDNN's first fitting engine a
   const char* names[] = {"output", "input gradient", "weight gradient"};
   // Different engines sum in different orders: equal to float16 rounding of float32 sums.
   for (size_t i = 0; i < 3; ++i) check_cuda_close(heuristic[i], tuned[i].to(Device::cpu()), kFloat16, names[i]);
+}
+
+// Autotuning on, and the knob search with the given required gain, while alive.
+struct KnobSearchOn {
+  bool benchmark = conv_benchmark();
+  ConvKnobSearch previous = conv_knob_search();
+  explicit KnobSearchOn(double required_gain) {
+    set_conv_benchmark(true);
+    set_conv_knob_search({.enabled = true, .required_gain = required_gain});
+  }
+  ~KnobSearchOn() {
+    set_conv_knob_search(previous);
+    set_conv_benchmark(benchmark);
+  }
+  KnobSearchOn(const KnobSearchOn&) = delete;
+  KnobSearchOn& operator=(const KnobSearchOn&) = delete;
+};
+
+// With the knob search on, where a cuDNN engine wins the timing its knobs are searched (ops/conv.cu, KnobSearch), and
+// whichever setting is taken must compute what the CPU computes in every direction, the input gradient's add into the
+// shortcut's included. float16 runs with a required gain of -inf, so that a setting that computed the same result
+// replaces the engine's own choice however fast it is: the real runs then go through a knob-set plan. float32 keeps the
+// default gain. Only this test searches knobs, so its six problems are new to that cache; the debug log must name the
+// outcome of a search for each.
+TEST_CASE("cuda: conv2d with the cuDNN engines' knobs searched matches the CPU, the shortcut's gradient included") {
+  SKIP_WITHOUT_GPU();
+  TF32Off tf32_off;
+  manual_seed(33);
+  const Device gpu = Device::cuda(0);
+  std::vector<std::string> log;
+  {
+    DebugLog debug_log;
+    for (auto [dt, gain] : {std::pair{kFloat16, -std::numeric_limits<double>::infinity()}, {kFloat32, 0.02}}) {
+      CAPTURE(dtype_name(dt));
+      KnobSearchOn knob_search(gain);
+      const Conv2dOptions o{.padding = {1, 1}};
+      const Tensor x = contiguous_channels_last(random({12, 64, 16, 16}, dt)), w = random({64, 64, 3, 3}, dt);
+      const Tensor gy = random({12, 64, 16, 16}, dt);
+      auto block = [&](const Tensor& in, const Tensor& weight) { return conv2d(in, weight, {}, o) + in.mul(2.0); };
+      Tensor xc = x.detach().requires_grad_(), wc = w.detach().requires_grad_();
+      Tensor yc = block(xc, wc);
+      yc.backward(gy);
+      // All channels_last on the GPU, as a ResNet's: the shortcut's gradient then has the layout the convolution's
+      // backward adds into.
+      Tensor xg = contiguous_channels_last(x.to(gpu)).detach().requires_grad_();
+      Tensor wg = contiguous_channels_last(w.to(gpu)).detach().requires_grad_();
+      Tensor yg = block(xg, wg);
+      yg.backward(contiguous_channels_last(gy.to(gpu)));
+      check_cuda_close(yg, yc, dt, "output");
+      check_cuda_close(xg.grad(), xc.grad(), dt, "grad input");
+      check_cuda_close(wg.grad(), wc.grad(), dt, "grad weight");
+    }
+    log = debug_log.lines();
+  }
+  std::string whole;
+  for (const std::string& line : log) whole += line + "\n";
+  INFO(whole);
+  // One outcome a problem: the engine's own choice kept (and why), or its fastest setting timed against it.
+  const std::regex outcome(R"(knob search: .*\(([0-9]+) settings tried: ([0-9]+) computed the same result)");
+  int searches = 0, float16_matched = 0, float16_taken = 0, float16_adding = 0;
+  for (const std::string& line : log) {
+    std::smatch m;
+    if (!std::regex_search(line, m, outcome)) continue;
+    ++searches;
+    if (line.find("input float16") == std::string::npos) continue;
+    float16_matched += std::stoi(m[2].str()) > 0;
+    float16_taken += line.find(", taken") != std::string::npos;
+    float16_adding += line.find("adding into the result") != std::string::npos;
+  }
+  CHECK(searches == 6);                     // 2 dtypes x 3 directions
+  CHECK(float16_matched > 0);               // the engines have knobs, and settings of them ran
+  CHECK(float16_taken == float16_matched);  // each problem where a setting ran took one: gain -inf
+  CHECK(float16_adding == 1);               // the input gradient's problem, added into the shortcut's
 }
 
 // ---- our kernels for windows of at most 32 values (ops/conv_few_channels.cu), called directly: the autotuner

@@ -11,15 +11,18 @@
 //               first warm-up step autotunes cuDNN). "host ms" is the host's time to issue a step: when it is close to
 //               "ms", the step is bound by the host, not the GPU
 //   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
+//   tune s      the first step's wall time: the convolutions' autotuning, most of it
 //
 //   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
-//                    [--cuda-graph] [--unfused] [--no-bias-fold]
+//                    [--cuda-graph] [--unfused] [--no-bias-fold] [--conv-knobs]
 //   --unfused   batch norm, the residual add and relu as separate ops (set_batch_norm_relu_fusion(false)): the step
 //               before batch_norm_relu, to measure what the fusion saves in the same run
 //   --no-bias-fold  a convolution's bias before batch norm added by an op of its own (set_batch_norm_input_bias_fold(
 //               false)): an add forward and its gradient's sum backward, the passes the convolution's own bias made
 //               before the fold, to measure what it saves (VGG; the ResNets' convolutions have no bias)
+//   --conv-knobs  autotuning searches the knobs of the fastest cuDNN engine (set_conv_knob_search, ops/conv.h)
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +52,7 @@ struct Settings {
   bool cuda_graph = false;
   bool unfused = false;
   bool no_bias_fold = false;
+  bool conv_knobs = false;
   int iters = 30, warmup = 5;
 };
 
@@ -61,12 +65,14 @@ int run(const Settings& s) {
              s.model, cuda::device_name(0), s.nchw ? "NCHW" : "channels_last",
              std::string(s.cuda_graph ? ", the step replayed as a CUDA graph" : "") +
                  (s.unfused ? ", batch norm / add / relu unfused" : "") +
-                 (s.no_bias_fold ? ", convolution biases added before batch norm" : ""),
+                 (s.no_bias_fold ? ", convolution biases added before batch norm" : "") +
+                 (s.conv_knobs ? ", cuDNN engines' knobs searched" : ""),
              s.iters, s.warmup);
   set_batch_norm_relu_fusion(!s.unfused);
   set_batch_norm_input_bias_fold(!s.no_bias_fold);
-  fmt::print("{:<9} {:>6} {:<6} {:>9} {:>10} {:>9} {:>9}\n", "model", "batch", "level", "ms", "images/s", "host ms",
-             "peak MiB");
+  set_conv_knob_search({.enabled = s.conv_knobs});
+  fmt::print("{:<9} {:>6} {:<6} {:>9} {:>10} {:>9} {:>9} {:>7}\n", "model", "batch", "level", "ms", "images/s",
+             "host ms", "peak MiB", "tune s");
   for (int64_t batch : s.batches) {
     for (const std::string& level_name : s.levels) {
       const amp::OptLevel level = amp::parse_opt_level(level_name);
@@ -87,8 +93,10 @@ int run(const Settings& s) {
         amp.step();
         amp.zero_grad();
       };
+      const auto first = std::chrono::steady_clock::now();
       step();  // autotuning and the first allocations stay out of the peak
       cuda::synchronize();
+      const double tune_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - first).count();
       cuda::reset_peak(0);
       std::unique_ptr<cuda::CapturedStep> captured;
       if (s.cuda_graph) captured = std::make_unique<cuda::CapturedStep>(gpu, step, 2);
@@ -100,8 +108,8 @@ int run(const Settings& s) {
       };
       const bench::StepTimes t = bench::time_steps(timed_step, s.warmup, s.iters);
       const double peak_mib = double(cuda::memory_stats(0).peak_allocated_bytes) / double(1 << 20);
-      fmt::print("{:<9} {:>6} {:<6} {:>9.2f} {:>10.0f} {:>9.2f} {:>9.0f}\n", s.model, batch, level_name, t.ms,
-                 double(batch) / (t.ms * 1e-3), t.host_ms, peak_mib);
+      fmt::print("{:<9} {:>6} {:<6} {:>9.2f} {:>10.0f} {:>9.2f} {:>9.0f} {:>7.1f}\n", s.model, batch, level_name, t.ms,
+                 double(batch) / (t.ms * 1e-3), t.host_ms, peak_mib, tune_s);
       std::fflush(stdout);
     }
   }
@@ -127,6 +135,7 @@ int main(int argc, char** argv) {
                "batch_norm_relu)");
   app.add_flag("--no-bias-fold", s.no_bias_fold, "a convolution's bias before batch norm added as its own op (the "
                "step before the fold)");
+  app.add_flag("--conv-knobs", s.conv_knobs, "autotuning also searches the knobs of the fastest cuDNN engine");
   app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(cli::integer_in<int>(0));
   CLI11_PARSE(app, argc, argv);
