@@ -519,6 +519,9 @@ std::vector<Knob> knobs_of(const Descriptor& engine, const char* op) {
     r.lowest = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, op);
     const int64_t highest = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, op);
     r.stride = int64_attribute(*info, CUDNN_ATTR_KNOB_INFO_STRIDE, op);
+    // How split sums are reduced stays the engine's choice: the numerics refuse reductions in reduced precision, and
+    // the engine's notes (acceptable) describe its own choice, not a setting's.
+    if (r.type == CUDNN_KNOB_TYPE_REDUCTION_MODE) continue;
     int64_t span = 0;
     if (r.stride <= 0 || highest < r.lowest || __builtin_sub_overflow(highest, r.lowest, &span)) continue;  // no range
     r.last = span / r.stride;

@@ -669,7 +669,11 @@ TEST_CASE("cuda: conv2d with the cuDNN engines' knobs searched matches the CPU, 
       const Conv2dOptions o{.padding = {1, 1}};
       const Tensor x = contiguous_channels_last(random({12, 64, 16, 16}, dt)), w = random({64, 64, 3, 3}, dt);
       const Tensor gy = random({12, 64, 16, 16}, dt);
-      auto block = [&](const Tensor& in, const Tensor& weight) { return conv2d(in, weight, {}, o) + in.mul(2.0); };
+      // The shortcut made after the convolution: its backward runs first, so the convolution's adds into it.
+      auto block = [&](const Tensor& in, const Tensor& weight) {
+        const Tensor conv = conv2d(in, weight, {}, o);
+        return conv + in.mul(2.0);
+      };
       Tensor xc = x.detach().requires_grad_(), wc = w.detach().requires_grad_();
       Tensor yc = block(xc, wc);
       yc.backward(gy);

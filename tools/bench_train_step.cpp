@@ -11,7 +11,8 @@
 //               first warm-up step autotunes cuDNN). "host ms" is the host's time to issue a step: when it is close to
 //               "ms", the step is bound by the host, not the GPU
 //   memory      the caching allocator's peak over the steps after the first (warm-up and timed)
-//   tune s      the first step's wall time: the convolutions' autotuning, most of it
+//   tune s      the first step's wall time: mostly the convolutions' autotuning, in the first row to meet each problem
+//               (choices are cached for the process)
 //
 //   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
 //                    [--cuda-graph] [--unfused] [--no-bias-fold] [--conv-knobs]
