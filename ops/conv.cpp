@@ -168,8 +168,9 @@ bool conv_allow_tf32() { return g_conv_allow_tf32.load(); }
 void set_conv_benchmark(bool benchmark) { g_conv_benchmark.store(benchmark); }
 bool conv_benchmark() { return g_conv_benchmark.load(); }
 void set_conv_knob_search(const ConvKnobSearch& search) {
-  HG_CHECK(search.required_gain < 1, "set_conv_knob_search: required_gain is a share of the engine's own time, below 1; "
-           "got {}", search.required_gain);
+  HG_CHECK(search.required_gain < 1,
+           "set_conv_knob_search: required_gain is a share of the engine's own time, below 1; got {}",
+           search.required_gain);
   g_conv_knob_search.store(search.enabled);
   g_conv_knob_required_gain.store(search.required_gain);
 }

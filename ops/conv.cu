@@ -438,20 +438,20 @@ float time_candidate(const Candidate& c, const Problem& pb, cudnnHandle_t handle
 
 // ---- the engine's knobs (set_conv_knob_search)
 //
-// An engine configuration holds the engine's knob choices (tile and cluster shape, split-K, stages), as many as
-// cuDNN's heuristics set; the engine picks the others itself. Other choices can do better: on the H200, 15 of
-// ResNet-18's 30 convolution problems (batch 256, float16 NHWC) ran up to 13.5% faster with knobs set, always those
-// of the engine already fastest (docs/benchmarks.md, "cuDNN's engine knobs"). search_knobs looks for such a setting of
-// the autotuner's winner by coordinate descent, as that probe did where an engine had many settings: from the
+// An engine configuration holds the engine's knob choices (tile and cluster shape, split-K, stages), as many as cuDNN's
+// heuristics set; the engine picks the others itself. Other choices can do better: on the H200, 15 of ResNet-18's 30
+// convolution problems (batch 256, float16 NHWC) ran up to 13.5% faster with knobs set, always those of the engine
+// already fastest (docs/benchmarks.md, "cuDNN's engine knobs"). search_knobs looks for such a setting of the
+// autotuner's winner by coordinate descent, as that probe did where an engine had many settings: from the
 // configuration's own knob choices (or, where it holds none, every knob at its lowest value), each knob in turn over
 // its values with the others held, moving to the fastest setting so far, two passes. It runs on operands of its own,
 // random values of the problem's shapes and layout, so that neither the step's data (zeros, or the infinities of a
 // first loss-scaled backward) nor its buffers are involved. Before it is timed, a setting's result must match the
-// engine's own (an engine may take a setting it then computes wrongly, or not at all). The fastest setting is timed again
-// against the engine's own choice, alternately, and replaces it only if it saves the required share of its time
-// (2%): the timings of one run each are noisy, and a search that keeps noise is worse than none. A setting that
-// faults on the GPU (an illegal address: a sticky error) would end the process, as any failing kernel does; the
-// probe's ~4,600 plans ran without one.
+// engine's own (an engine may take a setting it then computes wrongly, or not at all). The fastest setting is timed
+// again against the engine's own choice, alternately, and replaces it only if it saves the required share of its time
+// (2%): the timings of one run each are noisy, and a search that keeps noise is worse than none. A setting that faults
+// on the GPU (an illegal address: a sticky error) would end the process, as any failing kernel does; the probe's ~4,600
+// plans ran without one.
 
 struct Knob {
   cudnnBackendKnobType_t type;

@@ -213,6 +213,25 @@ TEST_CASE("conv2d accumulates float16 and bfloat16 products in float32") {
   }
 }
 
+TEST_CASE("set_conv_knob_search keeps what it is given and refuses a required gain of 1 or more, naming it") {
+  const ConvKnobSearch previous = conv_knob_search();
+  CHECK_FALSE(ConvKnobSearch{}.enabled);  // off unless asked for
+  CHECK(ConvKnobSearch{}.required_gain == 0.02);
+  set_conv_knob_search({.enabled = true, .required_gain = 0.1});
+  CHECK(conv_knob_search().enabled);
+  CHECK(conv_knob_search().required_gain == 0.1);
+  for (double bad : {1.0, 2.0, std::numeric_limits<double>::quiet_NaN()}) {
+    CAPTURE(bad);
+    const std::string e = error_of([&] { set_conv_knob_search({.enabled = false, .required_gain = bad}); });
+    CHECK(contains(e, "set_conv_knob_search"));
+    CHECK(contains(e, "required_gain"));
+  }
+  CHECK(conv_knob_search().enabled);  // a refused setting changes nothing
+  CHECK(conv_knob_search().required_gain == 0.1);
+  set_conv_knob_search(previous);
+  CHECK(conv_knob_search().enabled == previous.enabled);
+}
+
 TEST_CASE("conv2d errors name the op and the shapes") {
   Tensor x = randn({2, 3, 8, 8}), w = randn({4, 3, 3, 3});
   std::string e = error_of([&] { conv2d(x, randn({4, 2, 3, 3})); });
