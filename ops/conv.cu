@@ -326,6 +326,20 @@ bool has_workspace_free(const std::vector<Candidate>& candidates) {
   return std::any_of(candidates.begin(), candidates.end(), [](const Candidate& c) { return c.workspace == 0; });
 }
 
+int64_t int64_attribute(const Descriptor& d, cudnnBackendAttributeName_t name, const char* op) {
+  int64_t value = 0, got = 0;
+  HG_CUDNN_CHECK(cudnnBackendGetAttribute(d.get(), name, CUDNN_TYPE_INT64, 1, &got, &value), op);
+  return value;
+}
+
+// The execution plan of an engine configuration, or null where the engine does not take the problem.
+std::shared_ptr<Descriptor> plan_of(const Descriptor& config, cudnnHandle_t handle, const char* op) {
+  auto plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, op);
+  plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config)
+      .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+  return plan->try_finalize() ? plan : nullptr;
+}
+
 // The engine configurations cuDNN's heuristics rank for the graph in `mode`, finalized into plans where the
 // engine supports the problem and its numerics are acceptable: kCandidateLimit engines, then (if none of the
 // candidates needs no workspace) the first that needs none.
@@ -359,14 +373,9 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
     }
     int64_t index = -1;
     cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &index);
-    auto plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, pb.op());
-    plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *configs[size_t(i)])
-        .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
-    if (!plan->try_finalize()) continue;  // the engine does not take this problem
-    int64_t workspace = 0;
-    HG_CUDNN_CHECK(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64,
-                                            1, &got, &workspace),
-                   pb.op());
+    std::shared_ptr<Descriptor> plan = plan_of(*configs[size_t(i)], handle, pb.op());
+    if (!plan) continue;  // the engine does not take this problem
+    const int64_t workspace = int64_attribute(*plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, pb.op());
     if (engines_in(out) >= kCandidateLimit && workspace > 0) continue;  // past the limit: only a workspace-free one
     out.push_back(Candidate{.graph = graph, .config = configs[size_t(i)], .plan = plan, .workspace = workspace,
                             .label = fmt::format("engine {}", index), .engine_index = index});
@@ -494,12 +503,6 @@ std::vector<std::unique_ptr<Descriptor>> knob_descriptors(const Descriptor& of, 
                  op);
   out.resize(size_t(std::clamp<int64_t>(count, 0, int64_t(out.size()))));
   return out;
-}
-
-int64_t int64_attribute(const Descriptor& d, cudnnBackendAttributeName_t name, const char* op) {
-  int64_t value = 0, got = 0;
-  HG_CUDNN_CHECK(cudnnBackendGetAttribute(d.get(), name, CUDNN_TYPE_INT64, 1, &got, &value), op);
-  return value;
 }
 
 // The engine's knobs and the values searched for each: all of a knob's values where they fit its share of
@@ -737,10 +740,8 @@ class KnobSearch {
                     choices.data());
     }
     if (!c.config->try_finalize()) return std::nullopt;
-    c.plan = std::make_shared<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, pb_.op());
-    c.plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, *c.config)
-        .set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle_);
-    if (!c.plan->try_finalize()) return std::nullopt;
+    c.plan = plan_of(*c.config, handle_, pb_.op());
+    if (!c.plan) return std::nullopt;
     c.workspace = int64_attribute(*c.plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, pb_.op());
     const int64_t have = workspace_.defined() ? workspace_.numel() : 0;
     if (c.workspace > have) return std::nullopt;
