@@ -588,7 +588,9 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
 }
 
 SafetensorsContents load_safetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO would wait for a writer; this way it opens at once and is refused below, as anything
+  // that is not a regular file is. (Reads of a regular file do not heed the flag.)
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   HG_CHECK(fd.get() >= 0, "load_safetensors: cannot open '{}': {}", path, errno_text(errno));
   struct stat st;
   HG_CHECK(::fstat(fd.get(), &st) == 0, "load_safetensors: cannot stat '{}': {}", path, errno_text(errno));

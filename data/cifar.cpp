@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <system_error>
 
 #include <fmt/ranges.h>
 
@@ -25,7 +26,18 @@ struct Format {
   std::vector<int64_t> label_limits;  // per label byte: each is checked, the one not used too (CIFAR-100's)
 };
 
+// Whether a regular file is at `path`: false where nothing is; an error where something else is (a folder, a FIFO,
+// a device), which the reader would misread, or wait on for a writer that never comes.
+bool regular_file_at(const std::filesystem::path& path, const char* what) {
+  std::error_code ec;  // a status that cannot be read counts as nothing there: opening the file then says why
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  HG_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
+           "{}: {} is not a regular file (a folder, a FIFO or a device?)", what, path.string());
+  return std::filesystem::is_regular_file(status);
+}
+
 std::vector<char> read_file(const std::filesystem::path& path, const char* what) {
+  regular_file_at(path, what);  // refuses a folder or a FIFO; where nothing is, the open below says so
   std::ifstream in(path, std::ios::binary);
   HG_CHECK(in.good(), "{}: cannot open {}", what, path.string());
   in.seekg(0, std::ios::end);
@@ -87,11 +99,8 @@ std::vector<std::filesystem::path> existing(const std::filesystem::path& dir, co
   std::vector<std::filesystem::path> files;
   for (const auto& name : names) {
     files.push_back(dir / name);
-    HG_CHECK(!std::filesystem::exists(files.back()) || std::filesystem::is_regular_file(files.back()),
-             "{}: {} is not a regular file (a folder or a device?)", what, files.back().string());
-    HG_CHECK(std::filesystem::is_regular_file(files.back()),
-             "{}: {} not found (expected the official binary files in {})", what, files.back().string(),
-             dir.string());
+    HG_CHECK(regular_file_at(files.back(), what), "{}: {} not found (expected the official binary files in {})",
+             what, files.back().string(), dir.string());
   }
   return files;
 }
@@ -112,9 +121,7 @@ ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
   std::vector<std::string> missing;
   for (int k = 1; k <= 5; ++k) {
     const std::string name = fmt::format("data_batch_{}.bin", k);
-    HG_CHECK(!std::filesystem::exists(directory / name) || std::filesystem::is_regular_file(directory / name),
-             "cifar10: {} is not a regular file (a folder or a device?)", (directory / name).string());
-    if (std::filesystem::is_regular_file(directory / name)) {
+    if (regular_file_at(directory / name, "cifar10")) {
       present.push_back(directory / name);
     } else {
       missing.push_back(name);

@@ -306,6 +306,17 @@ TEST_CASE("writing where no file can be created is an error that names the path"
   CHECK(read_bytes(path) == before);
 }
 
+TEST_CASE("loading a folder or a FIFO is an error that names it, at once: a FIFO is not waited on for a writer") {
+  using halfgrad::testing::contains;
+  TempDir dir;
+  fs::create_directory(dir.file("folder.safetensors"));
+  CHECK(contains(testing::error_of([&] { load_safetensors(dir.file("folder.safetensors")); }),
+                 "'" + dir.file("folder.safetensors") + "' is not a regular file"));
+  const std::string fifo = testing::make_fifo(dir, "fifo.safetensors");
+  CHECK(contains(testing::error_of_without_waiting(fifo, [&] { load_safetensors(fifo); }),
+                 "'" + fifo + "' is not a regular file"));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Corrupt and truncated files: always a halfgrad::Error naming the file and where, never a crash.
 

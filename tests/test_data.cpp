@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <set>
 
@@ -17,6 +18,8 @@ using namespace halfgrad;
 using halfgrad::testing::bit_equal;
 using halfgrad::testing::contains;
 using halfgrad::testing::error_of;
+using halfgrad::testing::error_of_without_waiting;
+using halfgrad::testing::make_fifo;
 using halfgrad::testing::TempDir;
 
 namespace {
@@ -125,6 +128,22 @@ TEST_CASE("CIFAR files that are cut short, hold a bad label or are missing are e
   CHECK(contains(e, "test_batch.bin not found"));
   CHECK(contains(error_of([&] { data::read_cifar10({dir.file("nothing.bin")}); }), "cannot open"));
   CHECK(contains(error_of([] { data::read_cifar10({}); }), "no files given"));
+}
+
+TEST_CASE("a FIFO in a CIFAR file's place is refused at once, not waited on for a writer") {
+  TempDir dir;
+  const std::string fifo = make_fifo(dir, "test_batch.bin");
+  for (const std::function<void()>& read : std::vector<std::function<void()>>{
+           [&] { data::read_cifar10({fifo}); },
+           [&] { data::read_cifar100({fifo}); },
+           [&] { data::load_cifar10(dir.path, data::Split::Test); },
+       }) {
+    CHECK(contains(error_of_without_waiting(fifo, read), "test_batch.bin is not a regular file"));
+  }
+  std::filesystem::rename(fifo, dir.file("data_batch_1.bin"));
+  CHECK(contains(error_of_without_waiting(dir.file("data_batch_1.bin"),
+                                          [&] { data::load_cifar10(dir.path, data::Split::Train); }),
+                 "data_batch_1.bin is not a regular file"));
 }
 
 TEST_CASE("an empty CIFAR file, a folder in a file's place and CIFAR-100's unused label byte out of range are errors") {

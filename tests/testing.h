@@ -2,12 +2,16 @@
 // Small helpers the op tests share (gradcheck has its own header, tests/gradcheck.h).
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -63,6 +67,25 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+// A FIFO (named pipe) called `name` in `dir`, for readers that must refuse one where a file should be.
+inline std::string make_fifo(const TempDir& dir, const std::string& name) {
+  const std::string path = dir.file(name);
+  REQUIRE(::mkfifo(path.c_str(), 0600) == 0);
+  return path;
+}
+
+// error_of(f), where f reads the FIFO at `fifo`: a reader that opens it waits for a writer. If f has not returned
+// after 10 s the check fails, and a writer opens and closes the FIFO so that f sees its end and returns.
+inline std::string error_of_without_waiting(const std::string& fifo, const std::function<void()>& f) {
+  std::future<std::string> error = std::async(std::launch::async, [&] { return error_of(f); });
+  if (error.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    FAIL_CHECK("still waiting on the FIFO " << fifo << " after 10 s");
+    const int fd = ::open(fifo.c_str(), O_WRONLY);
+    if (fd >= 0) ::close(fd);
+  }
+  return error.get();
+}
 
 // train.txt, valid.txt and test.txt in `dir`, each holding `text`: a corpus for the language-model tests.
 inline void write_splits(const TempDir& dir, const std::string& text) {
