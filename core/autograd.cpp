@@ -42,11 +42,18 @@ Edge gradient_edge(const Tensor& t) {
   return {};
 }
 
+// What a hook returned, in place of `grad`: undefined keeps grad. A hook may change a gradient's values, not its shape,
+// dtype or device, which the nodes after it and the leaf's .grad were made for.
+Tensor hooked(const Tensor& grad, const Tensor& replaced) {
+  if (!replaced.defined()) return grad;
+  HG_CHECK(replaced.shape() == grad.shape() && replaced.dtype() == grad.dtype() && replaced.device() == grad.device(),
+           "a gradient hook returned {} for the gradient {}: a hook may change a gradient's values, not its shape, "
+           "dtype or device", replaced.meta(), grad.meta());
+  return replaced;
+}
+
 Tensor apply_hooks(const std::vector<GradHook>& hooks, Tensor grad) {
-  for (const auto& hook : hooks) {
-    Tensor replaced = hook(grad);
-    if (replaced.defined()) grad = replaced;
-  }
+  for (const auto& hook : hooks) grad = hooked(grad, hook(grad));
   return grad;
 }
 }  // namespace
@@ -64,7 +71,7 @@ AutogradMeta& TensorImpl::autograd_meta() {
 // ---- Tensor's autograd methods
 
 bool Tensor::requires_grad() const {
-  const auto& m = impl()->autograd;
+  const auto& m = defined_impl("requires_grad").autograd;
   return m && (m->requires_grad || m->grad_fn);
 }
 
@@ -80,7 +87,7 @@ Tensor& Tensor::requires_grad_(bool enabled) {
 bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
 
 Tensor Tensor::grad() const {
-  const auto& m = impl()->autograd;
+  const auto& m = defined_impl("grad").autograd;
   return m ? m->grad : Tensor();
 }
 
@@ -94,25 +101,27 @@ void Tensor::set_grad(const Tensor& grad) const {
 
 const std::shared_ptr<Node>& Tensor::grad_fn() const {
   static const std::shared_ptr<Node> none;
-  const auto& m = impl()->autograd;
+  const auto& m = defined_impl("grad_fn").autograd;
   return m ? m->grad_fn : none;
 }
 
 uint32_t Tensor::output_nr() const {
-  const auto& m = impl()->autograd;
+  const auto& m = defined_impl("output_nr").autograd;
   return m ? m->output_nr : 0;
 }
 
-uint64_t Tensor::version() const { return impl()->storage->version(); }
+uint64_t Tensor::version() const { return storage()->version(); }
 
 Tensor Tensor::detach() const {
+  const TensorImpl& self = defined_impl("detach");
   auto alias = std::make_shared<TensorImpl>();
-  alias->storage = impl()->storage;
-  alias->shape = impl()->shape;
-  alias->strides = impl()->strides;
-  alias->offset = impl()->offset;
-  alias->dtype = impl()->dtype;
+  alias->storage = self.storage;
+  alias->shape = self.shape;
+  alias->strides = self.strides;
+  alias->offset = self.offset;
+  alias->dtype = self.dtype;
   alias->is_view = true;
+  alias->is_detached = true;
   return Tensor(std::move(alias));
 }
 
@@ -243,8 +252,30 @@ bool any_requires_grad(const TensorList& inputs) {
   return false;
 }
 
+namespace {
+
+// Whether views of `base` are checked for in-place writes (AutogradMeta::view_version): base has a history that an
+// in-place write replaces (a non-leaf, not itself an unchecked view). A view of a leaf is not checked: its grad_fn
+// leads to the leaf's accumulator, as right after a write under NoGradGuard (an optimizer's step) as before.
+bool views_are_checked(const Tensor& base) {
+  if (!base.defined() || !base.requires_grad() || base.is_leaf()) return false;
+  return !base.impl()->is_view || base.impl()->autograd->view_version.has_value();
+}
+
+void check_view_current(const Tensor& in, size_t index, const std::string& node) {
+  if (!in.defined() || !in.impl()->is_view || !in.impl()->autograd) return;
+  const std::optional<uint64_t>& taken = in.impl()->autograd->view_version;
+  HG_CHECK(!taken || *taken == in.version(), "{}: input {} ({}) is a view of a tensor that was written in place after "
+           "the view was taken (version {} then, {} now): its gradient would reach that tensor's history from before "
+           "the write. Take the view again after the write, or clone() it before", node, index, in.meta(), *taken,
+           in.version());
+}
+
+}  // namespace
+
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
   if (!any_requires_grad(inputs)) return;
+  for (size_t i = 0; i < inputs.size(); ++i) check_view_current(inputs[i], i, name);
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   node->sequence_nr = next_sequence_nr++;
   // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
@@ -261,6 +292,10 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
     m.grad_fn = node;
     m.output_nr = i;
     m.requires_grad = false;
+    // A view op's one tensor input is the tensor it views.
+    if (out.impl()->is_view && !out.impl()->is_detached && views_are_checked(inputs.front())) {
+      m.view_version = out.version();
+    }
   }
 }
 
@@ -278,13 +313,18 @@ std::string backward_name(std::string_view op) {
   return name + "Backward";
 }
 
-void check_inplace(const Tensor& self, const char* op) {
+void check_inplace(const Tensor& self, const char* op, bool records) {
   if (GradMode::is_enabled() && self.requires_grad()) {
     HG_CHECK(!self.is_leaf(), "{}: a leaf tensor that requires grad ({}) is being used in an in-place operation; "
              "wrap the update in a NoGradGuard, as optimizers do", op, self.meta());
-    HG_CHECK(!self.impl()->is_view, "{}: in-place operations on a view of a tensor in the autograd graph are not "
-             "supported ({}); apply the op out of place, or clone() the view first", op, self.meta());
   }
+  // Recorded on a view, the op would give the view a history that the tensor it views does not get (PyTorch rebases
+  // that tensor's history, CopySlices; this autograd does not): the other tensor's gradients would be silently wrong.
+  HG_CHECK(!records || !self.impl()->is_view || self.impl()->is_detached,
+           "{}: an in-place operation that autograd records is not supported on a view ({}); apply the op out of "
+           "place, or clone() the view first", op, self.meta());
+  HG_CHECK(!has_internal_overlap(self), "{}: {} is an expanded view, some of whose elements are one memory location "
+           "(a dim of size > 1 with stride 0): writing it in place is ambiguous; clone() it first", op, self.meta());
   self.storage()->bump_version();
 }
 
@@ -293,6 +333,7 @@ void check_inplace(const Tensor& self, const char* op) {
 void backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph) {
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) HG_CHECK(outputs[i].defined(), "backward: tensor {} is undefined", i);
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
   // This pass's queue_callback list; a backward inside a hook has its own, and an error drops the list.
@@ -375,10 +416,7 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         grads[i] = zeros(m.shape, {.dtype = m.dtype, .device = m.device});
       }
     }
-    for (auto& [output, hook] : node->pre_hooks) {
-      Tensor replaced = hook(grads[output]);
-      if (replaced.defined()) grads[output] = replaced;
-    }
+    for (auto& [output, hook] : node->pre_hooks) grads[output] = hooked(grads[output], hook(grads[output]));
 
     // Each input's gradient so far, handed to the backward to add into where nothing else holds it (not the
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid

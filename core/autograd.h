@@ -146,9 +146,10 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 // "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
 std::string backward_name(std::string_view op);
 
-// For in-place ops: checks that `self` may be written (not a leaf that requires grad, not a view of a
-// tensor in the graph) and bumps its version counter. Call before writing.
-void check_inplace(const Tensor& self, const char* op);
+// For in-place ops: checks that `self` may be written and bumps its version counter. Call before writing. records:
+// whether autograd records the op (grad mode is on and self or an operand requires grad). Refused: a leaf that requires
+// grad; a view (but detach()'s) where the op records.
+void check_inplace(const Tensor& self, const char* op, bool records);
 
 // Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves.
 void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);

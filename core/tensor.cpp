@@ -17,7 +17,9 @@ namespace halfgrad {
 
 int64_t numel_of(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    HG_CHECK(!__builtin_mul_overflow(n, s, &n), "shape {} has more elements than an int64 counts", shape_str(shape));
+  }
   return n;
 }
 
@@ -54,16 +56,22 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
 
 // ---- metadata
 
-const Shape& Tensor::shape() const { return impl()->shape; }
-const Shape& Tensor::strides() const { return impl()->strides; }
-int64_t Tensor::dim() const { return int64_t(impl()->shape.size()); }
-int64_t Tensor::size(int64_t d) const { return impl()->shape[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return impl()->strides[wrap_dim(d, dim(), "stride")]; }
-int64_t Tensor::offset() const { return impl()->offset; }
-int64_t Tensor::numel() const { return numel_of(impl()->shape); }
-DType Tensor::dtype() const { return impl()->dtype; }
-Device Tensor::device() const { return impl()->storage->device(); }
-const std::shared_ptr<Storage>& Tensor::storage() const { return impl()->storage; }
+TensorImpl& Tensor::defined_impl(const char* what) const {
+  HG_CHECK(impl_ != nullptr, "{}: the tensor is undefined (a default-constructed Tensor holds no data: an operand or "
+           "result that was never set?)", what);
+  return *impl_;
+}
+
+const Shape& Tensor::shape() const { return defined_impl("shape").shape; }
+const Shape& Tensor::strides() const { return defined_impl("strides").strides; }
+int64_t Tensor::dim() const { return int64_t(defined_impl("dim").shape.size()); }
+int64_t Tensor::size(int64_t d) const { return shape()[wrap_dim(d, dim(), "size")]; }
+int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::offset() const { return defined_impl("offset").offset; }
+int64_t Tensor::numel() const { return numel_of(defined_impl("numel").shape); }
+DType Tensor::dtype() const { return defined_impl("dtype").dtype; }
+Device Tensor::device() const { return defined_impl("device").storage->device(); }
+const std::shared_ptr<Storage>& Tensor::storage() const { return defined_impl("storage").storage; }
 
 bool Tensor::is_contiguous() const {
   if (numel() == 0) return true;  // as PyTorch: an empty tensor has no layout to speak of
@@ -77,7 +85,8 @@ bool Tensor::is_contiguous() const {
 }
 
 void* Tensor::data_ptr() const {
-  return static_cast<char*>(impl()->storage->data()) + impl()->offset * int64_t(element_size(dtype()));
+  const TensorImpl& impl = defined_impl("data_ptr");
+  return static_cast<char*>(impl.storage->data()) + impl.offset * int64_t(element_size(impl.dtype));
 }
 
 template <typename T> T* Tensor::data() const {
@@ -119,8 +128,11 @@ template <typename T> std::vector<T> to_vector(const Tensor& t) {
 
 Tensor empty(const Shape& shape, TensorOptions options) {
   for (int64_t s : shape) HG_CHECK(s >= 0, "empty: negative dimension in shape {}", shape_str(shape));
+  int64_t bytes = 0;
+  HG_CHECK(!__builtin_mul_overflow(numel_of(shape), int64_t(element_size(options.dtype)), &bytes),
+           "empty: shape {} of {} needs more bytes than an int64 counts", shape_str(shape), dtype_name(options.dtype));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(size_t(numel_of(shape)) * element_size(options.dtype), options.device);
+  impl->storage = std::make_shared<Storage>(size_t(bytes), options.device);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = options.dtype;
@@ -156,11 +168,18 @@ Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device dev
 }
 
 Tensor arange(double start, double end, double step, TensorOptions options) {
-  HG_CHECK(step != 0 && (end - start) / step >= 0, "arange: cannot go from {} to {} in steps of {}", start, end, step);
-  int64_t n = int64_t(std::ceil((end - start) / step));
-  std::vector<double> values(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) values[size_t(i)] = start + double(i) * step;
-  return tensor(values, {.dtype = options.dtype, .device = options.device, .requires_grad = options.requires_grad});
+  HG_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step) && step != 0 && (end - start) / step >= 0,
+           "arange: cannot go from {} to {} in steps of {}", start, end, step);
+  const double count = std::ceil((end - start) / step);
+  HG_CHECK(count < 0x1p62, "arange: {} to {} in steps of {} is {} values, more than a tensor holds", start, end, step,
+           count);
+  const int64_t n = int64_t(count);
+  Tensor values = empty({n}, {.dtype = kFloat64});  // a size no memory holds fails here, as any allocation does
+  double* v = values.data<double>();
+  for (int64_t i = 0; i < n; ++i) v[i] = start + double(i) * step;
+  Tensor out = values.to(options.device, options.dtype);
+  if (options.requires_grad) out.requires_grad_();
+  return out;
 }
 
 Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, options); }
@@ -203,6 +222,25 @@ Tensor as_aligned_rows(const Tensor& padded, int64_t rows, int64_t cols) {
   impl->strides = {padded.size(1), 1};
   impl->dtype = padded.dtype();
   return Tensor(std::move(impl));
+}
+
+bool has_internal_overlap(const Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.shape()[d] > 1 && t.strides()[d] == 0) return true;
+  return false;
+}
+
+bool overlaps_partially(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.storage() != b.storage() || a.numel() == 0 || b.numel() == 0) return false;
+  if (a.offset() == b.offset() && a.shape() == b.shape() && a.strides() == b.strides()) return false;
+  auto span = [](const Tensor& t) {  // the first and last element t reaches, in elements of the storage
+    int64_t first = t.offset(), last = t.offset();
+    for (int64_t d = 0; d < t.dim(); ++d) (t.strides()[d] < 0 ? first : last) += (t.shape()[d] - 1) * t.strides()[d];
+    return std::pair(first * int64_t(element_size(t.dtype())), (last + 1) * int64_t(element_size(t.dtype())));
+  };
+  const auto [a_begin, a_end] = span(a);
+  const auto [b_begin, b_end] = span(b);
+  return a_begin < b_end && b_begin < a_end;
 }
 
 bool is_channels_last(const Tensor& t) {
@@ -333,8 +371,12 @@ Tensor rand(const Shape& shape, TensorOptions options) {
       v[1] = uniform53(r.x[2], r.x[3]);
     });
   }
-  return generate<float, 4>(shape, options, [](Philox::U4 r, float* v) {
-    for (int k = 0; k < 4; ++k) v[k] = Philox::uniform(r.x[k]);
+  // As many random bits as the dtype's significand holds (24, float16 11, bfloat16 8, as PyTorch draws): multiples of
+  // 2^-bits below 1, each exact in the dtype. More bits would round the values nearest 1 up to 1.
+  const int bits = options.dtype == kFloat16 ? 11 : options.dtype == kBFloat16 ? 8 : 24;
+  const float unit = std::ldexp(1.0f, -bits);
+  return generate<float, 4>(shape, options, [bits, unit](Philox::U4 r, float* v) {
+    for (int k = 0; k < 4; ++k) v[k] = float(r.x[k] >> (32 - bits)) * unit;
   });
 }
 
@@ -361,7 +403,14 @@ Tensor randn(const Shape& shape, TensorOptions options) {
 
 Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options) {
   HG_CHECK(high > low, "randint: empty range [{}, {})", low, high);
-  uint64_t range = uint64_t(high - low);
+  if (is_integral(options.dtype, /*include_bool=*/true)) {
+    static constexpr std::pair<int64_t, int64_t> kRanges[] = {
+        {0, 1}, {0, 255}, {INT32_MIN, INT32_MAX}, {INT64_MIN, INT64_MAX}};  // Bool, UInt8, Int32, Int64
+    const auto [lowest, highest] = kRanges[size_t(options.dtype)];
+    HG_CHECK(low >= lowest && high - 1 <= highest, "randint: [{}, {}) is not within {}'s range [{}, {}]", low, high,
+             dtype_name(options.dtype), lowest, highest);
+  }
+  const uint64_t range = uint64_t(high) - uint64_t(low);  // unsigned: INT64_MIN..INT64_MAX does not overflow
   Tensor t = generate<int64_t, 2>(shape, {.dtype = kInt64}, [&](Philox::U4 r, int64_t* v) {
     v[0] = low + int64_t(((uint64_t(r.x[0]) << 32) | r.x[1]) % range);
     v[1] = low + int64_t(((uint64_t(r.x[2]) << 32) | r.x[3]) % range);

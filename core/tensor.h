@@ -48,6 +48,8 @@ class Tensor {
 
   bool defined() const { return impl_ != nullptr; }
   TensorImpl* impl() const { return impl_.get(); }
+  // *impl(), or an error naming `what` where the tensor is undefined: what every accessor below reads through.
+  TensorImpl& defined_impl(const char* what) const;
   const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
   bool same(const Tensor& other) const { return impl_ == other.impl_; }  // the same tensor object
 
@@ -200,6 +202,9 @@ struct AutogradMeta {
   std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn
   std::vector<PostAccumulateGradHook> post_accumulate_hooks;  // leaves only
   bool retains_grad = false;
+  // A view taken of a tensor with a history (a non-leaf): the version of their storage then. The view's grad_fn leads
+  // to that history, so once the storage is written in place the view is refused as an op's input (record).
+  std::optional<uint64_t> view_version;
 };
 
 struct TensorImpl {
@@ -209,10 +214,18 @@ struct TensorImpl {
   int64_t offset = 0;  // in elements
   DType dtype = kFloat32;
   bool is_view = false;  // shares storage with the tensor it was viewed from
+  bool is_detached = false;  // that view is detach()'s: autograd does not relate the two
   std::unique_ptr<AutogradMeta> autograd;  // null until the tensor enters autograd
 
   AutogradMeta& autograd_meta();  // creates it on first use
 };
+
+// ---- shape helpers used by ops
+int64_t numel_of(const Shape& shape);
+Shape contiguous_strides(const Shape& shape);
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);  // -1 -> ndim-1, with a range check
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+std::string shape_str(const Shape& shape);
 
 // ---- factories (core/tensor.cpp)
 Tensor empty(const Shape& shape, TensorOptions options = {});
@@ -234,6 +247,8 @@ Tensor randn_like(const Tensor& t);
 Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device device = Device::cpu());
 template <typename T>
 Tensor tensor(const std::vector<T>& values, const Shape& shape, TensorOptions options = {.dtype = dtype_of<T>()}) {
+  HG_CHECK(int64_t(values.size()) == numel_of(shape), "tensor: {} values for the shape {}, which has {} elements",
+           values.size(), shape_str(shape), numel_of(shape));
   Tensor t = from_buffer(values.data(), shape, dtype_of<T>());
   if (options.dtype != dtype_of<T>() || !options.device.is_cpu()) t = t.to(options.device, options.dtype);
   if (options.requires_grad) t.requires_grad_();
@@ -292,11 +307,12 @@ Tensor empty(const Shape& shape, TensorOptions options, MemoryFormat format);
 // Reproducible random numbers: one seeded global generator (Philox), like torch.manual_seed.
 void manual_seed(uint64_t seed);
 
-// ---- shape helpers used by ops
-int64_t numel_of(const Shape& shape);
-Shape contiguous_strides(const Shape& shape);
-int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);  // -1 -> ndim-1, with a range check
-Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
-std::string shape_str(const Shape& shape);
+// ---- memory shared between elements and tensors: what an in-place write must not write twice or read after writing
+// Whether two of t's elements are one memory location (a dim of size > 1 with stride 0: an expanded view).
+bool has_internal_overlap(const Tensor& t);
+// Whether a and b share memory without being the same view of it (one offset, shape and strides): a kernel that
+// writes a while it reads b element by element could read values it has already written. May say yes for views
+// that interleave without sharing an element (a conservative answer: the caller then copies first).
+bool overlaps_partially(const Tensor& a, const Tensor& b);
 
 }  // namespace halfgrad

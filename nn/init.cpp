@@ -87,12 +87,16 @@ double kaiming_std(const Tensor& t, double a, FanMode mode, Nonlinearity nonline
 }
 }  // namespace
 
+// A tensor with no elements is left as it is (PyTorch: "Initializing zero-element tensors is a no-op"): a Linear(0, n)
+// or a Conv2d of no input channels has nothing to initialise.
 Tensor& kaiming_uniform_(Tensor& t, double a, FanMode mode, Nonlinearity nonlinearity) {
+  if (t.numel() == 0) return t;
   double bound = std::sqrt(3.0) * kaiming_std(t, a, mode, nonlinearity, "kaiming_uniform_");
   return uniform_(t, -bound, bound);
 }
 
 Tensor& kaiming_normal_(Tensor& t, double a, FanMode mode, Nonlinearity nonlinearity) {
+  if (t.numel() == 0) return t;
   return normal_(t, 0, kaiming_std(t, a, mode, nonlinearity, "kaiming_normal_"));
 }
 

@@ -17,16 +17,21 @@ namespace halfgrad::nn {
 namespace {
 const char* bool_str(bool b) { return b ? "true" : "false"; }
 TensorOptions param_options(TensorOptions o) { return {.dtype = o.dtype, .device = o.device}; }
+// A layer's size argument, checked where the member is initialised: before the parameters are allocated from it,
+// whose own error would name neither the layer nor the argument.
+int64_t size_argument(const char* layer, const char* name, int64_t value, int64_t at_least = 0) {
+  HG_CHECK(value >= at_least, "{}: {} must be at least {}, got {}", layer, name, at_least, value);
+  return value;
+}
 }  // namespace
 
 // ---- Linear
 
 Linear::Linear(int64_t in_features, int64_t out_features, bool bias, TensorOptions options)
-    : in_features(in_features),
-      out_features(out_features),
+    : in_features(size_argument("Linear", "in_features", in_features)),
+      out_features(size_argument("Linear", "out_features", out_features)),
       weight(register_parameter("weight", empty({out_features, in_features}, param_options(options)))),
       bias(register_parameter("bias", bias ? empty({out_features}, param_options(options)) : Tensor())) {
-  HG_CHECK(in_features >= 0 && out_features >= 0, "Linear: negative size ({}, {})", in_features, out_features);
   init::default_linear_init_(weight, this->bias);
 }
 
@@ -40,9 +45,10 @@ std::string Linear::extra_repr() const {
 
 Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Conv2dOptions options, bool bias,
                TensorOptions tensor_options)
-    : in_channels(in_channels),
-      out_channels(out_channels),
-      kernel_size(kernel_size),
+    : in_channels(size_argument("Conv2d", "in_channels", in_channels)),
+      out_channels(size_argument("Conv2d", "out_channels", out_channels)),
+      kernel_size({size_argument("Conv2d", "kernel_size[0]", kernel_size[0], 1),
+                   size_argument("Conv2d", "kernel_size[1]", kernel_size[1], 1)}),
       options(options),
       weight(register_parameter(
           "weight", empty({out_channels, options.groups > 0 ? in_channels / options.groups : 0, kernel_size[0],
@@ -51,7 +57,6 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Co
   HG_CHECK(options.groups > 0 && in_channels % options.groups == 0 && out_channels % options.groups == 0,
            "Conv2d: in_channels {} and out_channels {} must be divisible by groups {}", in_channels, out_channels,
            options.groups);
-  HG_CHECK(kernel_size[0] > 0 && kernel_size[1] > 0, "Conv2d: kernel_size {} must be positive", pair_str(kernel_size));
   init::default_linear_init_(weight, this->bias);
 }
 
@@ -70,7 +75,7 @@ std::string Conv2d::extra_repr() const {
 // ---- BatchNorm2d
 
 BatchNorm2d::BatchNorm2d(int64_t num_features, BatchNormOptions options, TensorOptions tensor_options)
-    : num_features(num_features),
+    : num_features(size_argument("BatchNorm2d", "num_features", num_features, 1)),
       options(options),
       weight(register_parameter("weight", options.affine ? ones({num_features}, param_options(tensor_options))
                                                          : Tensor())),
@@ -84,9 +89,7 @@ BatchNorm2d::BatchNorm2d(int64_t num_features, BatchNormOptions options, TensorO
                                                      : Tensor())),
       num_batches_tracked(register_buffer(
           "num_batches_tracked",
-          options.track_running_stats ? zeros({}, {.dtype = kInt64, .device = tensor_options.device}) : Tensor())) {
-  HG_CHECK(num_features > 0, "BatchNorm2d: num_features must be positive, got {}", num_features);
-}
+          options.track_running_stats ? zeros({}, {.dtype = kInt64, .device = tensor_options.device}) : Tensor())) {}
 
 void BatchNorm2d::reset_running_stats() {
   if (!options.track_running_stats) return;
@@ -182,8 +185,8 @@ std::string Dropout::extra_repr() const { return fmt::format("p={}", p); }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx,
                      TensorOptions options)
-    : num_embeddings(num_embeddings),
-      embedding_dim(embedding_dim),
+    : num_embeddings(size_argument("Embedding", "num_embeddings", num_embeddings)),
+      embedding_dim(size_argument("Embedding", "embedding_dim", embedding_dim)),
       padding_idx(padding_idx && *padding_idx < 0 ? std::optional<int64_t>(*padding_idx + num_embeddings)
                                                   : padding_idx),
       weight(register_parameter("weight", empty({num_embeddings, embedding_dim}, param_options(options)))) {

@@ -163,8 +163,8 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   if (training && running_mean.defined()) {
     // The kernel updates the running statistics in place; when they are not already contiguous in the
     // accumulation dtype, it updates converted copies, written back below.
-    check_inplace(running_mean, op);
-    check_inplace(running_var, op);
+    check_inplace(running_mean, op, /*records=*/false);
+    check_inplace(running_var, op, /*records=*/false);
   }
   if (input.numel() > 0) batch_norm_forward_kernel[input.device()](args);
   if (training && running_mean.defined()) {

@@ -65,15 +65,16 @@ Tensor Tensor::to(Device device, DType dtype) const {
 }
 
 Tensor& Tensor::copy_(const Tensor& src) {
-  check_inplace(*this, "copy_");
+  const bool records = GradMode::is_enabled() && (requires_grad() || src.requires_grad());
+  check_inplace(*this, "copy_", records);
   {
     NoGradGuard no_grad;
     Tensor from = src.device() == device() ? src : src.to(device(), dtype());
+    // From a copy where src shares memory with this tensor (m.copy_(m.t())): the kernel would read what it wrote.
+    if (overlaps_partially(*this, from)) from = from.clone();
     copy_kernel[device()](*this, broadcast_view(from, shape(), "copy_"));
   }
-  if (GradMode::is_enabled() && (requires_grad() || src.requires_grad())) {
-    HG_CHECK(!impl()->is_view, "copy_: copying into a view of a tensor in the autograd graph is not supported ({})",
-             meta());
+  if (records) {
     Shape src_shape = src.shape();
     // This tensor's old value is overwritten: its history gets no gradient from here on.
     record("CopyBackward", {src}, {*this}, [src_shape](const GradContext& g) -> TensorList {
@@ -119,7 +120,7 @@ void copy_each_(const TensorList& dst, const TensorList& src) {
   for (size_t i = 0; i < dst.size(); ++i) {  // every pair checked before any is copied
     HG_CHECK(dst[i].shape() == src[i].shape() && dst[i].device() == src[i].device(), "copy_each_: pair {}: {} <- {} "
              "(each pair must have one shape and one device)", i, dst[i].meta(), src[i].meta());
-    check_inplace(dst[i], "copy_each_");
+    check_inplace(dst[i], "copy_each_", /*records=*/false);
   }
   NoGradGuard no_grad;
   // The batched pairs grouped by device and dtype; the others copied one by one.

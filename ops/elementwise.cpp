@@ -140,10 +140,13 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
     case BinaryOp::Pow: {
       SavedTensor A(a, name), B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
       record(backward_name(name), {a, b}, {out}, [A, B, OUT, sa, sb](const GradContext& g) -> TensorList {
-        // d a^b/da = b a^(b-1); d a^b/db = a^b log(a) (0 where a == 0 and b > 0, as PyTorch)
-        Tensor ga = g.needs(0) ? sum_to(g[0] * B.get() * pow(A.get(), B.get() - 1), sa) : Tensor();
+        // d a^b/da = b a^(b-1), 0 where b == 0 (a^0 is 1 everywhere, and 0 * 0^-1 would be nan); d a^b/db =
+        // a^b log(a), 0 where a == 0 and b >= 0 (0 * -inf); as PyTorch's pow_backward
+        Tensor ga;
+        if (g.needs(0)) ga = sum_to(where(B.get().eq(0), 0, g[0] * B.get() * pow(A.get(), B.get() - 1)), sa);
         Tensor gb;
-        if (g.needs(1)) gb = sum_to(g[0] * where(A.get().eq(0), 0, OUT.get() * log(A.get())), sb);
+        if (g.needs(1))
+          gb = sum_to(where(logical_and(A.get().eq(0), B.get().ge(0)), 0, g[0] * OUT.get() * log(A.get())), sb);
         return {ga, gb};
       });
       break;
@@ -181,7 +184,7 @@ Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
 template <typename Compute>
 Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Compute compute_out_of_place) {
   bool graph = GradMode::is_enabled() && (self.requires_grad() || any_requires_grad(others));
-  check_inplace(self, name);
+  check_inplace(self, name, graph);
   Tensor result;
   if (graph) {
     result = compute_out_of_place(self.clone());
@@ -205,20 +208,24 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
   return self;
 }
 
-// self = self op other, written straight into self by the kernel when nothing records the op and the
-// result has self's dtype (the common case: optimizer and loss-scaler updates). Otherwise `inplace`.
+// self = self op other, written straight into self by the kernel when nothing records the op, the result has self's
+// dtype (the common case: optimizer and loss-scaler updates) and other does not share memory with self but as self
+// itself (the kernel would read values it has already written). Otherwise `inplace`, which reads every operand
+// before it writes.
 template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
   bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
   DType common = binary_compute_dtype(op, promote_types(self.dtype(), other.dtype()));
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
   if (graph || common != self.dtype() || !device_ok ||
-      broadcast_shapes(self.shape(), other.shape(), name) != self.shape()) {
+      broadcast_shapes(self.shape(), other.shape(), name) != self.shape() || overlaps_partially(self, other)) {
     return inplace(self, name, {other}, compute);
   }
-  check_inplace(self, name);
-  bool scalar = other.dim() == 0 && other.is_cpu() && !self.is_cpu();
-  binary_kernel[self.device()](op, self, self, scalar ? other : broadcast_view(other, self.shape(), name));
+  check_inplace(self, name, /*records=*/false);
+  // The kernel takes operands of one dtype: a narrower other (float16 into float32, int32 into int64) is widened.
+  const Tensor operand = other.dtype() == self.dtype() ? other : cast_nograd(other, self.dtype());
+  bool scalar = operand.dim() == 0 && operand.is_cpu() && !self.is_cpu();
+  binary_kernel[self.device()](op, self, self, scalar ? operand : broadcast_view(operand, self.shape(), name));
   return self;
 }
 
@@ -474,7 +481,7 @@ Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
 }
 
 Tensor& Tensor::fill_(const Scalar& value) {
-  check_inplace(*this, "fill_");
+  check_inplace(*this, "fill_", /*records=*/false);
   HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; fill it under a NoGradGuard", meta());
   fill_kernel[device()](*this, value);
   return *this;

@@ -12,6 +12,7 @@
 namespace halfgrad {
 
 Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
+  numel_of(shape);  // refuses a shape whose element count overflows here, before anything reads the view
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = t.storage();
   impl->shape = std::move(shape);
@@ -210,6 +211,10 @@ Tensor Tensor::expand(Shape new_shape) const {
   int64_t lead = int64_t(new_shape.size()) - dim();
   for (int64_t d = 0; d < dim(); ++d)
     if (new_shape[size_t(d + lead)] == -1) new_shape[size_t(d + lead)] = shape()[size_t(d)];
+  for (int64_t s : new_shape) {
+    HG_CHECK(s >= 0, "expand: the target {} of {} has a negative size (-1 keeps an existing dim's size, and a new "
+             "leading dim has none to keep)", shape_str(new_shape), meta());
+  }
   Tensor v = broadcast_view(*this, new_shape, "expand");
   Shape old = shape();
   return view_op("expand", *this, v.shape(), v.strides(), v.offset(), [old](const Tensor& g) { return sum_to(g, old); });
@@ -256,6 +261,11 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
 Tensor cat(const TensorList& tensors, int64_t dim) {
   HG_AUTOCAST(cat, tensors, dim);
   HG_CHECK(!tensors.empty(), "cat: expects a non-empty list of tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    HG_CHECK(tensors[i].defined(), "cat: the tensor at position {} is undefined", i);
+    HG_CHECK(tensors[i].dim() > 0, "cat: the tensor at position {} ({}) cannot be concatenated: it has no dims "
+             "(stack() makes a new dim; unsqueeze(0) gives it one)", i, tensors[i].meta());
+  }
   const Tensor& first = tensors[0];
   dim = wrap_dim(dim, first.dim(), "cat");
   DType dtype = first.dtype();

@@ -95,7 +95,7 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
              name_, p, g, param.meta(), grad.meta());
     HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
              name_, p, g, param.meta());
-    check_inplace(param, name_);
+    check_inplace(param, name_, /*records=*/false);
     const std::optional<MemoryFormat> laid_out = storage_format(param);
     const MemoryFormat format = laid_out.value_or(MemoryFormat::Contiguous);
     StepItem item{.index = p,

@@ -230,6 +230,60 @@ TEST_CASE("in-place ops bump the version counter and rebase history") {
   CHECK(values(y.detach()) == std::vector<double>{9, 15});
 }
 
+TEST_CASE("an in-place op that records on a view is refused before it writes: the viewed tensor would not see it") {
+  // PyTorch rebases x's history here (CopySlices) and gives w.grad 9; without that, w.grad would silently be 1.
+  Tensor w = ones({1}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor x = zeros({3}, {.dtype = kFloat64});
+  Tensor view = x.slice(0, 0, 1);
+  CHECK_THROWS_WITH_AS(view.add_(w * 2), doctest::Contains("add_: an in-place operation that autograd records is "
+                                                           "not supported on a view"), Error);
+  CHECK_THROWS_WITH_AS(x.select(0, 1).copy_(w.squeeze(0)), doctest::Contains("copy_: an in-place operation"), Error);
+  CHECK(values(x) == std::vector<double>{0, 0, 0});  // neither wrote
+  {
+    NoGradGuard no_grad;  // nothing records: the view is written
+    view.add_(w * 2);
+  }
+  CHECK(values(x) == std::vector<double>{2, 0, 0});
+  Tensor detached = x.detach();  // detach()'s view is outside autograd: the op records on it as on any tensor
+  detached.mul_(w);
+  detached.sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{2});
+}
+
+TEST_CASE("a view of a tensor written in place after the view was taken is refused as an input: its gradient is stale") {
+  Tensor a = ones({3}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor b = a * 2;
+  Tensor before = b.slice(0, 0, 2);
+  Tensor used = before.sum();  // used before the write: its gradient is that of the values it read
+  b.mul_(3);
+  CHECK_THROWS_WITH_AS(before.sum(), doctest::Contains("is a view of a tensor that was written in place after the "
+                                                       "view was taken"), Error);
+  CHECK_THROWS_WITH_AS(before.unsqueeze(0), doctest::Contains("written in place after the view was taken"), Error);
+  Tensor after = b.slice(0, 0, 2);  // taken again: the write's history included
+  (after.sum() + used).backward();
+  CHECK(values(a.grad()) == std::vector<double>{8, 8, 0});  // 6 through the new view, 2 through the old one's sum
+  // A view of a leaf stays usable after an optimizer's write: its gradient goes to the leaf either way.
+  Tensor w = ones({2, 2}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor wt = w.t();
+  {
+    NoGradGuard no_grad;
+    w.sub_(1);
+  }
+  (wt * 3).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{3, 3, 3, 3});
+}
+
+TEST_CASE("an in-place write into an expanded view is refused: its elements share memory") {
+  Tensor b = zeros({1, 3});
+  Tensor expanded = b.expand({4, 3});
+  CHECK_THROWS_WITH_AS(expanded.add_(ones({4, 3})), doctest::Contains("add_: float32[4, 3] cpu is an expanded view"),
+                       Error);
+  CHECK_THROWS_WITH_AS(expanded.copy_(ones({4, 3})), doctest::Contains("copy_: float32[4, 3] cpu is an expanded view"),
+                       Error);
+  CHECK_THROWS_WITH_AS(expanded.relu_(), doctest::Contains("relu_: float32[4, 3] cpu is an expanded view"), Error);
+  CHECK(values(b) == std::vector<double>{0, 0, 0});
+}
+
 TEST_CASE("in-place on a leaf that requires grad is refused outside no_grad") {
   Tensor w = ones({2}, {.requires_grad = true});
   CHECK_THROWS_WITH_AS(w.add_(1), doctest::Contains("leaf tensor that requires grad"), Error);
@@ -265,4 +319,19 @@ TEST_CASE("outputs of an op that get no gradient are treated as zero") {
   (values_ * 2).backward();
   CHECK(to_vector<double>(x.grad()) == std::vector<double>{0, 2, 0});
   CHECK_FALSE(indices.requires_grad());
+}
+
+TEST_CASE("a gradient hook may change the gradient's values, not its shape, dtype or device") {
+  Tensor a = ones({2}, {.requires_grad = true});
+  a.register_hook([](const Tensor&) { return ones({5}); });
+  CHECK_THROWS_WITH_AS((a * 1.0).sum().backward(), doctest::Contains("a gradient hook returned float32[5] cpu for the "
+                                                                     "gradient float32[2] cpu"), Error);
+  Tensor b = ones({2}, {.requires_grad = true});
+  Tensor c = b * 2.0;
+  c.register_hook([](const Tensor& g) { return g.to(kFloat64); });
+  CHECK_THROWS_WITH_AS(c.sum().backward(), doctest::Contains("a gradient hook returned float64[2] cpu"), Error);
+  Tensor d = ones({2}, {.requires_grad = true});
+  d.register_hook([](const Tensor& g) { return g * 3.0; });
+  (d * 1.0).sum().backward();
+  CHECK(values(d.grad()) == std::vector<double>{3, 3});
 }

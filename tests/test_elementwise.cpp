@@ -312,3 +312,57 @@ TEST_CASE("gradcheck: view ops") {
   gradcheck([](const TensorList& in) { return cat({in[0], in[1]}, 1); }, {leaf({3, 2}), leaf({3, 4})});
   gradcheck([](const TensorList& in) { return in[0].clone() * in[0].contiguous(); }, {leaf({4, 3}).detach().t().requires_grad_()});
 }
+
+TEST_CASE("in-place arithmetic with an operand of a narrower dtype widens it first, as PyTorch") {
+  Tensor a = zeros({4});
+  a += tensor(std::vector<float>{1, 2, 3, 4}).to(kFloat16);
+  CHECK(values(a) == std::vector<double>{1, 2, 3, 4});
+  Tensor b = zeros({3});
+  b.add_(arange(3));  // int64 into float32
+  CHECK(values(b) == std::vector<double>{0, 1, 2});
+  Tensor c = zeros({4}, {.dtype = kInt64});
+  c += tensor(std::vector<uint8_t>{1, 2, 3, 4});
+  CHECK(values(c) == std::vector<double>{1, 2, 3, 4});
+  Tensor d = full({4}, 3.0);
+  d.mul_(tensor(std::vector<float>{1, 0, 1, 0}).gt(0));  // a bool mask
+  CHECK(values(d) == std::vector<double>{3, 0, 3, 0});
+  Tensor e = zeros({2}, {.dtype = kFloat64});
+  e -= scalar_tensor(2, {.dtype = kInt32});
+  e /= tensor(std::vector<float>{4, 8}).to(kBFloat16);
+  CHECK(values(e) == std::vector<double>{-0.5, -0.25});
+}
+
+TEST_CASE("in-place arithmetic and copy_ whose operand shares memory with the target read it as it was before the "
+          "write") {
+  Tensor a = arange(5, {.dtype = kFloat32});
+  a.slice(0, 1, 5).add_(a.slice(0, 0, 4));  // each element plus its old left neighbour, not a running sum
+  CHECK(values(a) == std::vector<double>{0, 1, 3, 5, 7});
+  Tensor m = arange(4, {.dtype = kFloat32}).view({2, 2});
+  m.add_(m.t());
+  CHECK(values(m) == std::vector<double>{0, 3, 3, 6});
+  Tensor n = arange(4, {.dtype = kFloat32}).view({2, 2});
+  n.copy_(n.t());
+  CHECK(values(n) == std::vector<double>{0, 2, 1, 3});
+  Tensor s = arange(5, {.dtype = kFloat32});
+  s.slice(0, 1, 5).copy_(s.slice(0, 0, 4));
+  CHECK(values(s) == std::vector<double>{0, 0, 1, 2, 3});
+  Tensor same = arange(3, {.dtype = kFloat32});
+  same.mul_(same);  // the same view of the memory: each element reads only itself
+  CHECK(values(same) == std::vector<double>{0, 1, 4});
+}
+
+TEST_CASE("pow's gradients where the base is 0: 0 for the exponent 0, and for the exponent's gradient where b >= 0") {
+  Tensor a = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+  a.pow(0.0).sum().backward();
+  CHECK(values(a.grad()) == std::vector<double>{0});  // PyTorch: 0, not 0 * 0^-1 = nan
+  Tensor base = zeros({3}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor exponent = tensor(std::vector<double>{0, 2, -1}).requires_grad_();
+  pow(base, exponent).sum().backward();
+  const std::vector<double> gb = values(base.grad()), ge = values(exponent.grad());
+  CHECK(gb[0] == 0);   // exponent 0
+  CHECK(gb[1] == 0);   // 2 * 0^1
+  CHECK(std::isinf(gb[2]));  // -1 * 0^-2
+  CHECK(ge[0] == 0);   // 0^0 log 0, masked
+  CHECK(ge[1] == 0);
+  CHECK(std::isinf(ge[2]));  // 0^-1 log 0 = inf * -inf: PyTorch masks only exponents >= 0
+}

@@ -705,3 +705,18 @@ TEST_CASE("BatchNorm2d on the GPU normalises and updates its running statistics 
   CHECK(gpu_net.forward(x.cuda().to(kFloat16)).dtype() == kFloat16);
   CHECK(bn_gpu->running_mean.dtype() == kFloat32);
 }
+
+TEST_CASE("a layer's negative size is an error naming the layer and the argument; a Linear of no inputs is built") {
+  CHECK_THROWS_WITH_AS(nn::Linear(-1, 3), doctest::Contains("Linear: in_features must be at least 0, got -1"), Error);
+  CHECK_THROWS_WITH_AS(nn::Conv2d(2, -4, 3), doctest::Contains("Conv2d: out_channels must be at least 0, got -4"),
+                       Error);
+  CHECK_THROWS_WITH_AS(nn::Conv2d(2, 4, Pair2d{3, 0}), doctest::Contains("Conv2d: kernel_size[1] must be at least 1"),
+                       Error);
+  CHECK_THROWS_WITH_AS(nn::Embedding(-2, 3), doctest::Contains("Embedding: num_embeddings must be at least 0"), Error);
+  CHECK_THROWS_WITH_AS(nn::BatchNorm2d(0), doctest::Contains("BatchNorm2d: num_features must be at least 1, got 0"),
+                       Error);
+  // As PyTorch: initialising no elements is a no-op, and the bias's bound is 0.
+  nn::Linear empty_input(0, 3);
+  CHECK(values(empty_input.bias) == std::vector<double>{0, 0, 0});
+  CHECK(values(empty_input.forward(zeros({2, 0}))) == std::vector<double>(6, 0.0));
+}

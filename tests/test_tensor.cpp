@@ -361,3 +361,63 @@ TEST_CASE("bulk float16 conversions give the scalar conversions' results, tails 
   }
   CHECK(mismatches == 0);
 }
+
+TEST_CASE("an undefined tensor is an error wherever it is read, not a crash") {
+  const Tensor undefined;
+  CHECK_THROWS_WITH_AS(undefined.dim(), doctest::Contains("dim: the tensor is undefined"), Error);
+  CHECK_THROWS_WITH_AS(ones({3}) + undefined, doctest::Contains("the tensor is undefined"), Error);
+  CHECK_THROWS_WITH_AS(ones({3}).copy_(undefined), doctest::Contains("the tensor is undefined"), Error);
+  CHECK_THROWS_WITH_AS(undefined.backward(), doctest::Contains("backward: tensor 0 is undefined"), Error);
+  CHECK_THROWS_WITH_AS(cat({undefined, ones({3})}), doctest::Contains("cat: the tensor at position 0 is undefined"),
+                       Error);
+  CHECK(undefined.meta() == "(undefined tensor)");
+}
+
+TEST_CASE("shapes whose element count or bytes overflow int64, and negative expanded sizes, are refused") {
+  CHECK_THROWS_WITH_AS(zeros({int64_t(1) << 40, int64_t(1) << 40}),
+                       doctest::Contains("shape [1099511627776, 1099511627776] has more elements than an int64 counts"),
+                       Error);
+  CHECK_THROWS_WITH_AS(empty({int64_t(1) << 62, 8}), doctest::Contains("more elements than an int64 counts"), Error);
+  CHECK_THROWS_WITH_AS(empty({int64_t(1) << 62}), doctest::Contains("empty: shape [4611686018427387904] of float32 "
+                                                                    "needs more bytes than an int64 counts"), Error);
+  CHECK_THROWS_WITH_AS(ones({1, 1}).expand({int64_t(1) << 62, 4}), doctest::Contains("more elements than an int64"),
+                       Error);
+  CHECK_THROWS_WITH_AS(ones({1, 4}).expand({-2, 4}), doctest::Contains("expand: the target [-2, 4] of float32[1, 4] "
+                                                                       "cpu has a negative size"), Error);
+  CHECK_THROWS_WITH_AS(ones({3, 4}).expand({-1, 3, 4}), doctest::Contains("has a negative size"), Error);
+  CHECK(ones({3, 1}).expand({2, -1, 5}).shape() == Shape{2, 3, 5});  // -1 keeps an existing dim
+}
+
+TEST_CASE("tensor() needs as many values as the shape has elements; arange needs a finite count") {
+  CHECK_THROWS_WITH_AS(tensor(std::vector<float>{1, 2, 3}, Shape{2, 2}),
+                       doctest::Contains("tensor: 3 values for the shape [2, 2], which has 4 elements"), Error);
+  CHECK(values(tensor(std::vector<float>{1, 2, 3, 4}, Shape{2, 2})) == std::vector<double>{1, 2, 3, 4});
+  CHECK_THROWS_WITH_AS(arange(0, INFINITY), doctest::Contains("arange: cannot go from 0 to inf"), Error);
+  CHECK_THROWS_WITH_AS(arange(0, 1e30), doctest::Contains("more than a tensor holds"), Error);
+  CHECK(values(arange(1, 2, 0.25, {.dtype = kFloat64})) == std::vector<double>{1, 1.25, 1.5, 1.75});
+}
+
+TEST_CASE("cat refuses tensors without dims, naming their position") {
+  CHECK_THROWS_WITH_AS(cat({scalar_tensor(1.0), scalar_tensor(2.0)}),
+                       doctest::Contains("cat: the tensor at position 0 (float32[] cpu) cannot be concatenated"), Error);
+  CHECK_THROWS_WITH_AS(cat({ones({2}), scalar_tensor(2.0)}), doctest::Contains("position 1"), Error);
+}
+
+TEST_CASE("rand in float16 and bfloat16 stays below 1, and randint's range must fit its dtype") {
+  for (DType dtype : {kFloat16, kBFloat16}) {
+    manual_seed(0);
+    const Tensor r = rand({100000}, {.dtype = dtype});
+    CHECK(r.ge(1.0).sum().item<int64_t>() == 0);
+    CHECK(r.lt(0.0).sum().item<int64_t>() == 0);
+    CHECK(r.to(kFloat64).mean().item<double>() == doctest::Approx(0.5).epsilon(0.01));
+  }
+  CHECK_THROWS_WITH_AS(randint(0, 1000, {5}, {.dtype = kUInt8}),
+                       doctest::Contains("randint: [0, 1000) is not within uint8's range [0, 255]"), Error);
+  CHECK_THROWS_WITH_AS(randint(-(int64_t(1) << 40), int64_t(1) << 40, {3}, {.dtype = kInt32}),
+                       doctest::Contains("is not within int32's range"), Error);
+  const Tensor bytes = randint(0, 256, {1000}, {.dtype = kUInt8});
+  CHECK(bytes.dtype() == kUInt8);
+  const Tensor whole = randint(INT64_MIN, INT64_MAX, {1000});  // the widest range: no overflow
+  CHECK(whole.lt(0).sum().item<int64_t>() > 0);
+  CHECK(whole.gt(0).sum().item<int64_t>() > 0);
+}
