@@ -259,7 +259,8 @@ namespace {
 // leads to the leaf's accumulator, as right after a write under NoGradGuard (an optimizer's step) as before.
 bool views_are_checked(const Tensor& base) {
   if (!base.defined() || !base.requires_grad() || base.is_leaf()) return false;
-  return !base.impl()->is_view || base.impl()->autograd->view_version.has_value();
+  const TensorImpl& impl = *base.impl();  // a detach()ed tensor that gained a history has views of that history
+  return !impl.is_view || impl.is_detached || impl.autograd->view_version.has_value();
 }
 
 void check_view_current(const Tensor& in, size_t index, const std::string& node) {
@@ -321,8 +322,9 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
   // Recorded on a view, the op would give the view a history that the tensor it views does not get (PyTorch rebases
   // that tensor's history, CopySlices; this autograd does not): the other tensor's gradients would be silently wrong.
   HG_CHECK(!records || !self.impl()->is_view || self.impl()->is_detached,
-           "{}: an in-place operation that autograd records is not supported on a view ({}); apply the op out of "
-           "place, or clone() the view first", op, self.meta());
+           "{}: an in-place operation that autograd records (the view or an operand requires grad) is not supported on "
+           "a view ({}): the tensor it views would not see the write in its history. Build the result out of place "
+           "(cat, stack, where), or write under a NoGradGuard where no gradient should flow", op, self.meta());
   HG_CHECK(!has_internal_overlap(self), "{}: {} is an expanded view, some of whose elements are one memory location "
            "(a dim of size > 1 with stride 0): writing it in place is ambiguous; clone() it first", op, self.meta());
   self.storage()->bump_version();
@@ -333,7 +335,10 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
 void backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph) {
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
-  for (size_t i = 0; i < outputs.size(); ++i) HG_CHECK(outputs[i].defined(), "backward: tensor {} is undefined", i);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    HG_CHECK(outputs[i].defined(), "backward: tensor {} is undefined", i);
+    check_view_current(outputs[i], i, "backward");
+  }
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
   // This pass's queue_callback list; a backward inside a hook has its own, and an error drops the list.

@@ -404,13 +404,18 @@ Tensor randn(const Shape& shape, TensorOptions options) {
 Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options) {
   HG_CHECK(high > low, "randint: empty range [{}, {})", low, high);
   if (is_integral(options.dtype, /*include_bool=*/true)) {
-    static constexpr std::pair<int64_t, int64_t> kRanges[] = {
-        {0, 1}, {0, 255}, {INT32_MIN, INT32_MAX}, {INT64_MIN, INT64_MAX}};  // Bool, UInt8, Int32, Int64
-    const auto [lowest, highest] = kRanges[size_t(options.dtype)];
+    int64_t lowest = INT64_MIN, highest = INT64_MAX;
+    switch (options.dtype) {
+      case kBool: lowest = 0, highest = 1; break;
+      case kUInt8: lowest = 0, highest = 255; break;
+      case kInt32: lowest = INT32_MIN, highest = INT32_MAX; break;
+      default: break;
+    }
     HG_CHECK(low >= lowest && high - 1 <= highest, "randint: [{}, {}) is not within {}'s range [{}, {}]", low, high,
              dtype_name(options.dtype), lowest, highest);
   }
-  const uint64_t range = uint64_t(high) - uint64_t(low);  // unsigned: INT64_MIN..INT64_MAX does not overflow
+  // Unsigned: INT64_MIN..INT64_MAX does not overflow (high - low in int64 did: undefined, which UBSan reports).
+  const uint64_t range = uint64_t(high) - uint64_t(low);
   Tensor t = generate<int64_t, 2>(shape, {.dtype = kInt64}, [&](Philox::U4 r, int64_t* v) {
     v[0] = low + int64_t(((uint64_t(r.x[0]) << 32) | r.x[1]) % range);
     v[1] = low + int64_t(((uint64_t(r.x[2]) << 32) | r.x[3]) % range);

@@ -106,7 +106,9 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
 Corpus load_corpus(const std::filesystem::path& directory) {
   Corpus c;
   for (const char* name : {"train.txt", "valid.txt", "test.txt"}) {
-    HG_CHECK(std::filesystem::is_regular_file(directory / name), "load_corpus: {} not found", (directory / name).string());
+    const std::filesystem::path file = directory / name;
+    HG_CHECK(std::filesystem::is_regular_file(file), "load_corpus: {} {}", file.string(),
+             std::filesystem::exists(file) ? "is not a regular file (a folder, a FIFO or a device?)" : "not found");
   }
   c.train = tokenize(directory / "train.txt", c.vocab);
   c.valid = tokenize(directory / "valid.txt", c.vocab);

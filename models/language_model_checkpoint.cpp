@@ -121,18 +121,24 @@ LoadedLanguageModel load_language_model(const std::string& path, Device device) 
 
   // The sizes against the tensors before anything is built: corrupt metadata must not allocate a huge model.
   const int64_t gates = rnn_gates(options.kind);
-  const std::pair<const char*, Shape> sized[] = {
-      {"encoder.weight", {vocab_size, options.embedding_size}},
-      {"rnn.weight_hh_l0", {gates * options.hidden_size, options.hidden_size}}};
-  for (const auto& entry : sized) {
-    const char* name = entry.first;  // not a structured binding: clang before 16 cannot capture one in a lambda
-    const Shape& shape = entry.second;
-    auto t = std::find_if(contents.tensors.begin(), contents.tensors.end(),
-                          [&](const auto& named) { return named.first == name; });
-    HG_CHECK(t != contents.tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"", path, name);
+  const Shape hh{gates * options.hidden_size, options.hidden_size};
+  const std::string last_layer = fmt::format("rnn.weight_hh_l{}", options.num_layers - 1);
+  const std::pair<std::string, Shape> sized[] = {
+      {"encoder.weight", {vocab_size, options.embedding_size}}, {"rnn.weight_hh_l0", hh}, {last_layer, hh}};
+  auto find = [&](const std::string& name) {
+    return std::find_if(contents.tensors.begin(), contents.tensors.end(),
+                        [&](const auto& named) { return named.first == name; });
+  };
+  for (const auto& [name, shape] : sized) {
+    auto t = find(name);
+    HG_CHECK(t != contents.tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"{}", path, name,
+             name == last_layer ? fmt::format(" (metadata \"halfgrad.nlayers\" says {})", options.num_layers) : "");
     HG_CHECK(t->second.shape() == shape, "load_language_model: '{}': \"{}\" is {}, but the metadata's sizes make it {}",
              path, name, t->second.meta(), shape_str(shape));
   }
+  const std::string past_last = fmt::format("rnn.weight_hh_l{}", options.num_layers);
+  HG_CHECK(find(past_last) == contents.tensors.end(), "load_language_model: '{}' holds \"{}\", a layer past the "
+           "{} that metadata \"halfgrad.nlayers\" says", path, past_last, options.num_layers);
   try {
     loaded.model = std::make_shared<LanguageModel>(vocab_size, options);
     // Checks every name and shape (the metadata's sizes against the tensors'); O2/O3 files hold half tensors.

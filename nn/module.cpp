@@ -239,6 +239,8 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
 
   LoadResult result;
   std::map<std::string, bool> known;
+  // A tensor the model holds under several names (tied weights): the first of its names given, and that value.
+  std::map<const TensorImpl*, std::pair<std::string, const Tensor*>> shared;
   for (const auto& [name, t] : mine) {
     known[name] = true;
     auto it = given.find(name);
@@ -254,6 +256,14 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
     if (src.dtype() != t.dtype() && !options.convert_dtypes)
       problems.push_back(fmt::format("dtype mismatch for '{}': the state has {}, the model {} (LoadOptions::"
                                      "convert_dtypes converts)", name, dtype_name(src.dtype()), dtype_name(t.dtype())));
+    // One tensor, two values: copying both would keep the last and drop the other without a word.
+    const auto [first, inserted] = shared.emplace(t.impl(), std::pair(name, &src));
+    const Tensor& other = *first->second.second;
+    if (!inserted && !other.same(src) && src.shape() == t.shape() && other.shape() == t.shape() &&
+        (other.dtype() != src.dtype() || other.device() != src.device() || other.ne(src).any().item<bool>())) {
+      problems.push_back(fmt::format("'{}' and '{}' are one tensor in the model (tied), but the state gives them "
+                                     "different values", first->second.first, name));
+    }
   }
   for (const auto& [name, t] : state)
     if (!known.count(name)) result.unexpected_keys.push_back(name);

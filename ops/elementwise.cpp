@@ -141,12 +141,18 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
       SavedTensor A(a, name), B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
       record(backward_name(name), {a, b}, {out}, [A, B, OUT, sa, sb](const GradContext& g) -> TensorList {
         // d a^b/da = b a^(b-1), 0 where b == 0 (a^0 is 1 everywhere, and 0 * 0^-1 would be nan); d a^b/db =
-        // a^b log(a), 0 where a == 0 and b >= 0 (0 * -inf); as PyTorch's pow_backward
-        Tensor ga;
-        if (g.needs(0)) ga = sum_to(where(B.get().eq(0), 0, g[0] * B.get() * pow(A.get(), B.get() - 1)), sa);
-        Tensor gb;
-        if (g.needs(1))
-          gb = sum_to(where(logical_and(A.get().eq(0), B.get().ge(0)), 0, g[0] * OUT.get() * log(A.get())), sb);
+        // a^b log(a), 0 where a == 0 and b >= 0 (0 * -inf). As PyTorch's pow_backward, the factor is masked, not g:
+        // an inf or nan gradient still passes (the loss scaler's overflow check counts on it). A scalar exponent is
+        // a 0-d CPU tensor, its mask decided on the host (where() takes its condition on the factor's device).
+        auto zero_where = [](const Tensor& mask, const Tensor& factor) {
+          if (mask.dim() == 0 && mask.is_cpu()) return mask.item<bool>() ? zeros_like(factor) : factor;
+          return where(mask, 0, factor);
+        };
+        const Tensor& a = A.get();
+        const Tensor& b = B.get();
+        Tensor ga, gb;
+        if (g.needs(0)) ga = sum_to(g[0] * zero_where(b.eq(0), b * pow(a, b - 1)), sa);
+        if (g.needs(1)) gb = sum_to(g[0] * where(logical_and(a.eq(0), b.ge(0)), 0, OUT.get() * log(a)), sb);
         return {ga, gb};
       });
       break;

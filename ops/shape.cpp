@@ -12,7 +12,6 @@
 namespace halfgrad {
 
 Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
-  numel_of(shape);  // refuses a shape whose element count overflows here, before anything reads the view
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = t.storage();
   impl->shape = std::move(shape);
@@ -25,6 +24,7 @@ Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
 
 Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
   if (t.shape() == shape) return t;
+  numel_of(shape);  // the one view that can hold more elements than t: one whose count overflows is refused here
   HG_CHECK(t.dim() <= int64_t(shape.size()), "{}: cannot broadcast {} to {}", op, t.meta(), shape_str(shape));
   Shape strides(shape.size(), 0);
   int64_t lead = int64_t(shape.size()) - t.dim();

@@ -270,6 +270,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
       } else if (t.numel() != 1 || !t.is_floating_point()) {
         errors.push_back(fmt::format("'{}' must be a one-element floating tensor, got {}", name, t.meta()));
+      } else if (const double v = t.item<double>(); !std::isfinite(v) || v < 0) {  // as the options' checks, and finite
+        errors.push_back(fmt::format("'{}' is {}, not a finite number >= 0", name, v));
       } else if (parts[2] == "lr") {
         groups[g].lr = t.item<double>();
         groups[g].has_lr = true;

@@ -235,8 +235,9 @@ TEST_CASE("an in-place op that records on a view is refused before it writes: th
   Tensor w = ones({1}, {.dtype = kFloat64, .requires_grad = true});
   Tensor x = zeros({3}, {.dtype = kFloat64});
   Tensor view = x.slice(0, 0, 1);
-  CHECK_THROWS_WITH_AS(view.add_(w * 2), doctest::Contains("add_: an in-place operation that autograd records is "
-                                                           "not supported on a view"), Error);
+  CHECK_THROWS_WITH_AS(view.add_(w * 2), doctest::Contains("add_: an in-place operation that autograd records (the "
+                                                           "view or an operand requires grad) is not supported on a "
+                                                           "view (float64[1] cpu)"), Error);
   CHECK_THROWS_WITH_AS(x.select(0, 1).copy_(w.squeeze(0)), doctest::Contains("copy_: an in-place operation"), Error);
   CHECK(values(x) == std::vector<double>{0, 0, 0});  // neither wrote
   {
@@ -259,6 +260,9 @@ TEST_CASE("a view of a tensor written in place after the view was taken is refus
   CHECK_THROWS_WITH_AS(before.sum(), doctest::Contains("is a view of a tensor that was written in place after the "
                                                        "view was taken"), Error);
   CHECK_THROWS_WITH_AS(before.unsqueeze(0), doctest::Contains("written in place after the view was taken"), Error);
+  CHECK_THROWS_WITH_AS(before.backward(ones({2}, {.dtype = kFloat64})),
+                       doctest::Contains("backward: input 0 (float64[2] cpu) is a view of a tensor that was written"),
+                       Error);
   Tensor after = b.slice(0, 0, 2);  // taken again: the write's history included
   (after.sum() + used).backward();
   CHECK(values(a.grad()) == std::vector<double>{8, 8, 0});  // 6 through the new view, 2 through the old one's sum
@@ -281,7 +285,23 @@ TEST_CASE("an in-place write into an expanded view is refused: its elements shar
   CHECK_THROWS_WITH_AS(expanded.copy_(ones({4, 3})), doctest::Contains("copy_: float32[4, 3] cpu is an expanded view"),
                        Error);
   CHECK_THROWS_WITH_AS(expanded.relu_(), doctest::Contains("relu_: float32[4, 3] cpu is an expanded view"), Error);
+  CHECK_THROWS_WITH_AS(expanded.fill_(1), doctest::Contains("fill_: float32[4, 3] cpu is an expanded view"), Error);
+  CHECK_THROWS_WITH_AS(expanded.zero_(), doctest::Contains("is an expanded view"), Error);
   CHECK(values(b) == std::vector<double>{0, 0, 0});
+}
+
+TEST_CASE("copy_ over a tensor with a history gives that history a zero gradient, src or not requiring grad") {
+  Tensor x = ones({2}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor y = x * 2;
+  y.copy_(zeros({2}, {.dtype = kFloat64}));  // PyTorch: y's grad_fn is CopyBackwards, x.grad 0 (it was 2 here)
+  y.sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{0, 0});
+  Tensor w = full({2}, 3.0, {.dtype = kFloat64, .requires_grad = true});
+  Tensor z = x * 2;
+  z.copy_(w);
+  (z * z).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{6, 6});
+  CHECK(values(x.grad()) == std::vector<double>{0, 0});  // unchanged: z's old history got nothing
 }
 
 TEST_CASE("in-place on a leaf that requires grad is refused outside no_grad") {

@@ -639,7 +639,9 @@ TEST_CASE("cuda: autograd through CUDA tensors matches the CPU gradients") {
     auto loss = [](const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& t) {
       Tensor h = tanh(matmul(x, w) + b);
       Tensor y = sigmoid(h) * exp(-x.sum({1}, true) / 10) + relu(h) - h.clamp(-0.5, 0.5);
-      return ((y - t) * (y - t)).mean() + maximum(h, t).var() + x.abs().sum() * 1e-3;
+      // pow with a scalar exponent (a 0-d CPU tensor beside CUDA operands, in its backward too) and a tensor one
+      return ((y - t) * (y - t)).mean() + maximum(h, t).var() + x.abs().sum() * 1e-3 + (y - t).pow(2.0).mean() +
+             pow(h.abs() + 0.5, t).mean();
     };
     auto grads = [&](Device device) {
       TensorList leaves;

@@ -365,4 +365,8 @@ TEST_CASE("pow's gradients where the base is 0: 0 for the exponent 0, and for th
   CHECK(ge[0] == 0);   // 0^0 log 0, masked
   CHECK(ge[1] == 0);
   CHECK(std::isinf(ge[2]));  // 0^-1 log 0 = inf * -inf: PyTorch masks only exponents >= 0
+  Tensor c = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor d = c.pow(0.0);
+  d.backward(full({1}, INFINITY, {.dtype = kFloat64}));  // the factor is masked, not g: inf passes, as in PyTorch
+  CHECK(std::isnan(values(c.grad())[0]));               // inf * 0
 }

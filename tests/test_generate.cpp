@@ -225,6 +225,27 @@ TEST_CASE("generate: files that are not language model checkpoints are errors na
     CHECK(contains(e, bad));
     CHECK(contains(e, "has 12 words, \"halfgrad.vocab_size\" says 11"));
   }
+  SUBCASE("a layer count the tensors do not bear out: refused before a model of that many layers is built") {
+    contents.metadata["halfgrad.nlayers"] = "1000000000";
+    save_safetensors(bad, contents.tensors, contents.metadata);
+    CHECK(contains(generate_error(bad), fmt::format("'{}' holds no tensor \"rnn.weight_hh_l999999999\" (metadata "
+                                                    "\"halfgrad.nlayers\" says 1000000000)", bad)));
+    contents.metadata["halfgrad.nlayers"] = "1";
+    Tensor hh;
+    for (const auto& [name, t] : contents.tensors)
+      if (name == "rnn.weight_hh_l0") hh = t;
+    contents.tensors.emplace_back("rnn.weight_hh_l1", hh);
+    save_safetensors(bad, contents.tensors, contents.metadata);
+    CHECK(contains(generate_error(bad), "holds \"rnn.weight_hh_l1\", a layer past the 1 that metadata "
+                                        "\"halfgrad.nlayers\" says"));
+  }
+  SUBCASE("tied in the metadata, where the file's encoder and decoder differ") {
+    contents.metadata["halfgrad.tied"] = "true";
+    save_safetensors(bad, contents.tensors, contents.metadata);
+    const std::string e = generate_error(bad);
+    CHECK(contains(e, bad));
+    CHECK(contains(e, "are one tensor in the model (tied), but the state gives them different values"));
+  }
   SUBCASE("a training checkpoint") {
     nn::save_training_checkpoint(bad, {.model = contents.tensors});
     CHECK(contains(generate_error(bad), fmt::format("'{}' has format \"training_checkpoint/1\"", bad)));

@@ -304,18 +304,34 @@ TEST_CASE("to(dtype, select) converts only the modules chosen: the model in half
   }
 }
 
+namespace {
+// The output layer reuses the embedding matrix, as language models do.
+struct Tied : nn::Module {
+  std::shared_ptr<nn::Embedding> emb = register_module("emb", std::make_shared<nn::Embedding>(10, 4));
+  std::shared_ptr<nn::Linear> out = register_module("out", std::make_shared<nn::Linear>(4, 10, false));
+  Tied() { out->weight = emb->weight; }
+};
+}  // namespace
+
 TEST_CASE("tied weights are listed once and stay tied through to()") {
-  // The output layer reuses the embedding matrix, as language models do.
-  struct Tied : nn::Module {
-    std::shared_ptr<nn::Embedding> emb = register_module("emb", std::make_shared<nn::Embedding>(10, 4));
-    std::shared_ptr<nn::Linear> out = register_module("out", std::make_shared<nn::Linear>(4, 10, false));
-  } m;
-  m.out->weight = m.emb->weight;
+  Tied m;
   CHECK(names(m.named_parameters()) == std::vector<std::string>{"emb.weight"});
   CHECK(names(m.state_dict()) == std::vector<std::string>{"emb.weight", "out.weight"});
   m.to(kFloat64);
   CHECK(m.emb->weight.dtype() == kFloat64);
   CHECK(m.out->weight.same(m.emb->weight));
+}
+
+TEST_CASE("load_state_dict refuses two different values for one tied tensor, and takes equal ones") {
+  Tied m;
+  const Tensor before = m.emb->weight.clone();
+  const Tensor a = randn({10, 4}), b = randn({10, 4});
+  CHECK_THROWS_WITH_AS(m.load_state_dict({{"emb.weight", a}, {"out.weight", b}}),
+                       doctest::Contains("'emb.weight' and 'out.weight' are one tensor in the model (tied), but the "
+                                         "state gives them different values"), Error);
+  CHECK(bit_equal(m.emb->weight, before));  // nothing was loaded
+  m.load_state_dict({{"emb.weight", a}, {"out.weight", a.clone()}});
+  CHECK(bit_equal(m.out->weight, a));
 }
 
 TEST_CASE("zero_grad forgets every parameter's gradient") {

@@ -637,6 +637,23 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
   CHECK(opt.state_tensors().size() == 3);  // lr, momentum, with_state (empty): no parameter's state
 }
 
+TEST_CASE("loading state refuses an lr or momentum that is negative or not finite, naming the entry") {
+  Tensor w = ones({3}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0.1, .momentum = 0.9});
+  const NamedTensors good = opt.state_tensors();
+  for (const auto& [entry, value] : std::vector<std::pair<std::string, double>>{
+           {"param_groups.0.lr", std::nan("")}, {"param_groups.0.lr", -5}, {"param_groups.0.momentum", INFINITY}}) {
+    CAPTURE(entry);
+    NamedTensors bad = good;
+    for (auto& [name, t] : bad)
+      if (name == entry) t = scalar_tensor(value, {.dtype = kFloat64});
+    const std::string expected = fmt::format("'{}' is {}, not a finite number >= 0", entry, value);
+    CHECK_THROWS_WITH_AS(opt.load_state_tensors(bad), doctest::Contains(expected.c_str()), Error);
+  }
+  CHECK(opt.groups()[0].options.lr == 0.1);
+  CHECK(opt.groups()[0].options.momentum == 0.9);
+}
+
 TEST_CASE("loading state refuses a file that lost a parameter's state, and aliased indices") {
   Tensor a = ones({2}, {.requires_grad = true});
   Tensor b = ones({3}, {.requires_grad = true});

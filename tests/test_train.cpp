@@ -237,6 +237,12 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   broken.train_checkpoint = "";
   CHECK(contains(error_of([&] { train::train_classifier(broken); }),
                  "bad.safetensors: the checkpoint's batch is \"three\", not a count"));
+  bad = at_stop;  // a count of correct answers that is not an integer would make a wrong accuracy
+  for (auto& [name, t] : bad.extra)
+    if (name == "epoch.correct") t = scalar_tensor(1.5);
+  nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
+  CHECK(contains(error_of([&] { train::train_classifier(broken); }),
+                 "bad.safetensors: the checkpoint's epoch.correct is float32[] cpu, where the run keeps int64 []"));
 }
 
 TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {
@@ -442,6 +448,56 @@ TEST_CASE("train_language_model stopped within an epoch writes where it stopped,
   CHECK(rest.test_loss == all.test_loss);
   check_same_tensors(nn::load_training_checkpoint(resumed.train_checkpoint),
                      nn::load_training_checkpoint(straight.train_checkpoint));
+}
+
+TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, state, best loss or lr do not fit the run") {
+  TempDir dir;
+  {
+    std::string text;
+    for (int line = 0; line < 30; ++line) text += " one two three four five six seven eight \n";
+    write_splits(dir, text);
+  }
+  // 270 tokens, batch 4, bptt 8: 9 windows an epoch; stopped after 4 of epoch 2's.
+  train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
+                                    .dropout = 0, .epochs = 2, .batch_size = 4, .eval_batch_size = 2, .bptt = 8,
+                                    .checkpoint = "", .train_checkpoint = dir.file("stopped.safetensors"),
+                                    .log_interval = 1};
+  train::train_language_model(config, {}, [](const train::LanguageModelProgress& p) {
+    if (p.epoch == 1 && p.batch == 4) train::request_stop();
+  });
+  train::clear_stop();
+  const nn::TrainingCheckpoint good = nn::load_training_checkpoint(config.train_checkpoint);
+  config.log_interval = 0;
+  config.train_checkpoint = "";
+  config.resume = dir.file("bad.safetensors");
+  auto resume_error = [&](const std::function<void(nn::TrainingCheckpoint&)>& spoil) {
+    nn::TrainingCheckpoint bad = good;
+    spoil(bad);
+    nn::save_training_checkpoint(config.resume, bad);
+    return error_of([&] { train::train_language_model(config); });
+  };
+  auto replace = [](NamedTensors& tensors, const std::string& name, const Tensor& value) {
+    for (auto& [n, t] : tensors)
+      if (n == name) t = value;
+  };
+  const std::string file = "train: --resume " + config.resume;
+  CHECK(contains(resume_error([](auto& ck) { ck.metadata["batch"] = "99999999"; }),
+                 file + ": the epoch has 9 windows of at most 32 tokens, asked to resume after 99999999 windows"));
+  CHECK(contains(resume_error([](auto& ck) { ck.metadata["tokens"] = "99999999999"; }),
+                 "asked to resume after 4 windows and 99999999999 tokens"));
+  CHECK(contains(resume_error([&](auto& ck) { replace(ck.extra, "epoch.total", zeros({3})); }),
+                 file + ": the checkpoint's epoch.total is float32[3] cpu, where the run keeps floating []"));
+  CHECK(contains(resume_error([&](auto& ck) { replace(ck.extra, "epoch.total", scalar_tensor(5, {.dtype = kInt64})); }),
+                 "the checkpoint's epoch.total is int64[] cpu"));
+  CHECK(contains(resume_error([&](auto& ck) { replace(ck.extra, "state.h", zeros({2, 3, 8})); }),
+                 "the checkpoint's state.h is float32[2, 3, 8] cpu, where the run keeps floating [1, 4, 8]"));
+  CHECK(contains(resume_error([](auto& ck) { ck.metadata["best_valid"] = "nan"; }),
+                 file + ": the checkpoint's best_valid is \"nan\", not a finite number or inf"));
+  CHECK(contains(resume_error([](auto& ck) { ck.metadata["best_valid"] = "-inf"; }), "not a finite number or inf"));
+  CHECK(contains(resume_error([&](auto& ck) {
+                   replace(ck.optimizer, "param_groups.0.lr", scalar_tensor(std::nan(""), {.dtype = kFloat64}));
+                 }),
+                 "'param_groups.0.lr' is nan, not a finite number >= 0"));
 }
 
 TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {

@@ -627,7 +627,9 @@ size_t parse_bytes(const std::string& text) {
            {"", 1}, {"B", 1}, {"KiB", 0x1p10}, {"MiB", 0x1p20}, {"GiB", 0x1p30}, {"TiB", 0x1p40},
            {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}})
     if (unit == name) scale = factor;
-  HG_CHECK(scale != 0 && value >= 0 && std::isfinite(value),
+  // Decimal only (std::stod also reads hex, "0x1p30"), and a byte count an int64 holds.
+  HG_CHECK(scale != 0 && value >= 0 && std::isfinite(value) && value * scale < 0x1p63 &&
+               text.find_first_of("xX") == std::string::npos,
            "bench: \"{}\" is not a size (say 8GiB, 512MiB, 1.5GB or a number of bytes)", text);
   return size_t(std::llround(value * scale));
 }

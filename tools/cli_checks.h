@@ -1,7 +1,7 @@
 #pragma once
-// The numeric checks of every command line in tools/ (halfgrad and the bench_* programs), applied when the line is
-// parsed: CLI11's own (PositiveNumber, Range) let inf, nan, hex and octal through, and clamp or wrap out-of-range
-// integers. tests/cli_hostile_numbers.sh tries them on the halfgrad command.
+// The checks of every command line in tools/ (halfgrad and the bench_* programs), applied when the line is parsed.
+// Numbers: CLI11's own (PositiveNumber, Range) let inf, nan, hex and octal through, and clamp or wrap out-of-range
+// integers; tests/cli_hostile_numbers.sh tries them on the halfgrad command. File names: see file_name.
 #include <CLI/CLI.hpp>
 
 #include <charconv>
@@ -72,6 +72,18 @@ inline CLI::Validator finite_at_least(double min, bool strictly = false) {
     return (strictly ? v <= min : v < min) ? fmt::format("{} must be {} {}", text, strictly ? ">" : ">=", min)
                                            : std::string();
   }, fmt::format("FINITE {} {}", strictly ? ">" : ">=", min));
+}
+
+// A file or folder name that is not an option: CLI11 reads `--save= --dry-run` as --save with the value "--dry-run"
+// (an empty value after '=' takes the next argument), which would write a file of that name and drop the flag.
+inline CLI::Validator file_name() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.starts_with("-") ? fmt::format("'{}' is an option, not a file name (an empty value is written as "
+                                                   "\"\", not with '=' and nothing after it)", text)
+                                     : std::string();
+      },
+      "FILE");
 }
 
 }  // namespace halfgrad::cli

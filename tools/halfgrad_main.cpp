@@ -34,6 +34,7 @@
 #include "train/loops.h"
 
 using namespace halfgrad;
+using halfgrad::cli::file_name;
 using halfgrad::cli::finite_at_least;
 using halfgrad::cli::finite_in;
 using halfgrad::cli::integer_in;
@@ -78,38 +79,82 @@ Device parse_device(const std::string& device) {
   return Device::cuda(std::stoi(device.substr(5)));  // at most 9999: no overflow
 }
 
-// The per-epoch CSV file with its header line, or a closed stream when no path was given.
-std::ofstream open_csv(const std::string& path, const char* command, const char* header) {
-  std::ofstream csv;
-  if (path.empty()) return csv;
-  csv.open(path);
-  HG_CHECK(csv.good(), "{}: cannot write {}", command, path);
-  csv << header << "\n";
-  return csv;
-}
-
-// --jsonl: the metrics as one JSON object a line ("event": "progress", "epoch", "row" or "test"), each flushed as it is
-// written, so that a run stopped at any point leaves whole lines. A fresh run starts the file; a resumed one appends.
-class JsonLines {
+// A log the command writes line by line: --csv (a header line, then a line an epoch or row) or --jsonl. Checked for
+// writing when made, without changing what the file holds; opened at its first line, so a run that fails before
+// it (a missing corpus, a refused checkpoint) leaves the file as it was. A fresh run starts the file; a resumed one
+// appends to it (the header only where the file is empty). Each line is flushed as written: a run stopped at any
+// point leaves whole lines.
+class LogFile {
  public:
-  JsonLines(const std::string& path, const char* command, bool append) : path_(path), command_(command) {
-    if (path.empty()) return;
-    out_.open(path, append ? std::ios::app : std::ios::trunc);
-    HG_CHECK(out_.good(), "{}: cannot open --jsonl {} for writing", command, path);
-  }
-  void write(const char* event, nlohmann::ordered_json fields) {
+  LogFile(std::string path, std::string option, const char* command, bool append, std::string header = "")
+      : path_(std::move(path)), option_(std::move(option)), command_(command), append_(append),
+        header_(std::move(header)) {
     if (path_.empty()) return;
-    nlohmann::ordered_json line = {{"command", command_}, {"event", event}};
-    line.update(fields);
-    out_ << line.dump() << '\n' << std::flush;
-    HG_CHECK(out_.good(), "{}: writing --jsonl {} failed", command_, path_);
+    HG_CHECK(!std::filesystem::is_directory(path_), "{}: {} {} is a folder", command_, option_, path_);
+    std::ofstream probe(path_, std::ios::app);  // creates a missing file, keeps an existing one whole
+    HG_CHECK(probe.good(), "{}: cannot write {} {} (a missing folder, or no permission?)", command_, option_, path_);
+  }
+  const std::string& path() const { return path_; }
+  void line(const std::string& text) {
+    if (path_.empty()) return;
+    if (!out_.is_open()) {
+      const bool empty = !append_ || std::filesystem::file_size(path_) == 0;
+      out_.open(path_, append_ ? std::ios::app : std::ios::trunc);
+      HG_CHECK(out_.good(), "{}: cannot write {} {}", command_, option_, path_);
+      if (empty && !header_.empty()) out_ << header_ << '\n';
+    }
+    out_ << text << '\n' << std::flush;
+    HG_CHECK(out_.good(), "{}: writing {} {} failed", command_, option_, path_);
   }
 
  private:
-  std::string path_;
+  std::string path_, option_;
   const char* command_;
+  bool append_;
+  std::string header_;
   std::ofstream out_;
 };
+
+// --jsonl: the metrics as one JSON object a line ("event": "progress", "epoch", "row" or "test").
+class JsonLines {
+ public:
+  JsonLines(const std::string& path, const char* command, bool append)
+      : log_(path, "--jsonl", command, append), command_(command) {}
+  const std::string& path() const { return log_.path(); }
+  void write(const char* event, nlohmann::ordered_json fields) {
+    if (log_.path().empty()) return;
+    nlohmann::ordered_json line = {{"command", command_}, {"event", event}};
+    line.update(fields);
+    log_.line(line.dump());
+  }
+
+ private:
+  LogFile log_;
+  const char* command_;
+};
+
+using NamedFiles = std::vector<std::pair<const char*, std::string>>;  // option, path ("" where not given)
+
+// Refuses a log (--csv, --jsonl) that names the same file as another log or as one of the command's other files: a
+// --csv onto the --resume checkpoint would overwrite it, two logs in one file would interleave. (--resume and
+// --train-checkpoint naming one file is the usual resume.)
+void check_logs_apart(const char* command, const NamedFiles& logs, const NamedFiles& others) {
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    if (std::filesystem::equivalent(a, b, ec)) return true;
+    const auto canonical_a = std::filesystem::weakly_canonical(a, ec);
+    return !ec && canonical_a == std::filesystem::weakly_canonical(b, ec) && !ec;
+  };
+  for (size_t i = 0; i < logs.size(); ++i) {
+    NamedFiles rest(logs.begin() + ptrdiff_t(i) + 1, logs.end());
+    rest.insert(rest.end(), others.begin(), others.end());
+    const auto& [option, path] = logs[i];
+    for (const auto& [other_option, other_path] : rest) {
+      HG_CHECK(path.empty() || other_path.empty() || !same(path, other_path),
+               "{}: {} and {} name the same file, {}; give each its own", command, option, other_option, path);
+    }
+  }
+}
 
 // The progress lines within an epoch: on a terminal each redraws the last in place, and the line that follows (the
 // epoch's figures) takes its place; elsewhere (a file, a pipe, CI) one line each, as main.py prints them.
@@ -177,9 +222,11 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   config.device = parse_device(device);
   config.group = cli::join_launched_group(config.device, "train-classifier");
   if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
-  std::ofstream csv = open_csv(csv_path, "train-classifier",
-                               "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,"
-                               "peak_memory_bytes,skipped_steps,loss_scale");
+  check_logs_apart("train-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
+                   {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint}});
+  LogFile csv(csv_path, "--csv", "train-classifier", !config.resume.empty(),
+              "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,peak_memory_bytes,"
+              "skipped_steps,loss_scale");
   JsonLines jsonl(jsonl_path, "train-classifier", !config.resume.empty());
   fmt::print("train-classifier: {} on {} ({}), {} epochs, batch {}, lr {} ({}), opt level {}{}{}{}\n", config.model,
              config.dataset, config.device.str(), config.epochs, config.batch_size, config.lr, config.schedule, opt_level,
@@ -212,12 +259,9 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                           {"test_loss", s.test_loss}, {"test_accuracy", s.test_accuracy}, {"seconds", s.seconds},
                           {"images_per_second", s.images_per_second}, {"peak_memory_bytes", s.peak_memory_bytes},
                           {"skipped_steps", s.skipped_steps}, {"loss_scale", s.loss_scale}});
-    if (csv.is_open()) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{}\n", s.epoch + 1, s.train_loss, s.train_accuracy, s.test_loss,
+    csv.line(fmt::format("{},{},{},{},{},{},{},{},{},{}", s.epoch + 1, s.train_loss, s.train_accuracy, s.test_loss,
                          s.test_accuracy, s.seconds, s.images_per_second, s.peak_memory_bytes, s.skipped_steps,
-                         s.loss_scale);
-      csv.flush();
-    }
+                         s.loss_scale));
   }, progress);
   line.clear();
   if (train::stop_requested())
@@ -232,10 +276,10 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
   for (const std::string& l : levels) parsed.push_back(amp::parse_opt_level(l));
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  std::ofstream csv = open_csv(csv_path, "sweep-classifier",
-                               "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,"
-                               "peak_memory_bytes,final_train_accuracy,final_test_accuracy,final_test_loss,"
-                               "skipped_steps");
+  check_logs_apart("sweep-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}}, {});
+  LogFile csv(csv_path, "--csv", "sweep-classifier", false,
+              "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,peak_memory_bytes,"
+              "final_train_accuracy,final_test_accuracy,final_test_loss,skipped_steps");
   JsonLines jsonl(jsonl_path, "sweep-classifier", false);
   fmt::print("sweep-classifier: {} on {} ({}), {} epochs per run, lr {} ({}){}{}\n", config.model, config.dataset,
              config.device.str(), config.epochs, config.lr, config.schedule,
@@ -271,12 +315,9 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
                         {"peak_memory_bytes", r.peak_memory_bytes}, {"final_train_accuracy", r.final_train_accuracy},
                         {"final_test_accuracy", r.final_test_accuracy}, {"final_test_loss", r.final_test_loss},
                         {"skipped_steps", r.skipped_steps}});
-    if (csv.is_open()) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", name, amp::opt_level_name(r.opt_level), r.batch_size,
+    csv.line(fmt::format("{},{},{},{},{},{},{},{},{},{},{}", name, amp::opt_level_name(r.opt_level), r.batch_size,
                          r.out_of_memory ? 1 : 0, r.seconds_per_epoch, r.images_per_second, r.peak_memory_bytes,
-                         r.final_train_accuracy, r.final_test_accuracy, r.final_test_loss, r.skipped_steps);
-      csv.flush();
-    }
+                         r.final_train_accuracy, r.final_test_accuracy, r.final_test_loss, r.skipped_steps));
   }, progress);
   return 0;
 }
@@ -288,9 +329,12 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   config.device = parse_device(device);
   config.group = cli::join_launched_group(config.device, "train-lm");
   if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
-  std::ofstream csv = open_csv(csv_path, "train-lm",
-                               "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,"
-                               "peak_memory_bytes,skipped_steps,loss_scale");
+  check_logs_apart("train-lm", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
+                   {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint},
+                    {"--save", config.checkpoint}});
+  LogFile csv(csv_path, "--csv", "train-lm", !config.resume.empty(),
+              "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,peak_memory_bytes,"
+              "skipped_steps,loss_scale");
   JsonLines jsonl(jsonl_path, "train-lm", !config.resume.empty());
   fmt::print("train-lm: {} {}x{} ({} layers, dropout {}{}) on {} ({}), {} epochs, batch {}, bptt {}, lr {}, clip {}, "
              "opt level {}{}\n", config.rnn, config.embedding_size, config.hidden_size, config.num_layers, config.dropout,
@@ -329,12 +373,9 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                           {"valid_ppl", std::exp(s.valid_loss)}, {"seconds", s.seconds},
                           {"tokens_per_second", s.tokens_per_second}, {"peak_memory_bytes", s.peak_memory_bytes},
                           {"skipped_steps", s.skipped_steps}, {"loss_scale", s.loss_scale}});
-    if (csv.is_open()) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss),
+    csv.line(fmt::format("{},{},{},{},{},{},{},{},{},{},{}", s.epoch + 1, s.lr, s.train_loss, std::exp(s.train_loss),
                          s.valid_loss, std::exp(s.valid_loss), s.seconds, s.tokens_per_second, s.peak_memory_bytes,
-                         s.skipped_steps, s.loss_scale);
-      csv.flush();
-    }
+                         s.skipped_steps, s.loss_scale));
   }, progress);
   line.clear();
   if (train::stop_requested())
@@ -497,6 +538,8 @@ int run_bench(BenchArgs a) {
   a.settings.device = parse_device(a.device);
   a.settings.channels_last = !a.nchw;
   if (!a.memory_budget.empty()) {
+    HG_CHECK(a.suite == "max-batch", "bench: --memory-budget is the max-batch suite's; the {} suite does not use it",
+             a.suite);
     a.settings.memory_budget = bench::parse_bytes(a.memory_budget);
     if (a.settings.device.is_cuda()) {
       HG_CHECK(cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible", a.device);
@@ -515,11 +558,7 @@ int run_bench(BenchArgs a) {
              "process); run it without launch");
     if (!rank0) a.out.clear();  // rank 0 writes the lines
   }
-  std::ofstream out;
-  if (!a.out.empty()) {
-    out.open(a.out, std::ios::app);
-    HG_CHECK(out.good(), "bench: cannot open {} to append to", a.out);
-  }
+  LogFile out(a.out, "--out", "bench", /*append=*/true);
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   bench::run_cases(
       cases, a.settings,
@@ -528,10 +567,7 @@ int run_bench(BenchArgs a) {
         if (tty) fmt::print(stderr, "\r\033[K");
         fmt::print("{}", text);
         std::fflush(stdout);
-        if (out.is_open()) {
-          out << text << std::flush;
-          HG_CHECK(out.good(), "bench: writing {} failed", a.out);
-        }
+        out.line(line.dump());
       },
       [&](size_t done, size_t total, const bench::Case& c) {
         if (!rank0) return;
@@ -586,7 +622,7 @@ int main(int argc, char** argv) {
     sub->add_option("--dataset", c.dataset, "cifar10 or cifar100")->transform(one_of({"cifar10", "cifar100"}))
         ->capture_default_str();
     sub->add_option("--data-dir", a.data_dir, "folder with data_batch_1..5.bin (those there) and test_batch.bin "
-                    "(CIFAR-10) or train.bin and test.bin (CIFAR-100)")->required();
+                    "(CIFAR-10) or train.bin and test.bin (CIFAR-100)")->required()->check(file_name());
     sub->add_option("--epochs", c.epochs)->check(integer_in<int64_t>(1))->capture_default_str();
     sub->add_option("--lr", c.lr, "peak lr (onecycle) or starting lr")->check(finite_at_least(0, true))
         ->capture_default_str();
@@ -615,9 +651,9 @@ int main(int argc, char** argv) {
         ->check(integer_in<int64_t>(0));
     sub->add_option("--limit-test", c.limit_test, "use the first N test images (0: all)")
         ->check(integer_in<int64_t>(0));
-    sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file");
+    sub->add_option("--csv", a.csv_path, "also write the figures to this CSV file")->check(file_name());
     sub->add_option("--jsonl", a.jsonl_path, "also write the figures (and the progress lines) to this file, one JSON "
-                    "object a line");
+                    "object a line")->check(file_name());
   };
 
   ClassifierArgs train_args;
@@ -627,9 +663,11 @@ int main(int argc, char** argv) {
   tc->add_option("--opt-level", train_args.opt_level, "O0 (float32), O1 (autocast), O2 (half model, float32 "
                  "masters), O3 (half)")->transform(one_of({"O0", "O1", "O2", "O3"}))->capture_default_str();
   tc->add_option("--train-checkpoint", train_args.config.train_checkpoint, "write a training checkpoint "
-                 "(safetensors) after every epoch, and at the step under way on Ctrl-C, for --resume (as train-lm's)");
+                 "(safetensors) after every epoch, and at the step under way on Ctrl-C, for --resume (as train-lm's)")
+      ->check(file_name());
   tc->add_option("--resume", train_args.config.resume, "continue the run that wrote this --train-checkpoint file after its "
-                 "last epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
+                 "last epoch, as if uninterrupted (the same settings, --epochs included)")
+      ->check(file_name())->check(CLI::ExistingFile);
   train_args.config.log_interval = 100;
   tc->add_option("--log-interval", train_args.config.log_interval, "a progress line every N training batches "
                  "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
@@ -670,7 +708,8 @@ int main(int argc, char** argv) {
                  "pytorch/examples' spelling)")
       ->transform(one_of({"lstm", "gru", "rnn_tanh", "rnn_relu"}))
       ->capture_default_str();
-  tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)");
+  tl->add_option("--data-dir", lm_data_dir, "train.txt, valid.txt, test.txt (default: the WikiText-2 halfgrad ships)")
+      ->check(file_name());
   tl->add_option("--emsize", lm.embedding_size)->check(integer_in<int64_t>(1))->capture_default_str();
   tl->add_option("--nhid", lm.hidden_size)->check(integer_in<int64_t>(1))->capture_default_str();
   tl->add_option("--nlayers", lm.num_layers)->check(integer_in<int64_t>(1))->capture_default_str();
@@ -694,19 +733,21 @@ int main(int argc, char** argv) {
       ->check(integer_in<int64_t>(0));
   lm.checkpoint = "model.safetensors";  // main.py saves to model.pt unless told otherwise
   tl->add_option("--save,--checkpoint", lm.checkpoint, "save the model with the best validation loss, its "
-                 "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str();
+                 "architecture and vocabulary here (safetensors; for generate; \"\": not saved)")->capture_default_str()
+      ->check(file_name());
   tl->add_option("--train-checkpoint", lm.train_checkpoint, "write a training checkpoint (safetensors) after every "
-                 "epoch, for --resume");
+                 "epoch, for --resume")->check(file_name());
   tl->add_option("--resume", lm.resume, "continue the run that wrote this --train-checkpoint file after its last "
-                 "epoch, as if uninterrupted (the same settings, --epochs included)")->check(CLI::ExistingFile);
+                 "epoch, as if uninterrupted (the same settings, --epochs included)")
+      ->check(file_name())->check(CLI::ExistingFile);
   tl->add_flag("--dry-run", lm.dry_run, "one training batch per epoch: check that the code and the model run "
                "(main.py's --dry-run)");
   add_check_replicas(tl, lm.check_replicas_every);
   tl->add_flag("--cuda-graph", lm.cuda_graph, "CUDA: capture the training step once as a CUDA graph and replay it "
                "(the last, shorter window of an epoch runs eagerly)");
-  tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file");
+  tl->add_option("--csv", lm_csv, "also write the per-epoch figures to this CSV file")->check(file_name());
   tl->add_option("--jsonl", lm_jsonl, "also write the figures, the progress lines and the test perplexity to this "
-                 "file, one JSON object a line");
+                 "file, one JSON object a line")->check(file_name());
   lm.log_interval = 200;  // main.py's default
   tl->add_option("--log-interval", lm.log_interval, "a progress line every N training batches, as main.py prints it "
                  "(0: none)")->check(integer_in<int64_t>(0))->capture_default_str();
@@ -736,14 +777,15 @@ int main(int argc, char** argv) {
   int64_t gen_log_interval = 100;
   CLI::App* tg = app.add_subcommand("generate", "Sample text from a language model saved by train-lm --save "
                                     "(pytorch/examples' generate.py)");
-  tg->add_option("--checkpoint", gen.checkpoint, "the model (safetensors, from train-lm --save)")->required();
+  tg->add_option("--checkpoint", gen.checkpoint, "the model (safetensors, from train-lm --save)")->required()
+      ->check(file_name());
   tg->add_option("--words", gen.words, "number of words to generate")->check(integer_in<int64_t>(0))
       ->capture_default_str();
   tg->add_option("--temperature", gen.temperature, "higher: more diverse (>= 1e-3)")->check(finite_at_least(1e-3))
       ->capture_default_str();
   tg->add_option("--seed", gen.seed)->check(integer_in<uint64_t>(0))->capture_default_str();
   tg->add_option("--device", gen_device, "cpu, cuda or cuda:N")->capture_default_str();
-  tg->add_option("--outf", gen_outf, "write the text to this file (default: stdout)");
+  tg->add_option("--outf", gen_outf, "write the text to this file (default: stdout)")->check(file_name());
   tg->add_option("--log-interval", gen_log_interval, "a progress line every N words (0: none)")
       ->check(integer_in<int64_t>(0))->capture_default_str();
   tg->callback([&] { rc = run_generate(gen, gen_device, gen_outf, gen_log_interval); });
@@ -777,12 +819,12 @@ int main(int argc, char** argv) {
   tb->add_option("--epochs", bench_args.settings.epochs, "train this many epochs on real data and report accuracy or "
                  "perplexity instead of step times (vgg, resnet, lm; tools/bench.h)")->check(integer_in<int64_t>(1));
   tb->add_option("--data-dir", bench_args.settings.data_dir, "with --epochs: the CIFAR-10 files' folder; for lm a "
-                 "WikiText-2 folder (default: the shipped one)");
+                 "WikiText-2 folder (default: the shipped one)")->check(file_name());
   tb->add_option("--seed", bench_args.settings.seed, "with --epochs: the runs' seed")
       ->check(integer_in<uint64_t>(0))->capture_default_str();
   tb->add_option("--workers", bench_args.settings.workers, "with --epochs: image loading threads")
       ->check(integer_in<int>(0, 256))->capture_default_str();
-  tb->add_option("--out", bench_args.out, "also append the lines to this file");
+  tb->add_option("--out", bench_args.out, "also append the lines to this file")->check(file_name());
   tb->add_flag("--with-pytorch", bench_args.with_pytorch, "then the same configurations in PyTorch "
                "(tools/bench_torch.py, eager channels_last; with --epochs trained the same way), their lines to the "
                "same output");

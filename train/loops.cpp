@@ -214,11 +214,13 @@ double metadata_number(const nn::TrainingCheckpoint& ck, const std::string& key,
   try {
     size_t used = 0;
     const double v = count ? double(std::stoll(it->second, &used)) : std::stod(it->second, &used);
-    if (used == it->second.size() && (!count || v >= 0)) return v;
+    // A loss is finite, or inf before there is one: nan or -inf would let no epoch ever be the best.
+    if (used == it->second.size() && (count ? v >= 0 : !std::isnan(v) && v > -std::numeric_limits<double>::infinity()))
+      return v;
   } catch (const std::exception&) {
   }
   HG_FAIL("train: --resume {}: the checkpoint's {} is \"{}\", not a {}", path, key, it->second,
-          count ? "count" : "number");
+          count ? "count" : "finite number or inf");
 }
 int64_t metadata_count(const nn::TrainingCheckpoint& ck, const std::string& key, const std::string& path) {
   return int64_t(metadata_number(ck, key, path, true));
@@ -228,6 +230,17 @@ const Tensor& named(const NamedTensors& tensors, const std::string& name, const 
   const auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
   HG_CHECK(it != tensors.end(), "train: --resume {}: the checkpoint has no {}", path, name);
   return it->second;
+}
+
+// An interrupted epoch's tensor, which the resumed epoch adds to or carries on: of the shape it was written with, and of
+// its dtype (a count int64, a sum floating).
+const Tensor& named_sum(const NamedTensors& tensors, const std::string& name, const std::string& path,
+                        const Shape& shape, bool count) {
+  const Tensor& t = named(tensors, name, path);
+  HG_CHECK(t.shape() == shape && (count ? t.dtype() == kInt64 : t.is_floating_point()), "train: --resume {}: the "
+           "checkpoint's {} is {}, where the run keeps {} {}", path, name, t.meta(), count ? "int64" : "floating",
+           shape_str(shape));
+  return t;
 }
 
 // Reads a checkpoint that write_training_checkpoint wrote for a run of these settings (check_same_run) and restores
@@ -466,8 +479,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
                "run resumes from the end of an epoch", c.resume);
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.seen = metadata_count(ck, "seen", c.resume);
-      resumed.loss_sum = named(ck.extra, "epoch.loss_sum", c.resume).to(c.device);
-      resumed.correct = named(ck.extra, "epoch.correct", c.resume).to(c.device);
+      resumed.loss_sum = named_sum(ck.extra, "epoch.loss_sum", c.resume, {}, false).to(c.device);
+      resumed.correct = named_sum(ck.extra, "epoch.correct", c.resume, {}, true).to(c.device);
     }
   }
   int64_t skipped_before = amp.scaler().skipped_steps();
@@ -637,6 +650,22 @@ LanguageModelStep language_model_step(models::LanguageModel& model, amp::Amp& am
   };
 }
 
+namespace {
+
+// The windows of bptt rows an epoch over `data` (batchified: a column a sequence) has, the last one shorter.
+int64_t windows_of(const Tensor& data, int64_t bptt) { return (data.size(0) - 2) / bptt + 1; }
+
+// Where a resumed epoch starts lies within it: at most all its windows, and no more tokens than those hold.
+void check_resume_point(int64_t windows_done, int64_t tokens_done, const Tensor& data, int64_t bptt,
+                        const std::string& who) {
+  const int64_t windows = windows_of(data, bptt), window_tokens = bptt * data.size(1);
+  HG_CHECK(windows_done <= windows && tokens_done <= windows_done * window_tokens, "{}: the epoch has {} windows of "
+           "at most {} tokens, asked to resume after {} windows and {} tokens", who, windows, window_tokens,
+           windows_done, tokens_done);
+}
+
+}  // namespace
+
 LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, const Tensor& train_data,
                                                   const LanguageModelStep& step, optim::Optimizer& optimizer,
                                                   const LanguageModelEpochOptions& o,
@@ -653,7 +682,8 @@ LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, 
     NoGradGuard no_grad;
     sums.total = o.start.total.defined() ? o.start.total.to(device).clone() : zeros({}, {.device = device});
   }
-  const int64_t skip = sums.batches, batches = (train_data.size(0) - 2) / o.bptt + 1;
+  const int64_t skip = sums.batches, batches = windows_of(train_data, o.bptt);
+  check_resume_point(sums.batches, sums.tokens, train_data, o.bptt, "train_language_model_epoch");
   const double lr = optimizer.param_groups()[0].lr;
   int64_t window = 0;
   // The interval's loss stays on the device; it is read (a synchronisation) once per report.
@@ -769,9 +799,12 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
                "resumes from the end of an epoch", c.resume);
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.tokens = metadata_count(ck, "tokens", c.resume);
-      resumed.total = named(ck.extra, "epoch.total", c.resume).to(c.device);
-      resumed.state.h = named(ck.extra, "state.h", c.resume).to(c.device);
-      if (kind == nn::RecurrentKind::LSTM) resumed.state.c = named(ck.extra, "state.c", c.resume).to(c.device);
+      check_resume_point(resumed.batches, resumed.tokens, train_data, c.bptt, "train: --resume " + c.resume);
+      const Shape state{c.num_layers, c.batch_size, c.hidden_size};
+      resumed.total = named_sum(ck.extra, "epoch.total", c.resume, {}, false).to(c.device);
+      resumed.state.h = named_sum(ck.extra, "state.h", c.resume, state, false).to(c.device);
+      if (kind == nn::RecurrentKind::LSTM)
+        resumed.state.c = named_sum(ck.extra, "state.c", c.resume, state, false).to(c.device);
     }
   }
   // A training checkpoint whose run continues with `epoch`: from its start, or, for an interrupted epoch, from where

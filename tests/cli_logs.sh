@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ctest: --csv and --jsonl lose nothing. A run that fails before its first line (a missing corpus) leaves an existing
+# log as it was; a log that names the --resume checkpoint is refused before anything is read or written, the
+# checkpoint whole; a log path that cannot be written is refused at start, naming the option. And file options and
+# the bench budget are what they say: `--save=` does not take the next argument as its file, --memory-budget outside
+# max-batch is refused, a folder where a corpus file should be is named as one.
+#   cli_logs.sh HALFGRAD WORK_DIR
+set -u
+halfgrad=$1
+dir=$2
+rm -rf "$dir" && mkdir -p "$dir" && cd "$dir" || exit 1
+fail() { echo "FAIL: $*"; exit 1; }
+
+printf 'epoch,lr\n1,20\n' > keep.csv
+printf '{"event":"epoch"}\n' > keep.jsonl
+"$halfgrad" train-lm --data-dir no_such_corpus --csv keep.csv --jsonl keep.jsonl > missing.log 2>&1 && fail "ran"
+grep -q 'load_corpus: no_such_corpus/train.txt not found' missing.log || { cat missing.log; fail "no corpus error"; }
+[[ $(cat keep.csv) == $'epoch,lr\n1,20' && $(cat keep.jsonl) == '{"event":"epoch"}' ]] || fail "the logs were changed"
+
+printf 'a checkpoint' > run.safetensors
+"$halfgrad" train-lm --emsize 8 --nhid 8 --resume run.safetensors --csv ./run.safetensors > same.log 2>&1 && fail "ran"
+grep -q 'train-lm: --csv and --resume name the same file, ./run.safetensors' same.log || { cat same.log; fail "no refusal"; }
+[[ $(cat run.safetensors) == 'a checkpoint' ]] || fail "the checkpoint was changed"
+"$halfgrad" train-lm --emsize 8 --nhid 8 --csv same.log --jsonl same.log > twice.log 2>&1 && fail "ran"
+grep -q 'train-lm: --csv and --jsonl name the same file' twice.log || { cat twice.log; fail "no refusal of one file"; }
+
+mkdir -p folder
+"$halfgrad" train-classifier --data-dir . --csv folder > folder.log 2>&1 && fail "ran"
+grep -q 'train-classifier: --csv folder is a folder' folder.log || { cat folder.log; fail "no folder error"; }
+"$halfgrad" train-lm --jsonl no_such_folder/run.jsonl > nofolder.log 2>&1 && fail "ran"
+grep -q 'train-lm: cannot write --jsonl no_such_folder/run.jsonl' nofolder.log || { cat nofolder.log; fail "no error"; }
+"$halfgrad" train-lm --save= --dry-run > empty.log 2>&1 && fail "ran"
+grep -q -- "--save: '--dry-run' is an option, not a file name" empty.log || { cat empty.log; fail "--save= took --dry-run"; }
+[[ ! -e ./--dry-run ]] || fail "a file named --dry-run was written"
+"$halfgrad" bench lm --device cpu --memory-budget 8GiB > budget.log 2>&1 && fail "ran"
+grep -q 'bench: --memory-budget is the max-batch suite' budget.log || { cat budget.log; fail "the budget was ignored"; }
+mkdir -p corpus/test.txt && printf 'a b\n' > corpus/train.txt && printf 'a b\n' > corpus/valid.txt
+"$halfgrad" train-lm --data-dir corpus > corpus.log 2>&1 && fail "ran"
+grep -q 'load_corpus: corpus/test.txt is not a regular file' corpus.log || { cat corpus.log; fail "no folder error"; }
+echo "PASS: the logs lost nothing"
