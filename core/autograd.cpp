@@ -263,20 +263,21 @@ bool views_are_checked(const Tensor& base) {
   return !impl.is_view || impl.is_detached || impl.autograd->view_version.has_value();
 }
 
-void check_view_current(const Tensor& in, size_t index, const std::string& node) {
-  if (!in.defined() || !in.impl()->is_view || !in.impl()->autograd) return;
-  const std::optional<uint64_t>& taken = in.impl()->autograd->view_version;
-  HG_CHECK(!taken || *taken == in.version(), "{}: input {} ({}) is a view of a tensor that was written in place after "
-           "the view was taken (version {} then, {} now): its gradient would reach that tensor's history from before "
-           "the write. Take the view again after the write, or clone() it before", node, index, in.meta(), *taken,
-           in.version());
+// Where the tensor is used, for the error: "<user>: <role> <index>" ("MulBackward: input 1", "backward: tensor 0").
+void check_view_current(const Tensor& t, std::string_view user, const char* role, size_t index) {
+  if (!t.defined() || !t.impl()->is_view || !t.impl()->autograd) return;
+  const std::optional<uint64_t>& taken = t.impl()->autograd->view_version;
+  HG_CHECK(!taken || *taken == t.version(), "{}: {} {} ({}) is a view of a tensor that was written in place after the "
+           "view was taken (version {} then, {} now): its gradient would reach that tensor's history from before the "
+           "write. Take the view again after the write, or clone() it before", user, role, index, t.meta(), *taken,
+           t.version());
 }
 
 }  // namespace
 
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
   if (!any_requires_grad(inputs)) return;
-  for (size_t i = 0; i < inputs.size(); ++i) check_view_current(inputs[i], i, name);
+  for (size_t i = 0; i < inputs.size(); ++i) check_view_current(inputs[i], name, "input", i);
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   node->sequence_nr = next_sequence_nr++;
   // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
@@ -337,7 +338,7 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
            "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) {
     HG_CHECK(outputs[i].defined(), "backward: tensor {} is undefined", i);
-    check_view_current(outputs[i], i, "backward");
+    check_view_current(outputs[i], "backward", "tensor", i);
   }
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose

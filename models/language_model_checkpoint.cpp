@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <map>
 #include <string_view>
 #include <system_error>
 
@@ -120,25 +121,30 @@ LoadedLanguageModel load_language_model(const std::string& path, Device device) 
            "\"halfgrad.vocab_size\" says {}", path, loaded.vocab.size(), vocab_size);
 
   // The sizes against the tensors before anything is built: corrupt metadata must not allocate a huge model.
-  const int64_t gates = rnn_gates(options.kind);
-  const Shape hh{gates * options.hidden_size, options.hidden_size};
-  const std::string last_layer = fmt::format("rnn.weight_hh_l{}", options.num_layers - 1);
-  const std::pair<std::string, Shape> sized[] = {
-      {"encoder.weight", {vocab_size, options.embedding_size}}, {"rnn.weight_hh_l0", hh}, {last_layer, hh}};
-  auto find = [&](const std::string& name) {
-    return std::find_if(contents.tensors.begin(), contents.tensors.end(),
-                        [&](const auto& named) { return named.first == name; });
+  const std::map<std::string, const Tensor*> tensors = [&] {
+    std::map<std::string, const Tensor*> by_name;
+    for (const auto& [name, t] : contents.tensors) by_name.emplace(name, &t);
+    return by_name;
+  }();
+  auto check_shape = [&](const std::string& name, const Shape& shape, const std::string& why_expected) {
+    auto t = tensors.find(name);
+    HG_CHECK(t != tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"{}", path, name, why_expected);
+    HG_CHECK(t->second->shape() == shape, "load_language_model: '{}': \"{}\" is {}, but the metadata's sizes make it "
+             "{}", path, name, t->second->meta(), shape_str(shape));
   };
-  for (const auto& [name, shape] : sized) {
-    auto t = find(name);
-    HG_CHECK(t != contents.tensors.end(), "load_language_model: '{}' holds no tensor \"{}\"{}", path, name,
-             name == last_layer ? fmt::format(" (metadata \"halfgrad.nlayers\" says {})", options.num_layers) : "");
-    HG_CHECK(t->second.shape() == shape, "load_language_model: '{}': \"{}\" is {}, but the metadata's sizes make it {}",
-             path, name, t->second.meta(), shape_str(shape));
+  // Every layer's tensors are in the file, so the layer count cannot exceed the file's tensors: checked first, so that
+  // a huge count is refused before it is walked.
+  HG_CHECK(options.num_layers <= int64_t(tensors.size()), "load_language_model: '{}': metadata \"halfgrad.nlayers\" "
+           "says {} layers, more than the file's {} tensors", path, options.num_layers, tensors.size());
+  check_shape("encoder.weight", {vocab_size, options.embedding_size}, "");
+  const int64_t gates = rnn_gates(options.kind);
+  for (int64_t layer = 0; layer < options.num_layers; ++layer) {
+    check_shape(fmt::format("rnn.weight_hh_l{}", layer), {gates * options.hidden_size, options.hidden_size},
+                fmt::format(" (metadata \"halfgrad.nlayers\" says {})", options.num_layers));
   }
   const std::string past_last = fmt::format("rnn.weight_hh_l{}", options.num_layers);
-  HG_CHECK(find(past_last) == contents.tensors.end(), "load_language_model: '{}' holds \"{}\", a layer past the "
-           "{} that metadata \"halfgrad.nlayers\" says", path, past_last, options.num_layers);
+  HG_CHECK(!tensors.count(past_last), "load_language_model: '{}' holds \"{}\", a layer past the {} that metadata "
+           "\"halfgrad.nlayers\" says", path, past_last, options.num_layers);
   try {
     loaded.model = std::make_shared<LanguageModel>(vocab_size, options);
     // Checks every name and shape (the metadata's sizes against the tensors'); O2/O3 files hold half tensors.

@@ -1,6 +1,7 @@
 // Module: registry, traversal, mode, conversion, state dicts and printing. See nn/module.h.
 #include "nn/module.h"
 
+#include <cstring>
 #include <map>
 
 #include "core/autograd.h"
@@ -256,13 +257,16 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
     if (src.dtype() != t.dtype() && !options.convert_dtypes)
       problems.push_back(fmt::format("dtype mismatch for '{}': the state has {}, the model {} (LoadOptions::"
                                      "convert_dtypes converts)", name, dtype_name(src.dtype()), dtype_name(t.dtype())));
-    // One tensor, two values: copying both would keep the last and drop the other without a word.
+    // One tensor, two values: copying both would keep the last and drop the other without a word. Compared as the
+    // model would hold them (its dtype, bit for bit: a tied weight holding nan still loads).
     const auto [first, inserted] = shared.emplace(t.impl(), std::pair(name, &src));
     const Tensor& other = *first->second.second;
-    if (!inserted && !other.same(src) && src.shape() == t.shape() && other.shape() == t.shape() &&
-        (other.dtype() != src.dtype() || other.device() != src.device() || other.ne(src).any().item<bool>())) {
-      problems.push_back(fmt::format("'{}' and '{}' are one tensor in the model (tied), but the state gives them "
-                                     "different values", first->second.first, name));
+    if (!inserted && !other.same(src) && src.shape() == t.shape() && other.shape() == t.shape()) {
+      const Tensor a = other.to(Device::cpu(), t.dtype()).contiguous(), b = src.to(Device::cpu(), t.dtype()).contiguous();
+      if (std::memcmp(a.data_ptr(), b.data_ptr(), size_t(a.numel()) * element_size(a.dtype())) != 0) {
+        problems.push_back(fmt::format("'{}' and '{}' are one tensor in the model (tied), but the state gives them "
+                                       "different values", first->second.first, name));
+      }
     }
   }
   for (const auto& [name, t] : state)

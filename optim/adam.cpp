@@ -33,6 +33,11 @@ AdamFamily<kDecoupled>::AdamFamily(std::vector<Group<Options>> groups)
   this->check_parameters();
 }
 
+template <bool kDecoupled>
+void AdamFamily<kDecoupled>::check_group_options(const Options& options, size_t g) const {
+  check_options(this->name(), options, g);
+}
+
 template <bool kDecoupled> std::vector<std::string> AdamFamily<kDecoupled>::state_names(size_t g) const {
   if (this->groups_.at(g).options.amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   return {"exp_avg", "exp_avg_sq"};

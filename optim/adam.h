@@ -38,6 +38,7 @@ template <bool kDecoupled> class AdamFamily : public OptimizerWith<AdamFamilyOpt
  protected:
   std::vector<std::string> state_names(size_t g) const override;
   bool counts_steps() const override { return true; }
+  void check_group_options(const Options& options, size_t g) const override;
 };
 
 class Adam : public AdamFamily<false> {

@@ -270,13 +270,13 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
       } else if (t.numel() != 1 || !t.is_floating_point()) {
         errors.push_back(fmt::format("'{}' must be a one-element floating tensor, got {}", name, t.meta()));
-      } else if (const double v = t.item<double>(); !std::isfinite(v) || v < 0) {  // as the options' checks, and finite
-        errors.push_back(fmt::format("'{}' is {}, not a finite number >= 0", name, v));
+      } else if (const double v = t.item<double>(); !std::isfinite(v)) {
+        errors.push_back(fmt::format("'{}' is {}, not a finite number", name, v));
       } else if (parts[2] == "lr") {
-        groups[g].lr = t.item<double>();
+        groups[g].lr = v;
         groups[g].has_lr = true;
       } else {
-        groups[g].momentum = t.item<double>();
+        groups[g].momentum = v;
         groups[g].has_momentum = true;
       }
       continue;
@@ -332,6 +332,12 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     GroupEntries& ge = groups[g];
     if (!ge.has_lr) errors.push_back(fmt::format("missing 'param_groups.{}.lr'", g));
     if (!ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
+    // The values the constructor would refuse (a negative lr, Adam's beta1 >= 1, nesterov without momentum).
+    if (ge.has_lr && ge.has_momentum) {
+      if (std::string why = refusal(g, ge.lr, ge.momentum); !why.empty()) {
+        errors.push_back(fmt::format("param_groups.{}: lr {} and momentum {}: {}", g, ge.lr, ge.momentum, why));
+      }
+    }
     // A parameter's state is all there or not there at all.
     for (size_t p = 0; p < ge.params.size(); ++p) {
       std::vector<std::string> present, missing;

@@ -105,6 +105,8 @@ class Optimizer {
   virtual std::vector<std::string> state_names(size_t g) const = 0;
   // Whether ParamState::step is part of the state (Adam's bias correction needs it; SGD's does not).
   virtual bool counts_steps() const = 0;
+  // Why group g cannot take a loaded lr and momentum (the constructor's checks of its options with them), or "".
+  virtual std::string refusal(size_t g, double lr, double momentum) const = 0;
 
   // Checks that every parameter is a floating leaf that requires grad and appears in one group only.
   void check_parameters() const;
@@ -159,6 +161,19 @@ template <typename Options> class OptimizerWith : public Optimizer {
  protected:
   OptimizerWith(const char* name, std::vector<Group<Options>> groups) : Optimizer(name), groups_(std::move(groups)) {}
   const TensorList& group_params(size_t g) const override { return groups_.at(g).params; }
+  // The optimizer's own checks of a group's options (its constructor's); throw on a bad value.
+  virtual void check_group_options(const Options& options, size_t g) const = 0;
+  std::string refusal(size_t g, double lr, double momentum) const override {
+    Options options = groups_.at(g).options;
+    options.lr = lr;
+    momentum_of(options) = momentum;
+    try {
+      check_group_options(options, g);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return {};
+  }
 
   std::vector<Group<Options>> groups_;
 };

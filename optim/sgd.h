@@ -32,6 +32,7 @@ class SGD : public OptimizerWith<SGDOptions> {
   // State per parameter: "momentum_buffer" (undefined until the first step with momentum).
   std::vector<std::string> state_names(size_t) const override { return {"momentum_buffer"}; }
   bool counts_steps() const override { return false; }
+  void check_group_options(const SGDOptions& options, size_t g) const override;
 
  private:
   // found_inf undefined: always; grad_scale undefined: the gradients as they are (fused.h's SGDStepArgs)

@@ -29,11 +29,15 @@ mkdir -p folder
 grep -q 'train-classifier: --csv folder is a folder' folder.log || { cat folder.log; fail "no folder error"; }
 "$halfgrad" train-lm --jsonl no_such_folder/run.jsonl > nofolder.log 2>&1 && fail "ran"
 grep -q 'train-lm: cannot write --jsonl no_such_folder/run.jsonl' nofolder.log || { cat nofolder.log; fail "no error"; }
-"$halfgrad" train-lm --save= --dry-run > empty.log 2>&1 && fail "ran"
+"$halfgrad" train-lm --save= --dry-run --data-dir no_such_corpus > empty.log 2>&1 && fail "ran"
 grep -q -- "--save: '--dry-run' is an option, not a file name" empty.log || { cat empty.log; fail "--save= took --dry-run"; }
 [[ ! -e ./--dry-run ]] || fail "a file named --dry-run was written"
-"$halfgrad" bench lm --device cpu --memory-budget 8GiB > budget.log 2>&1 && fail "ran"
+"$halfgrad" bench lm --device cpu --memory-budget 8GiB --models no_such_model > budget.log 2>&1 && fail "ran"
 grep -q 'bench: --memory-budget is the max-batch suite' budget.log || { cat budget.log; fail "the budget was ignored"; }
+"$halfgrad" bench all --device cpu --memory-budget 8GiB --models no_such_model > all.log 2>&1 && fail "ran"
+grep -q 'memory-budget' all.log && { cat all.log; fail "the budget was refused for all, which holds max-batch"; }
+"$halfgrad" train-lm --csv /dev/null --jsonl /dev/null --data-dir no_such_corpus > streams.log 2>&1 && fail "ran"
+grep -q 'load_corpus' streams.log || { cat streams.log; fail "two logs on /dev/null were refused"; }
 mkdir -p corpus/test.txt && printf 'a b\n' > corpus/train.txt && printf 'a b\n' > corpus/valid.txt
 "$halfgrad" train-lm --data-dir corpus > corpus.log 2>&1 && fail "ran"
 grep -q 'load_corpus: corpus/test.txt is not a regular file' corpus.log || { cat corpus.log; fail "no folder error"; }

@@ -261,7 +261,7 @@ TEST_CASE("a view of a tensor written in place after the view was taken is refus
                                                        "view was taken"), Error);
   CHECK_THROWS_WITH_AS(before.unsqueeze(0), doctest::Contains("written in place after the view was taken"), Error);
   CHECK_THROWS_WITH_AS(before.backward(ones({2}, {.dtype = kFloat64})),
-                       doctest::Contains("backward: input 0 (float64[2] cpu) is a view of a tensor that was written"),
+                       doctest::Contains("backward: tensor 0 (float64[2] cpu) is a view of a tensor that was written"),
                        Error);
   Tensor after = b.slice(0, 0, 2);  // taken again: the write's history included
   (after.sum() + used).backward();

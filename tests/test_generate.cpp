@@ -226,14 +226,20 @@ TEST_CASE("generate: files that are not language model checkpoints are errors na
     CHECK(contains(e, "has 12 words, \"halfgrad.vocab_size\" says 11"));
   }
   SUBCASE("a layer count the tensors do not bear out: refused before a model of that many layers is built") {
-    contents.metadata["halfgrad.nlayers"] = "1000000000";
-    save_safetensors(bad, contents.tensors, contents.metadata);
-    CHECK(contains(generate_error(bad), fmt::format("'{}' holds no tensor \"rnn.weight_hh_l999999999\" (metadata "
-                                                    "\"halfgrad.nlayers\" says 1000000000)", bad)));
-    contents.metadata["halfgrad.nlayers"] = "1";
     Tensor hh;
     for (const auto& [name, t] : contents.tensors)
       if (name == "rnn.weight_hh_l0") hh = t;
+    NamedTensors gap = contents.tensors;  // layers 0 and 999999999 only
+    gap.emplace_back("rnn.weight_hh_l999999999", hh);
+    contents.metadata["halfgrad.nlayers"] = "1000000000";
+    save_safetensors(bad, gap, contents.metadata);
+    CHECK(contains(generate_error(bad), fmt::format("'{}': metadata \"halfgrad.nlayers\" says 1000000000 layers, more "
+                                                    "than the file's", bad)));
+    gap.emplace_back("rnn.weight_hh_l2", hh);  // layers 0 and 2 of 3
+    contents.metadata["halfgrad.nlayers"] = "3";
+    save_safetensors(bad, gap, contents.metadata);
+    CHECK(contains(generate_error(bad), "holds no tensor \"rnn.weight_hh_l1\" (metadata \"halfgrad.nlayers\" says 3)"));
+    contents.metadata["halfgrad.nlayers"] = "1";
     contents.tensors.emplace_back("rnn.weight_hh_l1", hh);
     save_safetensors(bad, contents.tensors, contents.metadata);
     CHECK(contains(generate_error(bad), "holds \"rnn.weight_hh_l1\", a layer past the 1 that metadata "

@@ -637,21 +637,31 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
   CHECK(opt.state_tensors().size() == 3);  // lr, momentum, with_state (empty): no parameter's state
 }
 
-TEST_CASE("loading state refuses an lr or momentum that is negative or not finite, naming the entry") {
+TEST_CASE("loading state refuses an lr or momentum that is not finite, or that the optimizer's constructor refuses") {
   Tensor w = ones({3}, {.requires_grad = true});
-  optim::SGD opt({w}, {.lr = 0.1, .momentum = 0.9});
-  const NamedTensors good = opt.state_tensors();
-  for (const auto& [entry, value] : std::vector<std::pair<std::string, double>>{
-           {"param_groups.0.lr", std::nan("")}, {"param_groups.0.lr", -5}, {"param_groups.0.momentum", INFINITY}}) {
-    CAPTURE(entry);
-    NamedTensors bad = good;
+  optim::SGD sgd({w}, {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+  optim::Adam adam({w}, {.lr = 0.1});
+  struct Case {
+    optim::Optimizer* opt;
+    std::string entry;
+    double value;
+    std::string expected;
+  };
+  for (const Case& c : std::vector<Case>{
+           {&sgd, "param_groups.0.lr", std::nan(""), "'param_groups.0.lr' is nan, not a finite number"},
+           {&sgd, "param_groups.0.momentum", INFINITY, "'param_groups.0.momentum' is inf, not a finite number"},
+           {&sgd, "param_groups.0.lr", -5, "param_groups.0: lr -5 and momentum 0.9: SGD: invalid learning rate -5"},
+           {&sgd, "param_groups.0.momentum", 0, "SGD: nesterov momentum requires a momentum and zero dampening"},
+           {&adam, "param_groups.0.momentum", 5, "param_groups.0: lr 0.1 and momentum 5: Adam: invalid beta1 5"}}) {
+    CAPTURE(c.entry);
+    NamedTensors bad = c.opt->state_tensors();
     for (auto& [name, t] : bad)
-      if (name == entry) t = scalar_tensor(value, {.dtype = kFloat64});
-    const std::string expected = fmt::format("'{}' is {}, not a finite number >= 0", entry, value);
-    CHECK_THROWS_WITH_AS(opt.load_state_tensors(bad), doctest::Contains(expected.c_str()), Error);
+      if (name == c.entry) t = scalar_tensor(c.value, {.dtype = kFloat64});
+    CHECK_THROWS_WITH_AS(c.opt->load_state_tensors(bad), doctest::Contains(c.expected.c_str()), Error);
   }
-  CHECK(opt.groups()[0].options.lr == 0.1);
-  CHECK(opt.groups()[0].options.momentum == 0.9);
+  CHECK(sgd.groups()[0].options.lr == 0.1);
+  CHECK(sgd.groups()[0].options.momentum == 0.9);
+  CHECK(adam.groups()[0].options.betas.first == 0.9);
 }
 
 TEST_CASE("loading state refuses a file that lost a parameter's state, and aliased indices") {

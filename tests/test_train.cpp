@@ -497,7 +497,7 @@ TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, s
   CHECK(contains(resume_error([&](auto& ck) {
                    replace(ck.optimizer, "param_groups.0.lr", scalar_tensor(std::nan(""), {.dtype = kFloat64}));
                  }),
-                 "'param_groups.0.lr' is nan, not a finite number >= 0"));
+                 "'param_groups.0.lr' is nan, not a finite number"));
 }
 
 TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {

@@ -80,10 +80,11 @@ inline CLI::Validator file_name() {
   return CLI::Validator(
       [](std::string& text) -> std::string {
         return text.starts_with("-") ? fmt::format("'{}' is an option, not a file name (an empty value is written as "
-                                                   "\"\", not with '=' and nothing after it)", text)
+                                                   "\"\", not with '=' and nothing after it; a file whose name "
+                                                   "starts with '-' as ./{})", text, text)
                                      : std::string();
       },
-      "FILE");
+      "");
 }
 
 }  // namespace halfgrad::cli

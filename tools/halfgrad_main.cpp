@@ -98,10 +98,14 @@ class LogFile {
   void line(const std::string& text) {
     if (path_.empty()) return;
     if (!out_.is_open()) {
-      const bool empty = !append_ || std::filesystem::file_size(path_) == 0;
+      // A resumed run's log already has its header where it is a file with lines; a stream (/dev/stdout, a pipe) gets
+      // one each run.
+      std::error_code ec;
+      const bool has_lines = append_ && std::filesystem::is_regular_file(path_, ec) &&
+                             std::filesystem::file_size(path_, ec) > 0 && !ec;
       out_.open(path_, append_ ? std::ios::app : std::ios::trunc);
       HG_CHECK(out_.good(), "{}: cannot write {} {}", command_, option_, path_);
-      if (empty && !header_.empty()) out_ << header_ << '\n';
+      if (!has_lines && !header_.empty()) out_ << header_ << '\n';
     }
     out_ << text << '\n' << std::flush;
     HG_CHECK(out_.good(), "{}: writing {} {} failed", command_, option_, path_);
@@ -141,6 +145,9 @@ using NamedFiles = std::vector<std::pair<const char*, std::string>>;  // option,
 void check_logs_apart(const char* command, const NamedFiles& logs, const NamedFiles& others) {
   auto same = [](const std::string& a, const std::string& b) {
     std::error_code ec;
+    // Two logs may share a stream (/dev/null, /dev/stdout): only a file would be overwritten or interleaved.
+    for (const std::string& path : {a, b})
+      if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) return false;
     if (std::filesystem::equivalent(a, b, ec)) return true;
     const auto canonical_a = std::filesystem::weakly_canonical(a, ec);
     return !ec && canonical_a == std::filesystem::weakly_canonical(b, ec) && !ec;
@@ -220,10 +227,11 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  config.group = cli::join_launched_group(config.device, "train-classifier");
-  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
+  // Every rank, before they meet: all refuse alike, and before any opens a file.
   check_logs_apart("train-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
                    {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint}});
+  config.group = cli::join_launched_group(config.device, "train-classifier");
+  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   LogFile csv(csv_path, "--csv", "train-classifier", !config.resume.empty(),
               "epoch,train_loss,train_accuracy,test_loss,test_accuracy,seconds,images_per_second,peak_memory_bytes,"
               "skipped_steps,loss_scale");
@@ -327,11 +335,11 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  config.group = cli::join_launched_group(config.device, "train-lm");
-  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   check_logs_apart("train-lm", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
                    {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint},
-                    {"--save", config.checkpoint}});
+                    {"--save", config.checkpoint}});  // every rank, before they meet (as train-classifier)
+  config.group = cli::join_launched_group(config.device, "train-lm");
+  if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   LogFile csv(csv_path, "--csv", "train-lm", !config.resume.empty(),
               "epoch,lr,train_loss,train_ppl,valid_loss,valid_ppl,seconds,tokens_per_second,peak_memory_bytes,"
               "skipped_steps,loss_scale");
@@ -538,8 +546,8 @@ int run_bench(BenchArgs a) {
   a.settings.device = parse_device(a.device);
   a.settings.channels_last = !a.nchw;
   if (!a.memory_budget.empty()) {
-    HG_CHECK(a.suite == "max-batch", "bench: --memory-budget is the max-batch suite's; the {} suite does not use it",
-             a.suite);
+    HG_CHECK(a.suite == "max-batch" || a.suite == "all", "bench: --memory-budget is the max-batch suite's; the {} "
+             "suite does not use it", a.suite);
     a.settings.memory_budget = bench::parse_bytes(a.memory_budget);
     if (a.settings.device.is_cuda()) {
       HG_CHECK(cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible", a.device);
