@@ -20,7 +20,12 @@ struct State {
   bool float32_math = false;  // inside an op that autocast called under CastRule::Float32Math
   bool tracing = false;
   // (parameter, target dtype) -> its cast. The cast keeps its autograd edge to the parameter.
-  std::map<std::pair<TensorImpl*, DType>, Tensor> cache;
+  struct Cast {
+    std::weak_ptr<TensorImpl> source;  // not kept alive; a freed parameter's address may come back for another one
+    uint64_t version;                   // the parameter's when cast: an in-place write since makes the cast stale
+    Tensor cast;
+  };
+  std::map<std::pair<TensorImpl*, DType>, Cast> cache;
 };
 thread_local State state;
 bool trace_env = [] {
@@ -115,9 +120,10 @@ Tensor cast(const Tensor& t, DType target) {
   if (!cacheable) return t.to(target);
   auto key = std::make_pair(t.impl(), target);
   auto it = state.cache.find(key);
-  if (it != state.cache.end()) return it->second;
+  if (it != state.cache.end() && it->second.source.lock() == t.impl_ptr() && it->second.version == t.version())
+    return it->second.cast;
   Tensor casted = t.to(target);
-  state.cache.emplace(key, casted);
+  state.cache.insert_or_assign(key, State::Cast{t.impl_ptr(), t.version(), casted});
   return casted;
 }
 

@@ -414,11 +414,13 @@ Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opti
     HG_CHECK(low >= lowest && high - 1 <= highest, "randint: [{}, {}) is not within {}'s range [{}, {}]", low, high,
              dtype_name(options.dtype), lowest, highest);
   }
-  // Unsigned: INT64_MIN..INT64_MAX does not overflow (high - low in int64 did: undefined, which UBSan reports).
+  // In unsigned arithmetic, which wraps: over INT64_MIN..INT64_MAX, high - low and low + offset overflow int64 (undefined,
+  // which UBSan reports), while the wrapped results are the right values.
   const uint64_t range = uint64_t(high) - uint64_t(low);
+  auto draw = [&](uint32_t hi, uint32_t lo) { return int64_t(uint64_t(low) + ((uint64_t(hi) << 32) | lo) % range); };
   Tensor t = generate<int64_t, 2>(shape, {.dtype = kInt64}, [&](Philox::U4 r, int64_t* v) {
-    v[0] = low + int64_t(((uint64_t(r.x[0]) << 32) | r.x[1]) % range);
-    v[1] = low + int64_t(((uint64_t(r.x[2]) << 32) | r.x[3]) % range);
+    v[0] = draw(r.x[0], r.x[1]);
+    v[1] = draw(r.x[2], r.x[3]);
   });
   return t.to(options.device, options.dtype);
 }

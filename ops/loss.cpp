@@ -435,21 +435,20 @@ namespace {
 
 constexpr int64_t kNllParallelGrain = 32768;
 
-void check_targets_cpu(const Tensor& input, const Tensor& target, int64_t classes, int64_t ignore_index,
-                       const char* op) {
+// Position: the target's index in memory order (the op sees input as [N, C, S] and target as [N, S]).
+void check_targets_cpu(const Tensor& target, int64_t classes, int64_t ignore_index, const char* op) {
   const int64_t* t = target.data<int64_t>();
   for (int64_t k = 0; k < target.numel(); ++k) {
     HG_CHECK(t[k] == ignore_index || (t[k] >= 0 && t[k] < classes),
-             "{}: target {} at position {} is out of range for {} classes (input {}, target {}); targets must be "
-             "in [0, {}) or equal ignore_index ({})", op, t[k], k, classes, input.meta(), target.meta(), classes,
-             ignore_index);
+             "{}: target {} at position {} is out of range for {} classes; targets must be in [0, {}) or equal "
+             "ignore_index ({})", op, t[k], k, classes, classes, ignore_index);
   }
 }
 
 void nll_loss_cpu(const Tensor& loss, const Tensor& weights, const Tensor& input, const Tensor& target,
                   const Tensor& weight, int64_t ignore_index, const char* op) {
   const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2);
-  check_targets_cpu(input, target, classes, ignore_index, op);
+  check_targets_cpu(target, classes, ignore_index, op);
   dispatch_floating(input.dtype(), op, [&]<typename T>() {
     using A = opmath_t<T>;
     const T* x = input.data<T>();
@@ -520,7 +519,7 @@ template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
 void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
                        const Tensor& target, const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2);
-  check_targets_cpu(input, target, classes, ignore_index, "cross_entropy");
+  check_targets_cpu(target, classes, ignore_index, "cross_entropy");
   dispatch_floating(input.dtype(), "cross_entropy", [&]<typename T>() {
     using A = opmath_t<T>;
     const int64_t* t = target.data<int64_t>();

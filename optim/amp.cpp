@@ -80,14 +80,32 @@ Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, A
       }
     }
   }
+  amp.note_synced();
   logger().info("amp: {} with {} ({} master weights)", opt_level_name(level), dtype_name(options.half_dtype),
                 amp.masters_.size());
   return amp;
 }
 
+void Amp::note_synced() {
+  synced_versions_.clear();
+  for (const auto& [master, model_param] : masters_) synced_versions_.emplace_back(master.version(), model_param.version());
+}
+
+void Amp::take_written_model_parameters() {
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    auto& [master, model_param] = masters_[i];
+    const auto [master_version, model_version] = synced_versions_[i];
+    if (model_param.version() != model_version && master.version() == master_version) master.copy_(model_param);
+  }
+}
+
 Tensor Amp::forward(nn::Module& model, const Tensor& x) {
-  TensorList params = model.parameters();
-  DType model_dtype = params.empty() ? kFloat32 : params.front().dtype();
+  DType model_dtype = options_.half_dtype;
+  if (level_ == OptLevel::O0 || level_ == OptLevel::O1) {
+    const TensorList params = model.parameters();
+    model_dtype = params.empty() ? kFloat32 : params.front().dtype();
+  }
   Tensor input = x.is_floating_point() ? x.to(model_dtype) : x;
   Tensor out = run([&] { return model.forward(input); });
   return level_ == OptLevel::O2 && out.is_floating_point() ? out.to(kFloat32) : out;
@@ -133,6 +151,7 @@ Tensor Amp::clip_grad_norm_(double max_norm, double norm_type) {
 }
 
 void Amp::step() {
+  take_written_model_parameters();
   gather_master_grads();
   masters_have_grads_ = false;
   if (clip_coefficient_.defined()) {
@@ -148,6 +167,7 @@ void Amp::step() {
     NoGradGuard no_grad;
     for (auto& [master, model_param] : masters_) model_param.copy_(master);
   }
+  note_synced();
   scaler_.update();
 }
 

@@ -41,7 +41,8 @@ struct AmpOptions {
 
 class Amp {
  public:
-  // Runs model(x): x is cast to the dtype of the model's first parameter (half for O2/O3); O1 runs under an
+  // Runs model(x): a floating x is cast to the half dtype for O2/O3 (as apex does, whatever the first layer: O2's
+  // batch norm stays float32 and takes half input), to the first parameter's dtype for O0/O1; O1 runs under an
   // AutocastGuard; O2 returns the output in float32 (losses are computed in float32), as apex does.
   Tensor forward(nn::Module& model, const Tensor& x);
   // Runs fn() as a forward pass of the level: under autocast for O1, as it is otherwise. For models whose forward
@@ -79,7 +80,10 @@ class Amp {
   //   amp.step();
   Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
   // One optimizer step with everything the level needs (skipped on the device when a gradient overflowed:
-  // scaler().skipped_steps() counts those).
+  // scaler().skipped_steps() counts those). O2: a model parameter written since the last step (load_state_dict,
+  // nn::load) while its master was not gives the master its value first, as apex's load hook does; otherwise the
+  // step's copy of the masters into the model would undo the load. Where both were written (a training checkpoint
+  // restores the masters too) the master is kept.
   void step();
   void zero_grad();
 
@@ -98,10 +102,13 @@ class Amp {
   AmpOptions options_;
   GradScaler scaler_;
   std::vector<std::pair<Tensor, Tensor>> masters_;
+  std::vector<std::pair<uint64_t, uint64_t>> synced_versions_;  // O2: (master, model) versions after their last copy
   bool masters_have_grads_ = false;  // O2: the half gradients of this step were copied to the masters
   Tensor clip_coefficient_;          // without a loss scaler: what clip_grad_norm_ left for step() to multiply by
 
   void gather_master_grads();
+  void take_written_model_parameters();
+  void note_synced();
 };
 
 // Converts `model` as the level says and rewires `optimizer` (which must not have stepped yet) to train it.

@@ -76,11 +76,21 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   NoGradGuard no_grad;
   // Group the gradients by (device, dtype): one fused pass per group.
   std::map<std::pair<Device, DType>, TensorList> groups;
+  std::vector<std::pair<Tensor, Tensor>> copied;  // (gradient in no dense layout, its contiguous copy)
   last_parameters_ = optimizer.parameters();
   for (const Tensor& param : last_parameters_) {
     Tensor g = param.grad();
-    // A gradient dense in any layout (channels_last) is unscaled in place, as the 1-D view of its storage.
-    if (g.defined()) groups[{g.device(), g.dtype()}].push_back(storage_format(g) ? flat_storage_view(g) : g);
+    if (!g.defined()) continue;
+    // A gradient dense in any layout (channels_last) is unscaled in place, as the 1-D view of its storage; another
+    // (set by hand, a transposed view) through a contiguous copy, written back.
+    Tensor flat;
+    if (storage_format(g)) {
+      flat = flat_storage_view(g);
+    } else {
+      copied.emplace_back(g, g.contiguous());
+      flat = copied.back().second;
+    }
+    groups[{g.device(), g.dtype()}].push_back(flat);
   }
   std::map<Device, Tensor> flags;
   for (auto& [key, grads] : groups) {
@@ -88,6 +98,7 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
     if (!flags.count(device)) flags[device] = zeros({}, {.device = device});
     unscale_kernel[device](grads, scale_on(device), flags[device]);
   }
+  for (auto& [grad, copy] : copied) grad.copy_(copy);
   for (auto& [device, flag] : flags) p.found_inf.push_back(flag);
   agree_on_overflow(p);
   p.unscaled = true;
@@ -159,13 +170,15 @@ void GradScaler::step(optim::Optimizer& optimizer) {
 void GradScaler::update() {
   if (!options_.enabled) return;
   if (scale_.defined()) {
+    // As PyTorch: a step whose gradients were never checked for infinities must not count as a clean one.
+    HG_CHECK(!per_optimizer_.empty(), "GradScaler::update: no inf checks were recorded since the last update(): call "
+             "step(optimizer) (or unscale_) first");
     NoGradGuard no_grad;
     Tensor overflow;
     for (auto& [opt, p] : per_optimizer_) {
       Tensor f = found_inf(p);
       overflow = overflow.defined() ? maximum(overflow, f) : f;
     }
-    if (!overflow.defined()) overflow = zeros({}, {.device = scale_.device()});
     update_scale_kernel[scale_.device()]({.scale = scale_,
                                           .growth_tracker = growth_tracker_,
                                           .skipped = skipped_,

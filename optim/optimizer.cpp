@@ -71,9 +71,10 @@ void Optimizer::check_parameters() const {
       HG_CHECK(t.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
       HG_CHECK(t.is_floating_point(), "{}: parameters must be floating point, got {} (group {}, parameter {})", name_,
                t.meta(), g, p);
-      HG_CHECK(t.is_leaf() && t.requires_grad(),
-               "{}: parameters must be leaves that require grad, got {} (group {}, parameter {})", name_, t.meta(), g,
-               p);
+      // A leaf that requires no grad (a frozen layer) is taken, as PyTorch does: it never gets a gradient, and a step
+      // skips it.
+      HG_CHECK(t.is_leaf(), "{}: parameters must be leaves (a tensor computed from others cannot be optimized), got {} "
+               "(group {}, parameter {})", name_, t.meta(), g, p);
       HG_CHECK(seen.insert(t.impl()).second,
                "{}: a parameter appears more than once (group {}, parameter {}: {}); give each to one group only",
                name_, g, p, t.meta());
@@ -311,9 +312,9 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     size_t k = 0;
     while (k < names[g].size() && names[g][k] != parts[3]) ++k;
     if (k == names[g].size()) {
-      errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{}for group {}", name, name_,
-                                   counts_steps() ? "step, " : "", fmt::join(names[g], ", "),
-                                   names[g].empty() ? "nothing " : " ", g));
+      errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{}{} for group {}", name, name_,
+                                   counts_steps() ? "step, " : "", names[g].empty() ? "nothing" : "",
+                                   fmt::join(names[g], ", "), g));
       continue;
     }
     if (t.shape() != param.shape() || t.dtype() != param.dtype()) {

@@ -108,7 +108,8 @@ class Optimizer {
   // Why group g cannot take a loaded lr and momentum (the constructor's checks of its options with them), or "".
   virtual std::string refusal(size_t g, double lr, double momentum) const = 0;
 
-  // Checks that every parameter is a floating leaf that requires grad and appears in one group only.
+  // Checks that every parameter is a floating leaf (one that requires no grad, frozen, is taken and skipped) and
+  // appears in one group only.
   void check_parameters() const;
 
   // One parameter of a step, as a fused kernel takes it: 1-D views of its storage in memory order, so that a

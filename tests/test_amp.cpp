@@ -176,6 +176,22 @@ TEST_CASE("a float32 parameter is cast once per forward and its gradient arrives
   CHECK(err < 1e-2);
 }
 
+TEST_CASE("autocast's cast of a parameter is not reused for another one at a freed one's address, nor after a write") {
+  amp::AutocastGuard autocast(kFloat16);
+  NoGradGuard no_grad;  // nothing else keeps a parameter alive once it goes: its address comes back for the next one
+  const Tensor x = ones({1, 4});
+  int wrong = 0;
+  for (int i = 0; i < 200; ++i) {
+    const Tensor w = full({4, 1}, double(i % 50 + 1)).requires_grad_();
+    if (matmul(x, w).item<double>() != 4.0 * (i % 50 + 1)) ++wrong;  // the cast of an earlier, freed w: 157 of 200
+  }
+  CHECK(wrong == 0);
+  Tensor w = ones({4, 1}).requires_grad_();
+  CHECK(matmul(x, w).item<double>() == 4);
+  w.mul_(2);  // an in-place write within the region (an optimizer's step): the cast made before is stale
+  CHECK(matmul(x, w).item<double>() == 8);
+}
+
 // ---- loss scaling
 
 // A float16 parameter whose true gradient (1e-8) is below float16's smallest subnormal (6e-8).
@@ -363,6 +379,19 @@ TEST_CASE("unscale_ runs at most once per step") {
   scaler.update();
   w.set_grad(ones({1}));
   scaler.unscale_(opt);  // a new iteration
+}
+
+TEST_CASE("update() without an inf check since the last one is an error, not a clean step; any gradient layout unscales") {
+  Tensor w = ones({3, 2}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler({.init_scale = 1024, .growth_interval = 1});
+  (void)scaler.scale(w.sum());
+  CHECK_THROWS_WITH_AS(scaler.update(), doctest::Contains("GradScaler::update: no inf checks were recorded"), Error);
+  CHECK(scaler.get_scale() == 1024);  // not grown
+  // A gradient set by hand as a transposed view: unscaled through a contiguous copy, as PyTorch unscales any strides.
+  w.set_grad(tensor(std::vector<float>{1024, 2048, 3072, 4096, 5120, 6144}, {2, 3}).t());
+  scaler.unscale_(opt);
+  CHECK(values(w.grad()) == std::vector<double>{1, 4, 2, 5, 3, 6});
 }
 
 TEST_CASE("scaler state round-trips") {

@@ -13,6 +13,7 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::values;
 
 namespace {
 // conv -> batch norm -> relu -> flatten -> linear: every kind of parameter O2 treats differently.
@@ -269,6 +270,28 @@ TEST_CASE("amp.clip_grad_norm_ without a loss scaler (O0) leaves SGD's gradients
   const double norm64 = amp64.clip_grad_norm_(0.01).item<double>();
   const Tensor clipped64 = grad64 * (0.01 / (norm64 + 1e-6));
   testing::check_close(to_vector<double>(net64->parameters()[0].grad()), to_vector<double>(clipped64), 1e-15);
+}
+
+TEST_CASE("O2: a model whose first layer stays float32 (batch norm) takes its input in half, as apex casts it") {
+  auto model = nn::sequential({std::make_shared<nn::BatchNorm2d>(1), std::make_shared<nn::Conv2d>(1, 2, 1)});
+  optim::SGD opt(model->parameters(), {.lr = 0.1});
+  amp::Amp amp = amp::initialize(*model, opt, amp::OptLevel::O2);
+  const Tensor out = amp.forward(*model, randn({2, 1, 2, 2}));
+  CHECK(out.dtype() == kFloat32);
+  CHECK(out.shape() == Shape{2, 2, 2, 2});
+}
+
+TEST_CASE("O2: a state loaded into the model after initialize is what the next step starts from") {
+  auto model = nn::sequential({std::make_shared<nn::Linear>(2, 1)});
+  optim::SGD opt(model->parameters(), {.lr = 0.0});  // lr 0: a step changes nothing
+  amp::Amp amp = amp::initialize(*model, opt, amp::OptLevel::O2);
+  model->load_state_dict({{"0.weight", full({1, 2}, 7.0, {.dtype = kFloat16})},
+                          {"0.bias", full({1}, 7.0, {.dtype = kFloat16})}});
+  const Tensor out = amp.forward(*model, ones({1, 2}));
+  amp.backward(amp.loss([&] { return out.sum(); }));
+  amp.step();  // the masters took the loaded values; the step's copy into the model did not undo the load
+  CHECK(values(model->parameters()[0]) == std::vector<double>{7, 7});
+  CHECK(values(amp.master_weights()[0].first) == std::vector<double>{7, 7});
 }
 
 TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown levels") {

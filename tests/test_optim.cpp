@@ -108,6 +108,17 @@ TEST_CASE("SGD refuses bad options and non-leaf parameters") {
   CHECK_THROWS_WITH_AS(optim::SGD({ints}, {}), doctest::Contains("floating point"), Error);
 }
 
+TEST_CASE("a frozen parameter (requires_grad false) is taken, as PyTorch does, and never moves") {
+  nn::Linear layer(2, 2);
+  layer.weight.requires_grad_(false);
+  const Tensor before = layer.weight.clone();
+  optim::SGD opt(layer.parameters(), {.lr = 0.1, .momentum = 0.9});
+  layer.forward(ones({3, 2})).sum().backward();
+  opt.step();
+  CHECK(values(layer.weight) == values(before));
+  CHECK_FALSE(layer.bias.grad().abs().sum().item<double>() == 0);  // the bias trains
+}
+
 TEST_CASE("a few SGD steps fit a linear model") {
   manual_seed(0);
   Tensor x = randn({64, 3}, {.dtype = kFloat64});
@@ -662,6 +673,17 @@ TEST_CASE("loading state refuses an lr or momentum that is not finite, or that t
   CHECK(sgd.groups()[0].options.lr == 0.1);
   CHECK(sgd.groups()[0].options.momentum == 0.9);
   CHECK(adam.groups()[0].options.betas.first == 0.9);
+}
+
+TEST_CASE("loading another optimizer's state names the unexpected entry, what this one keeps and the group") {
+  Tensor a = ones({1}, {.requires_grad = true}), b = ones({1}, {.requires_grad = true});
+  optim::Adam with_amsgrad({a}, {.amsgrad = true});
+  a.set_grad(ones({1}));
+  with_amsgrad.step();
+  optim::Adam plain({b}, {});
+  CHECK_THROWS_WITH_AS(plain.load_state_tensors(with_amsgrad.state_tensors()),
+                       doctest::Contains("unexpected entry 'state.0.0.max_exp_avg_sq': Adam keeps step, exp_avg, "
+                                         "exp_avg_sq for group 0"), Error);
 }
 
 TEST_CASE("loading state refuses a file that lost a parameter's state, and aliased indices") {
