@@ -21,11 +21,15 @@ struct State {
   bool tracing = false;
   // (parameter, target dtype) -> its cast. The cast keeps its autograd edge to the parameter.
   struct Cast {
-    std::weak_ptr<TensorImpl> source;  // not kept alive; a freed parameter's address may come back for another one
-    uint64_t version;                   // the parameter's when cast: an in-place write since makes the cast stale
+    // The parameter, not kept alive. (Keyed by address alone, a freed parameter's cast went to the next parameter
+    // made at that address; the weak_ptr also pins the allocation, so the address stays its own while the entry
+    // lives.)
+    std::weak_ptr<TensorImpl> source;
+    uint64_t version;  // the parameter's when cast: an in-place write since makes the cast stale
     Tensor cast;
   };
   std::map<std::pair<TensorImpl*, DType>, Cast> cache;
+  size_t sweep_at = 64;  // cache size at which the entries of freed parameters (and their casts) are dropped
 };
 thread_local State state;
 bool trace_env = [] {
@@ -69,7 +73,10 @@ AutocastGuard::AutocastGuard(DType dtype, bool enabled) : prev_enabled_(state.en
 AutocastGuard::~AutocastGuard() {
   state.enabled = prev_enabled_;
   state.dtype = prev_dtype_;
-  if (--state.depth == 0) state.cache.clear();
+  if (--state.depth == 0) {
+    state.cache.clear();
+    state.sweep_at = 64;
+  }
 }
 
 bool is_autocast_enabled() { return state.enabled; }
@@ -124,6 +131,10 @@ Tensor cast(const Tensor& t, DType target) {
     return it->second.cast;
   Tensor casted = t.to(target);
   state.cache.insert_or_assign(key, State::Cast{t.impl_ptr(), t.version(), casted});
+  if (state.cache.size() >= state.sweep_at) {  // a region that makes parameters as it goes (inference loops)
+    std::erase_if(state.cache, [](const auto& entry) { return entry.second.source.expired(); });
+    state.sweep_at = 2 * state.cache.size() + 64;
+  }
   return casted;
 }
 

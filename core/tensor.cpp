@@ -414,8 +414,8 @@ Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opti
     HG_CHECK(low >= lowest && high - 1 <= highest, "randint: [{}, {}) is not within {}'s range [{}, {}]", low, high,
              dtype_name(options.dtype), lowest, highest);
   }
-  // In unsigned arithmetic, which wraps: over INT64_MIN..INT64_MAX, high - low and low + offset overflow int64 (undefined,
-  // which UBSan reports), while the wrapped results are the right values.
+  // In unsigned arithmetic, which wraps: over INT64_MIN..INT64_MAX, high - low and low + offset overflow int64
+  // (undefined, which UBSan reports), while the wrapped results are the right values.
   const uint64_t range = uint64_t(high) - uint64_t(low);
   auto draw = [&](uint32_t hi, uint32_t lo) { return int64_t(uint64_t(low) + ((uint64_t(hi) << 32) | lo) % range); };
   Tensor t = generate<int64_t, 2>(shape, {.dtype = kInt64}, [&](Philox::U4 r, int64_t* v) {

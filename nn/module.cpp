@@ -262,7 +262,8 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
     const auto [first, inserted] = shared.emplace(t.impl(), std::pair(name, &src));
     const Tensor& other = *first->second.second;
     if (!inserted && !other.same(src) && src.shape() == t.shape() && other.shape() == t.shape()) {
-      const Tensor a = other.to(Device::cpu(), t.dtype()).contiguous(), b = src.to(Device::cpu(), t.dtype()).contiguous();
+      const Tensor a = other.to(Device::cpu(), t.dtype()).contiguous();
+      const Tensor b = src.to(Device::cpu(), t.dtype()).contiguous();
       if (std::memcmp(a.data_ptr(), b.data_ptr(), size_t(a.numel()) * element_size(a.dtype())) != 0) {
         problems.push_back(fmt::format("'{}' and '{}' are one tensor in the model (tied), but the state gives them "
                                        "different values", first->second.first, name));

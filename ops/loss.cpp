@@ -435,7 +435,7 @@ namespace {
 
 constexpr int64_t kNllParallelGrain = 32768;
 
-// Position: the target's index in memory order (the op sees input as [N, C, S] and target as [N, S]).
+// Position: the target's flattened, row-major index (the kernels see input as [N, C, S] and target as [N, S]).
 void check_targets_cpu(const Tensor& target, int64_t classes, int64_t ignore_index, const char* op) {
   const int64_t* t = target.data<int64_t>();
   for (int64_t k = 0; k < target.numel(); ++k) {

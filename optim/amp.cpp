@@ -6,6 +6,7 @@
 #include "core/autograd.h"
 #include "core/log.h"
 #include "nn/layers.h"
+#include "ops/elementwise.h"
 #include "optim/clip_grad.h"
 
 namespace halfgrad::amp {
@@ -72,7 +73,7 @@ Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, A
           NoGradGuard no_grad;
           master = p.to(kFloat32).clone();
         }
-        master.requires_grad_();
+        master.requires_grad_(p.requires_grad());  // a frozen parameter's master stays frozen
         amp.masters_.emplace_back(master, p);
         p = master;
       } else {
@@ -88,16 +89,21 @@ Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, A
 
 void Amp::note_synced() {
   synced_versions_.clear();
-  for (const auto& [master, model_param] : masters_) synced_versions_.emplace_back(master.version(), model_param.version());
+  for (const auto& [master, model_param] : masters_)
+    synced_versions_.emplace_back(master.version(), model_param.version());
 }
 
-void Amp::take_written_model_parameters() {
+void Amp::sync_masters() {
   NoGradGuard no_grad;
   for (size_t i = 0; i < masters_.size(); ++i) {
     auto& [master, model_param] = masters_[i];
     const auto [master_version, model_version] = synced_versions_[i];
-    if (model_param.version() != model_version && master.version() == master_version) master.copy_(model_param);
+    if (model_param.version() == model_version || master.version() != master_version) continue;
+    // On the device, without a host read: only the elements whose value moved off the master's rounding.
+    const Tensor moved = model_param.ne(master.to(model_param.dtype()));
+    master.copy_(where(moved, model_param.to(master.dtype()), master));
   }
+  note_synced();
 }
 
 Tensor Amp::forward(nn::Module& model, const Tensor& x) {
@@ -151,7 +157,7 @@ Tensor Amp::clip_grad_norm_(double max_norm, double norm_type) {
 }
 
 void Amp::step() {
-  take_written_model_parameters();
+  sync_masters();
   gather_master_grads();
   masters_have_grads_ = false;
   if (clip_coefficient_.defined()) {

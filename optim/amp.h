@@ -83,8 +83,13 @@ class Amp {
   // scaler().skipped_steps() counts those). O2: a model parameter written since the last step (load_state_dict,
   // nn::load) while its master was not gives the master its value first, as apex's load hook does; otherwise the
   // step's copy of the masters into the model would undo the load. Where both were written (a training checkpoint
-  // restores the masters too) the master is kept.
+  // restores the masters too) the master is kept, and elements whose model value equals the master's rounding keep the
+  // master's float32 value (a write of the same values, as DistributedDataParallel's first broadcast, changes nothing).
+  // A captured step (cuda::CapturedStep) runs this host code once, at capture: load between replays with
+  // sync_masters() then.
   void step();
+  // What step() does first: masters take the values of model parameters written since the last step (see step()).
+  void sync_masters();
   void zero_grad();
 
   OptLevel level() const { return level_; }
@@ -107,7 +112,6 @@ class Amp {
   Tensor clip_coefficient_;          // without a loss scaler: what clip_grad_norm_ left for step() to multiply by
 
   void gather_master_grads();
-  void take_written_model_parameters();
   void note_synced();
 };
 

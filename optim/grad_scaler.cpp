@@ -81,6 +81,9 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   for (const Tensor& param : last_parameters_) {
     Tensor g = param.grad();
     if (!g.defined()) continue;
+    // Before any gradient is unscaled: one that cannot be written back would leave the others unscaled twice later.
+    HG_CHECK(!has_internal_overlap(g), "GradScaler::unscale_: the gradient {} of a parameter is an expanded view, "
+             "whose elements share memory; give the parameter a gradient of its own (clone())", g.meta());
     // A gradient dense in any layout (channels_last) is unscaled in place, as the 1-D view of its storage; another
     // (set by hand, a transposed view) through a contiguous copy, written back.
     Tensor flat;
@@ -171,8 +174,11 @@ void GradScaler::update() {
   if (!options_.enabled) return;
   if (scale_.defined()) {
     // As PyTorch: a step whose gradients were never checked for infinities must not count as a clean one.
-    HG_CHECK(!per_optimizer_.empty(), "GradScaler::update: no inf checks were recorded since the last update(): call "
-             "step(optimizer) (or unscale_) first");
+    if (per_optimizer_.empty()) {
+      loss_was_finite_.clear();  // this iteration's records end with the refusal, as they would with an update
+      HG_FAIL("GradScaler::update: no inf checks were recorded since the last update(): call step(optimizer) (or "
+              "unscale_) first");
+    }
     NoGradGuard no_grad;
     Tensor overflow;
     for (auto& [opt, p] : per_optimizer_) {

@@ -312,9 +312,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     size_t k = 0;
     while (k < names[g].size() && names[g][k] != parts[3]) ++k;
     if (k == names[g].size()) {
-      errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{}{} for group {}", name, name_,
-                                   counts_steps() ? "step, " : "", names[g].empty() ? "nothing" : "",
-                                   fmt::join(names[g], ", "), g));
+      errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{} for group {}", name, name_,
+                                   counts_steps() ? "step, " : "", fmt::join(names[g], ", "), g));
       continue;
     }
     if (t.shape() != param.shape() || t.dtype() != param.dtype()) {

@@ -19,7 +19,8 @@ grep -q 'load_corpus: no_such_corpus/train.txt not found' missing.log || { cat m
 
 printf 'a checkpoint' > run.safetensors
 "$halfgrad" train-lm --emsize 8 --nhid 8 --resume run.safetensors --csv ./run.safetensors > same.log 2>&1 && fail "ran"
-grep -q 'train-lm: --csv and --resume name the same file, ./run.safetensors' same.log || { cat same.log; fail "no refusal"; }
+grep -q 'train-lm: --csv and --resume name the same file, ./run.safetensors' same.log ||
+  { cat same.log; fail "no refusal"; }
 [[ $(cat run.safetensors) == 'a checkpoint' ]] || fail "the checkpoint was changed"
 "$halfgrad" train-lm --emsize 8 --nhid 8 --csv same.log --jsonl same.log > twice.log 2>&1 && fail "ran"
 grep -q 'train-lm: --csv and --jsonl name the same file' twice.log || { cat twice.log; fail "no refusal of one file"; }
@@ -30,7 +31,8 @@ grep -q 'train-classifier: --csv folder is a folder' folder.log || { cat folder.
 "$halfgrad" train-lm --jsonl no_such_folder/run.jsonl > nofolder.log 2>&1 && fail "ran"
 grep -q 'train-lm: cannot write --jsonl no_such_folder/run.jsonl' nofolder.log || { cat nofolder.log; fail "no error"; }
 "$halfgrad" train-lm --save= --dry-run --data-dir no_such_corpus > empty.log 2>&1 && fail "ran"
-grep -q -- "--save: '--dry-run' is an option, not a file name" empty.log || { cat empty.log; fail "--save= took --dry-run"; }
+grep -q -- "--save: '--dry-run' is an option, not a file name" empty.log ||
+  { cat empty.log; fail "--save= took --dry-run"; }
 [[ ! -e ./--dry-run ]] || fail "a file named --dry-run was written"
 "$halfgrad" bench lm --device cpu --memory-budget 8GiB --models no_such_model > budget.log 2>&1 && fail "ran"
 grep -q 'bench: --memory-budget is the max-batch suite' budget.log || { cat budget.log; fail "the budget was ignored"; }

@@ -381,7 +381,7 @@ TEST_CASE("unscale_ runs at most once per step") {
   scaler.unscale_(opt);  // a new iteration
 }
 
-TEST_CASE("update() without an inf check since the last one is an error, not a clean step; any gradient layout unscales") {
+TEST_CASE("update() without an inf check since the last is an error, not a clean step; any gradient layout unscales") {
   Tensor w = ones({3, 2}, {.requires_grad = true});
   optim::SGD opt({w}, {.lr = 1});
   amp::GradScaler scaler({.init_scale = 1024, .growth_interval = 1});
@@ -392,6 +392,16 @@ TEST_CASE("update() without an inf check since the last one is an error, not a c
   w.set_grad(tensor(std::vector<float>{1024, 2048, 3072, 4096, 5120, 6144}, {2, 3}).t());
   scaler.unscale_(opt);
   CHECK(values(w.grad()) == std::vector<double>{1, 4, 2, 5, 3, 6});
+  scaler.step(opt);
+  scaler.update();
+  // An expanded gradient cannot be written back: refused before any gradient is unscaled.
+  Tensor v = ones({2}, {.requires_grad = true});
+  optim::SGD two({w, v}, {.lr = 1});
+  w.set_grad(full({3, 2}, 2048.0));
+  v.set_grad(full({1}, 2048.0).expand({2}));
+  CHECK_THROWS_WITH_AS(scaler.unscale_(two), doctest::Contains("GradScaler::unscale_: the gradient float32[2] cpu of a "
+                                                               "parameter is an expanded view"), Error);
+  CHECK(values(w.grad())[0] == 2048);  // untouched
 }
 
 TEST_CASE("scaler state round-trips") {

@@ -294,6 +294,51 @@ TEST_CASE("O2: a state loaded into the model after initialize is what the next s
   CHECK(values(amp.master_weights()[0].first) == std::vector<double>{7, 7});
 }
 
+TEST_CASE("O2: a write of the model's own values keeps the masters' float32 ones; a checkpoint's masters are kept") {
+  auto model = nn::sequential({std::make_shared<nn::Linear>(2, 1)});
+  {
+    NoGradGuard no_grad;
+    model->parameters()[0].copy_(tensor(std::vector<float>{0.1f, 0.3f}, {1, 2}));  // not float16 values
+  }
+  optim::SGD opt(model->parameters(), {.lr = 0.0});
+  amp::Amp amp = amp::initialize(*model, opt, amp::OptLevel::O2);
+  const Tensor master = amp.master_weights()[0].first;
+  const std::vector<double> exact = values(master);
+  auto step = [&] {
+    const Tensor out = amp.forward(*model, ones({1, 2}));
+    amp.backward(amp.loss([&] { return out.sum(); }));
+    amp.step();
+    amp.zero_grad();
+  };
+  {
+    NoGradGuard no_grad;  // what DistributedDataParallel's first broadcast does: the same values written again
+    for (Tensor p : model->parameters()) p.copy_(p.clone());
+  }
+  step();
+  CHECK(values(master) == exact);  // not the half-rounded values
+  {
+    NoGradGuard no_grad;  // a training checkpoint restores both: the master's float32 values stand
+    model->parameters()[0].copy_(full({1, 2}, 2.0, {.dtype = kFloat16}));
+    Tensor(master).copy_(tensor(std::vector<float>{2.1f, 2.3f}, {1, 2}));
+  }
+  step();
+  CHECK(values(master) == values(tensor(std::vector<float>{2.1f, 2.3f}, {1, 2})));
+}
+
+TEST_CASE("O2 with a frozen parameter: its master stays frozen and neither moves") {
+  auto model = nn::sequential({std::make_shared<nn::Linear>(2, 1)});
+  model->parameters()[0].requires_grad_(false);
+  optim::SGD opt(model->parameters(), {.lr = 0.5});
+  amp::Amp amp = amp::initialize(*model, opt, amp::OptLevel::O2);
+  const std::vector<double> weight = values(model->parameters()[0]), bias = values(model->parameters()[1]);
+  CHECK_FALSE(amp.master_weights()[0].first.requires_grad());
+  const Tensor out = amp.forward(*model, ones({1, 2}));
+  amp.backward(amp.loss([&] { return out.sum() * 0.01; }));  // scaled by 2^16, a gradient of 1 would overflow
+  amp.step();
+  CHECK(values(model->parameters()[0]) == weight);
+  CHECK(values(model->parameters()[1]) != bias);
+}
+
 TEST_CASE("amp::initialize refuses an optimizer that already stepped and unknown levels") {
   auto net = small_net();
   optim::SGD opt(net->parameters(), {.lr = 0.01, .momentum = 0.9});

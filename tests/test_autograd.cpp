@@ -251,7 +251,7 @@ TEST_CASE("an in-place op that records on a view is refused before it writes: th
   CHECK(values(w.grad()) == std::vector<double>{2});
 }
 
-TEST_CASE("a view of a tensor written in place after the view was taken is refused as an input: its gradient is stale") {
+TEST_CASE("a view of a tensor written in place after the view was taken is refused as an input: its grad_fn is stale") {
   Tensor a = ones({3}, {.dtype = kFloat64, .requires_grad = true});
   Tensor b = a * 2;
   Tensor before = b.slice(0, 0, 2);

@@ -450,7 +450,7 @@ TEST_CASE("train_language_model stopped within an epoch writes where it stopped,
                      nn::load_training_checkpoint(straight.train_checkpoint));
 }
 
-TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, state, best loss or lr do not fit the run") {
+TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, state, best loss or lr do not fit") {
   TempDir dir;
   {
     std::string text;

@@ -183,21 +183,17 @@ void check_same_run(const nn::TrainingCheckpoint& ck, const Metadata& run, const
   HG_CHECK(ck.epoch < epochs, "train: --resume {}: the checkpoint already holds all {} epochs", path, epochs);
 }
 
-// O2's float32 masters are the optimizer's parameters, apart from the half model: they travel as "master.<i>".
-bool separate_masters(const nn::Module& model, const optim::Optimizer& opt) {
-  const TensorList params = opt.parameters(), model_params = model.parameters();
-  return !params.empty() && !model_params.empty() && params.front().impl() != model_params.front().impl();
-}
-
 // Writes what resuming needs, atomically: model, optimizer, loss scaler, O2's masters and the random state, with the
 // loop's own `metadata` and `extra` tensors; the run continues with `epoch` (at its `in-epoch` position, if any).
 void write_training_checkpoint(const std::string& path, const nn::Module& model, const optim::Optimizer& opt,
                                amp::Amp& amp, int64_t epoch, int64_t step, Metadata metadata,
                                const NamedTensors& extra) {
+  amp.sync_masters();  // a model loaded since the last step: its values, not the masters' older ones, are the run's
   nn::TrainingCheckpoint ck{.model = model.state_dict(), .optimizer = opt.state_tensors(),
                             .extra = amp.scaler().state_tensors(), .epoch = epoch, .step = step,
                             .rng = generator_state(), .metadata = std::move(metadata)};
-  if (separate_masters(model, opt)) {
+  // O2's float32 masters are the optimizer's parameters, apart from the half model: they travel as "master.<i>".
+  if (!amp.master_weights().empty()) {
     const TensorList masters = opt.parameters();
     for (size_t i = 0; i < masters.size(); ++i) ck.extra.emplace_back(fmt::format("master.{}", i), masters[i]);
   }
@@ -250,7 +246,7 @@ nn::TrainingCheckpoint resume_training(const std::string& path, const Metadata& 
   nn::TrainingCheckpoint ck = nn::load_training_checkpoint(path);
   check_same_run(ck, run, path, epochs, writer);
   model.load_state_dict(ck.model);
-  if (separate_masters(model, opt)) {
+  if (!amp.master_weights().empty()) {
     NoGradGuard no_grad;
     TensorList masters = opt.parameters();  // handles to the optimizer's own tensors
     for (size_t i = 0; i < masters.size(); ++i) masters[i].copy_(named(ck.extra, fmt::format("master.{}", i), path));
