@@ -3,7 +3,8 @@
 # log as it was; a log that names the --resume checkpoint is refused before anything is read or written, the
 # checkpoint whole; a log path that cannot be written is refused at start, naming the option. And file options and
 # the bench budget are what they say: `--save=` does not take the next argument as its file, --memory-budget outside
-# max-batch is refused, a folder where a corpus file should be is named as one.
+# max-batch is refused, a folder where a corpus file should be is named as one. No file the command writes may be one it
+# reads (a data file, generate's checkpoint); bench --with-pytorch refuses a device PyTorch's side would not use.
 #   cli_logs.sh HALFGRAD WORK_DIR
 set -u
 halfgrad=$1
@@ -43,4 +44,20 @@ grep -q 'load_corpus' streams.log || { cat streams.log; fail "two logs on /dev/n
 mkdir -p corpus/test.txt && printf 'a b\n' > corpus/train.txt && printf 'a b\n' > corpus/valid.txt
 "$halfgrad" train-lm --data-dir corpus > corpus.log 2>&1 && fail "ran"
 grep -q 'load_corpus: corpus/test.txt is not a regular file' corpus.log || { cat corpus.log; fail "no folder error"; }
+# A written file that is one the command reads: refused before anything is read or written.
+mkdir -p cifar && printf 'not images' > cifar/test_batch.bin
+"$halfgrad" train-classifier --data-dir cifar --csv cifar/test_batch.bin > data.log 2>&1 && fail "ran"
+grep -q 'train-classifier: --csv and --data-dir name the same file, cifar/test_batch.bin' data.log ||
+  { cat data.log; fail "a log over a data file was not refused"; }
+[[ $(cat cifar/test_batch.bin) == 'not images' ]] || fail "the data file was changed"
+"$halfgrad" train-lm --data-dir corpus --save corpus/train.txt > save.log 2>&1 && fail "ran"
+grep -q 'train-lm: --save and --data-dir name the same file, corpus/train.txt' save.log ||
+  { cat save.log; fail "--save over a corpus file was not refused"; }
+printf 'a model' > model.safetensors
+"$halfgrad" generate --checkpoint model.safetensors --outf ./model.safetensors > outf.log 2>&1 && fail "ran"
+grep -q 'generate: --outf and --checkpoint name the same file' outf.log || { cat outf.log; fail "--outf not refused"; }
+[[ $(cat model.safetensors) == 'a model' ]] || fail "the model was changed"
+"$halfgrad" bench lm --device cpu --with-pytorch --models no_such_model > torch.log 2>&1 && fail "ran"
+grep -q 'bench --with-pytorch: tools/bench_torch.py times PyTorch on cuda:0 only' torch.log ||
+  { cat torch.log; fail "--with-pytorch on the CPU was not refused"; }
 echo "PASS: the logs lost nothing"

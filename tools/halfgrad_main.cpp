@@ -139,10 +139,10 @@ class JsonLines {
 
 using NamedFiles = std::vector<std::pair<const char*, std::string>>;  // option, path ("" where not given)
 
-// Refuses a log (--csv, --jsonl) that names the same file as another log or as one of the command's other files: a
-// --csv onto the --resume checkpoint would overwrite it, two logs in one file would interleave. (--resume and
-// --train-checkpoint naming one file is the usual resume.)
-void check_logs_apart(const char* command, const NamedFiles& logs, const NamedFiles& others) {
+// Refuses a file the command writes (a log, a checkpoint, the model, the generated text) that names the same file as
+// another it writes or one it reads (its data, --resume, generate's --checkpoint): the write would destroy it, or two
+// logs would interleave. --train-checkpoint and --resume naming one file is the usual resume, and is allowed.
+void check_files_apart(const char* command, const NamedFiles& written, const NamedFiles& read) {
   auto same = [](const std::string& a, const std::string& b) {
     std::error_code ec;
     // Two logs may share a stream (/dev/null, /dev/stdout): only a file would be overwritten or interleaved.
@@ -152,15 +152,29 @@ void check_logs_apart(const char* command, const NamedFiles& logs, const NamedFi
     const auto canonical_a = std::filesystem::weakly_canonical(a, ec);
     return !ec && canonical_a == std::filesystem::weakly_canonical(b, ec) && !ec;
   };
-  for (size_t i = 0; i < logs.size(); ++i) {
-    NamedFiles rest(logs.begin() + ptrdiff_t(i) + 1, logs.end());
-    rest.insert(rest.end(), others.begin(), others.end());
-    const auto& [option, path] = logs[i];
+  for (size_t i = 0; i < written.size(); ++i) {
+    NamedFiles rest(written.begin() + ptrdiff_t(i) + 1, written.end());
+    rest.insert(rest.end(), read.begin(), read.end());
+    const auto& [option, path] = written[i];
     for (const auto& [other_option, other_path] : rest) {
+      if (std::string_view(option) == "--train-checkpoint" && std::string_view(other_option) == "--resume") continue;
       HG_CHECK(path.empty() || other_path.empty() || !same(path, other_path),
                "{}: {} and {} name the same file, {}; give each its own", command, option, other_option, path);
     }
   }
+}
+
+// The files a command reads from its --data-dir, each named as the option and the file ("--data-dir train.txt").
+NamedFiles data_files(const std::filesystem::path& dir, std::initializer_list<const char*> names) {
+  NamedFiles files;
+  for (const char* name : names) files.emplace_back("--data-dir", (dir / name).string());
+  return files;
+}
+NamedFiles cifar_files(const std::string& dir, const std::string& dataset) {
+  if (dir.empty()) return {};
+  if (dataset == "cifar100") return data_files(dir, {"train.bin", "test.bin"});
+  return data_files(dir, {"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin",
+                          "data_batch_5.bin", "test_batch.bin"});
 }
 
 // The progress lines within an epoch: on a terminal each redraws the last in place, and the line that follows (the
@@ -211,6 +225,8 @@ std::string program_name() {
 int report_stop(const std::string& checkpoint, const char* option, bool data_parallel) {
   if (checkpoint.empty()) {
     fmt::print("interrupted; nothing was saved (no {} given)\n", option);
+  } else if (!std::filesystem::exists(checkpoint)) {  // data parallel, stopped in its first epoch
+    fmt::print("interrupted before the first epoch ended; nothing was saved to {} yet\n", checkpoint);
   } else if (data_parallel) {  // every rank stopped after the same step; checkpoints are written at epochs' ends
     fmt::print("interrupted; {} holds the run as of its last finished epoch: the same command with --resume {} "
                "trains the interrupted epoch again\n", checkpoint, checkpoint);
@@ -228,8 +244,10 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
   // Every rank, before they meet: all refuse alike, and before any opens a file.
-  check_logs_apart("train-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
-                   {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint}});
+  NamedFiles read = cifar_files(config.data_dir.string(), config.dataset);
+  read.emplace_back("--resume", config.resume);
+  check_files_apart("train-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path},
+                                         {"--train-checkpoint", config.train_checkpoint}}, read);
   config.group = cli::join_launched_group(config.device, "train-classifier");
   if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   LogFile csv(csv_path, "--csv", "train-classifier", !config.resume.empty(),
@@ -284,7 +302,8 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
   for (const std::string& l : levels) parsed.push_back(amp::parse_opt_level(l));
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  check_logs_apart("sweep-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}}, {});
+  check_files_apart("sweep-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
+                    cifar_files(config.data_dir.string(), config.dataset));
   LogFile csv(csv_path, "--csv", "sweep-classifier", false,
               "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,peak_memory_bytes,"
               "final_train_accuracy,final_test_accuracy,final_test_loss,skipped_steps");
@@ -335,9 +354,12 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  check_logs_apart("train-lm", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
-                   {{"--resume", config.resume}, {"--train-checkpoint", config.train_checkpoint},
-                    {"--save", config.checkpoint}});  // every rank, before they meet (as train-classifier)
+  NamedFiles read = config.data_dir.empty() ? NamedFiles{}
+                                            : data_files(config.data_dir, {"train.txt", "valid.txt", "test.txt"});
+  read.emplace_back("--resume", config.resume);
+  check_files_apart("train-lm", {{"--csv", csv_path}, {"--jsonl", jsonl_path}, {"--save", config.checkpoint},
+                                 {"--train-checkpoint", config.train_checkpoint}},
+                    read);  // every rank, before they meet (as train-classifier)
   config.group = cli::join_launched_group(config.device, "train-lm");
   if (config.group && config.group->rank() != 0) csv_path.clear(), jsonl_path.clear();  // rank 0 writes the files
   LogFile csv(csv_path, "--csv", "train-lm", !config.resume.empty(),
@@ -475,6 +497,7 @@ int run_generate(train::GenerateConfig config, const std::string& device, const 
                  int64_t log_interval) {
   HG_CHECK(log_interval >= 0, "generate: --log-interval must be >= 0 (0: no progress lines), got {}", log_interval);
   config.device = parse_device(device);
+  check_files_apart("generate", {{"--outf", outf}}, {{"--checkpoint", config.checkpoint}});
   std::FILE* progress = outf.empty() ? stderr : stdout;
   const std::vector<std::string> words = train::generate_words(config, [&](int64_t i, const std::string& word) {
     if (outf.empty()) {
@@ -558,6 +581,11 @@ int run_bench(BenchArgs a) {
   }
   HG_CHECK(a.settings.device.is_cpu() || cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible",
            a.device);
+  // Before halfgrad's side runs: timings beside PyTorch's must come from one device. (Trained runs, --epochs, compare
+  // accuracies, which do not depend on it.)
+  HG_CHECK(!a.with_pytorch || a.settings.epochs > 0 || a.settings.device == Device::cuda(0), "bench --with-pytorch: "
+           "tools/bench_torch.py times PyTorch on cuda:0 only, and --device is {}; run with --device cuda, or without "
+           "--with-pytorch", a.device);
   const std::vector<bench::Case> cases = bench::suite_cases(a.suite, a.models, a.precisions, a.batches);
   a.settings.group = cli::join_launched_group(a.settings.device, "bench");
   const bool rank0 = !a.settings.group || a.settings.group->rank() == 0;

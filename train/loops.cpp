@@ -74,12 +74,15 @@ void check_group(const dist::ProcessGroup* group, Device device, bool cuda_graph
 std::function<bool()> checking_replicas(std::function<bool()> stop, dist::ProcessGroup* group, const nn::Module& model,
                                         int64_t every, const char* command) {
   if (!group || every == 0) return stop;
-  return [stop = std::move(stop), group, &model, every, command, steps = int64_t(0)]() mutable {
-    if (++steps % every == 0) {
+  // The count is shared by the copies: each epoch's options take one, and the steps are the run's, not the epoch's
+  // (a copy's own count restarted each epoch, so an epoch shorter than `every` never checked).
+  auto steps = std::make_shared<int64_t>(0);
+  return [stop = std::move(stop), group, &model, every, command, steps] {
+    if (++*steps % every == 0) {
       const std::vector<std::string> differ = nn::replica_mismatches(*group, model);
       const size_t shown = std::min<size_t>(differ.size(), 5);
       HG_CHECK(differ.empty(), "{}: after step {} of this run the ranks' models differ in {} of their tensors ({}{}); "
-               "data-parallel replicas must stay equal (--check-replicas {})", command, steps, differ.size(),
+               "data-parallel replicas must stay equal (--check-replicas {})", command, *steps, differ.size(),
                fmt::join(differ.begin(), differ.begin() + std::ptrdiff_t(shown), ", "),
                differ.size() > shown ? ", ..." : "", every);
     }
@@ -265,8 +268,9 @@ bool stop_requested() { return g_stop_requested.load(); }
 std::function<bool()> agreed_stop(dist::ProcessGroup* group, int64_t interval) {
   HG_CHECK(interval >= 1, "agreed_stop: the interval must be >= 1, got {}", interval);
   if (!group) return [] { return stop_requested(); };
-  return [group, interval, steps = int64_t(0)]() mutable {
-    if (++steps % interval != 0) return false;
+  auto steps = std::make_shared<int64_t>(0);  // shared by the copies, as checking_replicas' count
+  return [group, interval, steps] {
+    if (++*steps % interval != 0) return false;
     return summed_over_ranks(group, {stop_requested() ? 1.0 : 0.0})[0] > 0;
   };
 }

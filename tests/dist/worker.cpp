@@ -22,6 +22,8 @@
 //                     rank names exactly that parameter; a buffer changed on rank 0 is named only with_buffers; +0
 //                     against -0 is a difference; a rank with more tensors is an error everywhere (nccl: one rank,
 //                     nothing differs)
+//   agreed_stop       train::agreed_stop: a stop one rank asks for is every rank's answer at the interval's step,
+//                     counted over the copies the epochs take (each epoch's options copy the function)
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +45,7 @@
 #include "ops/elementwise.h"
 #include "ops/loss.h"
 #include "optim/grad_scaler.h"
+#include "train/loops.h"
 #include "optim/sgd.h"
 
 using namespace halfgrad;
@@ -528,6 +531,17 @@ void scaler_agrees() {
   require(values(w) == std::vector<double>{0, 0, 0}, "the clean step did not move the weights");
 }
 
+void agreed_stop() {
+  auto pg = test_group(std::chrono::seconds(30));
+  g_rank = pg->rank();
+  const std::function<bool()> run = train::agreed_stop(pg.get(), 3);
+  std::function<bool()> first_epoch = run, second_epoch = run;  // what each epoch's options hold
+  if (g_rank == 1) train::request_stop();
+  require(!first_epoch() && !first_epoch(), "a stop answered before the interval's step");
+  require(second_epoch(), "the run's third step (the second epoch's first) did not stop every rank");
+  train::clear_stop();
+}
+
 void replicas() {
   auto pg = test_group(std::chrono::seconds(30));
   const int r = pg->rank(), n = pg->size();
@@ -602,6 +616,7 @@ int main(int argc, char** argv) {
     else if (scenario == "ddp_half") ddp_half();
     else if (scenario == "scaler_agrees") scaler_agrees();
     else if (scenario == "replicas") replicas();
+    else if (scenario == "agreed_stop") agreed_stop();
     else throw std::runtime_error("unknown scenario \"" + scenario + "\" (see the list at the top of "
                                   "tests/dist/worker.cpp)");
   } catch (const std::exception& e) {
