@@ -115,12 +115,18 @@ ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifa
   return read_records(files, cifar100_format(labels));
 }
 
+std::vector<std::string> cifar10_file_names(Split split) {
+  if (split == Split::Test) return {"test_batch.bin"};
+  return {"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin", "data_batch_5.bin"};
+}
+
+std::vector<std::string> cifar100_file_names(Split split) { return {split == Split::Train ? "train.bin" : "test.bin"}; }
+
 ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
-  if (split == Split::Test) return read_cifar10(existing(directory, {"test_batch.bin"}, "cifar10"));
+  if (split == Split::Test) return read_cifar10(existing(directory, cifar10_file_names(split), "cifar10"));
   std::vector<std::filesystem::path> present;
   std::vector<std::string> missing;
-  for (int k = 1; k <= 5; ++k) {
-    const std::string name = fmt::format("data_batch_{}.bin", k);
+  for (const std::string& name : cifar10_file_names(split)) {
     if (regular_file_at(directory / name, "cifar10")) {
       present.push_back(directory / name);
     } else {
@@ -137,7 +143,7 @@ ImageDataset load_cifar10(const std::filesystem::path& directory, Split split) {
 }
 
 ImageDataset load_cifar100(const std::filesystem::path& directory, Split split, Cifar100Labels labels) {
-  return read_cifar100(existing(directory, {split == Split::Train ? "train.bin" : "test.bin"}, "cifar100"), labels);
+  return read_cifar100(existing(directory, cifar100_file_names(split), "cifar100"), labels);
 }
 
 const std::vector<std::string>& cifar10_classes() {

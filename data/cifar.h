@@ -37,6 +37,10 @@ ImageDataset read_cifar100(const std::vector<std::filesystem::path>& files, Cifa
 ImageDataset load_cifar10(const std::filesystem::path& directory, Split split);
 ImageDataset load_cifar100(const std::filesystem::path& directory, Split split,
                            Cifar100Labels labels = Cifar100Labels::Fine);
+// The file names those read for a split (CIFAR-10's training split: all five batches it may read), for code that
+// must know a run's input files (the command line refuses to write over them).
+std::vector<std::string> cifar10_file_names(Split split);
+std::vector<std::string> cifar100_file_names(Split split);
 
 // Class names in label order, and CIFAR-100's fine -> coarse label map (the official meta data).
 const std::vector<std::string>& cifar10_classes();

@@ -105,7 +105,7 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
 
 Corpus load_corpus(const std::filesystem::path& directory) {
   Corpus c;
-  for (const char* name : {"train.txt", "valid.txt", "test.txt"}) {
+  for (const std::string& name : kCorpusFiles) {
     const std::filesystem::path file = directory / name;
     HG_CHECK(std::filesystem::is_regular_file(file), "load_corpus: {} {}", file.string(),
              std::filesystem::exists(file) ? "is not a regular file (a folder, a FIFO or a device?)" : "not found");
@@ -114,6 +114,10 @@ Corpus load_corpus(const std::filesystem::path& directory) {
   c.valid = tokenize(directory / "valid.txt", c.vocab);
   c.test = tokenize(directory / "test.txt", c.vocab);
   return c;
+}
+
+std::filesystem::path corpus_directory(const std::filesystem::path& directory) {
+  return directory.empty() ? default_data_directory() / "wikitext-2" : directory;
 }
 
 std::filesystem::path default_data_directory() {

@@ -49,9 +49,13 @@ struct Corpus {
   Tensor train, valid, test;  // int64 [tokens]
 };
 
-// train.txt, valid.txt and test.txt of `directory`, tokenized in that order into one vocabulary (WikiText-2:
-// 2,088,628 / 217,646 / 245,569 tokens, 33,278 words).
+// train.txt, valid.txt and test.txt of `directory` (kCorpusFiles), tokenized in that order into one vocabulary
+// (WikiText-2: 2,088,628 / 217,646 / 245,569 tokens, 33,278 words).
+inline const std::vector<std::string> kCorpusFiles = {"train.txt", "valid.txt", "test.txt"};
 Corpus load_corpus(const std::filesystem::path& directory);
+// `directory`, or where it is empty the WikiText-2 halfgrad ships (default_data_directory() / "wikitext-2"): the
+// corpus a language-model run reads.
+std::filesystem::path corpus_directory(const std::filesystem::path& directory);
 
 // Where the data halfgrad ships lives: $HALFGRAD_DATA_DIR when set; else, for an installed libhalfgrad,
 // <prefix>/share/halfgrad/data beside it; else the build tree's data folder (CMake extracts WikiText-2 there, as

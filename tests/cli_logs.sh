@@ -47,11 +47,11 @@ grep -q 'load_corpus: corpus/test.txt is not a regular file' corpus.log || { cat
 # A written file that is one the command reads: refused before anything is read or written.
 mkdir -p cifar && printf 'not images' > cifar/test_batch.bin
 "$halfgrad" train-classifier --data-dir cifar --csv cifar/test_batch.bin > data.log 2>&1 && fail "ran"
-grep -q 'train-classifier: --csv and --data-dir name the same file, cifar/test_batch.bin' data.log ||
+grep -q "train-classifier: --csv and --data-dir's test_batch.bin name the same file, cifar/test_batch.bin" data.log ||
   { cat data.log; fail "a log over a data file was not refused"; }
 [[ $(cat cifar/test_batch.bin) == 'not images' ]] || fail "the data file was changed"
 "$halfgrad" train-lm --data-dir corpus --save corpus/train.txt > save.log 2>&1 && fail "ran"
-grep -q 'train-lm: --save and --data-dir name the same file, corpus/train.txt' save.log ||
+grep -q "train-lm: --save and --data-dir's train.txt name the same file, corpus/train.txt" save.log ||
   { cat save.log; fail "--save over a corpus file was not refused"; }
 printf 'a model' > model.safetensors
 "$halfgrad" generate --checkpoint model.safetensors --outf ./model.safetensors > outf.log 2>&1 && fail "ran"

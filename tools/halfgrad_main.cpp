@@ -27,6 +27,8 @@
 #include "core/error.h"
 #include "core/serialize.h"
 #include "core/version.h"
+#include "data/cifar.h"
+#include "data/text.h"
 #include "models/classifiers.h"
 #include "tools/bench.h"
 #include "tools/cli_checks.h"
@@ -137,7 +139,7 @@ class JsonLines {
   const char* command_;
 };
 
-using NamedFiles = std::vector<std::pair<const char*, std::string>>;  // option, path ("" where not given)
+using NamedFiles = std::vector<std::pair<std::string, std::string>>;  // option, path ("" where not given)
 
 // Refuses a file the command writes (a log, a checkpoint, the model, the generated text) that names the same file as
 // another it writes or one it reads (its data, --resume, generate's --checkpoint): the write would destroy it, or two
@@ -157,24 +159,27 @@ void check_files_apart(const char* command, const NamedFiles& written, const Nam
     rest.insert(rest.end(), read.begin(), read.end());
     const auto& [option, path] = written[i];
     for (const auto& [other_option, other_path] : rest) {
-      if (std::string_view(option) == "--train-checkpoint" && std::string_view(other_option) == "--resume") continue;
+      if (option == "--train-checkpoint" && other_option == "--resume") continue;
       HG_CHECK(path.empty() || other_path.empty() || !same(path, other_path),
                "{}: {} and {} name the same file, {}; give each its own", command, option, other_option, path);
     }
   }
 }
 
-// The files a command reads from its --data-dir, each named as the option and the file ("--data-dir train.txt").
-NamedFiles data_files(const std::filesystem::path& dir, std::initializer_list<const char*> names) {
+// The files a run reads from its data folder, each named for errors as "--data-dir's <file>".
+NamedFiles data_files(const std::filesystem::path& dir, const std::vector<std::string>& names) {
   NamedFiles files;
-  for (const char* name : names) files.emplace_back("--data-dir", (dir / name).string());
+  for (const std::string& name : names) files.emplace_back(fmt::format("--data-dir's {}", name), (dir / name).string());
   return files;
 }
-NamedFiles cifar_files(const std::string& dir, const std::string& dataset) {
-  if (dir.empty()) return {};
-  if (dataset == "cifar100") return data_files(dir, {"train.bin", "test.bin"});
-  return data_files(dir, {"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin",
-                          "data_batch_5.bin", "test_batch.bin"});
+NamedFiles cifar_files(const std::filesystem::path& dir, const std::string& dataset) {
+  std::vector<std::string> names;
+  for (data::Split split : {data::Split::Train, data::Split::Test}) {
+    const std::vector<std::string> of_split =
+        dataset == "cifar100" ? data::cifar100_file_names(split) : data::cifar10_file_names(split);
+    names.insert(names.end(), of_split.begin(), of_split.end());
+  }
+  return data_files(dir, names);
 }
 
 // The progress lines within an epoch: on a terminal each redraws the last in place, and the line that follows (the
@@ -221,12 +226,18 @@ std::string program_name() {
   return rank && *rank && std::getenv("WORLD_SIZE") ? fmt::format("halfgrad (rank {})", rank) : "halfgrad";
 }
 
-// After a stopped run: where it stopped and how to go on; the shell's exit status for SIGINT.
-int report_stop(const std::string& checkpoint, const char* option, bool data_parallel) {
+// After a stopped run: where it stopped and how to go on; the shell's exit status for SIGINT. epoch_ended: an epoch
+// ended in this process's run (data parallel writes checkpoints at epochs' ends only); resume: the --resume it began
+// from, if any.
+int report_stop(const std::string& checkpoint, const char* option, bool data_parallel, bool epoch_ended,
+                const std::string& resume) {
   if (checkpoint.empty()) {
     fmt::print("interrupted; nothing was saved (no {} given)\n", option);
-  } else if (!std::filesystem::exists(checkpoint)) {  // data parallel, stopped in its first epoch
-    fmt::print("interrupted before the first epoch ended; nothing was saved to {} yet\n", checkpoint);
+  } else if (data_parallel && !epoch_ended && !resume.empty()) {
+    fmt::print("interrupted before an epoch ended; {} still holds the run: the same command continues from it\n",
+               resume);
+  } else if (data_parallel && !epoch_ended) {
+    fmt::print("interrupted in the first epoch; nothing was saved to {} yet\n", checkpoint);
   } else if (data_parallel) {  // every rank stopped after the same step; checkpoints are written at epochs' ends
     fmt::print("interrupted; {} holds the run as of its last finished epoch: the same command with --resume {} "
                "trains the interrupted epoch again\n", checkpoint, checkpoint);
@@ -244,7 +255,7 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
   // Every rank, before they meet: all refuse alike, and before any opens a file.
-  NamedFiles read = cifar_files(config.data_dir.string(), config.dataset);
+  NamedFiles read = cifar_files(config.data_dir, config.dataset);
   read.emplace_back("--resume", config.resume);
   check_files_apart("train-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path},
                                          {"--train-checkpoint", config.train_checkpoint}}, read);
@@ -291,7 +302,8 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
   }, progress);
   line.clear();
   if (train::stop_requested())
-    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr);
+    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr, header_printed,
+                       config.resume);
   return 0;
 }
 
@@ -303,7 +315,7 @@ int run_sweep_classifier(train::ClassifierConfig config, const std::vector<std::
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
   check_files_apart("sweep-classifier", {{"--csv", csv_path}, {"--jsonl", jsonl_path}},
-                    cifar_files(config.data_dir.string(), config.dataset));
+                    cifar_files(config.data_dir, config.dataset));
   LogFile csv(csv_path, "--csv", "sweep-classifier", false,
               "precision,opt_level,batch_size,out_of_memory,seconds_per_epoch,images_per_second,peak_memory_bytes,"
               "final_train_accuracy,final_test_accuracy,final_test_loss,skipped_steps");
@@ -354,8 +366,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   config.opt_level = amp::parse_opt_level(opt_level);
   config.half_dtype = parse_half(half);
   config.device = parse_device(device);
-  NamedFiles read = config.data_dir.empty() ? NamedFiles{}
-                                            : data_files(config.data_dir, {"train.txt", "valid.txt", "test.txt"});
+  NamedFiles read = data_files(data::corpus_directory(config.data_dir), data::kCorpusFiles);
   read.emplace_back("--resume", config.resume);
   check_files_apart("train-lm", {{"--csv", csv_path}, {"--jsonl", jsonl_path}, {"--save", config.checkpoint},
                                  {"--train-checkpoint", config.train_checkpoint}},
@@ -409,7 +420,8 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
   }, progress);
   line.clear();
   if (train::stop_requested())
-    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr);
+    return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr, header_printed,
+                       config.resume);
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
   jsonl.write("test", {{"test_loss", result.test_loss}, {"test_ppl", std::exp(result.test_loss)}});
@@ -581,8 +593,9 @@ int run_bench(BenchArgs a) {
   }
   HG_CHECK(a.settings.device.is_cpu() || cuda::is_available(), "bench: {} asked for, but no CUDA GPU is visible",
            a.device);
-  // Before halfgrad's side runs: timings beside PyTorch's must come from one device. (Trained runs, --epochs, compare
-  // accuracies, which do not depend on it.)
+  // Before halfgrad's side runs: timings beside PyTorch's must come from one device. Trained runs (--epochs) are
+  // allowed anywhere: what they compare is accuracy; their throughput fields then come from two devices, which each
+  // line's "device" says.
   HG_CHECK(!a.with_pytorch || a.settings.epochs > 0 || a.settings.device == Device::cuda(0), "bench --with-pytorch: "
            "tools/bench_torch.py times PyTorch on cuda:0 only, and --device is {}; run with --device cuda, or without "
            "--with-pytorch", a.device);
@@ -594,6 +607,10 @@ int run_bench(BenchArgs a) {
              "process); run it without launch");
     if (!rank0) a.out.clear();  // rank 0 writes the lines
   }
+  NamedFiles read = cifar_files(a.settings.data_dir, "cifar10");  // --epochs' data: CIFAR-10 files or a corpus
+  const NamedFiles corpus = data_files(data::corpus_directory(a.settings.data_dir), data::kCorpusFiles);
+  read.insert(read.end(), corpus.begin(), corpus.end());
+  check_files_apart("bench", {{"--out", a.out}}, read);
   LogFile out(a.out, "--out", "bench", /*append=*/true);
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   bench::run_cases(

@@ -736,7 +736,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const nn::RecurrentKind kind = recurrent_kind(c.rnn);
   const data::Corpus corpus =
-      data::load_corpus(c.data_dir.empty() ? data::default_data_directory() / "wikitext-2" : c.data_dir);
+      data::load_corpus(data::corpus_directory(c.data_dir));
   // A split laid out in `batch` columns, with at least two rows: one window of inputs and their next tokens.
   auto split = [&](const Tensor& tokens, int64_t batch, const char* name) {
     const Tensor ids = first_tokens(tokens, c.limit_tokens);

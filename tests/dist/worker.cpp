@@ -45,8 +45,8 @@
 #include "ops/elementwise.h"
 #include "ops/loss.h"
 #include "optim/grad_scaler.h"
-#include "train/loops.h"
 #include "optim/sgd.h"
+#include "train/loops.h"
 
 using namespace halfgrad;
 using namespace halfgrad::dist;
