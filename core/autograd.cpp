@@ -278,6 +278,7 @@ void check_view_current(const Tensor& t, std::string_view user, const char* role
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
   if (!any_requires_grad(inputs)) return;
   for (size_t i = 0; i < inputs.size(); ++i) check_view_current(inputs[i], name, "input", i);
+  const bool checked_base = views_are_checked(inputs.front());  // a view op's one tensor input is the tensor it views
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   node->sequence_nr = next_sequence_nr++;
   // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
@@ -294,8 +295,7 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
     m.grad_fn = node;
     m.output_nr = i;
     m.requires_grad = false;
-    // A view op's one tensor input is the tensor it views.
-    if (out.impl()->is_view && !out.impl()->is_detached && views_are_checked(inputs.front())) {
+    if (checked_base && out.impl()->is_view && !out.impl()->is_detached) {
       m.view_version = out.version();
     }
   }

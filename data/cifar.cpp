@@ -1,5 +1,6 @@
 // CIFAR binary readers (data/cifar.h).
 #include "data/cifar.h"
+#include "data/files.h"
 
 #include <cstdint>
 #include <cstring>
@@ -26,15 +27,6 @@ struct Format {
   std::vector<int64_t> label_limits;  // per label byte: each is checked, the one not used too (CIFAR-100's)
 };
 
-// Whether a regular file is at `path`: false where nothing is; an error where something else is (a folder, a FIFO,
-// a device), which the reader would misread, or wait on for a writer that never comes.
-bool regular_file_at(const std::filesystem::path& path, const char* what) {
-  std::error_code ec;  // a status that cannot be read counts as nothing there: opening the file then says why
-  const std::filesystem::file_status status = std::filesystem::status(path, ec);
-  HG_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
-           "{}: {} is not a regular file (a folder, a FIFO or a device?)", what, path.string());
-  return std::filesystem::is_regular_file(status);
-}
 
 std::vector<char> read_file(const std::filesystem::path& path, const char* what) {
   regular_file_at(path, what);  // refuses a folder or a FIFO; where nothing is, the open below says so
@@ -207,6 +199,14 @@ int64_t cifar100_coarse_of(int64_t fine_label) {
                                       16, 19, 2,  4,  6,  19, 5,  5,  8,  19, 18, 1,  2,  15, 6,  0,  17, 8,  14, 13};
   HG_CHECK(fine_label >= 0 && fine_label < 100, "cifar100_coarse_of: fine label {} is not in 0..99", fine_label);
   return coarse[fine_label];
+}
+
+bool regular_file_at(const std::filesystem::path& path, const char* what) {
+  std::error_code ec;  // a status that cannot be read counts as nothing there: opening the file then says why
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  HG_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
+           "{}: {} is not a regular file (a folder, a FIFO or a device?)", what, path.string());
+  return std::filesystem::is_regular_file(status);
 }
 
 }  // namespace halfgrad::data

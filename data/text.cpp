@@ -1,5 +1,6 @@
 // Word-level corpora (data/text.h).
 #include "data/text.h"
+#include "data/files.h"
 
 #include <dlfcn.h>
 
@@ -107,12 +108,11 @@ Corpus load_corpus(const std::filesystem::path& directory) {
   Corpus c;
   for (const std::string& name : kCorpusFiles) {
     const std::filesystem::path file = directory / name;
-    HG_CHECK(std::filesystem::is_regular_file(file), "load_corpus: {} {}", file.string(),
-             std::filesystem::exists(file) ? "is not a regular file (a folder, a FIFO or a device?)" : "not found");
+    HG_CHECK(regular_file_at(file, "load_corpus"), "load_corpus: {} not found", file.string());
   }
-  c.train = tokenize(directory / "train.txt", c.vocab);
-  c.valid = tokenize(directory / "valid.txt", c.vocab);
-  c.test = tokenize(directory / "test.txt", c.vocab);
+  c.train = tokenize(directory / kCorpusFiles[0], c.vocab);
+  c.valid = tokenize(directory / kCorpusFiles[1], c.vocab);
+  c.test = tokenize(directory / kCorpusFiles[2], c.vocab);
   return c;
 }
 

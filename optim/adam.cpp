@@ -29,7 +29,7 @@ AdamFamily<kDecoupled>::AdamFamily(TensorList params, Options options)
 template <bool kDecoupled>
 AdamFamily<kDecoupled>::AdamFamily(std::vector<Group<Options>> groups)
     : OptimizerWith<Options>(kDecoupled ? "AdamW" : "Adam", std::move(groups)) {
-  for (size_t g = 0; g < this->groups_.size(); ++g) check_options(this->name(), this->groups_[g].options, g);
+  for (size_t g = 0; g < this->groups_.size(); ++g) check_group_options(this->groups_[g].options, g);
   this->check_parameters();
 }
 

@@ -23,7 +23,7 @@ SGD::SGD(TensorList params, SGDOptions options) : SGD(std::vector<SGDGroup>{{std
 void SGD::check_group_options(const SGDOptions& options, size_t g) const { check_options(options, g); }
 
 SGD::SGD(std::vector<SGDGroup> groups) : OptimizerWith("SGD", std::move(groups)) {
-  for (size_t g = 0; g < groups_.size(); ++g) check_options(groups_[g].options, g);
+  for (size_t g = 0; g < groups_.size(); ++g) check_group_options(groups_[g].options, g);
   check_parameters();
 }
 

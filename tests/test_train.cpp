@@ -287,9 +287,7 @@ TEST_CASE("train_classifier reports progress every log_interval batches: loss, a
 
 TEST_CASE("train_language_model stops at the first validation loss that is not finite, and says what was kept") {
   TempDir dir;
-  std::string text;
-  for (int line = 0; line < 40; ++line) text += " the cat sat on a mat \n";
-  write_splits(dir, text);
+  write_splits(dir, " the cat sat on a mat \n", 40);
   // lr 1e30 (finite, so the option takes it) on float16 weights (O3): the first update overflows them to inf on any
   // CPU. (In float32 the weights only grew to ~1e29 on the GPU machine's AVX-512 host, and the losses stayed finite.)
   train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
@@ -412,11 +410,7 @@ TEST_CASE("train_language_model --resume continues bit for bit: 4 epochs straigh
 
 TEST_CASE("train_language_model stopped within an epoch writes where it stopped, and a resume goes on as if uninterrupted") {
   TempDir dir;
-  {
-    std::string text;
-    for (int line = 0; line < 30; ++line) text += " one two three four five six seven eight \n";
-    write_splits(dir, text);
-  }
+  write_splits(dir, " one two three four five six seven eight \n", 30);
   // 270 tokens, batch 4: 67 rows, bptt 8: 9 windows an epoch. LSTM: h and c are carried across the stop.
   const train::LanguageModelConfig straight{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8,
                                             .num_layers = 2, .dropout = 0.3, .epochs = 3, .batch_size = 4,
@@ -452,11 +446,7 @@ TEST_CASE("train_language_model stopped within an epoch writes where it stopped,
 
 TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, state, best loss or lr do not fit") {
   TempDir dir;
-  {
-    std::string text;
-    for (int line = 0; line < 30; ++line) text += " one two three four five six seven eight \n";
-    write_splits(dir, text);
-  }
+  write_splits(dir, " one two three four five six seven eight \n", 30);
   // 270 tokens, batch 4, bptt 8: 9 windows an epoch; stopped after 4 of epoch 2's.
   train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
                                     .dropout = 0, .epochs = 2, .batch_size = 4, .eval_batch_size = 2, .bptt = 8,
@@ -502,11 +492,7 @@ TEST_CASE("train_language_model refuses a checkpoint whose resume point, sums, s
 
 TEST_CASE("train_language_model reports progress every log_interval batches, as main.py's --log-interval") {
   TempDir dir;
-  {
-    std::string text;
-    for (int line = 0; line < 40; ++line) text += " one two three four five six seven eight \n";
-    write_splits(dir, text);
-  }
+  write_splits(dir, " one two three four five six seven eight \n", 40);
   // 40 lines of 9 tokens (8 words and <eos>) = 360 tokens; batch 4: 90 rows; bptt 8: ceil(89 / 8) = 12 batches.
   train::LanguageModelConfig config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8, .num_layers = 1,
                                     .dropout = 0, .epochs = 2, .batch_size = 4, .eval_batch_size = 2, .bptt = 8,
@@ -694,9 +680,7 @@ TEST_CASE("train_classifier_epoch and train_language_model_epoch: a loop of one'
     CHECK(schedule.last_step() == 10);
   }
 
-  std::string text;
-  for (int line = 0; line < 40; ++line) text += " the cat sat on a mat and the dog sat on a log \n";
-  write_splits(dir, text);
+  write_splits(dir, " the cat sat on a mat and the dog sat on a log \n", 40);
   const train::LanguageModelConfig lm_config{.data_dir = dir.path, .embedding_size = 8, .hidden_size = 8,
                                              .num_layers = 2, .dropout = 0.3, .epochs = 2, .batch_size = 4,
                                              .eval_batch_size = 2, .bptt = 6, .lr = 5, .checkpoint = ""};

@@ -91,6 +91,12 @@ inline std::string error_of_without_waiting(const std::string& fifo, const std::
 inline void write_splits(const TempDir& dir, const std::string& text) {
   for (const char* split : {"train.txt", "valid.txt", "test.txt"}) std::ofstream(dir.file(split)) << text;
 }
+// The same, each split `line` written `repeats` times.
+inline void write_splits(const TempDir& dir, const std::string& line, int repeats) {
+  std::string text;
+  for (int i = 0; i < repeats; ++i) text += line;
+  write_splits(dir, text);
+}
 
 // A CIFAR-10 binary file of n records: label i % 2; class 1 images bright, class 0 dark, with noise.
 inline void write_cifar10(const std::string& path, int64_t n, uint64_t seed) {
