@@ -2,6 +2,7 @@
 // store, the backend.
 #include "dist/process_group.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
@@ -38,6 +39,29 @@ void ProcessGroup::check_parts(const std::vector<Tensor>& parts, const Tensor& l
     HG_CHECK(parts[r].dtype() == like.dtype() && parts[r].shape() == like.shape(), "{} ({}): {}[{}] is {}, unlike {}",
              op, backend(), what, r, parts[r].meta(), like.meta());
   }
+}
+
+std::vector<std::string> all_gather_string(ProcessGroup& group, const std::string& value) {
+  // The lengths first, so that every rank pads to the longest and each value comes back whole, whatever its bytes.
+  const Tensor mine_length = tensor(std::vector<int64_t>{int64_t(value.size())}).to(group.device());
+  std::vector<Tensor> lengths;
+  for (int r = 0; r < group.size(); ++r) lengths.push_back(empty({1}, {.dtype = kInt64, .device = group.device()}));
+  group.all_gather(lengths, mine_length)->wait();
+  std::vector<int64_t> length_of;
+  for (const Tensor& l : lengths) length_of.push_back(l.cpu().data<int64_t>()[0]);
+  const int64_t width = std::max<int64_t>(1, *std::max_element(length_of.begin(), length_of.end()));
+  Tensor mine = zeros({width}, {.dtype = kUInt8});
+  std::copy(value.begin(), value.end(), mine.data<uint8_t>());
+  mine = mine.to(group.device());
+  std::vector<Tensor> all;
+  for (int r = 0; r < group.size(); ++r) all.push_back(empty({width}, {.dtype = kUInt8, .device = group.device()}));
+  group.all_gather(all, mine)->wait();
+  std::vector<std::string> values;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const Tensor bytes = all[r].cpu();
+    values.emplace_back(reinterpret_cast<const char*>(bytes.data<uint8_t>()), size_t(length_of[r]));
+  }
+  return values;
 }
 
 namespace {

@@ -82,6 +82,10 @@ struct ProcessGroupOptions {
 // MASTER_ADDR:MASTER_PORT (rank 0 serves it). Missing or inconsistent settings are an error that names them.
 std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options = {});
 
+// Every rank's `value`, rank r's at index r (torch.distributed.all_gather_object, for strings): two all_gathers, the
+// lengths, then the bytes padded to the longest. Every rank of the group calls it.
+std::vector<std::string> all_gather_string(ProcessGroup& group, const std::string& value);
+
 // Whether this build has the backend ("gloo", "nccl").
 bool backend_available(const std::string& backend);
 

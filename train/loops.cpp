@@ -7,8 +7,11 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <set>
 #include <tuple>
 #include <utility>
+
+#include <nlohmann/json.hpp>
 
 #include "core/autograd.h"
 #include "core/cuda.h"
@@ -69,6 +72,86 @@ void check_group(const dist::ProcessGroup* group, Device device, bool cuda_graph
            "launched from the host during backward, which a replayed graph would skip", command);
 }
 
+// "rank 3", "ranks 0, 2", "ranks 0-31": an ascending list of ranks, runs shortened.
+std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j == i ? std::to_string(ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]));
+    i = j + 1;
+  }
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(parts, ", "));
+}
+
+// Data parallel: `prepare` (this rank's checks and loading, up to the run's first collective) on every rank, and the
+// settings it returns compared across the ranks. Every rank gets the same outcome: it goes on where every rank prepared
+// and all agree; else every rank stops with one error that names the rank that failed and why, or each setting that
+// differs and each rank's value. Ranks with other data, batch or epochs would take different numbers of steps, and
+// ranks with other models exchange tensors of other sizes: their collectives would no longer pair up (Gloo then
+// aborts the process from its own thread, where no error can be caught); a rank that failed alone (a file missing on
+// its node) would leave the others waiting out the group's timeout. Other settings (the lr, the seed that shuffles the
+// shards) would train replicas that drift apart, or shards that overlap. Without a group: `prepare` alone.
+void agree_across_ranks(dist::ProcessGroup* group, const char* command, const std::function<Metadata()>& prepare) {
+  if (!group || group->size() == 1) {
+    prepare();
+    return;
+  }
+  nlohmann::json mine;
+  try {
+    mine["settings"] = prepare();
+  } catch (const std::exception& e) {
+    mine["error"] = e.what();
+  }
+  std::vector<nlohmann::json> ranks;
+  for (const std::string& s :
+       dist::all_gather_string(*group, mine.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)))
+    ranks.push_back(nlohmann::json::parse(s));
+  for (size_t r = 0; r < ranks.size(); ++r)
+    HG_CHECK(!ranks[r].contains("error"), "{}: rank {} of this data-parallel run could not start: {}", command, r,
+             ranks[r]["error"].get<std::string>());
+  std::vector<Metadata> settings;
+  std::set<std::string> keys;
+  for (const nlohmann::json& r : ranks) {
+    settings.push_back(r["settings"].get<Metadata>());
+    for (const auto& entry : settings.back()) keys.insert(entry.first);
+  }
+  std::vector<std::string> differ;
+  for (const std::string& key : keys) {
+    std::vector<std::pair<std::string, std::vector<int>>> values;  // each value and its ranks, in order of first rank
+    for (size_t r = 0; r < settings.size(); ++r) {
+      const auto it = settings[r].find(key);
+      const std::string value = it == settings[r].end() ? "(none)" : it->second;
+      auto same = std::find_if(values.begin(), values.end(), [&](const auto& v) { return v.first == value; });
+      if (same == values.end()) same = values.insert(values.end(), {value, {}});
+      same->second.push_back(int(r));
+    }
+    if (values.size() == 1) continue;
+    std::vector<std::string> each;
+    for (const auto& [value, on] : values) each.push_back(fmt::format("{} on {}", value, rank_list(on)));
+    differ.push_back(fmt::format("{} ({})", key, fmt::join(each, "; ")));
+  }
+  HG_CHECK(differ.empty(), "{}: the ranks of this data-parallel run differ in {}; every rank must train the same model "
+           "on the same data with the same options", command, fmt::join(differ, ", "));
+}
+
+// The first few of `names`, for an error.
+std::string some_of(const std::vector<std::string>& names) {
+  const size_t shown = std::min<size_t>(names.size(), 5);
+  return fmt::format("{}{}", fmt::join(names.begin(), names.begin() + std::ptrdiff_t(shown), ", "),
+                     names.size() > shown ? ", ..." : "");
+}
+
+// Data parallel, after each rank resumed from its own --resume file (a node's copy of rank 0's): one model on every
+// rank, or one error on every rank. Resuming loads after DistributedDataParallel's broadcast, so nothing else would
+// make the replicas equal again.
+void check_resumed_replicas(dist::ProcessGroup* group, const nn::Module& model, const char* command) {
+  if (!group) return;
+  const std::vector<std::string> differ = nn::replica_mismatches(*group, model, /*with_buffers=*/true);
+  HG_CHECK(differ.empty(), "{}: the ranks resumed from different checkpoints (--resume): their models differ in {} of "
+           "their tensors ({})", command, differ.size(), some_of(differ));
+}
+
 // `stop`, and every `every` steps (data parallel, every > 0) the ranks' models compared: an error naming the tensors
 // that differ (every rank gets the same list, so every rank stops).
 std::function<bool()> checking_replicas(std::function<bool()> stop, dist::ProcessGroup* group, const nn::Module& model,
@@ -80,11 +163,9 @@ std::function<bool()> checking_replicas(std::function<bool()> stop, dist::Proces
   return [stop = std::move(stop), group, &model, every, command, steps] {
     if (++*steps % every == 0) {
       const std::vector<std::string> differ = nn::replica_mismatches(*group, model);
-      const size_t shown = std::min<size_t>(differ.size(), 5);
-      HG_CHECK(differ.empty(), "{}: after step {} of this run the ranks' models differ in {} of their tensors ({}{}); "
+      HG_CHECK(differ.empty(), "{}: after step {} of this run the ranks' models differ in {} of their tensors ({}); "
                "data-parallel replicas must stay equal (--check-replicas {})", command, *steps, differ.size(),
-               fmt::join(differ.begin(), differ.begin() + std::ptrdiff_t(shown), ", "),
-               differ.size() > shown ? ", ..." : "", every);
+               some_of(differ), every);
     }
     return stop();
   };
@@ -375,30 +456,53 @@ ClassifierEpochSums train_classifier_epoch(nn::Module& model, data::ImageLoader&
 
 std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::function<void(const EpochStats&)>& on_epoch,
                                          const std::function<void(const ClassifierProgress&)>& on_progress) {
-  check_progress_options(c.log_interval, c.progress_seconds);
-  HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
-           c.dataset);
-  HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
-           c.batch_size);
-  HG_CHECK(c.schedule == "onecycle" || c.schedule == "cosine" || c.schedule == "constant",
-           "train: unknown schedule \"{}\" (onecycle, cosine, constant)", c.schedule);
-  HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
-  // Before the first epoch, not after it: a folder that cannot take the file would lose the run's state.
-  if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-classifier: --train-checkpoint");
-  HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
-           c.device.str());
-  check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-classifier");
   const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
   const bool cifar10 = c.dataset == "cifar10";
   const float(&mean)[3] = cifar10 ? data::kCifar10Mean : data::kCifar100Mean;
   const float(&std)[3] = cifar10 ? data::kCifar10Std : data::kCifar100Std;
-  auto load = [&](data::Split split) {
-    return cifar10 ? data::load_cifar10(c.data_dir, split) : data::load_cifar100(c.data_dir, split);
-  };
-  data::ImageLoader train_loader(first(load(data::Split::Train), c.limit_train), data::ImageTransform::cifar_train(mean, std),
+  data::ImageDataset train_set, test_set;
+  agree_across_ranks(c.group.get(), "train-classifier", [&] {
+    check_progress_options(c.log_interval, c.progress_seconds);
+    HG_CHECK(c.dataset == "cifar10" || c.dataset == "cifar100", "train: unknown dataset \"{}\" (cifar10, cifar100)",
+             c.dataset);
+    HG_CHECK(c.epochs >= 1 && c.batch_size >= 1, "train: epochs and batch_size must be >= 1, got {} and {}", c.epochs,
+             c.batch_size);
+    HG_CHECK(c.schedule == "onecycle" || c.schedule == "cosine" || c.schedule == "constant",
+             "train: unknown schedule \"{}\" (onecycle, cosine, constant)", c.schedule);
+    HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
+    // Before the first epoch, not after it: a folder that cannot take the file would lose the run's state. Only rank
+    // 0 writes it.
+    if (!c.train_checkpoint.empty() && rank == 0)
+      check_writable(c.train_checkpoint, "train-classifier: --train-checkpoint");
+    HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
+             c.device.str());
+    check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-classifier");
+    auto load = [&](data::Split split) {
+      return cifar10 ? data::load_cifar10(c.data_dir, split) : data::load_cifar100(c.data_dir, split);
+    };
+    train_set = first(load(data::Split::Train), c.limit_train);
+    test_set = first(load(data::Split::Test), c.limit_test);
+    // The run's settings as its flags spell them; the data by its size (each node has its own path).
+    Metadata agreed{{"--model", c.model}, {"--dataset", c.dataset}, {"--epochs", std::to_string(c.epochs)},
+                    {"--batch-size", std::to_string(c.batch_size)}, {"--lr", fmt::format("{}", c.lr)},
+                    {"--weight-decay", fmt::format("{}", c.weight_decay)},
+                    {"--nesterov", c.nesterov ? "on" : "off"}, {"--schedule", c.schedule},
+                    {"--opt-level", amp::opt_level_name(c.opt_level)}, {"--seed", std::to_string(c.seed)},
+                    {"--check-replicas", std::to_string(c.check_replicas_every)},
+                    {"training images", std::to_string(train_set.size())},
+                    {"test images", std::to_string(test_set.size())}};
+    if (c.schedule == "onecycle")  // which cycles the momentum in place of --momentum
+      agreed.insert(
+          {{"--pct-start", fmt::format("{}", c.pct_start)}, {"--div-factor", fmt::format("{}", c.div_factor)}});
+    else
+      agreed["--momentum"] = fmt::format("{}", c.momentum);
+    if (c.opt_level != amp::OptLevel::O0) agreed["--half"] = dtype_name(c.half_dtype);
+    return agreed;
+  });
+  data::ImageLoader train_loader(std::move(train_set), data::ImageTransform::cifar_train(mean, std),
                                  {.batch_size = c.batch_size, .shuffle = true, .workers = c.workers, .seed = c.seed,
                                   .rank = rank, .world_size = ranks});
-  data::ImageLoader test_loader(slice_for_rank(first(load(data::Split::Test), c.limit_test), rank, ranks),
+  data::ImageLoader test_loader(slice_for_rank(std::move(test_set), rank, ranks),
                                 data::ImageTransform::cifar_eval(mean, std),
                                 {.batch_size = c.batch_size, .workers = c.workers});
   const int64_t classes = cifar10 ? 10 : 100;
@@ -468,7 +572,8 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   int64_t step = 0, first_epoch = 0;
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its batches and sums so far.
   ClassifierEpochSums resumed;
-  if (!c.resume.empty()) {
+  agree_across_ranks(c.group.get(), "train-classifier", [&] {
+    if (c.resume.empty()) return Metadata{{"--resume", "none"}};
     const nn::TrainingCheckpoint ck = resume_training(c.resume, classifier_run(c), c.epochs,
                                                       "train-classifier --train-checkpoint", *model, sgd, amp);
     if (schedule) schedule->set_step(ck.step);
@@ -482,7 +587,9 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       resumed.loss_sum = named_sum(ck.extra, "epoch.loss_sum", c.resume, {}, false).to(c.device);
       resumed.correct = named_sum(ck.extra, "epoch.correct", c.resume, {}, true).to(c.device);
     }
-  }
+    return Metadata{{"--resume", fmt::format("at epoch {}, step {}", first_epoch, step)}};
+  });
+  if (!c.resume.empty()) check_resumed_replicas(c.group.get(), *model, "train-classifier");
   int64_t skipped_before = amp.scaler().skipped_steps();
   const std::function<bool()> stop = checking_replicas(agreed_stop(c.group.get()), c.group.get(), *model,
                                                        c.check_replicas_every, "train-classifier");
@@ -722,34 +829,55 @@ LanguageModelEpochSums train_language_model_epoch(models::LanguageModel& model, 
 LanguageModelResult train_language_model(const LanguageModelConfig& c,
                                          const std::function<void(const LanguageModelEpochStats&)>& on_epoch,
                                          const std::function<void(const LanguageModelProgress&)>& on_progress) {
-  HG_CHECK(c.epochs >= 1 && c.batch_size >= 1 && c.eval_batch_size >= 1 && c.bptt >= 1,
-           "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
-           c.eval_batch_size, c.bptt);
-  check_progress_options(c.log_interval, c.progress_seconds);
-  HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
-  // Before the first epoch, not after it: a folder that cannot take the files would lose the run's result.
-  if (!c.checkpoint.empty()) check_writable(c.checkpoint, "train-lm: --save");
-  if (!c.train_checkpoint.empty()) check_writable(c.train_checkpoint, "train-lm: --train-checkpoint");
-  HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
-           c.device.str());
-  check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-lm");
   const int rank = c.group ? c.group->rank() : 0, ranks = c.group ? c.group->size() : 1;
-  const nn::RecurrentKind kind = recurrent_kind(c.rnn);
-  const data::Corpus corpus =
-      data::load_corpus(data::corpus_directory(c.data_dir));
-  // A split laid out in `batch` columns, with at least two rows: one window of inputs and their next tokens.
-  auto split = [&](const Tensor& tokens, int64_t batch, const char* name) {
-    const Tensor ids = first_tokens(tokens, c.limit_tokens);
-    HG_CHECK(ids.size(0) / batch >= 2, "train-lm: the {} split has {} tokens, too few for {} columns (at least {})",
-             name, ids.size(0), batch, 2 * batch);
-    return data::batchify(ids, batch).to(c.device);
-  };
-  // Data parallel: this rank's columns of the split laid out for all ranks' columns.
-  const Tensor train_data =
-      split(corpus.train, c.batch_size * ranks, "training").narrow(1, c.batch_size * rank, c.batch_size).contiguous();
-  const Tensor valid_data = split(corpus.valid, c.eval_batch_size, "validation");
-  const Tensor test_data = split(corpus.test, c.eval_batch_size, "test");
-  const int64_t vocab = corpus.vocab.size();
+  nn::RecurrentKind kind{};
+  data::Corpus corpus;
+  Tensor train_data, valid_data, test_data;
+  int64_t vocab = 0;
+  agree_across_ranks(c.group.get(), "train-lm", [&] {
+    HG_CHECK(c.epochs >= 1 && c.batch_size >= 1 && c.eval_batch_size >= 1 && c.bptt >= 1,
+             "train: epochs, batch sizes and bptt must be >= 1, got {}, {}, {}, {}", c.epochs, c.batch_size,
+             c.eval_batch_size, c.bptt);
+    check_progress_options(c.log_interval, c.progress_seconds);
+    HG_CHECK(!c.cuda_graph || c.device.is_cuda(), "train: --cuda-graph needs a CUDA device, got {}", c.device.str());
+    // Before the first epoch, not after it: a folder that cannot take the files would lose the run's result. Only
+    // rank 0 writes them.
+    if (!c.checkpoint.empty() && rank == 0) check_writable(c.checkpoint, "train-lm: --save");
+    if (!c.train_checkpoint.empty() && rank == 0) check_writable(c.train_checkpoint, "train-lm: --train-checkpoint");
+    HG_CHECK(c.device.is_cpu() || cuda::is_available(), "train: {} asked for, but no CUDA GPU is visible",
+             c.device.str());
+    check_group(c.group.get(), c.device, c.cuda_graph, c.check_replicas_every, "train-lm");
+    kind = recurrent_kind(c.rnn);
+    corpus = data::load_corpus(data::corpus_directory(c.data_dir));
+    // A split laid out in `batch` columns, with at least two rows: one window of inputs and their next tokens.
+    auto split = [&](const Tensor& tokens, int64_t batch, const char* name) {
+      const Tensor ids = first_tokens(tokens, c.limit_tokens);
+      HG_CHECK(ids.size(0) / batch >= 2, "train-lm: the {} split has {} tokens, too few for {} columns (at least {})",
+               name, ids.size(0), batch, 2 * batch);
+      return data::batchify(ids, batch).to(c.device);
+    };
+    // Data parallel: this rank's columns of the split laid out for all ranks' columns.
+    train_data =
+        split(corpus.train, c.batch_size * ranks, "training").narrow(1, c.batch_size * rank, c.batch_size).contiguous();
+    valid_data = split(corpus.valid, c.eval_batch_size, "validation");
+    test_data = split(corpus.test, c.eval_batch_size, "test");
+    vocab = corpus.vocab.size();
+    // The run's settings as its flags spell them; the corpus by its sizes (each node has its own path).
+    Metadata agreed{{"--model", c.rnn}, {"--emsize", std::to_string(c.embedding_size)},
+                    {"--nhid", std::to_string(c.hidden_size)}, {"--nlayers", std::to_string(c.num_layers)},
+                    {"--dropout", fmt::format("{}", c.dropout)}, {"--tied", c.tie_weights ? "on" : "off"},
+                    {"--epochs", std::to_string(c.epochs)}, {"--batch-size", std::to_string(c.batch_size)},
+                    {"--bptt", std::to_string(c.bptt)}, {"--lr", fmt::format("{}", c.lr)},
+                    {"--clip", fmt::format("{}", c.clip)}, {"--opt-level", amp::opt_level_name(c.opt_level)},
+                    {"--seed", std::to_string(c.seed)}, {"--dry-run", c.dry_run ? "on" : "off"},
+                    {"--check-replicas", std::to_string(c.check_replicas_every)},
+                    {"vocabulary size", std::to_string(vocab)},
+                    {"training tokens", std::to_string(first_tokens(corpus.train, c.limit_tokens).size(0))},
+                    {"validation tokens", std::to_string(first_tokens(corpus.valid, c.limit_tokens).size(0))},
+                    {"test tokens", std::to_string(first_tokens(corpus.test, c.limit_tokens).size(0))}};
+    if (c.opt_level != amp::OptLevel::O0) agreed["--half"] = dtype_name(c.half_dtype);
+    return agreed;
+  });
 
   manual_seed(c.seed);
   auto shared_model = std::make_shared<models::LanguageModel>(
@@ -784,7 +912,8 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its windows, loss sum and tokens so
   // far, and the recurrent state carried into the next window.
   LanguageModelEpochSums resumed;
-  if (!c.resume.empty()) {
+  agree_across_ranks(c.group.get(), "train-lm", [&] {
+    if (c.resume.empty()) return Metadata{{"--resume", "none"}};
     const nn::TrainingCheckpoint ck = resume_training(c.resume, language_model_run(c), c.epochs,
                                                       "train-lm --train-checkpoint", model, sgd, amp);
     lr = sgd.param_groups().front().lr;
@@ -806,7 +935,11 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       if (kind == nn::RecurrentKind::LSTM)
         resumed.state.c = named_sum(ck.extra, "state.c", c.resume, state, false).to(c.device);
     }
-  }
+    // The lr and the best loss so far decide each rank's annealing: they must agree, as the model (checked below).
+    return Metadata{{"--resume", fmt::format("at epoch {}, lr {}, best validation loss {:.17g}", first_epoch, lr,
+                                             best_valid)}};
+  });
+  if (!c.resume.empty()) check_resumed_replicas(c.group.get(), model, "train-lm");
   // A training checkpoint whose run continues with `epoch`: from its start, or, for an interrupted epoch, from where
   // `in_epoch` and `in_epoch_metadata` say.
   auto save_training = [&](int64_t epoch, const NamedTensors& in_epoch, const Metadata& in_epoch_metadata) {

@@ -14,6 +14,10 @@
 #       2 ranks of bench lm and bench resnet on the CPU: rank 0 writes one line per configuration with the group's
 #       throughput, the replicas found equal, and the overlap figures; --check-replicas in a 2-rank train-lm, and
 #       refused without launch
+#   bash tests/dist/launch.sh build/halfgrad ranks_disagree
+#       2 ranks started by hand, as on two nodes, with other options (train-lm's --batch-size) or other data (rank 1's
+#       CIFAR file holds fewer images), or with a file missing on one node: both stop at once, before any step, with
+#       the same error naming what differs or why the one rank failed
 #   bash tests/dist/launch.sh build/halfgrad killed_rank
 #       a rank killed mid-run: the launcher names it, stops the other within its grace period and fails
 set -uo pipefail
@@ -119,6 +123,57 @@ PY
   "$halfgrad" "${lm[@]}" --epochs 1 --batch-size 4 --check-replicas 2 > "$dir/alone.log" 2>&1 &&
     { echo "--check-replicas ran without launch"; exit 1; }
   grep -q "check-replicas compares the ranks of a data-parallel run" "$dir/alone.log" || { cat "$dir/alone.log"; exit 1; }
+  echo "PASS: $case"
+  ;;
+ranks_disagree)
+  # Each rank as `halfgrad launch` would start it on a node of its own.
+  two_ranks() {  # name, rank 0's arguments, "--", rank 1's
+    local name=$1 zero=() one=() p0 p1 s0 s1
+    shift
+    while [[ $1 != -- ]]; do zero+=("$1"); shift; done
+    shift
+    one=("$@")
+    local free
+    free=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    local env=(WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$free)
+    local start=$SECONDS
+    timeout 60 env "${env[@]}" RANK=0 "$halfgrad" "${zero[@]}" > "$dir/$name.0.log" 2>&1 & p0=$!
+    timeout 60 env "${env[@]}" RANK=1 "$halfgrad" "${one[@]}" > "$dir/$name.1.log" 2>&1 & p1=$!
+    wait $p0; s0=$?
+    wait $p1; s1=$?
+    cat "$dir/$name.0.log" "$dir/$name.1.log"
+    # 1: halfgrad's error. Gloo's abort would be 134, a wait for the collectives' 60 s timeout 124 or over 30 s.
+    ((s0 == 1 && s1 == 1)) || { echo "$name: the ranks exited $s0 and $s1, not 1 and 1"; exit 1; }
+    ((SECONDS - start <= 30)) || { echo "$name: the ranks took $((SECONDS - start)) s to stop"; exit 1; }
+    ! grep -q "^epoch " "$dir/$name.0.log" || { echo "$name: rank 0 trained"; exit 1; }
+  }
+  expect() {  # name, the error every rank must print
+    for r in 0 1; do
+      grep -qF "$2" "$dir/$1.$r.log" || { echo "$1: rank $r did not say: $2"; exit 1; }
+    done
+  }
+  # train-lm with another batch: the ranks' step counts differ.
+  two_ranks lm "${lm[@]}" --epochs 1 --batch-size 4 -- "${lm[@]}" --epochs 1 --batch-size 3
+  expect lm "train-lm: the ranks of this data-parallel run differ in --batch-size (4 on rank 0; 3 on rank 1); every"
+  # train-classifier on two nodes' files, rank 1's with fewer images: 3 steps of 16 against 2.
+  python3 - "$dir" <<'PY'
+import os, random, sys
+random.seed(2)
+for node, n in (("node0", 96), ("node1", 64)):
+    os.makedirs(os.path.join(sys.argv[1], node))
+    for name, count in (("data_batch_1.bin", n), ("test_batch.bin", 20)):
+        with open(os.path.join(sys.argv[1], node, name), "wb") as f:
+            for _ in range(count):
+                f.write(bytes([random.randrange(10)]) + os.urandom(3072))
+PY
+  classifier=(train-classifier --device cpu --model resnet18 --epochs 1 --batch-size 16 --workers 0 --log-interval 0)
+  two_ranks cifar "${classifier[@]}" --data-dir "$dir/node0" -- "${classifier[@]}" --data-dir "$dir/node1"
+  expect cifar "differ in training images (96 on rank 0; 64 on rank 1); every rank"
+  # A node without the test split: its rank fails alone, and both stop with its reason.
+  mkdir "$dir/node2" && cp "$dir/node0/data_batch_1.bin" "$dir/node2/"
+  two_ranks missing "${classifier[@]}" --data-dir "$dir/node0" -- "${classifier[@]}" --data-dir "$dir/node2"
+  expect missing "train-classifier: rank 1 of this data-parallel run could not start: "
+  expect missing "test_batch.bin"
   echo "PASS: $case"
   ;;
 killed_rank)

@@ -3,7 +3,8 @@
 // CPU tensors; nccl with CUDA tensors on GPU RANK, where the scenario takes one). A rank prints what failed and exits
 // 1; it exits 0 when every check held, printing "SKIP: ..." first when the backend cannot run here (no GPU).
 //
-//   collectives       every collective, every dtype it takes, exact expected values that depend on the rank
+//   collectives       every collective, every dtype it takes, exact expected values that depend on the rank; strings
+//                     of every length through all_gather_string
 //   dead_rank         rank 1 exits after a barrier; rank 0's next all_reduce must fail within the timeout,
 //                     with an error that names the collective and the rank
 //   store             the TcpStore alone: values, a counter, waits, and a key no rank sets (an error in 2 s)
@@ -144,6 +145,19 @@ void collectives() {
   Tensor empty_tensor = zeros({0}, {.device = g_device});
   pg->all_reduce(empty_tensor)->wait();
   pg->barrier()->wait();
+
+  // Strings: rank r's holds r + 1 copies of "ab", a zero byte and "c" (rank 0 the empty string), each back whole.
+  auto string_of = [](int rank) {
+    std::string s;
+    if (rank > 0)
+      for (int k = 0; k <= rank; ++k) s += std::string("ab\0c", 4);
+    return s;
+  };
+  const std::vector<std::string> gathered = all_gather_string(*pg, string_of(r));
+  require(int(gathered.size()) == n, "all_gather_string returned " + std::to_string(gathered.size()) + " strings");
+  for (int k = 0; k < n; ++k)
+    require(gathered[size_t(k)] == string_of(k),
+            "all_gather_string: rank " + std::to_string(k) + "'s string came back as \"" + gathered[size_t(k)] + "\"");
 
   // Bad calls are refused before anything is sent, naming the op and the tensor.
   Tensor wide = zeros({2, 3}, {.device = g_device});
