@@ -66,11 +66,8 @@ int count_devices() {
   return count;
 }
 
-void check_device_index(int device, const char* what) {
-  int n = count_devices();
-  HG_CHECK(n > 0, "{}: no CUDA device is available (no GPU or no driver)", what);
-  HG_CHECK(device >= 0 && device < n, "{}: CUDA device {} does not exist ({} device{} visible)", what, device, n,
-           n == 1 ? "" : "s");
+void require_a_device(const char* what) {
+  HG_CHECK(count_devices() > 0, "{}: no CUDA device is available (no GPU or no driver)", what);
 }
 
 // The current stream of each device, per host thread; nullptr is the device's legacy default stream.
@@ -89,6 +86,13 @@ struct CublasState {
 
 bool is_available() { return count_devices() > 0; }
 int device_count() { return count_devices(); }
+
+void check_device(int device, const char* op) {
+  require_a_device(op);
+  const int n = count_devices();
+  HG_CHECK(device >= 0 && device < n, "{}: CUDA device {} does not exist ({} device{} visible)", op, device, n,
+           n == 1 ? "" : "s");
+}
 
 Versions versions() {
   auto version = [](int v) { return fmt::format("{}.{}", v / 1000, v % 1000 / 10); };
@@ -127,18 +131,19 @@ std::vector<std::string> describe_devices() {
 }
 
 int current_device() {
+  require_a_device("cuda::current_device");
   int d = 0;
   HG_CUDA_CHECK(cudaGetDevice(&d));
   return d;
 }
 
 void set_device(int device) {
-  check_device_index(device, "cuda::set_device");
+  check_device(device, "cuda::set_device");
   HG_CUDA_CHECK(cudaSetDevice(device));
 }
 
 std::string device_name(int device) {
-  check_device_index(device, "cuda::device_name");
+  check_device(device, "cuda::device_name");
   cudaDeviceProp prop{};
   HG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   return prop.name;
@@ -149,7 +154,7 @@ int device_attribute(int device, cudaDeviceAttr attribute) {
   thread_local std::map<std::pair<int, cudaDeviceAttr>, int> values;
   const std::pair key{device, attribute};
   if (auto it = values.find(key); it != values.end()) return it->second;
-  check_device_index(device, "cuda::device_attribute");
+  check_device(device, "cuda::device_attribute");
   int value = 0;
   HG_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
   return values.emplace(key, value).first->second;
@@ -163,6 +168,7 @@ int compute_capability(int device) {
 }
 
 void synchronize() {
+  require_a_device("cuda::synchronize");
   detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -175,10 +181,10 @@ void synchronize(int device) {
 
 DeviceGuard::DeviceGuard(int device) {
   if (device < 0) return;
+  check_device(device, "cuda::DeviceGuard");
   int current = 0;
   HG_CUDA_CHECK(cudaGetDevice(&current));
   if (current != device) {
-    check_device_index(device, "cuda::DeviceGuard");
     HG_CUDA_CHECK(cudaSetDevice(device));
     previous_ = current;
   }
@@ -189,12 +195,12 @@ DeviceGuard::~DeviceGuard() {
 }
 
 cudaStream_t current_stream(int device) {
-  check_device_index(device, "cuda::current_stream");
+  check_device(device, "cuda::current_stream");
   return thread_streams()[size_t(device)];
 }
 
 void set_stream(int device, cudaStream_t stream) {
-  check_device_index(device, "cuda::set_stream");
+  check_device(device, "cuda::set_stream");
   thread_streams()[size_t(device)] = stream;
 }
 
@@ -221,7 +227,7 @@ StreamGuard::StreamGuard(int device, cudaStream_t stream) : device_(device), pre
 StreamGuard::~StreamGuard() { thread_streams()[size_t(device_)] = previous_; }
 
 cublasHandle_t cublas_handle(int device) {
-  check_device_index(device, "cuda::cublas_handle");
+  check_device(device, "cuda::cublas_handle");
   // One handle per device and host thread: cuBLAS handles must not be shared by threads that use them at
   // the same time. They live until the process exits (destroying them at exit races the driver's teardown).
   thread_local std::vector<CublasState> states;
@@ -247,7 +253,7 @@ cublasHandle_t cublas_handle(int device) {
 }
 
 cudnnHandle_t cudnn_handle(int device) {
-  check_device_index(device, "cuda::cudnn_handle");
+  check_device(device, "cuda::cudnn_handle");
   // As cuBLAS's: one per device and host thread, never destroyed.
   thread_local std::vector<cudnnHandle_t> handles;
   if (handles.empty()) handles.resize(size_t(count_devices()));
@@ -407,6 +413,7 @@ namespace {
 
 bool is_available() { return false; }
 int device_count() { return 0; }
+void check_device(int, const char* op) { no_cuda(op); }
 std::vector<std::string> describe_devices() { return {"CUDA backend: not compiled in", "GPUs: none visible"}; }
 Versions versions() { return {"none", "none", "none"}; }
 int current_device() { no_cuda("cuda::current_device"); }

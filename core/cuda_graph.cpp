@@ -55,6 +55,7 @@ void Graph::release() {
 
 void Graph::capture(Device device, const std::function<void()>& work) {
   HG_CHECK(device.is_cuda(), "cuda::Graph::capture: a CUDA device is needed, got {}", device.str());
+  check_device(device.index, "cuda::Graph::capture");
   HG_CHECK(!captured(), "cuda::Graph::capture: this graph holds a capture already; use a new Graph");
   HG_CHECK(capturing == nullptr, "cuda::Graph::capture: another graph is being captured on this thread");
   HG_CHECK(caching(), "cuda::Graph::capture: the CUDA allocator's caching is off (HALFGRAD_CUDA_NO_CACHING or "
@@ -161,7 +162,7 @@ Graph::~Graph() = default;
 void Graph::release() {}
 void Graph::capture(Device device, const std::function<void()>&) {
   HG_CHECK(device.is_cuda(), "cuda::Graph::capture: a CUDA device is needed, got {}", device.str());
-  throw Error("cuda::Graph::capture: this build of halfgrad has no CUDA");
+  check_device(device.index, "cuda::Graph::capture");  // throws: this build has no CUDA
 }
 void Graph::replay() { throw Error("cuda::Graph::replay: this build of halfgrad has no CUDA"); }
 void before_each_replay(std::function<void()>) {
@@ -176,6 +177,7 @@ Tensor replay_input(const Shape&, TensorOptions) {
 CapturedStep::CapturedStep(Device device, std::function<void()> step, int warmup)
     : device_(device), step_(std::move(step)), warmup_(warmup) {
   HG_CHECK(device.is_cuda(), "cuda::CapturedStep: CUDA graphs need a CUDA device, got {}", device.str());
+  check_device(device.index, "cuda::CapturedStep");
   HG_CHECK(warmup >= 1, "cuda::CapturedStep: at least one eager warm-up step is needed (got {})", warmup);
 }
 

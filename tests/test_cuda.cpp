@@ -87,18 +87,36 @@ const std::vector<DType> kAllTypes = {kBool, kUInt8, kInt32, kInt64, kFloat16, k
 
 }  // namespace
 
-TEST_CASE("cuda: availability, and a clear error for CUDA tensors without a GPU") {
+TEST_CASE("cuda: availability, and a clear error for CUDA tensors, graphs and syncs without a GPU") {
   CHECK(cuda::device_count() >= 0);
+  auto capture = [](int device) {
+    cuda::Graph graph;
+    graph.capture(Device::cuda(device), [] {});
+  };
   if (!cuda::is_available()) {
     CHECK(cuda::device_count() == 0);
     CHECK_THROWS_AS(empty({4}, {.device = kGpu}), Error);
-    MESSAGE("no GPU: only the error path was checked");
+    // Each names the call and says why, not the driver call that failed first (cudaGetDevice).
+#if HALFGRAD_WITH_CUDA
+    const std::string none = ": no CUDA device is available (no GPU or no driver)";
+#else
+    const std::string none = ": halfgrad was built without CUDA";
+#endif
+    CHECK_THROWS_WITH_AS(capture(0), doctest::Contains(("cuda::Graph::capture" + none).c_str()), Error);
+    CHECK_THROWS_WITH_AS((cuda::CapturedStep(kGpu, [] {})), doctest::Contains(("cuda::CapturedStep" + none).c_str()),
+                         Error);
+    CHECK_THROWS_WITH_AS(cuda::synchronize(), doctest::Contains(("cuda::synchronize" + none).c_str()), Error);
+    CHECK_THROWS_WITH_AS(cuda::current_device(), doctest::Contains(("cuda::current_device" + none).c_str()), Error);
+    CHECK_THROWS_WITH_AS(cuda::DeviceGuard(0), doctest::Contains(("cuda::DeviceGuard" + none).c_str()), Error);
+    MESSAGE("no GPU: only the error paths were checked");
     return;
   }
   CHECK(cuda::device_count() >= 1);
   CHECK_FALSE(cuda::device_name(0).empty());
   MESSAGE("GPU 0: " << cuda::device_name(0));
   CHECK_THROWS_AS(empty({4}, {.device = Device::cuda(cuda::device_count())}), Error);  // no such GPU
+  const std::string past = fmt::format("cuda::Graph::capture: CUDA device {} does not exist", cuda::device_count());
+  CHECK_THROWS_WITH_AS(capture(cuda::device_count()), doctest::Contains(past.c_str()), Error);
 }
 
 TEST_CASE("cuda: checked calls name the call, the op and file:line") {
