@@ -371,8 +371,11 @@ void add_candidates(std::vector<Candidate>& out, const std::shared_ptr<Graph>& g
         !acceptable(engine, pb)) {
       continue;
     }
+    // -1 where cuDNN does not say: the engine is still a candidate, but the knob search cannot build it again.
     int64_t index = -1;
-    cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &index);
+    if (cudnnBackendGetAttribute(engine.get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &index) !=
+        CUDNN_STATUS_SUCCESS)
+      index = -1;
     std::shared_ptr<Descriptor> plan = plan_of(*configs[size_t(i)], handle, pb.op());
     if (!plan) continue;  // the engine does not take this problem
     const int64_t workspace = int64_attribute(*plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, pb.op());
@@ -631,6 +634,7 @@ class KnobSearch {
 
   // The engine's own choice, or a setting of its knobs that computes the same result in less time.
   Candidate run() {
+    if (chosen_.engine_index < 0) return keep("cuDNN did not give the engine's index");
     engine_ = std::make_shared<Descriptor>(CUDNN_BACKEND_ENGINE_DESCRIPTOR, pb_.op());
     engine_->set(CUDNN_ATTR_ENGINE_OPERATION_GRAPH, chosen_.graph->graph)
         .set(CUDNN_ATTR_ENGINE_GLOBAL_INDEX, chosen_.engine_index);
