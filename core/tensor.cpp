@@ -35,8 +35,14 @@ Shape contiguous_strides(const Shape& shape) {
 
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   int64_t range = std::max<int64_t>(ndim, 1);  // a 0-d tensor accepts dim 0 and -1, as in PyTorch
-  HG_CHECK(dim >= -range && dim < range, "{}: dimension {} is out of range for a tensor of {} dims", op, dim, ndim);
+  HG_CHECK(dim >= -range && dim < range, "{}: dimension {} is out of range (expected in [{}, {}])", op, dim, -range,
+           range - 1);
   return dim < 0 ? dim + range : dim;
+}
+
+int64_t wrap_existing_dim(int64_t dim, int64_t ndim, const char* op) {
+  HG_CHECK(ndim > 0, "{}: dimension {} given, but the tensor is 0-d: it has no dimensions", op, dim);
+  return wrap_dim(dim, ndim, op);
 }
 
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
@@ -65,8 +71,8 @@ TensorImpl& Tensor::defined_impl(const char* what) const {
 const Shape& Tensor::shape() const { return defined_impl("shape").shape; }
 const Shape& Tensor::strides() const { return defined_impl("strides").strides; }
 int64_t Tensor::dim() const { return int64_t(defined_impl("dim").shape.size()); }
-int64_t Tensor::size(int64_t d) const { return shape()[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int64_t d) const { return shape()[wrap_existing_dim(d, dim(), "size")]; }
+int64_t Tensor::stride(int64_t d) const { return strides()[wrap_existing_dim(d, dim(), "stride")]; }
 int64_t Tensor::offset() const { return defined_impl("offset").offset; }
 int64_t Tensor::numel() const { return numel_of(defined_impl("numel").shape); }
 DType Tensor::dtype() const { return defined_impl("dtype").dtype; }

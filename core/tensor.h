@@ -91,7 +91,7 @@ class Tensor {
   Tensor unsqueeze(int64_t dim) const;
   Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
   Tensor contiguous() const;  // itself when already contiguous
-  Tensor clone() const;       // a contiguous copy, differentiable
+  Tensor clone() const;       // a dense copy in the same memory format (as PyTorch's preserve_format), differentiable
 
   // ---- dtype and device (ops/copy.cpp)
   Tensor to(DType dtype) const;  // itself when the dtype already matches
@@ -224,6 +224,9 @@ struct TensorImpl {
 int64_t numel_of(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);  // -1 -> ndim-1, with a range check
+// As wrap_dim, for ops that index a dim the tensor has (size, slice, narrow): a 0-d tensor has none, where wrap_dim
+// lets reductions take 0 or -1 for it, as PyTorch does.
+int64_t wrap_existing_dim(int64_t dim, int64_t ndim, const char* op);
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
 std::string shape_str(const Shape& shape);
 

@@ -70,7 +70,9 @@ Conv2dParams params_of(const Conv2dOptions& o) {
 void check_options(const char* op, const Conv2dOptions& o) {
   for (int d = 0; d < 2; ++d) {
     HG_CHECK(o.stride[d] >= 1, "{}: stride must be positive, got {}", op, pair_str(o.stride));
-    HG_CHECK(o.padding[d] >= 0, "{}: padding must be non-negative, got {}", op, pair_str(o.padding));
+    // Bounded so that a padded size cannot overflow (no tensor dim comes near 2^62).
+    HG_CHECK(o.padding[d] >= 0 && o.padding[d] <= (int64_t(1) << 60), "{}: padding must be in [0, 2^60], got {}", op,
+             pair_str(o.padding));
     HG_CHECK(o.dilation[d] >= 1, "{}: dilation must be positive, got {}", op, pair_str(o.dilation));
   }
   HG_CHECK(o.groups >= 1, "{}: groups must be positive, got {}", op, o.groups);
@@ -93,12 +95,13 @@ Shape conv2d_output_shape(const char* op, const Tensor& input, const Tensor& wei
   Shape out{input.size(0), O, 0, 0};
   for (int d = 0; d < 2; ++d) {
     const int64_t in = input.size(2 + d), k = weight.size(2 + d);
-    const int64_t padded = in + 2 * o.padding[d], dilated = o.dilation[d] * (k - 1) + 1;
-    HG_CHECK(dilated <= padded,
-             "{}: the kernel ({}x{}, {}x{} with dilation {}) is larger than the padded input ({}x{}: input {} with "
-             "padding {}); weight {}", op, weight.size(2), weight.size(3), o.dilation[0] * (weight.size(2) - 1) + 1,
-             o.dilation[1] * (weight.size(3) - 1) + 1, pair_str(o.dilation), input.size(2) + 2 * o.padding[0],
-             input.size(3) + 2 * o.padding[1], input.meta(), pair_str(o.padding), weight.meta());
+    const int64_t padded = in + 2 * o.padding[d];
+    // dilation (k - 1) + 1 <= padded, without the product: a huge dilation would overflow it
+    HG_CHECK(k == 0 || (padded >= 1 && (k == 1 || o.dilation[d] <= (padded - 1) / (k - 1))),
+             "{}: the kernel ({}x{} with dilation {}) spans more than the padded input ({}x{}: input {} with padding "
+             "{}); weight {}", op, weight.size(2), weight.size(3), pair_str(o.dilation),
+             input.size(2) + 2 * o.padding[0], input.size(3) + 2 * o.padding[1], input.meta(), pair_str(o.padding),
+             weight.meta());
     out[2 + d] = conv_output_size(in, k, o.stride[d], o.padding[d], o.dilation[d]);
   }
   return out;

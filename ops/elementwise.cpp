@@ -1,6 +1,11 @@
 // Elementwise ops: forward, backward and CPU kernels. The arithmetic is in ops/elementwise_math.h.
 #include "ops/elementwise.h"
 
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
@@ -15,6 +20,16 @@ KernelTable<WhereKernel> where_kernel("where");
 KernelTable<FillKernel> fill_kernel("fill");
 
 namespace {
+
+// Before anything reads an operand's dtype, whose own error would name no op.
+void check_defined(const char* op, std::initializer_list<std::reference_wrapper<const Tensor>> operands) {
+  for (const Tensor& t : operands) {
+    if (t.defined()) continue;
+    std::vector<std::string> metas;
+    for (const Tensor& each : operands) metas.push_back(each.meta());
+    HG_FAIL("{}: an operand is undefined ({}): a default-constructed Tensor holds no data", op, fmt::join(metas, ", "));
+  }
+}
 
 void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
   HG_CHECK(a.device() == b.device(), "{}: operands are on different devices: {} and {}", op, a.meta(), b.meta());
@@ -91,6 +106,7 @@ bool backward_uses_output(UnaryOp op) {
 }
 
 Tensor unary(UnaryOp op, const Tensor& x) {
+  check_defined(op_name(op), {x});
   Tensor y = unary_forward(op, x);
   if (any_requires_grad({&x}) && y.is_floating_point()) {
     const char* name = op_name(op);
@@ -104,6 +120,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 }
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  check_defined(op_name(op), {a, b});
   DType common = promote_types(a.dtype(), b.dtype());
   check_not_bool_arithmetic(op, common);
   Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
@@ -162,10 +179,14 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
       SavedTensor A(a, name), B(b, name);
       bool is_max = op == BinaryOp::Maximum;
       record(backward_name(name), {a, b}, {out}, [A, B, sa, sb, is_max](const GradContext& g) -> TensorList {
-        // The winner takes the gradient; a tie splits it evenly (PyTorch's rule).
-        Tensor a_wins = (is_max ? gt(A.get(), B.get()) : lt(A.get(), B.get())).to(g[0].dtype());
-        Tensor share = a_wins + eq(A.get(), B.get()).to(g[0].dtype()) * 0.5;
-        return {g.needs(0) ? sum_to(g[0] * share, sa) : Tensor(), g.needs(1) ? sum_to(g[0] * (1 - share), sb) : Tensor()};
+        // PyTorch's rule: a side strictly beaten gets nothing, a tie splits the gradient evenly, and otherwise a side
+        // gets it whole. A nan (no order either way) gives it to both.
+        const Tensor &a = A.get(), &b = B.get();
+        const DType dt = g[0].dtype();
+        const Tensor whole_or_half = 1 - eq(a, b).to(dt) * 0.5;
+        auto share = [&](const Tensor& beaten) { return whole_or_half * (1 - beaten.to(dt)); };
+        return {g.needs(0) ? sum_to(g[0] * share(is_max ? lt(a, b) : gt(a, b)), sa) : Tensor(),
+                g.needs(1) ? sum_to(g[0] * share(is_max ? gt(a, b) : lt(a, b)), sb) : Tensor()};
       });
       break;
     }
@@ -175,11 +196,13 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
 }
 
 Tensor binary(BinaryOp op, const Tensor& a, const Scalar& b) {
+  check_defined(op_name(op), {a});
   DType common = promote_with_scalar(a.dtype(), b);
   return binary(op, a, scalar_operand(b, common));
 }
 
 Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
+  check_defined(op_name(op), {b});
   DType common = promote_with_scalar(b.dtype(), a);
   return binary(op, scalar_operand(a, common), b);
 }
@@ -220,6 +243,7 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
 // before it writes.
 template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
+  check_defined(name, {self, other});
   bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
   DType common = binary_compute_dtype(op, promote_types(self.dtype(), other.dtype()));
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
@@ -239,11 +263,28 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
 
 // ---- public ops
 
+namespace {
+// PyTorch's rules for alpha, checked before a - alpha b is rewritten into two ops that would each let it pass: an
+// integral result takes an integral alpha, and bool tensors are subtracted with no alpha at all.
+void check_alpha(BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  check_defined(op_name(op), {a, b});
+  const DType common = promote_types(a.dtype(), b.dtype());
+  check_not_bool_arithmetic(op, common);
+  HG_CHECK(is_floating(common) || !alpha.is_floating(), "{}: alpha {} is a floating-point number, but {} and {} are "
+           "integral, and so is their result: pass an integral alpha", op_name(op), alpha.to_double(), a.meta(),
+           b.meta());
+  HG_CHECK(common == kBool || !alpha.is_bool(), "{}: a bool alpha is for bool tensors only, got {} and {}", op_name(op),
+           a.meta(), b.meta());
+}
+}  // namespace
+
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  check_alpha(BinaryOp::Add, a, b, alpha);
   HG_AUTOCAST(add, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Add, a, b) : binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  check_alpha(BinaryOp::Sub, a, b, alpha);
   HG_AUTOCAST(sub, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : binary(BinaryOp::Sub, a, binary(BinaryOp::Mul, b, alpha));
 }
@@ -348,6 +389,7 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
 }
 
 Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
+  check_defined("where", {condition, a, b});
   HG_AUTOCAST(where, condition, a, b);
   HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
   // a or b may be a 0-d CPU "scalar" with the rest on a device, as in binary ops: the kernel takes it by value

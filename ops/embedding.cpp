@@ -22,7 +22,8 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
            indices.meta(), weight.meta());
   HG_CHECK(weight.dim() == 2 && weight.is_floating_point(),
            "embedding: expected a floating-point weight of shape [V, D], got {}", weight.meta());
-  HG_CHECK(is_integral(indices.dtype()), "embedding: expected integer indices (int64), got {}", indices.meta());
+  HG_CHECK(is_integral(indices.dtype()), "embedding: expected integer indices (int64, int32 or uint8), got {}",
+           indices.meta());
   HG_CHECK(indices.device() == weight.device(), "embedding: indices {} and weight {} are on different devices",
            indices.meta(), weight.meta());
   const int64_t rows = weight.size(0), dim = weight.size(1);

@@ -13,6 +13,7 @@
 #include "core/autograd.h"
 #include "ops/copy.h"
 #include "ops/elementwise.h"
+#include "ops/reduce.h"
 #include "ops/softmax.h"
 
 namespace halfgrad {
@@ -360,8 +361,9 @@ Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const Bin
   const DType dtype = promote_types(input.dtype(), target.dtype());
   if (input.is_cpu()) {
     NoGradGuard no_grad;
-    HG_CHECK(logical_or(input.lt(0.0), input.gt(1.0)).any().item<double>() == 0.0,
-             "{}: all elements of the input {} must be probabilities in [0, 1] (for logits, use "
+    // in [0, 1], asked so that a nan fails too (PyTorch's CPU check)
+    HG_CHECK(halfgrad::all(logical_and(input.ge(0.0), input.le(1.0))).item<double>() != 0.0,
+             "{}: all elements of the input {} must be probabilities in [0, 1], none nan (for logits, use "
              "binary_cross_entropy_with_logits)", op, input.meta());
   }
   Tensor w = elementwise_factor(options.weight, input, dtype, op, "weight");

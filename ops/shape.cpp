@@ -125,7 +125,7 @@ Tensor Tensor::view(Shape new_shape) const {
 Tensor Tensor::reshape(Shape new_shape) const {
   new_shape = infer_shape(std::move(new_shape), numel(), "reshape");
   if (view_strides(shape(), strides(), new_shape)) return view(new_shape);
-  return clone().view(new_shape);
+  return contiguous().view(new_shape);  // as PyTorch: a row-major copy, whatever the layout (clone keeps channels_last)
 }
 
 Tensor Tensor::permute(Dims dims) const {
@@ -146,9 +146,9 @@ Tensor Tensor::permute(Dims dims) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
-  if (dim() == 0) return *this;
   d0 = wrap_dim(d0, dim(), "transpose");
   d1 = wrap_dim(d1, dim(), "transpose");
+  if (dim() == 0) return *this;
   Dims order(static_cast<size_t>(dim()));
   std::iota(order.begin(), order.end(), 0);
   std::swap(order[size_t(d0)], order[size_t(d1)]);
@@ -161,15 +161,17 @@ Tensor Tensor::t() const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  d = wrap_dim(d, dim(), "slice");
+  d = wrap_existing_dim(d, dim(), "slice");
   HG_CHECK(step > 0, "slice: step must be positive, got {}", step);
   int64_t size = shape()[size_t(d)];
-  auto clip = [size](int64_t i) { return std::clamp(i < 0 ? i + size : i, int64_t(0), size); };
+  // Clamped to [0, size] before any arithmetic: an index near INT64_MIN/MAX must not wrap.
+  auto clip = [size](int64_t i) { return i < 0 ? std::max<int64_t>(i, -size) + size : std::min(i, size); };
   start = clip(start);
   end = std::max(start, clip(end));
   Shape new_shape = shape(), new_strides = strides();
-  new_shape[size_t(d)] = (end - start + step - 1) / step;
-  new_strides[size_t(d)] *= step;
+  new_shape[size_t(d)] = end == start ? 0 : (end - start - 1) / step + 1;  // no overflow for a step near INT64_MAX
+  // A dim of one element or none keeps its stride: a huge step would overflow the product, which nothing reads.
+  if (new_shape[size_t(d)] > 1) new_strides[size_t(d)] *= step;
   Shape full = shape();
   return view_op("slice", *this, new_shape, new_strides, offset() + start * strides()[size_t(d)],
                  [full, d, start, end, step](const Tensor& g) {
@@ -180,17 +182,17 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
-  d = wrap_dim(d, dim(), "narrow");
+  d = wrap_existing_dim(d, dim(), "narrow");
   int64_t size = shape()[size_t(d)];
-  if (start < 0) start += size;
-  HG_CHECK(start >= 0 && length >= 0 && start + length <= size, "narrow: range [{}, {}) is outside dim {} of {}",
-           start, start + length, d, meta());
+  if (start < 0 && start >= -size) start += size;
+  // length > size - start, not start + length > size: the sum may overflow
+  HG_CHECK(start >= 0 && start <= size && length >= 0 && length <= size - start, "narrow: start {} and length {} are "
+           "outside dim {} of {}", start, length, d, meta());
   return slice(d, start, start + length);
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
-  HG_CHECK(dim() > 0, "select: cannot select from a 0-d tensor");
-  d = wrap_dim(d, dim(), "select");
+  d = wrap_existing_dim(d, dim(), "select");
   int64_t size = shape()[size_t(d)];
   HG_CHECK(index >= -size && index < size, "select: index {} is out of range for dim {} of {}", index, d, meta());
   if (index < 0) index += size;
@@ -245,9 +247,9 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
-  if (dim() == 0) return reshape({1});
   start_dim = wrap_dim(start_dim, dim(), "flatten");
   end_dim = wrap_dim(end_dim, dim(), "flatten");
+  if (dim() == 0) return reshape({1});
   HG_CHECK(start_dim <= end_dim, "flatten: start_dim {} is after end_dim {}", start_dim, end_dim);
   Shape new_shape(shape().begin(), shape().begin() + start_dim);
   int64_t merged = 1;

@@ -242,12 +242,16 @@ TEST_CASE("conv2d errors name the op and the shapes") {
 
   e = error_of([&] { conv2d(randn({1, 3, 2, 2}), w); });
   CHECK(contains(e, "conv2d"));
-  CHECK(contains(e, "larger than the padded input"));
+  CHECK(contains(e, "spans more than the padded input"));
   CHECK(contains(e, "[1, 3, 2, 2]"));
   CHECK(contains(e, "[4, 3, 3, 3]"));
   CHECK(error_of([&] { conv2d(randn({1, 3, 2, 2}), w, {}, {.padding = {1, 1}}); }) == "(no error)");
   e = error_of([&] { conv2d(randn({1, 3, 5, 5}), w, {}, {.dilation = {3, 3}}); });  // 7x7 dilated kernel
-  CHECK(contains(e, "larger than the padded input"));
+  CHECK(contains(e, "spans more than the padded input"));
+  // A dilation whose span overflows int64 is as much too large, not a wrapped-around empty output.
+  e = error_of([&] { conv2d(randn({1, 3, 5, 5}), w, {}, {.dilation = {int64_t(1) << 62, 1}}); });
+  CHECK(contains(e, "spans more than the padded input"));
+  CHECK(contains(e, "dilation (4611686018427387904, 1)"));
 
   e = error_of([&] { conv2d(randn({3, 8, 8, 1, 1}), w); });
   CHECK(contains(e, "conv2d"));
@@ -270,7 +274,9 @@ TEST_CASE("conv2d errors name the op and the shapes") {
   e = error_of([&] { conv2d(x.to(kInt64), w.to(kInt64)); });
   CHECK(contains(e, "floating-point"));
   CHECK(contains(error_of([&] { conv2d(x, w, {}, {.stride = {0, 1}}); }), "stride must be positive"));
-  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.padding = {-1, 0}}); }), "padding must be non-negative"));
+  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.padding = {-1, 0}}); }), "padding must be in [0, 2^60]"));
+  CHECK(contains(error_of([&] { conv2d(x, w, {}, {.padding = {0, int64_t(1) << 62}}); }),
+                 "padding must be in [0, 2^60]"));
   CHECK(contains(error_of([&] { conv2d(x, w, {}, {.dilation = {1, 0}}); }), "dilation must be positive"));
 }
 

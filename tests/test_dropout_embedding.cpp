@@ -213,7 +213,8 @@ TEST_CASE("embedding errors name the bad index, its position and the number of r
                        doctest::Contains("embedding: index 10 at position 1 is out of range for a weight of 10 rows"), Error);
   CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({-1}), weight), doctest::Contains("index -1"), Error);
   CHECK_THROWS_WITH_AS(embedding(tensor<float>({1.f}), weight),
-                       doctest::Contains("embedding: expected integer indices (int64), got float32[1]"), Error);
+                       doctest::Contains("embedding: expected integer indices (int64, int32 or uint8), got float32[1]"),
+                       Error);
   CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({1}), randn({10})),
                        doctest::Contains("expected a floating-point weight of shape [V, D], got float32[10]"), Error);
   CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({1}), weight, 10),

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 
 #include "halfgrad.h"
@@ -186,6 +187,15 @@ TEST_CASE("integer and bool ops") {
   CHECK(values(logical_not(i.eq(0))) == std::vector<double>{1, 0, 1});
   CHECK(values(logical_and(i.gt(-5), i.lt(3))) == std::vector<double>{1, 1, 0});
   CHECK(values(isfinite(tensor(std::vector<float>{1, INFINITY, NAN}))) == std::vector<double>{1, 0, 0});
+  // alpha, as PyTorch: integral for an integral result; bool tensors subtract with no alpha either.
+  CHECK(values(add(i, i, 2)) == std::vector<double>{-9, 0, 15});
+  CHECK(add(i, i, 2).dtype() == kInt32);
+  CHECK_THROWS_WITH_AS(add(i, i, 2.5), doctest::Contains("add: alpha 2.5 is a floating-point number, but int32[3] cpu "
+                                                         "and int32[3] cpu are integral"), Error);
+  CHECK(values(sub(i, tensor<float>({1, 1, 1}), 0.5)) == std::vector<double>{-3.5, -0.5, 4.5});  // a float result
+  const Tensor flags = i.gt(0);
+  CHECK_THROWS_WITH_AS(sub(flags, flags, 2), doctest::Contains("sub: not supported for bool tensors"), Error);
+  CHECK_THROWS_WITH_AS(add(i, i, true), doctest::Contains("add: a bool alpha is for bool tensors only"), Error);
 }
 
 TEST_CASE("where and clamp") {
@@ -276,14 +286,18 @@ TEST_CASE("gradients where the derivative is not defined: the values PyTorch giv
   CHECK(grad_of(x, [](const Tensor& t) { return t.abs(); }) == std::vector<double>{-1, 0, 1});  // sign(0) = 0
   // clamp passes the gradient on its boundaries too: [0, 2] includes both ends.
   CHECK(grad_of(x, [](const Tensor& t) { return t.clamp(0.0, 2.0); }) == std::vector<double>{0, 1, 1});
-  // maximum and minimum split a tie evenly between the two sides.
-  const Tensor a = tensor<double>({1, 3, 5}, {3}), b = tensor<double>({2, 3, 4}, {3});
+  // maximum and minimum split a tie evenly between the two sides; a nan on either side (no order) gives both sides
+  // the whole gradient (PyTorch: where(a == b, g / 2, g) masked where strictly beaten).
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Tensor a = tensor<double>({1, 3, 5, nan, 1}, {5}), b = tensor<double>({2, 3, 4, 1, nan}, {5});
   for (bool is_max : {true, false}) {
     CAPTURE(is_max);
     Tensor la = a.detach().requires_grad_(), lb = b.detach().requires_grad_();
     (is_max ? maximum(la, lb) : minimum(la, lb)).sum().backward();
-    CHECK(testing::values(la.grad()) == (is_max ? std::vector<double>{0, 0.5, 1} : std::vector<double>{1, 0.5, 0}));
-    CHECK(testing::values(lb.grad()) == (is_max ? std::vector<double>{1, 0.5, 0} : std::vector<double>{0, 0.5, 1}));
+    CHECK(testing::values(la.grad()) ==
+          (is_max ? std::vector<double>{0, 0.5, 1, 1, 1} : std::vector<double>{1, 0.5, 0, 1, 1}));
+    CHECK(testing::values(lb.grad()) ==
+          (is_max ? std::vector<double>{1, 0.5, 0, 1, 1} : std::vector<double>{0, 0.5, 1, 1, 1}));
   }
 }
 

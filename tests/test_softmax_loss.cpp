@@ -483,11 +483,13 @@ TEST_CASE("binary_cross_entropy on probabilities is refused under autocast, poin
   CHECK(binary_cross_entropy_with_logits(p.to(kFloat16), y).dtype() == kFloat32);
 }
 
-TEST_CASE("binary_cross_entropy checks its operands: shapes, dtypes, probabilities in [0, 1]") {
+TEST_CASE("binary_cross_entropy checks its operands: shapes, dtypes, probabilities in [0, 1] and not nan") {
   CHECK_THROWS_WITH_AS(binary_cross_entropy(rand({4}), rand({4, 1})),
                        doctest::Contains("binary_cross_entropy: input shape [4] and target shape [4, 1] differ"), Error);
   CHECK_THROWS_WITH_AS(binary_cross_entropy(tensor<float>({0.5f, 1.5f}), rand({2})),
                        doctest::Contains("must be probabilities in [0, 1]"), Error);
+  CHECK_THROWS_WITH_AS(binary_cross_entropy(tensor<double>({0.5, std::nan("")}), rand({2}, {.dtype = kFloat64})),
+                       doctest::Contains("must be probabilities in [0, 1], none nan"), Error);
   CHECK_THROWS_WITH_AS(binary_cross_entropy_with_logits(randn({3}), randn({3}), {.pos_weight = ones({2})}),
                        doctest::Contains("binary_cross_entropy_with_logits"), Error);
 }

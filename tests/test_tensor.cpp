@@ -3,7 +3,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "halfgrad.h"
@@ -58,6 +62,14 @@ TEST_CASE("view needs compatible strides; reshape copies when it must") {
   CHECK(values(r) == std::vector<double>{0, 3, 1, 4, 2, 5});
   CHECK(arange(6).view({-1, 2}).shape() == Shape{3, 2});
   CHECK_THROWS_WITH_AS(arange(6).view({4, -1}), doctest::Contains("invalid for input of size 6"), Error);
+  // A channels_last tensor reshaped row-major, as PyTorch: a copy, forward and in the backward of a view.
+  const Tensor x = arange(48, {.dtype = kFloat64}).view({2, 3, 4, 2});
+  const Tensor nhwc = contiguous_channels_last(x);
+  CHECK(values(nhwc.reshape({2, -1})) == values(x.reshape({2, -1})));
+  CHECK(values(nhwc.flatten(1)) == values(x.flatten(1)));
+  Tensor leaf = arange(24, {.dtype = kFloat64}).view({2, 12}).requires_grad_();
+  contiguous_channels_last(leaf.view({2, 3, 2, 2})).mul(tensor<double>({1, 2})).sum().backward();
+  CHECK(values(leaf.grad()) == values(tensor<double>({1, 2}).expand({2, 3, 2, 2}).reshape({2, 12})));
 }
 
 TEST_CASE("slice with a step, narrow, select with negative indices") {
@@ -67,6 +79,34 @@ TEST_CASE("slice with a step, narrow, select with negative indices") {
   CHECK(t.select(0, -1).item<int64_t>() == 9);
   CHECK_THROWS_WITH_AS(t.select(0, 10), doctest::Contains("out of range"), Error);
   CHECK_THROWS_WITH_AS(t.narrow(0, 8, 5), doctest::Contains("narrow"), Error);
+  // Extreme starts, lengths and steps: no int64 wrap-around into an empty or wrong view.
+  const int64_t big = std::numeric_limits<int64_t>::max(), small = std::numeric_limits<int64_t>::min();
+  CHECK_THROWS_WITH_AS(t.narrow(0, 1, big), doctest::Contains("narrow: start 1 and length 9223372036854775807 are "
+                                                              "outside dim 0"), Error);
+  CHECK_THROWS_WITH_AS(t.narrow(0, small, 1), doctest::Contains("narrow"), Error);
+  CHECK(values(t.slice(0, 0, 5, big)) == std::vector<double>{0});
+  CHECK(values(t.slice(0, small, big, 4)) == std::vector<double>{0, 4, 8});
+  CHECK(values(t.slice(0, -2, big)) == std::vector<double>{8, 9});
+  // A 0-d tensor has no dims to index: an error, not a read past its empty shape.
+  const Tensor scalar = scalar_tensor(1.0);
+  for (auto [name, op] : std::vector<std::pair<std::string, std::function<void()>>>{
+           {"size", [&] { scalar.size(-1); }},
+           {"stride", [&] { scalar.stride(0); }},
+           {"slice", [&] { scalar.slice(0, 0, 1); }},
+           {"narrow", [&] { scalar.narrow(0, 0, 1); }},
+           {"select", [&] { scalar.select(0, 0); }}}) {
+    CAPTURE(name);
+    CHECK_THROWS_WITH_AS(op(), doctest::Contains((name + ": dimension").c_str()), Error);
+    CHECK_THROWS_WITH_AS(op(), doctest::Contains("the tensor is 0-d: it has no dimensions"), Error);
+  }
+  // ... while transpose and flatten take 0 and -1 for it, as PyTorch, and refuse the rest.
+  CHECK(scalar.transpose(0, -1).dim() == 0);
+  CHECK(scalar.flatten(0, -1).shape() == Shape{1});
+  CHECK_THROWS_WITH_AS(scalar.transpose(5, 3), doctest::Contains("transpose: dimension 5 is out of range (expected in "
+                                                                 "[-1, 0])"), Error);
+  CHECK_THROWS_WITH_AS(scalar.flatten(3, 1), doctest::Contains("flatten: dimension 3 is out of range"), Error);
+  CHECK_THROWS_WITH_AS(zeros({2, 3, 4}).unsqueeze(4), doctest::Contains("unsqueeze: dimension 4 is out of range "
+                                                                        "(expected in [-4, 3])"), Error);
 }
 
 TEST_CASE("expand broadcasts with stride 0; squeeze, unsqueeze and flatten") {
@@ -365,7 +405,14 @@ TEST_CASE("bulk float16 conversions give the scalar conversions' results, tails 
 TEST_CASE("an undefined tensor is an error wherever it is read, not a crash") {
   const Tensor undefined;
   CHECK_THROWS_WITH_AS(undefined.dim(), doctest::Contains("dim: the tensor is undefined"), Error);
-  CHECK_THROWS_WITH_AS(ones({3}) + undefined, doctest::Contains("the tensor is undefined"), Error);
+  // Elementwise ops name themselves and both operands.
+  CHECK_THROWS_WITH_AS(ones({3}) + undefined, doctest::Contains("add: an operand is undefined (float32[3] cpu, "
+                                                                "(undefined tensor))"), Error);
+  CHECK_THROWS_WITH_AS(undefined * 2.0, doctest::Contains("mul: an operand is undefined"), Error);
+  CHECK_THROWS_WITH_AS(undefined.exp(), doctest::Contains("exp: an operand is undefined"), Error);
+  CHECK_THROWS_WITH_AS(where(undefined, ones({3}), ones({3})), doctest::Contains("where: an operand is undefined"),
+                       Error);
+  CHECK_THROWS_WITH_AS(ones({3}).add_(undefined), doctest::Contains("add_: an operand is undefined"), Error);
   CHECK_THROWS_WITH_AS(ones({3}).copy_(undefined), doctest::Contains("the tensor is undefined"), Error);
   CHECK_THROWS_WITH_AS(undefined.backward(), doctest::Contains("backward: tensor 0 is undefined"), Error);
   CHECK_THROWS_WITH_AS(cat({undefined, ones({3})}), doctest::Contains("cat: the tensor at position 0 is undefined"),
