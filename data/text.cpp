@@ -149,6 +149,8 @@ TextBatch bptt_batch(const Tensor& source, int64_t i, int64_t bptt) {
            source.defined() ? source.meta() : "an undefined tensor");
   HG_CHECK(bptt >= 1, "bptt_batch: bptt must be >= 1, got {}", bptt);
   const int64_t rows = source.size(0);
+  HG_CHECK(rows >= 2, "bptt_batch: the source has {} row{}; a window needs at least 2 (its inputs and their next "
+           "tokens)", rows, rows == 1 ? "" : "s");
   HG_CHECK(i >= 0 && i + 1 < rows, "bptt_batch: row {} has no next row to predict (rows 0..{} do)", i, rows - 2);
   const int64_t len = std::min(bptt, rows - 1 - i);
   return {source.narrow(0, i, len), source.narrow(0, i + 1, len).reshape({-1})};

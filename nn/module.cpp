@@ -206,6 +206,16 @@ void Module::convert_all(const Conversion& to, const std::function<bool(const Mo
   std::unordered_map<const TensorImpl*, std::pair<Tensor, Tensor>> converted;
   for (Module* m : modules())
     if (!select || (*select)(*m)) m->convert_own(to, converted);
+  if (!select) return;
+  // A module left out that shares a converted tensor (a tied weight) takes the same new tensor: else the two slots
+  // would train apart.
+  for (Module* m : modules()) {
+    if ((*select)(*m)) continue;
+    for (std::deque<Slot>* slots : {&m->parameters_, &m->buffers_})
+      for (Slot& s : *slots)
+        if (auto it = s.tensor.defined() ? converted.find(s.tensor.impl()) : converted.end(); it != converted.end())
+          s.tensor = it->second.second;
+  }
 }
 
 void Module::to(Device device) { convert_all({.device = &device}, nullptr); }

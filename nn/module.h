@@ -119,7 +119,9 @@ class Module {
   void to(DType dtype);
   void to(Device device, DType dtype);
   // Converts the floating tensors of the modules `select` returns true for, each module's own tensors only
-  // (every descendant is asked separately). Mixed precision O2, "the model in half except BatchNorm":
+  // (every descendant is asked separately). A tensor such a module shares with one left out (a tied weight) is
+  // converted for both, as PyTorch's in-place conversion would be: the tie holds. Mixed precision O2, "the model in
+  // half except BatchNorm":
   //   model.to(kFloat16, [](const nn::Module& m) { return !dynamic_cast<const nn::BatchNorm2d*>(&m); });
   void to(DType dtype, const std::function<bool(const Module&)>& select);
   // Lays out every floating tensor the format applies to, and its gradient, as `format`: ChannelsLast, the 4-D ones

@@ -8,8 +8,9 @@
 // of a dtype, optim/fused.h), the clip coefficient min(1, max_norm / (norm + 1e-6)) is computed there as a
 // 0-d tensor, and every gradient is multiplied by it (one more fused pass), whether or not it is below 1,
 // exactly as PyTorch does to avoid the sync. With loss scaling, unscale the gradients first
-// (GradScaler::unscale_). A non-finite norm makes the coefficient nan, and so every gradient: the step a
-// GradScaler would skip anyway.
+// (GradScaler::unscale_). A non-finite norm makes every gradient non-finite or zero (a nan norm: a nan coefficient,
+// and so nan gradients; an infinite one: a coefficient of 0, finite gradients 0 and infinite ones nan), as PyTorch:
+// the step a GradScaler would skip anyway.
 #include "core/tensor.h"
 
 namespace halfgrad::optim {

@@ -63,6 +63,11 @@ ParamState& Optimizer::state(size_t group, size_t param) {
 }
 
 void Optimizer::check_parameters() const {
+  size_t count = 0;
+  for (size_t g = 0; g < num_param_groups(); ++g) count += group_params(g).size();
+  // As PyTorch: an optimizer of nothing would step without a word, where the caller likely passed the wrong module.
+  HG_CHECK(count > 0, "{}: got an empty parameter list ({} group{}, none with a parameter)", name_,
+           num_param_groups(), num_param_groups() == 1 ? "" : "s");
   std::unordered_set<const TensorImpl*> seen;
   for (size_t g = 0; g < num_param_groups(); ++g) {
     const TensorList& params = group_params(g);

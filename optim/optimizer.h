@@ -13,11 +13,13 @@
 //   optim::SGD opt({{{backbone...}, {.lr = 0.01, .momentum = 0.9}},
 //                   {{head...}, {.lr = 0.1, .momentum = 0.9}}});
 //   opt.groups()[1].options.weight_decay = 5e-4;          // typed access (SGD, Adam, AdamW)
+//   opt.add_param_group({{classifier...}, {.lr = 0.1}});  // a group added later, checked as the constructor's
 //   for (optim::ParamGroupRef g : opt.param_groups()) g.lr *= 0.1;   // generic access (any Optimizer)
 //
 // A step runs the fused kernels of optim/fused.h: one call per (group, device, dtype) that updates all those
 // parameters in one pass over memory (one or a few kernel launches on CUDA, not one per parameter).
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,8 +110,8 @@ class Optimizer {
   // Why group g cannot take a loaded lr and momentum (the constructor's checks of its options with them), or "".
   virtual std::string refusal(size_t g, double lr, double momentum) const = 0;
 
-  // Checks that every parameter is a floating leaf (one that requires no grad, frozen, is taken and skipped) and
-  // appears in one group only.
+  // Checks that there is a parameter at all, and that every parameter is a floating leaf (one that requires no grad,
+  // frozen, is taken and skipped) and appears in one group only.
   void check_parameters() const;
 
   // One parameter of a step, as a fused kernel takes it: 1-D views of its storage in memory order, so that a
@@ -149,8 +151,22 @@ template <typename Options> struct Group {
 // `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to.
 template <typename Options> class OptimizerWith : public Optimizer {
  public:
-  std::vector<Group<Options>>& groups() { return groups_; }
-  const std::vector<Group<Options>>& groups() const { return groups_; }
+  // The groups, their options and parameters in place; a new group comes through add_param_group, which checks it.
+  std::span<Group<Options>> groups() { return groups_; }
+  std::span<const Group<Options>> groups() const { return groups_; }
+
+  // As PyTorch's add_param_group: a group checked as the constructor checks its groups (its options, and parameters
+  // in no other group), or an error that leaves the optimizer as it was.
+  void add_param_group(Group<Options> group) {
+    groups_.push_back(std::move(group));
+    try {
+      check_group_options(groups_.back().options, groups_.size() - 1);
+      check_parameters();
+    } catch (...) {
+      groups_.pop_back();
+      throw;
+    }
+  }
 
   size_t num_param_groups() const override { return groups_.size(); }
   ParamGroupRef param_group(size_t g) override {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 namespace halfgrad::optim {
@@ -29,17 +30,29 @@ void LRScheduler::set_step(int64_t n) {
   }
   last_step_ = n;
   last_lr_ = std::move(lrs);
+  stepped(n);
 }
 
 NamedTensors LRScheduler::state_tensors() const {
-  return {{"last_step", scalar_tensor(last_step_, {.dtype = kInt64})}};
+  return {{"last_step", scalar_tensor(last_step_, {.dtype = kInt64})}, {"base_lrs", tensor(base_lrs_)}};
 }
 
 void LRScheduler::load_state_tensors(const NamedTensors& state) {
   std::vector<std::string> errors;
   int64_t n = -1;
+  std::vector<double> base_lrs = base_lrs_;  // a checkpoint written before base_lrs were saved keeps this scheduler's
   for (const auto& [name, t] : state) {
-    if (name != "last_step") {
+    if (name == "base_lrs") {
+      if (!t.defined() || t.dim() != 1 || t.numel() != int64_t(base_lrs_.size()) || !t.is_floating_point()) {
+        errors.push_back(fmt::format("'base_lrs' must be a floating tensor of {} values (one per group), got {}",
+                                     base_lrs_.size(), t.defined() ? t.meta() : "an undefined tensor"));
+        continue;
+      }
+      const Tensor values = t.detach().to(Device::cpu(), kFloat64).contiguous();
+      base_lrs.assign(values.data<double>(), values.data<double>() + values.numel());
+      for (double lr : base_lrs)
+        if (!std::isfinite(lr) || lr < 0) errors.push_back(fmt::format("'base_lrs' holds {}", lr));
+    } else if (name != "last_step") {
       errors.push_back(fmt::format("unexpected entry '{}'", name));
     } else if (!t.defined() || t.numel() != 1 || !is_integral(t.dtype())) {
       errors.push_back(fmt::format("'last_step' must be a one-element integer tensor, got {}",
@@ -53,7 +66,16 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
   if (!errors.empty())
     HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", name_, errors.size(),
             errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
-  set_step(n);
+  // The base lrs of the run that saved it: a scheduler made after its optimizer's state was loaded took the decayed
+  // lrs as its bases (PyTorch keeps them as each group's initial_lr).
+  const std::vector<double> previous = base_lrs_;
+  base_lrs_ = std::move(base_lrs);
+  try {
+    set_step(n);
+  } catch (...) {
+    base_lrs_ = previous;
+    throw;
+  }
 }
 
 // ---- StepLR, MultiStepLR, CosineAnnealingLR
@@ -109,11 +131,13 @@ enum { kInitial = 0, kMax = 1, kMin = 2 };
 OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
     : LRScheduler(optimizer, "OneCycleLR"), options_(std::move(options)) {
   const OneCycleLROptions& o = options_;
-  total_steps_ = o.total_steps > 0 ? o.total_steps : o.epochs * o.steps_per_epoch;
-  HG_CHECK(total_steps_ > 0,
-           "OneCycleLR: give total_steps, or epochs and steps_per_epoch (got total_steps {}, epochs {}, "
-           "steps_per_epoch {})",
+  // As PyTorch: total_steps when given, else epochs and steps_per_epoch, each a positive count.
+  HG_CHECK(o.total_steps > 0 || (o.total_steps == 0 && o.epochs > 0 && o.steps_per_epoch > 0 &&
+                                 o.epochs <= std::numeric_limits<int64_t>::max() / o.steps_per_epoch),
+           "OneCycleLR: give a positive total_steps, or (total_steps 0) positive epochs and steps_per_epoch (got "
+           "total_steps {}, epochs {}, steps_per_epoch {})",
            o.total_steps, o.epochs, o.steps_per_epoch);
+  total_steps_ = o.total_steps > 0 ? o.total_steps : o.epochs * o.steps_per_epoch;
   HG_CHECK(o.pct_start >= 0 && o.pct_start <= 1, "OneCycleLR: pct_start must be in [0, 1], got {}", o.pct_start);
   HG_CHECK(o.div_factor > 0 && o.final_div_factor > 0,
            "OneCycleLR: div_factor and final_div_factor must be positive, got {} and {}", o.div_factor,
@@ -123,6 +147,9 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
            "OneCycleLR: max_lr has {} values; give one for every group or one per group ({} groups)",
            o.max_lr.size(), groups);
   for (size_t g = 0; g < groups; ++g) max_lrs_.push_back(o.max_lr.size() == 1 ? o.max_lr[0] : o.max_lr[g]);
+  for (double max_lr : max_lrs_)  // a negative lr would turn the optimizer's steps into ascent
+    HG_CHECK(std::isfinite(max_lr) && max_lr >= 0, "OneCycleLR: max_lr must be finite and >= 0, got {}",
+             fmt::join(o.max_lr, ", "));
 
   const double total = double(total_steps_);
   if (o.three_phase) {
@@ -185,6 +212,12 @@ LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, st
   HG_CHECK(!after_ || &after_->optimizer() == &optimizer,
            "LinearWarmup: the scheduler after the warm-up ({}) drives another optimizer", after_->name());
   start();
+}
+
+void LinearWarmup::stepped(int64_t n) {
+  if (!after_) return;
+  const int64_t inner = std::max<int64_t>(n - options_.warmup_steps, 0);
+  after_->follow(inner, after_->lr_at(inner));
 }
 
 std::vector<double> LinearWarmup::lr_at(int64_t n) const {

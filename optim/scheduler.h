@@ -43,7 +43,8 @@ class LRScheduler {
   // Each group's momentum (SGD momentum, Adam beta1) at step n; empty when the scheduler leaves it alone.
   virtual std::vector<double> momentum_at(int64_t /*n*/) const { return {}; }
 
-  // For checkpoints: "last_step" (0-d int64). Loading sets the groups for that step.
+  // For checkpoints: "last_step" (0-d int64) and "base_lrs" (float64, one per group). Loading takes both (a state
+  // without base_lrs keeps this scheduler's) and sets the groups for that step.
   NamedTensors state_tensors() const;
   void load_state_tensors(const NamedTensors& state);
 
@@ -59,6 +60,15 @@ class LRScheduler {
   std::vector<double> base_lrs_;
 
  private:
+  friend class LinearWarmup;
+  // After set_step(n) has written the groups: a scheduler that drives another (LinearWarmup) keeps it in step.
+  virtual void stepped(int64_t /*n*/) {}
+  // Where the scheduler driving this one has taken it: its step and lrs, the groups left as the driver set them.
+  void follow(int64_t n, std::vector<double> lrs) {
+    last_step_ = n;
+    last_lr_ = std::move(lrs);
+  }
+
   const char* name_;
   int64_t last_step_ = 0;
   std::vector<double> last_lr_;
@@ -167,6 +177,7 @@ class LinearWarmup : public LRScheduler {
   std::vector<double> momentum_at(int64_t n) const override;
 
  private:
+  void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps
   LinearWarmupOptions options_;
   std::unique_ptr<LRScheduler> after_;
 };

@@ -446,6 +446,8 @@ TEST_CASE("batchify lays the text out in columns; bptt_batch gives inputs and ne
   CHECK(tail.input.size(0) == 2);
   CHECK(to_vector<int64_t>(tail.target) == std::vector<int64_t>{4, 10, 16, 22, 5, 11, 17, 23});
   CHECK(contains(error_of([&] { data::bptt_batch(source, 5, 3); }), "row 5 has no next row to predict"));
+  CHECK(contains(error_of([&] { data::bptt_batch(source.narrow(0, 0, 1), 0, 3); }),
+                 "bptt_batch: the source has 1 row; a window needs at least 2"));
   CHECK(contains(error_of([&] { data::batchify(ids, 27); }), "batch_size must be in 1..26"));
   CHECK(contains(error_of([&] { data::batchify(ids.to(kFloat32), 2); }), "expected int64 token ids"));
 }

@@ -320,6 +320,19 @@ TEST_CASE("tied weights are listed once and stay tied through to()") {
   m.to(kFloat64);
   CHECK(m.emb->weight.dtype() == kFloat64);
   CHECK(m.out->weight.same(m.emb->weight));
+  // Converting only one of the two owners converts the tensor for both: the tie holds, and the model still lists
+  // one parameter, whichever owner is chosen.
+  for (bool choose_embedding : {true, false}) {
+    CAPTURE(choose_embedding);
+    Tied half;
+    half.to(kFloat16, [&](const nn::Module& owner) {
+      return choose_embedding ? dynamic_cast<const nn::Embedding*>(&owner) != nullptr
+                              : dynamic_cast<const nn::Linear*>(&owner) != nullptr;
+    });
+    CHECK(half.emb->weight.dtype() == kFloat16);
+    CHECK(half.out->weight.same(half.emb->weight));
+    CHECK(half.parameters().size() == 1);
+  }
 }
 
 TEST_CASE("load_state_dict refuses two different values for one tied tensor, and takes equal ones") {

@@ -503,6 +503,32 @@ TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: b
   CHECK(sgd.groups()[0].options.momentum == 0.5);
 }
 
+TEST_CASE("add_param_group checks a new group as the constructor does; an empty parameter list is refused") {
+  Tensor a = ones({1}, {.requires_grad = true}), b = ones({1}, {.requires_grad = true});
+  optim::SGD sgd({a}, {.lr = 0.5});
+  CHECK_THROWS_WITH_AS(sgd.add_param_group({{a, b}, {.lr = 0.1}}),
+                       doctest::Contains("SGD: a parameter appears more than once (group 1, parameter 0"), Error);
+  CHECK_THROWS_WITH_AS(sgd.add_param_group({{b}, {.lr = -1}}), doctest::Contains("SGD"), Error);
+  CHECK(sgd.num_param_groups() == 1);  // a refused group leaves the optimizer as it was
+  sgd.add_param_group({{b}, {.lr = 1}});
+  REQUIRE(sgd.num_param_groups() == 2);
+  a.set_grad(ones({1}));
+  b.set_grad(ones({1}));
+  sgd.step();
+  CHECK(values(a) == std::vector<double>{0.5});
+  CHECK(values(b) == std::vector<double>{0});
+  optim::Adam adam({a});
+  CHECK_THROWS_WITH_AS(adam.add_param_group({{b}, {.betas = {1.5, 0.999}}}), doctest::Contains("Adam"), Error);
+
+  // As PyTorch's "optimizer got an empty parameter list": an optimizer of nothing steps without a word.
+  CHECK_THROWS_WITH_AS(optim::SGD(TensorList{}, {.lr = 1}), doctest::Contains("SGD: got an empty parameter list"),
+                       Error);
+  CHECK_THROWS_WITH_AS(optim::Adam(std::vector<optim::AdamGroup>{}), doctest::Contains("Adam: got an empty parameter "
+                                                                                       "list (0 groups"), Error);
+  CHECK_THROWS_WITH_AS(optim::AdamW(std::vector<optim::AdamWGroup>{{{}, {}}}), doctest::Contains("empty parameter"),
+                       Error);
+}
+
 TEST_CASE("parameters replaced before the first step are the ones updated (amp's FP32 master weights)") {
   // The model runs in float16; the optimizer was built on it, then gets float32 masters.
   Tensor half_weight = ones({3}, {.dtype = kFloat16, .requires_grad = true});

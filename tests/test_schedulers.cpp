@@ -136,11 +136,22 @@ TEST_CASE("OneCycleLR cycles Adam's beta1, and takes epochs * steps_per_epoch, t
   }
   SUBCASE("errors") {
     optim::SGD opt({{{f.a}, {}}, {{f.b}, {}}});
-    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}}), doctest::Contains("give total_steps"), Error);
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}}), doctest::Contains("give a positive total_steps"), Error);
     CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1, 0.2, 0.3}, .total_steps = 5}),
                          doctest::Contains("max_lr has 3 values"), Error);
     CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}, .total_steps = 5, .pct_start = 1.5}),
                          doctest::Contains("pct_start"), Error);
+    // Counts as PyTorch takes them: a negative total_steps is not "take epochs x steps_per_epoch", and two negative
+    // factors do not make a positive count.
+    CHECK_THROWS_WITH_AS(
+        optim::OneCycleLR(opt, {.max_lr = {0.1}, .total_steps = -5, .epochs = 2, .steps_per_epoch = 3}),
+        doctest::Contains("give a positive total_steps"), Error);
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}, .epochs = -2, .steps_per_epoch = -3}),
+                         doctest::Contains("positive epochs and steps_per_epoch (got total_steps 0, epochs -2"), Error);
+    const double lr = opt.groups()[0].options.lr;
+    CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {-1}, .total_steps = 5}),
+                         doctest::Contains("max_lr must be finite and >= 0, got -1"), Error);
+    CHECK(opt.groups()[0].options.lr == lr);  // refused before writing the groups
   }
 }
 
@@ -166,6 +177,19 @@ TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to ano
     CHECK(lrs[12][0] == doctest::Approx(0).epsilon(1e-12));     // cosine step 10
     CHECK(opt.groups()[0].options.lr == doctest::Approx(0).epsilon(1e-12));
   }
+  SUBCASE("the scheduler after the warm-up keeps its own step and lr, as if stepped itself") {
+    optim::SGD opt({f.a}, {.lr = 1});
+    auto step_lr = std::make_unique<optim::StepLR>(opt, optim::StepLROptions{.step_size = 1, .gamma = 0.5});
+    const optim::StepLR& inner = *step_lr;
+    optim::LinearWarmup sched(opt, {.warmup_steps = 2}, std::move(step_lr));
+    for (int n = 0; n < 2; ++n) sched.step();
+    CHECK(inner.last_step() == 0);  // the warm-up ends: its step 0
+    CHECK(inner.get_last_lr() == std::vector<double>{1});
+    for (int n = 0; n < 3; ++n) sched.step();
+    CHECK(inner.last_step() == 3);
+    CHECK(inner.get_last_lr() == std::vector<double>{0.125});
+    CHECK(opt.groups()[0].options.lr == 0.125);
+  }
   SUBCASE("errors") {
     optim::SGD opt({f.a}, {.lr = 0.1});
     optim::SGD other({f.b}, {.lr = 0.1});
@@ -182,9 +206,10 @@ TEST_CASE("a scheduler's state is its step: loading it restores the lr of that s
   optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .total_steps = 10});
   for (int i = 0; i < 4; ++i) sched.step();
   optim::NamedTensors state = sched.state_tensors();
-  REQUIRE(state.size() == 1);
+  REQUIRE(state.size() == 2);
   CHECK(state[0].first == "last_step");
   CHECK(state[0].second.item<int64_t>() == 4);
+  CHECK(state[1].first == "base_lrs");
 
   optim::SGD opt2({f.b}, {.lr = 0.1, .momentum = 0.9});
   optim::OneCycleLR sched2(opt2, {.max_lr = {0.1}, .total_steps = 10});
@@ -198,4 +223,30 @@ TEST_CASE("a scheduler's state is its step: loading it restores the lr of that s
 
   CHECK_THROWS_WITH_AS(sched2.load_state_tensors({{"epoch", scalar_tensor(int64_t(3), {.dtype = kInt64})}}),
                        doctest::Contains("unexpected entry 'epoch'"), Error);
+  CHECK_THROWS_WITH_AS(sched2.load_state_tensors({state[0], {"base_lrs", tensor<double>({0.1, 0.2})}}),
+                       doctest::Contains("'base_lrs' must be a floating tensor of 1 values (one per group)"), Error);
+  CHECK_THROWS_WITH_AS(sched2.load_state_tensors({state[0], {"base_lrs", tensor<double>({-0.1})}}),
+                       doctest::Contains("'base_lrs' holds -0.1"), Error);
+  sched2.load_state_tensors({state[0]});  // written before base_lrs were saved: the scheduler keeps its own
+  CHECK(sched2.last_step() == 4);
+}
+
+TEST_CASE("a scheduler made after its optimizer's state was loaded takes the saved base lrs, not the decayed ones") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 0.1});
+  optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});
+  for (int i = 0; i < 3; ++i) sched.step();  // lr 0.0125
+  const optim::NamedTensors opt_state = opt.state_tensors(), sched_state = sched.state_tensors();
+
+  optim::SGD opt2({f.b}, {.lr = 0.1});
+  opt2.load_state_tensors(opt_state);  // the group's lr is now 0.0125
+  optim::StepLR sched2(opt2, {.step_size = 1, .gamma = 0.5});
+  CHECK(sched2.base_lrs() == std::vector<double>{0.0125});  // what the group holds when it is made
+  sched2.load_state_tensors(sched_state);
+  CHECK(sched2.base_lrs() == std::vector<double>{0.1});
+  CHECK(opt2.groups()[0].options.lr == 0.0125);
+  sched.step();
+  sched2.step();
+  CHECK(opt2.groups()[0].options.lr == 0.00625);
+  CHECK(sched2.get_last_lr() == sched.get_last_lr());
 }
