@@ -92,12 +92,14 @@ Shape conv2d_output_shape(const char* op, const Tensor& input, const Tensor& wei
   HG_CHECK(weight.size(1) * o.groups == C,
            "{}: input {} has {} channels, but weight {} expects {} (in_channels / groups = {} with groups = {})", op,
            input.meta(), C, weight.meta(), weight.size(1) * o.groups, weight.size(1), o.groups);
+  HG_CHECK(weight.size(2) >= 1 && weight.size(3) >= 1, "{}: the kernel must be at least 1x1, got weight {}", op,
+           weight.meta());
   Shape out{input.size(0), O, 0, 0};
   for (int d = 0; d < 2; ++d) {
     const int64_t in = input.size(2 + d), k = weight.size(2 + d);
     const int64_t padded = in + 2 * o.padding[d];
     // dilation (k - 1) + 1 <= padded, without the product: a huge dilation would overflow it
-    HG_CHECK(k == 0 || (padded >= 1 && (k == 1 || o.dilation[d] <= (padded - 1) / (k - 1))),
+    HG_CHECK(padded >= 1 && (k == 1 || o.dilation[d] <= (padded - 1) / (k - 1)),
              "{}: the kernel ({}x{} with dilation {}) spans more than the padded input ({}x{}: input {} with padding "
              "{}); weight {}", op, weight.size(2), weight.size(3), pair_str(o.dilation),
              input.size(2) + 2 * o.padding[0], input.size(3) + 2 * o.padding[1], input.meta(), pair_str(o.padding),

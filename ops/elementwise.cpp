@@ -265,26 +265,27 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
 
 namespace {
 // PyTorch's rules for alpha, checked before a - alpha b is rewritten into two ops that would each let it pass: an
-// integral result takes an integral alpha, and bool tensors are subtracted with no alpha at all.
-void check_alpha(BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
-  check_defined(op_name(op), {a, b});
+// integral result takes an integral alpha, a bool alpha is for bool tensors, and bool tensors are never subtracted
+// (an alpha would otherwise make sub(bool, bool) an int64 one).
+void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  check_defined(name, {a, b});
   const DType common = promote_types(a.dtype(), b.dtype());
   check_not_bool_arithmetic(op, common);
-  HG_CHECK(is_floating(common) || !alpha.is_floating(), "{}: alpha {} is a floating-point number, but {} and {} are "
-           "integral, and so is their result: pass an integral alpha", op_name(op), alpha.to_double(), a.meta(),
+  HG_CHECK(is_floating(common) || !alpha.is_floating(), "{}: alpha {:#} is a floating-point number, but {} and {} are "
+           "integral, and so is their result: pass an integral alpha", name, alpha.to_double(), a.meta(),
            b.meta());
-  HG_CHECK(common == kBool || !alpha.is_bool(), "{}: a bool alpha is for bool tensors only, got {} and {}", op_name(op),
+  HG_CHECK(common == kBool || !alpha.is_bool(), "{}: a bool alpha is for bool tensors only, got {} and {}", name,
            a.meta(), b.meta());
 }
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
-  check_alpha(BinaryOp::Add, a, b, alpha);
+  check_alpha("add", BinaryOp::Add, a, b, alpha);
   HG_AUTOCAST(add, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Add, a, b) : binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
-  check_alpha(BinaryOp::Sub, a, b, alpha);
+  check_alpha("sub", BinaryOp::Sub, a, b, alpha);
   HG_AUTOCAST(sub, a, b, alpha);
   return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : binary(BinaryOp::Sub, a, binary(BinaryOp::Mul, b, alpha));
 }
@@ -366,6 +367,7 @@ Tensor logical_not(const Tensor& x) { return unary(UnaryOp::LogicalNot, x); }
 Tensor isfinite(const Tensor& x) { return unary(UnaryOp::IsFinite, x); }
 
 Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max) {
+  check_defined("clamp", {x});
   HG_AUTOCAST(clamp, x, min, max);
   HG_CHECK(min || max, "clamp: at least one of min and max must be given ({})", x.meta());
   Tensor y;
@@ -489,6 +491,7 @@ Tensor Tensor::logical_not() const { return halfgrad::logical_not(*this); }
 Tensor Tensor::isfinite() const { return halfgrad::isfinite(*this); }
 
 Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
+  check_alpha("add_", BinaryOp::Add, *this, other, alpha);  // also for alpha 1.0, which the first path would not see
   if (alpha.to_double() == 1)
     return binary_inplace(*this, BinaryOp::Add, "add_", other, [&](const Tensor& s) { return halfgrad::add(s, other); });
   return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
@@ -498,6 +501,7 @@ Tensor& Tensor::add_(const Scalar& other) {
                         [&](const Tensor& s) { return s + other; });
 }
 Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
+  check_alpha("sub_", BinaryOp::Sub, *this, other, alpha);
   if (alpha.to_double() == 1)
     return binary_inplace(*this, BinaryOp::Sub, "sub_", other, [&](const Tensor& s) { return halfgrad::sub(s, other); });
   return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });

@@ -151,12 +151,14 @@ template <typename Options> struct Group {
 // `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to.
 template <typename Options> class OptimizerWith : public Optimizer {
  public:
-  // The groups, their options and parameters in place; a new group comes through add_param_group, which checks it.
+  // The groups, their options and parameters in place (edits are the caller's and unchecked, as PyTorch's
+  // param_groups); a new group comes through add_param_group, which checks it.
   std::span<Group<Options>> groups() { return groups_; }
   std::span<const Group<Options>> groups() const { return groups_; }
 
   // As PyTorch's add_param_group: a group checked as the constructor checks its groups (its options, and parameters
-  // in no other group), or an error that leaves the optimizer as it was.
+  // in no other group), or an error that leaves the optimizer as it was. It invalidates the spans groups() gave, and
+  // a scheduler made before it refuses to step (it holds a base lr for each group it saw).
   void add_param_group(Group<Options> group) {
     groups_.push_back(std::move(group));
     try {

@@ -214,6 +214,33 @@ LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, st
   start();
 }
 
+NamedTensors LinearWarmup::state_tensors() const {
+  NamedTensors state = LRScheduler::state_tensors();
+  if (after_)
+    for (auto& [name, t] : after_->state_tensors()) state.emplace_back("after." + name, t);
+  return state;
+}
+
+void LinearWarmup::load_state_tensors(const NamedTensors& state) {
+  NamedTensors own, after;
+  for (const auto& [name, t] : state) {
+    if (name.starts_with("after.")) after.emplace_back(name.substr(6), t);
+    else own.emplace_back(name, t);
+  }
+  HG_CHECK(after.empty() || after_, "LinearWarmup: cannot load the scheduler state: it holds the state of a scheduler "
+           "after the warm-up ({}), and this one has none", after.front().first);
+  if (!after_ || after.empty()) return LRScheduler::load_state_tensors(own);  // a state written before "after."
+  const NamedTensors before = after_->state_tensors();
+  after_->load_state_tensors(after);  // its base lrs first: this one's lr is made of them
+  try {
+    LRScheduler::load_state_tensors(own);
+  } catch (...) {
+    after_->load_state_tensors(before);
+    set_step(last_step());  // the groups as they were: the restore above wrote the inner scheduler's lrs
+    throw;
+  }
+}
+
 void LinearWarmup::stepped(int64_t n) {
   if (!after_) return;
   const int64_t inner = std::max<int64_t>(n - options_.warmup_steps, 0);

@@ -10,7 +10,8 @@
 //
 // Every scheduler is a closed form: lr_at(n) gives each group's lr after n calls of step() (momentum_at(n)
 // the momentum, for OneCycleLR), computed from the groups' lr when the scheduler was made (base_lrs()).
-// So resuming needs only the step count (state_tensors / set_step), and schedulers compose (LinearWarmup).
+// So resuming needs the step count and those base lrs (state_tensors; set_step alone where the scheduler was made
+// before the optimizer's state was loaded, from the same lrs), and schedulers compose (LinearWarmup).
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
 // is the caller's choice.
 #include <cstdint>
@@ -35,7 +36,7 @@ class LRScheduler {
   int64_t last_step() const { return last_step_; }
   // Each group's lr as set by the last step() (or by the constructor).
   const std::vector<double>& get_last_lr() const { return last_lr_; }
-  // Each group's lr when the scheduler was made.
+  // Each group's lr when the scheduler was made, or as loaded by load_state_tensors.
   const std::vector<double>& base_lrs() const { return base_lrs_; }
 
   // The closed form: each group's lr at step n.
@@ -45,8 +46,8 @@ class LRScheduler {
 
   // For checkpoints: "last_step" (0-d int64) and "base_lrs" (float64, one per group). Loading takes both (a state
   // without base_lrs keeps this scheduler's) and sets the groups for that step.
-  NamedTensors state_tensors() const;
-  void load_state_tensors(const NamedTensors& state);
+  virtual NamedTensors state_tensors() const;
+  virtual void load_state_tensors(const NamedTensors& state);
 
   const char* name() const { return name_; }
   Optimizer& optimizer() const { return optimizer_; }
@@ -63,10 +64,12 @@ class LRScheduler {
   friend class LinearWarmup;
   // After set_step(n) has written the groups: a scheduler that drives another (LinearWarmup) keeps it in step.
   virtual void stepped(int64_t /*n*/) {}
-  // Where the scheduler driving this one has taken it: its step and lrs, the groups left as the driver set them.
+  // Where the scheduler driving this one has taken it: its step and lrs, the groups left as the driver set them; and
+  // on down, where it drives another.
   void follow(int64_t n, std::vector<double> lrs) {
     last_step_ = n;
     last_lr_ = std::move(lrs);
+    stepped(n);
   }
 
   const char* name_;
@@ -175,6 +178,9 @@ class LinearWarmup : public LRScheduler {
   LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after = nullptr);
   std::vector<double> lr_at(int64_t n) const override;
   std::vector<double> momentum_at(int64_t n) const override;
+  // Its own state and, as "after.<name>", that of the scheduler after the warm-up (whose base lrs its lr is made of).
+  NamedTensors state_tensors() const override;
+  void load_state_tensors(const NamedTensors& state) override;
 
  private:
   void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps

@@ -252,6 +252,8 @@ TEST_CASE("conv2d errors name the op and the shapes") {
   e = error_of([&] { conv2d(randn({1, 3, 5, 5}), w, {}, {.dilation = {int64_t(1) << 62, 1}}); });
   CHECK(contains(e, "spans more than the padded input"));
   CHECK(contains(e, "dilation (4611686018427387904, 1)"));
+  e = error_of([&] { conv2d(randn({1, 3, 5, 5}), randn({4, 3, 0, 3}), {}, {.dilation = {int64_t(1) << 62, 1}}); });
+  CHECK(contains(e, "conv2d: the kernel must be at least 1x1, got weight float32[4, 3, 0, 3]"));
 
   e = error_of([&] { conv2d(randn({3, 8, 8, 1, 1}), w); });
   CHECK(contains(e, "conv2d"));

@@ -196,6 +196,9 @@ TEST_CASE("integer and bool ops") {
   const Tensor flags = i.gt(0);
   CHECK_THROWS_WITH_AS(sub(flags, flags, 2), doctest::Contains("sub: not supported for bool tensors"), Error);
   CHECK_THROWS_WITH_AS(add(i, i, true), doctest::Contains("add: a bool alpha is for bool tensors only"), Error);
+  Tensor counts = i.clone();
+  CHECK_THROWS_WITH_AS(counts.add_(i, 1.0), doctest::Contains("add_: alpha 1.0 is a floating-point number"), Error);
+  CHECK(values(counts) == values(i));  // refused before anything was written
 }
 
 TEST_CASE("where and clamp") {

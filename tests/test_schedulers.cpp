@@ -189,6 +189,14 @@ TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to ano
     CHECK(inner.last_step() == 3);
     CHECK(inner.get_last_lr() == std::vector<double>{0.125});
     CHECK(opt.groups()[0].options.lr == 0.125);
+    // and on down a chain of them
+    auto innermost = std::make_unique<optim::StepLR>(opt, optim::StepLROptions{.step_size = 1, .gamma = 0.5});
+    const optim::StepLR& last = *innermost;
+    optim::LinearWarmup outer(opt, {.warmup_steps = 1},
+                              std::make_unique<optim::LinearWarmup>(opt, optim::LinearWarmupOptions{.warmup_steps = 1},
+                                                                    std::move(innermost)));
+    for (int n = 0; n < 5; ++n) outer.step();
+    CHECK(last.last_step() == 3);
   }
   SUBCASE("errors") {
     optim::SGD opt({f.a}, {.lr = 0.1});
@@ -200,7 +208,7 @@ TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to ano
   }
 }
 
-TEST_CASE("a scheduler's state is its step: loading it restores the lr of that step") {
+TEST_CASE("a scheduler's state is its step and base lrs: loading it restores the lr of that step") {
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
   optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .total_steps = 10});
@@ -227,8 +235,10 @@ TEST_CASE("a scheduler's state is its step: loading it restores the lr of that s
                        doctest::Contains("'base_lrs' must be a floating tensor of 1 values (one per group)"), Error);
   CHECK_THROWS_WITH_AS(sched2.load_state_tensors({state[0], {"base_lrs", tensor<double>({-0.1})}}),
                        doctest::Contains("'base_lrs' holds -0.1"), Error);
-  sched2.load_state_tensors({state[0]});  // written before base_lrs were saved: the scheduler keeps its own
-  CHECK(sched2.last_step() == 4);
+  optim::StepLR step_lr(opt2, {.step_size = 1, .gamma = 0.5});
+  step_lr.load_state_tensors({state[0]});  // written before base_lrs were saved: the scheduler keeps its own
+  CHECK(step_lr.last_step() == 4);
+  CHECK(step_lr.base_lrs() == std::vector<double>{opt.groups()[0].options.lr});  // opt2's lr when it was made
 }
 
 TEST_CASE("a scheduler made after its optimizer's state was loaded takes the saved base lrs, not the decayed ones") {
@@ -249,4 +259,27 @@ TEST_CASE("a scheduler made after its optimizer's state was loaded takes the sav
   sched2.step();
   CHECK(opt2.groups()[0].options.lr == 0.00625);
   CHECK(sched2.get_last_lr() == sched.get_last_lr());
+
+  // The same through a warm-up, whose lr is made of the base lrs of the scheduler after it.
+  optim::SGD opt3({f.a}, {.lr = 0.1});
+  optim::LinearWarmup warm(opt3, {.warmup_steps = 1},
+                           std::make_unique<optim::StepLR>(opt3, optim::StepLROptions{.step_size = 1, .gamma = 0.5}));
+  for (int i = 0; i < 4; ++i) warm.step();  // the StepLR's step 3: 0.0125
+  optim::SGD opt4({f.b}, {.lr = 0.1});
+  opt4.load_state_tensors(opt3.state_tensors());
+  optim::LinearWarmup warm2(opt4, {.warmup_steps = 1},
+                            std::make_unique<optim::StepLR>(opt4, optim::StepLROptions{.step_size = 1, .gamma = 0.5}));
+  warm2.load_state_tensors(warm.state_tensors());
+  CHECK(opt4.groups()[0].options.lr == 0.0125);
+  warm.step();
+  warm2.step();
+  CHECK(opt4.groups()[0].options.lr == 0.00625);
+  CHECK(warm2.get_last_lr() == warm.get_last_lr());
+  // A bad inner state is refused, and leaves the warm-up and the groups as they were.
+  optim::NamedTensors bad = warm.state_tensors();
+  for (auto& [name, t] : bad)
+    if (name == "after.base_lrs") t = tensor<double>({-1});
+  CHECK_THROWS_WITH_AS(warm2.load_state_tensors(bad), doctest::Contains("'base_lrs' holds -1"), Error);
+  CHECK(opt4.groups()[0].options.lr == 0.00625);
+  CHECK(warm2.last_step() == 5);
 }
