@@ -228,7 +228,7 @@ void LinearWarmup::load_state_tensors(const NamedTensors& state) {
     else own.emplace_back(name, t);
   }
   HG_CHECK(after.empty() || after_, "LinearWarmup: cannot load the scheduler state: it holds the state of a scheduler "
-           "after the warm-up ({}), and this one has none", after.front().first);
+           "after the warm-up (after.{}), and this one has none", after.front().first);
   if (!after_ || after.empty()) return LRScheduler::load_state_tensors(own);  // a state written before "after."
   const NamedTensors before = after_->state_tensors();
   after_->load_state_tensors(after);  // its base lrs first: this one's lr is made of them
