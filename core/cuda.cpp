@@ -181,10 +181,13 @@ void synchronize(int device) {
 
 DeviceGuard::DeviceGuard(int device) {
   if (device < 0) return;
-  check_device(device, "cuda::DeviceGuard");
   int current = 0;
-  HG_CUDA_CHECK(cudaGetDevice(&current));
+  const cudaError_t got = cudaGetDevice(&current);
+  // Checked only off the common path (a guard per op): no driver or GPU is named as such, not by the driver's code.
+  if (got != cudaSuccess) check_device(device, "cuda::DeviceGuard");
+  HG_CUDA_CHECK(got);
   if (current != device) {
+    check_device(device, "cuda::DeviceGuard");
     HG_CUDA_CHECK(cudaSetDevice(device));
     previous_ = current;
   }
