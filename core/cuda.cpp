@@ -174,6 +174,7 @@ void synchronize() {
 }
 
 void synchronize(int device) {
+  check_device(device, "cuda::synchronize");  // the guard would pass over a negative index, and name itself
   DeviceGuard guard(device);
   detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaDeviceSynchronize());
@@ -208,6 +209,7 @@ void set_stream(int device, cudaStream_t stream) {
 }
 
 void synchronize_stream(int device) {
+  check_device(device, "cuda::synchronize_stream");
   DeviceGuard guard(device);
   detail::count_host_synchronization();
   HG_CUDA_CHECK(cudaStreamSynchronize(current_stream(device)));

@@ -282,7 +282,11 @@ void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_alpha("add", BinaryOp::Add, a, b, alpha);
   HG_AUTOCAST(add, a, b, alpha);
-  return alpha.to_double() == 1 ? binary(BinaryOp::Add, a, b) : binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha));
+  if (alpha.to_double() == 1) return binary(BinaryOp::Add, a, b);
+  // Bool tensors add in bool, as PyTorch's: alpha counts as its truth value (an int alpha times a bool would
+  // otherwise make the sum int64).
+  const bool bool_sum = promote_types(a.dtype(), b.dtype()) == kBool;
+  return binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, bool_sum ? Scalar(alpha.to_double() != 0) : alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_alpha("sub", BinaryOp::Sub, a, b, alpha);

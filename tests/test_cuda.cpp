@@ -106,6 +106,9 @@ TEST_CASE("cuda: availability, and a clear error for CUDA tensors, graphs and sy
     CHECK_THROWS_WITH_AS((cuda::CapturedStep(kGpu, [] {})), doctest::Contains(("cuda::CapturedStep" + none).c_str()),
                          Error);
     CHECK_THROWS_WITH_AS(cuda::synchronize(), doctest::Contains(("cuda::synchronize" + none).c_str()), Error);
+    CHECK_THROWS_WITH_AS(cuda::synchronize(0), doctest::Contains(("cuda::synchronize" + none).c_str()), Error);
+    CHECK_THROWS_WITH_AS(cuda::synchronize_stream(0), doctest::Contains(("cuda::synchronize_stream" + none).c_str()),
+                         Error);
     CHECK_THROWS_WITH_AS(cuda::current_device(), doctest::Contains(("cuda::current_device" + none).c_str()), Error);
     CHECK_THROWS_WITH_AS(cuda::DeviceGuard(0), doctest::Contains(("cuda::DeviceGuard" + none).c_str()), Error);
     MESSAGE("no GPU: only the error paths were checked");
@@ -117,6 +120,11 @@ TEST_CASE("cuda: availability, and a clear error for CUDA tensors, graphs and sy
   CHECK_THROWS_AS(empty({4}, {.device = Device::cuda(cuda::device_count())}), Error);  // no such GPU
   const std::string past = fmt::format("cuda::Graph::capture: CUDA device {} does not exist", cuda::device_count());
   CHECK_THROWS_WITH_AS(capture(cuda::device_count()), doctest::Contains(past.c_str()), Error);
+  // A negative index is refused, not taken as the current device.
+  CHECK_THROWS_WITH_AS(cuda::synchronize(-1), doctest::Contains("cuda::synchronize: CUDA device -1 does not exist"),
+                       Error);
+  CHECK_THROWS_WITH_AS(cuda::synchronize_stream(-1),
+                       doctest::Contains("cuda::synchronize_stream: CUDA device -1 does not exist"), Error);
 }
 
 TEST_CASE("cuda: checked calls name the call, the op and file:line") {

@@ -196,6 +196,16 @@ TEST_CASE("integer and bool ops") {
   const Tensor flags = i.gt(0);
   CHECK_THROWS_WITH_AS(sub(flags, flags, 2), doctest::Contains("sub: not supported for bool tensors"), Error);
   CHECK_THROWS_WITH_AS(add(i, i, true), doctest::Contains("add: a bool alpha is for bool tensors only"), Error);
+  // Bool tensors add in bool, alpha as its truth value: a or (alpha and b).
+  const Tensor none = i.gt(5);
+  CHECK(add(none, flags, 2).dtype() == kBool);
+  CHECK(values(add(none, flags, 2)) == std::vector<double>{0, 0, 1});
+  CHECK(values(add(flags, flags, 0)) == std::vector<double>{0, 0, 1});
+  CHECK(values(add(none, flags, 0)) == std::vector<double>{0, 0, 0});
+  Tensor seen = none.clone();
+  seen.add_(flags, 3);
+  CHECK(seen.dtype() == kBool);
+  CHECK(values(seen) == std::vector<double>{0, 0, 1});
   Tensor counts = i.clone();
   CHECK_THROWS_WITH_AS(counts.add_(i, 1.0), doctest::Contains("add_: alpha 1.0 is a floating-point number"), Error);
   CHECK(values(counts) == values(i));  // refused before anything was written
