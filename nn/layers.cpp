@@ -120,20 +120,20 @@ Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual
   HG_CHECK(x.size(1) == num_features, "BatchNorm2d: expected {} channels, got {}", num_features, x.meta());
   bool use_batch_stats = uses_batch_stats();
   double momentum = options.momentum.value_or(0.0);
-  if (is_training() && options.track_running_stats) {
-    NoGradGuard no_grad;
-    num_batches_tracked.add_(1);
-    // momentum = None: the running stats are the average over all batches so far.
-    if (!options.momentum) momentum = 1.0 / double(num_batches_tracked.item<int64_t>());
+  // The op adds this batch to the count in its own kernels.
+  const Tensor counter = is_training() && options.track_running_stats ? num_batches_tracked : Tensor();
+  if (counter.defined() && !options.momentum) {
+    // momentum = None: the running stats are the average over all batches so far, this one included.
+    momentum = 1.0 / double(num_batches_tracked.item<int64_t>() + 1);
   }
   // Running stats are updated only while training; in eval they are read (or absent).
   Tensor mean = options.track_running_stats ? running_mean : Tensor();
   Tensor var = options.track_running_stats ? running_var : Tensor();
   if (relu) {
     return batch_norm_relu(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, residual, input_bias,
-                           saved);
+                           saved, counter);
   }
-  return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, input_bias);
+  return batch_norm(x, mean, var, weight, bias, use_batch_stats, momentum, options.eps, input_bias, counter);
 }
 
 std::string BatchNorm2d::extra_repr() const {

@@ -78,6 +78,14 @@ void check_channel_tensor(const char* op, const Tensor& t, const Tensor& input, 
            t.meta());
 }
 
+// num_batches_tracked: one int64 element on the input's device, which the forward writes.
+void check_batches_tracked(const char* op, const Tensor& counter, const Tensor& input) {
+  if (!counter.defined()) return;
+  HG_CHECK(counter.dtype() == kInt64 && counter.numel() == 1 && counter.device() == input.device(),
+           "{}: expected num_batches_tracked to be an int64 tensor of one element on the input's device (input {}), "
+           "got {}", op, input.meta(), counter.meta());
+}
+
 // batch_norm_relu's residual: the input's shape, floating point, on its device (checked before either path runs).
 void check_residual(const Tensor& input, const Tensor& residual) {
   if (!residual.defined()) return;
@@ -111,7 +119,8 @@ namespace {
 // (ops/batch_norm.h).
 Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps, bool relu,
-                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved) {
+                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved,
+                       const Tensor& num_batches_tracked) {
   HG_CHECK(input.defined(), "{}: the input is an undefined tensor", op);
   HG_CHECK(input.dim() >= 2 && input.is_floating_point(),
            "{}: expected a floating-point input of shape [N, C] or [N, C, ...], got {}", op, input.meta());
@@ -121,6 +130,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   check_channel_tensor(op, running_mean, input, channels, "running_mean");
   check_channel_tensor(op, running_var, input, channels, "running_var");
   check_channel_tensor(op, input_bias, input, channels, "input_bias");
+  check_batches_tracked(op, num_batches_tracked, input);
   HG_CHECK(!input_bias.defined() || training, "{}: input_bias is folded only with batch statistics", op);
   HG_CHECK(running_mean.defined() == running_var.defined(),
            "{}: running_mean ({}) and running_var ({}) must both be given or both be undefined", op,
@@ -149,6 +159,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                             .bias = parameter(bias),
                             .running_mean = parameter(running_mean),
                             .running_var = parameter(running_var),
+                            .batches_tracked = training ? num_batches_tracked : Tensor(),
                             .save_mean = empty({channels}, {.dtype = acc, .device = input.device()}),
                             .save_invstd = empty({channels}, {.dtype = acc, .device = input.device()}),
                             .relu = relu,
@@ -166,7 +177,13 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
     check_inplace(running_mean, op, /*records=*/false);
     check_inplace(running_var, op, /*records=*/false);
   }
-  if (input.numel() > 0) batch_norm_forward_kernel[input.device()](args);
+  if (args.batches_tracked.defined()) check_inplace(args.batches_tracked, op, /*records=*/false);
+  if (input.numel() > 0) {
+    batch_norm_forward_kernel[input.device()](args);
+  } else if (args.batches_tracked.defined()) {  // no kernel to count the batch
+    NoGradGuard no_grad;
+    args.batches_tracked.add_(1);
+  }
   if (training && running_mean.defined()) {
     NoGradGuard no_grad;
     // The kernel's running mean took mean(input); the batch's is mean(input) + input_bias. Added in the accumulation
@@ -242,32 +259,36 @@ Tensor add_input_bias(const char* op, const Tensor& input, const Tensor& input_b
 }  // namespace
 
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps, const Tensor& input_bias) {
-  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias);
+                  const Tensor& bias, bool training, double momentum, double eps, const Tensor& input_bias,
+                  const Tensor& num_batches_tracked) {
+  HG_AUTOCAST(batch_norm, input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias,
+              num_batches_tracked);
   if (adds_input_bias_first(input_bias, training)) {
     return batch_norm(add_input_bias("batch_norm", input, input_bias), running_mean, running_var, weight, bias,
-                      training, momentum, eps);
+                      training, momentum, eps, Tensor(), num_batches_tracked);
   }
   return batch_norm_impl("batch_norm", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/false, Tensor(), input_bias, ReluSaved::Mask);
+                         /*relu=*/false, Tensor(), input_bias, ReluSaved::Mask, num_batches_tracked);
 }
 
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum, double eps,
-                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved) {
+                       const Tensor& residual, const Tensor& input_bias, ReluSaved saved,
+                       const Tensor& num_batches_tracked) {
   HG_AUTOCAST(batch_norm_relu, input, running_mean, running_var, weight, bias, training, momentum, eps, residual,
-              input_bias, saved);
+              input_bias, saved, num_batches_tracked);
   check_residual(input, residual);
   if (adds_input_bias_first(input_bias, training)) {
     return batch_norm_relu(add_input_bias("batch_norm_relu", input, input_bias), running_mean, running_var, weight,
-                           bias, training, momentum, eps, residual, Tensor(), saved);
+                           bias, training, momentum, eps, residual, Tensor(), saved, num_batches_tracked);
   }
   if (!batch_norm_relu_fusion()) {
-    const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias);
+    const Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, input_bias,
+                                num_batches_tracked);
     return (residual.defined() ? y + residual.to(y.dtype()) : y).relu();
   }
   return batch_norm_impl("batch_norm_relu", input, running_mean, running_var, weight, bias, training, momentum, eps,
-                         /*relu=*/true, residual, input_bias, saved);
+                         /*relu=*/true, residual, input_bias, saved, num_batches_tracked);
 }
 
 // =====================================================================================================
@@ -487,6 +508,7 @@ void batch_norm_forward_cpu(const BatchNormForwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm", [&]<typename T>() {
     batch_norm_forward_typed<T, std::conditional_t<std::is_same_v<T, double>, double, float>>(a);
   });
+  if (a.batches_tracked.defined()) ++*a.batches_tracked.data<int64_t>();
 }
 
 void batch_norm_backward_cpu(const BatchNormBackwardArgs& a) {

@@ -488,13 +488,14 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     finalize_stats_kernel(const typename StatsReducer<T>::State* partial, int splits, int64_t channels,
                           const T* shift, int64_t shift_stride, const acc_t<T>* weight, const acc_t<T>* bias, acc_t<T>* save_mean, acc_t<T>* save_invstd,
-                          acc_t<T>* running_mean, acc_t<T>* running_var, acc_t<T>* affine, double momentum,
-                          double eps) {
+                          acc_t<T>* running_mean, acc_t<T>* running_var, int64_t* batches_tracked,
+                          acc_t<T>* affine, double momentum, double eps) {
   using A = acc_t<T>;
   const int64_t c = warp_channel();
   if (c >= channels) return;  // whole warps leave together
   const auto s = merge_splits<StatsReducer<T>>(partial, splits, c);
   if (threadIdx.x % 32 != 0) return;
+  if (batches_tracked && c == 0) ++*batches_tracked;  // nn::BatchNorm2d's count, without a launch of its own
   const A shifted_mean = s.s1 / A(s.n);
   const A mean = A(shift[c * shift_stride]) + shifted_mean;
   const A var = max(s.s2 / A(s.n) - shifted_mean * shifted_mean, A(0));  // biased: what normalises the batch
@@ -509,6 +510,8 @@ __global__ void __launch_bounds__(kThreads)
     running_var[c] = (A(1) - m) * running_var[c] + m * var * A(s.n) / A(s.n - 1);  // unbiased
   }
 }
+
+__global__ void count_batch_kernel(int64_t* batches_tracked) { ++*batches_tracked; }
 
 template <typename A>
 __global__ void __launch_bounds__(kThreads)
@@ -780,7 +783,8 @@ template <typename T> void forward_typed(const BatchNormForwardArgs& a) {
     auto* partial = reduce_channels(StatsReducer<T>{{x}, x, shift_stride}, s, device, stream, workspace, splits);
     finalize_stats_kernel<T><<<warp_channel_blocks(s.channels), kThreads, 0, stream>>>(
         partial, splits, s.channels, x, shift_stride, ptr<T>(a.weight), ptr<T>(a.bias), save_mean, save_invstd,
-        mutable_ptr<T>(a.running_mean), mutable_ptr<T>(a.running_var), affine.data<A>(), a.momentum, a.eps);
+        mutable_ptr<T>(a.running_mean), mutable_ptr<T>(a.running_var),
+        a.batches_tracked.defined() ? a.batches_tracked.data<int64_t>() : nullptr, affine.data<A>(), a.momentum, a.eps);
   } else {
     eval_stats_kernel<A><<<channel_blocks(s.channels), kThreads, 0, stream>>>(
         s.channels, ptr<T>(a.running_mean), ptr<T>(a.running_var), ptr<T>(a.weight), ptr<T>(a.bias), save_mean,
@@ -995,6 +999,10 @@ void cudnn_forward(const BatchNormForwardArgs& a) {
                      a.save_mean.data_ptr(), a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes,
                      nullptr, 0),
                  "batch_norm");
+  if (a.batches_tracked.defined()) {  // cuDNN does not count batches
+    count_batch_kernel<<<1, 1, 0, cuda::current_stream(device)>>>(a.batches_tracked.data<int64_t>());
+    HG_CUDA_CHECK_LAUNCH("batch_norm");
+  }
   if (!a.relu) return;
   dispatch_floating(a.input.dtype(), "batch_norm_relu",
                     [&]<typename T>() { relu_epilogue<T>(s, a.output, a.residual, a.relu_mask); });
@@ -1092,9 +1100,9 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
     return own_forward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
-  // The timing runs leave the running statistics alone: only the real call below updates them.
+  // The timing runs leave the running statistics and the count alone: only the real call below updates them.
   BatchNormForwardArgs timed = a;
-  timed.running_mean = timed.running_var = Tensor();
+  timed.running_mean = timed.running_var = timed.batches_tracked = Tensor();
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false,
                       a.relu ? 1 + int(a.residual.defined()) : 0, a.relu_mask.defined(), s.batch, s.channels,
                       s.spatial};

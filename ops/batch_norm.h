@@ -46,13 +46,17 @@ namespace halfgrad {
 //   eval:     the sum is formed (an add in the input's dtype) and normalised. nn::Sequential folds only where
 //             the batch norm uses batch statistics, so there the convolution adds its own bias.
 // set_batch_norm_input_bias_fold(false): the sum is formed in training too.
+//
+// num_batches_tracked: int64 with one element on the input's device, or undefined. training: one is added to it, as
+// nn::BatchNorm2d counts its batches, by the forward's own kernels where they can (on CUDA our statistics kernel; a
+// layer's separate add was one more launch, 20 of a ResNet-18 step's ~325 graph nodes). eval: left alone.
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5,
-                  const Tensor& input_bias = Tensor());
+                  const Tensor& input_bias = Tensor(), const Tensor& num_batches_tracked = Tensor());
 
 // ---- batch_norm with what follows it in a ResNet or VGG block, in one op (the fusion torch.compile makes):
 //   y = relu(batch_norm(input, ...) + residual)        residual undefined: y = relu(batch_norm(input, ...))
-// The same arguments and statistics as batch_norm. residual: input's shape, on its device; it is read in input's
+// The same arguments, statistics and counting as batch_norm. residual: input's shape, on its device; it is read in input's
 // dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
 // Why one op: apart, the normalised values are written, read back by the add, written, read by relu and written
 // again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask (y > 0) inside
@@ -79,7 +83,7 @@ enum class ReluSaved { Mask, Output };
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
                        const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
                        double eps = 1e-5, const Tensor& residual = Tensor(), const Tensor& input_bias = Tensor(),
-                       ReluSaved saved = ReluSaved::Mask);
+                       ReluSaved saved = ReluSaved::Mask, const Tensor& num_batches_tracked = Tensor());
 // Off: batch_norm_relu runs the separate ops (batch_norm, add, relu) instead, for the whole process (default on):
 // to measure what the fusion saves (bench_train_step --unfused) or to rule it out.
 void set_batch_norm_relu_fusion(bool enabled);
@@ -118,6 +122,7 @@ struct BatchNormForwardArgs {
   Tensor input, output;
   Tensor weight, bias;                 // or undefined
   Tensor running_mean, running_var;    // or undefined; updated in place when training
+  Tensor batches_tracked;              // or undefined; int64, one element: one added when training
   Tensor save_mean, save_invstd;       // written: the mean and 1 / sqrt(var + eps) used to normalise
   bool relu = false;                   // batch_norm_relu: output = relu(normalised + residual)
   Tensor residual;                     // or undefined; the input's layout and dtype

@@ -124,6 +124,47 @@ TEST_CASE("batch_norm training updates the running statistics as computed by han
   CHECK(running_mean.version() > version);
 }
 
+TEST_CASE("batch_norm adds a training batch to num_batches_tracked on every path; evaluation leaves it alone") {
+  manual_seed(104);
+  Tensor x = randn({4, 3, 2, 2}), z = randn({4, 3, 2, 2}), ib = randn({3});
+  Tensor rm = zeros({3}), rv = ones({3});
+  Tensor count = zeros({}, {.dtype = kInt64});
+  uint64_t version = count.version();
+  batch_norm(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), count);
+  CHECK(count.item<int64_t>() == 1);
+  CHECK(count.version() > version);  // written in place, as the running statistics
+  version = count.version();
+  batch_norm(x, rm, rv, Tensor(), Tensor(), /*training=*/false, 0.1, 1e-5, Tensor(), count);
+  batch_norm_relu(x, rm, rv, Tensor(), Tensor(), false, 0.1, 1e-5, z, Tensor(), ReluSaved::Mask, count);
+  CHECK(count.item<int64_t>() == 1);
+  CHECK(count.version() == version);
+  batch_norm_relu(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, z, Tensor(), ReluSaved::Output, count);
+  batch_norm(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, ib, count);  // input_bias folded
+  CHECK(count.item<int64_t>() == 3);
+  set_batch_norm_relu_fusion(false);  // the separate ops
+  batch_norm_relu(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, z, Tensor(), ReluSaved::Mask, count);
+  set_batch_norm_relu_fusion(true);
+  set_batch_norm_input_bias_fold(false);  // input_bias added first
+  batch_norm(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, ib, count);
+  set_batch_norm_input_bias_fold(true);
+  CHECK(count.item<int64_t>() == 5);
+  batch_norm(randn({4, 0, 2}), Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), count);
+  CHECK(count.item<int64_t>() == 6);  // no elements, no kernel: still a batch
+  Tensor one = zeros({1}, {.dtype = kInt64});  // a one-element [1] tensor counts too
+  batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), one);
+  CHECK(one.item<int64_t>() == 1);
+  const std::vector<double> running_mean = values(rm);
+  CHECK_THROWS_WITH_AS(batch_norm(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), zeros({})),
+                       doctest::Contains("batch_norm: expected num_batches_tracked to be an int64 tensor of one element "
+                                         "on the input's device (input float32[4, 3, 2, 2] cpu), got float32[] cpu"),
+                       Error);
+  CHECK_THROWS_WITH_AS(batch_norm_relu(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, z, Tensor(), ReluSaved::Mask,
+                                       zeros({2}, {.dtype = kInt64})),
+                       doctest::Contains("batch_norm_relu: expected num_batches_tracked to be an int64 tensor of one "
+                                         "element"), Error);
+  CHECK(values(rm) == running_mean);  // refused before anything was written
+}
+
 TEST_CASE("batch_norm evaluation normalises with the running statistics and leaves them alone") {
   Tensor x = tensor<double>({1, 2, 3, 4}, {2, 2});
   Tensor running_mean = tensor<double>({1.0, -1.0}), running_var = tensor<double>({4.0, 0.25});
@@ -382,6 +423,54 @@ TEST_CASE("CUDA batch_norm: 16-byte and one-value paths, misaligned data, and a 
   }
 
   for (bool cl : {false, true}) check_mean_far_larger_than_spread(cl);
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+TEST_CASE("CUDA batch_norm counts each training batch once on every backend, Auto's timing runs aside, and at every "
+          "replay of a graph") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(389);
+  const Device cuda = Device::cuda(0);
+  // Shapes no other case meets, so that Auto times both implementations here (float16 channels last: cuDNN takes
+  // them). Each backend's own channel count keeps Auto's choices apart.
+  int64_t channels = 40;
+  for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn, BatchNormBackend::Auto}) {
+    for (bool relu : {false, true}) {
+      CAPTURE(int(backend));
+      CAPTURE(relu);
+      const BackendGuard guard(backend);
+      channels += 8;
+      const Tensor x = channels_last(randn({24, channels, 6, 6}).to(kFloat16).cuda());
+      Tensor rm = zeros({channels}, {.device = cuda}), rv = ones({channels}, {.device = cuda});
+      Tensor count = zeros({}, {.dtype = kInt64, .device = cuda});
+      Tensor y = zeros_like(x);
+      auto step = [&] {
+        NoGradGuard no_grad;
+        y.copy_(relu ? batch_norm_relu(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), Tensor(),
+                                       ReluSaved::Mask, count)
+                     : batch_norm(x, rm, rv, Tensor(), Tensor(), true, 0.1, 1e-5, Tensor(), count));
+      };
+      step();
+      CHECK(count.cpu().item<int64_t>() == 1);
+      step();
+      CHECK(count.cpu().item<int64_t>() == 2);
+      batch_norm(x, rm, rv, Tensor(), Tensor(), /*training=*/false, 0.1, 1e-5, Tensor(), count);
+      CHECK(count.cpu().item<int64_t>() == 2);
+      cuda::Graph graph;
+      graph.capture(cuda, step);
+      CHECK(count.cpu().item<int64_t>() == 2);  // capturing ran nothing
+      for (int i = 0; i < 3; ++i) graph.replay();
+      CHECK(count.cpu().item<int64_t>() == 5);
+    }
+  }
+  CHECK_THROWS_WITH_AS(batch_norm(randn({4, 3, 2, 2}).cuda(), Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5,
+                                  Tensor(), zeros({}, {.dtype = kInt64})),
+                       doctest::Contains("batch_norm: expected num_batches_tracked to be an int64 tensor of one element "
+                                         "on the input's device (input float32[4, 3, 2, 2] cuda:0), got int64[] cpu"),
+                       Error);
 #else
   MESSAGE("built without CUDA: skipped");
 #endif
