@@ -503,18 +503,47 @@ void remove_stale_temporaries(const std::string& path) {
   }
 }
 
-}  // namespace
-
-void check_writable(const std::string& path, const char* what) {
+// The file a save of `path` replaces: `path`, or the file its symbolic links lead to (a save writes through a link, as
+// open() would, and keeps the link). Checked before anything is written, as the write itself would find out only
+// after producing every byte, or not at all (a rename replaces what open() refuses): the path is not empty and names
+// no folder, its folder exists, and an existing file is a regular one (a FIFO or a device would be replaced by a
+// plain file) that this process may write (a read-only file is refused).
+std::filesystem::path save_target(const std::string& path, const char* what) {
   namespace fs = std::filesystem;
   std::error_code ec;
   HG_CHECK(!path.empty(), "{}: the path is empty", what);
-  HG_CHECK(!fs::is_directory(path, ec), "{}: '{}' is a folder, not a file", what, path);
-  fs::path dir = fs::path(path).parent_path();
+  HG_CHECK(!path.ends_with('/') && !fs::is_directory(path, ec), "{}: '{}' is a folder, not a file", what, path);
+  fs::path target(path);
+  for (int links = 0; fs::is_symlink(fs::symlink_status(target, ec)); ++links) {
+    HG_CHECK(links < 40, "{}: cannot write '{}': too many levels of symbolic links", what, path);
+    const fs::path next = fs::read_symlink(target, ec);
+    HG_CHECK(!ec, "{}: cannot write '{}': reading the link '{}' failed: {}", what, path, target.string(),
+             ec.message());
+    target = next.is_absolute() ? next : target.parent_path() / next;
+  }
+  const std::string shown = target == fs::path(path) ? fmt::format("'{}'", path)
+                                                     : fmt::format("'{}' (a link to '{}')", path, target.string());
+  fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
-  HG_CHECK(fs::is_directory(dir, ec), "{}: cannot write '{}': the folder '{}' does not exist", what, path,
+  HG_CHECK(fs::is_directory(dir, ec), "{}: cannot write {}: the folder '{}' does not exist", what, shown,
            dir.string());
-  const std::string probe = fmt::format("{}.tmp-{}-probe", path, ::getpid());
+  const fs::file_status status = fs::status(target, ec);
+  if (fs::exists(status)) {
+    HG_CHECK(fs::is_regular_file(status), "{}: cannot write {}: it is not a regular file (a folder, FIFO, socket or "
+             "device), and a save would replace it", what, shown);
+    HG_CHECK(::access(target.c_str(), W_OK) == 0, "{}: cannot write {}: {} (the file is left as it is)", what, shown,
+             errno_text(errno));
+  }
+  return target;
+}
+
+}  // namespace
+
+void check_writable(const std::string& path, const char* what) {
+  const std::filesystem::path target = save_target(path, what);
+  std::filesystem::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
+  const std::string probe = fmt::format("{}.tmp-{}-probe", target.string(), ::getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   HG_CHECK(fd >= 0 || errno == EEXIST, "{}: cannot write '{}' in '{}': {}", what, path, dir.string(), errno_text(errno));
   if (fd >= 0) {
@@ -525,7 +554,8 @@ void check_writable(const std::string& path, const char* what) {
 
 void write_file_atomic(const std::string& path, const std::function<void(const WriteBytes& write)>& produce) {
   namespace fs = std::filesystem;
-  fs::path target(path);
+  const fs::path target = save_target(path, "save");
+  const std::string file = target.string();  // where the bytes go: path, or the file its links lead to
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
 
@@ -533,7 +563,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   std::string temp;
   int raw_fd = -1;
   for (int attempt = 0; raw_fd < 0; ++attempt) {
-    temp = fmt::format("{}.tmp-{}-{}", path, ::getpid(), temp_counter.fetch_add(1));
+    temp = fmt::format("{}.tmp-{}-{}", file, ::getpid(), temp_counter.fetch_add(1));
     raw_fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (raw_fd < 0 && (errno != EEXIST || attempt > 100))
       HG_FAIL("save: cannot write '{}': creating the temporary file '{}' failed: {}", path, temp, errno_text(errno));
@@ -555,7 +585,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   };
 
   struct stat existing;
-  if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) {
+  if (::stat(file.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) {
     if (::fchmod(fd.get(), existing.st_mode & 07777) != 0) fail("setting the permissions of");
   }
 
@@ -576,7 +606,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   });
   if (::fsync(fd.get()) != 0) fail("flushing (fsync)");
   if (::close(fd.release()) != 0) fail("closing");
-  if (::rename(temp.c_str(), path.c_str()) != 0) fail("renaming over it");
+  if (::rename(temp.c_str(), file.c_str()) != 0) fail("renaming over it");
   renamed = true;
 
   // The rename is durable once the directory entry is on disk.
@@ -584,7 +614,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   if (dir_fd.get() < 0 || (::fsync(dir_fd.get()) != 0 && errno != EINVAL && errno != EROFS))
     HG_FAIL("save: '{}' was written, but syncing its directory '{}' failed: {} (a power cut now could lose the "
             "rename)", path, dir.string(), errno_text(errno));
-  remove_stale_temporaries(path);
+  remove_stale_temporaries(file);
 }
 
 SafetensorsContents load_safetensors(const std::string& path) {

@@ -65,13 +65,15 @@ const char* safetensors_dtype_name(DType dtype);
 // If anything fails, including an exception thrown by `produce`, the temporary file is removed, `path` is
 // left exactly as it was, and the error (a halfgrad::Error naming the file, the step and errno's message)
 // propagates. A crash at any moment leaves either the old file or the new one, and at worst a stray
-// "<path>.tmp-*" file. An existing file's permission bits are kept.
+// "<path>.tmp-*" file. An existing file's permission bits are kept. A symbolic link is written through: the file it
+// leads to is replaced, the link kept. Refused before `produce` runs: an empty path, a folder, a missing folder,
+// and an existing file that is not a regular one (a FIFO, a device) or that this process may not write.
 using WriteBytes = std::function<void(const void* data, size_t size)>;
 void write_file_atomic(const std::string& path, const std::function<void(const WriteBytes& write)>& produce);
 
 // Before a long run that will write `path` at its end: that write_file_atomic can create its temporary file there
-// (the folder exists, is a folder, takes a new file) and that `path` is not a folder; else an Error naming `what`
-// (the option), the path and the reason. Leaves nothing behind.
+// (the folder exists, is a folder, takes a new file) and that `path` passes write_file_atomic's checks; else an Error
+// naming `what` (the option), the path and the reason. Leaves nothing behind.
 void check_writable(const std::string& path, const char* what);
 
 }  // namespace halfgrad

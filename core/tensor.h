@@ -257,6 +257,11 @@ Tensor tensor(const std::vector<T>& values, const Shape& shape, TensorOptions op
   if (options.requires_grad) t.requires_grad_();
   return t;
 }
+// std::vector<bool> packs its values as bits and has no data(): they are copied a byte each.
+template <>
+inline Tensor tensor<bool>(const std::vector<bool>& values, const Shape& shape, TensorOptions options) {
+  return tensor(std::vector<uint8_t>(values.begin(), values.end()), shape, options);
+}
 template <typename T>
 Tensor tensor(const std::vector<T>& values, TensorOptions options = {.dtype = dtype_of<T>()}) {
   return tensor(values, Shape{int64_t(values.size())}, options);

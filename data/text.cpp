@@ -77,6 +77,7 @@ size_t first_invalid_utf8(std::string_view s) {
 }  // namespace
 
 Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
+  HG_CHECK(regular_file_at(file, "tokenize"), "tokenize: {} not found", file.string());
   std::ifstream in(file, std::ios::binary);
   HG_CHECK(in.good(), "tokenize: cannot open {}", file.string());
   std::vector<int64_t> ids;
@@ -89,16 +90,25 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
     HG_CHECK(bad == std::string_view::npos, "tokenize: {} is not valid UTF-8: byte 0x{:02x} at offset {} (line {})",
              file.string(), unsigned(uint8_t(line[bad])), line_start + int64_t(bad), line_number);
     line_start += int64_t(line.size()) + 1;
-    // str.split(): runs of whitespace separate tokens, leading and trailing whitespace ignored.
-    size_t at = 0;
-    for (;;) {
-      at = line.find_first_not_of(" \t\r\v\f", at);
-      if (at == std::string::npos) break;
-      const size_t end = std::min(line.find_first_of(" \t\r\v\f", at), line.size());
-      ids.push_back(vocab.add(std::string_view(line).substr(at, end - at)));
-      at = end;
-    }
-    ids.push_back(vocab.add("<eos>"));  // after the line's words: the id order of data.py's Dictionary
+    // Python's universal newlines: a \r ends a line too, but the one before \n (or at the end of the file) is the
+    // \r\n that getline has already ended.
+    std::string_view rest(line);
+    do {
+      const size_t cr = rest.find('\r');
+      const bool ends_here = cr == std::string_view::npos || cr + 1 == rest.size();
+      const std::string_view text = ends_here ? rest : rest.substr(0, cr);
+      rest = ends_here ? std::string_view() : rest.substr(cr + 1);
+      // str.split(): runs of whitespace separate tokens, leading and trailing whitespace ignored.
+      constexpr std::string_view kWhitespace = " \t\r\v\f\x1c\x1d\x1e\x1f";
+      for (size_t at = 0;;) {
+        at = text.find_first_not_of(kWhitespace, at);
+        if (at == std::string_view::npos) break;
+        const size_t end = std::min(text.find_first_of(kWhitespace, at), text.size());
+        ids.push_back(vocab.add(text.substr(at, end - at)));
+        at = end;
+      }
+      ids.push_back(vocab.add("<eos>"));  // after the line's words: the id order of data.py's Dictionary
+    } while (!rest.empty());
   }
   HG_CHECK(in.eof(), "tokenize: reading {} failed after {} tokens", file.string(), ids.size());
   return tensor(ids);
@@ -106,6 +116,10 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
 
 Corpus load_corpus(const std::filesystem::path& directory) {
   Corpus c;
+  std::error_code error;
+  HG_CHECK(!std::filesystem::exists(directory, error) || std::filesystem::is_directory(directory, error),
+           "load_corpus: {} is not a folder (it should hold {}, {} and {})", directory.string(), kCorpusFiles[0],
+           kCorpusFiles[1], kCorpusFiles[2]);
   for (const std::string& name : kCorpusFiles) {
     const std::filesystem::path file = directory / name;
     HG_CHECK(regular_file_at(file, "load_corpus"), "load_corpus: {} not found", file.string());
@@ -138,6 +152,7 @@ std::filesystem::path default_data_directory() {
 Tensor batchify(const Tensor& ids, int64_t batch_size) {
   HG_CHECK(ids.defined() && ids.dim() == 1 && ids.dtype() == kInt64,
            "batchify: expected int64 token ids [T], got {}", ids.defined() ? ids.meta() : "an undefined tensor");
+  HG_CHECK(ids.size(0) > 0, "batchify: there are no token ids to batch");
   HG_CHECK(batch_size >= 1 && ids.size(0) >= batch_size,
            "batchify: batch_size must be in 1..{} (the number of tokens), got {}", ids.size(0), batch_size);
   const int64_t rows = ids.size(0) / batch_size;
@@ -151,7 +166,7 @@ TextBatch bptt_batch(const Tensor& source, int64_t i, int64_t bptt) {
   const int64_t rows = source.size(0);
   HG_CHECK(rows >= 2, "bptt_batch: the source has {} row{}; a window needs at least 2 (its inputs and their next "
            "tokens)", rows, rows == 1 ? "" : "s");
-  HG_CHECK(i >= 0 && i + 1 < rows, "bptt_batch: row {} has no next row to predict (rows 0..{} do)", i, rows - 2);
+  HG_CHECK(i >= 0 && i < rows - 1, "bptt_batch: row {} has no next row to predict (rows 0..{} do)", i, rows - 2);
   const int64_t len = std::min(bptt, rows - 1 - i);
   return {source.narrow(0, i, len), source.narrow(0, i + 1, len).reshape({-1})};
 }

@@ -1,9 +1,10 @@
 #pragma once
 // Word-level language-model data in the format of pytorch/examples' word_language_model (WikiText-2): tokens are
 // separated by whitespace and every line ends with an "<eos>" token (data.py: line.split() + ['<eos>']), so the
-// same files give the same ids, vocabulary and batches as that example. Whitespace here is ASCII's (space, tab,
-// \r, \v, \f) and lines end at \n; Python's str.split() also splits at Unicode spaces (U+00A0, U+3000, ...), which
-// WikiText-2 does not contain (its counts below match data.py's), but another corpus might.
+// same files give the same ids, vocabulary and batches as that example. As Python's text files and str.split():
+// lines end at \n, \r\n or a lone \r; whitespace is ASCII's (space, \t, \v, \f, \r and the separators \x1c-\x1f).
+// Python's str.split() also splits at Unicode spaces (U+0085, U+00A0, U+3000, ...), which WikiText-2 does not contain
+// (its counts below match data.py's), but another corpus might.
 //
 //   data::Corpus corpus = data::load_corpus(data::default_data_directory() / "wikitext-2");
 //   Tensor train = data::batchify(corpus.train, 20);            // [rows, 20]

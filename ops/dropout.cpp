@@ -49,7 +49,7 @@ template <typename T> void dropout_typed(T* out, const T* in, int64_t n, double 
     const Philox::U4 r = Philox::generate(state.seed, state.offset + uint64_t(c));
     for (int k = 0; k < 4; ++k) {
       const int64_t i = c * 4 + k;
-      if (i < n) out[i] = Philox::uniform(r.x[k]) < keep ? T(A(in[i]) * scale) : T(A(0));
+      if (i < n) out[i] = T(A(in[i]) * (Philox::uniform(r.x[k]) < keep ? scale : A(0)));  // ops/dropout.h: times 0
     }
   }
 }

@@ -19,7 +19,9 @@ namespace halfgrad {
 // itself; p = 1 gives zeros (and zero gradients).
 Tensor dropout(const Tensor& x, double p, bool training = true);
 
-// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`. out and in are
+// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`: a dropped element is multiplied
+// by 0, not replaced by it, so a dropped inf or nan gives nan, as in PyTorch (an overflow before dropout still reaches
+// the loss and the scaler's check; a gradient's too). out and in are
 // contiguous, of one floating dtype and one shape; 0 < p < 1. The forward and the backward run the same
 // kernel (on x, then on the incoming gradient), with the same state.
 using DropoutKernel = void (*)(const Tensor& out, const Tensor& in, double p, GeneratorState state);

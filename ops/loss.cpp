@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -288,7 +289,8 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
     // The uniform part of the smoothed target: -sum_c w[c] log_softmax(x)[j, c], zero at ignored targets,
     // reduced like the nll part (Mean: by the same summed target weights).
     Tensor terms = w.defined() ? log_probs * class_weight_view(w, input.dim()) : log_probs;
-    Tensor smooth = where(target.eq(Scalar(options.ignore_index)), 0.0, terms.sum({class_dim}).neg());
+    // (e.target: int64, where a narrower target would wrap ignore_index, -100 a uint8 156)
+    Tensor smooth = where(e.target.eq(Scalar(options.ignore_index)), 0.0, terms.sum({class_dim}).neg());
     switch (options.reduction) {
       case Reduction::None: break;
       case Reduction::Sum: smooth = smooth.sum(); break;
@@ -533,8 +535,9 @@ void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& 
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < batch * inner; ++k) {
         const auto x = rows.row(k);
-        const A m = x.maxCoeff();
-        // (x - m) is exact; m == -inf (every logit -inf) or +inf gives nan, as log_softmax does
+        // (x - m) is exact; m == -inf (every logit -inf) or +inf gives nan, as log_softmax does. No classes (every
+        // target then ignored): -inf, the log of an empty sum.
+        const A m = classes > 0 ? x.maxCoeff() : -std::numeric_limits<A>::infinity();
         s[k] = m + std::log((x - m).exp().sum());
         const int64_t c = t[k];
         const A wc = c == ignore_index ? A(0) : w ? w[c] : A(1);

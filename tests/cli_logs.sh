@@ -57,6 +57,10 @@ printf 'a model' > model.safetensors
 "$halfgrad" generate --checkpoint model.safetensors --outf ./model.safetensors > outf.log 2>&1 && fail "ran"
 grep -q 'generate: --outf and --checkpoint name the same file' outf.log || { cat outf.log; fail "--outf not refused"; }
 [[ $(cat model.safetensors) == 'a model' ]] || fail "the model was changed"
+# --outf that cannot be written: refused before the checkpoint is read and the words are made, not after.
+"$halfgrad" generate --checkpoint model.safetensors --outf no_such_dir/words.txt > outf_dir.log 2>&1 && fail "ran"
+grep -q "generate: --outf: cannot write 'no_such_dir/words.txt': the folder 'no_such_dir' does not exist" outf_dir.log ||
+  { cat outf_dir.log; fail "an --outf in a missing folder was not refused first"; }
 "$halfgrad" bench lm --device cpu --with-pytorch --models no_such_model > torch.log 2>&1 && fail "ran"
 grep -q 'bench --with-pytorch: tools/bench_torch.py times PyTorch on cuda:0 only' torch.log ||
   { cat torch.log; fail "--with-pytorch on the CPU was not refused"; }

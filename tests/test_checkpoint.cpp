@@ -306,6 +306,56 @@ TEST_CASE("writing where no file can be created is an error that names the path"
   CHECK(read_bytes(path) == before);
 }
 
+TEST_CASE("a save writes through a symbolic link: the file it leads to is replaced, the link kept") {
+  TempDir dir;
+  const std::string target = dir.file("target.safetensors"), link = dir.file("link.safetensors");
+  save_safetensors(target, {{"a", zeros({1})}});
+  fs::create_symlink("target.safetensors", link);  // relative to the link's folder
+  const std::string chain = dir.file("chain.safetensors");
+  fs::create_symlink(link, chain);                 // a link to the link, absolute
+  save_safetensors(chain, {{"b", ones({2})}});
+  CHECK(fs::is_symlink(fs::symlink_status(link)));
+  CHECK(fs::is_symlink(fs::symlink_status(chain)));
+  CHECK(load_safetensors(target).tensors[0].first == "b");
+  check_writable(chain, "--save");
+  CHECK(temp_files(dir) == 0);
+}
+
+TEST_CASE("a save refuses, before writing a byte, an empty path, a folder, a FIFO and a file it may not write") {
+  using halfgrad::testing::contains;
+  TempDir dir;
+  const NamedTensors one{{"a", zeros({1})}};
+  CHECK(contains(testing::error_of([&] { save_safetensors("", one); }), "save: the path is empty"));
+  const std::string folder = dir.file("folder") + "/";
+  CHECK(contains(testing::error_of([&] { save_safetensors(folder, one); }), "'" + folder + "' is a folder, not a file"));
+  fs::create_directory(dir.file("folder"));
+  CHECK(contains(testing::error_of([&] { save_safetensors(folder, one); }), "is a folder, not a file"));
+  // A rename over a FIFO or a device would replace it with a plain file (a save to /dev/null as root: no more
+  // /dev/null).
+  const std::string fifo = testing::make_fifo(dir, "fifo.safetensors");
+  const std::string refused = "save: cannot write '" + fifo + "': it is not a regular file";
+  CHECK(contains(testing::error_of_without_waiting(fifo, [&] { save_safetensors(fifo, one); }), refused));
+  CHECK(contains(testing::error_of_without_waiting(fifo, [&] { check_writable(fifo, "save"); }), refused));
+  CHECK(fs::is_fifo(fifo));
+  const std::string link = dir.file("link");
+  fs::create_symlink(fifo, link);
+  CHECK(contains(testing::error_of_without_waiting(fifo, [&] { save_safetensors(link, one); }),
+                 "save: cannot write '" + link + "' (a link to '" + fifo + "'): it is not a regular file"));
+  CHECK(temp_files(dir) == 0);
+  if (::geteuid() == 0) {
+    MESSAGE("running as root: a read-only file does not stop root, skipped that part");
+    return;
+  }
+  const std::string read_only = dir.file("read_only.safetensors");
+  save_safetensors(read_only, one);
+  const std::string before = read_bytes(read_only);
+  ::chmod(read_only.c_str(), 0444);
+  CHECK(contains(testing::error_of([&] { save_safetensors(read_only, {{"b", ones({2})}}); }),
+                 "save: cannot write '" + read_only + "': Permission denied"));
+  CHECK(read_bytes(read_only) == before);
+  CHECK(temp_files(dir) == 0);
+}
+
 TEST_CASE("loading a folder or a FIFO is an error that names it, at once: a FIFO is not waited on for a writer") {
   using halfgrad::testing::contains;
   TempDir dir;

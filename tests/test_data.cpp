@@ -400,6 +400,38 @@ TEST_CASE("tokenize splits on whitespace and ends every line with <eos>, ids in 
   CHECK(contains(error_of([&] { c.vocab.word(10); }), "id 10 is out of range"));
   std::filesystem::remove(dir.file("test.txt"));
   CHECK(contains(error_of([&] { data::load_corpus(dir.path); }), "test.txt not found"));
+  CHECK(contains(error_of([&] { data::load_corpus(dir.file("train.txt")); }),
+                 "load_corpus: " + dir.file("train.txt") + " is not a folder (it should hold train.txt, valid.txt and "
+                 "test.txt)"));
+}
+
+TEST_CASE("tokenize ends lines at \\n, \\r\\n and a lone \\r, and splits at ASCII's separators too, as Python's text "
+          "files and str.split()") {
+  TempDir dir;
+  const std::string file = dir.file("lines.txt");
+  auto words = [&](const std::string& text) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << text;
+    data::Vocabulary vocab;
+    std::vector<std::string> out;
+    for (int64_t id : to_vector<int64_t>(data::tokenize(file, vocab))) out.push_back(vocab.word(id));
+    return out;
+  };
+  using Words = std::vector<std::string>;
+  CHECK(words("a b\rc d\n") == Words{"a", "b", "<eos>", "c", "d", "<eos>"});  // old Mac line ends
+  CHECK(words("a\r\nb\r\n") == Words{"a", "<eos>", "b", "<eos>"});           // Windows'
+  CHECK(words("a\r\r\nb\r") == Words{"a", "<eos>", "<eos>", "b", "<eos>"});  // \r, then \r\n; a last lone \r
+  CHECK(words("a\x1f" "b\x1c" "c\x1d\x1e\n") == Words{"a", "b", "c", "<eos>"});
+  CHECK(words("a\x01" "b\n") == Words{"a\x01" "b", "<eos>"});  // a control character that Python does not split at
+}
+
+TEST_CASE("tokenize refuses a FIFO at once, and a folder, naming the path") {
+  TempDir dir;
+  data::Vocabulary vocab;
+  const std::string fifo = testing::make_fifo(dir, "fifo.txt");
+  CHECK(contains(testing::error_of_without_waiting(fifo, [&] { data::tokenize(fifo, vocab); }), fifo));
+  CHECK(contains(error_of([&] { data::tokenize(dir.path, vocab); }), dir.path.string()));
+  CHECK(contains(error_of([&] { data::tokenize(dir.file("missing.txt"), vocab); }),
+                 "tokenize: " + dir.file("missing.txt") + " not found"));
 }
 
 TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, naming it and the byte's offset") {
@@ -449,6 +481,9 @@ TEST_CASE("batchify lays the text out in columns; bptt_batch gives inputs and ne
   CHECK(contains(error_of([&] { data::bptt_batch(source.narrow(0, 0, 1), 0, 3); }),
                  "bptt_batch: the source has 1 row; a window needs at least 2"));
   CHECK(contains(error_of([&] { data::batchify(ids, 27); }), "batch_size must be in 1..26"));
+  CHECK(contains(error_of([&] { data::batchify(arange(0, 0), 1); }), "batchify: there are no token ids to batch"));
+  CHECK(contains(error_of([&] { data::bptt_batch(source, std::numeric_limits<int64_t>::max(), 1); }),
+                 "has no next row to predict"));  // i + 1 would overflow
   CHECK(contains(error_of([&] { data::batchify(ids.to(kFloat32), 2); }), "expected int64 token ids"));
 }
 

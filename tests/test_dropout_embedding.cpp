@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -108,6 +109,26 @@ TEST_CASE("dropout backward applies the forward's mask and scale to the gradient
     manual_seed(11);
     return dropout(in[0], 0.3);
   }, {leaf({4, 5})});
+}
+
+TEST_CASE("dropout multiplies a dropped element by 0: a dropped inf or nan gives nan, forward and backward, as PyTorch") {
+  std::vector<Device> devices{Device::cpu()};
+  if (cuda::is_available()) devices.push_back(Device::cuda());
+  for (const Device device : devices) {
+    const std::string where = device.str();
+    CAPTURE(where);
+    const Tensor x = full({64}, INFINITY, {.device = device}).requires_grad_();
+    manual_seed(206);
+    const Tensor y = dropout(x, 0.5);
+    y.backward(full({64}, NAN, {.device = device}));
+    const std::vector<double> yv = values(y.cpu()), gv = values(x.grad().cpu());
+    const auto infs = std::count(yv.begin(), yv.end(), INFINITY);
+    const auto nans = std::count_if(yv.begin(), yv.end(), [](double v) { return std::isnan(v); });
+    CHECK(infs > 0);
+    CHECK(nans > 0);
+    CHECK(infs + nans == 64);  // kept: inf * 2; dropped: inf * 0
+    CHECK(std::all_of(gv.begin(), gv.end(), [](double v) { return std::isnan(v); }));
+  }
 }
 
 TEST_CASE("dropout with p = 1 gives zeros and zero gradients; p outside [0, 1] is an error") {

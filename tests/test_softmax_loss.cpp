@@ -310,6 +310,28 @@ TEST_CASE("cross_entropy = nll_loss(log_softmax) with PyTorch's label smoothing,
   }
 }
 
+TEST_CASE("cross_entropy with label smoothing compares targets of any integer dtype with ignore_index as int64") {
+  // -100 as a uint8 is 156: class 156 is a class, and keeps its smoothing term.
+  manual_seed(108);
+  const Tensor logits = randn({2, 200}, {.dtype = kFloat64});
+  const CrossEntropyOptions o{.label_smoothing = 0.1, .reduction = Reduction::None};
+  const Tensor narrow = tensor<uint8_t>({156, 3}, {2});
+  check_close(values(cross_entropy(logits, narrow, o)), values(cross_entropy(logits, narrow.to(kInt64), o)), 0);
+}
+
+TEST_CASE("cross_entropy over zero classes: every target is ignored, the mean is nan and the sum 0, as nll_loss") {
+  for (const Shape shape : {Shape{2, 0}, Shape{0}}) {
+    const Tensor logits = zeros(shape, {.dtype = kFloat64}).requires_grad_();
+    const Tensor target = shape.size() == 2 ? labels({-100, -100}, {2}) : labels({-100}, {});
+    CHECK(std::isnan(cross_entropy(logits, target).item<double>()));
+    const Tensor sum = cross_entropy(logits, target, {.reduction = Reduction::Sum});
+    CHECK(sum.item<double>() == 0.0);
+    sum.backward();
+    CHECK(logits.grad().numel() == 0);
+  }
+  CHECK_THROWS_AS(cross_entropy(zeros({2, 0}), labels({0, -100}, {2})), Error);  // class 0 does not exist
+}
+
 TEST_CASE("cross_entropy by hand: logits [0, ln 2, ln 3] have probabilities [1/6, 2/6, 3/6]") {
   Tensor logits = tensor<double>({0.0, std::log(2.0), std::log(3.0)}, {1, 3});
   CHECK(cross_entropy(logits, labels({2}, {1})).item<double>() == doctest::Approx(std::log(2.0)));

@@ -192,6 +192,10 @@ TEST_CASE("factories: zeros, ones, full, arange, tensor, from_buffer") {
   buf[0] = 100;  // copied, not aliased
   CHECK(b[0][0].item<float>() == 1.0f);
   CHECK(scalar_tensor(3).dim() == 0);
+  const Tensor flags = tensor<bool>({true, false, true});  // std::vector<bool> keeps bits: copied a byte each
+  CHECK(flags.dtype() == kBool);
+  CHECK(values(flags) == std::vector<double>{1, 0, 1});
+  CHECK(tensor<bool>({true, false, false, true}, {2, 2}, {.dtype = kFloat32}).dtype() == kFloat32);
   CHECK_THROWS_WITH_AS(empty({2, -1}), doctest::Contains("negative"), Error);
 }
 

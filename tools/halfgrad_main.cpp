@@ -510,6 +510,7 @@ int run_generate(train::GenerateConfig config, const std::string& device, const 
   HG_CHECK(log_interval >= 0, "generate: --log-interval must be >= 0 (0: no progress lines), got {}", log_interval);
   config.device = parse_device(device);
   check_files_apart("generate", {{"--outf", outf}}, {{"--checkpoint", config.checkpoint}});
+  if (!outf.empty()) check_writable(outf, "generate: --outf");  // before the words, not after them
   std::FILE* progress = outf.empty() ? stderr : stdout;
   const std::vector<std::string> words = train::generate_words(config, [&](int64_t i, const std::string& word) {
     if (outf.empty()) {
