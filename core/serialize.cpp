@@ -512,7 +512,8 @@ std::filesystem::path save_target(const std::string& path, const char* what) {
   namespace fs = std::filesystem;
   std::error_code ec;
   HG_CHECK(!path.empty(), "{}: the path is empty", what);
-  HG_CHECK(!path.ends_with('/') && !fs::is_directory(path, ec), "{}: '{}' is a folder, not a file", what, path);
+  HG_CHECK(!path.ends_with('/'), "{}: '{}' ends with '/', which names a folder, not a file", what, path);
+  HG_CHECK(!fs::is_directory(path, ec), "{}: '{}' is a folder, not a file", what, path);
   fs::path target(path);
   for (int links = 0; fs::is_symlink(fs::symlink_status(target, ec)); ++links) {
     HG_CHECK(links < 40, "{}: cannot write '{}': too many levels of symbolic links", what, path);
@@ -523,17 +524,18 @@ std::filesystem::path save_target(const std::string& path, const char* what) {
   }
   const std::string shown = target == fs::path(path) ? fmt::format("'{}'", path)
                                                      : fmt::format("'{}' (a link to '{}')", path, target.string());
+  // What is there, as the kernel follows the links: /proc's links to pipes (/dev/stdout) name no path to follow.
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::exists(status)) {
+    HG_CHECK(fs::is_regular_file(status), "{}: cannot write {}: it is not a regular file (a folder, FIFO, socket or "
+             "device), and a save would replace it", what, shown);
+    HG_CHECK(::access(path.c_str(), W_OK) == 0, "{}: cannot write {}: {} (the file is left as it is)", what, shown,
+             errno_text(errno));
+  }
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
   HG_CHECK(fs::is_directory(dir, ec), "{}: cannot write {}: the folder '{}' does not exist", what, shown,
            dir.string());
-  const fs::file_status status = fs::status(target, ec);
-  if (fs::exists(status)) {
-    HG_CHECK(fs::is_regular_file(status), "{}: cannot write {}: it is not a regular file (a folder, FIFO, socket or "
-             "device), and a save would replace it", what, shown);
-    HG_CHECK(::access(target.c_str(), W_OK) == 0, "{}: cannot write {}: {} (the file is left as it is)", what, shown,
-             errno_text(errno));
-  }
   return target;
 }
 

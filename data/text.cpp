@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 
@@ -74,21 +75,25 @@ size_t first_invalid_utf8(std::string_view s) {
   return std::string_view::npos;
 }
 
+// What str.split() splits at, ASCII's part (text.h). \r: only a \r\n's reaches the split, which Python has made \n.
+constexpr std::string_view kWhitespace = " \t\r\v\f\x1c\x1d\x1e\x1f";
+
 }  // namespace
 
 Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
-  HG_CHECK(regular_file_at(file, "tokenize"), "tokenize: {} not found", file.string());
+  regular_file_at(file, "tokenize");  // refuses a folder or a FIFO; where nothing is, the open below says so
   std::ifstream in(file, std::ios::binary);
   HG_CHECK(in.good(), "tokenize: cannot open {}", file.string());
   std::vector<int64_t> ids;
   std::string line;
-  int64_t line_number = 0, line_start = 0;  // of the line read, for the UTF-8 error
+  int64_t lines_before = 0, line_start = 0;  // of what getline read, for the UTF-8 error
   while (std::getline(in, line)) {
-    ++line_number;
-    // data.py opens the file as UTF-8 text, and Python stops at the first byte that is not: so do we.
+    // data.py opens the file as UTF-8 text, and Python stops at the first byte that is not: so do we. (Its line
+    // counts the lone \r line ends before it: a \r before the bad byte is never the last one of a \r\n.)
     const size_t bad = first_invalid_utf8(line);
     HG_CHECK(bad == std::string_view::npos, "tokenize: {} is not valid UTF-8: byte 0x{:02x} at offset {} (line {})",
-             file.string(), unsigned(uint8_t(line[bad])), line_start + int64_t(bad), line_number);
+             file.string(), unsigned(uint8_t(line[bad])), line_start + int64_t(bad),
+             lines_before + 1 + std::count(line.begin(), line.begin() + std::ptrdiff_t(bad), '\r'));
     line_start += int64_t(line.size()) + 1;
     // Python's universal newlines: a \r ends a line too, but the one before \n (or at the end of the file) is the
     // \r\n that getline has already ended.
@@ -98,8 +103,8 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
       const bool ends_here = cr == std::string_view::npos || cr + 1 == rest.size();
       const std::string_view text = ends_here ? rest : rest.substr(0, cr);
       rest = ends_here ? std::string_view() : rest.substr(cr + 1);
+      ++lines_before;
       // str.split(): runs of whitespace separate tokens, leading and trailing whitespace ignored.
-      constexpr std::string_view kWhitespace = " \t\r\v\f\x1c\x1d\x1e\x1f";
       for (size_t at = 0;;) {
         at = text.find_first_not_of(kWhitespace, at);
         if (at == std::string_view::npos) break;

@@ -180,7 +180,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   if (args.batches_tracked.defined()) check_inplace(args.batches_tracked, op, /*records=*/false);
   if (input.numel() > 0) {
     batch_norm_forward_kernel[input.device()](args);
-  } else if (args.batches_tracked.defined()) {  // no kernel to count the batch
+  } else if (args.batches_tracked.defined()) {  // no kernel to count the batch (C = 0: training refuses N or S = 0)
     NoGradGuard no_grad;
     args.batches_tracked.add_(1);
   }

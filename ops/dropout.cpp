@@ -5,6 +5,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/elementwise.h"
 
 namespace halfgrad {
 
@@ -16,12 +17,7 @@ Tensor dropout(const Tensor& x, double p, bool training) {
   HG_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability has to be between 0 and 1, got {} (input {})", p, x.meta());
   HG_CHECK(x.is_floating_point(), "dropout: expected a floating-point input, got {}", x.meta());
   if (!training || p == 0.0) return x;
-  if (p == 1.0) {
-    // Everything dropped: zeros, and zero gradients (x * 0 would keep nan and inf).
-    Tensor out = zeros(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-    record("DropoutBackward", {x}, {out}, [](const GradContext& g) -> TensorList { return {zeros_like(g[0])}; });
-    return out;
-  }
+  if (p == 1.0) return x * 0.0;  // everything dropped: times 0, as the kernel drops (ops/dropout.h)
 
   const GeneratorState state = next_random_counters(uint64_t((x.numel() + 3) / 4));
   Tensor out = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
@@ -49,7 +45,7 @@ template <typename T> void dropout_typed(T* out, const T* in, int64_t n, double 
     const Philox::U4 r = Philox::generate(state.seed, state.offset + uint64_t(c));
     for (int k = 0; k < 4; ++k) {
       const int64_t i = c * 4 + k;
-      if (i < n) out[i] = T(A(in[i]) * (Philox::uniform(r.x[k]) < keep ? scale : A(0)));  // ops/dropout.h: times 0
+      if (i < n) out[i] = T(A(in[i]) * dropout_factor(Philox::uniform(r.x[k]), keep, scale));
     }
   }
 }

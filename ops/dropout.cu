@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int64_t i = c * 4 + k;
-    if (i < n) out[i] = T(A(in[i]) * (Philox::uniform(r.x[k]) < keep ? scale : A(0)));  // ops/dropout.h: times 0
+    if (i < n) out[i] = T(A(in[i]) * dropout_factor(Philox::uniform(r.x[k]), keep, scale));
   }
 }
 

@@ -10,20 +10,26 @@
 #include <cstdint>
 
 #include "core/dispatch.h"
+#include "core/half.h"
 #include "core/random.h"
 #include "core/tensor.h"
 
 namespace halfgrad {
 
 // Autocast category: "unchanged". Floating inputs only; p in [0, 1]. training = false, or p = 0, returns x
-// itself; p = 1 gives zeros (and zero gradients).
+// itself; p = 1 gives x * 0 (zeros, nan where x is inf or nan) and the gradient times 0.
 Tensor dropout(const Tensor& x, double p, bool training = true);
 
-// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`: a dropped element is multiplied
-// by 0, not replaced by it, so a dropped inf or nan gives nan, as in PyTorch (an overflow before dropout still reaches
-// the loss and the scaler's check; a gradient's too). out and in are
+// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`. out and in are
 // contiguous, of one floating dtype and one shape; 0 < p < 1. The forward and the backward run the same
 // kernel (on x, then on the incoming gradient), with the same state.
+// What an element is multiplied by, given its uniform draw u: 1 / (1 - p) where kept, 0 where dropped. Multiplied by 0,
+// not replaced by 0, so that a dropped inf or nan gives nan, as in PyTorch: an overflow before dropout still reaches the
+// loss and the scaler's check, and a gradient's its own.
+template <typename A> HG_HOST_DEVICE inline A dropout_factor(float u, float keep, A scale) {
+  return u < keep ? scale : A(0);
+}
+
 using DropoutKernel = void (*)(const Tensor& out, const Tensor& in, double p, GeneratorState state);
 extern KernelTable<DropoutKernel> dropout_kernel;
 

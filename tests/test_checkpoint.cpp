@@ -326,10 +326,11 @@ TEST_CASE("a save refuses, before writing a byte, an empty path, a folder, a FIF
   TempDir dir;
   const NamedTensors one{{"a", zeros({1})}};
   CHECK(contains(testing::error_of([&] { save_safetensors("", one); }), "save: the path is empty"));
-  const std::string folder = dir.file("folder") + "/";
+  const std::string folder = dir.file("folder");
+  CHECK(contains(testing::error_of([&] { save_safetensors(folder + "/", one); }),
+                 "save: '" + folder + "/' ends with '/', which names a folder, not a file"));
+  fs::create_directory(folder);
   CHECK(contains(testing::error_of([&] { save_safetensors(folder, one); }), "'" + folder + "' is a folder, not a file"));
-  fs::create_directory(dir.file("folder"));
-  CHECK(contains(testing::error_of([&] { save_safetensors(folder, one); }), "is a folder, not a file"));
   // A rename over a FIFO or a device would replace it with a plain file (a save to /dev/null as root: no more
   // /dev/null).
   const std::string fifo = testing::make_fifo(dir, "fifo.safetensors");
@@ -342,6 +343,15 @@ TEST_CASE("a save refuses, before writing a byte, an empty path, a folder, a FIF
   CHECK(contains(testing::error_of_without_waiting(fifo, [&] { save_safetensors(link, one); }),
                  "save: cannot write '" + link + "' (a link to '" + fifo + "'): it is not a regular file"));
   CHECK(temp_files(dir) == 0);
+  // /proc's links to a pipe (/dev/stdout in a pipeline) read as "pipe:[n]", no path: what the kernel finds is refused.
+  int ends[2];
+  REQUIRE(::pipe(ends) == 0);
+  const std::string piped = "/proc/self/fd/" + std::to_string(ends[1]);
+  CHECK(contains(testing::error_of([&] { save_safetensors(piped, one); }),
+                 "save: cannot write '" + piped + "' (a link to '/proc/self/fd/pipe:["));
+  CHECK(contains(testing::error_of([&] { save_safetensors(piped, one); }), "it is not a regular file"));
+  ::close(ends[0]);
+  ::close(ends[1]);
   if (::geteuid() == 0) {
     MESSAGE("running as root: a read-only file does not stop root, skipped that part");
     return;

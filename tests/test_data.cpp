@@ -431,7 +431,7 @@ TEST_CASE("tokenize refuses a FIFO at once, and a folder, naming the path") {
   CHECK(contains(testing::error_of_without_waiting(fifo, [&] { data::tokenize(fifo, vocab); }), fifo));
   CHECK(contains(error_of([&] { data::tokenize(dir.path, vocab); }), dir.path.string()));
   CHECK(contains(error_of([&] { data::tokenize(dir.file("missing.txt"), vocab); }),
-                 "tokenize: " + dir.file("missing.txt") + " not found"));
+                 "tokenize: cannot open " + dir.file("missing.txt")));
 }
 
 TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, naming it and the byte's offset") {
@@ -454,6 +454,7 @@ TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, nami
       {"\xed\xa0\x80", "byte 0xed at offset 0"},                // a surrogate, U+D800
       {"\xf4\x90\x80\x80", "byte 0xf4 at offset 0"},            // past U+10FFFF
       {"a b\n\xff", "byte 0xff at offset 4 (line 2)"},
+      {"a\rb\r\n\r\xff", "byte 0xff at offset 6 (line 4)"},  // lone \r line ends counted, \r\n once
   };
   for (const auto& [text, where] : bad) {
     CAPTURE(where);

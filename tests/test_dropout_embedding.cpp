@@ -131,12 +131,18 @@ TEST_CASE("dropout multiplies a dropped element by 0: a dropped inf or nan gives
   }
 }
 
-TEST_CASE("dropout with p = 1 gives zeros and zero gradients; p outside [0, 1] is an error") {
+TEST_CASE("dropout with p = 1 multiplies by 0: zeros and zero gradients, nan from inf or nan; p outside [0, 1] is an "
+          "error") {
   Tensor x = randn({5}).requires_grad_();
   Tensor y = dropout(x, 1.0);
   CHECK(y.abs().sum().item<double>() == 0.0);
   y.sum().backward();
   CHECK(x.grad().abs().sum().item<double>() == 0.0);
+  const Tensor overflowed = tensor<float>({INFINITY, 1, NAN}).requires_grad_();
+  dropout(overflowed, 1.0).backward(tensor<float>({1, NAN, 1}));
+  CHECK(std::isnan(dropout(overflowed, 1.0)[0].item<double>()));  // as at any p < 1: the scaler sees the overflow
+  CHECK(dropout(overflowed, 1.0)[1].item<double>() == 0.0);
+  CHECK(std::isnan(overflowed.grad()[1].item<double>()));
   CHECK_THROWS_WITH_AS(dropout(x, 1.5), doctest::Contains("dropout: probability has to be between 0 and 1, got 1.5"), Error);
   CHECK_THROWS_WITH_AS(dropout(arange(3.0), 0.5), doctest::Contains("dropout: expected a floating-point input, got int64[3]"),
                        Error);
