@@ -60,7 +60,7 @@ namespace {
 
 std::atomic<bool> g_conv_allow_tf32{true};
 std::atomic<bool> g_conv_benchmark{true};
-std::atomic<bool> g_conv_knob_search{false};
+std::atomic<bool> g_conv_knob_search{true};
 std::atomic<double> g_conv_knob_required_gain{0.02};
 
 Conv2dParams params_of(const Conv2dOptions& o) {

@@ -215,7 +215,7 @@ TEST_CASE("conv2d accumulates float16 and bfloat16 products in float32") {
 
 TEST_CASE("set_conv_knob_search keeps what it is given and refuses a required gain of 1 or more, naming it") {
   const ConvKnobSearch previous = conv_knob_search();
-  CHECK_FALSE(ConvKnobSearch{}.enabled);  // off unless asked for
+  CHECK(ConvKnobSearch{}.enabled);  // on unless turned off
   CHECK(ConvKnobSearch{}.required_gain == 0.02);
   set_conv_knob_search({.enabled = true, .required_gain = 0.1});
   CHECK(conv_knob_search().enabled);

@@ -15,13 +15,14 @@
 //               (choices are cached for the process)
 //
 //   bench_train_step [--model resnet18|...|vgg16] [--batch 128,512] [--opt-levels O0,O1,O2,O3] [--nchw]
-//                    [--cuda-graph] [--unfused] [--no-bias-fold] [--conv-knobs]
+//                    [--cuda-graph] [--unfused] [--no-bias-fold] [--no-conv-knobs]
 //   --unfused   batch norm, the residual add and relu as separate ops (set_batch_norm_relu_fusion(false)): the step
 //               before batch_norm_relu, to measure what the fusion saves in the same run
 //   --no-bias-fold  a convolution's bias before batch norm added by an op of its own (set_batch_norm_input_bias_fold(
 //               false)): an add forward and its gradient's sum backward, the passes the convolution's own bias made
 //               before the fold, to measure what it saves (VGG; the ResNets' convolutions have no bias)
-//   --conv-knobs  autotuning searches the knobs of the fastest cuDNN engine (set_conv_knob_search, ops/conv.h)
+//   --no-conv-knobs  autotuning leaves the fastest cuDNN engine's knobs to the engine (set_conv_knob_search,
+//               ops/conv.h: on by default): the step before the search, to measure what it saves in the same run
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <memory>
@@ -53,7 +54,7 @@ struct Settings {
   bool cuda_graph = false;
   bool unfused = false;
   bool no_bias_fold = false;
-  bool conv_knobs = false;
+  bool conv_knobs = true;
   int iters = 30, warmup = 5;
 };
 
@@ -67,7 +68,7 @@ int run(const Settings& s) {
              std::string(s.cuda_graph ? ", the step replayed as a CUDA graph" : "") +
                  (s.unfused ? ", batch norm / add / relu unfused" : "") +
                  (s.no_bias_fold ? ", convolution biases added before batch norm" : "") +
-                 (s.conv_knobs ? ", cuDNN engines' knobs searched" : ""),
+                 (s.conv_knobs ? "" : ", cuDNN engines' knobs not searched"),
              s.iters, s.warmup);
   set_batch_norm_relu_fusion(!s.unfused);
   set_batch_norm_input_bias_fold(!s.no_bias_fold);
@@ -136,7 +137,9 @@ int main(int argc, char** argv) {
                "batch_norm_relu)");
   app.add_flag("--no-bias-fold", s.no_bias_fold, "a convolution's bias before batch norm added as its own op (the "
                "step before the fold)");
-  app.add_flag("--conv-knobs", s.conv_knobs, "autotuning also searches the knobs of the fastest cuDNN engine");
+  app.add_flag("--conv-knobs,!--no-conv-knobs", s.conv_knobs,
+               "whether autotuning also searches the knobs of the fastest cuDNN engine (default: on, as "
+               "set_conv_knob_search's)");
   app.add_option("--iters", s.iters, "timed steps per row (the median is printed)")->check(cli::integer_in<int>(1));
   app.add_option("--warmup", s.warmup, "untimed steps before timing")->check(cli::integer_in<int>(0));
   CLI11_PARSE(app, argc, argv);
