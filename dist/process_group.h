@@ -34,7 +34,10 @@ class Work {
  public:
   virtual ~Work() = default;
   virtual bool is_completed() const = 0;
-  virtual void wait() = 0;  // rethrows the collective's error on every call
+  // gloo: returns when the collective is done. nccl: orders the current stream after it, as PyTorch's, and returns at
+  // once: is_completed() stays false until the GPU gets there (reading the result, which waits for the stream, does).
+  // Rethrows the collective's error on every call.
+  virtual void wait() = 0;
 };
 
 class ProcessGroup {

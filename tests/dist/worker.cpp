@@ -137,9 +137,10 @@ void collectives() {
     works.push_back(pg->all_reduce(many.back()));
   }
   for (int k = 2; k >= 0; --k) {
-    works[size_t(k)]->wait();
-    require(works[size_t(k)]->is_completed(), "a waited-for Work says it is not completed");
+    works[size_t(k)]->wait();  // nccl: the current stream waits, not the host (dist/process_group.h)
     for (double v : values(many[size_t(k)])) require(v == (k + 1.0) * n, "async all_reduce " + std::to_string(k));
+    // Reading the values waited for the stream, and so for the collective.
+    require(works[size_t(k)]->is_completed(), "a waited-for Work whose result was read says it is not completed");
   }
   // Empty tensors and the barrier.
   Tensor empty_tensor = zeros({0}, {.device = g_device});
