@@ -233,6 +233,16 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
   return out;
 }
 
+namespace {
+// A tensor of `shape` (like `like`'s dtype and device) that holds one element: conv2d_output_shape reads shapes only, and
+// its errors then name the caller's shape.
+Tensor shape_only(const char* op, const Shape& shape, const Tensor& like) {
+  HG_CHECK(std::all_of(shape.begin(), shape.end(), [](int64_t s) { return s >= 0; }), "{}: the shape {} has a "
+           "negative size", op, shape_str(shape));
+  return empty({1, 1, 1, 1}, {.dtype = like.dtype(), .device = like.device()}).expand(shape);
+}
+}  // namespace
+
 Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
                              const Conv2dOptions& options) {
   HG_CHECK(grad_output.defined() && weight.defined() && grad_output.dim() == 4 && input_shape.size() == 4,
@@ -241,9 +251,8 @@ Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, co
   HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_input: expected a floating grad_output, got {}",
            grad_output.meta());
   check_operand("conv2d_backward_input", "weight", weight, grad_output);
-  Tensor probe = empty({0, input_shape[1], input_shape[2], input_shape[3]}, {.dtype = weight.dtype()});
-  Shape expected = conv2d_output_shape("conv2d_backward_input", probe, weight, options);
-  expected[0] = input_shape[0];
+  Shape expected = conv2d_output_shape("conv2d_backward_input", shape_only("conv2d_backward_input", input_shape, weight),
+                                       weight, options);
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
            grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());
@@ -258,8 +267,8 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_weight: expected a floating grad_output, got {}",
            grad_output.meta());
   check_operand("conv2d_backward_weight", "input", input, grad_output);
-  Tensor probe = empty(weight_shape, {.dtype = input.dtype()});
-  Shape expected = conv2d_output_shape("conv2d_backward_weight", input, probe, options);
+  Shape expected = conv2d_output_shape("conv2d_backward_weight", input,
+                                       shape_only("conv2d_backward_weight", weight_shape, input), options);
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
            grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));

@@ -283,29 +283,46 @@ Tensor matmul_forward(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+// What the backward of out = a @ b keeps: each operand only where the other's gradient needs it (as PyTorch's), so
+// that an operand changed in place after the op is no error where no gradient reads it; and both shapes.
+struct MatmulSaved {
+  SavedTensor a, b;
+  Shape a_shape, b_shape;
+  MatmulSaved(const Tensor& a, const Tensor& b, const char* op)
+      : a(b.requires_grad() ? SavedTensor(a, op) : SavedTensor()),
+        b(a.requires_grad() ? SavedTensor(b, op) : SavedTensor()),
+        a_shape(a.shape()),
+        b_shape(b.shape()) {}
+};
+
 // Gradients of out = a @ b (matmul's rank rules) for the inputs that need one.
-TensorList matmul_backward(const GradContext& ctx, const Tensor& a, const Tensor& b) {
+TensorList matmul_backward(const GradContext& ctx, const MatmulSaved& saved) {
   // Redo the forward's promotion of 1-D operands, and put the dropped dims back into the gradient.
-  Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;   // [..., m, k]
-  Tensor b2 = b.dim() == 1 ? b.unsqueeze(-1) : b;  // [..., k, n]
+  const Shape &a_shape = saved.a_shape, &b_shape = saved.b_shape;
   Tensor g = ctx[0];
-  if (b.dim() == 1) g = g.unsqueeze(-1);
-  if (a.dim() == 1) g = g.unsqueeze(-2);  // g: [batch..., m, n]
+  if (b_shape.size() == 1) g = g.unsqueeze(-1);
+  if (a_shape.size() == 1) g = g.unsqueeze(-2);  // g: [batch..., m, n]
 
   Tensor grad_a, grad_b;
   if (ctx.needs(0)) {
     // dA = dC B^T, summed over the batch dims A was broadcast along.
-    grad_a = sum_to(matmul(g, b2.transpose(-1, -2)), a2.shape()).reshape(a.shape());
+    const Tensor& b = saved.b.get();
+    const Tensor b2 = b.dim() == 1 ? b.unsqueeze(-1) : b;  // [..., k, n]
+    const Shape a2_shape = a_shape.size() == 1 ? Shape{1, a_shape[0]} : a_shape;  // [..., m, k]
+    grad_a = sum_to(matmul(g, b2.transpose(-1, -2)), a2_shape).reshape(a_shape);
   }
   if (ctx.needs(1)) {
-    if (b2.dim() == 2 && a2.dim() > 2) {
+    const Tensor& a = saved.a.get();
+    const Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;
+    const Shape b2_shape = b_shape.size() == 1 ? Shape{b_shape[0], 1} : b_shape;
+    if (b2_shape.size() == 2 && a2.dim() > 2) {
       // A shared matrix B: dB = A^T dC over all rows of the stack at once, one GEMM instead of a batch.
       const int64_t rows = numel_of(Shape(a2.shape().begin(), a2.shape().end() - 1));
       grad_b = a2.reshape({rows, a2.size(-1)}).t().matmul(g.reshape({rows, g.size(-1)}));
     } else {
-      grad_b = sum_to(matmul(a2.transpose(-1, -2), g), b2.shape());
+      grad_b = sum_to(matmul(a2.transpose(-1, -2), g), b2_shape);
     }
-    grad_b = grad_b.reshape(b.shape());
+    grad_b = grad_b.reshape(b_shape);
   }
   return {grad_a, grad_b};
 }
@@ -322,10 +339,9 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   HG_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: both arguments need at least 1 dimension, got shapes {} and {}",
            shape_str(a.shape()), shape_str(b.shape()));
   Tensor out = matmul_forward(a, b);
-  record("MatmulBackward", {a, b}, {out},
-         [sa = SavedTensor(a, "MatmulBackward"), sb = SavedTensor(b, "MatmulBackward")](const GradContext& ctx) {
-           return matmul_backward(ctx, sa.get(), sb.get());
-         });
+  record("MatmulBackward", {a, b}, {out}, [saved = MatmulSaved(a, b, "MatmulBackward")](const GradContext& ctx) {
+    return matmul_backward(ctx, saved);
+  });
   return out;
 }
 
@@ -344,10 +360,9 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
            "bmm: shapes {} and {} cannot be multiplied (batch {} and {}, matrices {}x{} and {}x{})",
            shape_str(a.shape()), shape_str(b.shape()), a.size(0), b.size(0), a.size(1), a.size(2), b.size(1), b.size(2));
   Tensor out = matmul_forward(a, b);
-  record("BmmBackward", {a, b}, {out},
-         [sa = SavedTensor(a, "BmmBackward"), sb = SavedTensor(b, "BmmBackward")](const GradContext& ctx) {
-           return matmul_backward(ctx, sa.get(), sb.get());  // same batch: no broadcast sums happen
-         });
+  record("BmmBackward", {a, b}, {out}, [saved = MatmulSaved(a, b, "BmmBackward")](const GradContext& ctx) {
+    return matmul_backward(ctx, saved);  // same batch: no broadcast sums happen
+  });
   return out;
 }
 

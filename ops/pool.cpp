@@ -49,6 +49,11 @@ Pool2dParams window_params(const char* op, const Tensor& input, Pair2d kernel, P
   Pool2dParams p{kernel, stride, padding, dilation};
   if (stride[0] == 0 && stride[1] == 0) p.stride = kernel;
   for (int d = 0; d < 2; ++d) {
+    // As PyTorch's (which takes them as int): a window's arithmetic (dilation * (kernel - 1)) then fits 64 bits.
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    HG_CHECK(kernel[d] <= kMax && p.stride[d] <= kMax && padding[d] <= kMax && dilation[d] <= kMax,
+             "{}: kernel size {}, stride {}, padding {} and dilation {} must each be below 2^31 (input {})", op,
+             pair_str(kernel), pair_str(p.stride), pair_str(padding), pair_str(dilation), input.meta());
     HG_CHECK(kernel[d] >= 1, "{}: kernel size must be positive, got {} (input {})", op, pair_str(kernel), input.meta());
     HG_CHECK(p.stride[d] >= 1, "{}: stride must be positive, got {} (input {})", op, pair_str(stride), input.meta());
     HG_CHECK(dilation[d] >= 1, "{}: dilation must be positive, got {} (input {})", op, pair_str(dilation),

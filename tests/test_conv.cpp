@@ -395,6 +395,13 @@ TEST_CASE("conv2d_backward_input and conv2d_backward_weight match the autograd g
   CHECK(to_vector<double>(gx) == to_vector<double>(x.grad()));
   CHECK(to_vector<double>(gw) == to_vector<double>(w.grad()));
   CHECK(contains(error_of([&] { conv2d_backward_input(g, w.detach(), {3, 4, 9, 9}, o); }), "does not match"));
+  // The errors name the caller's shapes, not a stand-in's.
+  CHECK(contains(error_of([&] { conv2d_backward_input(g, w.detach(), {3, 6, 7, 6}, o); }),
+                 "input float64[3, 6, 7, 6] cpu has 6 channels, but weight float64[6, 2, 3, 3] cpu expects 4"));
+  CHECK(contains(error_of([&] { conv2d_backward_input(g, w.detach(), {3, 4, -7, 6}, o); }),
+                 "conv2d_backward_input: the shape [3, 4, -7, 6] has a negative size"));
+  CHECK(contains(error_of([&] { conv2d_backward_weight(g, x.detach(), {6, -2, 3, 3}, o); }),
+                 "conv2d_backward_weight: the shape [6, -2, 3, 3] has a negative size"));
 }
 
 TEST_CASE("conv2d in float32 runs in float16 under autocast, and its gradients come back in float32") {

@@ -12,10 +12,12 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::check_close;
 using halfgrad::testing::check_matches;
 using halfgrad::testing::error_of;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
+using halfgrad::testing::values;
 using halfgrad::testing::Reference;
 
 namespace {
@@ -325,6 +327,34 @@ TEST_CASE("matmul gradients match finite differences for every rank combination"
             {leaf({2, 4, 5}), randn({5, 3}, {.dtype = kFloat64})});
   gradcheck([](const TensorList& in) { return matmul(in[0], in[1]); },
             {randn({2, 4, 5}, {.dtype = kFloat64}), leaf({5, 3})});
+  // One side only, with a 1-D operand on either side (the backward has only the other operand's shape).
+  auto product = [](const TensorList& in) { return matmul(in[0], in[1]); };
+  gradcheck(product, {leaf({5}), randn({2, 5, 3}, {.dtype = kFloat64})});
+  gradcheck(product, {randn({4, 5}, {.dtype = kFloat64}), leaf({5})});
+  gradcheck(product, {randn({5}, {.dtype = kFloat64}), leaf({2, 5, 3})});
+}
+
+TEST_CASE("matmul and bmm keep an operand only for the other's gradient: changing it in place is an error only then") {
+  for (bool batched : {false, true}) {
+    CAPTURE(batched);
+    auto product = [&](const Tensor& a, const Tensor& b) { return batched ? bmm(a, b) : matmul(a, b); };
+    const Shape sa = batched ? Shape{2, 2, 3} : Shape{2, 3}, sb = batched ? Shape{2, 3, 2} : Shape{3, 2};
+    Tensor a = randn(sa), b = randn(sb).requires_grad_();
+    Tensor y = product(a, b);
+    {
+      NoGradGuard no_grad;
+      b.mul_(2.0);  // b's gradient is a^T g: b itself is not read
+    }
+    y.sum().backward();
+    check_close(values(b.grad()), values(product(a.transpose(-1, -2), ones(y.shape()))), 1e-6);
+    Tensor c = randn(sa).requires_grad_();
+    Tensor z = product(c, b);
+    {
+      NoGradGuard no_grad;
+      b.mul_(2.0);  // c's gradient reads b
+    }
+    CHECK_THROWS_WITH_AS(z.sum().backward(), doctest::Contains("modified by an in-place operation"), Error);
+  }
 }
 
 TEST_CASE("bmm gradients match finite differences") {

@@ -333,6 +333,12 @@ TEST_CASE("pooling errors name the op and the shapes") {
   CHECK(contains(error_of([&] { avg_pool2d(x, {2, 2}, {.stride = {2, -1}}); }), "stride must be positive"));
   CHECK(contains(error_of([&] { adaptive_avg_pool2d(x, {-1, 2}); }), "non-negative"));
   CHECK(contains(error_of([&] { max_pool2d(randn({2, 3, 0, 4}), {1, 1}); }), "non-empty"));
+  // A dilation whose window would overflow 64 bits gave an 8-row output of -inf: refused, as PyTorch refuses it.
+  const Tensor tall = arange(16, {.dtype = kFloat32}).reshape({1, 1, 4, 4});
+  const MaxPool2dOptions huge{.stride = {1, 1}, .padding = {2, 0}, .dilation = {int64_t(1) << 62, 1}};
+  CHECK(contains(error_of([&] { max_pool2d(tall, {5, 1}, huge); }),
+                 "max_pool2d: kernel size (5, 1), stride (1, 1), padding (2, 0) and dilation (4611686018427387904, 1) "
+                 "must each be below 2^31"));
 }
 
 TEST_CASE("pooling gradients pass gradcheck") {
