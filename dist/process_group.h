@@ -36,7 +36,7 @@ class Work {
   virtual bool is_completed() const = 0;
   // gloo: returns when the collective is done. nccl: orders the current stream after it, as PyTorch's, and returns at
   // once: is_completed() stays false until the GPU gets there (reading the result, which waits for the stream, does).
-  // Rethrows the collective's error on every call.
+  // Throws what the collective (gloo), or the group since it failed (nccl), reported: on every call.
   virtual void wait() = 0;
 };
 

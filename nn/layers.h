@@ -78,7 +78,8 @@ struct BatchNormOptions {
 // Batch normalisation over (N, H, W) per channel. x (N, C, H, W) -> same shape.
 // Training: normalises with the batch statistics and updates running_mean/var (unbiased variance) and
 // num_batches_tracked (the op counts the batch in its kernels: one the op refuses is not counted, where PyTorch's
-// module has counted it before the op's checks). Eval: normalises with running_mean/var (or batch statistics without running stats).
+// module has counted it before the op's checks). Eval: normalises with running_mean/var (or batch statistics
+// without running stats).
 // Parameters weight, bias (C); buffers running_mean (C, zeros), running_var (C, ones), num_batches_tracked
 // (0-d int64). Half inputs work with float32 parameters and statistics (keep BatchNorm in float32 under O2).
 class BatchNorm2d : public Module {

@@ -56,8 +56,8 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 
 // ---- batch_norm with what follows it in a ResNet or VGG block, in one op (the fusion torch.compile makes):
 //   y = relu(batch_norm(input, ...) + residual)        residual undefined: y = relu(batch_norm(input, ...))
-// The same arguments, statistics and counting as batch_norm. residual: input's shape, on its device; it is read in input's
-// dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
+// The same arguments, statistics and counting as batch_norm. residual: input's shape, on its device; it is read in
+// input's dtype (cast when it differs) and y has input's dtype and layout. Autocast category: as batch_norm's.
 // Why one op: apart, the normalised values are written, read back by the add, written, read by relu and written
 // again; here the kernel that normalises adds and clamps as it writes. The backward reads relu's mask (y > 0) inside
 // the normalisation's own passes instead of a pass of its own. Gradients: as batch_norm's, and residual's, which is

@@ -60,8 +60,8 @@ namespace {
 
 std::atomic<bool> g_conv_allow_tf32{true};
 std::atomic<bool> g_conv_benchmark{true};
-std::atomic<bool> g_conv_knob_search{true};
-std::atomic<double> g_conv_knob_required_gain{0.02};
+std::atomic<bool> g_conv_knob_search{ConvKnobSearch{}.enabled};  // the defaults, written once in ops/conv.h
+std::atomic<double> g_conv_knob_required_gain{ConvKnobSearch{}.required_gain};
 
 Conv2dParams params_of(const Conv2dOptions& o) {
   return {o.stride, o.padding, o.dilation, o.groups, g_conv_allow_tf32.load(std::memory_order_relaxed)};
@@ -234,11 +234,15 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
 }
 
 namespace {
-// A tensor of `shape` (like `like`'s dtype and device) that holds one element: conv2d_output_shape reads shapes only, and
-// its errors then name the caller's shape.
+// A tensor of `shape` (like `like`'s dtype and device) that holds one element: conv2d_output_shape reads shapes only,
+// and its errors then name the caller's shape.
 Tensor shape_only(const char* op, const Shape& shape, const Tensor& like) {
-  HG_CHECK(std::all_of(shape.begin(), shape.end(), [](int64_t s) { return s >= 0; }), "{}: the shape {} has a "
-           "negative size", op, shape_str(shape));
+  int64_t elements = 1;
+  for (int64_t size : shape) {
+    HG_CHECK(size >= 0, "{}: the shape {} has a negative size", op, shape_str(shape));
+    HG_CHECK(!__builtin_mul_overflow(elements, size, &elements), "{}: the shape {} has more elements than an int64 "
+             "counts", op, shape_str(shape));
+  }
   return empty({1, 1, 1, 1}, {.dtype = like.dtype(), .device = like.device()}).expand(shape);
 }
 }  // namespace
@@ -251,8 +255,8 @@ Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, co
   HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_input: expected a floating grad_output, got {}",
            grad_output.meta());
   check_operand("conv2d_backward_input", "weight", weight, grad_output);
-  Shape expected = conv2d_output_shape("conv2d_backward_input", shape_only("conv2d_backward_input", input_shape, weight),
-                                       weight, options);
+  const char* op = "conv2d_backward_input";
+  Shape expected = conv2d_output_shape(op, shape_only(op, input_shape, weight), weight, options);
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
            grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());

@@ -12,7 +12,7 @@
 //                direction, dtype, layout, all sizes, stride/padding/dilation, TF32 permission and the operands'
 //                address alignment (an engine may need 16-byte aligned data). PyTorch's cudnn.benchmark does the
 //                same over its top candidates. With set_conv_benchmark(false), the first candidate that fits.
-//   knobs        with set_conv_knob_search({.enabled = true}), autotuning goes on where a cuDNN engine won: the
+//   knobs        unless set_conv_knob_search({.enabled = false}), autotuning goes on where a cuDNN engine won: the
 //                knobs cuDNN's heuristics leave to that engine (tile and cluster shapes, split-K, stages) are
 //                searched, and a setting that computes the same result at least 2% faster replaces the engine's own
 //                (search_knobs)

@@ -20,15 +20,16 @@ namespace halfgrad {
 // itself; p = 1 gives x * 0 (zeros, nan where x is inf or nan) and the gradient times 0.
 Tensor dropout(const Tensor& x, double p, bool training = true);
 
-// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`. out and in are
-// contiguous, of one floating dtype and one shape; 0 < p < 1. The forward and the backward run the same
-// kernel (on x, then on the incoming gradient), with the same state.
-// What an element is multiplied by, given its uniform draw u: 1 / (1 - p) where kept, 0 where dropped. Multiplied by 0,
-// not replaced by 0, so that a dropped inf or nan gives nan, as in PyTorch: an overflow before dropout still reaches the
-// loss and the scaler's check, and a gradient's its own.
+// What an element is multiplied by, given its uniform draw u: 1 / (1 - p) where kept, 0 where dropped. Multiplied by
+// 0, not replaced by 0, so that a dropped inf or nan gives nan, as in PyTorch: an overflow before dropout still
+// reaches the loss and the scaler's check, and a gradient's its own. (Both devices' kernels.)
 template <typename A> HG_HOST_DEVICE inline A dropout_factor(float u, float keep, A scale) {
   return u < keep ? scale : A(0);
 }
+
+// ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`. out and in are
+// contiguous, of one floating dtype and one shape; 0 < p < 1. The forward and the backward run the same
+// kernel (on x, then on the incoming gradient), with the same state.
 
 using DropoutKernel = void (*)(const Tensor& out, const Tensor& in, double p, GeneratorState state);
 extern KernelTable<DropoutKernel> dropout_kernel;

@@ -217,16 +217,18 @@ TEST_CASE("set_conv_knob_search keeps what it is given and refuses a required ga
   const ConvKnobSearch previous = conv_knob_search();
   CHECK(ConvKnobSearch{}.enabled);  // on unless turned off
   CHECK(ConvKnobSearch{}.required_gain == 0.02);
-  set_conv_knob_search({.enabled = true, .required_gain = 0.1});
-  CHECK(conv_knob_search().enabled);
+  CHECK(previous.enabled == ConvKnobSearch{}.enabled);  // the process starts with the struct's defaults
+  CHECK(previous.required_gain == ConvKnobSearch{}.required_gain);
+  set_conv_knob_search({.enabled = false, .required_gain = 0.1});  // off: what bench_train_step --no-conv-knobs does
+  CHECK_FALSE(conv_knob_search().enabled);
   CHECK(conv_knob_search().required_gain == 0.1);
   for (double bad : {1.0, 2.0, std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(bad);
-    const std::string e = error_of([&] { set_conv_knob_search({.enabled = false, .required_gain = bad}); });
+    const std::string e = error_of([&] { set_conv_knob_search({.enabled = true, .required_gain = bad}); });
     CHECK(contains(e, "set_conv_knob_search"));
     CHECK(contains(e, "required_gain"));
   }
-  CHECK(conv_knob_search().enabled);  // a refused setting changes nothing
+  CHECK_FALSE(conv_knob_search().enabled);  // a refused setting changes nothing
   CHECK(conv_knob_search().required_gain == 0.1);
   set_conv_knob_search(previous);
   CHECK(conv_knob_search().enabled == previous.enabled);
@@ -402,6 +404,10 @@ TEST_CASE("conv2d_backward_input and conv2d_backward_weight match the autograd g
                  "conv2d_backward_input: the shape [3, 4, -7, 6] has a negative size"));
   CHECK(contains(error_of([&] { conv2d_backward_weight(g, x.detach(), {6, -2, 3, 3}, o); }),
                  "conv2d_backward_weight: the shape [6, -2, 3, 3] has a negative size"));
+  const int64_t huge = int64_t(1) << 40;
+  CHECK(contains(error_of([&] { conv2d_backward_input(g, w.detach(), {huge, 4, huge, 9}, o); }),
+                 "conv2d_backward_input: the shape [1099511627776, 4, 1099511627776, 9] has more elements than an "
+                 "int64 counts"));
 }
 
 TEST_CASE("conv2d in float32 runs in float16 under autocast, and its gradients come back in float32") {
@@ -687,8 +693,8 @@ struct KnobSearchOn {
 // whichever setting is taken must compute what the CPU computes in every direction, the input gradient's add into the
 // shortcut's included. float16 runs with a required gain of -inf, so that a setting that computed the same result
 // replaces the engine's own choice however fast it is: the real runs then go through a knob-set plan. float32 keeps the
-// default gain. Only this test searches knobs, so its six problems are new to that cache; the debug log must name the
-// outcome of a search for each.
+// default gain. Its six problems are new to that cache (no other case uses these shapes, and each case runs in a
+// process of its own under ctest); the debug log must name the outcome of a search for each.
 TEST_CASE("cuda: conv2d with the cuDNN engines' knobs searched matches the CPU, the shortcut's gradient included") {
   SKIP_WITHOUT_GPU();
   TF32Off tf32_off;
