@@ -47,12 +47,16 @@ std::pair<int64_t, int64_t> fan_in_and_fan_out(const Tensor& weight) {
 
 Tensor& uniform_(Tensor& t, double low, double high) {
   check_floating(t, "uniform_");
+  HG_CHECK(low <= high, "nn::init::uniform_: expected low <= high, got low {} and high {}", low, high);
   NoGradGuard no_grad;
-  return assign(t, rand(t.shape(), {.dtype = draw_dtype(t)}) * (high - low) + low);
+  // Drawn with the tensor's own significand bits (rand's rule), then scaled wider: a draw of float32's 24 bits rounded
+  // to a half tensor could round up to high.
+  return assign(t, rand(t.shape(), {.dtype = t.dtype()}).to(draw_dtype(t)) * (high - low) + low);
 }
 
 Tensor& normal_(Tensor& t, double mean, double std) {
   check_floating(t, "normal_");
+  HG_CHECK(std >= 0, "nn::init::normal_: expected std >= 0, got {}", std);
   NoGradGuard no_grad;
   return assign(t, randn(t.shape(), {.dtype = draw_dtype(t)}) * std + mean);
 }

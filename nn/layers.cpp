@@ -234,7 +234,7 @@ template <typename M> M* exactly(const std::vector<std::pair<std::string, Module
 // may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  const auto& children = named_children();
+  const auto& children = registered_children();
   for (size_t i = 0; i < children.size(); ++i) {
     const Conv2d* conv = exactly<Conv2d>(children, i);
     BatchNorm2d* next_bn = exactly<BatchNorm2d>(children, i + 1);
@@ -254,7 +254,7 @@ Tensor Sequential::forward(const Tensor& x) {
 
 const ModulePtr& Sequential::operator[](size_t index) const {
   HG_CHECK(index < size(), "Sequential: index {} out of range for {} modules", index, size());
-  return named_children()[index].second;
+  return registered_children()[index].second;
 }
 
 std::shared_ptr<Sequential> sequential(std::initializer_list<ModulePtr> modules) {

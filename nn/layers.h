@@ -212,12 +212,12 @@ class Sequential : public Module {
   Sequential(std::initializer_list<ModulePtr> modules);
   // Appends a module, named by its position.
   template <typename M> std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
-    return register_module(std::to_string(named_children().size()), std::move(module));
+    return register_module(std::to_string(registered_children().size()), std::move(module));
   }
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Sequential"; }
 
-  size_t size() const { return named_children().size(); }
+  size_t size() const { return registered_children().size(); }
   const ModulePtr& operator[](size_t index) const;
 };
 

@@ -53,6 +53,18 @@ void Module::add_child(const std::string& name, ModulePtr module) {
   children_.emplace_back(name, std::move(module));
 }
 
+void Module::replace_child(const std::string& name, ModulePtr module) {
+  HG_CHECK(module != nullptr, "{}: replace_module: '{}' is null", type_name(), name);
+  auto it = std::find_if(children_.begin(), children_.end(), [&](const auto& c) { return c.first == name; });
+  if (it == children_.end()) {
+    std::string names;
+    for (const auto& [n, c] : children_) names += (names.empty() ? "" : ", ") + n;
+    HG_FAIL("{}: replace_module: no submodule is registered as '{}' (its submodules: {})", type_name(), name,
+            names.empty() ? "none" : names);
+  }
+  it->second = std::move(module);
+}
+
 // ---- traversal
 
 void Module::collect(const std::string& prefix, bool params, bool buffers, bool persistent_only, bool recurse,
@@ -97,20 +109,34 @@ TensorList Module::buffers(bool recurse) const {
   return out;
 }
 
-std::vector<ModulePtr> Module::children() const {
-  std::vector<ModulePtr> out;
-  for (const auto& [name, child] : children_) out.push_back(child);
+std::vector<std::pair<std::string, ModulePtr>> Module::named_children() const {
+  std::vector<std::pair<std::string, ModulePtr>> out;
+  std::unordered_set<const Module*> seen;
+  for (const auto& [name, child] : children_) {
+    if (seen.insert(child.get()).second) out.emplace_back(name, child);
+  }
   return out;
 }
 
-void Module::collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out) {
+std::vector<ModulePtr> Module::children() const {
+  std::vector<ModulePtr> out;
+  for (const auto& [name, child] : named_children()) out.push_back(child);
+  return out;
+}
+
+void Module::collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out,
+                             std::unordered_set<const Module*>& seen) {
+  if (!seen.insert(this).second) return;  // a module shared by two parents: listed (and visited) once
   out.emplace_back(prefix, this);
-  for (const auto& [name, child] : children_) child->collect_modules(prefix.empty() ? name : prefix + "." + name, out);
+  for (const auto& [name, child] : children_) {
+    child->collect_modules(prefix.empty() ? name : prefix + "." + name, out, seen);
+  }
 }
 
 std::vector<std::pair<std::string, Module*>> Module::named_modules() {
   std::vector<std::pair<std::string, Module*>> out;
-  collect_modules("", out);
+  std::unordered_set<const Module*> seen;
+  collect_modules("", out, seen);
   return out;
 }
 

@@ -91,6 +91,14 @@ class Module {
     add_child(name, module);
     return module;
   }
+  // Puts `module` where the submodule `name` was registered (an error if none was) and returns it: libtorch's
+  // replace_module, PyTorch's `model.fc = nn.Linear(...)`. A member that held the old one is a copy of the pointer,
+  // not the registry: assign it the result, or forward() and the lists (parameters, state_dict, to, train) disagree:
+  //   model->fc = model->replace_module("fc", std::make_shared<nn::Linear>(512, 100));
+  template <typename M> std::shared_ptr<M> replace_module(const std::string& name, std::shared_ptr<M> module) {
+    replace_child(name, module);
+    return module;
+  }
 
   // ---- what a module holds. Names are dotted paths from this module; order: registration order, a
   // module's own tensors before its children's (PyTorch's order).
@@ -98,15 +106,20 @@ class Module {
   TensorList parameters(bool recurse = true) const;
   NamedTensors named_buffers(bool recurse = true) const;
   TensorList buffers(bool recurse = true) const;
-  const std::vector<std::pair<std::string, ModulePtr>>& named_children() const { return children_; }
+  // A child registered under two names is listed once, under the first (as PyTorch's).
+  std::vector<std::pair<std::string, ModulePtr>> named_children() const;
+  // Every registration: a child registered twice, twice (what nn::Sequential runs).
+  const std::vector<std::pair<std::string, ModulePtr>>& registered_children() const { return children_; }
   std::vector<ModulePtr> children() const;
-  // This module (named "") and every descendant (named by its dotted path), parents before children.
+  // This module (named "") and every descendant (named by its dotted path), parents before children; a module shared
+  // by two parents once, under its first path (as PyTorch's).
   std::vector<std::pair<std::string, Module*>> named_modules();
   std::vector<Module*> modules();
   // The parameter or buffer at a dotted path ("layer1.0.bn1.running_mean"); an error if there is none.
   Tensor& tensor_at(const std::string& dotted_name);
 
-  // Calls fn on this module and every descendant, parents first (the visitor for per-module changes).
+  // Calls fn once on this module and on every descendant, parents first as libtorch's (PyTorch's Python apply visits
+  // children first): the visitor for per-module changes.
   void apply(const std::function<void(Module&)>& fn);
 
   // ---- mode: Dropout and BatchNorm behave differently in training and evaluation.
@@ -159,11 +172,13 @@ class Module {
   };
   void check_new_name(const std::string& name, const char* what) const;
   void add_child(const std::string& name, ModulePtr module);
+  void replace_child(const std::string& name, ModulePtr module);
   // Appends this module's (and, with recurse, its descendants') tensors; `seen`, when given, skips tensors
   // already listed.
   void collect(const std::string& prefix, bool params, bool buffers, bool persistent_only, bool recurse,
                NamedTensors& out, std::unordered_set<const TensorImpl*>* seen) const;
-  void collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out);
+  void collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out,
+                       std::unordered_set<const Module*>& seen);
   // Converts this module's own tensors; `converted` maps each tensor already converted in this pass (by
   // identity) to (itself, its new version), so shared tensors stay shared. Holding the old tensor keeps its
   // address from being reused by another tensor during the pass.

@@ -79,7 +79,8 @@ template <typename Op> HG_HOST_DEVICE constexpr bool takes_bool(Op op) { return 
 template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
   using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::isfinite;
   if constexpr (OP == UnaryOp::Neg) return T(-x);
-  else if constexpr (OP == UnaryOp::Abs) { if constexpr (std::is_same_v<T, bool>) return x; else return T(x < T(0) ? -x : x); }
+  // abs: 0 - x at zero too, so that -0 gives +0 (PyTorch's); nan passes the comparison by.
+  else if constexpr (OP == UnaryOp::Abs) { if constexpr (std::is_same_v<T, bool>) return x; else return T(x <= T(0) ? T(0) - x : x); }
   else if constexpr (OP == UnaryOp::Exp) return exp(x);
   else if constexpr (OP == UnaryOp::Log) return log(x);
   else if constexpr (OP == UnaryOp::Sqrt) return sqrt(x);

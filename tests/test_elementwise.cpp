@@ -181,6 +181,12 @@ TEST_CASE("scalar operands on either side") {
 TEST_CASE("integer and bool ops") {
   Tensor i = tensor(std::vector<int32_t>{-3, 0, 5});
   CHECK(values(i.abs()) == std::vector<double>{3, 0, 5});
+  for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {  // abs(-0) is +0, as PyTorch's; nan stays nan
+    const std::vector<double> v = values(tensor<double>({-0.0, NAN, -2}).to(dt).abs());
+    CHECK_FALSE(std::signbit(v[0]));
+    CHECK(std::isnan(v[1]));
+    CHECK(v[2] == 2);
+  }
   CHECK((i + i).dtype() == kInt32);
   CHECK(values(i / 2) == std::vector<double>{-1.5, 0, 2.5});
   CHECK(i.exp().dtype() == kFloat32);

@@ -22,6 +22,9 @@
 using namespace halfgrad;
 using halfgrad::testing::values;
 using halfgrad::testing::bit_equal;
+using halfgrad::testing::check_close;
+using halfgrad::testing::contains;
+using halfgrad::testing::error_of;
 
 namespace {
 std::vector<std::string> names(const NamedTensors& named) {
@@ -152,6 +155,45 @@ TEST_CASE("apply visits every module, parents before children") {
 
 // ---------------------------------------------------------------------------------------------------------
 // Conversion
+
+TEST_CASE("a module shared by two parents is listed and visited once; nn::Sequential still runs each entry") {
+  auto linear = std::make_shared<nn::Linear>(2, 2, false);
+  auto seq = nn::sequential({linear, linear});
+  std::vector<std::string> names;
+  for (const auto& [name, m] : seq->named_modules()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"", "0"});
+  CHECK(seq->children().size() == 1);
+  CHECK(seq->named_children().size() == 1);
+  CHECK(seq->size() == 2);
+  const std::vector<double> before = values(linear->weight);
+  seq->apply([](nn::Module& m) {
+    if (auto* l = dynamic_cast<nn::Linear*>(&m)) {
+      NoGradGuard no_grad;
+      l->weight.mul_(2.0);
+    }
+  });
+  const std::vector<double> after = values(linear->weight);
+  for (size_t i = 0; i < before.size(); ++i) CHECK(after[i] == 2 * before[i]);  // once, not once per parent slot
+  const Tensor x = randn({3, 2});
+  check_close(values(seq->forward(x)), values(linear->forward(linear->forward(x))), 0);  // both entries run
+}
+
+TEST_CASE("replace_module puts a new submodule where the old one was registered, as PyTorch's model.fc = ...") {
+  auto model = models::resnet18();
+  model->fc = model->replace_module("fc", std::make_shared<nn::Linear>(512, 100));
+  CHECK(model->forward(randn({2, 3, 32, 32})).shape() == Shape{2, 100});
+  CHECK(model->tensor_at("fc.weight").shape() == Shape{100, 512});
+  CHECK(model->named_parameters().back().second.shape() == Shape{100});  // fc.bias, the new one
+  model->to(kFloat64);
+  CHECK(model->fc->weight.dtype() == kFloat64);  // the registry reaches it
+  model->eval();
+  CHECK_FALSE(model->fc->is_training());
+  const std::string missing = error_of([&] { model->replace_module("head", std::make_shared<nn::Linear>(512, 10)); });
+  CHECK(contains(missing, "ResNet: replace_module: no submodule is registered as 'head' (its submodules: conv1, bn1, "));
+  CHECK(contains(missing, ", avgpool, fc)"));
+  CHECK(contains(error_of([&] { model->replace_module("fc", std::shared_ptr<nn::Linear>()); }),
+                 "replace_module: 'fc' is null"));
+}
 
 TEST_CASE("to(dtype) converts floating parameters and buffers, keeps requires_grad, grads and int buffers") {
   TinyResNet net;
@@ -613,6 +655,18 @@ TEST_CASE("kaiming and xavier initialisers have the documented spread") {
   CHECK(nn::init::fan_in_and_fan_out(empty({5, 3})) == std::pair<int64_t, int64_t>{3, 5});
   Tensor vec = empty({5});
   CHECK_THROWS_WITH_AS(nn::init::xavier_uniform_(vec), doctest::Contains("2 dims"), Error);
+  CHECK_THROWS_WITH_AS(nn::init::uniform_(vec, 1, 0), doctest::Contains("nn::init::uniform_: expected low <= high, got "
+                                                                        "low 1 and high 0"), Error);
+  CHECK_THROWS_WITH_AS(nn::init::normal_(vec, 0, -1), doctest::Contains("nn::init::normal_: expected std >= 0, got -1"),
+                       Error);
+  // A half tensor's draw keeps to [low, high): drawn in its own significand bits (a float32 draw rounded up to high).
+  for (DType dt : {kBFloat16, kFloat16}) {
+    Tensor half = empty({256, 256}, {.dtype = dt});
+    nn::init::uniform_(half, 0, 1);
+    const std::vector<double> v = values(half);
+    CHECK(*std::max_element(v.begin(), v.end()) < 1.0);
+    CHECK(*std::min_element(v.begin(), v.end()) >= 0.0);
+  }
 }
 
 TEST_CASE("initialisers fill parameters in place, without recording autograd, in any dtype") {
