@@ -47,11 +47,13 @@ std::pair<int64_t, int64_t> fan_in_and_fan_out(const Tensor& weight) {
 
 Tensor& uniform_(Tensor& t, double low, double high) {
   check_floating(t, "uniform_");
-  HG_CHECK(low <= high, "nn::init::uniform_: expected low <= high, got low {} and high {}", low, high);
+  HG_CHECK(low <= high && std::isfinite(high - low),
+           "nn::init::uniform_: expected low <= high, a finite range, got low {} and high {}", low, high);
   NoGradGuard no_grad;
-  // Drawn with the tensor's own significand bits (rand's rule), then scaled wider: a draw of float32's 24 bits rounded
-  // to a half tensor could round up to high.
-  return assign(t, rand(t.shape(), {.dtype = t.dtype()}).to(draw_dtype(t)) * (high - low) + low);
+  // Scaled in float32 (float64), rounded to the tensor's dtype: the rounding can reach high (float16 on [1, 2): the
+  // largest draw rounds to 2), which then goes to low, as PyTorch's CUDA kernel does, so that values stay in [low, high).
+  const Tensor drawn = (rand(t.shape(), {.dtype = draw_dtype(t)}) * (high - low) + low).to(t.dtype());
+  return assign(t, where(drawn.ge(high), low, drawn));
 }
 
 Tensor& normal_(Tensor& t, double mean, double std) {

@@ -111,15 +111,15 @@ class Module {
   // Every registration: a child registered twice, twice (what nn::Sequential runs).
   const std::vector<std::pair<std::string, ModulePtr>>& registered_children() const { return children_; }
   std::vector<ModulePtr> children() const;
-  // This module (named "") and every descendant (named by its dotted path), parents before children; a module shared
-  // by two parents once, under its first path (as PyTorch's).
+  // This module (named "") and every descendant (named by its dotted path), parents before children; a module
+  // registered in several places once, under its first path (as PyTorch's named_modules).
   std::vector<std::pair<std::string, Module*>> named_modules();
   std::vector<Module*> modules();
   // The parameter or buffer at a dotted path ("layer1.0.bn1.running_mean"); an error if there is none.
   Tensor& tensor_at(const std::string& dotted_name);
 
-  // Calls fn once on this module and on every descendant, parents first as libtorch's (PyTorch's Python apply visits
-  // children first): the visitor for per-module changes.
+  // Calls fn once on this module and on every descendant (a module under two parents once, where PyTorch's apply
+  // visits it for each), parents first as libtorch's (PyTorch's Python apply visits children first).
   void apply(const std::function<void(Module&)>& fn);
 
   // ---- mode: Dropout and BatchNorm behave differently in training and evaluation.

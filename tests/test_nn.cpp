@@ -156,7 +156,7 @@ TEST_CASE("apply visits every module, parents before children") {
 // ---------------------------------------------------------------------------------------------------------
 // Conversion
 
-TEST_CASE("a module shared by two parents is listed and visited once; nn::Sequential still runs each entry") {
+TEST_CASE("a module registered twice is listed and visited once; nn::Sequential still runs each entry") {
   auto linear = std::make_shared<nn::Linear>(2, 2, false);
   auto seq = nn::sequential({linear, linear});
   std::vector<std::string> names;
@@ -176,6 +176,11 @@ TEST_CASE("a module shared by two parents is listed and visited once; nn::Sequen
   for (size_t i = 0; i < before.size(); ++i) CHECK(after[i] == 2 * before[i]);  // once, not once per parent slot
   const Tensor x = randn({3, 2});
   check_close(values(seq->forward(x)), values(linear->forward(linear->forward(x))), 0);  // both entries run
+  // Under two parents: once overall, where PyTorch's apply visits it once per parent.
+  auto top = nn::sequential({nn::sequential({linear}), nn::sequential({linear})});
+  names.clear();
+  for (const auto& [name, m] : top->named_modules()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"", "0", "0.0", "1"});
 }
 
 TEST_CASE("replace_module puts a new submodule where the old one was registered, as PyTorch's model.fc = ...") {
@@ -655,17 +660,21 @@ TEST_CASE("kaiming and xavier initialisers have the documented spread") {
   CHECK(nn::init::fan_in_and_fan_out(empty({5, 3})) == std::pair<int64_t, int64_t>{3, 5});
   Tensor vec = empty({5});
   CHECK_THROWS_WITH_AS(nn::init::xavier_uniform_(vec), doctest::Contains("2 dims"), Error);
-  CHECK_THROWS_WITH_AS(nn::init::uniform_(vec, 1, 0), doctest::Contains("nn::init::uniform_: expected low <= high, got "
-                                                                        "low 1 and high 0"), Error);
+  CHECK_THROWS_WITH_AS(nn::init::uniform_(vec, 1, 0), doctest::Contains("nn::init::uniform_: expected low <= high, a "
+                                                                        "finite range, got low 1 and high 0"), Error);
   CHECK_THROWS_WITH_AS(nn::init::normal_(vec, 0, -1), doctest::Contains("nn::init::normal_: expected std >= 0, got -1"),
                        Error);
-  // A half tensor's draw keeps to [low, high): drawn in its own significand bits (a float32 draw rounded up to high).
+  CHECK_THROWS_WITH_AS(nn::init::uniform_(vec, -INFINITY, INFINITY), doctest::Contains("a finite range"), Error);
+  // A half tensor's values stay in [low, high) (low as the dtype rounds it): rounded to the dtype, a draw can reach
+  // high (float16 on [1, 2)).
   for (DType dt : {kBFloat16, kFloat16}) {
-    Tensor half = empty({256, 256}, {.dtype = dt});
-    nn::init::uniform_(half, 0, 1);
-    const std::vector<double> v = values(half);
-    CHECK(*std::max_element(v.begin(), v.end()) < 1.0);
-    CHECK(*std::min_element(v.begin(), v.end()) >= 0.0);
+    for (const auto& [low, high] : {std::pair{0.0, 1.0}, std::pair{1.0, 2.0}, std::pair{0.9, 1.0}}) {
+      Tensor half = empty({256, 256}, {.dtype = dt});
+      nn::init::uniform_(half, low, high);
+      const std::vector<double> v = values(half);
+      CHECK(*std::max_element(v.begin(), v.end()) < high);
+      CHECK(*std::min_element(v.begin(), v.end()) >= values(full({1}, low, {.dtype = dt}))[0]);
+    }
   }
 }
 
