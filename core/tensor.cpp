@@ -503,7 +503,7 @@ std::string Tensor::str() const {
   if (grad_fn()) {
     extras.push_back(fmt::format("grad_fn=<{}>", grad_fn()->name()));
   } else if (requires_grad()) {
-    extras.push_back("requires_grad=true");
+    extras.push_back("requires_grad=True");  // as PyTorch prints it
   }
   for (const auto& e : extras) out += ", " + e;
   return out + ")";

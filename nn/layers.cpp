@@ -15,7 +15,7 @@
 namespace halfgrad::nn {
 
 namespace {
-const char* bool_str(bool b) { return b ? "true" : "false"; }
+const char* bool_str(bool b) { return b ? "True" : "False"; }  // as PyTorch's repr prints them
 TensorOptions param_options(TensorOptions o) { return {.dtype = o.dtype, .device = o.device}; }
 // A layer's size argument, checked where the member is initialised: before the parameters are allocated from it,
 // whose own error would name neither the layer nor the argument.
@@ -68,7 +68,7 @@ std::string Conv2d::extra_repr() const {
   if (options.padding != Pair2d{0, 0}) s += ", padding=" + pair_str(options.padding);
   if (options.dilation != Pair2d{1, 1}) s += ", dilation=" + pair_str(options.dilation);
   if (options.groups != 1) s += fmt::format(", groups={}", options.groups);
-  if (!bias.defined()) s += ", bias=false";
+  if (!bias.defined()) s += ", bias=False";
   return s;
 }
 

@@ -157,11 +157,11 @@ class Module {
 
   // ---- printing, like PyTorch's repr:
   //   Sequential(
-  //     (0): Linear(in_features=4, out_features=8, bias=true)
+  //     (0): Linear(in_features=4, out_features=8, bias=True)
   //     (1): ReLU()
   //   )
   virtual std::string type_name() const { return "Module"; }
-  virtual std::string extra_repr() const { return ""; }  // "in_features=4, out_features=8, bias=true"
+  virtual std::string extra_repr() const { return ""; }  // "in_features=4, out_features=8, bias=True"
   std::string repr() const;
 
  private:

@@ -705,16 +705,16 @@ TEST_CASE("repr prints the module tree like PyTorch") {
                              nn::sequential({std::make_shared<nn::Dropout>(0.1), std::make_shared<nn::Linear>(8, 2, false)})});
   CHECK(seq->repr() ==
         "Sequential(\n"
-        "  (0): Linear(in_features=4, out_features=8, bias=true)\n"
+        "  (0): Linear(in_features=4, out_features=8, bias=True)\n"
         "  (1): ReLU()\n"
         "  (2): Sequential(\n"
         "    (0): Dropout(p=0.1)\n"
-        "    (1): Linear(in_features=8, out_features=2, bias=false)\n"
+        "    (1): Linear(in_features=8, out_features=2, bias=False)\n"
         "  )\n"
         ")");
   CHECK(nn::Conv2d(3, 16, 3, {.stride = {2, 2}, .padding = {1, 1}}, false).repr() ==
-        "Conv2d(3, 16, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), bias=false)");
-  CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=true, track_running_stats=true)");
+        "Conv2d(3, 16, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), bias=False)");
+  CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True)");
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -225,7 +225,7 @@ TEST_CASE("printing shows values, dtype, device and autograd state") {
   CHECK(arange(4).view({2, 2}).str() == "tensor([[0, 1],\n        [2, 3]])");
   CHECK(ones({2}, {.dtype = kFloat16}).str() == "tensor([1.0000, 1.0000], dtype=float16)");
   Tensor w = ones({1}, {.requires_grad = true});
-  CHECK(w.str() == "tensor([1.0000], requires_grad=true)");
+  CHECK(w.str() == "tensor([1.0000], requires_grad=True)");
   CHECK((w * 2).str() == "tensor([2.0000], grad_fn=<MulBackward>)");
   std::string big = zeros({100, 100}).str();
   CHECK(big.find("...") != std::string::npos);
