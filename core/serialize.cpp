@@ -482,13 +482,18 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors, cons
 
 namespace {
 
+// The folder a file is in: its path's parent, "." for a bare name.
+std::filesystem::path folder_of(const std::filesystem::path& file) {
+  return file.parent_path().empty() ? std::filesystem::path(".") : file.parent_path();
+}
+
 // "<path>.tmp-<pid>-<n>" files of writers that are gone (a process killed mid-write): removed after a successful
 // write of the same path. A live process's temporaries (this one's included) are left alone.
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const std::string prefix = target.filename().string() + ".tmp-";
-  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const fs::path dir = folder_of(target);
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
@@ -532,8 +537,7 @@ std::filesystem::path save_target(const std::string& path, const char* what) {
     HG_CHECK(::access(path.c_str(), W_OK) == 0, "{}: cannot write {}: {} (the file is left as it is)", what, shown,
              errno_text(errno));
   }
-  fs::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
+  const fs::path dir = folder_of(target);
   HG_CHECK(fs::is_directory(dir, ec), "{}: cannot write {}: the folder '{}' does not exist", what, shown,
            dir.string());
   return target;
@@ -543,8 +547,7 @@ std::filesystem::path save_target(const std::string& path, const char* what) {
 
 void check_writable(const std::string& path, const char* what) {
   const std::filesystem::path target = save_target(path, what);
-  std::filesystem::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
+  const std::filesystem::path dir = folder_of(target);
   const std::string probe = fmt::format("{}.tmp-{}-probe", target.string(), ::getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   HG_CHECK(fd >= 0 || errno == EEXIST, "{}: cannot write '{}' in '{}': {}", what, path, dir.string(), errno_text(errno));
@@ -558,8 +561,7 @@ void write_file_atomic(const std::string& path, const std::function<void(const W
   namespace fs = std::filesystem;
   const fs::path target = save_target(path, "save");
   const std::string file = target.string();  // where the bytes go: path, or the file its links lead to
-  fs::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
+  const fs::path dir = folder_of(target);
 
   // A fresh name next to the target. O_EXCL: never reuse (and truncate) a file someone else is writing.
   std::string temp;

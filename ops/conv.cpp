@@ -271,8 +271,8 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   HG_CHECK(grad_output.is_floating_point(), "conv2d_backward_weight: expected a floating grad_output, got {}",
            grad_output.meta());
   check_operand("conv2d_backward_weight", "input", input, grad_output);
-  Shape expected = conv2d_output_shape("conv2d_backward_weight", input,
-                                       shape_only("conv2d_backward_weight", weight_shape, input), options);
+  const char* op = "conv2d_backward_weight";
+  Shape expected = conv2d_output_shape(op, input, shape_only(op, weight_shape, input), options);
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
            grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));

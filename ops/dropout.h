@@ -30,7 +30,6 @@ template <typename A> HG_HOST_DEVICE inline A dropout_factor(float u, float keep
 // ---- kernel: out = in * keep(i) / (1 - p), with keep(i) drawn as above from `state`. out and in are
 // contiguous, of one floating dtype and one shape; 0 < p < 1. The forward and the backward run the same
 // kernel (on x, then on the incoming gradient), with the same state.
-
 using DropoutKernel = void (*)(const Tensor& out, const Tensor& in, double p, GeneratorState state);
 extern KernelTable<DropoutKernel> dropout_kernel;
 

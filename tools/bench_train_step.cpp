@@ -54,7 +54,7 @@ struct Settings {
   bool cuda_graph = false;
   bool unfused = false;
   bool no_bias_fold = false;
-  bool conv_knobs = true;
+  bool conv_knobs = ConvKnobSearch{}.enabled;
   int iters = 30, warmup = 5;
 };
 
