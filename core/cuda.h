@@ -120,8 +120,8 @@ cudnnHandle_t cudnn_handle(int device);
 // The milliseconds one call of `run` takes on the current stream of `device`: one warm-up call, then the
 // median of three samples, each `calls` back-to-back calls between two CUDA events (several calls per sample
 // when one call is short enough for the host's launch jitter to show). Waits for the stream. Throws what
-// `run` throws. Used where a problem has several implementations and the fastest is kept (conv2d,
-// batch_norm).
+// `run` throws. Used where a problem has several implementations and the fastest is kept (conv2d; batch_norm
+// times graph replays instead: cuda::median_graph_ms in core/cuda_graph.h).
 float median_run_ms(int device, const std::function<void()>& run, const char* op, int calls = 1);
 
 // ---- graphs

@@ -1,6 +1,7 @@
 // cuda::Graph and CapturedStep (core/cuda_graph.h). Compiled in every build; without CUDA they throw.
 #include "core/cuda_graph.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "core/cuda_allocator.h"
@@ -156,6 +157,17 @@ Tensor replay_input(const Shape& shape, TensorOptions options) {
   return empty(shape, options);
 }
 
+float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls) {
+  calls = std::max(calls, 1);
+  if (!caching()) return median_run_ms(device.index, run, op, calls);  // no graph pool to capture with
+  run();
+  Graph graph;
+  graph.capture(device, [&] {
+    for (int i = 0; i < calls; ++i) run();
+  });
+  return median_run_ms(device.index, [&] { graph.replay(); }, op) / float(calls);
+}
+
 #else  // no CUDA in this build
 
 Graph::~Graph() = default;
@@ -170,6 +182,9 @@ void before_each_replay(std::function<void()>) {
 }
 Tensor replay_input(const Shape&, TensorOptions) {
   throw Error("cuda::replay_input: called outside a cuda::Graph capture (this build of halfgrad has no CUDA)");
+}
+float median_graph_ms(Device, const std::function<void()>&, const char*, int) {
+  throw Error("cuda::median_graph_ms: this build of halfgrad has no CUDA");
 }
 
 #endif

@@ -77,6 +77,13 @@ void before_each_replay(std::function<void()> update);
 // one that reads the value.) Keep it alive in the update.
 Tensor replay_input(const Shape& shape, TensorOptions options);
 
+// Autotuning's timer for work that runs inside captured steps: `run` once eagerly (its first-time work: nested
+// autotuning, set-up), then `calls` runs captured into one graph, whose replays are timed with CUDA events (the
+// median of 3); ms a run. The GPU's time alone, without the host's launches, which a replayed step does not pay
+// (median_run_ms in core/cuda.h times eager calls, host included). Not inside another capture. With the allocator's
+// caching off, which a capture needs, it is median_run_ms.
+float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls);
+
 // A training step for a loop: the first `warmup` calls run `step` eagerly, the next one captures it and every call
 // from then on replays it. `step` reads its inputs from tensors the caller refills in place before each call.
 class CapturedStep {

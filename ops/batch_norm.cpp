@@ -170,7 +170,8 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                                              : Tensor(),
                             .training = training,
                             .momentum = momentum,
-                            .eps = eps};
+                            .eps = eps,
+                            .cudnn_fused = {}};  // the kernel's to write
   if (training && running_mean.defined()) {
     // The kernel updates the running statistics in place; when they are not already contiguous in the
     // accumulation dtype, it updates converted copies, written back below.
@@ -198,12 +199,15 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
   // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask or the
-  // output too.
+  // output too; after cuDNN's fused kernel, its reserve and the bias, which its backward reads.
+  const bool fused = args.cudnn_fused.ran;
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias},
          {args.output},
          [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
           y = relu && saved == ReluSaved::Output ? SavedTensor(args.output, op) : SavedTensor(),
-          mean = args.save_mean, invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
+          cudnn_fused = args.cudnn_fused, residual_added = residual.defined(),
+          saved_bias = fused ? SavedTensor(args.bias, op) : SavedTensor(), mean = args.save_mean,
+          invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
@@ -211,6 +215,9 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
            b.relu_mask = mask;
            if (y.defined()) b.output = y.get();
            b.weight = w.get();
+           b.cudnn_fused = cudnn_fused;
+           b.residual_added = residual_added;
+           if (saved_bias.defined()) b.bias = saved_bias.get();
            b.save_mean = mean;
            b.save_invstd = invstd;
            b.training = training;

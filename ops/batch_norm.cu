@@ -36,9 +36,11 @@
 #include <cstdint>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 
 #include "core/cuda.h"
+#include "core/cuda_graph.h"
 #include "core/log.h"
 #include "ops/batch_norm.h"
 #include "ops/cuda_loops.cuh"
@@ -917,6 +919,11 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
 // activation is read once, not twice. Planes: CUDNN_BATCHNORM_SPATIAL, whose single-read kernels do the same for
 // small planes. On larger shapes cuDNN's kernels are slower than ours. Same semantics as ours: biased variance to
 // normalise, unbiased for the running variance, saved mean and 1 / sqrt(var + eps).
+// batch_norm_relu: in float16 channels last, cuDNN's fused operations (CUDNN_BATCHNORM_OPS_BN_ACTIVATION, and
+// ..._BN_ADD_ACTIVATION with the residual) add and clamp inside its kernels, y rounded once as ours; the forward
+// writes relu's mask into a reserve buffer that the backward reads, which also writes the residual's gradient.
+// Elsewhere cuDNN's kernels normalise and passes of ours add the residual and clamp after the forward, and mask the
+// gradient before the backward. PyTorch calls only the plain operation.
 
 cudnnBatchNormMode_t cudnn_mode(const BatchNormShape& s) {
   return s.channels_last ? CUDNN_BATCHNORM_SPATIAL_PERSISTENT : CUDNN_BATCHNORM_SPATIAL;
@@ -934,6 +941,13 @@ bool cudnn_takes(const BatchNormShape& s, DType dtype, std::initializer_list<con
   return std::all_of(operands.begin(), operands.end(), [](const Tensor* t) { return aligned16(*t); });
 }
 
+// Whether cuDNN's fused kernels take batch_norm_relu (they run float16 channels last only); the caller also needs
+// y kept for the backward that cuDNN's fused kernel does not run (ours reads where y > 0 from y, not from cuDNN's
+// reserve).
+bool cudnn_fuses(const BatchNormShape& s, DType dtype, bool relu, bool keeps_mask) {
+  return relu && !keeps_mask && s.channels_last && dtype == DType::Float16;
+}
+
 struct CudnnTensor {
   cudnnTensorDescriptor_t desc = nullptr;
   CudnnTensor() { HG_CUDNN_CHECK(cudnnCreateTensorDescriptor(&desc), "batch_norm"); }
@@ -942,26 +956,49 @@ struct CudnnTensor {
   CudnnTensor& operator=(const CudnnTensor&) = delete;
 };
 
-// One call's cuDNN setting: the handle, the activation as [N, C, S, 1] (NHWC or NCHW) and the [1, C, 1, 1] float32
-// parameters cuDNN derives from it. cuDNN's reserve space (state handed from the forward to the backward) must
-// be empty for batch normalisation alone: halfgrad keeps only the saved mean and invstd between the two.
+struct CudnnRelu {
+  cudnnActivationDescriptor_t desc = nullptr;
+  CudnnRelu() {
+    HG_CUDNN_CHECK(cudnnCreateActivationDescriptor(&desc), "batch_norm_relu");
+    HG_CUDNN_CHECK(cudnnSetActivationDescriptor(desc, CUDNN_ACTIVATION_RELU, CUDNN_PROPAGATE_NAN, 0.0),
+                   "batch_norm_relu");
+  }
+  ~CudnnRelu() { cudnnDestroyActivationDescriptor(desc); }
+  CudnnRelu(const CudnnRelu&) = delete;
+  CudnnRelu& operator=(const CudnnRelu&) = delete;
+};
+
+// One call's cuDNN setting: the handle, the operation (batch norm alone, or fused with relu and maybe the residual
+// add), the activation as [N, C, S, 1] (NHWC or NCHW), the [1, C, 1, 1] float32 parameters cuDNN derives from it,
+// and the size of the reserve the fused operations hand from the forward to the backward. Batch norm alone must
+// need none: halfgrad keeps only the saved mean and invstd between its two directions.
 struct CudnnProblem {
   cudnnHandle_t handle;
   cudnnBatchNormMode_t mode;
+  cudnnBatchNormOps_t ops;
   CudnnTensor x, param;
-  CudnnProblem(const BatchNormShape& s, const Tensor& input, const char* op)
-      : handle(cuda::cudnn_handle(input.device().index)), mode(cudnn_mode(s)) {
+  std::optional<CudnnRelu> relu;
+  size_t reserve_bytes = 0;
+  CudnnProblem(const BatchNormShape& s, const Tensor& input, bool fused, bool residual, const char* op)
+      : handle(cuda::cudnn_handle(input.device().index)),
+        mode(cudnn_mode(s)),
+        ops(!fused ? CUDNN_BATCHNORM_OPS_BN
+                   : residual ? CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION : CUDNN_BATCHNORM_OPS_BN_ACTIVATION) {
     HG_CUDNN_CHECK(cudnnSetTensor4dDescriptor(x.desc, s.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
                                               input.dtype() == DType::Float16 ? CUDNN_DATA_HALF : CUDNN_DATA_FLOAT,
                                               int(s.batch), int(s.channels), int(s.spatial), 1),
                    op);
     HG_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(param.desc, x.desc, mode), op);
-    size_t reserve = 0;
-    HG_CUDNN_CHECK(cudnnGetBatchNormalizationTrainingExReserveSpaceSize(handle, mode, CUDNN_BATCHNORM_OPS_BN,
-                                                                        nullptr, x.desc, &reserve),
+    if (fused) relu.emplace();
+    HG_CUDNN_CHECK(cudnnGetBatchNormalizationTrainingExReserveSpaceSize(handle, mode, ops, activation(), x.desc,
+                                                                        &reserve_bytes),
                    op);
-    HG_CHECK(reserve == 0, "{} (cuda): cuDNN asks for {} bytes of reserve space, which halfgrad does not keep", op,
-             reserve);
+    HG_CHECK(fused || reserve_bytes == 0,
+             "{} (cuda): cuDNN asks for {} bytes of reserve space, which halfgrad does not keep", op, reserve_bytes);
+  }
+  cudnnActivationDescriptor_t activation() const { return relu ? relu->desc : nullptr; }
+  cudnnTensorDescriptor_t residual_desc() const {
+    return ops == CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION ? x.desc : nullptr;
   }
 };
 
@@ -980,53 +1017,70 @@ Tensor or_filled(const Tensor& t, int64_t channels, Device device, float value) 
   return filled;
 }
 
+// The fused operations where they take the call (cudnn_fuses), else batch norm alone and our relu epilogue.
 void cudnn_forward(const BatchNormForwardArgs& a) {
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
-  const CudnnProblem p(s, a.input, "batch_norm");
+  const bool fused = cudnn_fuses(s, a.input.dtype(), a.relu, a.relu_mask.defined());
+  const CudnnProblem p(s, a.input, fused, a.residual.defined(), "batch_norm");
   size_t bytes = 0;
-  HG_CUDNN_CHECK(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
-                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, p.x.desc, nullptr, p.x.desc, p.param.desc, nullptr,
-                     &bytes),
+  HG_CUDNN_CHECK(cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(p.handle, p.mode, p.ops, p.x.desc,
+                                                                          p.residual_desc(), p.x.desc, p.param.desc,
+                                                                          p.activation(), &bytes),
                  "batch_norm");
   const Tensor workspace = cudnn_workspace(bytes, device);
+  const Tensor reserve = cudnn_workspace(p.reserve_bytes, device);
   const Tensor weight = or_filled(a.weight, s.channels, device, 1), bias = or_filled(a.bias, s.channels, device, 0);
   const float one = 1, zero = 0;
   HG_CUDNN_CHECK(cudnnBatchNormalizationForwardTrainingEx(
-                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, &one, &zero, p.x.desc, a.input.data_ptr(), nullptr,
-                     nullptr, p.x.desc, a.output.data_ptr(), p.param.desc, weight.data_ptr(), bias.data_ptr(),
-                     a.momentum, data_or_null(a.running_mean), data_or_null(a.running_var), a.eps,
-                     a.save_mean.data_ptr(), a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes,
-                     nullptr, 0),
+                     p.handle, p.mode, p.ops, &one, &zero, p.x.desc, a.input.data_ptr(), p.residual_desc(),
+                     p.residual_desc() ? a.residual.data_ptr() : nullptr, p.x.desc, a.output.data_ptr(),
+                     p.param.desc, weight.data_ptr(), bias.data_ptr(), a.momentum, data_or_null(a.running_mean),
+                     data_or_null(a.running_var), a.eps, a.save_mean.data_ptr(), a.save_invstd.data_ptr(),
+                     p.activation(), data_or_null(workspace), bytes, data_or_null(reserve), p.reserve_bytes),
                  "batch_norm");
+  a.cudnn_fused = {.ran = fused, .reserve = reserve};
   if (a.batches_tracked.defined()) {  // cuDNN does not count batches
     count_batch_kernel<<<1, 1, 0, cuda::current_stream(device)>>>(a.batches_tracked.data<int64_t>());
     HG_CUDA_CHECK_LAUNCH("batch_norm");
   }
-  if (!a.relu) return;
+  if (!a.relu || fused) return;
   dispatch_floating(a.input.dtype(), "batch_norm_relu",
                     [&]<typename T>() { relu_epilogue<T>(s, a.output, a.residual, a.relu_mask); });
 }
 
+// The fused operation where the forward ran it, else our masked gradient and batch norm alone.
 void cudnn_backward(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   const Device device = a.input.device();
-  const CudnnProblem p(s, a.input, "batch_norm_backward");
-  // After batch_norm_relu cuDNN normalises the masked gradient, which is the residual's when that is wanted.
-  Tensor g = a.grad_output;
-  if (a.after_relu()) {
-    g = a.grad_residual.defined() ? a.grad_residual
-                                  : batch_norm_empty(g.shape(), g.dtype(), device, s.channels_last);
+  const bool fused = a.cudnn_fused.ran;
+  const CudnnProblem p(s, a.input, fused, a.residual_added, "batch_norm_backward");
+  const Tensor& reserve = a.cudnn_fused.reserve;
+  const int64_t reserve_bytes = reserve.defined() ? reserve.numel() : 0;
+  HG_CHECK(!fused || reserve_bytes == int64_t(p.reserve_bytes),
+           "batch_norm_backward (cuda): the forward's cuDNN reserve has {} bytes where cuDNN asks for {}",
+           reserve_bytes, p.reserve_bytes);
+  auto like_input = [&] {
+    return batch_norm_empty(a.grad_output.shape(), a.grad_output.dtype(), device, s.channels_last);
+  };
+  // The gradient cuDNN normalises: grad_output, or after batch_norm_relu the masked gradient, which is also the
+  // residual's (the fused backward masks it itself and writes it where the residual was added).
+  Tensor g = a.grad_output, grad_residual;
+  if (fused && a.residual_added) {
+    grad_residual = a.grad_residual.defined() ? a.grad_residual : like_input();
+  } else if (a.after_relu() && !fused) {
+    g = a.grad_residual.defined() ? a.grad_residual : like_input();
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
                       [&]<typename T>() { masked_gradient<T>(s, g, a.grad_output, relu_gate<T>(a)); });
   }
   size_t bytes = 0;
   HG_CUDNN_CHECK(cudnnGetBatchNormalizationBackwardExWorkspaceSize(
-                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, p.x.desc, nullptr, p.x.desc, nullptr, p.x.desc,
-                     p.param.desc, nullptr, &bytes),
+                     p.handle, p.mode, p.ops, p.x.desc, fused ? p.x.desc : nullptr, p.x.desc, p.residual_desc(),
+                     p.x.desc, p.param.desc, p.activation(), &bytes),
                  "batch_norm_backward");
   const Tensor workspace = cudnn_workspace(bytes, device);
   const Tensor weight = or_filled(a.weight, s.channels, device, 1);
+  const Tensor bias = fused ? or_filled(a.bias, s.channels, device, 0) : Tensor();
   // cuDNN always writes both parameter gradients.
   auto gradient = [&](const Tensor& t) {
     return t.defined() ? t : empty({s.channels}, {.dtype = DType::Float32, .device = device});
@@ -1034,11 +1088,12 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   const Tensor grad_weight = gradient(a.grad_weight), grad_bias = gradient(a.grad_bias);
   const float one = 1, zero = 0;
   HG_CUDNN_CHECK(cudnnBatchNormalizationBackwardEx(
-                     p.handle, p.mode, CUDNN_BATCHNORM_OPS_BN, &one, &zero, &one, &zero, p.x.desc,
-                     a.input.data_ptr(), nullptr, nullptr, p.x.desc, g.data_ptr(), nullptr, nullptr,
-                     p.x.desc, a.grad_input.data_ptr(), p.param.desc, weight.data_ptr(), nullptr,
-                     grad_weight.data_ptr(), grad_bias.data_ptr(), a.eps, a.save_mean.data_ptr(),
-                     a.save_invstd.data_ptr(), nullptr, data_or_null(workspace), bytes, nullptr, 0),
+                     p.handle, p.mode, p.ops, &one, &zero, &one, &zero, p.x.desc, a.input.data_ptr(),
+                     fused ? p.x.desc : nullptr, fused ? a.output.data_ptr() : nullptr, p.x.desc, g.data_ptr(),
+                     p.residual_desc(), data_or_null(grad_residual), p.x.desc, a.grad_input.data_ptr(), p.param.desc,
+                     weight.data_ptr(), data_or_null(bias), grad_weight.data_ptr(), grad_bias.data_ptr(), a.eps,
+                     a.save_mean.data_ptr(), a.save_invstd.data_ptr(), p.activation(), data_or_null(workspace), bytes,
+                     data_or_null(reserve), p.reserve_bytes),
                  "batch_norm_backward");
 }
 
@@ -1056,8 +1111,9 @@ struct ChoiceKey {
 };
 thread_local std::map<ChoiceKey, bool> t_cudnn_chosen;
 
-// Whether cuDNN runs a problem it takes. Auto times both the first time (8 calls per sample: one call of a small
-// shape is 20-50 us, within the host's launch jitter); a cuDNN failure there means ours.
+// Whether cuDNN runs a problem it takes. Auto times both the first time, as graph replays of 8 calls: the GPU's
+// time, which is what a captured step pays (timed eagerly, a cuDNN call's host work, its descriptors and size
+// queries, counted too). A cuDNN failure there means ours.
 bool choose_cudnn(const ChoiceKey& key, const std::function<void()>& own, const std::function<void()>& cudnn,
                   const char* op) {
   switch (batch_norm_backend()) {
@@ -1067,10 +1123,11 @@ bool choose_cudnn(const ChoiceKey& key, const std::function<void()>& own, const 
   }
   if (auto it = t_cudnn_chosen.find(key); it != t_cudnn_chosen.end()) return it->second;
   constexpr int kCalls = 8;
-  const float own_ms = cuda::median_run_ms(key.device, own, op, kCalls);
+  const Device device = Device::cuda(key.device);
+  const float own_ms = cuda::median_graph_ms(device, own, op, kCalls);
   float cudnn_ms = -1;
   try {
-    cudnn_ms = cuda::median_run_ms(key.device, cudnn, op, kCalls);
+    cudnn_ms = cuda::median_graph_ms(device, cudnn, op, kCalls);
   } catch (const Error& e) {
     logger().debug("{} (cuda): cuDNN failed to run [{}, {}, {}] ({}); ours is used", op, key.batch, key.channels,
                    key.spatial, e.what());
@@ -1092,11 +1149,42 @@ void own_backward(const BatchNormBackwardArgs& a) {
   });
 }
 
+void batch_norm_backward_cuda(const BatchNormBackwardArgs& a);
+
+// The backward of a forward call, on buffers of its own, for Auto's timing of the two directions together: the
+// gradient of y is taken to be the input (values of its shape and dtype, not zeros), and the residual's gradient is
+// wanted where the forward added one, as inside a ResNet.
+BatchNormBackwardArgs backward_for_timing(const BatchNormForwardArgs& f) {
+  const Device device = f.input.device();
+  auto like_input = [&] {
+    return batch_norm_empty(f.input.shape(), f.input.dtype(), device, f.shape.channels_last);
+  };
+  auto per_channel = [&](const Tensor& t) {
+    return t.defined() ? empty({f.shape.channels}, {.dtype = t.dtype(), .device = device}) : Tensor();
+  };
+  BatchNormBackwardArgs b;
+  b.shape = f.shape;
+  b.grad_output = f.input;
+  b.input = f.input;
+  b.output = f.output;
+  b.grad_residual = f.residual.defined() ? like_input() : Tensor();
+  b.weight = f.weight;
+  b.bias = f.bias;
+  b.save_mean = f.save_mean;
+  b.save_invstd = f.save_invstd;
+  b.grad_input = like_input();
+  b.grad_weight = per_channel(f.weight);
+  b.grad_bias = per_channel(f.bias);
+  b.eps = f.eps;
+  b.residual_added = f.residual.defined();
+  return b;
+}
+
 void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !cudnn_takes(s, a.input.dtype(),
-                                  {&a.input, &a.output, &a.weight, &a.bias, &a.running_mean, &a.running_var,
-                                   &a.save_mean, &a.save_invstd})) {
+                                  {&a.input, &a.output, &a.residual, &a.weight, &a.bias, &a.running_mean,
+                                   &a.running_var, &a.save_mean, &a.save_invstd})) {
     return own_forward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
@@ -1106,22 +1194,39 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, false,
                       a.relu ? 1 + int(a.residual.defined()) : 0, a.relu_mask.defined(), s.batch, s.channels,
                       s.spatial};
-  if (choose_cudnn(key, [&] { own_forward(timed); }, [&] { cudnn_forward(timed); }, "batch_norm")) {
-    cudnn_forward(a);
+  bool chosen;
+  if (cudnn_fuses(s, a.input.dtype(), a.relu, a.relu_mask.defined())) {
+    // cuDNN's fused backward needs its forward's reserve: the pairs are timed, ours with the backward's own choice.
+    std::optional<BatchNormBackwardArgs> b;
+    auto backward = [&]() -> const BatchNormBackwardArgs& { return b ? *b : b.emplace(backward_for_timing(timed)); };
+    auto ours = [&] {
+      own_forward(timed);
+      batch_norm_backward_cuda(backward());
+    };
+    auto cudnns = [&] {
+      const BatchNormForwardArgs forward = timed;  // its reserve freed within the call (the timing graph's pool)
+      cudnn_forward(forward);
+      BatchNormBackwardArgs after_fused = backward();
+      after_fused.cudnn_fused = forward.cudnn_fused;
+      cudnn_backward(after_fused);
+    };
+    chosen = choose_cudnn(key, ours, cudnns, "batch_norm_relu");
   } else {
-    own_forward(a);
+    chosen = choose_cudnn(key, [&] { own_forward(timed); }, [&] { cudnn_forward(timed); }, "batch_norm");
   }
+  chosen ? cudnn_forward(a) : own_forward(a);
 }
 
 void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
       !cudnn_takes(s, a.input.dtype(),
-                   {&a.input, &a.grad_output, &a.grad_input, &a.grad_residual, &a.weight, &a.save_mean,
-                    &a.save_invstd, &a.grad_weight, &a.grad_bias})) {
+                   {&a.input, &a.grad_output, &a.output, &a.grad_input, &a.grad_residual, &a.weight, &a.bias,
+                    &a.save_mean, &a.save_invstd, &a.grad_weight, &a.grad_bias})) {
     return own_backward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
+  if (a.cudnn_fused.ran) return cudnn_backward(a);  // chosen with the forward, which ran cuDNN's fused kernel
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
                       a.after_relu() ? 1 + int(a.grad_residual.defined()) : 0,
                       a.relu_mask.defined(), s.batch, s.channels, s.spatial};

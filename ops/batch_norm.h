@@ -77,7 +77,9 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 //           on CUDA our backward makes them from y in a pass of its own (the masked gradient before cuDNN's reads y
 //           itself): one more read of y than Mask, the price of the memory (ResNet-50 amp at batch 256, its blocks
 //           on Output but the last: 3,476 -> 3,384 MiB at the peak, ~2-3.6% more time a step). An in-place change
-//           to y before backward is an error, as for any kept tensor.
+//           to y before backward is an error, as for any kept tensor. Where cuDNN's fused kernels run the layer
+//           (BatchNormBackend below), their forward keeps relu's mask in cuDNN's own form for their backward, about
+//           the bytes of Mask's.
 // With the fusion off (set_batch_norm_relu_fusion(false)) the separate relu keeps y whatever `saved` says.
 enum class ReluSaved { Mask, Output };
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
@@ -117,6 +119,13 @@ struct ReluMask {
   static bool bit(const int32_t* mask, int64_t i) { return (uint32_t(mask[i / 32]) >> (i % 32)) & 1u; }
 };
 
+// Whether cuDNN's fused batch norm + relu kernel ran a forward (section 4 of ops/batch_norm.cu), and its reserve:
+// relu's mask in cuDNN's own form (undefined where cuDNN asks for none), which only cuDNN's fused backward reads.
+struct CudnnFused {
+  bool ran = false;
+  Tensor reserve;
+};
+
 struct BatchNormForwardArgs {
   BatchNormShape shape;
   Tensor input, output;
@@ -129,6 +138,8 @@ struct BatchNormForwardArgs {
   Tensor relu_mask;                    // or undefined; with relu: written, the output's signs as bits (ReluMask)
   bool training = true;
   double momentum = 0.1, eps = 1e-5;
+  // Written by the kernel (mutable: which kernel runs is the kernel's choice, so the caller cannot prepare it).
+  mutable CudnnFused cudnn_fused;
 };
 
 // With mean and invstd as saved by the forward, M = N * S and g the gradient of the output:
@@ -150,6 +161,9 @@ struct BatchNormBackwardArgs {
   Tensor grad_weight, grad_bias;       // or undefined: not wanted
   bool training = true;
   double eps = 1e-5;                   // the forward's (cuDNN's backward takes it; save_invstd already has it)
+  CudnnFused cudnn_fused;              // the forward's: cuDNN's fused backward runs where its forward ran
+  bool residual_added = false;         // the forward added a residual (cuDNN's fused backward repeats its operation)
+  Tensor bias;                         // or undefined; cuDNN's fused backward reads it
   bool after_relu() const { return relu_mask.defined() || output.defined(); }  // batch_norm_relu's backward
 };
 
@@ -158,11 +172,16 @@ struct BatchNormBackwardArgs {
 // normalisation; they are faster than ours on the smaller shapes and slower on the larger.
 //   Auto   the first time a host thread meets a problem (device, dtype, layout, direction, batch_norm_relu's
 //          epilogue and whether it keeps the mask or y, N, C, spatial size) that both take, both run on its buffers
-//          and the faster is kept for it, as conv2d keeps its fastest algorithm
+//          and the faster is kept for it, as conv2d keeps its fastest algorithm. A float16 channels-last
+//          batch_norm_relu that keeps y (ReluSaved::Output) may run cuDNN's fused kernels, batch norm, residual add
+//          and relu in one kernel a direction, whose backward needs its forward's reserve: there the two
+//          directions are timed and chosen together, ours (with the backward's own choice) against cuDNN's pair.
 //   Own    always ours
 //   Cudnn  cuDNN's wherever it takes the problem: float16/float32, spatial size > 1, contiguous runs (channels in
 //          channels last, planes in NCHW) of whole 16-byte vectors, 16-byte aligned data, fewer than 2^31
 //          elements; the backward also needs the input's gradient. Everything else runs ours in every mode.
+//          Its fused kernels wherever they take batch_norm_relu (above); elsewhere its batch norm alone, with relu
+//          and the residual as passes of ours.
 enum class BatchNormBackend { Auto, Own, Cudnn };
 void set_batch_norm_backend(BatchNormBackend backend);
 BatchNormBackend batch_norm_backend();
