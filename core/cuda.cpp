@@ -45,14 +45,6 @@ constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommen
 
 std::atomic<bool> tf32_allowed{false};
 
-bool launch_blocking() {
-  static const bool blocking = [] {
-    const char* v = std::getenv("HALFGRAD_CUDA_LAUNCH_BLOCKING");
-    return v && v[0] == '1';
-  }();
-  return blocking;
-}
-
 int count_devices() {
   static const int count = [] {
     int n = 0;
@@ -83,6 +75,14 @@ struct CublasState {
   void* workspace = nullptr;
 };
 }  // namespace
+
+bool launch_blocking() {
+  static const bool blocking = [] {
+    const char* v = std::getenv("HALFGRAD_CUDA_LAUNCH_BLOCKING");
+    return v && v[0] == '1';
+  }();
+  return blocking;
+}
 
 bool is_available() { return count_devices() > 0; }
 int device_count() { return count_devices(); }
@@ -441,6 +441,7 @@ StreamGuard::~StreamGuard() = default;
 cublasHandle_t cublas_handle(int) { no_cuda("cuda::cublas_handle"); }
 cudnnHandle_t cudnn_handle(int) { no_cuda("cuda::cudnn_handle"); }
 float median_run_ms(int, const std::function<void()>&, const char*, int) { no_cuda("cuda::median_run_ms"); }
+bool launch_blocking() { return false; }
 void run_as_graph(int, const std::vector<uint64_t>&, const std::function<void()>&) { no_cuda("cuda::run_as_graph"); }
 void set_allow_tf32(bool) {}
 bool allow_tf32() { return false; }

@@ -37,6 +37,8 @@ namespace halfgrad::cuda {
 // ---- devices
 bool is_available();  // built with CUDA, a driver is loaded and at least one GPU is visible
 int device_count();   // 0 without a driver or GPU; never throws
+// HALFGRAD_CUDA_LAUNCH_BLOCKING=1 (read once): every launch check waits for its kernel, which no capture allows.
+bool launch_blocking();
 // An error naming `op` unless GPU `device` is there: none without a driver or a GPU, or an index past those visible.
 void check_device(int device, const char* op);
 int current_device();

@@ -90,6 +90,10 @@ void Graph::capture(Device device, const std::function<void()>& work) {
     };
     try {
       work();
+    } catch (const OutOfMemory& e) {  // still OutOfMemory: callers that search for the batch that fits catch it
+      abandon();
+      release();
+      throw OutOfMemory(fmt::format("cuda::Graph::capture: out of memory while capturing: {}", e.what()));
     } catch (const Error& e) {
       abandon();
       release();
@@ -159,12 +163,19 @@ Tensor replay_input(const Shape& shape, TensorOptions options) {
 
 float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls) {
   calls = std::max(calls, 1);
-  if (!caching()) return median_run_ms(device.index, run, op, calls);  // no graph pool to capture with
+  // Where nothing can be captured: no graph pool without caching; a synchronising launch check.
+  if (!caching() || launch_blocking()) return median_run_ms(device.index, run, op, calls);
   run();
   Graph graph;
-  graph.capture(device, [&] {
-    for (int i = 0; i < calls; ++i) run();
-  });
+  try {
+    graph.capture(device, [&] {
+      for (int i = 0; i < calls; ++i) run();
+    });
+  } catch (const Error&) {
+    // The work has just run eagerly, so the capture itself failed: most likely memory for the graph's pool (its
+    // blocks cannot reuse the ambient stream's cache) at a step's peak. The eager timing then.
+    return median_run_ms(device.index, run, op, calls);
+  }
   return median_run_ms(device.index, [&] { graph.replay(); }, op) / float(calls);
 }
 

@@ -80,8 +80,9 @@ Tensor replay_input(const Shape& shape, TensorOptions options);
 // Autotuning's timer for work that runs inside captured steps: `run` once eagerly (its first-time work: nested
 // autotuning, set-up), then `calls` runs captured into one graph, whose replays are timed with CUDA events (the
 // median of 3); ms a run. The GPU's time alone, without the host's launches, which a replayed step does not pay
-// (median_run_ms in core/cuda.h times eager calls, host included). Not inside another capture. With the allocator's
-// caching off, which a capture needs, it is median_run_ms.
+// (median_run_ms in core/cuda.h times eager calls, host included). Not inside another capture. It is median_run_ms
+// where the work cannot be captured: the allocator's caching off, HALFGRAD_CUDA_LAUNCH_BLOCKING=1, or a capture that
+// fails (memory for the graph's pool at a step's peak).
 float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls);
 
 // A training step for a loop: the first `warmup` calls run `step` eagerly, the next one captures it and every call

@@ -920,8 +920,9 @@ template <typename T, bool kMasked> void backward_typed(const BatchNormBackwardA
 // small planes. On larger shapes cuDNN's kernels are slower than ours. Same semantics as ours: biased variance to
 // normalise, unbiased for the running variance, saved mean and 1 / sqrt(var + eps).
 // batch_norm_relu: in float16 channels last, cuDNN's fused operations (CUDNN_BATCHNORM_OPS_BN_ACTIVATION, and
-// ..._BN_ADD_ACTIVATION with the residual) add and clamp inside its kernels, y rounded once as ours; the forward
-// writes relu's mask into a reserve buffer that the backward reads, which also writes the residual's gradient.
+// ..._BN_ADD_ACTIVATION with the residual) add and clamp inside its kernels, y rounded once as ours; with the
+// residual the forward writes relu's mask into a reserve buffer that the backward reads (without, it reads y), and
+// the backward writes the residual's gradient.
 // Elsewhere cuDNN's kernels normalise and passes of ours add the residual and clamp after the forward, and mask the
 // gradient before the backward. PyTorch calls only the plain operation.
 
@@ -1226,7 +1227,8 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
     return own_backward(a);
   }
   cuda::DeviceGuard guard(a.input.device());
-  if (a.cudnn_fused.ran) return cudnn_backward(a);  // chosen with the forward, which ran cuDNN's fused kernel
+  // Chosen with the forward, which ran cuDNN's fused kernel; ours still can (it reads y), as Own asks.
+  if (a.cudnn_fused.ran) return batch_norm_backend() == BatchNormBackend::Own ? own_backward(a) : cudnn_backward(a);
   const ChoiceKey key{a.input.device().index, a.input.dtype(), s.channels_last, true,
                       a.after_relu() ? 1 + int(a.grad_residual.defined()) : 0,
                       a.relu_mask.defined(), s.batch, s.channels, s.spatial};

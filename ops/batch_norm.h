@@ -78,8 +78,8 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 //           itself): one more read of y than Mask, the price of the memory (ResNet-50 amp at batch 256, its blocks
 //           on Output but the last: 3,476 -> 3,384 MiB at the peak, ~2-3.6% more time a step). An in-place change
 //           to y before backward is an error, as for any kept tensor. Where cuDNN's fused kernels run the layer
-//           (BatchNormBackend below), their forward keeps relu's mask in cuDNN's own form for their backward, about
-//           the bytes of Mask's.
+//           with a residual (BatchNormBackend below), their forward keeps relu's mask in cuDNN's own form for their
+//           backward, about the bytes of Mask's (without a residual they need none).
 // With the fusion off (set_batch_norm_relu_fusion(false)) the separate relu keeps y whatever `saved` says.
 enum class ReluSaved { Mask, Output };
 Tensor batch_norm_relu(const Tensor& input, const Tensor& running_mean, const Tensor& running_var,

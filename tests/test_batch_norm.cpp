@@ -805,13 +805,15 @@ TEST_CASE("CUDA batch_norm_relu's two ReluSaved forms give the same values and g
 #if HALFGRAD_WITH_CUDA
   SKIP_WITHOUT_GPU();
   manual_seed(430);
-  // our kernels and cuDNN's (whose plain backward masks the gradient in a pass of ours), one value at a time and in
-  // 16-byte vectors, and more vectors than the grid's threads
+  // our kernels, one value at a time and in 16-byte vectors, and more vectors than the grid's threads; cuDNN's plain
+  // kernels (whose backward masks the gradient in a pass of ours) where they take the shape: float32 with rows or
+  // planes of whole 16-byte vectors
   for (BatchNormBackend backend : {BatchNormBackend::Own, BatchNormBackend::Cudnn}) {
     const BackendGuard guard(backend);
     CAPTURE(int(backend));
     for (bool cl : {false, true}) {
       check_relu_saved_forms_agree(Device::cuda(0), kFloat32, cl, {4, 3, 3, 3});
+      check_relu_saved_forms_agree(Device::cuda(0), kFloat32, cl, {8, 64, 4, 4});
       // Not float16 channels last under cuDNN, where the Output form runs cuDNN's fused kernels, which round y once
       // where its plain forward and our epilogue round twice: a y within rounding of 0 may then be 0 in one form and
       // positive in the other, and pass the gradient in one only. The CPU case below checks those kernels.
@@ -1061,6 +1063,52 @@ TEST_CASE("CUDA batch_norm_relu matches the separate ops and the CPU, ours and c
     Tensor g = randn({8, 16, 4, 4}, {.device = Device::cuda(0)});
     y.backward(g);
     check_close(values(z.grad().cpu()), values(where(y.detach().gt(0), g, 0).cpu()), 0);
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+TEST_CASE("CUDA batch_norm_relu on cuDNN's fused kernels matches the CPU without affine parameters and with only "
+          "some gradients wanted") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  manual_seed(432);
+  // float16 channels last keeping y: cuDNN's fused forward. Its backward runs where the input's gradient is wanted (a
+  // scratch gradient for the residual where that one is not); elsewhere ours runs after it, reading y.
+  const BackendGuard guard(BatchNormBackend::Cudnn);
+  const Shape shape{16, 64, 6, 6};
+  const double tol = 4e-3;
+  Tensor x = channels_last((randn(shape) * 2).to(kFloat16)), z = channels_last(randn(shape).to(kFloat16));
+  Tensor g = channels_last(randn(shape).to(kFloat16)), w = rand({64}) + 0.5, b = randn({64});
+  for (auto [affine, x_grad, z_grad] : {std::tuple{false, true, true}, {true, true, false}, {true, false, true},
+                                        {false, false, true}}) {
+    CAPTURE(affine);
+    CAPTURE(x_grad);
+    CAPTURE(z_grad);
+    auto leaf = [](const Tensor& t, Device d, bool grad) {
+      Tensor placed = t.detach().to(d);
+      return (t.dim() == 4 && d.is_cuda() ? channels_last(placed) : placed).requires_grad_(grad);
+    };
+    const Device cuda = Device::cuda(0), cpu = Device::cpu();
+    Tensor xg = leaf(x, cuda, x_grad), zg = leaf(z, cuda, z_grad), xc = leaf(x, cpu, x_grad), zc = leaf(z, cpu, z_grad);
+    Tensor wg = affine ? leaf(w, cuda, true) : Tensor(), bg = affine ? leaf(b, cuda, true) : Tensor();
+    Tensor wc = affine ? leaf(w, cpu, true) : Tensor(), bc = affine ? leaf(b, cpu, true) : Tensor();
+    Tensor yg = batch_norm_relu(xg, Tensor(), Tensor(), wg, bg, true, 0.1, 1e-5, zg, Tensor(), ReluSaved::Output);
+    yg.backward(channels_last(g.cuda()));
+    Tensor yc = batch_norm_relu(xc, Tensor(), Tensor(), wc, bc, true, 0.1, 1e-5, zc);
+    check_close(values(yg.cpu()), values(yc), tol);
+    // the reference gradients, given the gradient that passes the GPU's mask (as the case above)
+    const Tensor passed = where(yg.detach().cpu().gt(0), g, 0);
+    (batch_norm(xc, Tensor(), Tensor(), wc, bc, true) + zc).backward(passed);
+    if (x_grad) check_close(values(xg.grad().cpu()), values(xc.grad()), tol * 4);
+    if (z_grad) check_close(values(zg.grad().cpu()), values(passed), 0);
+    if (affine) {
+      check_close(values(wg.grad().cpu()), values(wc.grad()), 1e-3 + tol);
+      check_close(values(bg.grad().cpu()), values(bc.grad()), 1e-3 + tol);
+    }
+    CHECK(xg.grad().defined() == x_grad);
+    CHECK(zg.grad().defined() == z_grad);
   }
 #else
   MESSAGE("built without CUDA: skipped");
