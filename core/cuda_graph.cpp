@@ -76,11 +76,15 @@ void Graph::capture(Device device, const std::function<void()>& work) {
   cudaGraph_t graph = nullptr;
   {
     StreamGuard on_stream(device_, stream_);
-    capturing = this;
-    set_graph_generator(&generator);
     // Relaxed: the caching allocator may cudaMalloc a segment for the graph's pool during the capture (the other
     // modes refuse it); work queued on the capturing stream that waits for the GPU still fails.
-    HG_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "cuda graph");
+    const cudaError_t began = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed);
+    if (began != cudaSuccess) {  // (an earlier asynchronous error, say) nothing is left pointing at this graph
+      release();
+      HG_CUDA_CHECK(began, "cuda graph");
+    }
+    capturing = this;
+    set_graph_generator(&generator);
     auto abandon = [&] {
       cudaStreamEndCapture(stream_, &graph);
       if (graph) cudaGraphDestroy(graph);
@@ -163,19 +167,13 @@ Tensor replay_input(const Shape& shape, TensorOptions options) {
 
 float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls) {
   calls = std::max(calls, 1);
-  // Where nothing can be captured: no graph pool without caching; a synchronising launch check.
+  // Where nothing can be captured: no graph pool without caching, a synchronising launch check.
   if (!caching() || launch_blocking()) return median_run_ms(device.index, run, op, calls);
   run();
   Graph graph;
-  try {
-    graph.capture(device, [&] {
-      for (int i = 0; i < calls; ++i) run();
-    });
-  } catch (const Error&) {
-    // The work has just run eagerly, so the capture itself failed: most likely memory for the graph's pool (its
-    // blocks cannot reuse the ambient stream's cache) at a step's peak. The eager timing then.
-    return median_run_ms(device.index, run, op, calls);
-  }
+  graph.capture(device, [&] {
+    for (int i = 0; i < calls; ++i) run();
+  });
   return median_run_ms(device.index, [&] { graph.replay(); }, op) / float(calls);
 }
 

@@ -46,7 +46,8 @@ class Graph {
   Graph& operator=(const Graph&) = delete;
 
   // Records the work `work` queues on `device` (which becomes its stream's work for the duration). Runs nothing:
-  // replay() does. Throws halfgrad::Error, and leaves the graph empty, when the work cannot be captured.
+  // replay() does. Throws halfgrad::Error, and leaves the graph empty, when the work cannot be captured
+  // (OutOfMemory when the work ran out of memory).
   void capture(Device device, const std::function<void()>& work);
   // Runs the recorded work once, after the work queued so far on the device's current stream and before any
   // queued after it.
@@ -81,8 +82,9 @@ Tensor replay_input(const Shape& shape, TensorOptions options);
 // autotuning, set-up), then `calls` runs captured into one graph, whose replays are timed with CUDA events (the
 // median of 3); ms a run. The GPU's time alone, without the host's launches, which a replayed step does not pay
 // (median_run_ms in core/cuda.h times eager calls, host included). Not inside another capture. It is median_run_ms
-// where the work cannot be captured: the allocator's caching off, HALFGRAD_CUDA_LAUNCH_BLOCKING=1, or a capture that
-// fails (memory for the graph's pool at a step's peak).
+// where nothing can be captured: the allocator's caching off, or HALFGRAD_CUDA_LAUNCH_BLOCKING=1. Throws what the
+// capture throws (OutOfMemory where the graph's pool, which cannot reuse the ambient stream's cached blocks, finds
+// no memory at a step's peak).
 float median_graph_ms(Device device, const std::function<void()>& run, const char* op, int calls);
 
 // A training step for a loop: the first `warmup` calls run `step` eagerly, the next one captures it and every call

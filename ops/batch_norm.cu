@@ -38,6 +38,7 @@
 #include <numeric>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "core/cuda.h"
 #include "core/cuda_graph.h"
@@ -1114,7 +1115,8 @@ thread_local std::map<ChoiceKey, bool> t_cudnn_chosen;
 
 // Whether cuDNN runs a problem it takes. Auto times both the first time, as graph replays of 8 calls: the GPU's
 // time, which is what a captured step pays (timed eagerly, a cuDNN call's host work, its descriptors and size
-// queries, counted too). A cuDNN failure there means ours.
+// queries, counted too). Where a capture runs out of memory (the graph's pool at a step's peak), both are timed
+// eagerly instead, as before graphs. A cuDNN failure there means ours.
 bool choose_cudnn(const ChoiceKey& key, const std::function<void()>& own, const std::function<void()>& cudnn,
                   const char* op) {
   switch (batch_norm_backend()) {
@@ -1124,15 +1126,34 @@ bool choose_cudnn(const ChoiceKey& key, const std::function<void()>& own, const 
   }
   if (auto it = t_cudnn_chosen.find(key); it != t_cudnn_chosen.end()) return it->second;
   constexpr int kCalls = 8;
-  const Device device = Device::cuda(key.device);
-  const float own_ms = cuda::median_graph_ms(device, own, op, kCalls);
-  float cudnn_ms = -1;
+  auto time_both = [&](bool graphs) {
+    auto time = [&](const std::function<void()>& run) {
+      return graphs ? cuda::median_graph_ms(Device::cuda(key.device), run, op, kCalls)
+                    : cuda::median_run_ms(key.device, run, op, kCalls);
+    };
+    const float own_ms = time(own);
+    float cudnn_ms = -1;
+    auto failed = [&](const Error& e) {
+      logger().debug("{} (cuda): cuDNN failed to run [{}, {}, {}] ({}); ours is used", op, key.batch, key.channels,
+                     key.spatial, e.what());
+    };
+    try {
+      cudnn_ms = time(cudnn);
+    } catch (const OutOfMemory& e) {
+      if (graphs) throw;
+      failed(e);
+    } catch (const Error& e) {
+      failed(e);
+    }
+    return std::pair{own_ms, cudnn_ms};
+  };
+  std::pair<float, float> ms;
   try {
-    cudnn_ms = cuda::median_graph_ms(device, cudnn, op, kCalls);
-  } catch (const Error& e) {
-    logger().debug("{} (cuda): cuDNN failed to run [{}, {}, {}] ({}); ours is used", op, key.batch, key.channels,
-                   key.spatial, e.what());
+    ms = time_both(true);
+  } catch (const OutOfMemory&) {
+    ms = time_both(false);
   }
+  const auto [own_ms, cudnn_ms] = ms;
   const bool chosen = cudnn_ms >= 0 && cudnn_ms < own_ms;
   logger().debug("{} (cuda): {} {} [{}, {}, {}] ours {:.4f} ms, cuDNN {:.4f} ms -> {}", op, dtype_name(key.dtype),
                  key.channels_last ? "channels last" : "planes", key.batch, key.channels, key.spatial, own_ms, cudnn_ms,
