@@ -17,7 +17,7 @@ void check_floating(const Tensor& t, const char* op) {
 }
 
 // Writes `values` (CPU, float32/64) into t under no-grad: t keeps its identity, dtype and device.
-Tensor& assign(Tensor& t, const Tensor& values) {
+Tensor assign(Tensor t, const Tensor& values) {
   NoGradGuard no_grad;
   t.copy_(values);
   return t;
@@ -45,7 +45,7 @@ std::pair<int64_t, int64_t> fan_in_and_fan_out(const Tensor& weight) {
   return {weight.size(1) * receptive, weight.size(0) * receptive};
 }
 
-Tensor& uniform_(Tensor& t, double low, double high) {
+Tensor uniform_(Tensor t, double low, double high) {
   check_floating(t, "uniform_");
   HG_CHECK(low <= high && std::isfinite(high - low),
            "nn::init::uniform_: expected low <= high, a finite range, got low {} and high {}", low, high);
@@ -56,30 +56,30 @@ Tensor& uniform_(Tensor& t, double low, double high) {
   return assign(t, where(drawn.ge(high), low, drawn));
 }
 
-Tensor& normal_(Tensor& t, double mean, double std) {
+Tensor normal_(Tensor t, double mean, double std) {
   check_floating(t, "normal_");
   HG_CHECK(std >= 0, "nn::init::normal_: expected std >= 0, got {}", std);
   NoGradGuard no_grad;
   return assign(t, randn(t.shape(), {.dtype = draw_dtype(t)}) * std + mean);
 }
 
-Tensor& constant_(Tensor& t, double value) {
+Tensor constant_(Tensor t, double value) {
   HG_CHECK(t.defined(), "nn::init::constant_: the tensor is undefined");
   NoGradGuard no_grad;
   t.fill_(value);
   return t;
 }
 
-Tensor& zeros_(Tensor& t) { return constant_(t, 0); }
-Tensor& ones_(Tensor& t) { return constant_(t, 1); }
+Tensor zeros_(Tensor t) { return constant_(t, 0); }
+Tensor ones_(Tensor t) { return constant_(t, 1); }
 
-Tensor& xavier_uniform_(Tensor& t, double gain) {
+Tensor xavier_uniform_(Tensor t, double gain) {
   auto [fan_in, fan_out] = fan_in_and_fan_out(t);
   double a = gain * std::sqrt(6.0 / double(fan_in + fan_out));
   return uniform_(t, -a, a);
 }
 
-Tensor& xavier_normal_(Tensor& t, double gain) {
+Tensor xavier_normal_(Tensor t, double gain) {
   auto [fan_in, fan_out] = fan_in_and_fan_out(t);
   return normal_(t, 0, gain * std::sqrt(2.0 / double(fan_in + fan_out)));
 }
@@ -95,18 +95,18 @@ double kaiming_std(const Tensor& t, double a, FanMode mode, Nonlinearity nonline
 
 // A tensor with no elements is left as it is (PyTorch: "Initializing zero-element tensors is a no-op"): a Linear(0, n)
 // or a Conv2d of no input channels has nothing to initialise.
-Tensor& kaiming_uniform_(Tensor& t, double a, FanMode mode, Nonlinearity nonlinearity) {
+Tensor kaiming_uniform_(Tensor t, double a, FanMode mode, Nonlinearity nonlinearity) {
   if (t.numel() == 0) return t;
   double bound = std::sqrt(3.0) * kaiming_std(t, a, mode, nonlinearity, "kaiming_uniform_");
   return uniform_(t, -bound, bound);
 }
 
-Tensor& kaiming_normal_(Tensor& t, double a, FanMode mode, Nonlinearity nonlinearity) {
+Tensor kaiming_normal_(Tensor t, double a, FanMode mode, Nonlinearity nonlinearity) {
   if (t.numel() == 0) return t;
   return normal_(t, 0, kaiming_std(t, a, mode, nonlinearity, "kaiming_normal_"));
 }
 
-void default_linear_init_(Tensor& weight, Tensor& bias) {
+void default_linear_init_(Tensor weight, Tensor bias) {
   kaiming_uniform_(weight, std::sqrt(5.0));
   if (bias.defined()) {
     int64_t fan_in = fan_in_and_fan_out(weight).first;

@@ -33,12 +33,17 @@ Recurrent::Recurrent(RecurrentKind kind, int64_t input_size, int64_t hidden_size
   for (int64_t l = 0; l < options.num_layers; ++l) {
     const int64_t in = l == 0 ? input_size : hidden_size;
     const std::string k = std::to_string(l);
+    auto add = [&](const std::string& name, const Shape& shape) {  // registered, drawn, and its slot kept
+      Tensor& slot = register_parameter(name + k, empty(shape));
+      init::uniform_(slot, -bound, bound);
+      weights_.push_back(&slot);
+    };
     // torch.nn.RNNBase's order: weight_ih, weight_hh, bias_ih, bias_hh per layer.
-    weights_.push_back(&init::uniform_(register_parameter("weight_ih_l" + k, empty({G, in})), -bound, bound));
-    weights_.push_back(&init::uniform_(register_parameter("weight_hh_l" + k, empty({G, hidden_size})), -bound, bound));
+    add("weight_ih_l", {G, in});
+    add("weight_hh_l", {G, hidden_size});
     if (options.bias) {
-      weights_.push_back(&init::uniform_(register_parameter("bias_ih_l" + k, empty({G})), -bound, bound));
-      weights_.push_back(&init::uniform_(register_parameter("bias_hh_l" + k, empty({G})), -bound, bound));
+      add("bias_ih_l", {G});
+      add("bias_hh_l", {G});
     }
   }
 }

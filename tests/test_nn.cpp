@@ -697,6 +697,22 @@ TEST_CASE("initialisers fill parameters in place, without recording autograd, in
   CHECK(values(h.min())[0] == 1);
 }
 
+TEST_CASE("initialisers take a view, as libtorch's take the tensor by value: they fill the part it sees") {
+  Tensor w = zeros({4, 3});
+  nn::init::constant_(w.narrow(0, 1, 2), 2.5);  // a temporary view: rows 1 and 2
+  CHECK(values(w) == std::vector<double>{0, 0, 0, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5, 0, 0, 0});
+  manual_seed(7);
+  const Tensor returned = nn::init::uniform_(w.select(1, 0), 10, 11);  // column 0, strided
+  CHECK(returned.storage() == w.storage());  // the view it was given, returned
+  for (int64_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(w.select(0, r).select(0, 0).item<double>() >= 10);
+    CHECK(w.select(0, r).select(0, 0).item<double>() < 11);
+    CHECK(w.select(0, r).select(0, 1).item<double>() == (r == 1 || r == 2 ? 2.5 : 0));
+  }
+  CHECK(values(returned) == values(w.select(1, 0)));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Printing
 
