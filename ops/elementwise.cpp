@@ -556,6 +556,8 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
         cpu::map<bool, T>(out, [](auto x) { return bool(unary_math<OP>(M(x))); }, {in});
       } else if constexpr (!std::is_same_v<T, bool>) {
         cpu::map<T, T>(out, [](auto x) { return cpu::widened_t<T>(unary_math<OP>(M(x))); }, {in});
+      } else if constexpr (takes_bool(OP)) {  // abs: the identity, as on CUDA
+        cpu::map<bool, bool>(out, [](bool x) { return unary_math<OP>(x); }, {in});
       } else {
         HG_FAIL("{}: not supported for bool tensors", op_name(op));
       }

@@ -201,6 +201,10 @@ TEST_CASE("integer and bool ops") {
   CHECK(values(sub(i, tensor<float>({1, 1, 1}), 0.5)) == std::vector<double>{-3.5, -0.5, 4.5});  // a float result
   const Tensor flags = i.gt(0);
   CHECK_THROWS_WITH_AS(sub(flags, flags, 2), doctest::Contains("sub: not supported for bool tensors"), Error);
+  // abs of bool is the tensor itself, on the CPU as on CUDA (where PyTorch's CPU refuses it); neg is refused.
+  CHECK(abs(flags).dtype() == kBool);
+  CHECK(values(abs(flags)) == std::vector<double>{0, 0, 1});
+  CHECK_THROWS_WITH_AS(neg(flags), doctest::Contains("neg: not supported for bool tensors"), Error);
   CHECK_THROWS_WITH_AS(add(i, i, true), doctest::Contains("add: a bool alpha is for bool tensors only"), Error);
   // Bool tensors add in bool, alpha as its truth value: a or (alpha and b).
   const Tensor none = i.gt(5);
