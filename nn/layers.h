@@ -98,6 +98,7 @@ class BatchNorm2d : public Module {
   bool uses_batch_stats() const;
   std::string type_name() const override { return "BatchNorm2d"; }
   std::string extra_repr() const override;
+  bool may_be_missing(const std::string& name) const override { return name == "num_batches_tracked"; }
   void reset_running_stats();
 
   const int64_t num_features;

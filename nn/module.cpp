@@ -146,18 +146,28 @@ std::vector<Module*> Module::modules() {
   return out;
 }
 
-Tensor& Module::tensor_at(const std::string& dotted_name) {
+Module* Module::owner_of(const std::string& dotted_name, std::string& rest, std::string& missing_child) {
   Module* m = this;
-  std::string rest = dotted_name;
+  rest = dotted_name;
   for (size_t dot; (dot = rest.find('.')) != std::string::npos;) {
     std::string head = rest.substr(0, dot);
     Module* next = nullptr;
     for (const auto& [name, child] : m->children_)
       if (name == head) next = child.get();
-    HG_CHECK(next, "{}: tensor_at('{}'): no submodule '{}'", type_name(), dotted_name, head);
+    if (!next) {
+      missing_child = head;
+      return nullptr;
+    }
     m = next;
     rest = rest.substr(dot + 1);
   }
+  return m;
+}
+
+Tensor& Module::tensor_at(const std::string& dotted_name) {
+  std::string rest, missing_child;
+  Module* m = owner_of(dotted_name, rest, missing_child);
+  HG_CHECK(m, "{}: tensor_at('{}'): no submodule '{}'", type_name(), dotted_name, missing_child);
   for (auto* list : {&m->parameters_, &m->buffers_})
     for (Slot& s : *list)
       if (s.name == rest) return s.tensor;
@@ -282,7 +292,9 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
     known[name] = true;
     auto it = given.find(name);
     if (it == given.end()) {
-      result.missing_keys.push_back(name);
+      std::string own_name, missing_child;
+      const Module* owner = owner_of(name, own_name, missing_child);
+      if (!owner || !owner->may_be_missing(own_name)) result.missing_keys.push_back(name);
       continue;
     }
     const Tensor& src = *it->second;

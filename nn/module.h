@@ -160,6 +160,13 @@ class Module {
   //     (0): Linear(in_features=4, out_features=8, bias=True)
   //     (1): ReLU()
   //   )
+  // Whether a state may leave out `name`, one of this module's own parameters or buffers: it then keeps its value
+  // and is not reported missing. None here; BatchNorm2d's num_batches_tracked, as PyTorch's BatchNorm, which keeps
+  // its own count for a state without one (a plain dict: halfgrad's states carry no versions).
+  virtual bool may_be_missing(const std::string& name) const {
+    (void)name;
+    return false;
+  }
   virtual std::string type_name() const { return "Module"; }
   virtual std::string extra_repr() const { return ""; }  // "in_features=4, out_features=8, bias=True"
   std::string repr() const;
@@ -179,6 +186,9 @@ class Module {
                NamedTensors& out, std::unordered_set<const TensorImpl*>* seen) const;
   void collect_modules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>& out,
                        std::unordered_set<const Module*>& seen);
+  // The module that owns the tensor at a dotted path, and the tensor's own name in `rest`; nullptr, with the first
+  // name that is no child in `missing_child`, where the path leaves the tree.
+  Module* owner_of(const std::string& dotted_name, std::string& rest, std::string& missing_child);
   // Converts this module's own tensors; `converted` maps each tensor already converted in this pass (by
   // identity) to (itself, its new version), so shared tensors stay shared. Holding the old tensor keeps its
   // address from being reused by another tensor during the pass.

@@ -394,6 +394,32 @@ TEST_CASE("load_state_dict refuses two different values for one tied tensor, and
   CHECK(bit_equal(m.out->weight, a));
 }
 
+TEST_CASE("load_state_dict takes a state without a BatchNorm2d's num_batches_tracked, which keeps its count (as "
+          "PyTorch's), and nothing else may be left out") {
+  manual_seed(11);
+  auto make = [] {
+    return nn::sequential({std::make_shared<nn::Conv2d>(3, 4, 3), std::make_shared<nn::BatchNorm2d>(4)});
+  };
+  auto dst = make(), src = make();
+  auto* bn = dynamic_cast<nn::BatchNorm2d*>(dst->registered_children()[1].second.get());
+  REQUIRE(bn != nullptr);
+  dst->forward(randn({2, 3, 5, 5}));  // one training batch: dst's count is 1
+  NamedTensors state;
+  for (const auto& [name, t] : src->state_dict())
+    if (name != "1.num_batches_tracked") state.emplace_back(name, t + 1);  // every other tensor is floating
+  const nn::LoadResult loaded = dst->load_state_dict(state);
+  CHECK(loaded.missing_keys.empty());
+  CHECK(bn->num_batches_tracked.item<int64_t>() == 1);
+  CHECK(bit_equal(bn->running_var, src->tensor_at("1.running_var") + 1));
+  // non-strict: not reported missing either; the running mean may not be left out
+  CHECK(dst->load_state_dict(state, {.strict = false}).missing_keys.empty());
+  NamedTensors without_mean;
+  for (const auto& [name, t] : state)
+    if (name != "1.running_mean") without_mean.emplace_back(name, t);
+  CHECK_THROWS_WITH_AS(dst->load_state_dict(without_mean),
+                       doctest::Contains("missing from the state (1): 1.running_mean"), Error);
+}
+
 TEST_CASE("zero_grad forgets every parameter's gradient") {
   nn::Linear lin(3, 2);
   lin.forward(randn({4, 3})).sum().backward();
