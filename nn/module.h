@@ -62,7 +62,7 @@ struct LoadOptions {
 
 // What a non-strict load_state_dict skipped.
 struct LoadResult {
-  std::vector<std::string> missing_keys;     // in the model, not in the state
+  std::vector<std::string> missing_keys;     // in the model, not in the state (but those allowed: may_be_missing)
   std::vector<std::string> unexpected_keys;  // in the state, not in the model
 };
 
@@ -152,14 +152,9 @@ class Module {
   NamedTensors state_dict() const;
   // Copies `state` into this module's tensors (in place, under no-grad; across devices as needed). Checks
   // every name, shape and dtype first and reports ALL mismatches in one error, changing nothing; with
-  // strict = false, missing and unexpected names are returned instead of being errors.
+  // strict = false, missing and unexpected names are returned instead of being errors. A tensor the state leaves out
+  // that its module allows to be missing (may_be_missing) keeps its value and is neither.
   LoadResult load_state_dict(const NamedTensors& state, const LoadOptions& options = {});
-
-  // ---- printing, like PyTorch's repr:
-  //   Sequential(
-  //     (0): Linear(in_features=4, out_features=8, bias=True)
-  //     (1): ReLU()
-  //   )
   // Whether a state may leave out `name`, one of this module's own parameters or buffers: it then keeps its value
   // and is not reported missing. None here; BatchNorm2d's num_batches_tracked, as PyTorch's BatchNorm, which keeps
   // its own count for a state without one (a plain dict: halfgrad's states carry no versions).
@@ -167,6 +162,12 @@ class Module {
     (void)name;
     return false;
   }
+
+  // ---- printing, like PyTorch's repr:
+  //   Sequential(
+  //     (0): Linear(in_features=4, out_features=8, bias=True)
+  //     (1): ReLU()
+  //   )
   virtual std::string type_name() const { return "Module"; }
   virtual std::string extra_repr() const { return ""; }  // "in_features=4, out_features=8, bias=True"
   std::string repr() const;
