@@ -1011,6 +1011,11 @@ Tensor cudnn_workspace(size_t bytes, Device device) {
   return bytes ? empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device}) : Tensor();
 }
 
+// An uninitialised per-element tensor of t's shape and dtype in the call's layout.
+Tensor like_activation(const Tensor& t, const BatchNormShape& s) {
+  return batch_norm_empty(t.shape(), t.dtype(), t.device(), s.channels_last);
+}
+
 // weight and bias, which cuDNN needs: the caller's, or 1 and 0.
 Tensor or_filled(const Tensor& t, int64_t channels, Device device, float value) {
   if (t.defined()) return t;
@@ -1062,16 +1067,17 @@ void cudnn_backward(const BatchNormBackwardArgs& a) {
   HG_CHECK(!fused || reserve_bytes == int64_t(p.reserve_bytes),
            "batch_norm_backward (cuda): the forward's cuDNN reserve has {} bytes where cuDNN asks for {}",
            reserve_bytes, p.reserve_bytes);
-  auto like_input = [&] {
-    return batch_norm_empty(a.grad_output.shape(), a.grad_output.dtype(), device, s.channels_last);
+  // The residual's gradient: the caller's where wanted, else a scratch one where something must be written.
+  auto residual_gradient = [&] {
+    return a.grad_residual.defined() ? a.grad_residual : like_activation(a.grad_output, s);
   };
   // The gradient cuDNN normalises: grad_output, or after batch_norm_relu the masked gradient, which is also the
   // residual's (the fused backward masks it itself and writes it where the residual was added).
   Tensor g = a.grad_output, grad_residual;
-  if (fused && a.residual_added) {
-    grad_residual = a.grad_residual.defined() ? a.grad_residual : like_input();
-  } else if (a.after_relu() && !fused) {
-    g = a.grad_residual.defined() ? a.grad_residual : like_input();
+  if (fused) {
+    if (a.residual_added) grad_residual = residual_gradient();
+  } else if (a.after_relu()) {
+    g = residual_gradient();
     dispatch_floating(a.input.dtype(), "batch_norm_relu",
                       [&]<typename T>() { masked_gradient<T>(s, g, a.grad_output, relu_gate<T>(a)); });
   }
@@ -1178,9 +1184,6 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a);
 // wanted where the forward added one, as inside a ResNet.
 BatchNormBackwardArgs backward_for_timing(const BatchNormForwardArgs& f) {
   const Device device = f.input.device();
-  auto like_input = [&] {
-    return batch_norm_empty(f.input.shape(), f.input.dtype(), device, f.shape.channels_last);
-  };
   auto per_channel = [&](const Tensor& t) {
     return t.defined() ? empty({f.shape.channels}, {.dtype = t.dtype(), .device = device}) : Tensor();
   };
@@ -1189,12 +1192,12 @@ BatchNormBackwardArgs backward_for_timing(const BatchNormForwardArgs& f) {
   b.grad_output = f.input;
   b.input = f.input;
   b.output = f.output;
-  b.grad_residual = f.residual.defined() ? like_input() : Tensor();
+  b.grad_residual = f.residual.defined() ? like_activation(f.input, f.shape) : Tensor();
   b.weight = f.weight;
   b.bias = f.bias;
   b.save_mean = f.save_mean;
   b.save_invstd = f.save_invstd;
-  b.grad_input = like_input();
+  b.grad_input = like_activation(f.input, f.shape);
   b.grad_weight = per_channel(f.weight);
   b.grad_bias = per_channel(f.bias);
   b.eps = f.eps;
