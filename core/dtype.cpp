@@ -1,5 +1,9 @@
 #include "core/dtype.h"
 
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
 #include "core/error.h"
 
 namespace halfgrad {
@@ -40,6 +44,16 @@ DType promote_types(DType a, DType b) {
   return a > b ? a : b;
 }
 
+DType promote_types(DType a, bool a_zero_dim, DType b, bool b_zero_dim) {
+  if (a_zero_dim == b_zero_dim) return promote_types(a, b);
+  const DType dimensioned = a_zero_dim ? b : a, zero_dim = a_zero_dim ? a : b;
+  // PyTorch's combine_categories: a floating tensor keeps its dtype; a bool tensor, or a floating 0-d beside an
+  // integral tensor, promotes; an integral 0-d beside an integral tensor does not.
+  if (is_floating(dimensioned)) return dimensioned;
+  if (dimensioned == DType::Bool || is_floating(zero_dim)) return promote_types(dimensioned, zero_dim);
+  return dimensioned;
+}
+
 void throw_unsupported_dtype(const char* op, DType t) {
   HG_FAIL("{}: dtype {} is not supported by this op", op, dtype_name(t));
 }
@@ -67,6 +81,26 @@ DType promote_with_scalar(DType tensor, const Scalar& s) {
   int scalar_category = s.is_floating() ? 2 : s.is_bool() ? 0 : 1;
   if (scalar_category <= category(tensor)) return tensor;
   return scalar_category == 2 ? kDefaultFloat : DType::Int64;
+}
+
+bool fits_dtype(const Scalar& value, DType dtype) {
+  if (dtype == DType::Bool || value.is_bool()) return true;
+  if (is_floating(dtype)) {
+    const double v = value.to_double(), largest = dtype == DType::Float16    ? 65504.0
+                                                  : dtype == DType::BFloat16 ? 0x1.fep127
+                                                  : dtype == DType::Float32  ? double(FLT_MAX)
+                                                                             : DBL_MAX;
+    return std::isinf(v) || std::isnan(v) || std::fabs(v) <= largest;
+  }
+  const double lowest = dtype == DType::UInt8 ? 0 : dtype == DType::Int32 ? -0x1p31 : -0x1p63;
+  const double beyond = dtype == DType::UInt8 ? 256 : dtype == DType::Int32 ? 0x1p31 : 0x1p63;  // the first too large
+  if (value.is_floating()) return value.to_double() >= lowest && value.to_double() < beyond;  // NaN fails both
+  const int64_t v = value.to_int();
+  switch (dtype) {
+    case DType::UInt8: return v < 256 && v > -256;
+    case DType::Int32: return v >= INT32_MIN && v <= INT32_MAX;
+    default: return true;
+  }
 }
 
 }  // namespace halfgrad

@@ -30,6 +30,12 @@ inline bool is_integral(DType t, bool include_bool = false) {
 // bfloat16 gives float32 (neither holds the other); uint8 with a signed integer gives the signed one.
 DType promote_types(DType a, DType b);
 
+// The dtype of an op on two tensors (PyTorch's result_type): a 0-d tensor beside one with dims (x * tensor(2.0)) is
+// read as a number is, and decides the dtype only where it is of a higher category (bool < integral < floating):
+// float16 * float64 0-d is float16, int32 + int64 0-d is int32, int32 + float64 0-d is float64. Otherwise as
+// promote_types.
+DType promote_types(DType a, bool a_zero_dim, DType b, bool b_zero_dim);
+
 // The type that kernels compute in: float for both 16-bit floats (so halves accumulate in float32).
 template <typename T> struct OpMath { using type = T; };
 template <> struct OpMath<Half> { using type = float; };
@@ -132,6 +138,11 @@ class Scalar {
 
 // The dtype of `tensor op scalar`.
 DType promote_with_scalar(DType tensor, const Scalar& s);
+
+// Whether `value` can be written into a tensor of `dtype` (fill_, full), by PyTorch's overflow rule: within the
+// dtype's range, where infinities and NaN fit a floating dtype, a negative integer fits uint8 down to -255 (it wraps,
+// as two's complement), and anything fits bool (nonzero is true).
+bool fits_dtype(const Scalar& value, DType dtype);
 
 // The float dtype used when an integer input meets a floating-only op (exp, mean, division, ...).
 inline constexpr DType kDefaultFloat = DType::Float32;

@@ -148,6 +148,8 @@ Tensor empty(const Shape& shape, TensorOptions options) {
 }
 
 Tensor full(const Shape& shape, const Scalar& value, TensorOptions options) {
+  HG_CHECK(fits_dtype(value, options.dtype), "full: {} cannot be converted to {} without overflow", value.str(),
+           dtype_name(options.dtype));
   bool requires_grad = options.requires_grad;
   options.requires_grad = false;
   Tensor t = empty(shape, options);
@@ -173,22 +175,38 @@ Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device dev
   return device.is_cpu() ? t : t.to(device);
 }
 
-Tensor arange(double start, double end, double step, TensorOptions options) {
-  HG_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step) && step != 0 && (end - start) / step >= 0,
-           "arange: cannot go from {} to {} in steps of {}", start, end, step);
-  const double count = std::ceil((end - start) / step);
-  HG_CHECK(count < 0x1p62, "arange: {} to {} in steps of {} is {} values, more than a tensor holds", start, end, step,
-           count);
-  const int64_t n = int64_t(count);
-  Tensor values = empty({n}, {.dtype = kFloat64});  // a size no memory holds fails here, as any allocation does
-  double* v = values.data<double>();
-  for (int64_t i = 0; i < n; ++i) v[i] = start + double(i) * step;
+Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, TensorOptions options) {
+  const double first = start.to_double(), last = end.to_double(), by = step.to_double();
+  HG_CHECK(std::isfinite(first) && std::isfinite(last) && std::isfinite(by) && by != 0 && (last - first) / by >= 0,
+           "arange: cannot go from {} to {} in steps of {}", start.str(), end.str(), step.str());
+  const double count = std::ceil((last - first) / by);
+  HG_CHECK(count < 0x1p62, "arange: {} to {} in steps of {} is {} values, more than a tensor holds", start.str(),
+           end.str(), step.str(), count);
+  int64_t n = int64_t(count);
+  Tensor values;  // a size no memory holds fails at its allocation, as any does
+  if (!start.is_floating() && !end.is_floating() && !step.is_floating() && !is_floating(options.dtype)) {
+    // in int64, exactly: a double holds 53 bits (the count above is only near enough for the size check)
+    const __int128 span = __int128(end.to_int()) - start.to_int(), by_int = step.to_int();
+    n = int64_t(span / by_int + (span % by_int != 0 ? 1 : 0));
+    values = empty({n}, {.dtype = kInt64});
+    int64_t* v = values.data<int64_t>();
+    for (int64_t i = 0; i < n; ++i) v[i] = start.to_int() + i * step.to_int();
+  } else {
+    values = empty({n}, {.dtype = kFloat64});
+    double* v = values.data<double>();
+    for (int64_t i = 0; i < n; ++i) v[i] = first + double(i) * by;
+  }
   Tensor out = values.to(options.device, options.dtype);
   if (options.requires_grad) out.requires_grad_();
   return out;
 }
 
-Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, options); }
+Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step) {
+  const bool integral = !start.is_floating() && !end.is_floating() && !step.is_floating();
+  return arange(start, end, step, {.dtype = integral ? kInt64 : kDefaultFloat});
+}
+Tensor arange(const Scalar& end) { return arange(0, end, 1); }
+Tensor arange(const Scalar& end, TensorOptions options) { return arange(0, end, 1, options); }
 
 // ---- memory formats
 
@@ -439,14 +457,16 @@ constexpr int64_t kEdgeItems = 3;
 
 struct Printer {
   const std::vector<double>& values;
+  const std::vector<int64_t>& integers;  // an integral tensor's values as they are (a double holds 53 bits)
   const Shape& shape;
   bool floating, boolean, summarize;
   int width = 0;
   bool scientific = false;
 
-  std::string number(double v) const {
+  std::string number(size_t i) const {
+    const double v = values[i];
     if (boolean) return v != 0 ? "true" : "false";
-    if (!floating) return fmt::format("{}", int64_t(v));
+    if (!floating) return fmt::format("{}", integers[i]);
     if (std::isnan(v)) return "nan";
     if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
     return scientific ? fmt::format("{:.4e}", v) : fmt::format("{:.4f}", v);
@@ -454,7 +474,7 @@ struct Printer {
 
   void body(std::string& out, int64_t dim, int64_t base, int indent) const {
     if (dim == int64_t(shape.size())) {
-      out += fmt::format("{:>{}}", number(values[size_t(base)]), width);
+      out += fmt::format("{:>{}}", number(size_t(base)), width);
       return;
     }
     int64_t stride = 1;
@@ -481,7 +501,9 @@ struct Printer {
 std::string Tensor::str() const {
   if (!defined()) return "tensor(undefined)";
   std::vector<double> values = to_vector<double>(*this);
-  Printer p{values, shape(), is_floating_point(), dtype() == kBool, numel() > kSummarizeAbove};
+  const bool floating = is_floating_point(), boolean = dtype() == kBool;
+  const std::vector<int64_t> integers = floating || boolean ? std::vector<int64_t>() : to_vector<int64_t>(*this);
+  Printer p{values, integers, shape(), floating, boolean, numel() > kSummarizeAbove};
   double largest = 0, smallest_nonzero = INFINITY;
   for (double v : values) {
     if (!std::isfinite(v)) continue;
@@ -489,10 +511,10 @@ std::string Tensor::str() const {
     if (v != 0) smallest_nonzero = std::min(smallest_nonzero, std::abs(v));
   }
   p.scientific = p.floating && (largest >= 1e8 || smallest_nonzero < 1e-4);
-  for (double v : values) p.width = std::max(p.width, int(p.number(v).size()));
+  for (size_t i = 0; i < values.size(); ++i) p.width = std::max(p.width, int(p.number(i).size()));
   std::string out = "tensor(";
   if (dim() == 0) {
-    out += p.number(values[0]);
+    out += p.number(0);
   } else {
     p.body(out, 0, 0, 7);
   }

@@ -45,6 +45,16 @@ class Tensor {
  public:
   Tensor() = default;
   explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+  Tensor(const Tensor&) = default;
+  Tensor(Tensor&&) noexcept = default;
+  Tensor& operator=(const Tensor&) & = default;
+  Tensor& operator=(Tensor&&) & noexcept = default;
+  // Assigning to a temporary writes into the tensor it names, as in libtorch: x[0] = y copies y's values into x's
+  // first row (broadcast and cast as copy_ does), x.narrow(1, 0, 2) = 0.5 fills two columns. Assigning to a named
+  // tensor rebinds the name.
+  Tensor& operator=(const Tensor& src) && { return copy_(src); }
+  Tensor& operator=(Tensor&& src) && { return copy_(src); }
+  Tensor& operator=(const Scalar& value) && { return fill_(value); }
 
   bool defined() const { return impl_ != nullptr; }
   TensorImpl* impl() const { return impl_.get(); }
@@ -182,7 +192,7 @@ class Tensor {
   std::pair<Tensor, Tensor> min(int64_t dim, bool keepdim = false) const;
   Tensor argmax(int64_t dim, bool keepdim = false) const;
   Tensor argmin(int64_t dim, bool keepdim = false) const;
-  Tensor all(Dims dims = {}, bool keepdim = false) const;  // bool: every element nonzero (nan counts)
+  Tensor all(Dims dims = {}, bool keepdim = false) const;  // every element nonzero (nan counts): bool (uint8 for uint8)
   Tensor any(Dims dims = {}, bool keepdim = false) const;
 
   // ---- linear algebra (ops/matmul.cpp)
@@ -235,8 +245,12 @@ Tensor empty(const Shape& shape, TensorOptions options = {});
 Tensor zeros(const Shape& shape, TensorOptions options = {});
 Tensor ones(const Shape& shape, TensorOptions options = {});
 Tensor full(const Shape& shape, const Scalar& value, TensorOptions options = {});
-Tensor arange(double start, double end, double step = 1, TensorOptions options = {.dtype = kInt64});
-Tensor arange(double end, TensorOptions options = {.dtype = kInt64});
+// Without options the dtype is PyTorch's: int64 where start, end and step are all integers, else the default float
+// (arange(0, 1, 0.1) is ten float32 values).
+Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step = 1);
+Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, TensorOptions options);
+Tensor arange(const Scalar& end);
+Tensor arange(const Scalar& end, TensorOptions options);
 Tensor rand(const Shape& shape, TensorOptions options = {});   // uniform [0, 1)
 Tensor randn(const Shape& shape, TensorOptions options = {});  // standard normal
 Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options = {.dtype = kInt64});

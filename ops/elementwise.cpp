@@ -121,7 +121,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   check_defined(op_name(op), {a, b});
-  DType common = promote_types(a.dtype(), b.dtype());
+  DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
   check_not_bool_arithmetic(op, common);
   Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
   if (is_predicate(op) || !any_requires_grad({&a, &b})) return out;
@@ -223,7 +223,9 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
   }
   HG_CHECK(result.shape() == self.shape(), "{}: the result shape {} does not match the in-place target {}", name,
            shape_str(result.shape()), self.meta());
-  HG_CHECK(is_floating(self.dtype()) || !is_floating(result.dtype()),
+  // PyTorch's can_cast: a floating result into an integral tensor, or a number into a bool one, would lose values.
+  HG_CHECK((is_floating(self.dtype()) || !is_floating(result.dtype())) &&
+               (self.dtype() != kBool || result.dtype() == kBool),
            "{}: result type {} can't be cast to the in-place target {}", name, dtype_name(result.dtype()), self.meta());
   {
     NoGradGuard no_grad;
@@ -245,7 +247,7 @@ template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
   check_defined(name, {self, other});
   bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
-  DType common = binary_compute_dtype(op, promote_types(self.dtype(), other.dtype()));
+  DType common = binary_compute_dtype(op, promote_types(self.dtype(), self.dim() == 0, other.dtype(), other.dim() == 0));
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
   if (graph || common != self.dtype() || !device_ok ||
       broadcast_shapes(self.shape(), other.shape(), name) != self.shape() || overlaps_partially(self, other)) {
@@ -269,7 +271,7 @@ namespace {
 // (an alpha would otherwise make sub(bool, bool) an int64 one).
 void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_defined(name, {a, b});
-  const DType common = promote_types(a.dtype(), b.dtype());
+  const DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
   check_not_bool_arithmetic(op, common);
   HG_CHECK(is_floating(common) || !alpha.is_floating(), "{}: alpha {:#} is a floating-point number, but {} and {} are "
            "integral, and so is their result: pass an integral alpha", name, alpha.to_double(), a.meta(),
@@ -285,7 +287,7 @@ Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   if (alpha.to_double() == 1) return binary(BinaryOp::Add, a, b);
   // Bool tensors add in bool, as PyTorch's: alpha counts as its truth value (an int alpha times a bool would
   // otherwise make the sum int64).
-  const bool bool_sum = promote_types(a.dtype(), b.dtype()) == kBool;
+  const bool bool_sum = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0) == kBool;
   return binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, bool_sum ? Scalar(alpha.to_double() != 0) : alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
@@ -307,6 +309,16 @@ Tensor pow(const Tensor& base, const Tensor& exponent) {
 }
 Tensor pow(const Tensor& base, const Scalar& exponent) {
   HG_AUTOCAST(pow, base, exponent);
+  check_defined("pow", {base});
+  HG_CHECK(!is_integral(base.dtype(), /*include_bool=*/true) || exponent.is_floating() || exponent.to_int() >= 0,
+           "pow: integers to negative integer powers are not allowed ({} to the power {})", base.meta(),
+           exponent.str());
+  // As PyTorch, x^0.5 is sqrt(x) and x^-0.5 rsqrt(x), which differ from std::pow at -inf (nan, where pow gives inf
+  // and 0) and at -0 (-0 and -inf, where pow gives 0 and inf).
+  if (base.is_floating_point() && exponent.is_floating()) {
+    if (exponent.to_double() == 0.5) return sqrt(base);
+    if (exponent.to_double() == -0.5) return rsqrt(base);
+  }
   return binary(BinaryOp::Pow, base, exponent);
 }
 Tensor pow(const Scalar& base, const Tensor& exponent) {
@@ -405,7 +417,7 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   check_same_device("where", condition, on_device);
   if (!a_scalar && !b_scalar) check_same_device("where", a, b);
   const Device device = condition.device();
-  DType common = promote_types(a.dtype(), b.dtype());
+  DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
   // The output takes the layout of the operand that has the output's shape (a, else b), as binary ops do.
   const Tensor& layout = a.shape() == shape ? a : b;
@@ -539,6 +551,7 @@ Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
 Tensor& Tensor::fill_(const Scalar& value) {
   check_inplace(*this, "fill_", /*records=*/false);
   HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; fill it under a NoGradGuard", meta());
+  HG_CHECK(fits_dtype(value, dtype()), "fill_: {} cannot be converted to {} without overflow", value.str(), meta());
   fill_kernel[device()](*this, value);
   return *this;
 }

@@ -388,7 +388,8 @@ Tensor logical_reduction(const Tensor& x, const Dims& dims, bool keepdim, Reduce
   ReductionPlan p = plan_reduction(x, dims, keepdim, op);
   Tensor out = empty(p.out_shape, {.dtype = kBool, .device = x.device()});
   run_reduction(op, p, out, Tensor());
-  return out;  // not differentiable
+  // PyTorch keeps uint8 for a uint8 input (its one exception, kept for the masks of old code)
+  return x.dtype() == kUInt8 ? out.to(kUInt8) : out;  // not differentiable
 }
 
 }  // namespace

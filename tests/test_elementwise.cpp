@@ -178,6 +178,66 @@ TEST_CASE("scalar operands on either side") {
   CHECK(arange(5).pow(2).dtype() == kInt64);
 }
 
+TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a higher category decides the dtype") {
+  const Tensor half = ones({3}, {.dtype = kFloat16});
+  CHECK((half * scalar_tensor(2.0, {.dtype = kFloat64})).dtype() == kFloat16);
+  CHECK((ones({3}) + scalar_tensor(0.5, {.dtype = kFloat64})).dtype() == kFloat32);
+  CHECK((ones({3}, {.dtype = kInt32}) + scalar_tensor(5, {.dtype = kInt64})).dtype() == kInt32);
+  CHECK((ones({3}, {.dtype = kInt32}) + scalar_tensor(0.5, {.dtype = kFloat64})).dtype() == kFloat64);  // floating
+  CHECK((ones({3}, {.dtype = kBool}) + scalar_tensor(2, {.dtype = kInt64})).dtype() == kInt64);  // above bool
+  const Tensor wrapped = tensor(std::vector<uint8_t>{0, 5}) + scalar_tensor(-1, {.dtype = kInt64});
+  CHECK(wrapped.dtype() == kUInt8);
+  CHECK(values(wrapped) == std::vector<double>{255, 4});
+  // compared in float16, where 0.1 rounds to the same value as the tensor's
+  CHECK(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
+  CHECK(where(half.gt(0), half, scalar_tensor(0.0, {.dtype = kFloat32})).dtype() == kFloat16);
+  Tensor target = zeros({2}, {.dtype = kFloat16});
+  target.add_(scalar_tensor(1.0, {.dtype = kFloat64}));
+  CHECK(values(target) == std::vector<double>{1, 1});
+  // two 0-d tensors, or two with dims, promote by dtype alone
+  CHECK((scalar_tensor(1.0, {.dtype = kFloat16}) * scalar_tensor(2.0, {.dtype = kFloat64})).dtype() == kFloat64);
+  CHECK((half * ones({1}, {.dtype = kFloat64})).dtype() == kFloat64);
+}
+
+TEST_CASE("pow of integers refuses negative integer exponents; x^0.5 and x^-0.5 are sqrt and rsqrt, as in PyTorch") {
+  const Tensor i = tensor(std::vector<int64_t>{2, 1, -1, 0});
+  CHECK_THROWS_WITH_AS(i.pow(-1), doctest::Contains("pow: integers to negative integer powers are not allowed "
+                                                    "(int64[4] cpu to the power -1)"), Error);
+  CHECK_THROWS_WITH_AS(ones({2}, {.dtype = kBool}).pow(-2), doctest::Contains("negative integer powers"), Error);
+  CHECK(values(i.pow(tensor(std::vector<int64_t>{-1, -1, -1, 2}))) == std::vector<double>{0, 1, -1, 0});  // tensors
+  CHECK(values(i.pow(-1.0)) == std::vector<double>{0.5, 1, -1, INFINITY});  // a float exponent: a float result
+  for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
+    const Tensor x = tensor<double>({-INFINITY, -0.0, 4}).to(dt);
+    const std::vector<double> root = values(x.pow(0.5)), inverse = values(x.pow(-0.5));
+    CHECK(std::isnan(root[0]));
+    CHECK((root[1] == 0 && std::signbit(root[1])));
+    CHECK(root[2] == 2);
+    CHECK(std::isnan(inverse[0]));
+    CHECK(inverse[1] == -INFINITY);
+    CHECK(inverse[2] == 0.5);
+  }
+}
+
+TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's rule; infinities and wrapping uint8 pass") {
+  CHECK_THROWS_WITH_AS(full({1}, 300, {.dtype = kUInt8}), doctest::Contains("full: 300 cannot be converted to uint8 "
+                                                                           "without overflow"), Error);
+  Tensor half = zeros({2}, {.dtype = kFloat16});
+  CHECK_THROWS_WITH_AS(half.fill_(1e6), doctest::Contains("fill_: 1000000 cannot be converted to float16[2] cpu "
+                                                          "without overflow"), Error);
+  CHECK(values(half) == std::vector<double>{0, 0});  // refused before anything was written
+  CHECK_THROWS_WITH_AS(zeros({1}, {.dtype = kInt32}).fill_(int64_t(1) << 40), doctest::Contains("int32"), Error);
+  CHECK_THROWS_WITH_AS(zeros({1}, {.dtype = kInt64}).fill_(NAN), doctest::Contains("nan cannot be converted"), Error);
+  CHECK_THROWS_WITH_AS(zeros({1}, {.dtype = kInt64}).fill_(0x1p63), doctest::Contains("int64"), Error);
+  half.fill_(-INFINITY);
+  CHECK(values(half) == std::vector<double>{-INFINITY, -INFINITY});
+  CHECK(values(half.fill_(65504)) == std::vector<double>{65504, 65504});
+  CHECK(values(zeros({1}, {.dtype = kUInt8}).fill_(-1)) == std::vector<double>{255});  // two's complement
+  CHECK_THROWS_WITH_AS(zeros({1}, {.dtype = kUInt8}).fill_(-256), doctest::Contains("uint8"), Error);
+  CHECK(values(zeros({1}, {.dtype = kInt32}).fill_(-2.75)) == std::vector<double>{-2});  // truncated, as a cast
+  CHECK(values(zeros({1}, {.dtype = kBool}).fill_(7)) == std::vector<double>{1});
+  CHECK(values(full({1}, int64_t(INT64_MAX), {.dtype = kInt64})) == std::vector<double>{double(INT64_MAX)});
+}
+
 TEST_CASE("integer and bool ops") {
   Tensor i = tensor(std::vector<int32_t>{-3, 0, 5});
   CHECK(values(i.abs()) == std::vector<double>{3, 0, 5});
@@ -219,6 +279,12 @@ TEST_CASE("integer and bool ops") {
   Tensor counts = i.clone();
   CHECK_THROWS_WITH_AS(counts.add_(i, 1.0), doctest::Contains("add_: alpha 1.0 is a floating-point number"), Error);
   CHECK(values(counts) == values(i));  // refused before anything was written
+  // A number is not a bool: an integral result into a bool tensor is refused, as PyTorch's can_cast.
+  Tensor mask = flags.clone();
+  CHECK_THROWS_WITH_AS(mask.add_(tensor(std::vector<int64_t>{1, 2, 0})), doctest::Contains("add_: result type int64 "
+                                                                                         "can't be cast"), Error);
+  CHECK_THROWS_WITH_AS(mask.mul_(2), doctest::Contains("mul_: result type int64 can't be cast"), Error);
+  CHECK(values(mask) == values(flags));
 }
 
 TEST_CASE("where and clamp") {

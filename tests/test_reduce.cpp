@@ -238,6 +238,15 @@ TEST_CASE("integer and bool sums give int64; max, min and argmax work on every d
   CHECK(ones({3000}, {.dtype = kInt32}).mul(1000000).sum().item<int64_t>() == 3000000000LL);
 }
 
+TEST_CASE("all and any give bool, but uint8 for a uint8 input, as PyTorch's") {
+  const Tensor bytes = tensor(std::vector<uint8_t>{1, 2, 0, 4}).view({2, 2});
+  CHECK(bytes.all().dtype() == kUInt8);
+  CHECK(values(bytes.all({1})) == std::vector<double>{1, 0});
+  CHECK(values(bytes.any({1})) == std::vector<double>{1, 1});
+  CHECK(bytes.any({1}).dtype() == kUInt8);
+  CHECK(tensor(std::vector<int32_t>{1, 0}).any().dtype() == kBool);
+}
+
 TEST_CASE("half types accumulate in float32: sums of 4096 ones are exact in float16 and bfloat16") {
   // A float16 accumulator stops growing at 2048 (2048 + 1 rounds back to 2048), a bfloat16 one at 256.
   for (DType dtype : {kFloat16, kBFloat16}) {

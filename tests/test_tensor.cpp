@@ -39,6 +39,29 @@ TEST_CASE("views share storage: a write through a view is seen by the base") {
   CHECK(col.storage() == base.storage());
 }
 
+TEST_CASE("assigning to a view writes into it, as libtorch's x[0] = y; assigning to a name rebinds the name") {
+  Tensor base = zeros({2, 3});
+  const Tensor row = tensor<double>({1, 2, 3});
+  base[1] = row;  // copied, cast to float32
+  CHECK(values(base) == std::vector<double>{0, 0, 0, 1, 2, 3});
+  base.select(1, 0) = 9;  // a scalar fills
+  CHECK(values(base) == std::vector<double>{9, 0, 0, 9, 2, 3});
+  base.narrow(1, 1, 2) = tensor<double>({-1, -2});  // broadcast over the rows
+  CHECK(values(base) == std::vector<double>{9, -1, -2, 9, -1, -2});
+  base[0] = 7;
+  CHECK(values(base) == std::vector<double>{7, 7, 7, 9, -1, -2});
+  base[0] = std::move(base[1]);  // the rvalue source is copied from, too
+  CHECK(values(base) == std::vector<double>{9, -1, -2, 9, -1, -2});
+  CHECK(values(row) == std::vector<double>{1, 2, 3});  // the source is read, not rebound
+
+  Tensor name = base;
+  name = row;  // a named tensor is rebound: base keeps its values
+  CHECK(name.same(row));
+  CHECK(values(base) == std::vector<double>{9, -1, -2, 9, -1, -2});
+
+  CHECK_THROWS_WITH_AS(base[0] = zeros({2}), doctest::Contains("[2]"), Error);  // copy_'s own shape check
+}
+
 TEST_CASE("transpose and permute change strides, not data; contiguous() copies") {
   Tensor t = arange(6, {.dtype = kFloat64}).view({2, 3});
   Tensor tt = t.t();
@@ -187,6 +210,16 @@ TEST_CASE("factories: zeros, ones, full, arange, tensor, from_buffer") {
   CHECK(values(full({3}, 2.5, {.dtype = kFloat64})) == std::vector<double>{2.5, 2.5, 2.5});
   CHECK(values(arange(1, 2, 0.25, {.dtype = kFloat32})) == std::vector<double>{1, 1.25, 1.5, 1.75});
   CHECK(arange(5).dtype() == kInt64);
+  // Without options the dtype is int64 for integers only, else float32, as PyTorch's.
+  CHECK(arange(0, 1, 0.1).dtype() == kFloat32);
+  CHECK(arange(0, 1, 0.1).numel() == 10);
+  CHECK(values(arange(0.5, 3)) == std::vector<double>{0.5, 1.5, 2.5});
+  CHECK(values(arange(2.5)) == std::vector<double>{0, 1, 2});
+  CHECK(arange(2.5).dtype() == kFloat32);
+  // integers count in int64, exactly past 2^53
+  const int64_t big = (int64_t(1) << 53) + 1;
+  CHECK(to_vector<int64_t>(arange(big, big + 3)) == std::vector<int64_t>{big, big + 1, big + 2});
+  CHECK(values(arange(10, 0, -3)) == std::vector<double>{10, 7, 4, 1});
   float buf[4] = {1, 2, 3, 4};
   Tensor b = from_buffer(buf, {2, 2}, kFloat32);
   buf[0] = 100;  // copied, not aliased
@@ -231,6 +264,11 @@ TEST_CASE("printing shows values, dtype, device and autograd state") {
   CHECK(big.find("...") != std::string::npos);
   CHECK(big.find("size=[100, 100]") != std::string::npos);
   CHECK(ones({2, 3}).meta() == "float32[2, 3] cpu");
+}
+
+TEST_CASE("integers print every digit") {
+  const Tensor t = tensor(std::vector<int64_t>{9007199254740993, -9223372036854775807});
+  CHECK(t.str() == "tensor([    9007199254740993, -9223372036854775807])");
 }
 
 TEST_CASE("mismatched operands give errors that name the op and each operand") {
