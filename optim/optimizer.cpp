@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <map>
 #include <set>
 #include <string_view>
 #include <unordered_set>
@@ -167,6 +168,9 @@ NamedTensors Optimizer::state_tensors() const {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
     out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
+    for (const OtherOption& o : other_options(g))
+      out.emplace_back(fmt::format("param_groups.{}.{}", g, o.name),
+                       o.flag ? scalar_tensor(o.value != 0, {.dtype = kBool}) : scalar_tensor(o.value, {.dtype = kFloat64}));
     // Which parameters have state, so that a load can tell an entry that went missing from one never written.
     std::vector<int64_t> with_state;
     const std::vector<ParamState> none;
@@ -223,6 +227,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
   struct GroupEntries {
     double lr = NAN, momentum = NAN;
     bool has_lr = false, has_momentum = false, has_with_state = false;
+    std::vector<OtherOption> expected;    // the optimizer's other options, as they are now
+    std::map<std::string, double> others;  // those the file holds
     std::vector<bool> listed;  // [param]: in with_state
     std::vector<ParamState> params;
     std::vector<std::vector<bool>> have_buffer;  // [param][buffer]
@@ -238,7 +244,14 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     groups[g].have_buffer.assign(n, std::vector<bool>(names[g].size(), false));
     groups[g].have_step.assign(n, false);
     groups[g].listed.assign(n, false);
+    groups[g].expected = other_options(g);
   }
+  auto other_option = [&](size_t g, std::string_view name) -> const OtherOption* {
+    if (g >= num_groups) return nullptr;
+    for (const OtherOption& o : groups[g].expected)
+      if (o.name == name) return &o;
+    return nullptr;
+  };
 
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
@@ -286,6 +299,23 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         groups[g].has_momentum = true;
       }
       continue;
+    }
+    if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g)) {
+      if (const OtherOption* o = other_option(g, parts[2])) {
+        if (t.numel() != 1 || (o->flag ? t.dtype() != kBool : !t.is_floating_point())) {
+          errors.push_back(fmt::format("'{}' must be a one-element {} tensor, got {}", name, o->flag ? "bool" : "floating",
+                                       t.meta()));
+        } else if (const double v = t.item<double>(); !std::isfinite(v)) {
+          errors.push_back(fmt::format("'{}' is {}, not a finite number", name, v));
+        } else if (o->shapes_state && v != o->value) {
+          errors.push_back(fmt::format("'{}' is {} but the optimizer's is {}, and it decides which buffers each "
+                                       "parameter keeps: build the optimizer with the file's value", name,
+                                       v != 0, o->value != 0));
+        } else {
+          groups[g].others[std::string(parts[2])] = v;
+        }
+        continue;
+      }
     }
     if (!(parts.size() == 4 && parts[0] == "state" && parse_index(parts[1], g) && parse_index(parts[2], p))) {
       errors.push_back(fmt::format("unexpected entry '{}' ({})", name, t.meta()));
@@ -339,8 +369,10 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     if (!ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
     // The values the constructor would refuse (a negative lr, Adam's beta1 >= 1, nesterov without momentum).
     if (ge.has_lr && ge.has_momentum) {
-      if (std::string why = refusal(g, ge.lr, ge.momentum); !why.empty()) {
-        errors.push_back(fmt::format("param_groups.{}: lr {} and momentum {}: {}", g, ge.lr, ge.momentum, why));
+      if (std::string why = refusal(g, ge.lr, ge.momentum, ge.others); !why.empty()) {
+        std::string others;
+        for (const auto& [option, value] : ge.others) others += fmt::format(", {} {}", option, value);
+        errors.push_back(fmt::format("param_groups.{}: lr {}, momentum {}{}: {}", g, ge.lr, ge.momentum, others, why));
       }
     }
     // A parameter's state is all there or not there at all.
@@ -360,8 +392,14 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     }
   }
   std::vector<size_t> unchecked;
-  for (size_t g = 0; g < num_groups; ++g)
+  std::vector<std::string> kept;  // "group 0: weight_decay, nesterov"
+  for (size_t g = 0; g < num_groups; ++g) {
     if (!groups[g].has_with_state) unchecked.push_back(g);
+    std::vector<std::string> absent;
+    for (const OtherOption& o : groups[g].expected)
+      if (!groups[g].others.count(o.name)) absent.push_back(o.name);
+    if (!absent.empty()) kept.push_back(fmt::format("group {}: {}", g, fmt::join(absent, ", ")));
+  }
 
   if (!errors.empty())
     HG_FAIL("{}: cannot load the optimizer state ({} problem{}):\n  - {}", name_, errors.size(),
@@ -371,11 +409,12 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     logger().warn("{}: the state of group(s) {} has no with_state list (a file written before it existed): whether "
                   "some parameter's state is missing from it cannot be checked",
                   name_, fmt::join(unchecked, ", "));
+  if (!kept.empty())
+    logger().warn("{}: the state has no value for some options (a file written before they were kept), which keep "
+                  "the constructor's: {}", name_, fmt::join(kept, "; "));
   state_.assign(num_groups, {});
   for (size_t g = 0; g < num_groups; ++g) {
-    ParamGroupRef group = param_group(g);
-    group.lr = groups[g].lr;
-    group.momentum = groups[g].momentum;
+    set_options(g, groups[g].lr, groups[g].momentum, groups[g].others);
     for (size_t p = 0; p < groups[g].params.size(); ++p) {
       bool any = groups[g].have_step[p];
       for (bool b : groups[g].have_buffer[p]) any = any || b;

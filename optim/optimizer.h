@@ -19,6 +19,7 @@
 // A step runs the fused kernels of optim/fused.h: one call per (group, device, dtype) that updates all those
 // parameters in one pass over memory (one or a few kernel launches on CUDA, not one per parameter).
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <utility>
@@ -37,6 +38,16 @@ struct ParamGroupRef {
   TensorList& params;  // may be replaced (same shapes) before the first step: amp's FP32 master weights
   double& lr;
   double& momentum;  // SGD: momentum; Adam/AdamW: beta1 (what OneCycle cycles, as PyTorch's OneCycleLR)
+};
+
+// An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, or a flag (one of the
+// two pointers is set). `shapes_state`: the option decides which buffers a parameter keeps (Adam's amsgrad), so a
+// checkpoint can only be loaded where it has the file's value. Each optimizer lists its own (other_options_of).
+struct OptionField {
+  const char* name;
+  double* number = nullptr;
+  bool* flag = nullptr;
+  bool shapes_state = false;
 };
 
 // What an optimizer keeps for one parameter between steps.
@@ -78,8 +89,11 @@ class Optimizer {
   std::vector<ParamGroupRef> param_groups();
 
   // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
-  //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change; the others come
-  //   param_groups.<g>.momentum      0-d float64   from the constructor
+  //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change
+  //   param_groups.<g>.momentum      0-d float64   (Adam/AdamW: beta1)
+  //   param_groups.<g>.<option>      0-d float64   every other option of the group, as PyTorch's param_groups:
+  //                                  or 0-d bool   SGD's dampening, weight_decay, nesterov; Adam's beta2, eps,
+  //                                                weight_decay, amsgrad
   //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
@@ -89,12 +103,15 @@ class Optimizer {
   // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
   // next step changes them.
   NamedTensors state_tensors() const;
-  // Replaces the whole state by `state` (tensors are copied to each parameter's device). Everything is
+  // Replaces the whole state by `state` (tensors are copied to each parameter's device), the groups' options
+  // included, as PyTorch's load_state_dict: the file's weight_decay replaces the constructor's. Everything is
   // checked before anything changes: unknown names, groups or parameters that do not exist, shapes and
-  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries, and
+  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries, options the
+  // constructor would refuse, an option that decides the state's buffers (amsgrad) unlike the optimizer's, and
   // a parameter that with_state lists without its state in the file (renamed or dropped: it would otherwise
   // restart from none) or the other way round. One Error lists every mismatch. A file without with_state
-  // (written before it existed) loads with a warning that this cannot be checked.
+  // (written before it existed) loads with a warning that this cannot be checked; one without a group's other
+  // options (written before they were kept) keeps the constructor's, with a warning.
   void load_state_tensors(const NamedTensors& state);
 
   // Per-parameter state, [group][param]; grows as groups do.
@@ -107,8 +124,19 @@ class Optimizer {
   virtual std::vector<std::string> state_names(size_t g) const = 0;
   // Whether ParamState::step is part of the state (Adam's bias correction needs it; SGD's does not).
   virtual bool counts_steps() const = 0;
-  // Why group g cannot take a loaded lr and momentum (the constructor's checks of its options with them), or "".
-  virtual std::string refusal(size_t g, double lr, double momentum) const = 0;
+  // Group g's options besides lr and momentum, by name, with their values (a flag as 0 or 1).
+  struct OtherOption {
+    std::string name;
+    double value;
+    bool flag, shapes_state;
+  };
+  virtual std::vector<OtherOption> other_options(size_t g) const = 0;
+  // Why group g cannot take a loaded lr, momentum and other options (the constructor's checks of its options with
+  // them; an option missing from `others` keeps its value), or "".
+  virtual std::string refusal(size_t g, double lr, double momentum,
+                              const std::map<std::string, double>& others) const = 0;
+  // Sets group g's options to those, which refusal accepted.
+  virtual void set_options(size_t g, double lr, double momentum, const std::map<std::string, double>& others) = 0;
 
   // Checks that there is a parameter at all, and that every parameter is a floating leaf (one that requires no grad,
   // frozen, is taken and skipped) and appears in one group only.
@@ -147,8 +175,9 @@ template <typename Options> struct Group {
   Options options;
 };
 
-// The base of optimizers whose groups hold an `Options` struct with a `double lr` and whose
-// `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to.
+// The base of optimizers whose groups hold an `Options` struct with a `double lr`, whose
+// `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to, and whose
+// `std::vector<OptionField> other_options_of(Options&)` lists the rest.
 template <typename Options> class OptimizerWith : public Optimizer {
  public:
   // The groups, their options and parameters in place (edits are the caller's and unchecked, as PyTorch's
@@ -182,16 +211,35 @@ template <typename Options> class OptimizerWith : public Optimizer {
   const TensorList& group_params(size_t g) const override { return groups_.at(g).params; }
   // The optimizer's own checks of a group's options (its constructor's); throw on a bad value.
   virtual void check_group_options(const Options& options, size_t g) const = 0;
-  std::string refusal(size_t g, double lr, double momentum) const override {
+  std::vector<OtherOption> other_options(size_t g) const override {
     Options options = groups_.at(g).options;
-    options.lr = lr;
-    momentum_of(options) = momentum;
+    std::vector<OtherOption> out;
+    for (const OptionField& f : other_options_of(options))
+      out.push_back({f.name, f.number ? *f.number : double(*f.flag), f.flag != nullptr, f.shapes_state});
+    return out;
+  }
+  std::string refusal(size_t g, double lr, double momentum,
+                      const std::map<std::string, double>& others) const override {
     try {
-      check_group_options(options, g);
+      check_group_options(with(groups_.at(g).options, lr, momentum, others), g);
     } catch (const Error& e) {
       return e.what();
     }
     return {};
+  }
+  void set_options(size_t g, double lr, double momentum, const std::map<std::string, double>& others) override {
+    groups_.at(g).options = with(groups_.at(g).options, lr, momentum, others);
+  }
+  static Options with(Options options, double lr, double momentum, const std::map<std::string, double>& others) {
+    options.lr = lr;
+    momentum_of(options) = momentum;
+    for (const OptionField& f : other_options_of(options)) {
+      const auto it = others.find(f.name);
+      if (it == others.end()) continue;
+      if (f.number) *f.number = it->second;
+      else *f.flag = it->second != 0;
+    }
+    return options;
   }
 
   std::vector<Group<Options>> groups_;

@@ -16,6 +16,10 @@ struct SGDOptions {
   bool nesterov = false;
 };
 inline double& momentum_of(SGDOptions& o) { return o.momentum; }
+inline std::vector<OptionField> other_options_of(SGDOptions& o) {
+  return {{.name = "dampening", .number = &o.dampening}, {.name = "weight_decay", .number = &o.weight_decay},
+          {.name = "nesterov", .flag = &o.nesterov}};
+}
 
 // Parameters that share options, as PyTorch's param_groups.
 using SGDGroup = Group<SGDOptions>;

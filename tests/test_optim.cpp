@@ -554,7 +554,7 @@ TEST_CASE("parameters replaced before the first step are the ones updated (amp's
 // ---------------------------------------------------------------------------------------------------------
 // State for checkpoints
 
-TEST_CASE("Adam's state has stable names: groups' lr and momentum, step, exp_avg, exp_avg_sq") {
+TEST_CASE("Adam's state has stable names: groups' options, step, exp_avg, exp_avg_sq") {
   Tensor a = ones({2, 3}, {.requires_grad = true});
   Tensor b = ones({4}, {.requires_grad = true});
   Tensor c = ones({1}, {.requires_grad = true});
@@ -564,20 +564,27 @@ TEST_CASE("Adam's state has stable names: groups' lr and momentum, step, exp_avg
   opt.step();  // b has no gradient: no state
   std::vector<std::string> names;
   for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
-  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.0.with_state",
-                                          "param_groups.1.lr", "param_groups.1.momentum", "param_groups.1.with_state",
+  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.0.beta2",
+                                          "param_groups.0.eps", "param_groups.0.weight_decay", "param_groups.0.amsgrad",
+                                          "param_groups.0.with_state",
+                                          "param_groups.1.lr", "param_groups.1.momentum", "param_groups.1.beta2",
+                                          "param_groups.1.eps", "param_groups.1.weight_decay", "param_groups.1.amsgrad",
+                                          "param_groups.1.with_state",
                                           "state.0.0.step", "state.0.0.exp_avg", "state.0.0.exp_avg_sq",
                                           "state.1.0.step", "state.1.0.exp_avg", "state.1.0.exp_avg_sq",
                                           "state.1.0.max_exp_avg_sq"});
   NamedTensors state = opt.state_tensors();
-  CHECK(to_vector<int64_t>(state[2].second) == std::vector<int64_t>{0});  // a, not b: b had no gradient
-  CHECK(to_vector<int64_t>(state[5].second) == std::vector<int64_t>{0});
-  CHECK(state[6].second.dim() == 0);
-  CHECK(state[6].second.dtype() == kInt64);
-  CHECK(state[6].second.item<int64_t>() == 1);
-  CHECK(state[7].second.shape() == Shape{2, 3});
+  CHECK(to_vector<int64_t>(state[6].second) == std::vector<int64_t>{0});  // a, not b: b had no gradient
+  CHECK(to_vector<int64_t>(state[13].second) == std::vector<int64_t>{0});
+  CHECK(state[14].second.dim() == 0);
+  CHECK(state[14].second.dtype() == kInt64);
+  CHECK(state[14].second.item<int64_t>() == 1);
+  CHECK(state[15].second.shape() == Shape{2, 3});
   CHECK(state[0].second.dim() == 0);
   CHECK(state[0].second.item<double>() == 0.1);
+  CHECK(state[2].second.item<double>() == 0.999);  // beta2
+  CHECK(state[12].second.dtype() == kBool);         // group 1's amsgrad
+  CHECK(state[12].second.item<bool>());
 }
 
 TEST_CASE("continuing from loaded state gives exactly the results of uninterrupted training") {
@@ -674,7 +681,7 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
     CHECK(msg.find("unexpected entry 'model.weight'") != std::string::npos);
   }
   CHECK(opt.groups()[0].options.lr == 0.1);  // nothing changed
-  CHECK(opt.state_tensors().size() == 3);  // lr, momentum, with_state (empty): no parameter's state
+  CHECK(opt.state_tensors().size() == 7);  // lr, momentum, beta2, eps, weight_decay, amsgrad, with_state (empty)
 }
 
 TEST_CASE("loading state refuses an lr or momentum that is not finite, or that the optimizer's constructor refuses") {
@@ -690,9 +697,16 @@ TEST_CASE("loading state refuses an lr or momentum that is not finite, or that t
   for (const Case& c : std::vector<Case>{
            {&sgd, "param_groups.0.lr", std::nan(""), "'param_groups.0.lr' is nan, not a finite number"},
            {&sgd, "param_groups.0.momentum", INFINITY, "'param_groups.0.momentum' is inf, not a finite number"},
-           {&sgd, "param_groups.0.lr", -5, "param_groups.0: lr -5 and momentum 0.9: SGD: invalid learning rate -5"},
+           {&sgd, "param_groups.0.lr", -5, "param_groups.0: lr -5, momentum 0.9, dampening 0, nesterov 1, "
+                                            "weight_decay 0: SGD: invalid learning rate -5"},
+           {&sgd, "param_groups.0.weight_decay", -1, "SGD: invalid weight_decay -1"},
+           {&sgd, "param_groups.0.dampening", NAN, "'param_groups.0.dampening' is nan, not a finite number"},
            {&sgd, "param_groups.0.momentum", 0, "SGD: nesterov momentum requires a momentum and zero dampening"},
-           {&adam, "param_groups.0.momentum", 5, "param_groups.0: lr 0.1 and momentum 5: Adam: invalid beta1 5"}}) {
+           {&adam, "param_groups.0.momentum", 5, "param_groups.0: lr 0.1, momentum 5, amsgrad 0, beta2 0.999, "
+                                                 "eps 1e-08, weight_decay 0: Adam: invalid beta1 5"},
+           {&adam, "param_groups.0.eps", -1, "Adam: invalid eps -1"},
+           {&adam, "param_groups.0.amsgrad", 1, "'param_groups.0.amsgrad' must be a one-element bool tensor, got "
+                                                "float64[] cpu"}}) {
     CAPTURE(c.entry);
     NamedTensors bad = c.opt->state_tensors();
     for (auto& [name, t] : bad)
@@ -701,7 +715,9 @@ TEST_CASE("loading state refuses an lr or momentum that is not finite, or that t
   }
   CHECK(sgd.groups()[0].options.lr == 0.1);
   CHECK(sgd.groups()[0].options.momentum == 0.9);
+  CHECK(sgd.groups()[0].options.weight_decay == 0);
   CHECK(adam.groups()[0].options.betas.first == 0.9);
+  CHECK(adam.groups()[0].options.eps == 1e-8);
 }
 
 TEST_CASE("loading another optimizer's state names the unexpected entry, what this one keeps and the group") {
@@ -713,6 +729,64 @@ TEST_CASE("loading another optimizer's state names the unexpected entry, what th
   CHECK_THROWS_WITH_AS(plain.load_state_tensors(with_amsgrad.state_tensors()),
                        doctest::Contains("unexpected entry 'state.0.0.max_exp_avg_sq': Adam keeps step, exp_avg, "
                                          "exp_avg_sq for group 0"), Error);
+  CHECK_THROWS_WITH_AS(plain.load_state_tensors(with_amsgrad.state_tensors()),
+                       doctest::Contains("'param_groups.0.amsgrad' is true but the optimizer's is false, and it "
+                                         "decides which buffers each parameter keeps"), Error);
+}
+
+TEST_CASE("loading state restores every option of each group, as PyTorch's load_state_dict; an older file keeps the "
+          "constructor's") {
+  auto grad_of = [](const Tensor& p, int s) {
+    NoGradGuard no_grad;
+    return (p * 0.3 + double(s) * 0.1 - 0.5).tanh();
+  };
+  manual_seed(5);
+  const Tensor start = randn({4});
+  // Options edited after construction (as param_groups in PyTorch), then saved: a fresh optimizer built with the
+  // defaults loads them, and goes on as the uninterrupted one.
+  Tensor p1 = start.clone().requires_grad_(), p2 = start.clone().requires_grad_();
+  optim::SGD opt1({p1}, {.lr = 0.1, .momentum = 0.9}), opt2({p2}, {.lr = 0.1, .momentum = 0.9});
+  for (optim::SGD* o : {&opt1, &opt2}) {
+    o->groups()[0].options.weight_decay = 0.5;
+    o->groups()[0].options.dampening = 0.25;
+  }
+  for (int s = 0; s < 4; ++s) {
+    p1.set_grad(grad_of(p1, s));
+    opt1.step();
+    if (s < 2) {
+      p2.set_grad(grad_of(p2, s));
+      opt2.step();
+    }
+  }
+  Tensor p3 = p2.detach().clone().requires_grad_();
+  optim::SGD opt3({p3}, {.lr = 0.1, .momentum = 0.9});
+  opt3.load_state_tensors(opt2.state_tensors());
+  CHECK(opt3.groups()[0].options.weight_decay == 0.5);
+  CHECK(opt3.groups()[0].options.dampening == 0.25);
+  for (int s = 2; s < 4; ++s) {
+    p3.set_grad(grad_of(p3, s));
+    opt3.step();
+  }
+  CHECK(bit_equal(p1, p3));
+
+  Tensor w = ones({2}, {.requires_grad = true});
+  optim::AdamW saved({w}, {.betas = {0.8, 0.9}, .eps = 1e-6, .weight_decay = 0.1});
+  optim::AdamW loaded({w}, {});
+  loaded.load_state_tensors(saved.state_tensors());
+  CHECK(loaded.groups()[0].options.betas == std::pair<double, double>{0.8, 0.9});
+  CHECK(loaded.groups()[0].options.eps == 1e-6);
+  CHECK(loaded.groups()[0].options.weight_decay == 0.1);
+
+  // A file from before the other options were kept: lr and momentum load, the rest stays the constructor's.
+  NamedTensors older;
+  for (const auto& [name, t] : saved.state_tensors())
+    if (name.find("param_groups.0.") != 0 || name == "param_groups.0.lr" || name == "param_groups.0.momentum" ||
+        name == "param_groups.0.with_state")
+      older.emplace_back(name, t);
+  optim::AdamW kept({w}, {.weight_decay = 0.3});
+  kept.load_state_tensors(older);
+  CHECK(kept.groups()[0].options.betas == std::pair<double, double>{0.8, 0.999});
+  CHECK(kept.groups()[0].options.weight_decay == 0.3);
 }
 
 TEST_CASE("loading state refuses a file that lost a parameter's state, and aliased indices") {
@@ -745,15 +819,18 @@ TEST_CASE("loading state refuses a file that lost a parameter's state, and alias
                        Error);
   // State that with_state does not list.
   NamedTensors extra = saved;
-  extra[2].second = tensor(std::vector<int64_t>{0});
+  Tensor& listed = std::find_if(extra.begin(), extra.end(), [](const auto& e) {
+                     return e.first == "param_groups.0.with_state";
+                   })->second;
+  listed = tensor(std::vector<int64_t>{0});
   CHECK_THROWS_WITH_AS(other.load_state_tensors(extra),
                        doctest::Contains("parameter 1 of group 0 has momentum_buffer in the file, but "
                                          "param_groups.0.with_state does not list it"),
                        Error);
-  extra[2].second = tensor(std::vector<int64_t>{0, 1, 5});
+  listed = tensor(std::vector<int64_t>{0, 1, 5});
   CHECK_THROWS_WITH_AS(other.load_state_tensors(extra),
                        doctest::Contains("lists parameter 5, but group 0 has 2 parameter(s)"), Error);
-  extra[2].second = tensor(std::vector<double>{0, 1});
+  listed = tensor(std::vector<double>{0, 1});
   CHECK_THROWS_WITH_AS(other.load_state_tensors(extra), doctest::Contains("must be a 1-D int64 tensor"), Error);
   // "00" would alias "0": not an index.
   CHECK_THROWS_WITH_AS(other.load_state_tensors(renamed("state.0.0.momentum_buffer", "state.0.00.momentum_buffer")),
