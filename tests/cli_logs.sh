@@ -5,6 +5,7 @@
 # the bench budget are what they say: `--save=` does not take the next argument as its file, --memory-budget outside
 # max-batch is refused, a folder where a corpus file should be is named as one. No file the command writes may be one it
 # reads (a data file, generate's checkpoint); bench --with-pytorch refuses a device PyTorch's side would not use.
+# Output to a standard output that cannot take it is an error; launch refuses a grace period past a day.
 #   cli_logs.sh HALFGRAD WORK_DIR
 set -u
 halfgrad=$1
@@ -64,4 +65,12 @@ grep -q "generate: --outf: cannot write 'no_such_dir/words.txt': the folder 'no_
 "$halfgrad" bench lm --device cpu --with-pytorch --models no_such_model > torch.log 2>&1 && fail "ran"
 grep -q 'bench --with-pytorch: tools/bench_torch.py times PyTorch on cuda:0 only' torch.log ||
   { cat torch.log; fail "--with-pytorch on the CPU was not refused"; }
+# launch's grace period is a count of milliseconds inside: a value past a day is refused, not overflowed into none.
+"$halfgrad" launch --grace-seconds 1e300 -- info > grace.log 2>&1 && fail "ran"
+grep -q '1e300 is not in \[0, 86400\]' grace.log || { cat grace.log; fail "--grace-seconds 1e300 was not refused"; }
+# Standard output that cannot be written (a full disk, here /dev/full) fails the command: what it printed is lost.
+if [[ -w /dev/full ]]; then
+  "$halfgrad" info > /dev/full 2> full.log && fail "info reported success with its output lost"
+  grep -q 'writing to standard output failed: No space left on device' full.log || { cat full.log; fail "no error"; }
+fi
 echo "PASS: the logs lost nothing"

@@ -345,8 +345,10 @@ TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, 
   }
   CHECK_THROWS_WITH_AS(amp::GradScaler({.init_scale = 1, .min_scale = 2}),
                        doctest::Contains("init_scale 1 outside [min_scale 2, max_scale"), Error);
-  CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 0}), doctest::Contains("invalid scale 0 (the scale is float32"),
-                       Error);
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 0}), doctest::Contains("invalid scale 0 (the scale and its "
+                                                                          "inverse are float32"), Error);
+  // 1e-40 is a float32 (subnormal), but its inverse is not: unscaling would turn a zero gradient into nan.
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 1e-40}), doctest::Contains("invalid scale 1e-40"), Error);
 }
 
 TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {
@@ -419,6 +421,9 @@ TEST_CASE("scaler state round-trips") {
   CHECK(b.get_scale() == 64);
   CHECK(b.state().growth_tracker == 3);
   CHECK_THROWS_WITH_AS(b.load_state({.scale = -1}), doctest::Contains("invalid scale"), Error);
+  CHECK_THROWS_WITH_AS(b.load_state({.scale = 1e-300}), doctest::Contains("invalid scale 1e-300"), Error);
+  CHECK_THROWS_WITH_AS(b.load_state({.scale = 1e-10}), doctest::Contains("scale 1e-10 outside [min_scale"), Error);
+  CHECK(b.get_scale() == 64);  // refused, unchanged
   amp::GradScaler c({.growth_interval = 10});
   c.load_state_tensors(a.state_tensors());  // as a training checkpoint carries it
   CHECK(c.state() == a.state());

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 
 #include "halfgrad.h"
@@ -283,6 +284,34 @@ TEST_CASE("train_classifier reports progress every log_interval batches: loss, a
     ++ends;
   }
   CHECK(ends == seen.size());
+}
+
+TEST_CASE("train_classifier stops at the first test loss that is not finite, before its checkpoint is overwritten") {
+  TempDir dir;
+  for (int k = 1; k <= 5; ++k) write_cifar10(dir.file(fmt::format("data_batch_{}.bin", k)), 8, uint64_t(k));
+  write_cifar10(dir.file("test_batch.bin"), 8, 9);
+  const std::string checkpoint = dir.file("last.safetensors");
+  { std::ofstream(checkpoint) << "an earlier run's checkpoint"; }
+  // lr 1e30 on float16 weights (O3): the first update overflows them, as train-lm's case above.
+  const train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 8,
+                                       .lr = 1e30, .opt_level = amp::OptLevel::O3, .workers = 0, .seed = 5,
+                                       .train_checkpoint = checkpoint};
+  std::vector<double> reported;
+  const std::string error = error_of([&] {
+    train::train_classifier(config, [&](const train::EpochStats& s) { reported.push_back(s.test_loss); });
+  });
+  CHECK(contains(error, "train-classifier: the test loss after epoch 1 is "));
+  CHECK(contains(error, "the model diverged (a lower --lr may help); stopped. No training checkpoint was written to "));
+  REQUIRE(reported.size() == 1);  // the diverged epoch is reported (a log's last line), and no more are trained
+  CHECK(!std::isfinite(reported[0]));
+  std::ifstream in(checkpoint);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == "an earlier run's checkpoint");
+  // A sweep trains on: a precision that diverges is one of its results.
+  const auto rows = train::sweep_classifier(
+      train::ClassifierConfig{.model = "vgg11", .data_dir = dir.path, .epochs = 2, .lr = 1e30, .workers = 0,
+                              .seed = 5}, {amp::OptLevel::O3}, {8});
+  REQUIRE(rows.size() == 1);
+  CHECK(!std::isfinite(rows[0].final_test_loss));
 }
 
 TEST_CASE("train_language_model stops at the first validation loss that is not finite, and says what was kept") {

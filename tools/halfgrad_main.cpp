@@ -6,8 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <cstdlib>
 #include <filesystem>
@@ -902,7 +905,7 @@ int main(int argc, char** argv) {
   tn->add_option("--master-port", launch_options.master_port, "its port")->check(integer_in<int>(1, 65535))
       ->capture_default_str();
   tn->add_option("--grace-seconds", launch_options.grace_seconds, "after a rank fails, how long the others have to "
-                 "stop before they are killed")->check(finite_at_least(0))->capture_default_str();
+                 "stop before they are killed (at most a day)")->check(finite_in(0, 86400))->capture_default_str();
   tn->add_option("command", launched, "after --: the halfgrad command each rank runs, with its options")->required();
   tn->callback([&] { rc = cli::launch(launch_options, launched); });
 
@@ -917,6 +920,13 @@ int main(int argc, char** argv) {
     return 1;
   } catch (const std::exception& e) {  // std::system_error from thread creation, std::out_of_range, ...
     fmt::print(stderr, "{}: {}\n", program_name(), e.what());
+    return 1;
+  }
+  // What went to standard output (generate's text, bench's table) must have reached it: a full disk or a closed pipe
+  // is a failure, not a success with the output lost.
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    fmt::print(stderr, "{}: writing to standard output failed: {}\n", program_name(), std::strerror(errno));
     return 1;
   }
   return rc;

@@ -633,6 +633,15 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     s.loss_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
     s.skipped_steps = amp.scaler().skipped_steps() - skipped_before;
     skipped_before += s.skipped_steps;
+    if (c.stop_when_diverged && !std::isfinite(s.test_loss)) {  // as train-lm's validation loss
+      all.push_back(s);
+      if (on_epoch) on_epoch(s);
+      HG_FAIL("train-classifier: the test loss after epoch {} is {}: the model diverged (a lower --lr may help); "
+              "stopped. {}", epoch + 1, std::isnan(s.test_loss) ? std::string("nan") : fmt::format("{}", s.test_loss),
+              c.train_checkpoint.empty() ? std::string()
+              : epoch == 0 ? fmt::format("No training checkpoint was written to {}.", c.train_checkpoint)
+                           : fmt::format("{} holds the run after epoch {}.", c.train_checkpoint, epoch));
+    }
     if (!c.train_checkpoint.empty() && rank == 0)
       write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
     all.push_back(s);
@@ -662,6 +671,7 @@ std::vector<SweepRow> sweep_classifier(const ClassifierConfig& base, const std::
       ClassifierConfig config = base;
       config.opt_level = level;
       config.batch_size = batch;
+      config.stop_when_diverged = false;
       SweepRow row{.opt_level = level, .batch_size = batch};
       if (config.device.is_cuda()) cuda::empty_cache();  // each run starts from an empty cache
       try {

@@ -202,6 +202,10 @@ struct ClassifierConfig {
   // Data parallel: every this many steps the ranks compare their parameters (nn::replica_mismatches, a copy of the
   // model to the host) and the run stops with an error naming those that differ. 0: never.
   int64_t check_replicas_every = 0;
+  // An epoch whose test loss is not finite (the model diverged: NaN weights stay NaN) ends the run with an Error, once
+  // on_epoch has seen it and before its weights overwrite train_checkpoint. False: train on (a sweep, whose rows
+  // report a precision that diverges as one of its results).
+  bool stop_when_diverged = true;
 };
 
 struct EpochStats {
@@ -263,7 +267,8 @@ struct SweepRow {
 const char* precision_name(amp::OptLevel level);
 
 // on_row sees each row as it is done; on_progress (with base.log_interval or base.progress_seconds > 0) each run's
-// progress, with the row it is for (its opt level and batch size).
+// progress, with the row it is for (its opt level and batch size). A run that diverges trains all its epochs, and its
+// row reports it (stop_when_diverged is off).
 std::vector<SweepRow> sweep_classifier(
     const ClassifierConfig& base, const std::vector<amp::OptLevel>& levels, const std::vector<int64_t>& batch_sizes,
     const std::function<void(const SweepRow&)>& on_row = {},
