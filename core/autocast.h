@@ -120,14 +120,23 @@ DType target_dtype(CastRule rule, DType widest_floating);  // the dtype inputs a
 Tensor cast(const Tensor& t, DType target);  // floating, non-float64 tensors only; parameter casts cached
 void trace(const char* op, CastRule rule, const std::vector<DType>& inputs, const std::vector<DType>& outputs);
 
-template <typename T> void widest(const T& arg, DType& acc, bool& any) {
+// The widest floating dtype among the inputs with dims, or among the 0-d ones where there are none: a 0-d tensor beside
+// a tensor with dims is read as a number is (promote_types with zero_dim flags), so float16 * 0-d float32 stays float16.
+struct Widest {
+  DType with_dims = kFloat32, zero_dim = kFloat32;
+  bool any_with_dims = false, any_zero_dim = false;
+  DType get() const { return any_with_dims ? with_dims : zero_dim; }
+};
+template <typename T> void widest(const T& arg, Widest& w) {
   if constexpr (std::is_same_v<T, Tensor>) {
     if (arg.defined() && arg.is_floating_point()) {
+      DType& acc = arg.dim() == 0 ? w.zero_dim : w.with_dims;
+      bool& any = arg.dim() == 0 ? w.any_zero_dim : w.any_with_dims;
       acc = any ? promote_types(acc, arg.dtype()) : arg.dtype();
       any = true;
     }
   } else if constexpr (std::is_same_v<T, TensorList>) {
-    for (const Tensor& t : arg) widest(t, acc, any);
+    for (const Tensor& t : arg) widest(t, w);
   }
 }
 
@@ -161,10 +170,9 @@ template <typename F, typename... Args> auto apply(CastRule rule, const char* op
   // With only the trace on, nothing is cast: tracing must not change what runs.
   CastRule effective = is_autocast_enabled() ? rule : CastRule::Unchanged;
   ApplyingGuard applying(effective == CastRule::Float32Math);
-  DType wide = kFloat32;
-  bool any = false;
-  (widest(args, wide, any), ...);
-  DType target = target_dtype(rule, wide);
+  Widest wide;
+  (widest(args, wide), ...);
+  DType target = target_dtype(rule, wide.get());
   auto result = f(cast_arg(args, effective, target)...);
   if (is_tracing()) {
     std::vector<DType> in, out;

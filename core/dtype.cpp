@@ -58,6 +58,10 @@ void throw_unsupported_dtype(const char* op, DType t) {
   HG_FAIL("{}: dtype {} is not supported by this op", op, dtype_name(t));
 }
 
+void throw_scalar_out_of_range(uint64_t v) {
+  HG_FAIL("{} is past the largest integer a Scalar holds (int64: {})", v, INT64_MAX);
+}
+
 DType Scalar::natural_dtype() const {
   switch (kind_) {
     case Kind::Boolean: return DType::Bool;
@@ -92,9 +96,14 @@ bool fits_dtype(const Scalar& value, DType dtype) {
                                                                              : DBL_MAX;
     return std::isinf(v) || std::isnan(v) || std::fabs(v) <= largest;
   }
-  const double lowest = dtype == DType::UInt8 ? 0 : dtype == DType::Int32 ? -0x1p31 : -0x1p63;
-  const double beyond = dtype == DType::UInt8 ? 256 : dtype == DType::Int32 ? 0x1p31 : 0x1p63;  // the first too large
-  if (value.is_floating()) return value.to_double() >= lowest && value.to_double() < beyond;  // NaN fails both
+  if (value.is_floating()) {  // NaN fails every comparison
+    const double v = value.to_double();
+    switch (dtype) {
+      case DType::UInt8: return v >= 0 && v <= 255;
+      case DType::Int32: return v >= INT32_MIN && v <= INT32_MAX;
+      default: return v >= -0x1p63 && v < 0x1p63;
+    }
+  }
   const int64_t v = value.to_int();
   switch (dtype) {
     case DType::UInt8: return v < 256 && v > -256;

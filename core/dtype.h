@@ -1,7 +1,9 @@
 #pragma once
 // Element types, their C++ storage types, type promotion and the dtype switch used by every kernel.
+#include <concepts>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/half.h"
 
@@ -114,12 +116,20 @@ template <typename Fn> decltype(auto) dispatch_floating(DType t, const char* op,
 // A number given where a tensor could be (x + 2, clamp(x, 0, 6)). Like PyTorch's "wrapped numbers", a
 // scalar only decides the result dtype when it is of a higher category than the tensor: float32 + 2.5 is
 // float32, int64 + 2.5 is float32 (the default float dtype), float16 * 2 is float16.
+[[noreturn]] void throw_scalar_out_of_range(uint64_t v);  // a number Scalar's int64 cannot hold
+
 class Scalar {
  public:
   Scalar(double v) : value_(v), kind_(Kind::Floating) {}
   Scalar(float v) : value_(v), kind_(Kind::Floating) {}
-  Scalar(int v) : value_(v), ivalue_(v), kind_(Kind::Integral) {}
-  Scalar(int64_t v) : value_(double(v)), ivalue_(v), kind_(Kind::Integral) {}
+  // Any integer type (int, int64_t, size_t, long long, unsigned); an unsigned value past int64's range is refused.
+  template <std::integral T>
+    requires(!std::is_same_v<T, bool>)
+  Scalar(T v) : value_(double(v)), ivalue_(int64_t(v)), kind_(Kind::Integral) {
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) >= sizeof(int64_t)) {
+      if (v > T(INT64_MAX)) throw_scalar_out_of_range(uint64_t(v));
+    }
+  }
   Scalar(bool v) : value_(v), ivalue_(v), kind_(Kind::Boolean) {}
 
   double to_double() const { return value_; }
@@ -141,7 +151,8 @@ DType promote_with_scalar(DType tensor, const Scalar& s);
 
 // Whether `value` can be written into a tensor of `dtype` (fill_, full), by PyTorch's overflow rule: within the
 // dtype's range, where infinities and NaN fit a floating dtype, a negative integer fits uint8 down to -255 (it wraps,
-// as two's complement), and anything fits bool (nonzero is true).
+// as two's complement), and anything fits bool (nonzero is true). One stricter edge: a float of 2^63 does not fit
+// int64 (PyTorch's comparison lets it through to an undefined conversion).
 bool fits_dtype(const Scalar& value, DType dtype);
 
 // The float dtype used when an integer input meets a floating-only op (exp, mean, division, ...).

@@ -177,24 +177,27 @@ Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device dev
 
 Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, TensorOptions options) {
   const double first = start.to_double(), last = end.to_double(), by = step.to_double();
-  HG_CHECK(std::isfinite(first) && std::isfinite(last) && std::isfinite(by) && by != 0 && (last - first) / by >= 0,
-           "arange: cannot go from {} to {} in steps of {}", start.str(), end.str(), step.str());
-  const double count = std::ceil((last - first) / by);
-  HG_CHECK(count < 0x1p62, "arange: {} to {} in steps of {} is {} values, more than a tensor holds", start.str(),
-           end.str(), step.str(), count);
-  int64_t n = int64_t(count);
+  auto refuse = [&] { HG_FAIL("arange: cannot go from {} to {} in steps of {}", start.str(), end.str(), step.str()); };
   Tensor values;  // a size no memory holds fails at its allocation, as any does
   if (!start.is_floating() && !end.is_floating() && !step.is_floating() && !is_floating(options.dtype)) {
-    // in int64, exactly: a double holds 53 bits (the count above is only near enough for the size check)
+    // in int64, exactly: a double holds 53 bits
     const __int128 span = __int128(end.to_int()) - start.to_int(), by_int = step.to_int();
-    n = int64_t(span / by_int + (span % by_int != 0 ? 1 : 0));
-    values = empty({n}, {.dtype = kInt64});
+    if (by_int == 0 || (span != 0 && (span > 0) != (by_int > 0))) refuse();
+    const __int128 count = span / by_int + (span % by_int != 0 ? 1 : 0);
+    HG_CHECK(count < (__int128(1) << 62), "arange: {} to {} in steps of {} is {} values, more than a tensor holds",
+             start.str(), end.str(), step.str(), double(count));
+    values = empty({int64_t(count)}, {.dtype = kInt64});
     int64_t* v = values.data<int64_t>();
-    for (int64_t i = 0; i < n; ++i) v[i] = start.to_int() + i * step.to_int();
+    for (int64_t i = 0; i < int64_t(count); ++i) v[i] = start.to_int() + i * step.to_int();
   } else {
-    values = empty({n}, {.dtype = kFloat64});
+    if (!(std::isfinite(first) && std::isfinite(last) && std::isfinite(by) && by != 0 && (last - first) / by >= 0))
+      refuse();
+    const double count = std::ceil((last - first) / by);
+    HG_CHECK(count < 0x1p62, "arange: {} to {} in steps of {} is {} values, more than a tensor holds", start.str(),
+             end.str(), step.str(), count);
+    values = empty({int64_t(count)}, {.dtype = kFloat64});
     double* v = values.data<double>();
-    for (int64_t i = 0; i < n; ++i) v[i] = first + double(i) * by;
+    for (int64_t i = 0; i < int64_t(count); ++i) v[i] = first + double(i) * by;
   }
   Tensor out = values.to(options.device, options.dtype);
   if (options.requires_grad) out.requires_grad_();

@@ -54,7 +54,7 @@ class Tensor {
   // tensor rebinds the name.
   Tensor& operator=(const Tensor& src) && { return copy_(src); }
   Tensor& operator=(Tensor&& src) && { return copy_(src); }
-  Tensor& operator=(const Scalar& value) && { return fill_(value); }
+  Tensor& operator=(const Scalar& value) &&;  // ops/elementwise.cpp
 
   bool defined() const { return impl_ != nullptr; }
   TensorImpl* impl() const { return impl_.get(); }
@@ -246,7 +246,8 @@ Tensor zeros(const Shape& shape, TensorOptions options = {});
 Tensor ones(const Shape& shape, TensorOptions options = {});
 Tensor full(const Shape& shape, const Scalar& value, TensorOptions options = {});
 // Without options the dtype is PyTorch's: int64 where start, end and step are all integers, else the default float
-// (arange(0, 1, 0.1) is ten float32 values).
+// (arange(0, 1, 0.1) is ten float32 values). With options it is theirs, float32 where they name none (TensorOptions'
+// default): arange(5, {.device = Device::cuda()}) is float32, where libtorch would infer int64.
 Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step = 1);
 Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, TensorOptions options);
 Tensor arange(const Scalar& end);

@@ -77,8 +77,13 @@ void check_not_bool_arithmetic(BinaryOp op, DType common) {
            op_name(op));
 }
 
-// A scalar operand as a 0-d CPU tensor of the compute dtype.
-Tensor scalar_operand(const Scalar& s, DType dtype) { return scalar_tensor(s, {.dtype = dtype}); }
+// A scalar operand as a 0-d CPU tensor of the compute dtype. A number the dtype cannot hold becomes what the cast gives
+// (1e6 in float16: inf; PyTorch's wrapped numbers alike): fill_'s overflow check is for values written into tensors.
+Tensor scalar_operand(const Scalar& s, DType dtype) {
+  Tensor t = empty({}, {.dtype = dtype});
+  fill_kernel[t.device()](t, s);
+  return t;
+}
 
 // ---- backward formulas, next to each other so the calculus can be read at once
 
@@ -254,7 +259,8 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
     return inplace(self, name, {other}, compute);
   }
   check_inplace(self, name, /*records=*/false);
-  // The kernel takes operands of one dtype: a narrower other (float16 into float32, int32 into int64) is widened.
+  // The kernel takes operands of one dtype, self's: a narrower other (float16 into float32) is widened, a 0-d other
+  // of a wider dtype (float64 beside float16, which its result type is) cast, as PyTorch reads a number.
   const Tensor operand = other.dtype() == self.dtype() ? other : cast_nograd(other, self.dtype());
   bool scalar = operand.dim() == 0 && operand.is_cpu() && !self.is_cpu();
   binary_kernel[self.device()](op, self, self, scalar ? operand : broadcast_view(operand, self.shape(), name));
@@ -548,9 +554,18 @@ Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
   return inplace(*this, "clamp_", {}, [&](const Tensor& s) { return halfgrad::clamp(s, min, max); });
 }
 
+Tensor& Tensor::operator=(const Scalar& value) && {
+  // Where autograd sees the write, copy_ records it or refuses it as any in-place write (a view of a tensor that
+  // requires grad); fill_ is never recorded.
+  if (GradMode::is_enabled() && requires_grad()) return copy_(scalar_tensor(value, {.dtype = dtype()}));
+  return fill_(value);
+}
+
 Tensor& Tensor::fill_(const Scalar& value) {
   check_inplace(*this, "fill_", /*records=*/false);
-  HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; fill it under a NoGradGuard", meta());
+  HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; {}", meta(),
+           is_leaf() ? "fill it under a NoGradGuard"
+                     : "autograd does not record fill_: make the new values out of place (where, full_like)");
   HG_CHECK(fits_dtype(value, dtype()), "fill_: {} cannot be converted to {} without overflow", value.str(), meta());
   fill_kernel[device()](*this, value);
   return *this;

@@ -33,7 +33,8 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false
 std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& x, int64_t dim, bool keepdim = false);
-// Whether all / any elements are nonzero (nan counts as nonzero); bool result. all of nothing is true.
+// Whether all / any elements are nonzero (nan counts as nonzero); bool result (uint8 for a uint8 input, as PyTorch).
+// all of nothing is true.
 Tensor all(const Tensor& x, Dims dims = {}, bool keepdim = false);
 Tensor any(const Tensor& x, Dims dims = {}, bool keepdim = false);
 

@@ -20,12 +20,13 @@ KernelTable<UpdateScaleKernel> update_scale_kernel("update_scale");
 namespace {
 constexpr int64_t kDiagnosisInterval = 100;  // updates between two host reads of the scale
 
-// The scale and its inverse (the unscaling factor) are float32: both must be finite there, and nonzero. A scale
-// below 1 / FLT_MAX (2.9e-39) has an infinite inverse, which unscales a zero gradient to nan.
+// The scale and its inverse (the unscaling factor) are float32: both must be finite there, and nonzero. A scale of
+// 2^-128 or below has an infinite inverse, which unscales a zero gradient to nan.
 void check_scale(double scale, const char* where) {
-  HG_CHECK(scale >= 1 / double(std::numeric_limits<float>::max()) && scale <= std::numeric_limits<float>::max(),
+  const float f = float(scale);
+  HG_CHECK(f > 0 && std::isfinite(f) && std::isfinite(1.0f / f),
            "GradScaler{}: invalid scale {} (the scale and its inverse are float32: both positive and finite there, "
-           "so the scale lies in [2.9e-39, 3.4e38])", where, scale);
+           "so the scale lies in (2.9e-39, 3.4e38])", where, scale);
 }
 }  // namespace
 
@@ -239,7 +240,8 @@ int64_t GradScaler::skipped_steps() const { return skipped_.defined() ? skipped_
 
 void GradScaler::load_state(const GradScalerState& state) {
   check_scale(state.scale, "::load_state");
-  HG_CHECK(options_.min_scale <= state.scale && state.scale <= options_.max_scale,
+  // In float32, as the scale is kept and clamped (a scale at min_scale reads back rounded to float32)
+  HG_CHECK(float(options_.min_scale) <= float(state.scale) && float(state.scale) <= float(options_.max_scale),
            "GradScaler::load_state: scale {} outside [min_scale {}, max_scale {}], where dynamic scaling keeps it",
            state.scale, options_.min_scale, options_.max_scale);
   HG_CHECK(state.growth_tracker >= 0 && state.growth_tracker < options_.growth_interval,

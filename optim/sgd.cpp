@@ -55,12 +55,18 @@ bool SGD::creates_dampened_buffer() {
 // scheduler sets between replays is what the replayed step uses.
 Tensor SGD::replayed_hyperparameters(size_t g, Device device) {
   Tensor values = cuda::replay_input({2}, {.dtype = kFloat64, .device = device});
-  const bool captured_momentum = groups_[g].options.momentum != 0;
-  cuda::before_each_replay([this, g, values, captured_momentum]() mutable {
+  const SGDOptions captured = groups_[g].options;
+  cuda::before_each_replay([this, g, values, captured]() mutable {
     const SGDOptions& o = groups_[g].options;
-    HG_CHECK((o.momentum != 0) == captured_momentum,
+    HG_CHECK((o.momentum != 0) == (captured.momentum != 0),
              "SGD: group {} was captured in a CUDA graph with momentum {}, and now has momentum {}; capture again",
-             g, captured_momentum ? "on" : "off", o.momentum);
+             g, captured.momentum != 0 ? "on" : "off", o.momentum);
+    // The kernels' other options were captured as arguments: a change (a loaded state's) would not reach them.
+    HG_CHECK(o.weight_decay == captured.weight_decay && o.dampening == captured.dampening &&
+                 o.nesterov == captured.nesterov,
+             "SGD: group {} was captured in a CUDA graph with weight_decay {}, dampening {}, nesterov {}, and now has "
+             "{}, {}, {}; capture again", g, captured.weight_decay, captured.dampening, captured.nesterov,
+             o.weight_decay, o.dampening, o.nesterov);
     values.narrow(0, 0, 1).fill_(o.lr);  // fills: the values travel as kernel arguments, nothing waits
     values.narrow(0, 1, 1).fill_(o.momentum);
   });

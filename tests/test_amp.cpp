@@ -349,6 +349,11 @@ TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, 
                                                                           "inverse are float32"), Error);
   // 1e-40 is a float32 (subnormal), but its inverse is not: unscaling would turn a zero gradient into nan.
   CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 1e-40}), doctest::Contains("invalid scale 1e-40"), Error);
+  CHECK_THROWS_WITH_AS(amp::GradScaler({.min_scale = 0x1p-128}), doctest::Contains("invalid scale"), Error);
+  CHECK(amp::GradScaler({.min_scale = 0x1p-127}).state().scale == 65536);  // its inverse, 2^127, is a float32
+  // A scale at min_scale reads back rounded to float32, and loads again.
+  amp::GradScaler low({.init_scale = 1e-4, .min_scale = 1e-4});
+  low.load_state(low.state());
 }
 
 TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {

@@ -191,9 +191,11 @@ TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a h
   // compared in float16, where 0.1 rounds to the same value as the tensor's
   CHECK(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
   CHECK(where(half.gt(0), half, scalar_tensor(0.0, {.dtype = kFloat32})).dtype() == kFloat16);
-  Tensor target = zeros({2}, {.dtype = kFloat16});
-  target.add_(scalar_tensor(1.0, {.dtype = kFloat64}));
-  CHECK(values(target) == std::vector<double>{1, 1});
+  {  // autocast's mixed-input rule reads a 0-d tensor the same way (PyTorch's autocast leaves mul alone)
+    amp::AutocastGuard autocast(kFloat16);
+    CHECK((half * scalar_tensor(2.0, {.dtype = kFloat32})).dtype() == kFloat16);
+    CHECK((half * ones({3})).dtype() == kFloat32);
+  }
   // two 0-d tensors, or two with dims, promote by dtype alone
   CHECK((scalar_tensor(1.0, {.dtype = kFloat16}) * scalar_tensor(2.0, {.dtype = kFloat64})).dtype() == kFloat64);
   CHECK((half * ones({1}, {.dtype = kFloat64})).dtype() == kFloat64);
@@ -236,6 +238,15 @@ TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's r
   CHECK(values(zeros({1}, {.dtype = kInt32}).fill_(-2.75)) == std::vector<double>{-2});  // truncated, as a cast
   CHECK(values(zeros({1}, {.dtype = kBool}).fill_(7)) == std::vector<double>{1});
   CHECK(values(full({1}, int64_t(INT64_MAX), {.dtype = kInt64})) == std::vector<double>{double(INT64_MAX)});
+  CHECK_THROWS_WITH_AS(full({1}, 255.5, {.dtype = kUInt8}), doctest::Contains("255.5 cannot be converted"), Error);
+  CHECK_THROWS_WITH_AS(full({1}, -1.0, {.dtype = kUInt8}), doctest::Contains("-1 cannot be converted"), Error);  // no wrap
+  // A number beside a tensor is an operand, not a write: it becomes what the cast gives, as PyTorch's wrapped numbers.
+  const Tensor h = ones({2}, {.dtype = kFloat16});
+  CHECK(values(h * 1e6) == std::vector<double>{INFINITY, INFINITY});
+  CHECK(values(where(h.gt(2), h, -1e9)) == std::vector<double>{-INFINITY, -INFINITY});
+  Tensor many = ones({70000}, {.dtype = kFloat16, .requires_grad = true});
+  many.mean().backward();  // the backward divides by 70000, past float16's range
+  CHECK(many.grad().dtype() == kFloat16);
 }
 
 TEST_CASE("integer and bool ops") {

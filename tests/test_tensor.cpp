@@ -59,7 +59,13 @@ TEST_CASE("assigning to a view writes into it, as libtorch's x[0] = y; assigning
   CHECK(name.same(row));
   CHECK(values(base) == std::vector<double>{9, -1, -2, 9, -1, -2});
 
-  CHECK_THROWS_WITH_AS(base[0] = zeros({2}), doctest::Contains("[2]"), Error);  // copy_'s own shape check
+  CHECK_THROWS_WITH_AS(base[0] = zeros({2}), doctest::Contains("copy_: cannot broadcast"), Error);  // copy_'s check
+  // Where autograd sees the write it is refused as any in-place write on a view it cannot record, not filled unseen.
+  const Tensor w = ones({2}, {.requires_grad = true});
+  Tensor y = w * 2;
+  CHECK_THROWS_WITH_AS(y[0] = 0, doctest::Contains("copy_"), Error);
+  CHECK_THROWS_WITH_AS(y.fill_(0), doctest::Contains("autograd does not record fill_"), Error);
+  CHECK_THROWS_WITH_AS(Tensor(w).fill_(0), doctest::Contains("fill it under a NoGradGuard"), Error);
 }
 
 TEST_CASE("transpose and permute change strides, not data; contiguous() copies") {
@@ -220,6 +226,15 @@ TEST_CASE("factories: zeros, ones, full, arange, tensor, from_buffer") {
   const int64_t big = (int64_t(1) << 53) + 1;
   CHECK(to_vector<int64_t>(arange(big, big + 3)) == std::vector<int64_t>{big, big + 1, big + 2});
   CHECK(values(arange(10, 0, -3)) == std::vector<double>{10, 7, 4, 1});
+  CHECK_THROWS_WITH_AS(arange(big, big - 1), doctest::Contains("arange: cannot go from 9007199254740993 to "
+                                                               "9007199254740992 in steps of 1"), Error);
+  // any integer type, as the numbers of a container's size() are
+  const std::vector<int> three(3);
+  CHECK(arange(three.size()).numel() == 3);
+  CHECK(arange(5u).dtype() == kInt64);
+  CHECK(arange(2LL, 5LL).numel() == 3);
+  CHECK_THROWS_WITH_AS(arange(uint64_t(1) << 63), doctest::Contains("9223372036854775808 is past the largest integer"),
+                       Error);
   float buf[4] = {1, 2, 3, 4};
   Tensor b = from_buffer(buf, {2, 2}, kFloat32);
   buf[0] = 100;  // copied, not aliased
