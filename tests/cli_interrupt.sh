@@ -2,7 +2,8 @@
 # ctest: Ctrl-C during `halfgrad train-lm` stops after the step under way, writes the training checkpoint, says how
 # to resume and exits 130; the same command with --resume finishes the run. Interrupted early in its second epoch, the
 # run has written the first epoch's --csv and --jsonl lines; the resumed run appends its own, so each file ends with
-# both epochs and the CSV with one header; its --jsonl goes to /dev/stdout, a stream a resumed log can also be.
+# both epochs and the CSV with one header; its --jsonl goes to /dev/stdout, a stream a resumed log can also be. A
+# Ctrl-C after the last epoch's training leaves a complete run, which says so and exits 0.
 #   cli_interrupt.sh HALFGRAD WORK_DIR
 set -u
 halfgrad=$1
@@ -30,4 +31,23 @@ cat run.csv
 [[ $(grep -c '^epoch,' run.csv) == 1 && $(grep -c '^1,' run.csv) == 1 && $(grep -c '^2,' run.csv) == 1 ]] ||
   { echo "FAIL: run.csv does not hold one header and the rows of epochs 1 and 2"; exit 1; }
 grep -q '"event":"epoch","epoch":2,' second.log || { echo "FAIL: no epoch 2 line on /dev/stdout"; exit 1; }
+# Ctrl-C after the last epoch's training (here during the test pass, slowed by --eval-batch-size 1) interrupts nothing:
+# the run reports its test perplexity, says it is complete and exits 0, not 130 with a resume that has no epoch left.
+rm -f late.safetensors late.log
+"$halfgrad" train-lm --emsize 8 --nhid 8 --epochs 1 --limit-tokens 60000 --eval-batch-size 1 --save "" \
+  --train-checkpoint late.safetensors > late.log 2>&1 &
+pid=$!
+for _ in $(seq 1200); do grep -qE '^ +1 ' late.log && break; sleep 0.02; done  # epoch 1's row: the test pass follows
+if kill -INT "$pid" 2> /dev/null; then
+  wait "$pid"
+  rc=$?
+  cat late.log
+  [[ $rc == 0 ]] || { echo "FAIL: exit status $rc after a late SIGINT, want 0"; exit 1; }
+  grep -q 'test perplexity' late.log || { echo "FAIL: no test perplexity"; exit 1; }
+  grep -q "interrupted after the last epoch's training: the run is complete" late.log ||
+    { echo "FAIL: the late stop was not reported as complete"; exit 1; }
+else
+  wait "$pid"
+  echo "note: the run ended before the late SIGINT; not checked"
+fi
 echo "PASS: interrupted with 130 and resumed"

@@ -146,6 +146,24 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
   other.epochs = 2;
   other.resume = dir.file("straight.safetensors");
   CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint already holds all 2 epochs"));
+  // The optimizer's and schedule's settings too: a resumed run with another lr or weight decay would not train as
+  // the uninterrupted run.
+  other.resume = dir.file("after_epoch_1.safetensors");
+  other.lr = 0.5;
+  CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint's run had lr 0.05, this one has 0.5"));
+  other.lr = 0.05;
+  other.weight_decay = 0.1;
+  CHECK(contains(error_of([&] { train::train_classifier(other); }),
+                 "the checkpoint's run had weight_decay 0.0005, this one has 0.1"));
+  // A checkpoint written before those settings were recorded resumes, taking this run's as the same.
+  nn::TrainingCheckpoint older = nn::load_training_checkpoint(dir.file("after_epoch_1.safetensors"));
+  for (const char* key : {"lr", "momentum", "weight_decay", "nesterov", "pct_start", "div_factor", "half", "world_size"})
+    older.metadata.erase(key);
+  nn::save_training_checkpoint(dir.file("older.safetensors"), older);
+  train::ClassifierConfig from_older = other;
+  from_older.weight_decay = 5e-4;
+  from_older.resume = dir.file("older.safetensors");
+  CHECK(train::train_classifier(from_older).size() == 1);
 }
 
 TEST_CASE("train_classifier --cuda-graph equals the eager run: schedule, loss scaling, a last smaller batch") {
@@ -244,6 +262,19 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
   CHECK(contains(error_of([&] { train::train_classifier(broken); }),
                  "bad.safetensors: the checkpoint's epoch.correct is float32[] cpu, where the run keeps int64 []"));
+  // A position that is no place in this run's epochs: images, batch or step that do not agree, a batch past the end.
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"seen", "0"}, {"seen", "100000"}, {"batch", "0"}, {"batch", "5"}}) {
+    CAPTURE(key);
+    CAPTURE(value);
+    bad = at_stop;
+    bad.metadata[key] = value;
+    nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
+    CHECK(contains(error_of([&] { train::train_classifier(broken); }),
+                   "bad.safetensors: the checkpoint stopped at step 8, after batch "));
+    CHECK(contains(error_of([&] { train::train_classifier(broken); }), "which is no place in this run: its epochs "
+                   "have 5 batches of 8 images"));
+  }
 }
 
 TEST_CASE("train_classifier reports progress every log_interval batches: loss, accuracy, rate, the time left") {
@@ -301,7 +332,7 @@ TEST_CASE("train_classifier stops at the first test loss that is not finite, bef
     train::train_classifier(config, [&](const train::EpochStats& s) { reported.push_back(s.test_loss); });
   });
   CHECK(contains(error, "train-classifier: the test loss after epoch 1 is "));
-  CHECK(contains(error, "the model diverged (a lower --lr may help); stopped. No training checkpoint was written to "));
+  CHECK(contains(error, "the model diverged (a lower --lr may help); stopped. This run wrote no training checkpoint to "));
   REQUIRE(reported.size() == 1);  // the diverged epoch is reported (a log's last line), and no more are trained
   CHECK(!std::isfinite(reported[0]));
   std::ifstream in(checkpoint);
@@ -363,7 +394,6 @@ TEST_CASE("train_language_model follows main.py: perplexity falls on a predictab
   const auto& first = result.epochs.front();
   const auto& last = result.epochs.back();
   CHECK(first.train_loss > std::log(5.0));  // starts near log(11): ten words and <eos>
-  MESSAGE("DBG " << first.train_loss << " " << last.valid_loss << " " << result.epochs[1].valid_loss << " " << result.epochs[2].valid_loss);
   CHECK(last.valid_loss < 0.5 * first.train_loss);
   CHECK(std::isfinite(result.test_loss));
   CHECK(result.test_loss <= last.valid_loss + 1e-9);  // the test split is the same text; the best model is used
@@ -435,6 +465,25 @@ TEST_CASE("train_language_model --resume continues bit for bit: 4 epochs straigh
                                    .resume = dir.file("after_epoch_2.safetensors")};
   CHECK(contains(error_of([&] { train::train_language_model(other); }),
                  "after_epoch_2.safetensors: the checkpoint's run had bptt 6, this one has 7"));
+  // A resumed run none of whose epochs beats the checkpoint's best validation loss still leaves that best model in
+  // --save, here another file than the interrupted run's.
+  nn::TrainingCheckpoint best_so_far = nn::load_training_checkpoint(dir.file("after_epoch_2.safetensors"));
+  best_so_far.metadata["best_valid"] = "0";  // below every loss
+  nn::save_training_checkpoint(dir.file("best_so_far.safetensors"), best_so_far);
+  train::LanguageModelConfig saving = other;
+  saving.bptt = 6;
+  saving.resume = dir.file("best_so_far.safetensors");
+  saving.checkpoint = dir.file("best.safetensors");
+  train::train_language_model(saving);
+  REQUIRE(std::filesystem::is_regular_file(saving.checkpoint));
+  const models::LoadedLanguageModel saved = models::load_language_model(saving.checkpoint, Device::cpu());
+  for (const auto& [name, t] : saved.model->state_dict()) {
+    CAPTURE(name);
+    const auto best = std::find_if(best_so_far.extra.begin(), best_so_far.extra.end(),
+                                   [&](const auto& e) { return e.first == "best." + name; });
+    REQUIRE(best != best_so_far.extra.end());
+    CHECK(testing::values(t) == testing::values(best->second));
+  }
 }
 
 TEST_CASE("train_language_model stopped within an epoch writes where it stopped, and a resume goes on as if uninterrupted") {

@@ -86,9 +86,9 @@ Device parse_device(const std::string& device) {
 
 // A log the command writes line by line: --csv (a header line, then a line an epoch or row) or --jsonl. Checked for
 // writing when made, without changing what the file holds; opened at its first line, so a run that fails before
-// it (a missing corpus, a refused checkpoint) leaves the file as it was. A fresh run starts the file; a resumed one
-// appends to it (the header only where the file is empty). Each line is flushed as written: a run stopped at any
-// point leaves whole lines.
+// it (a missing corpus, a refused checkpoint) leaves the file as it was, or none where there was none. A fresh run
+// starts the file; a resumed one appends to it (the header only where the file is empty). Each line is flushed as
+// written: a run stopped at any point leaves whole lines.
 class LogFile {
  public:
   LogFile(std::string path, std::string option, const char* command, bool append, std::string header = "")
@@ -96,9 +96,20 @@ class LogFile {
         header_(std::move(header)) {
     if (path_.empty()) return;
     HG_CHECK(!std::filesystem::is_directory(path_), "{}: {} {} is a folder", command_, option_, path_);
+    std::error_code ec;
+    created_ = !std::filesystem::exists(path_, ec);
     std::ofstream probe(path_, std::ios::app);  // creates a missing file, keeps an existing one whole
     HG_CHECK(probe.good(), "{}: cannot write {} {} (a missing folder, or no permission?)", command_, option_, path_);
   }
+  // A file the probe created and no line reached (the run failed first) goes again: a failed run leaves no log.
+  ~LogFile() {
+    std::error_code ec;
+    if (created_ && !out_.is_open() && std::filesystem::is_regular_file(path_, ec) &&
+        std::filesystem::file_size(path_, ec) == 0 && !ec)
+      std::filesystem::remove(path_, ec);
+  }
+  LogFile(const LogFile&) = delete;
+  LogFile& operator=(const LogFile&) = delete;
   const std::string& path() const { return path_; }
   void line(const std::string& text) {
     if (path_.empty()) return;
@@ -120,6 +131,7 @@ class LogFile {
   std::string path_, option_;
   const char* command_;
   bool append_;
+  bool created_ = false;
   std::string header_;
   std::ofstream out_;
 };
@@ -252,6 +264,14 @@ int report_stop(const std::string& checkpoint, const char* option, bool data_par
   return 130;
 }
 
+// A stop asked for after the last epoch's training (during its evaluation, or the test) interrupts nothing: the run
+// is complete, and says so, exiting 0 (a --resume of its checkpoint would have no epoch left).
+void report_late_stop() {
+  if (!train::stop_requested()) return;
+  fmt::print("interrupted after the last epoch's training: the run is complete\n");
+  std::fflush(stdout);
+}
+
 int run_train_classifier(train::ClassifierConfig config, const std::string& opt_level, const std::string& half,
                          const std::string& device, std::string csv_path, std::string jsonl_path) {
   config.opt_level = amp::parse_opt_level(opt_level);
@@ -285,7 +305,9 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                              {"eta_seconds", p.eta_seconds}, {"interval_end", p.interval_end}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
+  int64_t last_epoch = -1;     // the last epoch finished
   train::train_classifier(config, [&](const train::EpochStats& s) {
+    last_epoch = s.epoch;
     line.clear();
     if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "train loss",
@@ -304,9 +326,10 @@ int run_train_classifier(train::ClassifierConfig config, const std::string& opt_
                          s.loss_scale));
   }, progress);
   line.clear();
-  if (train::stop_requested())
+  if (train::stop_requested() && last_epoch + 1 < config.epochs)
     return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr, header_printed,
                        config.resume);
+  report_late_stop();
   return 0;
 }
 
@@ -401,7 +424,9 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                              {"interval_end", p.interval_end}});
   };
   bool header_printed = false;  // (a resumed run starts past epoch 1)
+  int64_t last_epoch = -1;     // the last epoch finished
   const auto result = train::train_language_model(config, [&](const train::LanguageModelEpochStats& s) {
+    last_epoch = s.epoch;
     line.clear();
     if (!std::exchange(header_printed, true)) {
       fmt::print("{:>5} {:>8} {:>10} {:>9} {:>10} {:>9} {:>8} {:>9} {:>10} {:>7} {:>10}\n", "epoch", "lr",
@@ -422,12 +447,13 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
                          s.skipped_steps, s.loss_scale));
   }, progress);
   line.clear();
-  if (train::stop_requested())
+  if (train::stop_requested() && last_epoch + 1 < config.epochs)
     return report_stop(config.train_checkpoint, "--train-checkpoint", config.group != nullptr, header_printed,
                        config.resume);
   fmt::print("test loss {:.4f}, test perplexity {:.2f} (the model with the best validation loss)\n", result.test_loss,
              std::exp(result.test_loss));
   jsonl.write("test", {{"test_loss", result.test_loss}, {"test_ppl", std::exp(result.test_loss)}});
+  report_late_stop();
   return 0;
 }
 
@@ -887,7 +913,17 @@ int main(int argc, char** argv) {
                "same output");
   tb->add_flag("--torch-compile", bench_args.torch_compile, "with --with-pytorch: PyTorch under "
                "torch.compile(mode=\"reduce-overhead\") too");
-  tb->callback([&] { rc = run_bench(bench_args); });
+  tb->callback([&] {
+    // An option this run would not use is refused, naming what it is for, rather than taken and ignored.
+    for (const char* option : {"--seed", "--workers", "--data-dir"})
+      HG_CHECK(tb->count(option) == 0 || bench_args.settings.epochs > 0, "bench: {} is for trained runs (--epochs N); "
+               "this run times steps on synthetic data", option);
+    HG_CHECK(!bench_args.torch_compile || bench_args.with_pytorch, "bench: --torch-compile is a setting of PyTorch's "
+             "side: add --with-pytorch");
+    HG_CHECK(tb->count("--max-batch") == 0 || bench_args.suite == "max-batch" || bench_args.suite == "all",
+             "bench: --max-batch is the max-batch suite's; the {} suite does not use it", bench_args.suite);
+    rc = run_bench(bench_args);
+  });
 
   cli::LaunchOptions launch_options;
   std::vector<std::string> launched;
@@ -925,8 +961,11 @@ int main(int argc, char** argv) {
   // What went to standard output (generate's text, bench's table) must have reached it: a full disk or a closed pipe
   // is a failure, not a success with the output lost.
   std::cout.flush();
-  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
-    fmt::print(stderr, "{}: writing to standard output failed: {}\n", program_name(), std::strerror(errno));
+  const bool flushed = std::fflush(stdout) == 0;
+  const int flush_error = errno;
+  if (!flushed || std::ferror(stdout) || !std::cout) {
+    fmt::print(stderr, "{}: writing to standard output failed: {}\n", program_name(),
+               flushed ? "an earlier write failed" : std::strerror(flush_error));
     return 1;
   }
   return rc;

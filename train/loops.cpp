@@ -18,6 +18,7 @@
 #include "core/cuda_allocator.h"
 #include "core/cuda_graph.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/random.h"
 #include "data/cifar.h"
 #include "data/loader.h"
@@ -251,20 +252,45 @@ Metadata classifier_run(const ClassifierConfig& c) {
           {"batch_size", std::to_string(c.batch_size)},
           {"schedule", c.schedule},
           {"seed", std::to_string(c.seed)},
-          {"limit_train", std::to_string(c.limit_train)}};
+          {"limit_train", std::to_string(c.limit_train)},
+          {"lr", fmt::format("{}", c.lr)},
+          {"momentum", fmt::format("{}", c.momentum)},
+          {"weight_decay", fmt::format("{}", c.weight_decay)},
+          {"nesterov", c.nesterov ? "true" : "false"},
+          {"pct_start", fmt::format("{}", c.pct_start)},
+          {"div_factor", fmt::format("{}", c.div_factor)},
+          {"half", dtype_name(c.half_dtype)},
+          {"world_size", std::to_string(c.group ? c.group->size() : 1)}};
+}
+
+// The settings a checkpoint has recorded since 2026-12-05: one written before, without them, is taken (with a
+// warning that they cannot be compared), as it was then.
+bool recorded_since_2026_12_05(const std::string& key) {
+  for (const char* later : {"lr", "momentum", "weight_decay", "nesterov", "pct_start", "div_factor", "half",
+                            "world_size", "eval_batch_size"})
+    if (key == later) return true;
+  return false;
 }
 
 // Refuses a checkpoint written by a run of other settings, or with no epoch left to train.
 void check_same_run(const nn::TrainingCheckpoint& ck, const Metadata& run, const std::string& path, int64_t epochs,
                     const char* writer) {
+  std::vector<std::string> unrecorded;
   for (const auto& [key, value] : run) {
     const auto found = ck.metadata.find(key);
+    if (found == ck.metadata.end() && recorded_since_2026_12_05(key)) {
+      unrecorded.push_back(key);
+      continue;
+    }
     HG_CHECK(found != ck.metadata.end(), "train: --resume {}: the checkpoint does not say its {} (was it written by {}?)",
              path, key, writer);
     HG_CHECK(found->second == value, "train: --resume {}: the checkpoint's run had {} {}, this one has {} (a resumed "
              "run keeps the settings of the run it continues)", path, key, found->second, value);
   }
   HG_CHECK(ck.epoch < epochs, "train: --resume {}: the checkpoint already holds all {} epochs", path, epochs);
+  if (!unrecorded.empty())
+    logger().warn("train: --resume {}: the checkpoint was written before it recorded {}; the run takes this one's as "
+                  "the same", path, fmt::join(unrecorded, ", "));
 }
 
 // Writes what resuming needs, atomically: model, optimizer, loss scaler, O2's masters and the random state, with the
@@ -576,7 +602,6 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
     if (c.resume.empty()) return Metadata{{"--resume", "none"}};
     const nn::TrainingCheckpoint ck = resume_training(c.resume, classifier_run(c), c.epochs,
                                                       "train-classifier --train-checkpoint", *model, sgd, amp);
-    if (schedule) schedule->set_step(ck.step);
     step = ck.step;
     first_epoch = ck.epoch;
     if (ck.metadata.count("batch")) {
@@ -584,6 +609,16 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
                "run resumes from the end of an epoch", c.resume);
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.seen = metadata_count(ck, "seen", c.resume);
+    }
+    // Where it stopped must be a place in this run's epochs: the batches before it were whole (only an epoch's last
+    // may be smaller), and the step counts every batch before it (the schedule's position).
+    HG_CHECK(resumed.batches < steps_per_epoch && resumed.seen == resumed.batches * c.batch_size &&
+                 ck.step == ck.epoch * steps_per_epoch + resumed.batches,
+             "train: --resume {}: the checkpoint stopped at step {}, after batch {} ({} images) of epoch {}, which is "
+             "no place in this run: its epochs have {} batches of {} images", c.resume, ck.step, resumed.batches,
+             resumed.seen, ck.epoch + 1, steps_per_epoch, c.batch_size);
+    if (schedule) schedule->set_step(ck.step);
+    if (ck.metadata.count("batch")) {
       resumed.loss_sum = named_sum(ck.extra, "epoch.loss_sum", c.resume, {}, false).to(c.device);
       resumed.correct = named_sum(ck.extra, "epoch.correct", c.resume, {}, true).to(c.device);
     }
@@ -593,6 +628,7 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
   int64_t skipped_before = amp.scaler().skipped_steps();
   const std::function<bool()> stop = checking_replicas(agreed_stop(c.group.get()), c.group.get(), *model,
                                                        c.check_replicas_every, "train-classifier");
+  bool wrote_checkpoint = false;  // train_checkpoint, at an epoch's end of this run (what a divergence leaves there)
   for (int64_t epoch = first_epoch; epoch < c.epochs; ++epoch) {
     EpochStats s{.epoch = epoch};
     if (c.device.is_cuda()) cuda::reset_peak(c.device.index);
@@ -639,11 +675,14 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       HG_FAIL("train-classifier: the test loss after epoch {} is {}: the model diverged (a lower --lr may help); "
               "stopped. {}", epoch + 1, std::isnan(s.test_loss) ? std::string("nan") : fmt::format("{}", s.test_loss),
               c.train_checkpoint.empty() ? std::string()
-              : epoch == 0 ? fmt::format("No training checkpoint was written to {}.", c.train_checkpoint)
-                           : fmt::format("{} holds the run after epoch {}.", c.train_checkpoint, epoch));
+              : wrote_checkpoint ? fmt::format("{} holds the run after epoch {}.", c.train_checkpoint, epoch)
+                                 : fmt::format("This run wrote no training checkpoint to {}.", c.train_checkpoint));
     }
-    if (!c.train_checkpoint.empty() && rank == 0)
-      write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
+    if (!c.train_checkpoint.empty()) {  // rank 0 writes it for the group
+      if (rank == 0)
+        write_training_checkpoint(c.train_checkpoint, *model, sgd, amp, epoch + 1, step, classifier_run(c), {});
+      wrote_checkpoint = true;
+    }
     all.push_back(s);
     if (on_epoch) on_epoch(s);
   }
@@ -723,7 +762,10 @@ Metadata language_model_run(const LanguageModelConfig& c) {
           {"half", dtype_name(c.half_dtype)},
           {"seed", std::to_string(c.seed)},
           {"limit_tokens", std::to_string(c.limit_tokens)},
-          {"dry_run", c.dry_run ? "true" : "false"}};
+          {"dry_run", c.dry_run ? "true" : "false"},
+          {"lr", fmt::format("{}", c.lr)},
+          {"eval_batch_size", std::to_string(c.eval_batch_size)},
+          {"world_size", std::to_string(c.group ? c.group->size() : 1)}};
 }
 
 Tensor first_tokens(const Tensor& ids, int64_t n) { return n > 0 && n < ids.size(0) ? ids.narrow(0, 0, n) : ids; }
@@ -863,7 +905,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     auto split = [&](const Tensor& tokens, int64_t batch, const char* name) {
       const Tensor ids = first_tokens(tokens, c.limit_tokens);
       HG_CHECK(ids.size(0) / batch >= 2, "train-lm: the {} split has {} tokens, too few for {} columns (at least {})",
-               name, ids.size(0), batch, 2 * batch);
+               name, ids.size(0), batch, 2 * uint64_t(batch));  // batch >= 1: no overflow past int64 / 2
       return data::batchify(ids, batch).to(c.device);
     };
     // Data parallel: this rank's columns of the split laid out for all ranks' columns.
@@ -918,6 +960,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
   LanguageModelResult result;
   double lr = c.lr, best_valid = std::numeric_limits<double>::infinity();
   NamedTensors best_state;
+  bool best_saved = false;  // by an epoch of this run (a resumed run's best may be the checkpoint's)
   int64_t first_epoch = 0;
   // Where an interrupted epoch stopped (a checkpoint written by request_stop()): its windows, loss sum and tokens so
   // far, and the recurrent state carried into the next window.
@@ -1050,6 +1093,7 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
       best_state.clear();
       for (const auto& [name, t] : model.state_dict()) best_state.emplace_back(name, t.detach().clone());
       if (!c.checkpoint.empty() && rank == 0) models::save_language_model(model, corpus.vocab, c.checkpoint);
+      best_saved = true;
     } else {
       lr /= 4;  // main.py: anneal when the validation loss did not improve
       for (optim::ParamGroupRef g : sgd.param_groups()) g.lr = lr;
@@ -1059,6 +1103,9 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     if (on_epoch) on_epoch(s);
   }
   model.load_state_dict(best_state);
+  // A resumed run whose epochs all did worse than the checkpoint's best still leaves the best model in --save (which
+  // may name another file than the interrupted run's).
+  if (!best_saved && !c.checkpoint.empty() && rank == 0) models::save_language_model(model, corpus.vocab, c.checkpoint);
   result.test_loss = evaluate(test_data);
   return result;
 }

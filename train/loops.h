@@ -182,11 +182,12 @@ struct ClassifierConfig {
   int64_t limit_train = 0, limit_test = 0;  // use only the first N images (0: all), for quick runs
   std::string train_checkpoint{};  // when set, a training checkpoint is written there after every epoch and on
                                    // request_stop() (for resume)
-  // When set, a training checkpoint written by a run of the same settings (model, dataset, opt level, epochs,
-  // batch size, schedule, seed, training images): the run continues where that one stopped (after its epoch, or
-  // within it for a checkpoint written on request_stop()) with the model, optimizer, schedule, loss scaler, O2's
-  // float32 masters, random state and the epoch's sums so far, and trains as the uninterrupted run would have, bit
-  // for bit. on_epoch and the result cover the epochs finished here.
+  // When set, a training checkpoint written by a run of the same settings (model, dataset, opt level and half dtype,
+  // epochs, batch size, schedule and its options, lr, momentum, weight decay, nesterov, seed, training images, number
+  // of ranks): the run continues where that one stopped (after its epoch, or within it for a checkpoint written on
+  // request_stop()) with the model, optimizer, schedule, loss scaler, O2's float32 masters, random state and the
+  // epoch's sums so far, and trains as the uninterrupted run would have, bit for bit. on_epoch and the result cover
+  // the epochs finished here.
   std::string resume{};
   int64_t log_interval = 0;  // on_progress after every this many training batches (0: never)
   double progress_seconds = 0;  // also on_progress mid-interval once this long has passed since the last (0: never)
