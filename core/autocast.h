@@ -22,7 +22,7 @@ enum class CastRule {
   Float32,         // run in float32: ops whose range or accuracy float16 cannot hold
   Float32Math,     // as Float32, without the float32 copy: the op takes float16/bfloat16 inputs as they are, widens
                    // each element as it reads it, and returns float32 (it asks amp::result_dtype)
-  Promote,         // run in the widest floating dtype among the inputs: mixed binary ops
+  Promote,         // run in the widest floating dtype among the inputs (0-d ones only where all are): mixed binary ops
   Unchanged,       // run in whatever dtype arrives
 };
 const char* rule_name(CastRule rule);
@@ -47,7 +47,7 @@ inline constexpr OpRule kCastRules[] = {
     {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32Math}, {"nll_loss", CastRule::Float32},
     {"binary_cross_entropy_with_logits", CastRule::Float32},
     {"sum", CastRule::Float32}, {"mean", CastRule::Float32}, {"var", CastRule::Float32},
-    // promote: mixed inputs run in the widest of them
+    // promote: mixed inputs run in the widest of them (a 0-d one beside tensors with dims counts as a number)
     {"add", CastRule::Promote}, {"sub", CastRule::Promote}, {"mul", CastRule::Promote}, {"div", CastRule::Promote},
     {"maximum", CastRule::Promote}, {"minimum", CastRule::Promote}, {"where", CastRule::Promote},
     {"cat", CastRule::Promote}, {"stack", CastRule::Promote},
@@ -120,8 +120,9 @@ DType target_dtype(CastRule rule, DType widest_floating);  // the dtype inputs a
 Tensor cast(const Tensor& t, DType target);  // floating, non-float64 tensors only; parameter casts cached
 void trace(const char* op, CastRule rule, const std::vector<DType>& inputs, const std::vector<DType>& outputs);
 
-// The widest floating dtype among the inputs with dims, or among the 0-d ones where there are none: a 0-d tensor beside
-// a tensor with dims is read as a number is (promote_types with zero_dim flags), so float16 * 0-d float32 stays float16.
+// The widest floating dtype among the inputs with dims, or among the 0-d ones where there are none: a 0-d tensor
+// beside a tensor with dims is read as a number is (promote_types with zero_dim flags): float16 * 0-d float32 stays
+// float16.
 struct Widest {
   DType with_dims = kFloat32, zero_dim = kFloat32;
   bool any_with_dims = false, any_zero_dim = false;

@@ -113,16 +113,17 @@ template <typename Fn> decltype(auto) dispatch_floating(DType t, const char* op,
 }
 #undef HG_DTYPE_CASE
 
+[[noreturn]] void throw_scalar_out_of_range(uint64_t v);  // a number Scalar's int64 cannot hold
+
 // A number given where a tensor could be (x + 2, clamp(x, 0, 6)). Like PyTorch's "wrapped numbers", a
 // scalar only decides the result dtype when it is of a higher category than the tensor: float32 + 2.5 is
 // float32, int64 + 2.5 is float32 (the default float dtype), float16 * 2 is float16.
-[[noreturn]] void throw_scalar_out_of_range(uint64_t v);  // a number Scalar's int64 cannot hold
-
 class Scalar {
  public:
   Scalar(double v) : value_(v), kind_(Kind::Floating) {}
   Scalar(float v) : value_(v), kind_(Kind::Floating) {}
-  // Any integer type (int, int64_t, size_t, long long, unsigned); an unsigned value past int64's range is refused.
+  Scalar(int v) : value_(v), ivalue_(v), kind_(Kind::Integral) {}  // also what an unscoped enum converts through
+  // Any other integer type (int64_t, size_t, long long, unsigned); an unsigned value past int64's range is refused.
   template <std::integral T>
     requires(!std::is_same_v<T, bool>)
   Scalar(T v) : value_(double(v)), ivalue_(int64_t(v)), kind_(Kind::Integral) {

@@ -252,7 +252,8 @@ template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
   check_defined(name, {self, other});
   bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
-  DType common = binary_compute_dtype(op, promote_types(self.dtype(), self.dim() == 0, other.dtype(), other.dim() == 0));
+  DType common =
+      binary_compute_dtype(op, promote_types(self.dtype(), self.dim() == 0, other.dtype(), other.dim() == 0));
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
   if (graph || common != self.dtype() || !device_ok ||
       broadcast_shapes(self.shape(), other.shape(), name) != self.shape() || overlaps_partially(self, other)) {
@@ -308,6 +309,10 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 Tensor div(const Tensor& a, const Tensor& b) {
   HG_AUTOCAST(div, a, b);
   return binary(BinaryOp::Div, a, b);
+}
+Tensor divided_by_count(const Tensor& g, int64_t count) {
+  if (!is_half(g.dtype())) return g.div(double(count));
+  return g.to(kFloat32).div(double(count)).to(g.dtype());
 }
 Tensor pow(const Tensor& base, const Tensor& exponent) {
   HG_AUTOCAST(pow, base, exponent);
@@ -564,8 +569,8 @@ Tensor& Tensor::operator=(const Scalar& value) && {
 Tensor& Tensor::fill_(const Scalar& value) {
   check_inplace(*this, "fill_", /*records=*/false);
   HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; {}", meta(),
-           is_leaf() ? "fill it under a NoGradGuard"
-                     : "autograd does not record fill_: make the new values out of place (where, full_like)");
+           "autograd does not record fill_: a parameter (or a view of one) is filled under a NoGradGuard, a computed "
+           "tensor's new values are made out of place (where, full_like)");
   HG_CHECK(fits_dtype(value, dtype()), "fill_: {} cannot be converted to {} without overflow", value.str(), meta());
   fill_kernel[device()](*this, value);
   return *this;

@@ -16,6 +16,9 @@ Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a + a
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a - alpha * b
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor div(const Tensor& a, const Tensor& b);  // true division: integers give floats
+// g / count, a mean's gradient, rounded once: a float16 or bfloat16 g is divided in float32, where a count past the
+// half dtype's range (70,000 in float16) stays a number, as PyTorch's float32 opmath reads it.
+Tensor divided_by_count(const Tensor& g, int64_t count);
 Tensor pow(const Tensor& base, const Tensor& exponent);
 Tensor pow(const Tensor& base, const Scalar& exponent);
 Tensor pow(const Scalar& base, const Tensor& exponent);

@@ -338,7 +338,7 @@ Tensor reduce_elements(const Tensor& loss, Reduction reduction) {
 
 // The incoming gradient of a reduced loss as a per-element factor (it broadcasts against the elements).
 Tensor element_gradient(const Tensor& g, Reduction reduction, int64_t count) {
-  return reduction == Reduction::Mean ? g.div(double(count)) : g;
+  return reduction == Reduction::Mean ? divided_by_count(g, count) : g;
 }
 
 // log(1 + z) for z in [0, 1], accurate for tiny z (Goldberg's trick: log(u) * z / (u - 1) with u = 1 + z

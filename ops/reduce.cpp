@@ -24,6 +24,7 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/coalesce.h"
+#include "ops/elementwise.h"
 
 namespace halfgrad {
 
@@ -290,7 +291,7 @@ Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
   // backward: as sum's, divided by the count.
   record("MeanBackward", {x}, {out},
          [mask = p.mask, keepdim, shape = x.shape(), count = p.reduced](const GradContext& g) -> TensorList {
-           return {unsqueeze_reduced(g[0].div(double(count)), mask, keepdim).expand(shape)};
+           return {unsqueeze_reduced(divided_by_count(g[0], count), mask, keepdim).expand(shape)};
          });
   return out;
 }

@@ -168,9 +168,11 @@ NamedTensors Optimizer::state_tensors() const {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
     out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
-    for (const OtherOption& o : other_options(g))
-      out.emplace_back(fmt::format("param_groups.{}.{}", g, o.name),
-                       o.flag ? scalar_tensor(o.value != 0, {.dtype = kBool}) : scalar_tensor(o.value, {.dtype = kFloat64}));
+    for (const OtherOption& o : other_options(g)) {
+      Tensor value = o.flag ? scalar_tensor(o.value != 0, {.dtype = kBool})
+                            : scalar_tensor(o.value, {.dtype = kFloat64});
+      out.emplace_back(fmt::format("param_groups.{}.{}", g, o.name), std::move(value));
+    }
     // Which parameters have state, so that a load can tell an entry that went missing from one never written.
     std::vector<int64_t> with_state;
     const std::vector<ParamState> none;
@@ -303,8 +305,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g)) {
       if (const OtherOption* o = other_option(g, parts[2])) {
         if (t.numel() != 1 || (o->flag ? t.dtype() != kBool : !t.is_floating_point())) {
-          errors.push_back(fmt::format("'{}' must be a one-element {} tensor, got {}", name, o->flag ? "bool" : "floating",
-                                       t.meta()));
+          errors.push_back(fmt::format("'{}' must be a one-element {} tensor, got {}", name,
+                                       o->flag ? "bool" : "floating", t.meta()));
         } else if (const double v = t.item<double>(); !std::isfinite(v)) {
           errors.push_back(fmt::format("'{}' is {}, not a finite number", name, v));
         } else if (o->shapes_state && v != o->value) {

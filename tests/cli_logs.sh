@@ -71,7 +71,8 @@ grep -q 'bench --with-pytorch: tools/bench_torch.py times PyTorch on cuda:0 only
 "$halfgrad" bench resnet --device cpu --seed 3 --models no_such_model > seed.log 2>&1 && fail "ran"
 grep -q 'bench: --seed is for trained runs (--epochs N)' seed.log || { cat seed.log; fail "--seed without --epochs"; }
 "$halfgrad" bench resnet --device cpu --torch-compile --models no_such_model > compile.log 2>&1 && fail "ran"
-grep -q 'bench: --torch-compile is a setting of PyTorch' compile.log || { cat compile.log; fail "--torch-compile alone"; }
+grep -q 'bench: --torch-compile is a setting of PyTorch' compile.log ||
+  { cat compile.log; fail "--torch-compile alone"; }
 "$halfgrad" bench lm --device cpu --max-batch 64 --models no_such_model > maxb.log 2>&1 && fail "ran"
 grep -q 'bench: --max-batch is the max-batch suite' maxb.log || { cat maxb.log; fail "--max-batch outside max-batch"; }
 # launch's grace period is a count of milliseconds inside: a value past a day is refused, not overflowed into none.

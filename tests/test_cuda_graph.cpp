@@ -177,9 +177,9 @@ TEST_CASE("cuda graph: replays follow the learning rate a scheduler sets between
   CHECK(testing::values(w) == std::vector<double>{-1.25, -1.25, -1.25});
   // The other options were captured with the kernels: a change (a loaded state's) is refused, not ignored.
   sgd.groups()[0].options.weight_decay = 0.1;
-  CHECK_THROWS_WITH_AS(graph.replay(), doctest::Contains("SGD: group 0 was captured in a CUDA graph with weight_decay 0, "
-                                                         "dampening 0, nesterov false, and now has 0.1, 0, false"),
-                       Error);
+  CHECK_THROWS_WITH_AS(graph.replay(),
+                       doctest::Contains("SGD: group 0 was captured in a CUDA graph with weight_decay 0, dampening 0, "
+                                         "nesterov false, and now has 0.1, 0, false"), Error);
   sgd.groups()[0].options.weight_decay = 0;
   graph.replay();
   CHECK(testing::values(w) == std::vector<double>{-1.5, -1.5, -1.5});

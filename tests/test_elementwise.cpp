@@ -220,7 +220,7 @@ TEST_CASE("pow of integers refuses negative integer exponents; x^0.5 and x^-0.5 
   }
 }
 
-TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's rule; infinities and wrapping uint8 pass") {
+TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's rule; infinities, a wrapping uint8 pass") {
   CHECK_THROWS_WITH_AS(full({1}, 300, {.dtype = kUInt8}), doctest::Contains("full: 300 cannot be converted to uint8 "
                                                                            "without overflow"), Error);
   Tensor half = zeros({2}, {.dtype = kFloat16});
@@ -239,14 +239,19 @@ TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's r
   CHECK(values(zeros({1}, {.dtype = kBool}).fill_(7)) == std::vector<double>{1});
   CHECK(values(full({1}, int64_t(INT64_MAX), {.dtype = kInt64})) == std::vector<double>{double(INT64_MAX)});
   CHECK_THROWS_WITH_AS(full({1}, 255.5, {.dtype = kUInt8}), doctest::Contains("255.5 cannot be converted"), Error);
-  CHECK_THROWS_WITH_AS(full({1}, -1.0, {.dtype = kUInt8}), doctest::Contains("-1 cannot be converted"), Error);  // no wrap
+  // a float does not wrap, as an integer does
+  CHECK_THROWS_WITH_AS(full({1}, -1.0, {.dtype = kUInt8}), doctest::Contains("-1 cannot be converted"), Error);
   // A number beside a tensor is an operand, not a write: it becomes what the cast gives, as PyTorch's wrapped numbers.
   const Tensor h = ones({2}, {.dtype = kFloat16});
   CHECK(values(h * 1e6) == std::vector<double>{INFINITY, INFINITY});
   CHECK(values(where(h.gt(2), h, -1e9)) == std::vector<double>{-INFINITY, -INFINITY});
-  Tensor many = ones({70000}, {.dtype = kFloat16, .requires_grad = true});
-  many.mean().backward();  // the backward divides by 70000, past float16's range
-  CHECK(many.grad().dtype() == kFloat16);
+  for (DType dt : {kFloat16, kBFloat16}) {  // a mean's gradient is divided in float32 (70000 is inf in float16)
+    Tensor many = ones({70000}, {.dtype = dt, .requires_grad = true});
+    many.mean().backward();
+    CHECK(many.grad().dtype() == dt);
+    CHECK(values(many.grad())[69999] == values(scalar_tensor(1.0 / 70000).to(dt))[0]);
+    CHECK(values(many.grad())[0] > 0);
+  }
 }
 
 TEST_CASE("integer and bool ops") {

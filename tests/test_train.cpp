@@ -150,14 +150,16 @@ TEST_CASE("train_classifier --resume continues bit for bit: 2 epochs straight eq
   // the uninterrupted run.
   other.resume = dir.file("after_epoch_1.safetensors");
   other.lr = 0.5;
-  CHECK(contains(error_of([&] { train::train_classifier(other); }), "the checkpoint's run had lr 0.05, this one has 0.5"));
+  CHECK(contains(error_of([&] { train::train_classifier(other); }),
+                 "the checkpoint's run had lr 0.05, this one has 0.5"));
   other.lr = 0.05;
   other.weight_decay = 0.1;
   CHECK(contains(error_of([&] { train::train_classifier(other); }),
                  "the checkpoint's run had weight_decay 0.0005, this one has 0.1"));
   // A checkpoint written before those settings were recorded resumes, taking this run's as the same.
   nn::TrainingCheckpoint older = nn::load_training_checkpoint(dir.file("after_epoch_1.safetensors"));
-  for (const char* key : {"lr", "momentum", "weight_decay", "nesterov", "pct_start", "div_factor", "half", "world_size"})
+  for (const char* key :
+       {"lr", "momentum", "weight_decay", "nesterov", "pct_start", "div_factor", "half", "world_size"})
     older.metadata.erase(key);
   nn::save_training_checkpoint(dir.file("older.safetensors"), older);
   train::ClassifierConfig from_older = other;
@@ -262,9 +264,29 @@ TEST_CASE("train_classifier stopped within an epoch writes where it stopped, and
   nn::save_training_checkpoint(dir.file("bad.safetensors"), bad);
   CHECK(contains(error_of([&] { train::train_classifier(broken); }),
                  "bad.safetensors: the checkpoint's epoch.correct is float32[] cpu, where the run keeps int64 []"));
+  // A stop during an epoch's last batch, here a smaller one (40 images in batches of 16): resumed as any other.
+  train::ClassifierConfig sixteen = straight;
+  sixteen.batch_size = 16;
+  sixteen.train_checkpoint = dir.file("sixteen.safetensors");
+  const auto sixteen_all = train::train_classifier(sixteen);
+  train::ClassifierConfig last = sixteen;
+  last.train_checkpoint = dir.file("last_batch.safetensors");
+  last.log_interval = 1;
+  train::train_classifier(last, {}, [](const train::ClassifierProgress& p) {
+    if (p.epoch == 0 && p.batch == 3) train::request_stop();
+  });
+  train::clear_stop();
+  CHECK(nn::load_training_checkpoint(last.train_checkpoint).metadata.at("seen") == "40");
+  last.resume = last.train_checkpoint;
+  last.train_checkpoint = "";
+  last.log_interval = 0;
+  const auto last_rest = train::train_classifier(last);
+  REQUIRE(last_rest.size() == 2);
+  CHECK(last_rest[0].train_loss == sixteen_all[0].train_loss);
+  CHECK(last_rest[1].test_loss == sixteen_all[1].test_loss);
   // A position that is no place in this run's epochs: images, batch or step that do not agree, a batch past the end.
   for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
-           {"seen", "0"}, {"seen", "100000"}, {"batch", "0"}, {"batch", "5"}}) {
+           {"seen", "0"}, {"seen", "100000"}, {"batch", "0"}, {"batch", "5"}, {"batch", "6"}}) {
     CAPTURE(key);
     CAPTURE(value);
     bad = at_stop;
@@ -332,7 +354,8 @@ TEST_CASE("train_classifier stops at the first test loss that is not finite, bef
     train::train_classifier(config, [&](const train::EpochStats& s) { reported.push_back(s.test_loss); });
   });
   CHECK(contains(error, "train-classifier: the test loss after epoch 1 is "));
-  CHECK(contains(error, "the model diverged (a lower --lr may help); stopped. This run wrote no training checkpoint to "));
+  CHECK(contains(error,
+                 "the model diverged (a lower --lr may help); stopped. This run wrote no training checkpoint to "));
   REQUIRE(reported.size() == 1);  // the diverged epoch is reported (a log's last line), and no more are trained
   CHECK(!std::isfinite(reported[0]));
   std::ifstream in(checkpoint);

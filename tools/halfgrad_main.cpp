@@ -97,7 +97,7 @@ class LogFile {
     if (path_.empty()) return;
     HG_CHECK(!std::filesystem::is_directory(path_), "{}: {} {} is a folder", command_, option_, path_);
     std::error_code ec;
-    created_ = !std::filesystem::exists(path_, ec);
+    created_ = !std::filesystem::exists(std::filesystem::symlink_status(path_, ec));  // a dangling link exists
     std::ofstream probe(path_, std::ios::app);  // creates a missing file, keeps an existing one whole
     HG_CHECK(probe.good(), "{}: cannot write {} {} (a missing folder, or no permission?)", command_, option_, path_);
   }

@@ -245,7 +245,7 @@ static_assert(std::atomic<bool>::is_always_lock_free);
 // What a resumed classifier run must share with the run that wrote its checkpoint: the schedule spans every epoch's
 // steps, and the data order and augmentation follow the seed.
 Metadata classifier_run(const ClassifierConfig& c) {
-  return {{"model", c.model},
+  Metadata run{{"model", c.model},
           {"dataset", c.dataset},
           {"opt_level", amp::opt_level_name(c.opt_level)},
           {"epochs", std::to_string(c.epochs)},
@@ -254,13 +254,18 @@ Metadata classifier_run(const ClassifierConfig& c) {
           {"seed", std::to_string(c.seed)},
           {"limit_train", std::to_string(c.limit_train)},
           {"lr", fmt::format("{}", c.lr)},
-          {"momentum", fmt::format("{}", c.momentum)},
           {"weight_decay", fmt::format("{}", c.weight_decay)},
           {"nesterov", c.nesterov ? "true" : "false"},
-          {"pct_start", fmt::format("{}", c.pct_start)},
-          {"div_factor", fmt::format("{}", c.div_factor)},
-          {"half", dtype_name(c.half_dtype)},
           {"world_size", std::to_string(c.group ? c.group->size() : 1)}};
+  // Those the run uses only: onecycle cycles the momentum itself, O0 has no half dtype.
+  if (c.schedule == "onecycle") {
+    run["pct_start"] = fmt::format("{}", c.pct_start);
+    run["div_factor"] = fmt::format("{}", c.div_factor);
+  } else {
+    run["momentum"] = fmt::format("{}", c.momentum);
+  }
+  if (c.opt_level != amp::OptLevel::O0) run["half"] = dtype_name(c.half_dtype);
+  return run;
 }
 
 // The settings a checkpoint has recorded since 2026-12-05: one written before, without them, is taken (with a
@@ -610,13 +615,14 @@ std::vector<EpochStats> train_classifier(const ClassifierConfig& c, const std::f
       resumed.batches = metadata_count(ck, "batch", c.resume);
       resumed.seen = metadata_count(ck, "seen", c.resume);
     }
-    // Where it stopped must be a place in this run's epochs: the batches before it were whole (only an epoch's last
-    // may be smaller), and the step counts every batch before it (the schedule's position).
-    HG_CHECK(resumed.batches < steps_per_epoch && resumed.seen == resumed.batches * c.batch_size &&
+    // Where it stopped must be a place in this run's epochs: whole batches before it (an epoch's last may be smaller:
+    // a stop after it is one too), and the step counts every batch before it (the schedule's position).
+    const int64_t images = train_loader.samples_per_epoch();
+    HG_CHECK(resumed.batches <= steps_per_epoch && resumed.seen == std::min(resumed.batches * c.batch_size, images) &&
                  ck.step == ck.epoch * steps_per_epoch + resumed.batches,
              "train: --resume {}: the checkpoint stopped at step {}, after batch {} ({} images) of epoch {}, which is "
-             "no place in this run: its epochs have {} batches of {} images", c.resume, ck.step, resumed.batches,
-             resumed.seen, ck.epoch + 1, steps_per_epoch, c.batch_size);
+             "no place in this run: its epochs have {} batches of {} images, {} in all", c.resume, ck.step,
+             resumed.batches, resumed.seen, ck.epoch + 1, steps_per_epoch, c.batch_size, images);
     if (schedule) schedule->set_step(ck.step);
     if (ck.metadata.count("batch")) {
       resumed.loss_sum = named_sum(ck.extra, "epoch.loss_sum", c.resume, {}, false).to(c.device);
@@ -1079,6 +1085,11 @@ LanguageModelResult train_language_model(const LanguageModelConfig& c,
     // no best model to test. What the earlier epochs gave stays: the saved best model, the last training checkpoint.
     // A NaN is named "nan" whatever its sign bit (fmt writes "-nan" for some, and which one a CPU's vector code
     // produces differs: the GPU machine's AVX-512 host gave "-nan" where this AVX2 one gave "nan").
+    if (!std::isfinite(s.valid_loss) && !best_saved && std::isfinite(best_valid) && !c.checkpoint.empty() &&
+        rank == 0) {  // a resumed run's best, the checkpoint's: into --save before the error says it is there
+      model.load_state_dict(best_state);
+      models::save_language_model(model, corpus.vocab, c.checkpoint);
+    }
     HG_CHECK(std::isfinite(s.valid_loss),
              "train-lm: the validation loss after epoch {} is {}: the model diverged (a lower --lr or --clip may "
              "help); stopped. {}",
