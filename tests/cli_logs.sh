@@ -20,6 +20,9 @@ grep -q 'load_corpus: no_such_corpus/train.txt not found' missing.log || { cat m
 [[ $(cat keep.csv) == $'epoch,lr\n1,20' && $(cat keep.jsonl) == '{"event":"epoch"}' ]] || fail "the logs were changed"
 "$halfgrad" train-lm --data-dir no_such_corpus --csv new.csv --jsonl new.jsonl > new.log 2>&1 && fail "ran"
 [[ ! -e new.csv && ! -e new.jsonl ]] || fail "a failed run left empty logs behind"
+ln -sf no_such_target dangling.csv  # a link to nothing yet: the link is the user's, and stays
+"$halfgrad" train-lm --data-dir no_such_corpus --csv dangling.csv > dangling.log 2>&1 && fail "ran"
+[[ -L dangling.csv ]] || fail "a failed run removed a --csv symlink it did not create"
 
 printf 'a checkpoint' > run.safetensors
 "$halfgrad" train-lm --emsize 8 --nhid 8 --resume run.safetensors --csv ./run.safetensors > same.log 2>&1 && fail "ran"

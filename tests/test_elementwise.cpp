@@ -254,6 +254,18 @@ TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's r
   }
 }
 
+namespace {
+enum Small { kThree = 3 };  // an unscoped enum, as C code's constants
+}  // namespace
+
+TEST_CASE("a number of any integer type, or an unscoped enum, is a Scalar") {
+  const Tensor x = tensor<double>({1, 2});
+  CHECK(values(x * kThree) == std::vector<double>{3, 6});
+  CHECK(values(x * size_t(2)) == std::vector<double>{2, 4});
+  CHECK(values(x + (long long)-1) == std::vector<double>{0, 1});
+  CHECK(values(x * uint8_t(4)) == std::vector<double>{4, 8});
+}
+
 TEST_CASE("integer and bool ops") {
   Tensor i = tensor(std::vector<int32_t>{-3, 0, 5});
   CHECK(values(i.abs()) == std::vector<double>{3, 0, 5});
