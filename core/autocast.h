@@ -22,7 +22,8 @@ enum class CastRule {
   Float32,         // run in float32: ops whose range or accuracy float16 cannot hold
   Float32Math,     // as Float32, without the float32 copy: the op takes float16/bfloat16 inputs as they are, widens
                    // each element as it reads it, and returns float32 (it asks amp::result_dtype)
-  Promote,         // run in the widest floating dtype among the inputs (0-d ones only where all are): mixed binary ops
+  Promote,         // run in the widest floating dtype among the inputs (a 0-d one counts where no floating input has
+                   // dims): mixed binary ops
   Unchanged,       // run in whatever dtype arrives
 };
 const char* rule_name(CastRule rule);

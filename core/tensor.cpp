@@ -188,7 +188,7 @@ Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, Tensor
              start.str(), end.str(), step.str(), double(count));
     values = empty({int64_t(count)}, {.dtype = kInt64});
     int64_t* v = values.data<int64_t>();
-    for (int64_t i = 0; i < int64_t(count); ++i) v[i] = start.to_int() + i * step.to_int();
+    for (int64_t i = 0; i < int64_t(count); ++i) v[i] = int64_t(start.to_int() + __int128(i) * step.to_int());
   } else {
     if (!(std::isfinite(first) && std::isfinite(last) && std::isfinite(by) && by != 0 && (last - first) / by >= 0))
       refuse();

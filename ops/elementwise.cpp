@@ -314,6 +314,10 @@ Tensor divided_by_count(const Tensor& g, int64_t count) {
   if (!is_half(g.dtype())) return g.div(double(count));
   return g.to(kFloat32).div(double(count)).to(g.dtype());
 }
+Tensor scaled_once(const Tensor& g, double factor) {
+  if (!is_half(g.dtype())) return g.mul(factor);
+  return g.to(kFloat32).mul(factor).to(g.dtype());
+}
 Tensor pow(const Tensor& base, const Tensor& exponent) {
   HG_AUTOCAST(pow, base, exponent);
   return binary(BinaryOp::Pow, base, exponent);

@@ -16,9 +16,11 @@ Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a + a
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha = 1);  // a - alpha * b
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor div(const Tensor& a, const Tensor& b);  // true division: integers give floats
-// g / count, a mean's gradient, rounded once: a float16 or bfloat16 g is divided in float32, where a count past the
-// half dtype's range (70,000 in float16) stays a number, as PyTorch's float32 opmath reads it.
+// A gradient's g / count (a mean's) and g * factor (2 / count: a squared error's), rounded once: a float16 or bfloat16
+// g is computed in float32, where a count or factor out of the half dtype's range (70,000 past float16's largest,
+// 2 / 70,000 below its normals) stays what it is, as PyTorch's float32 opmath reads it.
 Tensor divided_by_count(const Tensor& g, int64_t count);
+Tensor scaled_once(const Tensor& g, double factor);
 Tensor pow(const Tensor& base, const Tensor& exponent);
 Tensor pow(const Tensor& base, const Scalar& exponent);
 Tensor pow(const Scalar& base, const Tensor& exponent);

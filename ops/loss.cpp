@@ -70,7 +70,7 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
          [diff, reduction, count = input.numel()](const GradContext& ctx) -> TensorList {
            // diff is our own intermediate, which nothing else can write to: no SavedTensor needed.
            double scale = reduction == Reduction::Mean ? 2.0 / double(count) : 2.0;
-           Tensor grad = diff.mul(ctx[0]).mul(scale);  // ctx[0] is 0-d for mean/sum: broadcasts
+           Tensor grad = scaled_once(diff.mul(ctx[0]), scale);  // ctx[0] is 0-d for mean/sum: broadcasts
            Tensor grad_input = ctx.needs(0) ? grad : Tensor();
            Tensor grad_target = ctx.needs(1) ? grad.neg() : Tensor();
            return {grad_input, grad_target};

@@ -312,7 +312,7 @@ Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
            const Tensor& xs = saved_x.get();
            const double scale = 2.0 / double(std::max<int64_t>(0, count - correction));
            Tensor deviation = xs.sub(xs.mean(reduced_dims(mask), /*keepdim=*/true));
-           return {deviation.mul(unsqueeze_reduced(g[0], mask, keepdim)).mul(scale)};
+           return {scaled_once(deviation.mul(unsqueeze_reduced(g[0], mask, keepdim)), scale)};
          });
   return out;
 }
@@ -350,7 +350,7 @@ Tensor picked_gradient(const Tensor& g, const Tensor& indices, int64_t dim, bool
   Tensor index_kept = keepdim ? indices : indices.unsqueeze(dim);
   Shape positions_shape(shape.size(), 1);
   positions_shape[size_t(dim)] = shape[size_t(dim)];
-  Tensor positions = arange(double(shape[size_t(dim)]), {.dtype = kInt64, .device = g.device()}).view(positions_shape);
+  Tensor positions = arange(shape[size_t(dim)], {.dtype = kInt64, .device = g.device()}).view(positions_shape);
   return positions.eq(index_kept).to(g.dtype()).mul(g_kept);
 }
 

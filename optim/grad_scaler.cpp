@@ -28,6 +28,11 @@ void check_scale(double scale, const char* where) {
            "GradScaler{}: invalid scale {} (the scale and its inverse are float32: both positive and finite there, "
            "so the scale lies in (2.9e-39, 3.4e38])", where, scale);
 }
+
+// In float32, as the scale is kept and clamped: a scale at min_scale reads back rounded to float32, and loads again.
+bool within_bounds(double scale, const GradScalerOptions& o) {
+  return float(o.min_scale) <= float(scale) && float(scale) <= float(o.max_scale);
+}
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
@@ -38,7 +43,7 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   HG_CHECK(options.growth_interval > 0, "GradScaler: growth_interval must be positive, got {}", options.growth_interval);
   check_scale(options.min_scale, " (min_scale)");
   check_scale(options.max_scale, " (max_scale)");
-  HG_CHECK(options.min_scale <= options.init_scale && options.init_scale <= options.max_scale,
+  HG_CHECK(within_bounds(options.init_scale, options),
            "GradScaler: init_scale {} outside [min_scale {}, max_scale {}]", options.init_scale, options.min_scale,
            options.max_scale);
   pending_.scale = options.init_scale;
@@ -240,8 +245,7 @@ int64_t GradScaler::skipped_steps() const { return skipped_.defined() ? skipped_
 
 void GradScaler::load_state(const GradScalerState& state) {
   check_scale(state.scale, "::load_state");
-  // In float32, as the scale is kept and clamped (a scale at min_scale reads back rounded to float32)
-  HG_CHECK(float(options_.min_scale) <= float(state.scale) && float(state.scale) <= float(options_.max_scale),
+  HG_CHECK(within_bounds(state.scale, options_),
            "GradScaler::load_state: scale {} outside [min_scale {}, max_scale {}], where dynamic scaling keeps it",
            state.scale, options_.min_scale, options_.max_scale);
   HG_CHECK(state.growth_tracker >= 0 && state.growth_tracker < options_.growth_interval,

@@ -36,12 +36,12 @@ class ProcessGroup;
 namespace halfgrad::amp {
 
 struct GradScalerOptions {
-  double init_scale = 65536.0;  // 2^16; at most float32's largest finite value
+  double init_scale = 65536.0;  // 2^16; within [min_scale, max_scale]
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
   // The floor and the ceiling of a dynamic scale. Without a floor, ~150 overflowing steps in a row take the scale
-  // below float32's smallest normal number, 1/scale overflows, and every later step is skipped however clean (the
+  // to 2^-128 or below, where 1/scale overflows float32, and every later step is skipped however clean (the
   // scaler wedges); at the floor overflowing steps are still skipped, and the scaler warns once (at its next periodic
   // check, within 100 updates). Both leave a run that never gets near them as PyTorch's GradScaler (which has neither)
   // runs it; a grown scale that is not finite in float32 is not taken either, as PyTorch's.

@@ -252,6 +252,11 @@ TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's r
     CHECK(values(many.grad())[69999] == values(scalar_tensor(1.0 / 70000).to(dt))[0]);
     CHECK(values(many.grad())[0] > 0);
   }
+  // A squared error's 2 / count too: rounded to float16 first (a subnormal, 479 x 2^-24), it was 0.08% off, which a
+  // gradient of 1000 x that factor shows (0.028549 for 0.028571).
+  Tensor input = full({70000}, 1000.0, {.dtype = kFloat16, .requires_grad = true});
+  mse_loss(input, zeros({70000}, {.dtype = kFloat16})).backward();
+  CHECK(values(input.grad())[0] == doctest::Approx(2000.0 / 70000).epsilon(4e-4));
 }
 
 namespace {

@@ -684,7 +684,7 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
   CHECK(opt.state_tensors().size() == 7);  // lr, momentum, beta2, eps, weight_decay, amsgrad, with_state (empty)
 }
 
-TEST_CASE("loading state refuses an lr or momentum that is not finite, or that the optimizer's constructor refuses") {
+TEST_CASE("loading state refuses an option that is not finite, or that the optimizer's constructor refuses") {
   Tensor w = ones({3}, {.requires_grad = true});
   optim::SGD sgd({w}, {.lr = 0.1, .momentum = 0.9, .nesterov = true});
   optim::Adam adam({w}, {.lr = 0.1});

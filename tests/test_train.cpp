@@ -345,7 +345,7 @@ TEST_CASE("train_classifier stops at the first test loss that is not finite, bef
   write_cifar10(dir.file("test_batch.bin"), 8, 9);
   const std::string checkpoint = dir.file("last.safetensors");
   { std::ofstream(checkpoint) << "an earlier run's checkpoint"; }
-  // lr 1e30 on float16 weights (O3): the first update overflows them, as train-lm's case above.
+  // lr 1e30 on float16 weights (O3): the first update overflows them, as in train-lm's case below.
   const train::ClassifierConfig config{.model = "vgg11", .data_dir = dir.path, .epochs = 3, .batch_size = 8,
                                        .lr = 1e30, .opt_level = amp::OptLevel::O3, .workers = 0, .seed = 5,
                                        .train_checkpoint = checkpoint};

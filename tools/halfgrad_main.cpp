@@ -97,16 +97,22 @@ class LogFile {
     if (path_.empty()) return;
     HG_CHECK(!std::filesystem::is_directory(path_), "{}: {} {} is a folder", command_, option_, path_);
     std::error_code ec;
-    created_ = !std::filesystem::exists(std::filesystem::symlink_status(path_, ec));  // a dangling link exists
+    created_ = !std::filesystem::exists(path_, ec);  // through a link: a dangling one's target is created
     std::ofstream probe(path_, std::ios::app);  // creates a missing file, keeps an existing one whole
     HG_CHECK(probe.good(), "{}: cannot write {} {} (a missing folder, or no permission?)", command_, option_, path_);
   }
-  // A file the probe created and no line reached (the run failed first) goes again: a failed run leaves no log.
+  // A file the probe created and no line reached (the run failed first) goes again: a failed run leaves no log. Where
+  // the path is a link (the user's, which stays), the file is at its end.
   ~LogFile() {
+    if (!created_ || out_.is_open()) return;
     std::error_code ec;
-    if (created_ && !out_.is_open() && std::filesystem::is_regular_file(path_, ec) &&
-        std::filesystem::file_size(path_, ec) == 0 && !ec)
-      std::filesystem::remove(path_, ec);
+    std::filesystem::path file = path_;
+    if (std::filesystem::is_symlink(file, ec)) {
+      const std::filesystem::path target = std::filesystem::read_symlink(file, ec);
+      file = target.is_absolute() ? target : file.parent_path() / target;
+    }
+    if (std::filesystem::is_regular_file(file, ec) && std::filesystem::file_size(file, ec) == 0 && !ec)
+      std::filesystem::remove(file, ec);
   }
   LogFile(const LogFile&) = delete;
   LogFile& operator=(const LogFile&) = delete;
@@ -958,8 +964,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}: {}\n", program_name(), e.what());
     return 1;
   }
-  // What went to standard output (generate's text, bench's table) must have reached it: a full disk or a closed pipe
-  // is a failure, not a success with the output lost.
+  // What went to standard output (generate's text, bench's table) must have reached it: a full disk is a failure,
+  // not a success with the output lost. (A closed pipe ends the process with SIGPIPE first, as other tools.)
   std::cout.flush();
   const bool flushed = std::fflush(stdout) == 0;
   const int flush_error = errno;

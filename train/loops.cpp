@@ -753,7 +753,7 @@ nn::RecurrentKind recurrent_kind(const std::string& name) {
 
 // What a resumed language-model run must share with the run that wrote its checkpoint.
 Metadata language_model_run(const LanguageModelConfig& c) {
-  return {{"rnn", c.rnn},
+  Metadata run{{"rnn", c.rnn},
           {"data_dir", c.data_dir.string()},
           {"embedding_size", std::to_string(c.embedding_size)},
           {"hidden_size", std::to_string(c.hidden_size)},
@@ -765,13 +765,14 @@ Metadata language_model_run(const LanguageModelConfig& c) {
           {"bptt", std::to_string(c.bptt)},
           {"clip", fmt::format("{}", c.clip)},
           {"opt_level", amp::opt_level_name(c.opt_level)},
-          {"half", dtype_name(c.half_dtype)},
           {"seed", std::to_string(c.seed)},
           {"limit_tokens", std::to_string(c.limit_tokens)},
           {"dry_run", c.dry_run ? "true" : "false"},
           {"lr", fmt::format("{}", c.lr)},
           {"eval_batch_size", std::to_string(c.eval_batch_size)},
           {"world_size", std::to_string(c.group ? c.group->size() : 1)}};
+  if (c.opt_level != amp::OptLevel::O0) run["half"] = dtype_name(c.half_dtype);  // used at O1-O3 only
+  return run;
 }
 
 Tensor first_tokens(const Tensor& ids, int64_t n) { return n > 0 && n < ids.size(0) ? ids.narrow(0, 0, n) : ids; }
