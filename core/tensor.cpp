@@ -175,11 +175,17 @@ Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Device dev
   return device.is_cpu() ? t : t.to(device);
 }
 
+namespace {
+bool all_integers(const Scalar& start, const Scalar& end, const Scalar& step) {
+  return !start.is_floating() && !end.is_floating() && !step.is_floating();
+}
+}  // namespace
+
 Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, TensorOptions options) {
   const double first = start.to_double(), last = end.to_double(), by = step.to_double();
   auto refuse = [&] { HG_FAIL("arange: cannot go from {} to {} in steps of {}", start.str(), end.str(), step.str()); };
   Tensor values;  // a size no memory holds fails at its allocation, as any does
-  if (!start.is_floating() && !end.is_floating() && !step.is_floating() && !is_floating(options.dtype)) {
+  if (all_integers(start, end, step) && !is_floating(options.dtype)) {
     // in int64, exactly: a double holds 53 bits
     const __int128 span = __int128(end.to_int()) - start.to_int(), by_int = step.to_int();
     if (by_int == 0 || (span != 0 && (span > 0) != (by_int > 0))) refuse();
@@ -205,8 +211,7 @@ Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, Tensor
 }
 
 Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step) {
-  const bool integral = !start.is_floating() && !end.is_floating() && !step.is_floating();
-  return arange(start, end, step, {.dtype = integral ? kInt64 : kDefaultFloat});
+  return arange(start, end, step, {.dtype = all_integers(start, end, step) ? kInt64 : kDefaultFloat});
 }
 Tensor arange(const Scalar& end) { return arange(0, end, 1); }
 Tensor arange(const Scalar& end, TensorOptions options) { return arange(0, end, 1, options); }

@@ -77,6 +77,11 @@ void check_not_bool_arithmetic(BinaryOp op, DType common) {
            op_name(op));
 }
 
+// The dtype of an op on tensors a and b (promote_types with their 0-d flags: PyTorch's result_type).
+DType result_type(const Tensor& a, const Tensor& b) {
+  return promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
+}
+
 // A scalar operand as a 0-d CPU tensor of the compute dtype. A number the dtype cannot hold becomes what the cast gives
 // (1e6 in float16: inf; PyTorch's wrapped numbers alike): fill_'s overflow check is for values written into tensors.
 Tensor scalar_operand(const Scalar& s, DType dtype) {
@@ -126,7 +131,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   check_defined(op_name(op), {a, b});
-  DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
+  DType common = result_type(a, b);
   check_not_bool_arithmetic(op, common);
   Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
   if (is_predicate(op) || !any_requires_grad({&a, &b})) return out;
@@ -252,8 +257,7 @@ template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
   check_defined(name, {self, other});
   bool graph = GradMode::is_enabled() && (self.requires_grad() || other.requires_grad());
-  DType common =
-      binary_compute_dtype(op, promote_types(self.dtype(), self.dim() == 0, other.dtype(), other.dim() == 0));
+  DType common = binary_compute_dtype(op, result_type(self, other));
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
   if (graph || common != self.dtype() || !device_ok ||
       broadcast_shapes(self.shape(), other.shape(), name) != self.shape() || overlaps_partially(self, other)) {
@@ -278,7 +282,7 @@ namespace {
 // (an alpha would otherwise make sub(bool, bool) an int64 one).
 void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_defined(name, {a, b});
-  const DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
+  const DType common = result_type(a, b);
   check_not_bool_arithmetic(op, common);
   HG_CHECK(is_floating(common) || !alpha.is_floating(), "{}: alpha {:#} is a floating-point number, but {} and {} are "
            "integral, and so is their result: pass an integral alpha", name, alpha.to_double(), a.meta(),
@@ -294,7 +298,7 @@ Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   if (alpha.to_double() == 1) return binary(BinaryOp::Add, a, b);
   // Bool tensors add in bool, as PyTorch's: alpha counts as its truth value (an int alpha times a bool would
   // otherwise make the sum int64).
-  const bool bool_sum = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0) == kBool;
+  const bool bool_sum = result_type(a, b) == kBool;
   return binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, bool_sum ? Scalar(alpha.to_double() != 0) : alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
@@ -310,13 +314,17 @@ Tensor div(const Tensor& a, const Tensor& b) {
   HG_AUTOCAST(div, a, b);
   return binary(BinaryOp::Div, a, b);
 }
+namespace {
+// f(g), for a float16 or bfloat16 g in float32 and rounded back once.
+template <typename F> Tensor in_float32(const Tensor& g, F f) {
+  return is_half(g.dtype()) ? f(g.to(kFloat32)).to(g.dtype()) : f(g);
+}
+}  // namespace
 Tensor divided_by_count(const Tensor& g, int64_t count) {
-  if (!is_half(g.dtype())) return g.div(double(count));
-  return g.to(kFloat32).div(double(count)).to(g.dtype());
+  return in_float32(g, [&](const Tensor& t) { return t.div(double(count)); });
 }
 Tensor scaled_once(const Tensor& g, double factor) {
-  if (!is_half(g.dtype())) return g.mul(factor);
-  return g.to(kFloat32).mul(factor).to(g.dtype());
+  return in_float32(g, [&](const Tensor& t) { return t.mul(factor); });
 }
 Tensor pow(const Tensor& base, const Tensor& exponent) {
   HG_AUTOCAST(pow, base, exponent);
@@ -432,7 +440,7 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   check_same_device("where", condition, on_device);
   if (!a_scalar && !b_scalar) check_same_device("where", a, b);
   const Device device = condition.device();
-  DType common = promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
+  DType common = result_type(a, b);
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
   // The output takes the layout of the operand that has the output's shape (a, else b), as binary ops do.
   const Tensor& layout = a.shape() == shape ? a : b;
