@@ -33,16 +33,22 @@ void check_scale(double scale, const char* where) {
 bool within_bounds(double scale, const GradScalerOptions& o) {
   return float(o.min_scale) <= float(scale) && float(scale) <= float(o.max_scale);
 }
+
+// The constructor's checks of the options that move the scale, and load_state_tensors' of those a checkpoint brings
+// (`who` names the caller).
+void check_options(const GradScalerOptions& o, const char* who) {
+  HG_CHECK(o.growth_factor > 1, "{}: growth_factor must be > 1, got {}", who, o.growth_factor);
+  HG_CHECK(o.backoff_factor > 0 && o.backoff_factor < 1, "{}: backoff_factor must be in (0, 1), got {}", who,
+           o.backoff_factor);
+  HG_CHECK(o.growth_interval > 0, "{}: growth_interval must be positive, got {}", who, o.growth_interval);
+  check_scale(o.min_scale, " (min_scale)");
+  check_scale(o.max_scale, " (max_scale)");
+}
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  check_options(options, "GradScaler");
   check_scale(options.init_scale, " (init_scale)");
-  HG_CHECK(options.growth_factor > 1, "GradScaler: growth_factor must be > 1, got {}", options.growth_factor);
-  HG_CHECK(options.backoff_factor > 0 && options.backoff_factor < 1, "GradScaler: backoff_factor must be in (0, 1), got {}",
-           options.backoff_factor);
-  HG_CHECK(options.growth_interval > 0, "GradScaler: growth_interval must be positive, got {}", options.growth_interval);
-  check_scale(options.min_scale, " (min_scale)");
-  check_scale(options.max_scale, " (max_scale)");
   HG_CHECK(within_bounds(options.init_scale, options),
            "GradScaler: init_scale {} outside [min_scale {}, max_scale {}]", options.init_scale, options.min_scale,
            options.max_scale);
@@ -257,17 +263,45 @@ void GradScaler::load_state(const GradScalerState& state) {
   }
 }
 
+namespace {
+// The options a checkpoint keeps besides the state, as PyTorch's GradScaler.state_dict keeps growth_factor,
+// backoff_factor and growth_interval: those that decide how the scale moves from here. One of the pointers is set.
+struct SavedOption {
+  const char* name;
+  double* number = nullptr;
+  int64_t* integer = nullptr;
+  bool* flag = nullptr;
+  DType dtype() const { return number ? kFloat64 : integer ? kInt64 : kBool; }
+};
+std::vector<SavedOption> saved_options(GradScalerOptions& o) {
+  return {{"scaler.growth_factor", &o.growth_factor}, {"scaler.backoff_factor", &o.backoff_factor},
+          {"scaler.growth_interval", nullptr, &o.growth_interval}, {"scaler.min_scale", &o.min_scale},
+          {"scaler.max_scale", &o.max_scale}, {"scaler.dynamic", nullptr, nullptr, &o.dynamic}};
+}
+}  // namespace
+
 std::vector<std::pair<std::string, Tensor>> GradScaler::state_tensors() const {
   const GradScalerState s = state();
-  return {{"scaler.scale", scalar_tensor(s.scale, {.dtype = kFloat64})},
-          {"scaler.growth_tracker", scalar_tensor(s.growth_tracker, {.dtype = kInt64})}};
+  std::vector<std::pair<std::string, Tensor>> named = {
+      {"scaler.scale", scalar_tensor(s.scale, {.dtype = kFloat64})},
+      {"scaler.growth_tracker", scalar_tensor(s.growth_tracker, {.dtype = kInt64})}};
+  GradScalerOptions o = options_;
+  for (const SavedOption& f : saved_options(o)) {
+    const Scalar value = f.number ? Scalar(*f.number) : f.integer ? Scalar(*f.integer) : Scalar(*f.flag);
+    named.emplace_back(f.name, scalar_tensor(value, {.dtype = f.dtype()}));
+  }
+  return named;
 }
 
 void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named) {
   GradScalerState s;
+  GradScalerOptions o = options_;
+  std::vector<SavedOption> fields = saved_options(o);
+  std::vector<std::string> missing;
+  for (const SavedOption& f : fields) missing.push_back(f.name);
   int found = 0;
-  // As state_tensors() writes them: a 0-d float64 scale and a 0-d int64 tracker. Anything else is another file's
-  // (an int64 scale of 2^62 would otherwise load as a scale of 4.6e18).
+  // As state_tensors() writes them: 0-d tensors of one dtype each. Anything else is another file's (an int64 scale of
+  // 2^62 would otherwise load as a scale of 4.6e18).
   auto check = [](const std::string& name, const Tensor& t, DType dtype) {
     HG_CHECK(t.dim() == 0 && t.dtype() == dtype, "GradScaler::load_state_tensors: {} must be a 0-d {}, got {}", name,
              dtype_name(dtype), t.meta());
@@ -282,10 +316,29 @@ void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Ten
       s.growth_tracker = t.item<int64_t>();
       ++found;
     }
+    for (const SavedOption& f : fields) {
+      if (name != f.name) continue;
+      check(name, t, f.dtype());
+      if (f.number) *f.number = t.item<double>();
+      else if (f.integer) *f.integer = t.item<int64_t>();
+      else *f.flag = t.item<bool>();
+      std::erase(missing, name);
+    }
   }
   HG_CHECK(found == 2, "GradScaler::load_state_tensors: expected scaler.scale and scaler.growth_tracker, found {} of them",
            found);
-  load_state(s);
+  check_options(o, "GradScaler::load_state_tensors");
+  const GradScalerOptions previous = options_;
+  options_ = o;
+  try {
+    load_state(s);
+  } catch (...) {
+    options_ = previous;
+    throw;
+  }
+  if (!missing.empty())
+    logger().warn("GradScaler::load_state_tensors: the state has no {} (a file written before they were kept): this "
+                  "scaler's own values stay", fmt::join(missing, ", "));
 }
 
 void GradScaler::set_parameter_names(std::vector<std::pair<std::string, Tensor>> named) { names_ = std::move(named); }

@@ -89,10 +89,16 @@ class GradScaler {
 
   bool is_enabled() const { return options_.enabled; }
   void load_state(const GradScalerState& state);
-  // The state as named 0-d tensors for training checkpoints (nn/checkpoint.h's `extra`):
-  // "scaler.scale" (float64) and "scaler.growth_tracker" (int64).
+  const GradScalerOptions& options() const { return options_; }
+  // The state as named 0-d tensors for training checkpoints (nn/checkpoint.h's `extra`): "scaler.scale" (float64),
+  // "scaler.growth_tracker" (int64), and the options that decide how the scale moves on: "scaler.growth_factor",
+  // "scaler.backoff_factor", "scaler.min_scale", "scaler.max_scale" (float64), "scaler.growth_interval" (int64),
+  // "scaler.dynamic" (bool).
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
-  // Reads the entries state_tensors() wrote from a checkpoint's named tensors (others are ignored).
+  // Reads the entries state_tensors() wrote from a checkpoint's named tensors (others are ignored): the state, and the
+  // options, which replace this scaler's as PyTorch's load_state_dict does (a file without them keeps these, with a
+  // warning). All are checked before anything changes. A step already captured in a CUDA graph keeps the options it
+  // was captured with (they are its kernel's arguments): load before the first step.
   void load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named);
   // Data parallelism: the overflow flag is all-reduced (max) over `group` once unscale_ or clip_grad_norm_ has found
   // it, so every rank skips the same steps and keeps the same scale, even when the ranks' gradients differ (they do

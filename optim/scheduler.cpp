@@ -4,8 +4,104 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
+#include <variant>
+
+#include "core/log.h"
 
 namespace halfgrad::optim {
+
+namespace {
+// One option of a scheduler as a checkpoint keeps it, by its name in the options struct: numbers and flags as 0-d
+// tensors (float64, int64, bool), lists as 1-d ones (OneCycleLR's anneal_strategy as int64, 0 cos and 1 linear).
+struct OptionField {
+  const char* name;
+  std::variant<double*, int64_t*, bool*, OneCycleLROptions::Anneal*, std::vector<double>*, std::vector<int64_t>*> value;
+};
+
+std::vector<OptionField> fields_of(StepLROptions& o) { return {{"step_size", &o.step_size}, {"gamma", &o.gamma}}; }
+std::vector<OptionField> fields_of(MultiStepLROptions& o) {
+  return {{"milestones", &o.milestones}, {"gamma", &o.gamma}};
+}
+std::vector<OptionField> fields_of(CosineAnnealingLROptions& o) {
+  return {{"T_max", &o.T_max}, {"eta_min", &o.eta_min}};
+}
+std::vector<OptionField> fields_of(OneCycleLROptions& o) {
+  return {{"max_lr", &o.max_lr},
+          {"total_steps", &o.total_steps},
+          {"epochs", &o.epochs},
+          {"steps_per_epoch", &o.steps_per_epoch},
+          {"pct_start", &o.pct_start},
+          {"anneal_strategy", &o.anneal_strategy},
+          {"cycle_momentum", &o.cycle_momentum},
+          {"base_momentum", &o.base_momentum},
+          {"max_momentum", &o.max_momentum},
+          {"div_factor", &o.div_factor},
+          {"final_div_factor", &o.final_div_factor},
+          {"three_phase", &o.three_phase}};
+}
+std::vector<OptionField> fields_of(LinearWarmupOptions& o) {
+  return {{"warmup_steps", &o.warmup_steps}, {"start_factor", &o.start_factor}};
+}
+
+template <typename Options> NamedTensors encode(Options options) {
+  NamedTensors named;
+  for (const OptionField& f : fields_of(options)) {
+    Tensor t = std::visit(
+        [](auto* v) -> Tensor {
+          using T = std::remove_pointer_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, double>) return scalar_tensor(*v, {.dtype = kFloat64});
+          else if constexpr (std::is_same_v<T, int64_t>) return scalar_tensor(*v, {.dtype = kInt64});
+          else if constexpr (std::is_same_v<T, bool>) return scalar_tensor(*v, {.dtype = kBool});
+          else if constexpr (std::is_same_v<T, OneCycleLROptions::Anneal>)
+            return scalar_tensor(int64_t(*v == OneCycleLROptions::Anneal::Linear), {.dtype = kInt64});
+          else return tensor(*v);  // a list: float64 or int64
+        },
+        f.value);
+    named.emplace_back(f.name, std::move(t));
+  }
+  return named;
+}
+
+// `options` with the values of the entries of `named` that name its fields (each as encode writes it: refused
+// otherwise, naming the scheduler `who`); the caller checks the result as its constructor checks options.
+template <typename Options> Options decode(Options options, const NamedTensors& named, const char* who) {
+  std::vector<std::string> errors;
+  for (const OptionField& f : fields_of(options)) {
+    for (const auto& [name, value] : named) {
+      if (name != f.name) continue;
+      const Tensor& t = value;
+      std::visit(
+          [&](auto* v) {
+            using T = std::remove_pointer_t<decltype(v)>;
+            constexpr bool list = std::is_same_v<T, std::vector<double>> || std::is_same_v<T, std::vector<int64_t>>;
+            const DType dtype = std::is_same_v<T, double> || std::is_same_v<T, std::vector<double>> ? kFloat64
+                                : std::is_same_v<T, bool>                                         ? kBool
+                                                                                                  : kInt64;
+            if (!t.defined() || t.dim() != (list ? 1 : 0) || t.dtype() != dtype) {
+              errors.push_back(fmt::format("'{}' must be a {} {}, got {}", name, list ? "1-d" : "0-d",
+                                           dtype_name(dtype), t.defined() ? t.meta() : "an undefined tensor"));
+              return;
+            }
+            if constexpr (list) {
+              *v = to_vector<typename T::value_type>(t);
+            } else if constexpr (std::is_same_v<T, OneCycleLROptions::Anneal>) {
+              const int64_t code = t.item<int64_t>();
+              if (code != 0 && code != 1)
+                errors.push_back(fmt::format("'{}' is {}: 0 (cos) or 1 (linear)", name, code));
+              else *v = code == 1 ? OneCycleLROptions::Anneal::Linear : OneCycleLROptions::Anneal::Cos;
+            } else {
+              *v = t.item<T>();
+            }
+          },
+          f.value);
+    }
+  }
+  if (!errors.empty())
+    HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", who, errors.size(),
+            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
+  return options;
+}
+}  // namespace
 
 // ---- LRScheduler
 
@@ -34,15 +130,23 @@ void LRScheduler::set_step(int64_t n) {
 }
 
 NamedTensors LRScheduler::state_tensors() const {
-  return {{"last_step", scalar_tensor(last_step_, {.dtype = kInt64})}, {"base_lrs", tensor(base_lrs_)}};
+  NamedTensors state = {{"last_step", scalar_tensor(last_step_, {.dtype = kInt64})}, {"base_lrs", tensor(base_lrs_)}};
+  for (auto& entry : options_tensors()) state.push_back(std::move(entry));
+  return state;
 }
 
 void LRScheduler::load_state_tensors(const NamedTensors& state) {
   std::vector<std::string> errors;
   int64_t n = -1;
   std::vector<double> base_lrs = base_lrs_;  // a checkpoint written before base_lrs were saved keeps this scheduler's
+  const NamedTensors current_options = options_tensors();
+  NamedTensors options;
+  std::vector<std::string> missing;
+  for (const auto& [name, t] : current_options) missing.push_back(name);
   for (const auto& [name, t] : state) {
-    if (name == "base_lrs") {
+    if (std::erase(missing, name)) {
+      options.emplace_back(name, t);
+    } else if (name == "base_lrs") {
       if (!t.defined() || t.dim() != 1 || t.numel() != int64_t(base_lrs_.size()) || !t.is_floating_point()) {
         errors.push_back(fmt::format("'base_lrs' must be a floating tensor of {} values (one per group), got {}",
                                      base_lrs_.size(), t.defined() ? t.meta() : "an undefined tensor"));
@@ -66,24 +170,53 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
   if (!errors.empty())
     HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", name_, errors.size(),
             errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
+  load_options(options);  // checked: it throws before it changes anything
   // The base lrs of the run that saved it: a scheduler made after its optimizer's state was loaded took the decayed
   // lrs as its bases (PyTorch keeps them as each group's initial_lr).
   const std::vector<double> previous = base_lrs_;
   base_lrs_ = std::move(base_lrs);
   try {
-    set_step(n);
+    set_step(n);  // refused past OneCycleLR's last step
   } catch (...) {
     base_lrs_ = previous;
+    load_options(current_options);
     throw;
   }
+  if (!missing.empty())
+    logger().warn("{}: the state has no {} (a file written before the options were kept): this scheduler's stay",
+                  name_, fmt::join(missing, ", "));
 }
 
 // ---- StepLR, MultiStepLR, CosineAnnealingLR
 
-StepLR::StepLR(Optimizer& optimizer, StepLROptions options) : LRScheduler(optimizer, "StepLR"), options_(options) {
-  HG_CHECK(options.step_size > 0, "StepLR: step_size must be positive, got {}", options.step_size);
+namespace {
+StepLROptions checked(StepLROptions o) {
+  HG_CHECK(o.step_size > 0, "StepLR: step_size must be positive, got {}", o.step_size);
+  return o;
+}
+MultiStepLROptions checked(MultiStepLROptions o) {
+  HG_CHECK(std::is_sorted(o.milestones.begin(), o.milestones.end()),
+           "MultiStepLR: milestones must be increasing, got [{}]", fmt::join(o.milestones, ", "));
+  return o;
+}
+CosineAnnealingLROptions checked(CosineAnnealingLROptions o) {
+  HG_CHECK(o.T_max > 0, "CosineAnnealingLR: T_max must be positive, got {}", o.T_max);
+  return o;
+}
+LinearWarmupOptions checked(LinearWarmupOptions o) {
+  HG_CHECK(o.warmup_steps >= 0, "LinearWarmup: warmup_steps must not be negative, got {}", o.warmup_steps);
+  HG_CHECK(o.start_factor >= 0 && o.start_factor <= 1, "LinearWarmup: start_factor must be in [0, 1], got {}",
+           o.start_factor);
+  return o;
+}
+}  // namespace
+
+StepLR::StepLR(Optimizer& optimizer, StepLROptions options)
+    : LRScheduler(optimizer, "StepLR"), options_(checked(options)) {
   start();
 }
+NamedTensors StepLR::options_tensors() const { return encode(options_); }
+void StepLR::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
 
 std::vector<double> StepLR::lr_at(int64_t n) const {
   std::vector<double> lrs;
@@ -92,11 +225,11 @@ std::vector<double> StepLR::lr_at(int64_t n) const {
 }
 
 MultiStepLR::MultiStepLR(Optimizer& optimizer, MultiStepLROptions options)
-    : LRScheduler(optimizer, "MultiStepLR"), options_(std::move(options)) {
-  HG_CHECK(std::is_sorted(options_.milestones.begin(), options_.milestones.end()),
-           "MultiStepLR: milestones must be increasing, got [{}]", fmt::join(options_.milestones, ", "));
+    : LRScheduler(optimizer, "MultiStepLR"), options_(checked(std::move(options))) {
   start();
 }
+NamedTensors MultiStepLR::options_tensors() const { return encode(options_); }
+void MultiStepLR::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
 
 std::vector<double> MultiStepLR::lr_at(int64_t n) const {
   // Milestones passed so far (PyTorch's bisect_right): at step == milestone the decay has happened.
@@ -108,9 +241,12 @@ std::vector<double> MultiStepLR::lr_at(int64_t n) const {
 }
 
 CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROptions options)
-    : LRScheduler(optimizer, "CosineAnnealingLR"), options_(options) {
-  HG_CHECK(options.T_max > 0, "CosineAnnealingLR: T_max must be positive, got {}", options.T_max);
+    : LRScheduler(optimizer, "CosineAnnealingLR"), options_(checked(options)) {
   start();
+}
+NamedTensors CosineAnnealingLR::options_tensors() const { return encode(options_); }
+void CosineAnnealingLR::load_options(const NamedTensors& options) {
+  options_ = checked(decode(options_, options, name()));
 }
 
 std::vector<double> CosineAnnealingLR::lr_at(int64_t n) const {
@@ -128,16 +264,21 @@ namespace {
 enum { kInitial = 0, kMax = 1, kMin = 2 };
 }
 
-OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
-    : LRScheduler(optimizer, "OneCycleLR"), options_(std::move(options)) {
-  const OneCycleLROptions& o = options_;
+OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options) : LRScheduler(optimizer, "OneCycleLR") {
+  configure(std::move(options));
+  start();
+}
+NamedTensors OneCycleLR::options_tensors() const { return encode(options_); }
+void OneCycleLR::load_options(const NamedTensors& options) { configure(decode(options_, options, name())); }
+
+void OneCycleLR::configure(OneCycleLROptions o) {
   // As PyTorch: total_steps when given, else epochs and steps_per_epoch, each a positive count.
   HG_CHECK(o.total_steps > 0 || (o.total_steps == 0 && o.epochs > 0 && o.steps_per_epoch > 0 &&
                                  o.epochs <= std::numeric_limits<int64_t>::max() / o.steps_per_epoch),
            "OneCycleLR: give a positive total_steps, or (total_steps 0) positive epochs and steps_per_epoch (got "
            "total_steps {}, epochs {}, steps_per_epoch {})",
            o.total_steps, o.epochs, o.steps_per_epoch);
-  total_steps_ = o.total_steps > 0 ? o.total_steps : o.epochs * o.steps_per_epoch;
+  const int64_t total_steps = o.total_steps > 0 ? o.total_steps : o.epochs * o.steps_per_epoch;
   HG_CHECK(o.pct_start >= 0 && o.pct_start <= 1, "OneCycleLR: pct_start must be in [0, 1], got {}", o.pct_start);
   HG_CHECK(o.div_factor > 0 && o.final_div_factor > 0,
            "OneCycleLR: div_factor and final_div_factor must be positive, got {} and {}", o.div_factor,
@@ -146,20 +287,25 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
   HG_CHECK(o.max_lr.size() == 1 || o.max_lr.size() == groups,
            "OneCycleLR: max_lr has {} values; give one for every group or one per group ({} groups)",
            o.max_lr.size(), groups);
-  for (size_t g = 0; g < groups; ++g) max_lrs_.push_back(o.max_lr.size() == 1 ? o.max_lr[0] : o.max_lr[g]);
-  for (double max_lr : max_lrs_)  // a negative lr would turn the optimizer's steps into ascent
+  std::vector<double> max_lrs;
+  for (size_t g = 0; g < groups; ++g) max_lrs.push_back(o.max_lr.size() == 1 ? o.max_lr[0] : o.max_lr[g]);
+  for (double max_lr : max_lrs)  // a negative lr would turn the optimizer's steps into ascent
     HG_CHECK(std::isfinite(max_lr) && max_lr >= 0, "OneCycleLR: max_lr must be finite and >= 0, got {}",
              fmt::join(o.max_lr, ", "));
 
-  const double total = double(total_steps_);
+  const double total = double(total_steps);
+  std::vector<Phase> phases;
   if (o.three_phase) {
-    phases_ = {{o.pct_start * total - 1, kInitial, kMax, true, false},
-               {2 * o.pct_start * total - 2, kMax, kInitial, false, true},
-               {total - 1, kInitial, kMin, true, true}};
+    phases = {{o.pct_start * total - 1, kInitial, kMax, true, false},
+              {2 * o.pct_start * total - 2, kMax, kInitial, false, true},
+              {total - 1, kInitial, kMin, true, true}};
   } else {
-    phases_ = {{o.pct_start * total - 1, kInitial, kMax, true, false}, {total - 1, kMax, kMin, false, true}};
+    phases = {{o.pct_start * total - 1, kInitial, kMax, true, false}, {total - 1, kMax, kMin, false, true}};
   }
-  start();
+  options_ = std::move(o);
+  phases_ = std::move(phases);
+  total_steps_ = total_steps;
+  max_lrs_ = std::move(max_lrs);
 }
 
 std::pair<const OneCycleLR::Phase*, double> OneCycleLR::locate(int64_t n) const {
@@ -204,15 +350,14 @@ std::vector<double> OneCycleLR::momentum_at(int64_t n) const {
 // ---- LinearWarmup
 
 LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after)
-    : LRScheduler(optimizer, "LinearWarmup"), options_(options), after_(std::move(after)) {
-  HG_CHECK(options.warmup_steps >= 0, "LinearWarmup: warmup_steps must not be negative, got {}",
-           options.warmup_steps);
-  HG_CHECK(options.start_factor >= 0 && options.start_factor <= 1,
-           "LinearWarmup: start_factor must be in [0, 1], got {}", options.start_factor);
+    : LRScheduler(optimizer, "LinearWarmup"), options_(checked(options)), after_(std::move(after)) {
   HG_CHECK(!after_ || &after_->optimizer() == &optimizer,
            "LinearWarmup: the scheduler after the warm-up ({}) drives another optimizer", after_->name());
   start();
 }
+
+NamedTensors LinearWarmup::options_tensors() const { return encode(options_); }
+void LinearWarmup::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
 
 NamedTensors LinearWarmup::state_tensors() const {
   NamedTensors state = LRScheduler::state_tensors();

@@ -10,8 +10,8 @@
 //
 // Every scheduler is a closed form: lr_at(n) gives each group's lr after n calls of step() (momentum_at(n)
 // the momentum, for OneCycleLR), computed from the groups' lr when the scheduler was made (base_lrs()).
-// So resuming needs the step count and those base lrs (state_tensors; set_step alone where the scheduler was made
-// before the optimizer's state was loaded, from the same lrs), and schedulers compose (LinearWarmup).
+// So resuming needs the step count, those base lrs and the options (state_tensors; set_step alone where the scheduler
+// was made with the same options, before the optimizer's state was loaded), and schedulers compose (LinearWarmup).
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
 // is the caller's choice.
 #include <cstdint>
@@ -44,8 +44,11 @@ class LRScheduler {
   // Each group's momentum (SGD momentum, Adam beta1) at step n; empty when the scheduler leaves it alone.
   virtual std::vector<double> momentum_at(int64_t /*n*/) const { return {}; }
 
-  // For checkpoints: "last_step" (0-d int64) and "base_lrs" (float64, one per group). Loading takes both (a state
-  // without base_lrs keeps this scheduler's) and sets the groups for that step.
+  // For checkpoints, what PyTorch's state_dict keeps: "last_step" (0-d int64), "base_lrs" (float64, one per group) and
+  // the scheduler's options by their names ("step_size", "gamma", ...: options_tensors). Loading checks them all
+  // before anything changes, replaces this scheduler's options and base lrs with the state's, and sets the groups
+  // for that step. A state written before base lrs or options were kept keeps this scheduler's (with a warning for
+  // the options).
   virtual NamedTensors state_tensors() const;
   virtual void load_state_tensors(const NamedTensors& state);
 
@@ -56,6 +59,11 @@ class LRScheduler {
   LRScheduler(Optimizer& optimizer, const char* name);
   // Derived constructors call this last: applies step 0, as PyTorch's constructors do.
   void start() { set_step(0); }
+  // The options as named tensors (0-d for a number or a flag, 1-d for a list), and back: load_options takes those
+  // present, checks the result as the constructor does, and replaces the options or throws leaving them. A scheduler
+  // without options keeps the defaults (none).
+  virtual NamedTensors options_tensors() const { return {}; }
+  virtual void load_options(const NamedTensors& /*options*/) {}
 
   Optimizer& optimizer_;
   std::vector<double> base_lrs_;
@@ -88,6 +96,8 @@ class StepLR : public LRScheduler {
   std::vector<double> lr_at(int64_t n) const override;
 
  private:
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& options) override;
   StepLROptions options_;
 };
 
@@ -102,6 +112,8 @@ class MultiStepLR : public LRScheduler {
   std::vector<double> lr_at(int64_t n) const override;
 
  private:
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& options) override;
   MultiStepLROptions options_;
 };
 
@@ -117,6 +129,8 @@ class CosineAnnealingLR : public LRScheduler {
   std::vector<double> lr_at(int64_t n) const override;
 
  private:
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& options) override;
   CosineAnnealingLROptions options_;
 };
 
@@ -132,7 +146,7 @@ struct OneCycleLROptions {
   int64_t epochs = 0;
   int64_t steps_per_epoch = 0;
   double pct_start = 0.3;
-  enum class Anneal { Cos, Linear } anneal_strategy = Anneal::Cos;
+  enum class Anneal { Cos, Linear } anneal_strategy = Anneal::Cos;  // in a checkpoint: 0 cos, 1 linear
   bool cycle_momentum = true;
   double base_momentum = 0.85;
   double max_momentum = 0.95;
@@ -148,6 +162,10 @@ class OneCycleLR : public LRScheduler {
   int64_t total_steps() const { return total_steps_; }
 
  private:
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& options) override;
+  // Checks the options and derives the schedule from them (total_steps_, max_lrs_, phases_), or throws leaving all.
+  void configure(OneCycleLROptions options);
   struct Phase {
     double end_step;
     int start_lr, end_lr;              // indices into {initial, max, min}
@@ -184,6 +202,8 @@ class LinearWarmup : public LRScheduler {
 
  private:
   void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& options) override;
   LinearWarmupOptions options_;
   std::unique_ptr<LRScheduler> after_;
 };

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 
 #include "core/autocast.h"
 #include "halfgrad.h"
@@ -440,6 +441,73 @@ TEST_CASE("scaler state round-trips") {
   CHECK_THROWS_WITH_AS(c.load_state_tensors(int_scale),
                        doctest::Contains("scaler.scale must be a 0-d float64, got int64"), Error);
   CHECK(c.state() == a.state());  // unchanged
+}
+
+TEST_CASE("a scaler's checkpoint carries the options that move its scale, as PyTorch's state_dict") {
+  amp::GradScaler a({.init_scale = 64, .growth_factor = 4, .backoff_factor = 0.25, .growth_interval = 3,
+                     .min_scale = 2, .max_scale = 1024, .dynamic = true});
+  // A scaler made with the defaults continues as the saved one would: growth after 3 clean steps, by 4.
+  amp::GradScaler b;
+  b.load_state_tensors(a.state_tensors());
+  CHECK(b.options().growth_factor == 4);
+  CHECK(b.options().backoff_factor == 0.25);
+  CHECK(b.options().growth_interval == 3);
+  CHECK(b.options().min_scale == 2);
+  CHECK(b.options().max_scale == 1024);
+  CHECK(b.options().init_scale == 65536);  // not saved: the loaded scale replaces it
+  Tensor w = ones({1}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 0});
+  auto clean_step = [&](amp::GradScaler& scaler) {
+    w.set_grad(ones({1}));
+    scaler.step(opt);
+    scaler.update();
+  };
+  for (int i = 0; i < 3; ++i) clean_step(b);
+  CHECK(b.get_scale() == 256);
+  w.set_grad(full({1}, std::numeric_limits<double>::infinity()));
+  b.step(opt);
+  b.update();
+  CHECK(b.get_scale() == 64);
+
+  // Refused as the constructor refuses them, and nothing changes.
+  auto with = [&](const char* name, const Tensor& value) {
+    auto named = a.state_tensors();
+    for (auto& [n, t] : named)
+      if (n == name) t = value;
+    return named;
+  };
+  amp::GradScaler c;
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_factor", scalar_tensor(0.5, {.dtype = kFloat64}))),
+                       doctest::Contains("growth_factor must be > 1, got 0.5"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.min_scale", scalar_tensor(128.0, {.dtype = kFloat64}))),
+                       doctest::Contains("scale 64 outside [min_scale 128"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", scalar_tensor(2.0, {.dtype = kFloat64}))),
+                       doctest::Contains("scaler.growth_interval must be a 0-d int64, got float64"), Error);
+  // The tracker is checked against the loaded interval: 2 clean steps are within an interval of 3, not of 2.
+  clean_step(a);
+  clean_step(a);
+  const Tensor two = scalar_tensor(int64_t(2), {.dtype = kInt64});
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", two)),
+                       doctest::Contains("growth_tracker 2 outside [0, 2)"), Error);
+  CHECK(c.options().growth_factor == 2);
+  CHECK(c.options().growth_interval == 2000);
+  CHECK(c.get_scale() == 65536);
+
+  // A file written before the options were kept: this scaler's stay.
+  amp::GradScaler d({.growth_interval = 7});
+  d.load_state_tensors({{"scaler.scale", scalar_tensor(8.0, {.dtype = kFloat64})},
+                        {"scaler.growth_tracker", scalar_tensor(int64_t(5), {.dtype = kInt64})}});
+  CHECK(d.get_scale() == 8);
+  CHECK(d.options().growth_interval == 7);
+
+  // A static scale stays static.
+  amp::GradScaler fixed({.init_scale = 128, .dynamic = false});
+  amp::GradScaler e;
+  e.load_state_tensors(fixed.state_tensors());
+  w.set_grad(full({1}, std::numeric_limits<double>::infinity()));
+  e.step(opt);
+  e.update();
+  CHECK(e.get_scale() == 128);
 }
 
 TEST_CASE("when the scale collapses, the diagnosis tells forward overflow from gradient overflow") {

@@ -23,6 +23,8 @@ struct Fixture {
   Tensor b = ones({1}, {.requires_grad = true});
 };
 
+Tensor count(int64_t n) { return scalar_tensor(n, {.dtype = kInt64}); }
+
 // The lr of every group after each of `steps` calls of step() (index 0: after construction).
 std::vector<std::vector<double>> curve(optim::LRScheduler& s, int steps) {
   std::vector<std::vector<double>> lrs = {s.get_last_lr()};
@@ -208,16 +210,19 @@ TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to ano
   }
 }
 
-TEST_CASE("a scheduler's state is its step and base lrs: loading it restores the lr of that step") {
+TEST_CASE("a scheduler's state is its step, base lrs and options: loading it restores the lr of that step") {
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
   optim::OneCycleLR sched(opt, {.max_lr = {0.1}, .total_steps = 10});
   for (int i = 0; i < 4; ++i) sched.step();
   optim::NamedTensors state = sched.state_tensors();
-  REQUIRE(state.size() == 2);
+  REQUIRE(state.size() == 2 + 12);  // and OneCycleLROptions' 12 fields
   CHECK(state[0].first == "last_step");
   CHECK(state[0].second.item<int64_t>() == 4);
   CHECK(state[1].first == "base_lrs");
+  CHECK(state[2].first == "max_lr");
+  CHECK(state[3].first == "total_steps");
+  CHECK(state[3].second.item<int64_t>() == 10);
 
   optim::SGD opt2({f.b}, {.lr = 0.1, .momentum = 0.9});
   optim::OneCycleLR sched2(opt2, {.max_lr = {0.1}, .total_steps = 10});
@@ -229,7 +234,7 @@ TEST_CASE("a scheduler's state is its step and base lrs: loading it restores the
   sched2.step();
   CHECK(sched2.get_last_lr() == sched.get_last_lr());
 
-  CHECK_THROWS_WITH_AS(sched2.load_state_tensors({{"epoch", scalar_tensor(int64_t(3), {.dtype = kInt64})}}),
+  CHECK_THROWS_WITH_AS(sched2.load_state_tensors({{"epoch", count(3)}}),
                        doctest::Contains("unexpected entry 'epoch'"), Error);
   CHECK_THROWS_WITH_AS(sched2.load_state_tensors({state[0], {"base_lrs", tensor<double>({0.1, 0.2})}}),
                        doctest::Contains("'base_lrs' must be a floating tensor of 1 values (one per group)"), Error);
@@ -282,4 +287,110 @@ TEST_CASE("a scheduler made after its optimizer's state was loaded takes the sav
   CHECK_THROWS_WITH_AS(warm2.load_state_tensors(bad), doctest::Contains("'base_lrs' holds -1"), Error);
   CHECK(opt4.groups()[0].options.lr == 0.00625);
   CHECK(warm2.last_step() == 5);
+}
+
+namespace {
+Tensor entry(const optim::LRScheduler& s, const std::string& name) {
+  for (const auto& [n, t] : s.state_tensors())
+    if (n == name) return t;
+  FAIL("no entry " << name);
+  return {};
+}
+optim::NamedTensors with(optim::NamedTensors state, const std::string& name, const Tensor& value) {
+  for (auto& [n, t] : state)
+    if (n == name) t = value;
+  return state;
+}
+// Steps both `steps` times; their lrs must agree at every step.
+void step_together(optim::LRScheduler& saved, optim::LRScheduler& loaded, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    saved.step();
+    loaded.step();
+    CHECK(loaded.get_last_lr() == saved.get_last_lr());
+  }
+}
+}  // namespace
+
+TEST_CASE("a scheduler made with other options continues as the saved one, as PyTorch's load_state_dict") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt2({f.b}, {.lr = 0.1, .momentum = 0.9});
+  SUBCASE("StepLR") {
+    optim::StepLR saved(opt, {.step_size = 3, .gamma = 0.5});
+    for (int i = 0; i < 4; ++i) saved.step();
+    optim::StepLR loaded(opt2, {});  // step_size 1, gamma 0.1
+    loaded.load_state_tensors(saved.state_tensors());
+    CHECK(loaded.get_last_lr() == saved.get_last_lr());
+    step_together(saved, loaded, 6);
+    // Refused, naming the entry, and nothing changes.
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(saved.state_tensors(), "gamma", count(2))),
+                         doctest::Contains("StepLR: cannot load the scheduler state (1 problem):\n"
+                                           "  - 'gamma' must be a 0-d float64, got int64"),
+                         Error);
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(saved.state_tensors(), "step_size", count(0))),
+                         doctest::Contains("StepLR: step_size must be positive, got 0"), Error);
+    CHECK(entry(loaded, "step_size").item<int64_t>() == 3);
+    step_together(saved, loaded, 1);
+  }
+  SUBCASE("MultiStepLR, its milestones a list") {
+    optim::MultiStepLR saved(opt, {.milestones = {2, 5}, .gamma = 0.5});
+    saved.step();
+    optim::MultiStepLR loaded(opt2, {.milestones = {1}});
+    loaded.load_state_tensors(saved.state_tensors());
+    step_together(saved, loaded, 6);
+    CHECK(loaded.get_last_lr() == std::vector<double>{0.1 * 0.25});
+    CHECK_THROWS_WITH_AS(
+        loaded.load_state_tensors(with(saved.state_tensors(), "milestones", tensor(std::vector<int64_t>{5, 2}))),
+        doctest::Contains("milestones must be increasing, got [5, 2]"), Error);
+    CHECK(to_vector<int64_t>(entry(loaded, "milestones")) == std::vector<int64_t>{2, 5});
+  }
+  SUBCASE("CosineAnnealingLR") {
+    optim::CosineAnnealingLR saved(opt, {.T_max = 7, .eta_min = 0.01});
+    optim::CosineAnnealingLR loaded(opt2, {.T_max = 100});
+    loaded.load_state_tensors(saved.state_tensors());
+    step_together(saved, loaded, 9);
+  }
+  SUBCASE("OneCycleLR: every option, its momentum too") {
+    optim::OneCycleLR saved(opt, {.max_lr = {0.4}, .epochs = 3, .steps_per_epoch = 4, .pct_start = 0.25,
+                                  .anneal_strategy = optim::OneCycleLROptions::Anneal::Linear,
+                                  .base_momentum = 0.8, .max_momentum = 0.9, .div_factor = 10,
+                                  .final_div_factor = 100, .three_phase = true});
+    for (int i = 0; i < 3; ++i) saved.step();
+    optim::OneCycleLR loaded(opt2, {.max_lr = {1.0}, .total_steps = 100});
+    loaded.load_state_tensors(saved.state_tensors());
+    CHECK(loaded.total_steps() == 12);
+    CHECK(opt2.groups()[0].options.momentum == opt.groups()[0].options.momentum);
+    for (int i = 0; i < 8; ++i) {  // to step 11, the last whose lr lies on the schedule (step 12 extrapolates)
+      step_together(saved, loaded, 1);
+      CHECK(opt2.groups()[0].options.momentum == opt.groups()[0].options.momentum);
+    }
+    // The state's step must lie within its own total_steps: refused, and the options and groups stay.
+    optim::OneCycleLR other(opt2, {.max_lr = {1.0}, .total_steps = 100});
+    for (int i = 0; i < 20; ++i) other.step();
+    const double lr = opt2.groups()[0].options.lr;
+    CHECK_THROWS_WITH_AS(other.load_state_tensors(with(other.state_tensors(), "total_steps", count(5))),
+                         doctest::Contains("OneCycleLR: tried to step 20 times; total_steps is 5"), Error);
+    CHECK(other.total_steps() == 100);
+    CHECK(opt2.groups()[0].options.lr == lr);
+    other.step();
+    CHECK(other.last_step() == 21);
+    CHECK_THROWS_WITH_AS(
+        other.load_state_tensors(with(other.state_tensors(), "anneal_strategy", count(2))),
+        doctest::Contains("'anneal_strategy' is 2: 0 (cos) or 1 (linear)"), Error);
+    CHECK_THROWS_WITH_AS(other.load_state_tensors(with(other.state_tensors(), "max_lr", tensor<double>({0.1, 0.2}))),
+                         doctest::Contains("max_lr has 2 values"), Error);
+  }
+  SUBCASE("LinearWarmup, and the scheduler after it") {
+    optim::LinearWarmup saved(opt, {.warmup_steps = 3, .start_factor = 0.5},
+                              std::make_unique<optim::StepLR>(opt, optim::StepLROptions{.step_size = 2, .gamma = 0.5}));
+    saved.step();
+    optim::LinearWarmup loaded(opt2, {.warmup_steps = 1},
+                               std::make_unique<optim::StepLR>(opt2, optim::StepLROptions{}));
+    loaded.load_state_tensors(saved.state_tensors());
+    CHECK(entry(loaded, "after.step_size").item<int64_t>() == 2);
+    step_together(saved, loaded, 8);
+    CHECK_THROWS_WITH_AS(
+        loaded.load_state_tensors(with(saved.state_tensors(), "start_factor", scalar_tensor(2.0, {.dtype = kFloat64}))),
+        doctest::Contains("LinearWarmup: start_factor must be in [0, 1], got 2"), Error);
+  }
 }
