@@ -11,6 +11,7 @@
 #include "ops/reduce.h"
 #include "ops/shape.h"
 #include "optim/clip_grad.h"
+#include "optim/option_tensors.h"
 
 namespace halfgrad::amp {
 
@@ -22,11 +23,11 @@ constexpr int64_t kDiagnosisInterval = 100;  // updates between two host reads o
 
 // The scale and its inverse (the unscaling factor) are float32: both must be finite there, and nonzero. A scale of
 // 2^-128 or below has an infinite inverse, which unscales a zero gradient to nan.
-void check_scale(double scale, const char* where) {
+void check_scale(double scale, std::string_view who) {
   const float f = float(scale);
   HG_CHECK(f > 0 && std::isfinite(f) && std::isfinite(1.0f / f),
-           "GradScaler{}: invalid scale {} (the scale and its inverse are float32: both positive and finite there, "
-           "so the scale lies in (2.9e-39, 3.4e38])", where, scale);
+           "{}: invalid scale {} (the scale and its inverse are float32: both positive and finite there, so the "
+           "scale lies in (2.9e-39, 3.4e38])", who, scale);
 }
 
 // In float32, as the scale is kept and clamped: a scale at min_scale reads back rounded to float32, and loads again.
@@ -35,20 +36,23 @@ bool within_bounds(double scale, const GradScalerOptions& o) {
 }
 
 // The constructor's checks of the options that move the scale, and load_state_tensors' of those a checkpoint brings
-// (`who` names the caller).
+// (`who` names the caller). As the scale, the factors are float32 in the update: checked there (a backoff_factor of
+// 1 - 1e-9 is 1 in float32, and would never back off). The clean-step count is an int32 on the device.
 void check_options(const GradScalerOptions& o, const char* who) {
-  HG_CHECK(o.growth_factor > 1, "{}: growth_factor must be > 1, got {}", who, o.growth_factor);
-  HG_CHECK(o.backoff_factor > 0 && o.backoff_factor < 1, "{}: backoff_factor must be in (0, 1), got {}", who,
-           o.backoff_factor);
-  HG_CHECK(o.growth_interval > 0, "{}: growth_interval must be positive, got {}", who, o.growth_interval);
-  check_scale(o.min_scale, " (min_scale)");
-  check_scale(o.max_scale, " (max_scale)");
+  HG_CHECK(float(o.growth_factor) > 1 && std::isfinite(float(o.growth_factor)),
+           "{}: growth_factor must be > 1 and finite in float32, got {}", who, o.growth_factor);
+  HG_CHECK(float(o.backoff_factor) > 0 && float(o.backoff_factor) < 1,
+           "{}: backoff_factor must be in (0, 1) in float32, got {}", who, o.backoff_factor);
+  HG_CHECK(o.growth_interval > 0 && o.growth_interval <= std::numeric_limits<int32_t>::max(),
+           "{}: growth_interval must be in [1, 2^31 - 1], got {}", who, o.growth_interval);
+  check_scale(o.min_scale, fmt::format("{} (min_scale)", who));
+  check_scale(o.max_scale, fmt::format("{} (max_scale)", who));
 }
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   check_options(options, "GradScaler");
-  check_scale(options.init_scale, " (init_scale)");
+  check_scale(options.init_scale, "GradScaler (init_scale)");
   HG_CHECK(within_bounds(options.init_scale, options),
            "GradScaler: init_scale {} outside [min_scale {}, max_scale {}]", options.init_scale, options.min_scale,
            options.max_scale);
@@ -200,6 +204,7 @@ void GradScaler::update() {
       Tensor f = found_inf(p);
       overflow = overflow.defined() ? maximum(overflow, f) : f;
     }
+    captured_update_ = captured_update_ || cuda::is_capturing(scale_.device());
     update_scale_kernel[scale_.device()]({.scale = scale_,
                                           .growth_tracker = growth_tracker_,
                                           .skipped = skipped_,
@@ -250,7 +255,7 @@ GradScalerState GradScaler::state() const {
 int64_t GradScaler::skipped_steps() const { return skipped_.defined() ? skipped_.item<int64_t>() : 0; }
 
 void GradScaler::load_state(const GradScalerState& state) {
-  check_scale(state.scale, "::load_state");
+  check_scale(state.scale, "GradScaler::load_state");
   HG_CHECK(within_bounds(state.scale, options_),
            "GradScaler::load_state: scale {} outside [min_scale {}, max_scale {}], where dynamic scaling keeps it",
            state.scale, options_.min_scale, options_.max_scale);
@@ -264,70 +269,49 @@ void GradScaler::load_state(const GradScalerState& state) {
 }
 
 namespace {
-// The options a checkpoint keeps besides the state, as PyTorch's GradScaler.state_dict keeps growth_factor,
-// backoff_factor and growth_interval: those that decide how the scale moves from here. One of the pointers is set.
-struct SavedOption {
-  const char* name;
-  double* number = nullptr;
-  int64_t* integer = nullptr;
-  bool* flag = nullptr;
-  DType dtype() const { return number ? kFloat64 : integer ? kInt64 : kBool; }
-};
-std::vector<SavedOption> saved_options(GradScalerOptions& o) {
-  return {{"scaler.growth_factor", &o.growth_factor}, {"scaler.backoff_factor", &o.backoff_factor},
-          {"scaler.growth_interval", nullptr, &o.growth_interval}, {"scaler.min_scale", &o.min_scale},
-          {"scaler.max_scale", &o.max_scale}, {"scaler.dynamic", nullptr, nullptr, &o.dynamic}};
+// The scaler's entries in a checkpoint, "scaler." before each name: its state, and the options that decide how the
+// scale moves from here (PyTorch's GradScaler.state_dict keeps growth_factor, backoff_factor and growth_interval).
+constexpr std::string_view kPrefix = "scaler.";
+std::vector<optim::NamedOption> fields_of(GradScalerState& s) {
+  return {{"scale", &s.scale}, {"growth_tracker", &s.growth_tracker}};
+}
+std::vector<optim::NamedOption> fields_of(GradScalerOptions& o) {
+  return {{"growth_factor", &o.growth_factor}, {"backoff_factor", &o.backoff_factor},
+          {"growth_interval", &o.growth_interval}, {"min_scale", &o.min_scale},
+          {"max_scale", &o.max_scale}, {"dynamic", &o.dynamic}};
 }
 }  // namespace
 
 std::vector<std::pair<std::string, Tensor>> GradScaler::state_tensors() const {
-  const GradScalerState s = state();
-  std::vector<std::pair<std::string, Tensor>> named = {
-      {"scaler.scale", scalar_tensor(s.scale, {.dtype = kFloat64})},
-      {"scaler.growth_tracker", scalar_tensor(s.growth_tracker, {.dtype = kInt64})}};
+  GradScalerState s = state();
   GradScalerOptions o = options_;
-  for (const SavedOption& f : saved_options(o)) {
-    const Scalar value = f.number ? Scalar(*f.number) : f.integer ? Scalar(*f.integer) : Scalar(*f.flag);
-    named.emplace_back(f.name, scalar_tensor(value, {.dtype = f.dtype()}));
-  }
+  optim::NamedTensors named = optim::option_tensors(fields_of(s), kPrefix);
+  for (auto& entry : optim::option_tensors(fields_of(o), kPrefix)) named.push_back(std::move(entry));
   return named;
 }
 
 void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named) {
+  const char* who = "GradScaler::load_state_tensors";
   GradScalerState s;
   GradScalerOptions o = options_;
-  std::vector<SavedOption> fields = saved_options(o);
-  std::vector<std::string> missing;
-  for (const SavedOption& f : fields) missing.push_back(f.name);
-  int found = 0;
-  // As state_tensors() writes them: 0-d tensors of one dtype each. Anything else is another file's (an int64 scale of
-  // 2^62 would otherwise load as a scale of 4.6e18).
-  auto check = [](const std::string& name, const Tensor& t, DType dtype) {
-    HG_CHECK(t.dim() == 0 && t.dtype() == dtype, "GradScaler::load_state_tensors: {} must be a 0-d {}, got {}", name,
-             dtype_name(dtype), t.meta());
+  std::vector<std::string> errors;
+  // The entries of `fields` that `named` lacks, with the prefix.
+  auto absent = [&](const std::vector<optim::NamedOption>& fields) {
+    const std::vector<std::string> found = optim::read_option_tensors(fields, named, errors, kPrefix);
+    std::vector<std::string> names;
+    for (const optim::NamedOption& f : fields)
+      if (std::string name = std::string(kPrefix) + f.name; std::find(found.begin(), found.end(), name) == found.end())
+        names.push_back(std::move(name));
+    return names;
   };
-  for (const auto& [name, t] : named) {
-    if (name == "scaler.scale") {
-      check(name, t, kFloat64);
-      s.scale = t.item<double>();
-      ++found;
-    } else if (name == "scaler.growth_tracker") {
-      check(name, t, kInt64);
-      s.growth_tracker = t.item<int64_t>();
-      ++found;
-    }
-    for (const SavedOption& f : fields) {
-      if (name != f.name) continue;
-      check(name, t, f.dtype());
-      if (f.number) *f.number = t.item<double>();
-      else if (f.integer) *f.integer = t.item<int64_t>();
-      else *f.flag = t.item<bool>();
-      std::erase(missing, name);
-    }
-  }
-  HG_CHECK(found == 2, "GradScaler::load_state_tensors: expected scaler.scale and scaler.growth_tracker, found {} of them",
-           found);
-  check_options(o, "GradScaler::load_state_tensors");
+  for (const std::string& name : absent(fields_of(s))) errors.push_back(fmt::format("missing '{}'", name));
+  const std::vector<std::string> missing = absent(fields_of(o));
+  if (!errors.empty()) optim::fail_loading(who, "scaler state", errors);
+  check_options(o, who);
+  // A captured update() holds the options as its kernel's arguments: replays would go on with the old ones.
+  HG_CHECK(!captured_update_ || o == options_, "{}: the state's options differ from this scaler's, and its update() "
+           "is captured in a CUDA graph, whose replays would keep the old ones: load before the first captured step",
+           who);
   const GradScalerOptions previous = options_;
   options_ = o;
   try {
@@ -336,9 +320,9 @@ void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Ten
     options_ = previous;
     throw;
   }
-  if (!missing.empty())
-    logger().warn("GradScaler::load_state_tensors: the state has no {} (a file written before they were kept): this "
-                  "scaler's own values stay", fmt::join(missing, ", "));
+  if (!missing.empty() && options_.enabled)  // a disabled scaler's options move nothing
+    logger().warn("{}: the state has no {} (a file written before the options were kept): this scaler's stay", who,
+                  fmt::join(missing, ", "));
 }
 
 void GradScaler::set_parameter_names(std::vector<std::pair<std::string, Tensor>> named) { names_ = std::move(named); }

@@ -51,6 +51,7 @@ struct GradScalerOptions {
   bool enabled = true;  // false: every call passes through, as for float32 training
   // Below this scale the scaler warns once, naming the first parameter whose gradient overflowed.
   double warn_below_scale = 1.0;
+  bool operator==(const GradScalerOptions&) const = default;
 };
 
 // Everything needed to resume scaling exactly where it stopped (saved with training checkpoints).
@@ -97,8 +98,8 @@ class GradScaler {
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;
   // Reads the entries state_tensors() wrote from a checkpoint's named tensors (others are ignored): the state, and the
   // options, which replace this scaler's as PyTorch's load_state_dict does (a file without them keeps these, with a
-  // warning). All are checked before anything changes. A step already captured in a CUDA graph keeps the options it
-  // was captured with (they are its kernel's arguments): load before the first step.
+  // warning). All are checked before anything changes. Once update() has been captured in a CUDA graph, whose kernel
+  // holds the options as arguments, a state with other options is refused.
   void load_state_tensors(const std::vector<std::pair<std::string, Tensor>>& named);
   // Data parallelism: the overflow flag is all-reduced (max) over `group` once unscale_ or clip_grad_norm_ has found
   // it, so every rank skips the same steps and keeps the same scale, even when the ranks' gradients differ (they do
@@ -136,6 +137,7 @@ class GradScaler {
   Tensor growth_tracker_;    // int32 0-d
   Tensor skipped_;           // int64 0-d
   int64_t updates_ = 0;
+  bool captured_update_ = false;  // update() ran in a CUDA graph capture: its options are the graph's
   bool watching_ = false;    // the scale fell below warn_below_scale: diagnose at the next overflow
   std::map<optim::Optimizer*, PerOptimizer> per_optimizer_;
   std::vector<Tensor> loss_was_finite_;  // from scale(): tells forward overflow from gradient overflow

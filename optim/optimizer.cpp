@@ -16,6 +16,7 @@
 #include "ops/conv.h"
 #include "ops/shape.h"
 #include "optim/clip_grad.h"
+#include "optim/option_tensors.h"
 
 namespace halfgrad::optim {
 
@@ -403,9 +404,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     if (!absent.empty()) kept.push_back(fmt::format("group {}: {}", g, fmt::join(absent, ", ")));
   }
 
-  if (!errors.empty())
-    HG_FAIL("{}: cannot load the optimizer state ({} problem{}):\n  - {}", name_, errors.size(),
-            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
+  if (!errors.empty()) fail_loading(name_, "optimizer state", errors);
 
   if (!unchecked.empty())
     logger().warn("{}: the state of group(s) {} has no with_state list (a file written before it existed): whether "

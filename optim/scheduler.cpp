@@ -4,34 +4,29 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
-#include <variant>
 
 #include "core/log.h"
+#include "optim/option_tensors.h"
 
 namespace halfgrad::optim {
 
 namespace {
-// One option of a scheduler as a checkpoint keeps it, by its name in the options struct: numbers and flags as 0-d
-// tensors (float64, int64, bool), lists as 1-d ones (OneCycleLR's anneal_strategy as int64, 0 cos and 1 linear).
-struct OptionField {
-  const char* name;
-  std::variant<double*, int64_t*, bool*, OneCycleLROptions::Anneal*, std::vector<double>*, std::vector<int64_t>*> value;
-};
-
-std::vector<OptionField> fields_of(StepLROptions& o) { return {{"step_size", &o.step_size}, {"gamma", &o.gamma}}; }
-std::vector<OptionField> fields_of(MultiStepLROptions& o) {
+// Each scheduler's options as a checkpoint keeps them, by their names in the options struct.
+std::vector<NamedOption> fields_of(StepLROptions& o) { return {{"step_size", &o.step_size}, {"gamma", &o.gamma}}; }
+std::vector<NamedOption> fields_of(MultiStepLROptions& o) {
   return {{"milestones", &o.milestones}, {"gamma", &o.gamma}};
 }
-std::vector<OptionField> fields_of(CosineAnnealingLROptions& o) {
+std::vector<NamedOption> fields_of(CosineAnnealingLROptions& o) {
   return {{"T_max", &o.T_max}, {"eta_min", &o.eta_min}};
 }
-std::vector<OptionField> fields_of(OneCycleLROptions& o) {
+// anneal_strategy goes through `anneal`, its code: 0 cos, 1 linear.
+std::vector<NamedOption> fields_of(OneCycleLROptions& o, int64_t& anneal) {
   return {{"max_lr", &o.max_lr},
           {"total_steps", &o.total_steps},
           {"epochs", &o.epochs},
           {"steps_per_epoch", &o.steps_per_epoch},
           {"pct_start", &o.pct_start},
-          {"anneal_strategy", &o.anneal_strategy},
+          {"anneal_strategy", &anneal},
           {"cycle_momentum", &o.cycle_momentum},
           {"base_momentum", &o.base_momentum},
           {"max_momentum", &o.max_momentum},
@@ -39,67 +34,22 @@ std::vector<OptionField> fields_of(OneCycleLROptions& o) {
           {"final_div_factor", &o.final_div_factor},
           {"three_phase", &o.three_phase}};
 }
-std::vector<OptionField> fields_of(LinearWarmupOptions& o) {
+std::vector<NamedOption> fields_of(LinearWarmupOptions& o) {
   return {{"warmup_steps", &o.warmup_steps}, {"start_factor", &o.start_factor}};
 }
 
-template <typename Options> NamedTensors encode(Options options) {
-  NamedTensors named;
-  for (const OptionField& f : fields_of(options)) {
-    Tensor t = std::visit(
-        [](auto* v) -> Tensor {
-          using T = std::remove_pointer_t<decltype(v)>;
-          if constexpr (std::is_same_v<T, double>) return scalar_tensor(*v, {.dtype = kFloat64});
-          else if constexpr (std::is_same_v<T, int64_t>) return scalar_tensor(*v, {.dtype = kInt64});
-          else if constexpr (std::is_same_v<T, bool>) return scalar_tensor(*v, {.dtype = kBool});
-          else if constexpr (std::is_same_v<T, OneCycleLROptions::Anneal>)
-            return scalar_tensor(int64_t(*v == OneCycleLROptions::Anneal::Linear), {.dtype = kInt64});
-          else return tensor(*v);  // a list: float64 or int64
-        },
-        f.value);
-    named.emplace_back(f.name, std::move(t));
-  }
-  return named;
+template <typename Options> NamedTensors tensors_of(Options o) { return option_tensors(fields_of(o)); }
+
+// `o` with the entries of `named` read into it (their errors appended to `errors`); true where no error was there.
+template <typename Options> bool read_into(Options& o, const NamedTensors& named, std::vector<std::string>& errors) {
+  read_option_tensors(fields_of(o), named, errors);
+  return errors.empty();
 }
 
-// `options` with the values of the entries of `named` that name its fields (each as encode writes it: refused
-// otherwise, naming the scheduler `who`); the caller checks the result as its constructor checks options.
-template <typename Options> Options decode(Options options, const NamedTensors& named, const char* who) {
-  std::vector<std::string> errors;
-  for (const OptionField& f : fields_of(options)) {
-    for (const auto& [name, value] : named) {
-      if (name != f.name) continue;
-      const Tensor& t = value;
-      std::visit(
-          [&](auto* v) {
-            using T = std::remove_pointer_t<decltype(v)>;
-            constexpr bool list = std::is_same_v<T, std::vector<double>> || std::is_same_v<T, std::vector<int64_t>>;
-            const DType dtype = std::is_same_v<T, double> || std::is_same_v<T, std::vector<double>> ? kFloat64
-                                : std::is_same_v<T, bool>                                         ? kBool
-                                                                                                  : kInt64;
-            if (!t.defined() || t.dim() != (list ? 1 : 0) || t.dtype() != dtype) {
-              errors.push_back(fmt::format("'{}' must be a {} {}, got {}", name, list ? "1-d" : "0-d",
-                                           dtype_name(dtype), t.defined() ? t.meta() : "an undefined tensor"));
-              return;
-            }
-            if constexpr (list) {
-              *v = to_vector<typename T::value_type>(t);
-            } else if constexpr (std::is_same_v<T, OneCycleLROptions::Anneal>) {
-              const int64_t code = t.item<int64_t>();
-              if (code != 0 && code != 1)
-                errors.push_back(fmt::format("'{}' is {}: 0 (cos) or 1 (linear)", name, code));
-              else *v = code == 1 ? OneCycleLROptions::Anneal::Linear : OneCycleLROptions::Anneal::Cos;
-            } else {
-              *v = t.item<T>();
-            }
-          },
-          f.value);
-    }
-  }
-  if (!errors.empty())
-    HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", who, errors.size(),
-            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
-  return options;
+// Every option that multiplies or is an lr must be a finite number >= 0: a negative lr turns the optimizer's steps
+// into ascent (the rule base_lrs and OneCycleLR's max_lr follow).
+void check_finite_non_negative(const char* who, const char* name, double value) {
+  HG_CHECK(std::isfinite(value) && value >= 0, "{}: {} must be finite and >= 0, got {}", who, name, value);
 }
 }  // namespace
 
@@ -144,8 +94,9 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
   std::vector<std::string> missing;
   for (const auto& [name, t] : current_options) missing.push_back(name);
   for (const auto& [name, t] : state) {
-    if (std::erase(missing, name)) {
+    if (std::any_of(current_options.begin(), current_options.end(), [&](const auto& o) { return o.first == name; })) {
       options.emplace_back(name, t);
+      std::erase(missing, name);
     } else if (name == "base_lrs") {
       if (!t.defined() || t.dim() != 1 || t.numel() != int64_t(base_lrs_.size()) || !t.is_floating_point()) {
         errors.push_back(fmt::format("'base_lrs' must be a floating tensor of {} values (one per group), got {}",
@@ -167,10 +118,8 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
     }
   }
   if (n < 0 && errors.empty()) errors.push_back("missing 'last_step'");
-  if (!errors.empty())
-    HG_FAIL("{}: cannot load the scheduler state ({} problem{}):\n  - {}", name_, errors.size(),
-            errors.size() == 1 ? "" : "s", fmt::join(errors, "\n  - "));
-  load_options(options);  // checked: it throws before it changes anything
+  load_options(options, errors);  // adds what it cannot read; changes the options only where nothing was wrong
+  if (!errors.empty()) fail_loading(name_, "scheduler state", errors);
   // The base lrs of the run that saved it: a scheduler made after its optimizer's state was loaded took the decayed
   // lrs as its bases (PyTorch keeps them as each group's initial_lr).
   const std::vector<double> previous = base_lrs_;
@@ -179,7 +128,8 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
     set_step(n);  // refused past OneCycleLR's last step
   } catch (...) {
     base_lrs_ = previous;
-    load_options(current_options);
+    std::vector<std::string> none;
+    load_options(current_options, none);
     throw;
   }
   if (!missing.empty())
@@ -192,15 +142,18 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
 namespace {
 StepLROptions checked(StepLROptions o) {
   HG_CHECK(o.step_size > 0, "StepLR: step_size must be positive, got {}", o.step_size);
+  check_finite_non_negative("StepLR", "gamma", o.gamma);
   return o;
 }
 MultiStepLROptions checked(MultiStepLROptions o) {
   HG_CHECK(std::is_sorted(o.milestones.begin(), o.milestones.end()),
            "MultiStepLR: milestones must be increasing, got [{}]", fmt::join(o.milestones, ", "));
+  check_finite_non_negative("MultiStepLR", "gamma", o.gamma);
   return o;
 }
 CosineAnnealingLROptions checked(CosineAnnealingLROptions o) {
   HG_CHECK(o.T_max > 0, "CosineAnnealingLR: T_max must be positive, got {}", o.T_max);
+  check_finite_non_negative("CosineAnnealingLR", "eta_min", o.eta_min);
   return o;
 }
 LinearWarmupOptions checked(LinearWarmupOptions o) {
@@ -215,8 +168,10 @@ StepLR::StepLR(Optimizer& optimizer, StepLROptions options)
     : LRScheduler(optimizer, "StepLR"), options_(checked(options)) {
   start();
 }
-NamedTensors StepLR::options_tensors() const { return encode(options_); }
-void StepLR::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
+NamedTensors StepLR::options_tensors() const { return tensors_of(options_); }
+void StepLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  if (StepLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
+}
 
 std::vector<double> StepLR::lr_at(int64_t n) const {
   std::vector<double> lrs;
@@ -228,8 +183,10 @@ MultiStepLR::MultiStepLR(Optimizer& optimizer, MultiStepLROptions options)
     : LRScheduler(optimizer, "MultiStepLR"), options_(checked(std::move(options))) {
   start();
 }
-NamedTensors MultiStepLR::options_tensors() const { return encode(options_); }
-void MultiStepLR::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
+NamedTensors MultiStepLR::options_tensors() const { return tensors_of(options_); }
+void MultiStepLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  if (MultiStepLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
+}
 
 std::vector<double> MultiStepLR::lr_at(int64_t n) const {
   // Milestones passed so far (PyTorch's bisect_right): at step == milestone the decay has happened.
@@ -244,9 +201,9 @@ CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROpti
     : LRScheduler(optimizer, "CosineAnnealingLR"), options_(checked(options)) {
   start();
 }
-NamedTensors CosineAnnealingLR::options_tensors() const { return encode(options_); }
-void CosineAnnealingLR::load_options(const NamedTensors& options) {
-  options_ = checked(decode(options_, options, name()));
+NamedTensors CosineAnnealingLR::options_tensors() const { return tensors_of(options_); }
+void CosineAnnealingLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  if (CosineAnnealingLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
 }
 
 std::vector<double> CosineAnnealingLR::lr_at(int64_t n) const {
@@ -268,8 +225,25 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options) : LRSche
   configure(std::move(options));
   start();
 }
-NamedTensors OneCycleLR::options_tensors() const { return encode(options_); }
-void OneCycleLR::load_options(const NamedTensors& options) { configure(decode(options_, options, name())); }
+namespace {
+int64_t code_of(OneCycleLROptions::Anneal anneal) { return anneal == OneCycleLROptions::Anneal::Linear ? 1 : 0; }
+}  // namespace
+
+NamedTensors OneCycleLR::options_tensors() const {
+  OneCycleLROptions o = options_;
+  int64_t anneal = code_of(o.anneal_strategy);
+  return option_tensors(fields_of(o, anneal));
+}
+void OneCycleLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  OneCycleLROptions o = options_;
+  int64_t anneal = code_of(o.anneal_strategy);
+  read_option_tensors(fields_of(o, anneal), named, errors);
+  if (anneal != 0 && anneal != 1)
+    errors.push_back(fmt::format("'anneal_strategy' is {}: 0 (cos) or 1 (linear)", anneal));
+  if (!errors.empty()) return;
+  o.anneal_strategy = anneal == 1 ? OneCycleLROptions::Anneal::Linear : OneCycleLROptions::Anneal::Cos;
+  configure(std::move(o));
+}
 
 void OneCycleLR::configure(OneCycleLROptions o) {
   // As PyTorch: total_steps when given, else epochs and steps_per_epoch, each a positive count.
@@ -292,6 +266,10 @@ void OneCycleLR::configure(OneCycleLROptions o) {
   for (double max_lr : max_lrs)  // a negative lr would turn the optimizer's steps into ascent
     HG_CHECK(std::isfinite(max_lr) && max_lr >= 0, "OneCycleLR: max_lr must be finite and >= 0, got {}",
              fmt::join(o.max_lr, ", "));
+  if (o.cycle_momentum) {
+    check_finite_non_negative("OneCycleLR", "base_momentum", o.base_momentum);
+    check_finite_non_negative("OneCycleLR", "max_momentum", o.max_momentum);
+  }
 
   const double total = double(total_steps);
   std::vector<Phase> phases;
@@ -356,8 +334,10 @@ LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, st
   start();
 }
 
-NamedTensors LinearWarmup::options_tensors() const { return encode(options_); }
-void LinearWarmup::load_options(const NamedTensors& options) { options_ = checked(decode(options_, options, name())); }
+NamedTensors LinearWarmup::options_tensors() const { return tensors_of(options_); }
+void LinearWarmup::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  if (LinearWarmupOptions o = options_; read_into(o, named, errors)) options_ = checked(o);
+}
 
 NamedTensors LinearWarmup::state_tensors() const {
   NamedTensors state = LRScheduler::state_tensors();

@@ -16,6 +16,7 @@
 // is the caller's choice.
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "optim/optimizer.h"
@@ -59,11 +60,11 @@ class LRScheduler {
   LRScheduler(Optimizer& optimizer, const char* name);
   // Derived constructors call this last: applies step 0, as PyTorch's constructors do.
   void start() { set_step(0); }
-  // The options as named tensors (0-d for a number or a flag, 1-d for a list), and back: load_options takes those
-  // present, checks the result as the constructor does, and replaces the options or throws leaving them. A scheduler
-  // without options keeps the defaults (none).
+  // The options as named tensors (optim/option_tensors.h), and back: load_options reads those present, adding what it
+  // cannot read to `errors`; where `errors` is then empty it checks the result as the constructor does (throwing) and
+  // replaces the options, else it changes nothing. A scheduler without options keeps the defaults (none).
   virtual NamedTensors options_tensors() const { return {}; }
-  virtual void load_options(const NamedTensors& /*options*/) {}
+  virtual void load_options(const NamedTensors& /*named*/, std::vector<std::string>& /*errors*/) {}
 
   Optimizer& optimizer_;
   std::vector<double> base_lrs_;
@@ -97,7 +98,7 @@ class StepLR : public LRScheduler {
 
  private:
   NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& options) override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   StepLROptions options_;
 };
 
@@ -113,7 +114,7 @@ class MultiStepLR : public LRScheduler {
 
  private:
   NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& options) override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   MultiStepLROptions options_;
 };
 
@@ -130,7 +131,7 @@ class CosineAnnealingLR : public LRScheduler {
 
  private:
   NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& options) override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   CosineAnnealingLROptions options_;
 };
 
@@ -163,7 +164,7 @@ class OneCycleLR : public LRScheduler {
 
  private:
   NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& options) override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   // Checks the options and derives the schedule from them (total_steps_, max_lrs_, phases_), or throws leaving all.
   void configure(OneCycleLROptions options);
   struct Phase {
@@ -203,7 +204,7 @@ class LinearWarmup : public LRScheduler {
  private:
   void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps
   NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& options) override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   LinearWarmupOptions options_;
   std::unique_ptr<LRScheduler> after_;
 };

@@ -439,7 +439,7 @@ TEST_CASE("scaler state round-trips") {
       {"scaler.scale", scalar_tensor(int64_t(1) << 62, {.dtype = kInt64})},
       {"scaler.growth_tracker", scalar_tensor(int64_t(0), {.dtype = kInt64})}};
   CHECK_THROWS_WITH_AS(c.load_state_tensors(int_scale),
-                       doctest::Contains("scaler.scale must be a 0-d float64, got int64"), Error);
+                       doctest::Contains("'scaler.scale' must be a 0-d float64, got int64"), Error);
   CHECK(c.state() == a.state());  // unchanged
 }
 
@@ -477,17 +477,40 @@ TEST_CASE("a scaler's checkpoint carries the options that move its scale, as PyT
     return named;
   };
   amp::GradScaler c;
-  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_factor", scalar_tensor(0.5, {.dtype = kFloat64}))),
-                       doctest::Contains("growth_factor must be > 1, got 0.5"), Error);
-  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.min_scale", scalar_tensor(128.0, {.dtype = kFloat64}))),
+  auto number = [](double v) { return scalar_tensor(v, {.dtype = kFloat64}); };
+  auto count = [](int64_t v) { return scalar_tensor(v, {.dtype = kInt64}); };
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_factor", number(0.5))),
+                       doctest::Contains("GradScaler::load_state_tensors: growth_factor must be > 1 and finite in "
+                                         "float32, got 0.5"), Error);
+  // The factors are float32 in the update, as the scale: 1 - 1e-9 is 1 there, and the scale would never back off.
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.backoff_factor", number(1 - 1e-9))),
+                       doctest::Contains("backoff_factor must be in (0, 1) in float32"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_factor", number(1 + 1e-9))),
+                       doctest::Contains("growth_factor must be > 1 and finite in float32"), Error);
+  // The clean-step count is an int32 on the device.
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", count(int64_t(1) << 32))),
+                       doctest::Contains("growth_interval must be in [1, 2^31 - 1], got 4294967296"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.min_scale", number(0))),
+                       doctest::Contains("GradScaler::load_state_tensors (min_scale): invalid scale 0"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.min_scale", number(128.0))),
                        doctest::Contains("scale 64 outside [min_scale 128"), Error);
-  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", scalar_tensor(2.0, {.dtype = kFloat64}))),
-                       doctest::Contains("scaler.growth_interval must be a 0-d int64, got float64"), Error);
+  // Every entry that cannot be read is named in one error.
+  auto two_wrong = with("scaler.growth_interval", number(2.0));
+  for (auto& [n, t] : two_wrong)
+    if (n == "scaler.dynamic") t = Tensor();
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(two_wrong),
+                       doctest::Contains("cannot load the scaler state (2 problems):\n"
+                                         "  - 'scaler.growth_interval' must be a 0-d int64, got float64[] cpu\n"
+                                         "  - 'scaler.dynamic' must be a 0-d bool, got an undefined tensor"), Error);
+  auto twice = a.state_tensors();
+  twice.emplace_back("scaler.scale", number(1));
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(twice), doctest::Contains("'scaler.scale' is there twice"), Error);
+  CHECK_THROWS_WITH_AS(c.load_state_tensors({{"scaler.growth_tracker", count(0)}}),
+                       doctest::Contains("missing 'scaler.scale'"), Error);
   // The tracker is checked against the loaded interval: 2 clean steps are within an interval of 3, not of 2.
   clean_step(a);
   clean_step(a);
-  const Tensor two = scalar_tensor(int64_t(2), {.dtype = kInt64});
-  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", two)),
+  CHECK_THROWS_WITH_AS(c.load_state_tensors(with("scaler.growth_interval", count(2))),
                        doctest::Contains("growth_tracker 2 outside [0, 2)"), Error);
   CHECK(c.options().growth_factor == 2);
   CHECK(c.options().growth_interval == 2000);

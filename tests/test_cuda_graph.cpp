@@ -207,6 +207,11 @@ TEST_CASE("cuda graph: a replayed training step makes no host synchronisation") 
   for (int i = 0; i < 20; ++i) captured();
   CHECK(cuda::host_synchronizations() == before);
   CHECK(scaler.skipped_steps() == 0);
+  // The captured update holds the scaler's options as its kernel's arguments: a state with others is refused.
+  scaler.load_state_tensors(scaler.state_tensors());
+  CHECK_THROWS_WITH_AS(scaler.load_state_tensors(amp::GradScaler({.growth_interval = 10}).state_tensors()),
+                       doctest::Contains("update() is captured in a CUDA graph"), Error);
+  CHECK(scaler.options().growth_interval == 2000);
 }
 
 TEST_CASE("cuda graph: work that waits for the GPU cannot be captured, and the error says what to do") {

@@ -322,14 +322,26 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
     loaded.load_state_tensors(saved.state_tensors());
     CHECK(loaded.get_last_lr() == saved.get_last_lr());
     step_together(saved, loaded, 6);
-    // Refused, naming the entry, and nothing changes.
-    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(saved.state_tensors(), "gamma", count(2))),
-                         doctest::Contains("StepLR: cannot load the scheduler state (1 problem):\n"
-                                           "  - 'gamma' must be a 0-d float64, got int64"),
+    // Refused, naming every entry wrong, and nothing changes, though the state's other entries differ.
+    optim::StepLR other(opt, {.step_size = 2, .gamma = 0.25});
+    const double lr = opt2.groups()[0].options.lr;
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(with(other.state_tensors(), "gamma", count(2)), "last_step",
+                                                        scalar_tensor(1.0, {.dtype = kFloat64}))),
+                         doctest::Contains("StepLR: cannot load the scheduler state (2 problems):\n"
+                                           "  - 'last_step' must be a one-element integer tensor, got float64"),
                          Error);
-    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(saved.state_tensors(), "step_size", count(0))),
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(other.state_tensors(), "gamma", count(2))),
+                         doctest::Contains("  - 'gamma' must be a 0-d float64, got int64"), Error);
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(other.state_tensors(), "step_size", count(0))),
                          doctest::Contains("StepLR: step_size must be positive, got 0"), Error);
+    // A gamma that is not a finite number >= 0 would make the lr NaN or negative.
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(with(other.state_tensors(), "gamma",
+                                                        scalar_tensor(std::nan(""), {.dtype = kFloat64}))),
+                         doctest::Contains("StepLR: gamma must be finite and >= 0, got nan"), Error);
     CHECK(entry(loaded, "step_size").item<int64_t>() == 3);
+    CHECK(entry(loaded, "gamma").item<double>() == 0.5);
+    CHECK(loaded.last_step() == saved.last_step());
+    CHECK(opt2.groups()[0].options.lr == lr);
     step_together(saved, loaded, 1);
   }
   SUBCASE("MultiStepLR, its milestones a list") {
@@ -389,8 +401,35 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
     loaded.load_state_tensors(saved.state_tensors());
     CHECK(entry(loaded, "after.step_size").item<int64_t>() == 2);
     step_together(saved, loaded, 8);
-    CHECK_THROWS_WITH_AS(
-        loaded.load_state_tensors(with(saved.state_tensors(), "start_factor", scalar_tensor(2.0, {.dtype = kFloat64}))),
-        doctest::Contains("LinearWarmup: start_factor must be in [0, 1], got 2"), Error);
+    // Refused in its own options or in the inner scheduler's: both stay, with their steps and the group's lr.
+    optim::LinearWarmup other(opt, {.warmup_steps = 5, .start_factor = 0.1},
+                              std::make_unique<optim::StepLR>(opt, optim::StepLROptions{.step_size = 4, .gamma = 0.9}));
+    other.step();
+    const double lr = opt2.groups()[0].options.lr;
+    const int64_t last_step = loaded.last_step();
+    for (const auto& [name, value] : {std::pair{"start_factor", scalar_tensor(2.0, {.dtype = kFloat64})},
+                                      std::pair{"after.gamma", scalar_tensor(-1.0, {.dtype = kFloat64})}}) {
+      CAPTURE(name);
+      CHECK_THROWS_AS(loaded.load_state_tensors(with(other.state_tensors(), name, value)), Error);
+      CHECK(entry(loaded, "warmup_steps").item<int64_t>() == 3);
+      CHECK(entry(loaded, "start_factor").item<double>() == 0.5);
+      CHECK(entry(loaded, "after.step_size").item<int64_t>() == 2);
+      CHECK(entry(loaded, "after.gamma").item<double>() == 0.5);
+      CHECK(loaded.last_step() == last_step);
+      CHECK(opt2.groups()[0].options.lr == lr);
+    }
+    step_together(saved, loaded, 2);
+  }
+  SUBCASE("options that would make the lr or the momentum NaN or negative") {
+    optim::CosineAnnealingLR cosine(opt, {.T_max = 7});
+    CHECK_THROWS_WITH_AS(cosine.load_state_tensors(with(cosine.state_tensors(), "eta_min",
+                                                        scalar_tensor(-5.0, {.dtype = kFloat64}))),
+                         doctest::Contains("CosineAnnealingLR: eta_min must be finite and >= 0, got -5"), Error);
+    optim::OneCycleLR one_cycle(opt2, {.max_lr = {0.1}, .total_steps = 10});
+    CHECK_THROWS_WITH_AS(one_cycle.load_state_tensors(with(one_cycle.state_tensors(), "base_momentum",
+                                                           scalar_tensor(std::nan(""), {.dtype = kFloat64}))),
+                         doctest::Contains("OneCycleLR: base_momentum must be finite and >= 0, got nan"), Error);
+    CHECK_THROWS_WITH_AS(optim::MultiStepLR(opt, {.milestones = {1}, .gamma = -0.5}),
+                         doctest::Contains("MultiStepLR: gamma must be finite and >= 0, got -0.5"), Error);
   }
 }
