@@ -20,7 +20,9 @@ import sys
 def read(path):
     records = []
     with open(path, newline="") as f:
-        for line, row in enumerate(csv.reader(f), 1):
+        # Names are written as they are, unquoted: a quote in one (a kernel of torch.compile's run has them) is a
+        # character, not the start of a quoted field that would swallow the lines after it.
+        for line, row in enumerate(csv.reader(f, quoting=csv.QUOTE_NONE), 1):
             if len(row) < 6:
                 sys.exit(f"trace_kernels.py: {path}:{line}: expected start,end,graph,node,kind,name; got {row!r}")
             start, end, graph, node = (int(v) for v in row[:4])
