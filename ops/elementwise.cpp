@@ -48,11 +48,20 @@ Tensor unary_forward(UnaryOp op, const Tensor& x) {
   return out;
 }
 
-// Binary op on two tensors; either may be a 0-d CPU "scalar" when the other is on a device.
+// A 0-d CPU operand is a number to the kernels (binary_kernel's contract): a device kernel takes it by value, and in
+// a float16 or bfloat16 op it is read in float32, the op's compute type, not rounded to the tensor's dtype first, as
+// PyTorch reads a number (PyTorch 2.11, H100: float16(1000) * 1e-8 is 1.0014e-05 on CUDA and CPU; with 1e-8 rounded
+// to float16 it would be 0). The dtype it is passed in, and whether the kernel takes it unbroadcast.
+DType scalar_dtype(DType compute) { return is_half(compute) ? kFloat32 : compute; }
+bool kernel_takes_scalar(Device device, DType compute) { return !device.is_cpu() || is_half(compute); }
+
+// Binary op on two tensors; either may be a 0-d CPU "scalar". Where both are, the number is the one not of the compute
+// dtype (number_operand's float32 beside a 0-d float16 tensor), else b.
 Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compute) {
   const char* name = op_name(op);
   Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
-  bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
+  const bool a_0d = a.dim() == 0 && a.is_cpu(), b_0d = b.dim() == 0 && b.is_cpu();
+  const bool b_scalar = b_0d && (!a_0d || a.dtype() == compute), a_scalar = a_0d && !b_scalar;
   Device device = a_scalar ? b.device() : a.device();
   if (!a_scalar && !b_scalar) check_same_device(name, a, b);
   // The output takes the layout of the operand that has the output's shape (a, else b).
@@ -60,8 +69,8 @@ Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compu
   Tensor out = empty(shape, {.dtype = is_predicate(op) ? kBool : compute, .device = device},
                      layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t, bool scalar) {
-    Tensor c = cast_nograd(t, compute);
-    return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, name);
+    if (scalar && kernel_takes_scalar(device, compute)) return cast_nograd(t, scalar_dtype(compute));
+    return broadcast_view(cast_nograd(t, compute), shape, name);
   };
   binary_kernel[device](op, out, operand(a, a_scalar), operand(b, b_scalar));
   return out;
@@ -82,13 +91,16 @@ DType result_type(const Tensor& a, const Tensor& b) {
   return promote_types(a.dtype(), a.dim() == 0, b.dtype(), b.dim() == 0);
 }
 
-// A scalar operand as a 0-d CPU tensor of the compute dtype. A number the dtype cannot hold becomes what the cast gives
-// (1e6 in float16: inf; PyTorch's wrapped numbers alike): fill_'s overflow check is for values written into tensors.
+// A number as a 0-d CPU tensor of `dtype`. A number the dtype cannot hold becomes what the cast gives (1e6 in float16:
+// inf; PyTorch's wrapped numbers alike): fill_'s overflow check is for values written into tensors.
 Tensor scalar_operand(const Scalar& s, DType dtype) {
   Tensor t = empty({}, {.dtype = dtype});
   fill_kernel[t.device()](t, s);
   return t;
 }
+// A number beside a tensor in an arithmetic op or a comparison computed in `compute`: in scalar_dtype(compute), float32
+// for float16, so that nothing rounds it to float16 before the op reads it.
+Tensor number_operand(const Scalar& s, DType compute) { return scalar_operand(s, scalar_dtype(compute)); }
 
 // ---- backward formulas, next to each other so the calculus can be read at once
 
@@ -129,9 +141,8 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   return y;
 }
 
-Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
-  check_defined(op_name(op), {a, b});
-  DType common = result_type(a, b);
+// The op in the dtype `common` (a number's promotion is decided before it becomes a 0-d tensor).
+Tensor binary_as(BinaryOp op, const Tensor& a, const Tensor& b, DType common) {
   check_not_bool_arithmetic(op, common);
   Tensor out = binary_forward(op, a, b, binary_compute_dtype(op, common));
   if (is_predicate(op) || !any_requires_grad({&a, &b})) return out;
@@ -205,16 +216,21 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   return out;
 }
 
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  check_defined(op_name(op), {a, b});
+  return binary_as(op, a, b, result_type(a, b));
+}
+
 Tensor binary(BinaryOp op, const Tensor& a, const Scalar& b) {
   check_defined(op_name(op), {a});
   DType common = promote_with_scalar(a.dtype(), b);
-  return binary(op, a, scalar_operand(b, common));
+  return binary_as(op, a, number_operand(b, common), common);
 }
 
 Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
   check_defined(op_name(op), {b});
   DType common = promote_with_scalar(b.dtype(), a);
-  return binary(op, scalar_operand(a, common), b);
+  return binary_as(op, number_operand(a, common), b, common);
 }
 
 // In-place update self = op(self, other...). Without autograd the kernel writes into self directly.
@@ -264,11 +280,13 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
     return inplace(self, name, {other}, compute);
   }
   check_inplace(self, name, /*records=*/false);
-  // The kernel takes operands of one dtype, self's: a narrower other (float16 into float32) is widened, a 0-d other
-  // of a wider dtype (float64 beside float16, which its result type is) cast, as PyTorch reads a number.
-  const Tensor operand = other.dtype() == self.dtype() ? other : cast_nograd(other, self.dtype());
-  bool scalar = operand.dim() == 0 && operand.is_cpu() && !self.is_cpu();
-  binary_kernel[self.device()](op, self, self, scalar ? operand : broadcast_view(operand, self.shape(), name));
+  // A 0-d CPU other is a number, passed as binary_forward passes one; otherwise the kernel takes operands of self's
+  // dtype, a narrower other (float16 into float32) widened.
+  if (other.dim() == 0 && other.is_cpu() && kernel_takes_scalar(self.device(), self.dtype())) {
+    binary_kernel[self.device()](op, self, self, cast_nograd(other, scalar_dtype(self.dtype())));
+    return self;
+  }
+  binary_kernel[self.device()](op, self, self, broadcast_view(cast_nograd(other, self.dtype()), self.shape(), name));
   return self;
 }
 
@@ -536,7 +554,7 @@ Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
   return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
 }
 Tensor& Tensor::add_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Add, "add_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Add, "add_", number_operand(other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s + other; });
 }
 Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
@@ -546,21 +564,21 @@ Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
   return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
 }
 Tensor& Tensor::sub_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Sub, "sub_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Sub, "sub_", number_operand(other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s - other; });
 }
 Tensor& Tensor::mul_(const Tensor& other) {
   return binary_inplace(*this, BinaryOp::Mul, "mul_", other, [&](const Tensor& s) { return halfgrad::mul(s, other); });
 }
 Tensor& Tensor::mul_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Mul, "mul_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Mul, "mul_", number_operand(other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s * other; });
 }
 Tensor& Tensor::div_(const Tensor& other) {
   return binary_inplace(*this, BinaryOp::Div, "div_", other, [&](const Tensor& s) { return halfgrad::div(s, other); });
 }
 Tensor& Tensor::div_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Div, "div_", scalar_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Div, "div_", number_operand(other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s / other; });
 }
 Tensor& Tensor::neg_() { return inplace(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); }); }
@@ -610,7 +628,31 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
   });
 }
 
+// A float16 or bfloat16 op with a number (a 0-d float32 tensor, read in float32): the tensor operand mapped alone. The
+// number's side is a compile-time choice: a branch in the loop keeps GCC from vectorising an ordered comparison.
+template <typename T> void binary_scalar_cpu(BinaryOp op, const Tensor& out, const Tensor& x, float scalar, bool left) {
+  dispatch_binary_op(op, [&]<BinaryOp OP>() {
+    auto run = [&]<bool LEFT>() {
+      auto math = [scalar](float v) { return LEFT ? binary_math<OP>(scalar, v) : binary_math<OP>(v, scalar); };
+      if constexpr (is_predicate(OP))
+        cpu::map<bool, T>(out, [math](auto v) { return bool(math(float(v))); }, {x});
+      else
+        cpu::map<T, T>(out, [math](auto v) { return cpu::widened_t<T>(math(float(v))); }, {x});
+    };
+    left ? run.template operator()<true>() : run.template operator()<false>();
+  });
+}
+
 void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) {
+    const bool scalar_left = a.dim() == 0 && a.dtype() == kFloat32 && is_half(b.dtype());
+    const Tensor& scalar = scalar_left ? a : b;
+    HG_CHECK(scalar.dim() == 0 && scalar.dtype() == kFloat32 && is_half((scalar_left ? b : a).dtype()),
+             "{}: CPU kernel given operands of different dtypes: {} and {}", op_name(op), a.meta(), b.meta());
+    const Tensor& x = scalar_left ? b : a;
+    if (x.dtype() == kFloat16) return binary_scalar_cpu<Half>(op, out, x, scalar.item<float>(), scalar_left);
+    return binary_scalar_cpu<BFloat16>(op, out, x, scalar.item<float>(), scalar_left);
+  }
   dispatch_all(a.dtype(), op_name(op), [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       using M = opmath_t<T>;

@@ -28,11 +28,47 @@ template <BinaryOp OP, typename T> constexpr bool binary_supported() {
   else return true;
 }
 
-// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value.
+// A float16 or bfloat16 op with a number, read in float32 (its opmath type), on either side.
+template <BinaryOp OP, typename T> struct BinaryScalarFn {
+  float scalar;
+  bool scalar_left;
+  __device__ T operator()(T x) const {
+    return T(scalar_left ? binary_math<OP>(scalar, float(x)) : binary_math<OP>(float(x), scalar));
+  }
+};
+template <BinaryOp OP, typename T> struct BinaryScalarPredicateFn {
+  float scalar;
+  bool scalar_left;
+  __device__ bool operator()(T x) const {
+    return bool(scalar_left ? binary_math<OP>(scalar, float(x)) : binary_math<OP>(float(x), scalar));
+  }
+};
+
+template <typename T>
+void binary_scalar_cuda(BinaryOp op, const Tensor& out, const Tensor& x, float scalar, bool left) {
+  const char* name = op_name(op);
+  dispatch_binary_op(op, [&]<BinaryOp OP>() {
+    if constexpr (is_predicate(OP))
+      cuda::launch_elementwise<bool, T>(name, out, BinaryScalarPredicateFn<OP, T>{scalar, left}, {x});
+    else
+      cuda::launch_elementwise<T, T>(name, out, BinaryScalarFn<OP, T>{scalar, left}, {x});
+  });
+}
+
+// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value. Beside float16 and bfloat16
+// it is float32 (binary_kernel's contract), and goes into the functor instead.
 void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   const char* name = op_name(op);
-  HG_CHECK(a.dtype() == b.dtype(), "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(),
-           b.meta());
+  if (a.dtype() != b.dtype()) {
+    const bool scalar_left = a.dim() == 0 && a.is_cpu() && a.dtype() == kFloat32 && is_half(b.dtype());
+    const Tensor& scalar = scalar_left ? a : b;
+    HG_CHECK(scalar.dim() == 0 && scalar.is_cpu() && scalar.dtype() == kFloat32 &&
+                 is_half((scalar_left ? b : a).dtype()),
+             "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(), b.meta());
+    const Tensor& x = scalar_left ? b : a;
+    if (x.dtype() == kFloat16) return binary_scalar_cuda<Half>(op, out, x, scalar.item<float>(), scalar_left);
+    return binary_scalar_cuda<BFloat16>(op, out, x, scalar.item<float>(), scalar_left);
+  }
   dispatch_all(a.dtype(), name, [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       if constexpr (!binary_supported<OP, T>()) {

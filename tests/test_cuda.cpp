@@ -339,6 +339,36 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
               "float16 + bfloat16 -> float32");
 }
 
+TEST_CASE("cuda: a number beside float16 and bfloat16 is read in float32, bit for bit as on the CPU") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(17);
+  using Op = Tensor (*)(const Tensor&, const Tensor&);
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"add", [](const Tensor& a, const Tensor& b) { return a + b; }},
+      {"sub", [](const Tensor& a, const Tensor& b) { return a - b; }},
+      {"mul", mul}, {"div", div}, {"maximum", maximum}, {"minimum", minimum}, {"eq", eq}, {"lt", lt}, {"ge", ge}};
+  for (DType dt : {kFloat16, kBFloat16}) {
+    const Tensor x = random({3, 41}, dt, 0.05, 2000);
+    for (double number : {1e-8, 0.1, 0.3, 70000.0}) {
+      const Tensor s = scalar_tensor(number, {.dtype = kFloat64});
+      for (const auto& [name, op] : ops) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(name);
+        CAPTURE(number);
+        check_close(op(x.cuda(), s), op(x, s), {0, 0}, "tensor op number");
+        check_close(op(s, x.cuda()), op(s, x), {0, 0}, "number op tensor");
+      }
+      Tensor y = x.cuda().t();
+      y.mul_(number).add_(number);
+      check_close(y, x.t() * number + number, {0, 0}, "in place");
+      check_close(pow(x.cuda(), number), pow(x, number), op_tolerance(dt), "pow");  // powf against std::pow
+    }
+  }
+  // float16's 1000 * 1e-8 as PyTorch's CUDA kernel gives it (1e-8 rounded to float16 first would make it 0).
+  CHECK((full({1}, 1000.0, {.dtype = kFloat16, .device = Device::cuda()}) * 1e-8).item<double>() ==
+        1.0013580322265625e-05);
+}
+
 TEST_CASE("cuda: copy_each_ copies many tensors bit for bit in batched launches, and casts and strided pairs too") {
   SKIP_WITHOUT_GPU();
   const DType dtypes[] = {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool};

@@ -178,6 +178,41 @@ TEST_CASE("scalar operands on either side") {
   CHECK(arange(5).pow(2).dtype() == kInt64);
 }
 
+TEST_CASE("a number beside a float16 or bfloat16 tensor is read in float32, not rounded to the tensor's dtype first") {
+  // PyTorch 2.11 on an H100: float16(1000) * 1e-8 is 1.0013580322265625e-05 on CUDA and on the CPU. 1e-8 rounded to
+  // float16 first would be 0. The result is float16 (168 of its subnormal steps of 2^-24).
+  const double product = 1.0013580322265625e-05;
+  const Tensor x = full({2}, 1000.0, {.dtype = kFloat16});
+  CHECK((x * 1e-8).dtype() == kFloat16);
+  CHECK(values(x * 1e-8) == std::vector<double>{product, product});
+  CHECK(values(1e-8 * x) == std::vector<double>{product, product});
+  CHECK(values(x * scalar_tensor(1e-8, {.dtype = kFloat64})) == std::vector<double>{product, product});  // a 0-d tensor
+  Tensor y = x.clone();
+  y.mul_(1e-8);
+  CHECK(values(y) == std::vector<double>{product, product});
+  // 70000 is inf in float16: x / 70000 would be 0; in float32 it is 1000 / 70000, rounded once to float16.
+  CHECK(values(x / 70000.0) == std::vector<double>{0.0142822265625, 0.0142822265625});
+  // A 0-d float16 tensor beside a number stays float16, and reads it the same way.
+  const Tensor x0 = scalar_tensor(1000.0, {.dtype = kFloat16});
+  CHECK((x0 * 1e-8).dtype() == kFloat16);
+  CHECK((x0 * 1e-8).item<double>() == product);
+  CHECK((1e-8 * x0).item<double>() == product);  // the number on the left of a 0-d tensor too
+  // bfloat16: 3 * 0.3 is 0.9 in float32, 0.8984375 in bfloat16; with 0.3 rounded first (0.30078125), 0.90234375.
+  CHECK(values(full({1}, 3.0, {.dtype = kBFloat16}) * 0.3) == std::vector<double>{0.8984375});
+  const Tensor b0 = scalar_tensor(3.0, {.dtype = kBFloat16});
+  CHECK((0.3 * b0).item<double>() == 0.8984375);
+  CHECK((0.3 - b0).item<double>() == (0.3 - full({1}, 3.0, {.dtype = kBFloat16})).item<double>());
+  // Comparisons too: float16's 0.1 is 0.0999755859375, below the number 0.1.
+  const Tensor tenth = full({1}, 0.1, {.dtype = kFloat16});
+  CHECK_FALSE(tenth.eq(0.1).item<bool>());
+  CHECK(tenth.lt(0.1).item<bool>());
+  // The gradient of x * number: the incoming gradient times the number, in float32, then float16.
+  Tensor w = full({1}, 1.0, {.dtype = kFloat16, .requires_grad = true});
+  (w * 70000.0 * 1e-4).sum().backward();
+  CHECK(w.grad().dtype() == kFloat16);
+  CHECK(values(w.grad()) == std::vector<double>{7.0});
+}
+
 TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a higher category decides the dtype") {
   const Tensor half = ones({3}, {.dtype = kFloat16});
   CHECK((half * scalar_tensor(2.0, {.dtype = kFloat64})).dtype() == kFloat16);
@@ -188,8 +223,8 @@ TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a h
   const Tensor wrapped = tensor(std::vector<uint8_t>{0, 5}) + scalar_tensor(-1, {.dtype = kInt64});
   CHECK(wrapped.dtype() == kUInt8);
   CHECK(values(wrapped) == std::vector<double>{255, 4});
-  // compared in float16, where 0.1 rounds to the same value as the tensor's
-  CHECK(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
+  // read as a number is: in float32 (below), where float16's 0.1 (0.0999755859375) is not 0.1
+  CHECK_FALSE(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
   CHECK(where(half.gt(0), half, scalar_tensor(0.0, {.dtype = kFloat32})).dtype() == kFloat16);
   {  // autocast's mixed-input rule reads a 0-d tensor the same way (PyTorch's autocast leaves mul alone)
     amp::AutocastGuard autocast(kFloat16);

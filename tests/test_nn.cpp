@@ -704,6 +704,15 @@ TEST_CASE("kaiming and xavier initialisers have the documented spread") {
   }
 }
 
+TEST_CASE("nn::init::uniform_ keeps float16 values below high as the dtype holds it, as PyTorch's kernel") {
+  // 0.1 is 0.0999755859375 in float16: a draw that rounds to it is at high, and goes to low.
+  Tensor h = empty({1 << 20}, {.dtype = kFloat16});
+  manual_seed(3);
+  nn::init::uniform_(h, -0.1, 0.1);
+  CHECK(h.max().item<double>() < 0.0999755859375);
+  CHECK(h.min().item<double>() >= -0.0999755859375);
+}
+
 TEST_CASE("initialisers fill parameters in place, without recording autograd, in any dtype") {
   nn::Linear lin(4, 3, true, {.dtype = kFloat64});
   CHECK(lin.weight.dtype() == kFloat64);
