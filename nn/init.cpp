@@ -50,12 +50,11 @@ Tensor uniform_(Tensor t, double low, double high) {
   HG_CHECK(low <= high && std::isfinite(high - low),
            "nn::init::uniform_: expected low <= high, a finite range, got low {} and high {}", low, high);
   NoGradGuard no_grad;
-  // Scaled in float32 (float64), rounded to the tensor's dtype: the rounding can reach high in that dtype (float16 on
-  // [1, 2): the largest draw rounds to 2), which then goes to low, as PyTorch's CUDA kernel does, so that values stay
-  // in [low, high). high is compared in the tensor's dtype, as there (a number would be read in float32, where
-  // float16's 0.1, 0.0999755859375, is below 0.1 and would stay).
+  // Scaled in float32 (float64), rounded to the tensor's dtype: the rounding can reach high (float16 on [1, 2): the
+  // largest draw rounds to 2), which then goes to low, as PyTorch's CUDA kernel does, so that values stay in [low, high).
+  // The comparison reads high in the tensor's dtype (float16's 0.1 is 0.0999755859375), as that kernel does.
   const Tensor drawn = (rand(t.shape(), {.dtype = draw_dtype(t)}) * (high - low) + low).to(t.dtype());
-  return assign(t, where(drawn.ge(scalar_tensor(high, {.dtype = t.dtype()})), low, drawn));
+  return assign(t, where(drawn.ge(high), low, drawn));
 }
 
 Tensor normal_(Tensor t, double mean, double std) {

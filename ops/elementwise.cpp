@@ -48,12 +48,21 @@ Tensor unary_forward(UnaryOp op, const Tensor& x) {
   return out;
 }
 
-// A 0-d CPU operand is a number to the kernels (binary_kernel's contract): a device kernel takes it by value, and in
-// a float16 or bfloat16 op it is read in float32, the op's compute type, not rounded to the tensor's dtype first, as
-// PyTorch reads a number (PyTorch 2.11, H100: float16(1000) * 1e-8 is 1.0014e-05 on CUDA and CPU; with 1e-8 rounded
-// to float16 it would be 0). The dtype it is passed in, and whether the kernel takes it unbroadcast.
-DType scalar_dtype(DType compute) { return is_half(compute) ? kFloat32 : compute; }
-bool kernel_takes_scalar(Device device, DType compute) { return !device.is_cpu() || is_half(compute); }
+// A 0-d CPU operand is a number to the kernels (binary_kernel's contract): a device kernel takes it by value. Beside a
+// float16 or bfloat16 tensor, arithmetic reads it in float32, the op's compute type, as PyTorch's CUDA kernels do
+// (their TensorIterator leaves a CPU scalar uncast and they fetch it as float: PyTorch 2.11 on an H100 gives
+// float16(1000) * 1e-8 = 1.0014e-05, where 1e-8 rounded to float16 first would give 0); its comparisons and pow read it
+// in the tensor's dtype (scalar_value<scalar_t>), and so does halfgrad. The dtype it is passed in, and whether the
+// kernel takes it unbroadcast.
+bool reads_number_in_float32(BinaryOp op) {
+  return op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul || op == BinaryOp::Div;
+}
+DType scalar_dtype(BinaryOp op, DType compute) {
+  return is_half(compute) && reads_number_in_float32(op) ? kFloat32 : compute;
+}
+bool kernel_takes_scalar(BinaryOp op, Device device, DType compute) {
+  return !device.is_cpu() || scalar_dtype(op, compute) != compute;
+}
 
 // Binary op on two tensors; either may be a 0-d CPU "scalar". Where both are, the number is the one not of the compute
 // dtype (number_operand's float32 beside a 0-d float16 tensor), else b.
@@ -69,7 +78,7 @@ Tensor binary_forward(BinaryOp op, const Tensor& a, const Tensor& b, DType compu
   Tensor out = empty(shape, {.dtype = is_predicate(op) ? kBool : compute, .device = device},
                      layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t, bool scalar) {
-    if (scalar && kernel_takes_scalar(device, compute)) return cast_nograd(t, scalar_dtype(compute));
+    if (scalar && kernel_takes_scalar(op, device, compute)) return cast_nograd(t, scalar_dtype(op, compute));
     return broadcast_view(cast_nograd(t, compute), shape, name);
   };
   binary_kernel[device](op, out, operand(a, a_scalar), operand(b, b_scalar));
@@ -98,9 +107,11 @@ Tensor scalar_operand(const Scalar& s, DType dtype) {
   fill_kernel[t.device()](t, s);
   return t;
 }
-// A number beside a tensor in an arithmetic op or a comparison computed in `compute`: in scalar_dtype(compute), float32
-// for float16, so that nothing rounds it to float16 before the op reads it.
-Tensor number_operand(const Scalar& s, DType compute) { return scalar_operand(s, scalar_dtype(compute)); }
+// A number beside a tensor in `op` computed in `compute`, in scalar_dtype: float32 for float16 arithmetic, so that
+// nothing rounds it to float16 before the op reads it.
+Tensor number_operand(BinaryOp op, const Scalar& s, DType compute) {
+  return scalar_operand(s, scalar_dtype(op, compute));
+}
 
 // ---- backward formulas, next to each other so the calculus can be read at once
 
@@ -224,13 +235,13 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
 Tensor binary(BinaryOp op, const Tensor& a, const Scalar& b) {
   check_defined(op_name(op), {a});
   DType common = promote_with_scalar(a.dtype(), b);
-  return binary_as(op, a, number_operand(b, common), common);
+  return binary_as(op, a, number_operand(op, b, common), common);
 }
 
 Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
   check_defined(op_name(op), {b});
   DType common = promote_with_scalar(b.dtype(), a);
-  return binary_as(op, number_operand(a, common), b, common);
+  return binary_as(op, number_operand(op, a, common), b, common);
 }
 
 // In-place update self = op(self, other...). Without autograd the kernel writes into self directly.
@@ -282,8 +293,8 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
   check_inplace(self, name, /*records=*/false);
   // A 0-d CPU other is a number, passed as binary_forward passes one; otherwise the kernel takes operands of self's
   // dtype, a narrower other (float16 into float32) widened.
-  if (other.dim() == 0 && other.is_cpu() && kernel_takes_scalar(self.device(), self.dtype())) {
-    binary_kernel[self.device()](op, self, self, cast_nograd(other, scalar_dtype(self.dtype())));
+  if (other.dim() == 0 && other.is_cpu() && kernel_takes_scalar(op, self.device(), self.dtype())) {
+    binary_kernel[self.device()](op, self, self, cast_nograd(other, scalar_dtype(op, self.dtype())));
     return self;
   }
   binary_kernel[self.device()](op, self, self, broadcast_view(cast_nograd(other, self.dtype()), self.shape(), name));
@@ -554,7 +565,8 @@ Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
   return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
 }
 Tensor& Tensor::add_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Add, "add_", number_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Add, "add_",
+                        number_operand(BinaryOp::Add, other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s + other; });
 }
 Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
@@ -564,21 +576,24 @@ Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
   return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
 }
 Tensor& Tensor::sub_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Sub, "sub_", number_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Sub, "sub_",
+                        number_operand(BinaryOp::Sub, other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s - other; });
 }
 Tensor& Tensor::mul_(const Tensor& other) {
   return binary_inplace(*this, BinaryOp::Mul, "mul_", other, [&](const Tensor& s) { return halfgrad::mul(s, other); });
 }
 Tensor& Tensor::mul_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Mul, "mul_", number_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Mul, "mul_",
+                        number_operand(BinaryOp::Mul, other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s * other; });
 }
 Tensor& Tensor::div_(const Tensor& other) {
   return binary_inplace(*this, BinaryOp::Div, "div_", other, [&](const Tensor& s) { return halfgrad::div(s, other); });
 }
 Tensor& Tensor::div_(const Scalar& other) {
-  return binary_inplace(*this, BinaryOp::Div, "div_", number_operand(other, promote_with_scalar(dtype(), other)),
+  return binary_inplace(*this, BinaryOp::Div, "div_",
+                        number_operand(BinaryOp::Div, other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s / other; });
 }
 Tensor& Tensor::neg_() { return inplace(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); }); }
@@ -604,6 +619,15 @@ Tensor& Tensor::fill_(const Scalar& value) {
   HG_CHECK(fits_dtype(value, dtype()), "fill_: {} cannot be converted to {} without overflow", value.str(), meta());
   fill_kernel[device()](*this, value);
   return *this;
+}
+
+bool float32_number_is_left(BinaryOp op, const Tensor& a, const Tensor& b) {
+  const bool left = a.dim() == 0 && a.is_cpu() && a.dtype() == kFloat32 && is_half(b.dtype());
+  const Tensor& number = left ? a : b;
+  HG_CHECK(number.dim() == 0 && number.is_cpu() && number.dtype() == kFloat32 && is_half((left ? b : a).dtype()),
+           "{}: the kernel was given operands of different dtypes, {} and {}, and neither is a 0-d float32 number "
+           "beside float16 or bfloat16", op_name(op), a.meta(), b.meta());
+  return left;
 }
 
 // ---- CPU kernels
@@ -645,13 +669,11 @@ template <typename T> void binary_scalar_cpu(BinaryOp op, const Tensor& out, con
 
 void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   if (a.dtype() != b.dtype()) {
-    const bool scalar_left = a.dim() == 0 && a.dtype() == kFloat32 && is_half(b.dtype());
-    const Tensor& scalar = scalar_left ? a : b;
-    HG_CHECK(scalar.dim() == 0 && scalar.dtype() == kFloat32 && is_half((scalar_left ? b : a).dtype()),
-             "{}: CPU kernel given operands of different dtypes: {} and {}", op_name(op), a.meta(), b.meta());
-    const Tensor& x = scalar_left ? b : a;
-    if (x.dtype() == kFloat16) return binary_scalar_cpu<Half>(op, out, x, scalar.item<float>(), scalar_left);
-    return binary_scalar_cpu<BFloat16>(op, out, x, scalar.item<float>(), scalar_left);
+    const bool left = float32_number_is_left(op, a, b);
+    const Tensor& x = left ? b : a;
+    const float number = (left ? a : b).item<float>();
+    if (x.dtype() == kFloat16) return binary_scalar_cpu<Half>(op, out, x, number, left);
+    return binary_scalar_cpu<BFloat16>(op, out, x, number, left);
   }
   dispatch_all(a.dtype(), op_name(op), [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {

@@ -77,9 +77,12 @@ Tensor& operator/=(Tensor& a, const Scalar& b);
 // `in` has out's shape (strided views allowed). Same dtype as out, except predicates, whose out is bool.
 using UnaryKernel = void (*)(UnaryOp op, const Tensor& out, const Tensor& in);
 // a and b share one dtype and are viewed to out's shape (broadcast dims have stride 0). Either of them may
-// instead be a 0-d CPU tensor: a scalar operand, which a device kernel passes by value; beside float16 and bfloat16
-// it is a float32 one (on the CPU too), read in float32 as the op computes (ops/elementwise.cpp, scalar_dtype).
+// instead be a 0-d CPU tensor: a scalar operand, which a device kernel passes by value. In float16 and bfloat16
+// arithmetic it is a float32 one (on the CPU too), read in float32 as the op computes (ops/elementwise.cpp,
+// scalar_dtype): the one case where the dtypes differ.
 using BinaryKernel = void (*)(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
+// For a kernel given operands of different dtypes: whether the float32 number is a (else b); anything else is an error.
+bool float32_number_is_left(BinaryOp op, const Tensor& a, const Tensor& b);
 // condition is bool; a and b have out's dtype; all viewed to out's shape.
 using WhereKernel = void (*)(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b);
 using FillKernel = void (*)(const Tensor& out, const Scalar& value);

@@ -28,7 +28,7 @@ template <BinaryOp OP, typename T> constexpr bool binary_supported() {
   else return true;
 }
 
-// A float16 or bfloat16 op with a number, read in float32 (its opmath type), on either side.
+// Float16 or bfloat16 arithmetic with a number, read in float32 (its opmath type), on either side.
 template <BinaryOp OP, typename T> struct BinaryScalarFn {
   float scalar;
   bool scalar_left;
@@ -55,19 +55,16 @@ void binary_scalar_cuda(BinaryOp op, const Tensor& out, const Tensor& x, float s
   });
 }
 
-// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value. Beside float16 and bfloat16
-// it is float32 (binary_kernel's contract), and goes into the functor instead.
+// a or b may be a 0-d CPU tensor: launch_elementwise passes it to the kernel by value. In float16 and bfloat16
+// arithmetic it is float32 (binary_kernel's contract), and goes into the functor instead.
 void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   const char* name = op_name(op);
   if (a.dtype() != b.dtype()) {
-    const bool scalar_left = a.dim() == 0 && a.is_cpu() && a.dtype() == kFloat32 && is_half(b.dtype());
-    const Tensor& scalar = scalar_left ? a : b;
-    HG_CHECK(scalar.dim() == 0 && scalar.is_cpu() && scalar.dtype() == kFloat32 &&
-                 is_half((scalar_left ? b : a).dtype()),
-             "{}: CUDA kernel given operands of different dtypes: {} and {}", name, a.meta(), b.meta());
-    const Tensor& x = scalar_left ? b : a;
-    if (x.dtype() == kFloat16) return binary_scalar_cuda<Half>(op, out, x, scalar.item<float>(), scalar_left);
-    return binary_scalar_cuda<BFloat16>(op, out, x, scalar.item<float>(), scalar_left);
+    const bool left = float32_number_is_left(op, a, b);
+    const Tensor& x = left ? b : a;
+    const float number = (left ? a : b).item<float>();
+    if (x.dtype() == kFloat16) return binary_scalar_cuda<Half>(op, out, x, number, left);
+    return binary_scalar_cuda<BFloat16>(op, out, x, number, left);
   }
   dispatch_all(a.dtype(), name, [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {

@@ -339,7 +339,7 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
               "float16 + bfloat16 -> float32");
 }
 
-TEST_CASE("cuda: a number beside float16 and bfloat16 is read in float32, bit for bit as on the CPU") {
+TEST_CASE("cuda: a number beside float16 and bfloat16 is read as on the CPU, bit for bit (float32 in arithmetic)") {
   SKIP_WITHOUT_GPU();
   manual_seed(17);
   using Op = Tensor (*)(const Tensor&, const Tensor&);

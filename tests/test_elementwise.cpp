@@ -178,7 +178,7 @@ TEST_CASE("scalar operands on either side") {
   CHECK(arange(5).pow(2).dtype() == kInt64);
 }
 
-TEST_CASE("a number beside a float16 or bfloat16 tensor is read in float32, not rounded to the tensor's dtype first") {
+TEST_CASE("float16 and bfloat16 arithmetic reads a number in float32; comparisons and pow read it in their dtype") {
   // PyTorch 2.11 on an H100: float16(1000) * 1e-8 is 1.0013580322265625e-05 on CUDA and on the CPU. 1e-8 rounded to
   // float16 first would be 0. The result is float16 (168 of its subnormal steps of 2^-24).
   const double product = 1.0013580322265625e-05;
@@ -202,10 +202,14 @@ TEST_CASE("a number beside a float16 or bfloat16 tensor is read in float32, not 
   const Tensor b0 = scalar_tensor(3.0, {.dtype = kBFloat16});
   CHECK((0.3 * b0).item<double>() == 0.8984375);
   CHECK((0.3 - b0).item<double>() == (0.3 - full({1}, 3.0, {.dtype = kBFloat16})).item<double>());
-  // Comparisons too: float16's 0.1 is 0.0999755859375, below the number 0.1.
+  // Comparisons read it in the tensor's dtype, as PyTorch's comparison kernels (scalar_value<scalar_t>): float16's 0.1
+  // (0.0999755859375) equals the number 0.1 rounded so, where in float32 it would be below it.
   const Tensor tenth = full({1}, 0.1, {.dtype = kFloat16});
-  CHECK_FALSE(tenth.eq(0.1).item<bool>());
-  CHECK(tenth.lt(0.1).item<bool>());
+  CHECK(tenth.eq(0.1).item<bool>());
+  CHECK_FALSE(tenth.lt(0.1).item<bool>());
+  CHECK(tenth.ge(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
+  // pow too (PyTorch's pow_tensor_scalar_kernel takes exp_scalar.to<scalar_t>()): 19 ** float16(0.1), 0.0999755859375.
+  CHECK(pow(full({1}, 19.0, {.dtype = kFloat16}), 0.1).item<double>() == 1.341796875);
   // The gradient of x * number: the incoming gradient times the number, in float32, then float16.
   Tensor w = full({1}, 1.0, {.dtype = kFloat16, .requires_grad = true});
   (w * 70000.0 * 1e-4).sum().backward();
@@ -223,8 +227,8 @@ TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a h
   const Tensor wrapped = tensor(std::vector<uint8_t>{0, 5}) + scalar_tensor(-1, {.dtype = kInt64});
   CHECK(wrapped.dtype() == kUInt8);
   CHECK(values(wrapped) == std::vector<double>{255, 4});
-  // read as a number is: in float32 (below), where float16's 0.1 (0.0999755859375) is not 0.1
-  CHECK_FALSE(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
+  // compared in float16, where 0.1 rounds to the same value as the tensor's (a comparison reads a number so)
+  CHECK(full({1}, 0.1, {.dtype = kFloat16}).eq(scalar_tensor(0.1, {.dtype = kFloat64})).item<bool>());
   CHECK(where(half.gt(0), half, scalar_tensor(0.0, {.dtype = kFloat32})).dtype() == kFloat16);
   {  // autocast's mixed-input rule reads a 0-d tensor the same way (PyTorch's autocast leaves mul alone)
     amp::AutocastGuard autocast(kFloat16);
@@ -276,7 +280,8 @@ TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's r
   CHECK_THROWS_WITH_AS(full({1}, 255.5, {.dtype = kUInt8}), doctest::Contains("255.5 cannot be converted"), Error);
   // a float does not wrap, as an integer does
   CHECK_THROWS_WITH_AS(full({1}, -1.0, {.dtype = kUInt8}), doctest::Contains("-1 cannot be converted"), Error);
-  // A number beside a tensor is an operand, not a write: it becomes what the cast gives, as PyTorch's wrapped numbers.
+  // A number beside a tensor is an operand, not a write: no overflow check. Arithmetic reads it in float32 (the
+  // product is what overflows float16); where() takes it in its result's dtype, where -1e9 is -inf.
   const Tensor h = ones({2}, {.dtype = kFloat16});
   CHECK(values(h * 1e6) == std::vector<double>{INFINITY, INFINITY});
   CHECK(values(where(h.gt(2), h, -1e9)) == std::vector<double>{-INFINITY, -INFINITY});
