@@ -668,13 +668,10 @@ template <typename T> void binary_scalar_cpu(BinaryOp op, const Tensor& out, con
 }
 
 void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype()) {
-    const bool left = float32_number_is_left(op, a, b);
-    const Tensor& x = left ? b : a;
-    const float number = (left ? a : b).item<float>();
-    if (x.dtype() == kFloat16) return binary_scalar_cpu<Half>(op, out, x, number, left);
-    return binary_scalar_cpu<BFloat16>(op, out, x, number, left);
-  }
+  if (a.dtype() != b.dtype())
+    return dispatch_float32_number(op, a, b, [&]<typename T>(const Tensor& x, float number, bool left) {
+      binary_scalar_cpu<T>(op, out, x, number, left);
+    });
   dispatch_all(a.dtype(), op_name(op), [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       using M = opmath_t<T>;

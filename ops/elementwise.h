@@ -83,6 +83,15 @@ using UnaryKernel = void (*)(UnaryOp op, const Tensor& out, const Tensor& in);
 using BinaryKernel = void (*)(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
 // For a kernel given operands of different dtypes: whether the float32 number is a (else b); anything else is an error.
 bool float32_number_is_left(BinaryOp op, const Tensor& a, const Tensor& b);
+// The same kernel's case in one place for both devices: run.template operator()<T>(x, number, left), x the float16
+// or bfloat16 operand (T its storage type), number the float32 one's value, left whether it is a.
+template <typename Run> void dispatch_float32_number(BinaryOp op, const Tensor& a, const Tensor& b, Run&& run) {
+  const bool left = float32_number_is_left(op, a, b);
+  const Tensor& x = left ? b : a;
+  const float number = (left ? a : b).template item<float>();
+  if (x.dtype() == kFloat16) return run.template operator()<Half>(x, number, left);
+  return run.template operator()<BFloat16>(x, number, left);
+}
 // condition is bool; a and b have out's dtype; all viewed to out's shape.
 using WhereKernel = void (*)(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b);
 using FillKernel = void (*)(const Tensor& out, const Scalar& value);

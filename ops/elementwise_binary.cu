@@ -59,13 +59,10 @@ void binary_scalar_cuda(BinaryOp op, const Tensor& out, const Tensor& x, float s
 // arithmetic it is float32 (binary_kernel's contract), and goes into the functor instead.
 void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   const char* name = op_name(op);
-  if (a.dtype() != b.dtype()) {
-    const bool left = float32_number_is_left(op, a, b);
-    const Tensor& x = left ? b : a;
-    const float number = (left ? a : b).item<float>();
-    if (x.dtype() == kFloat16) return binary_scalar_cuda<Half>(op, out, x, number, left);
-    return binary_scalar_cuda<BFloat16>(op, out, x, number, left);
-  }
+  if (a.dtype() != b.dtype())
+    return dispatch_float32_number(op, a, b, [&]<typename T>(const Tensor& x, float number, bool left) {
+      binary_scalar_cuda<T>(op, out, x, number, left);
+    });
   dispatch_all(a.dtype(), name, [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       if constexpr (!binary_supported<OP, T>()) {
