@@ -52,8 +52,9 @@ Tensor unary_forward(UnaryOp op, const Tensor& x) {
 // float16 or bfloat16 tensor, arithmetic reads it in float32, the op's compute type, as PyTorch's CUDA kernels do
 // (their TensorIterator leaves a CPU scalar uncast and they fetch it as float: PyTorch 2.11 on an H100 gives
 // float16(1000) * 1e-8 = 1.0014e-05, where 1e-8 rounded to float16 first would give 0); its comparisons and pow read it
-// in the tensor's dtype (scalar_value<scalar_t>), and so does halfgrad. The dtype it is passed in, and whether the
-// kernel takes it unbroadcast.
+// in the tensor's dtype (scalar_value<scalar_t>), and so does halfgrad. PyTorch's CPU kernels round it for + and -
+// (measured): halfgrad's CPU follows the CUDA rule, so that the two devices agree. The dtype it is passed in, and
+// whether the kernel takes it unbroadcast.
 bool reads_number_in_float32(BinaryOp op) {
   return op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul || op == BinaryOp::Div;
 }

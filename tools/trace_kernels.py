@@ -8,7 +8,6 @@ whose demangled name matches. Names are demangled with c++filt where it is insta
 """
 import argparse
 import collections
-import csv
 import re
 import shutil
 import signal
@@ -19,14 +18,19 @@ import sys
 
 def read(path):
     records = []
-    with open(path, newline="") as f:
-        # Names are written as they are, unquoted: a quote in one (a kernel of torch.compile's run has them) is a
-        # character, not the start of a quoted field that would swallow the lines after it.
-        for line, row in enumerate(csv.reader(f, quoting=csv.QUOTE_NONE), 1):
+    with open(path) as f:
+        # A record is split at its first five commas and no further: a kernel name is written as it is, commas, quotes
+        # and all (torch.compile's run has names with quotes), and may be longer than the csv module's field limit
+        # (one of its kernels had a name of more than 128 KiB).
+        for line, text in enumerate(f, 1):
+            row = text.rstrip("\n").split(",", 5)
             if len(row) < 6:
-                sys.exit(f"trace_kernels.py: {path}:{line}: expected start,end,graph,node,kind,name; got {row!r}")
-            start, end, graph, node = (int(v) for v in row[:4])
-            records.append((start, end, graph, node, ",".join(row[5:])))
+                sys.exit(f"trace_kernels.py: {path}:{line}: expected start,end,graph,node,kind,name; got {text[:200]!r}")
+            try:
+                start, end, graph, node = (int(v) for v in row[:4])
+            except ValueError:
+                sys.exit(f"trace_kernels.py: {path}:{line}: start, end, graph and node must be integers; got {row[:4]!r}")
+            records.append((start, end, graph, node, row[5]))
     return records
 
 
