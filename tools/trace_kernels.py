@@ -18,18 +18,21 @@ import sys
 
 def read(path):
     records = []
-    with open(path) as f:
-        # A record is split at its first five commas and no further: a kernel name is written as it is, commas, quotes
-        # and all (torch.compile's run has names with quotes), and may be longer than the csv module's field limit
-        # (one of its kernels had a name of more than 128 KiB).
+    with open(path, errors="replace") as f:
+        # A record is split at its first five commas and no further: a kernel name is written as it is, commas and
+        # quotes and all (torch.compile's run has names with quotes), at any length (the csv module stops at 128 KiB).
         for line, text in enumerate(f, 1):
+            where = f"trace_kernels.py: {path}:{line}:"
+            if "\0" in text:
+                sys.exit(f"{where} zero bytes, where records were written over each other (a trace_kernels.cpp older "
+                         "than 2026-12-06 under a program that starts others); trace again")
             row = text.rstrip("\n").split(",", 5)
             if len(row) < 6:
-                sys.exit(f"trace_kernels.py: {path}:{line}: expected start,end,graph,node,kind,name; got {text[:200]!r}")
+                sys.exit(f"{where} expected start,end,graph,node,kind,name; got {text[:120]!r}")
             try:
                 start, end, graph, node = (int(v) for v in row[:4])
             except ValueError:
-                sys.exit(f"trace_kernels.py: {path}:{line}: start, end, graph and node must be integers; got {row[:4]!r}")
+                sys.exit(f"{where} start, end, graph and node must be integers; got {','.join(row[:4])[:120]!r}")
             records.append((start, end, graph, node, row[5]))
     return records
 
