@@ -78,6 +78,19 @@ grep -q 'bench: --torch-compile is a setting of PyTorch' compile.log ||
   { cat compile.log; fail "--torch-compile alone"; }
 "$halfgrad" bench lm --device cpu --max-batch 64 --models no_such_model > maxb.log 2>&1 && fail "ran"
 grep -q 'bench: --max-batch is the max-batch suite' maxb.log || { cat maxb.log; fail "--max-batch outside max-batch"; }
+refused() {  # refused EXPECTED ARGS...: bench with ARGS fails before running anything, saying EXPECTED
+  local expected=$1; shift
+  "$halfgrad" bench "$@" --device cpu --models no_such_model > refused.log 2>&1 && fail "bench $* ran"
+  grep -qF -- "$expected" refused.log || { cat refused.log; fail "bench $*: expected \"$expected\""; }
+}
+refused 'bench: --vocab is the language models' resnet --vocab 100
+refused 'bench: --bptt is the language models' vgg --bptt 10
+refused 'bench: --nchw is for image batches; the lm suite has none' lm --nchw
+refused 'bench: --workers is for image batches' lm --epochs 1 --workers 2
+refused 'bench: --cuda-graph is not used by the max-batch suite' max-batch --cuda-graph
+refused 'bench: --epochs is not used by the max-batch suite' max-batch --epochs 2
+refused 'bench: --steps is for timed steps on synthetic data' resnet --epochs 1 --steps 5
+refused 'bench: --vocab is for timed steps on synthetic data' lm --epochs 1 --vocab 50
 # launch's grace period is a count of milliseconds inside: a value past a day is refused, not overflowed into none.
 "$halfgrad" launch --grace-seconds 1e300 -- info > grace.log 2>&1 && fail "ran"
 grep -q '1e300 is not in \[0, 86400\]' grace.log || { cat grace.log; fail "--grace-seconds 1e300 was not refused"; }

@@ -928,6 +928,21 @@ int main(int argc, char** argv) {
              "side: add --with-pytorch");
     HG_CHECK(tb->count("--max-batch") == 0 || bench_args.suite == "max-batch" || bench_args.suite == "all",
              "bench: --max-batch is the max-batch suite's; the {} suite does not use it", bench_args.suite);
+    // Which suites read which options ("all" runs every suite, so it takes each of them).
+    const std::string& suite = bench_args.suite;
+    const bool trains = bench_args.settings.epochs > 0;
+    for (const char* option : {"--vocab", "--bptt"})
+      HG_CHECK(tb->count(option) == 0 || suite == "lm" || suite == "all", "bench: {} is the language models' (the lm "
+               "suite); the {} suite does not use it", option, suite);
+    for (const char* option : {"--nchw", "--workers"})
+      HG_CHECK(tb->count(option) == 0 || suite != "lm", "bench: {} is for image batches; the lm suite has none",
+               option);
+    for (const char* option : {"--epochs", "--steps", "--warmup", "--cuda-graph"})
+      HG_CHECK(tb->count(option) == 0 || suite != "max-batch", "bench: {} is not used by the max-batch suite, which "
+               "runs two eager steps a batch size while it searches", option);
+    for (const char* option : {"--steps", "--warmup", "--vocab"})
+      HG_CHECK(tb->count(option) == 0 || !trains, "bench: {} is for timed steps on synthetic data; a trained run "
+               "(--epochs N) goes through whole epochs of the real data", option);
     rc = run_bench(bench_args);
   });
 
