@@ -15,11 +15,14 @@
 // the GPU busy to its end depends on that one, made while its CUDA context may already be gone):
 // start_ns,end_ns,graph_id,graph_node_id,kind,name (kind: kernel, memset or memcpy; graph_id 0 outside graphs).
 //
-// A program that starts others passes LD_PRELOAD on (a shell, `timeout`, torch.compile's compile workers): the first
-// process of the run empties TRACE_KERNELS_OUT, the first of them to have records claims it (under a lock, while it is
-// still empty), each other one that has records writes TRACE_KERNELS_OUT.<pid>, and one with none (the workers: they
-// launch no kernel) writes nothing. They once all truncated and wrote the one file, which came back with megabytes of
-// zero bytes in it. A forked copy that does not start a new program writes nothing.
+// A program that starts others passes LD_PRELOAD on (a shell, `timeout`, torch.compile's compile workers), and they
+// share the file by these rules. TRACE_KERNELS_OUT is made absolute for them all. The run's first process (the first
+// to see that path) empties it, unless a live process of another run holds it, and removes the TRACE_KERNELS_OUT.<pid>
+// files of an earlier run. At its first record, a process claims TRACE_KERNELS_OUT if it is still empty and no one
+// holds it (an exclusive flock, held to the process's end); else it writes TRACE_KERNELS_OUT.<pid> and says so on
+// stderr. A process without records (the compile workers launch no kernel) writes nothing. They once all truncated
+// and wrote the one file, which came back with megabytes of zero bytes. A forked copy that does not exec a new program
+// is not traced.
 #include <cupti.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -27,9 +30,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -39,41 +45,89 @@ namespace {
 constexpr size_t kBufferBytes = size_t(8) << 20;
 
 std::mutex out_mutex;
-std::string out_path;       // where this process's records go
-int out = -1;               // its descriptor, once opened
-bool writing = false;       // false: the file could not be opened or written
-// Set in the child of a fork, alone on its thread: the parent's file and records are the parent's (O_CLOEXEC closes
-// the descriptor at the child's exec), and the mutex may have been held by a thread the child does not have.
+std::string main_path;  // TRACE_KERNELS_OUT, absolute
+std::string out_path;   // where this process's records go, once it has any
+int out = -1;           // its descriptor
+bool writing = false;   // false: nothing is traced (the file could not be opened or written)
+// Set in the child of a fork, alone on its thread: the parent's records are the parent's, and the mutex may have been
+// held by a thread the child does not have.
 bool forked_copy = false;
 unsigned long long incomplete = 0;  // records handed over before their kernel ended, left out
 
-bool open_failed(const std::string& path) {
-  std::fprintf(stderr, "trace_kernels: cannot write %s; nothing is traced\n", path.c_str());
+bool fail(const std::string& what, const std::string& path) {
+  std::fprintf(stderr, "trace_kernels: %s %s: %s; nothing more is traced\n", what.c_str(), path.c_str(),
+               std::strerror(errno));
   writing = false;
   return false;
 }
 
-// At the first record: TRACE_KERNELS_OUT if no process of the run has claimed it yet (empty, and no one holds its lock,
-// which this process then holds to its end), else TRACE_KERNELS_OUT.<pid>.
-bool open_out() {
-  const int shared = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-  struct stat st{};
-  if (shared >= 0 && ::flock(shared, LOCK_EX | LOCK_NB) == 0 && ::fstat(shared, &st) == 0 && st.st_size == 0) {
-    out = shared;
+// The run's first process: main_path emptied and an earlier run's per-process files removed, unless another run's
+// live process holds main_path (then every record of this run goes to per-process files).
+bool start_run() {
+  const int fd = ::open(main_path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return fail("cannot write", main_path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    std::fprintf(stderr, "trace_kernels: %s is not this run's (%s); its records go to %s.<pid> files\n",
+                 main_path.c_str(), errno == EWOULDBLOCK ? "another traced process is writing it" : std::strerror(errno),
+                 main_path.c_str());
+    ::close(fd);
     return true;
   }
-  if (shared >= 0) ::close(shared);  // and the lock with it, where it was taken
-  out_path += "." + std::to_string(::getpid());
-  out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  return out >= 0 || open_failed(out_path);
+  if (::ftruncate(fd, 0) != 0) {
+    ::close(fd);
+    return fail("cannot empty", main_path);
+  }
+  ::close(fd);  // and the lock: the first process with records claims the file
+  namespace fs = std::filesystem;
+  const fs::path main(main_path);
+  const std::string prefix = main.filename().string() + ".";
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(main.parent_path(), error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+        name.find_first_not_of("0123456789.", prefix.size()) == std::string::npos) {
+      fs::remove(entry.path(), error);  // TRACE_KERNELS_OUT.<pid>[.<n>] of an earlier run
+    }
+  }
+  return true;
 }
 
+// At the first record (under out_mutex): main_path if this process can claim it, else a file of its own,
+// TRACE_KERNELS_OUT.<pid> (.<pid>.<n> where a process of the same pid left one earlier in the run).
+bool open_out() {
+  const int shared = ::open(main_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (shared >= 0) {
+    struct stat st{};
+    if (::flock(shared, LOCK_EX | LOCK_NB) == 0 && ::fstat(shared, &st) == 0 && st.st_size == 0) {
+      out = shared, out_path = main_path;
+      return true;
+    }
+    ::close(shared);  // and the lock with it, where it was taken
+  }
+  const std::string own = main_path + "." + std::to_string(::getpid());
+  for (int n = 0; out < 0; ++n) {
+    out_path = n == 0 ? own : own + "." + std::to_string(n);
+    out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644);
+    if (out < 0 && (errno != EEXIST || n == 1000)) return fail("cannot write", out_path);
+  }
+  std::fprintf(stderr, "trace_kernels: %s is another process's; the records of process %d go to %s\n",
+               main_path.c_str(), int(::getpid()), out_path.c_str());
+  return true;
+}
+
+// One buffer's records, appended whole or not at all: a failed write is cut back to where it began, so that the file
+// ends with a whole line.
 void write_all(const std::string& text) {
+  const off_t start = ::lseek(out, 0, SEEK_END);
   for (size_t done = 0; done < text.size();) {
     const ssize_t n = ::write(out, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      std::fprintf(stderr, "trace_kernels: writing %s failed; the rest of the run is not traced\n", out_path.c_str());
-      writing = false;
+      if (n == 0) errno = EIO;
+      fail("writing failed:", out_path);
+      if (start >= 0 && ::ftruncate(out, start) != 0) {
+        std::fprintf(stderr, "trace_kernels: %s may end with a partial line\n", out_path.c_str());
+      }
       return;
     }
     done += size_t(n);
@@ -106,10 +160,14 @@ void append(std::string& text, unsigned long long start, unsigned long long end,
 
 // A buffer's records, written with one write(2) and no stdio buffer, which a forked copy would write a second time.
 void CUPTIAPI take_buffer(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  if (forked_copy) {  // before the lock, which a thread the child does not have may hold
+    std::free(buffer);
+    return;
+  }
   std::lock_guard<std::mutex> lock(out_mutex);
   std::string text;
   CUpti_Activity* record = nullptr;
-  while (writing && !forked_copy && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+  while (writing && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel9*>(record);
       append(text, k->start, k->end, k->graphId, k->graphNodeId, "kernel", k->name);
@@ -131,18 +189,19 @@ void stop_writing_in_forked_copy() { forked_copy = true; }
 // it is to watch exists.
 struct Tracer {
   Tracer() {
-    const char* path = std::getenv("TRACE_KERNELS_OUT");
-    out_path = path ? path : "trace_kernels.csv";
+    // Both read before either is set: bash's own getenv and setenv stand in for libc's, and once its setenv has run
+    // (before its main) its getenv no longer sees the environment it started with.
+    const char* path_variable = std::getenv("TRACE_KERNELS_OUT");
+    const char* run_variable = std::getenv("TRACE_KERNELS_RUN");
+    const std::string path = path_variable ? path_variable : "trace_kernels.csv", run = run_variable ? run_variable : "";
+    std::error_code error;
+    main_path = std::filesystem::absolute(path, error).lexically_normal().string();
     writing = true;
-    if (!std::getenv("TRACE_KERNELS_RUN")) {  // the run's first process: no earlier run's records stay
-      ::setenv("TRACE_KERNELS_RUN", std::to_string(::getpid()).c_str(), 1);
-      const int emptied = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      if (emptied < 0) {
-        open_failed(out_path);
-        return;
-      }
-      ::close(emptied);
+    if (run != main_path) {  // the first process of a run writing main_path
+      ::setenv("TRACE_KERNELS_RUN", main_path.c_str(), 1);
+      if (!start_run()) return;
     }
+    if (path != main_path) ::setenv("TRACE_KERNELS_OUT", main_path.c_str(), 1);  // one file, whatever the folder
     pthread_atfork(nullptr, nullptr, stop_writing_in_forked_copy);
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enabling kernel records");
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records");

@@ -18,14 +18,14 @@ import sys
 
 def read(path):
     records = []
-    with open(path, errors="replace") as f:
+    with open(path, errors="replace", newline="\n") as f:  # a \r in a name stays in it
         # A record is split at its first five commas and no further: a kernel name is written as it is, commas and
         # quotes and all (torch.compile's run has names with quotes), at any length (the csv module stops at 128 KiB).
         for line, text in enumerate(f, 1):
             where = f"trace_kernels.py: {path}:{line}:"
             if "\0" in text:
-                sys.exit(f"{where} zero bytes, where records were written over each other (a trace_kernels.cpp older "
-                         "than 2026-12-06 under a program that starts others); trace again")
+                sys.exit(f"{where} zero bytes: the file was written over while it was being written (by two "
+                         "tracers at once?); trace again")
             row = text.rstrip("\n").split(",", 5)
             if len(row) < 6:
                 sys.exit(f"{where} expected start,end,graph,node,kind,name; got {text[:120]!r}")
