@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <numbers>
+#include <ostream>
 
 #include "core/autograd.h"
 #include "core/random.h"
@@ -538,5 +539,7 @@ std::string Tensor::str() const {
   for (const auto& e : extras) out += ", " + e;
   return out + ")";
 }
+
+std::ostream& operator<<(std::ostream& out, const Tensor& t) { return out << t.str(); }
 
 }  // namespace halfgrad

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <iosfwd>
 #include <memory>
 #include <optional>
 #include <string>
@@ -229,6 +230,9 @@ struct TensorImpl {
 
   AutogradMeta& autograd_meta();  // creates it on first use
 };
+
+// std::cout << t prints t.str(), PyTorch's layout of the values (libtorch's operator<< prints another).
+std::ostream& operator<<(std::ostream& out, const Tensor& t);
 
 // ---- shape helpers used by ops
 int64_t numel_of(const Shape& shape);

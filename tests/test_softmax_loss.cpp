@@ -320,7 +320,7 @@ TEST_CASE("cross_entropy with label smoothing compares targets of any integer dt
 }
 
 TEST_CASE("cross_entropy over zero classes: every target is ignored, the mean is nan and the sum 0, as nll_loss") {
-  for (const Shape shape : {Shape{2, 0}, Shape{0}}) {
+  for (const Shape& shape : {Shape{2, 0}, Shape{0}}) {
     const Tensor logits = zeros(shape, {.dtype = kFloat64}).requires_grad_();
     const Tensor target = shape.size() == 2 ? labels({-100, -100}, {2}) : labels({-100}, {});
     CHECK(std::isnan(cross_entropy(logits, target).item<double>()));

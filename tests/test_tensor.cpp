@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -280,6 +281,9 @@ TEST_CASE("printing shows values, dtype, device and autograd state") {
   CHECK(big.find("...") != std::string::npos);
   CHECK(big.find("size=[100, 100]") != std::string::npos);
   CHECK(ones({2, 3}).meta() == "float32[2, 3] cpu");
+  std::ostringstream os;  // std::cout << t, as libtorch's users write it
+  os << t << " " << Tensor();
+  CHECK(os.str() == "tensor([ 1.5000, -2.0000,  3.2500]) tensor(undefined)");
 }
 
 TEST_CASE("integers print every digit") {
