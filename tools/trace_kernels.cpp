@@ -17,15 +17,17 @@
 //
 // A program that starts others passes LD_PRELOAD on (a shell, `timeout`, torch.compile's compile workers), and they
 // share the file by these rules. TRACE_KERNELS_OUT is made absolute for them all. The run's first process (the first
-// to see that path) empties it, unless a live process of another run holds it, and removes the TRACE_KERNELS_OUT.<pid>
-// files of an earlier run. At its first record, a process claims TRACE_KERNELS_OUT if it is still empty and no one
-// holds it (an exclusive flock, held to the process's end); else it writes TRACE_KERNELS_OUT.<pid> and says so on
-// stderr. A process without records (the compile workers launch no kernel) writes nothing. They once all truncated
-// and wrote the one file, which came back with megabytes of zero bytes. A forked copy that does not exec a new program
-// is not traced.
+// to see that path) empties it, unless a live process of another run holds it, and removes the files
+// TRACE_KERNELS_OUT.pid<N> that processes no longer alive left. At its first record, a process claims TRACE_KERNELS_OUT
+// if it is still empty and no one holds it (an exclusive flock, held to the process's end); else it writes
+// TRACE_KERNELS_OUT.pid<N> and says so on stderr. A process without records (the compile workers launch no kernel)
+// writes nothing. They once all truncated and wrote the one file, which came back with megabytes of zero bytes. A
+// forked copy that does not exec a new program is not traced.
 #include <cupti.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -67,7 +69,7 @@ bool start_run() {
   const int fd = ::open(main_path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return fail("cannot write", main_path);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    std::fprintf(stderr, "trace_kernels: %s is not this run's (%s); its records go to %s.<pid> files\n",
+    std::fprintf(stderr, "trace_kernels: %s is not this run's (%s); its records go to %s.pid<N> files\n",
                  main_path.c_str(), errno == EWOULDBLOCK ? "another traced process is writing it" : std::strerror(errno),
                  main_path.c_str());
     ::close(fd);
@@ -77,23 +79,28 @@ bool start_run() {
     ::close(fd);
     return fail("cannot empty", main_path);
   }
-  ::close(fd);  // and the lock: the first process with records claims the file
+  // Still under the lock: TRACE_KERNELS_OUT.pid<N>[.<n>] of processes no longer alive (an earlier run's).
   namespace fs = std::filesystem;
   const fs::path main(main_path);
-  const std::string prefix = main.filename().string() + ".";
+  const std::string prefix = main.filename().string() + ".pid";
   std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(main.parent_path(), error)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
-        name.find_first_not_of("0123456789.", prefix.size()) == std::string::npos) {
-      fs::remove(entry.path(), error);  // TRACE_KERNELS_OUT.<pid>[.<n>] of an earlier run
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+        name.find_first_not_of("0123456789.", prefix.size()) != std::string::npos) {
+      continue;
+    }
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH && fs::remove(entry.path(), error)) {
+      std::fprintf(stderr, "trace_kernels: removed %s, an earlier run's\n", entry.path().c_str());
     }
   }
+  ::close(fd);  // and the lock: the first process with records claims the file
   return true;
 }
 
 // At the first record (under out_mutex): main_path if this process can claim it, else a file of its own,
-// TRACE_KERNELS_OUT.<pid> (.<pid>.<n> where a process of the same pid left one earlier in the run).
+// TRACE_KERNELS_OUT.pid<N> (.pid<N>.<n> where a process of the same pid left one earlier in the run).
 bool open_out() {
   const int shared = ::open(main_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (shared >= 0) {
@@ -104,7 +111,7 @@ bool open_out() {
     }
     ::close(shared);  // and the lock with it, where it was taken
   }
-  const std::string own = main_path + "." + std::to_string(::getpid());
+  const std::string own = main_path + ".pid" + std::to_string(::getpid());
   for (int n = 0; out < 0; ++n) {
     out_path = n == 0 ? own : own + "." + std::to_string(n);
     out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644);
@@ -183,25 +190,42 @@ void CUPTIAPI take_buffer(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t v
   std::free(buffer);
 }
 
-void stop_writing_in_forked_copy() { forked_copy = true; }
+// The child's copy of the descriptor is closed, so that a child outliving its parent does not keep the file's lock.
+void stop_writing_in_forked_copy() {
+  forked_copy = true;
+  if (out >= 0) ::close(out);
+  out = -1;
+}
+
+// The environment as libc has it: an executable's own getenv and setenv (bash has them) stand in for libc's, and a
+// value set through bash's before its main would be overwritten by the environment it then imports.
+const char* environment_value(const char* name) {
+  const size_t length = std::strlen(name);
+  for (char** entry = environ; entry && *entry; ++entry)
+    if (std::strncmp(*entry, name, length) == 0 && (*entry)[length] == '=') return *entry + length + 1;
+  return nullptr;
+}
+void set_environment_value(const char* name, const std::string& value) {
+  using SetEnv = int (*)(const char*, const char*, int);
+  static const auto libc_setenv = reinterpret_cast<SetEnv>(::dlsym(RTLD_NEXT, "setenv"));
+  (libc_setenv ? libc_setenv : ::setenv)(name, value.c_str(), 1);
+}
 
 // Set up when the library is loaded, before the program's first CUDA call: CUPTI must be enabled before the context
 // it is to watch exists.
 struct Tracer {
   Tracer() {
-    // Both read before either is set: bash's own getenv and setenv stand in for libc's, and once its setenv has run
-    // (before its main) its getenv no longer sees the environment it started with.
-    const char* path_variable = std::getenv("TRACE_KERNELS_OUT");
-    const char* run_variable = std::getenv("TRACE_KERNELS_RUN");
+    const char* path_variable = environment_value("TRACE_KERNELS_OUT");
+    const char* run_variable = environment_value("TRACE_KERNELS_RUN");
     const std::string path = path_variable ? path_variable : "trace_kernels.csv", run = run_variable ? run_variable : "";
     std::error_code error;
     main_path = std::filesystem::absolute(path, error).lexically_normal().string();
     writing = true;
     if (run != main_path) {  // the first process of a run writing main_path
-      ::setenv("TRACE_KERNELS_RUN", main_path.c_str(), 1);
+      set_environment_value("TRACE_KERNELS_RUN", main_path);
       if (!start_run()) return;
     }
-    if (path != main_path) ::setenv("TRACE_KERNELS_OUT", main_path.c_str(), 1);  // one file, whatever the folder
+    if (path != main_path) set_environment_value("TRACE_KERNELS_OUT", main_path);  // one file, whatever the folder
     pthread_atfork(nullptr, nullptr, stop_writing_in_forked_copy);
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enabling kernel records");
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records");
