@@ -466,7 +466,7 @@ int run_train_lm(train::LanguageModelConfig config, const std::string& opt_level
 // What `make run` shows: the apex --fp16 word language model experiment in small. The language model of
 // pytorch/examples on the shipped WikiText-2, trained the same way (seed, data, schedule) at O0 and at O1, then the
 // two side by side. On a GPU main.py's default model (LSTM 200x2); on the CPU a 32x32 LSTM on the first 150,000
-// tokens of each split, about three minutes for both opt levels on 2 cores.
+// tokens of each split, about a minute for both opt levels on 2 cores.
 int run_demo(const std::string& device_name, int64_t epochs, int64_t limit_tokens) {
   const Device device = device_name == "auto" ? (cuda::is_available() ? Device::cuda(0) : Device::cpu())
                                               : parse_device(device_name);
