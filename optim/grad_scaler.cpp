@@ -295,17 +295,9 @@ void GradScaler::load_state_tensors(const std::vector<std::pair<std::string, Ten
   GradScalerState s;
   GradScalerOptions o = options_;
   std::vector<std::string> errors;
-  // The entries of `fields` that `named` lacks, with the prefix.
-  auto absent = [&](const std::vector<optim::NamedOption>& fields) {
-    const std::vector<std::string> found = optim::read_option_tensors(fields, named, errors, kPrefix);
-    std::vector<std::string> names;
-    for (const optim::NamedOption& f : fields)
-      if (std::string name = std::string(kPrefix) + f.name; std::find(found.begin(), found.end(), name) == found.end())
-        names.push_back(std::move(name));
-    return names;
-  };
-  for (const std::string& name : absent(fields_of(s))) errors.push_back(fmt::format("missing '{}'", name));
-  const std::vector<std::string> missing = absent(fields_of(o));
+  for (const std::string& name : optim::read_option_tensors(fields_of(s), named, errors, kPrefix))
+    errors.push_back(fmt::format("missing '{}'", name));
+  const std::vector<std::string> missing = optim::read_option_tensors(fields_of(o), named, errors, kPrefix);
   if (!errors.empty()) optim::fail_loading(who, "scaler state", errors);
   check_options(o, who);
   // A captured update() holds the options as its kernel's arguments: replays would go on with the old ones.

@@ -1,6 +1,5 @@
 #include "optim/option_tensors.h"
 
-#include <algorithm>
 #include <type_traits>
 
 namespace halfgrad::optim {
@@ -32,16 +31,17 @@ NamedTensors option_tensors(const std::vector<NamedOption>& options, std::string
 
 std::vector<std::string> read_option_tensors(const std::vector<NamedOption>& options, const NamedTensors& named,
                                              std::vector<std::string>& errors, std::string_view prefix) {
-  std::vector<std::string> found;
+  std::vector<std::string> absent;
   for (const NamedOption& option : options) {
     const std::string name = std::string(prefix) + option.name;
+    bool found = false;
     for (const auto& [entry, t] : named) {
       if (entry != name) continue;
-      if (std::find(found.begin(), found.end(), name) != found.end()) {
+      if (found) {
         errors.push_back(fmt::format("'{}' is there twice", name));
         continue;
       }
-      found.push_back(name);
+      found = true;
       std::visit(
           [&](auto* v) {
             using T = std::remove_pointer_t<decltype(v)>;
@@ -57,8 +57,9 @@ std::vector<std::string> read_option_tensors(const std::vector<NamedOption>& opt
           },
           option.value);
     }
+    if (!found) absent.push_back(name);
   }
-  return found;
+  return absent;
 }
 
 void fail_loading(std::string_view who, std::string_view what, const std::vector<std::string>& errors) {

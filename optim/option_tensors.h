@@ -22,8 +22,8 @@ struct NamedOption {
 NamedTensors option_tensors(const std::vector<NamedOption>& options, std::string_view prefix = "");
 
 // Reads the entries of `named` called prefix + an option's name into that option. An entry of another dtype or shape,
-// or one named twice, is appended to `errors` and read into nothing. Returns the options' names that were found (with
-// the prefix); entries naming no option are the caller's.
+// or one named twice, is appended to `errors` and read into nothing. Returns the names (with the prefix) of the options
+// `named` lacks; entries naming no option are the caller's.
 std::vector<std::string> read_option_tensors(const std::vector<NamedOption>& options, const NamedTensors& named,
                                              std::vector<std::string>& errors, std::string_view prefix = "");
 
