@@ -22,7 +22,7 @@ template <bool kDecoupled> struct AdamFamilyOptions {
 };
 using AdamOptions = AdamFamilyOptions<false>;
 using AdamWOptions = AdamFamilyOptions<true>;
-template <bool kDecoupled> double& momentum_of(AdamFamilyOptions<kDecoupled>& o) { return o.betas.first; }
+template <bool kDecoupled> double* momentum_of(AdamFamilyOptions<kDecoupled>& o) { return &o.betas.first; }
 template <bool kDecoupled> std::vector<OptionField> other_options_of(AdamFamilyOptions<kDecoupled>& o) {
   return {{.name = "beta2", .number = &o.betas.second}, {.name = "eps", .number = &o.eps},
           {.name = "weight_decay", .number = &o.weight_decay},

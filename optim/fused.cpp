@@ -126,6 +126,72 @@ void adam_step_cpu(const AdamStepArgs& a) {
   });
 }
 
+// ---- RMSprop (the rule: optim/update_rules.h)
+
+template <typename T, bool kCentered, bool kMomentum, bool kDecay>
+void rmsprop_loop(T* __restrict p, const T* __restrict g, T* __restrict square_avg, T* __restrict grad_avg,
+                  T* __restrict b, int64_t n, const RMSpropScalars<opmath_t<T>> s) {
+  using M = opmath_t<T>;
+  for (int64_t i = 0; i < n; ++i) {
+    M sq = M(square_avg[i]), avg = kCentered ? M(grad_avg[i]) : M(0), buffer = kMomentum ? M(b[i]) : M(0);
+    p[i] = T(rmsprop_update(M(p[i]), M(g[i]), sq, avg, buffer, s, kCentered, kMomentum, kDecay));
+    square_avg[i] = T(sq);
+    if constexpr (kCentered) grad_avg[i] = T(avg);
+    if constexpr (kMomentum) b[i] = T(buffer);
+  }
+}
+
+void rmsprop_step_cpu(const RMSpropStepArgs& a) {
+  if (a.params.empty()) return;
+  dispatch_floating(a.params[0].dtype(), "RMSprop.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    const RMSpropScalars<M> s{M(a.lr), M(a.alpha), M(1 - a.alpha), M(a.eps), M(a.weight_decay), M(a.momentum)};
+    const bool momentum = a.momentum != 0;
+    for_each_chunk(a.params, [&](int64_t, const Chunk& c) {
+      const size_t t = c.tensor;
+      T* grad_avg = a.centered ? ptr<T>(a.grad_avgs[t]) + c.begin : nullptr;
+      T* b = momentum ? ptr<T>(a.momentum_buffers[t]) + c.begin : nullptr;
+      with_bools(
+          [&](auto kCentered, auto kMomentum, auto kDecay) {
+            rmsprop_loop<T, kCentered, kMomentum, kDecay>(ptr<T>(a.params[t]) + c.begin, ptr<T>(a.grads[t]) + c.begin,
+                                                          ptr<T>(a.square_avgs[t]) + c.begin, grad_avg, b,
+                                                          c.end - c.begin, s);
+          },
+          a.centered, momentum, a.weight_decay != 0);
+    });
+  });
+}
+
+// ---- Adagrad (the rule: optim/update_rules.h)
+
+template <typename T, bool kDecay>
+void adagrad_loop(T* __restrict p, const T* __restrict g, T* __restrict sum, int64_t n, const opmath_t<T> clr,
+                  const opmath_t<T> eps, const opmath_t<T> weight_decay) {
+  using M = opmath_t<T>;
+  for (int64_t i = 0; i < n; ++i) {
+    M s = M(sum[i]);
+    p[i] = T(adagrad_update(M(p[i]), M(g[i]), s, clr, eps, weight_decay, kDecay));
+    sum[i] = T(s);
+  }
+}
+
+void adagrad_step_cpu(const AdagradStepArgs& a) {
+  if (a.params.empty()) return;
+  dispatch_floating(a.params[0].dtype(), "Adagrad.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    for_each_chunk(a.params, [&](int64_t, const Chunk& c) {
+      const size_t t = c.tensor;
+      with_bools(
+          [&](auto kDecay) {
+            adagrad_loop<T, kDecay>(ptr<T>(a.params[t]) + c.begin, ptr<T>(a.grads[t]) + c.begin,
+                                    ptr<T>(a.sums[t]) + c.begin, c.end - c.begin, M(a.clrs[t]), M(a.eps),
+                                    M(a.weight_decay));
+          },
+          a.weight_decay != 0);
+    });
+  });
+}
+
 // ---- norms and scaling (clip_grad_norm_)
 
 enum class NormKind { One, Two, P, Inf };
@@ -207,11 +273,15 @@ void scale_cpu(const TensorList& tensors, const Tensor& coefficient) {
 
 KernelTable<SGDStepKernel> sgd_step_kernel("SGD.step");
 KernelTable<AdamStepKernel> adam_step_kernel("Adam.step");
+KernelTable<RMSpropStepKernel> rmsprop_step_kernel("RMSprop.step");
+KernelTable<AdagradStepKernel> adagrad_step_kernel("Adagrad.step");
 KernelTable<NormKernel> norm_kernel("grad norm");
 KernelTable<ScaleKernel> scale_kernel("scale");
 
 HG_REGISTER_KERNEL(sgd_step_kernel, CPU, sgd_step_cpu);
 HG_REGISTER_KERNEL(adam_step_kernel, CPU, adam_step_cpu);
+HG_REGISTER_KERNEL(rmsprop_step_kernel, CPU, rmsprop_step_cpu);
+HG_REGISTER_KERNEL(adagrad_step_kernel, CPU, adagrad_step_cpu);
 HG_REGISTER_KERNEL(norm_kernel, CPU, norm_cpu);
 HG_REGISTER_KERNEL(scale_kernel, CPU, scale_cpu);
 

@@ -121,6 +121,71 @@ void adam_step_cuda(const AdamStepArgs& a) {
   });
 }
 
+// ---- RMSprop: operands p, g, square_avg[, grad_avg][, b]
+
+template <typename M> struct RMSpropOp {
+  RMSpropScalars<M> scalars;
+  bool centered, momentum;
+  static constexpr __device__ bool writes(int d) { return d != 1; }
+  template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const NoExtra&) const {
+    M unused_avg = 0, unused_buffer = 0;
+    M* grad_avg = &unused_avg;
+    M* buffer = &unused_buffer;
+    if constexpr (DEPTH == 4) (centered ? grad_avg : buffer) = &r[3];
+    if constexpr (DEPTH == 5) grad_avg = &r[3], buffer = &r[4];
+    r[0] = rmsprop_update(r[0], r[1], r[2], *grad_avg, *buffer, scalars, centered, momentum,
+                          scalars.weight_decay != M(0));
+  }
+};
+
+void rmsprop_step_cuda(const RMSpropStepArgs& a) {
+  if (a.params.empty()) return;
+  const Device device = a.params[0].device();
+  dispatch_floating(a.params[0].dtype(), "RMSprop.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    const bool momentum = a.momentum != 0;
+    const RMSpropOp<M> op{{M(a.lr), M(a.alpha), M(1 - a.alpha), M(a.eps), M(a.weight_decay), M(a.momentum)},
+                          a.centered, momentum};
+    auto no_extra = [](size_t) { return NoExtra{}; };
+    if (a.centered && momentum) {
+      launch_multi_tensor<T, 5, NoExtra>("RMSprop.step", device,
+                                         {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs, &a.momentum_buffers},
+                                         no_extra, op);
+    } else if (a.centered || momentum) {
+      launch_multi_tensor<T, 4, NoExtra>("RMSprop.step", device,
+                                         {&a.params, &a.grads, &a.square_avgs,
+                                          a.centered ? &a.grad_avgs : &a.momentum_buffers},
+                                         no_extra, op);
+    } else {
+      launch_multi_tensor<T, 3, NoExtra>("RMSprop.step", device, {&a.params, &a.grads, &a.square_avgs}, no_extra, op);
+    }
+  });
+}
+
+// ---- Adagrad: operands p, g, sum
+
+struct AdagradExtra {
+  double clr;
+};
+
+template <typename M> struct AdagradOp {
+  M eps, weight_decay;
+  static constexpr __device__ bool writes(int d) { return d != 1; }
+  __device__ __forceinline__ void operator()(M (&r)[3], const AdagradExtra& extra) const {
+    r[0] = adagrad_update(r[0], r[1], r[2], M(extra.clr), eps, weight_decay, weight_decay != M(0));
+  }
+};
+
+void adagrad_step_cuda(const AdagradStepArgs& a) {
+  if (a.params.empty()) return;
+  dispatch_floating(a.params[0].dtype(), "Adagrad.step", [&]<typename T>() {
+    using M = opmath_t<T>;
+    launch_multi_tensor<T, 3, AdagradExtra>("Adagrad.step", a.params[0].device(), {&a.params, &a.grads, &a.sums},
+                                            [&](size_t i) { return AdagradExtra{a.clrs[i]}; },
+                                            AdagradOp<M>{M(a.eps), M(a.weight_decay)});
+  });
+}
+
 // ---- scale: x *= coefficient, the coefficient read on the device
 
 template <typename A> struct ScaleOp {
@@ -269,6 +334,8 @@ void norm_cuda(const TensorList& tensors, double norm_type, const Tensor& out) {
 
 HG_REGISTER_KERNEL(sgd_step_kernel, CUDA, sgd_step_cuda);
 HG_REGISTER_KERNEL(adam_step_kernel, CUDA, adam_step_cuda);
+HG_REGISTER_KERNEL(rmsprop_step_kernel, CUDA, rmsprop_step_cuda);
+HG_REGISTER_KERNEL(adagrad_step_kernel, CUDA, adagrad_step_cuda);
 HG_REGISTER_KERNEL(norm_kernel, CUDA, norm_cuda);
 HG_REGISTER_KERNEL(scale_kernel, CUDA, scale_cuda);
 

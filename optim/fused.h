@@ -9,9 +9,10 @@
 //        to several dozen tensors travel as one kernel argument, and the blocks of a launch walk the chunks
 //        of all of them. A ResNet-50 step (161 tensors) is 3-4 launches, not one or more per parameter.
 //
-// Callers (optim/sgd.cpp, optim/adam.cpp, optim/clip_grad.cpp) guarantee: every tensor of a call is
-// contiguous, on one device, of one floating dtype; params[i], grads[i] and the state tensors [i] have the
-// same number of elements. Arithmetic is in opmath_t (float for float16/bfloat16), rounded once on store.
+// Callers (optim/sgd.cpp, optim/adam.cpp, optim/rmsprop.cpp, optim/adagrad.cpp, optim/clip_grad.cpp) guarantee:
+// every tensor of a call is contiguous, on one device, of one floating dtype; params[i], grads[i] and the state
+// tensors [i] have the same number of elements. Arithmetic is in opmath_t (float for float16/bfloat16), rounded once
+// on store.
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -50,8 +51,26 @@ struct AdamStepArgs {
   bool amsgrad = false;
 };
 
+// torch.optim.RMSprop's step (the rule per element: optim/update_rules.h, rmsprop_update).
+struct RMSpropStepArgs {
+  TensorList params, grads, square_avgs;
+  TensorList grad_avgs;         // centered only, else empty
+  TensorList momentum_buffers;  // momentum != 0 only, else empty
+  double lr = 0, alpha = 0, eps = 0, weight_decay = 0, momentum = 0;
+  bool centered = false;
+};
+
+// torch.optim.Adagrad's step (the rule per element: optim/update_rules.h, adagrad_update).
+struct AdagradStepArgs {
+  TensorList params, grads, sums;
+  std::vector<double> clrs;  // per parameter: lr / (1 + (its step - 1) * lr_decay)
+  double eps = 0, weight_decay = 0;
+};
+
 using SGDStepKernel = void (*)(const SGDStepArgs& args);
 using AdamStepKernel = void (*)(const AdamStepArgs& args);
+using RMSpropStepKernel = void (*)(const RMSpropStepArgs& args);
+using AdagradStepKernel = void (*)(const AdagradStepArgs& args);
 // out (0-d, on the tensors' device; float64 for float64 tensors, else float32) receives
 //   sum over all elements of |x|^norm_type   for a finite norm_type > 0,
 //   max over all elements of |x|              for norm_type = inf (nan if any element is nan).
@@ -63,6 +82,8 @@ using ScaleKernel = void (*)(const TensorList& tensors, const Tensor& coefficien
 
 extern KernelTable<SGDStepKernel> sgd_step_kernel;
 extern KernelTable<AdamStepKernel> adam_step_kernel;
+extern KernelTable<RMSpropStepKernel> rmsprop_step_kernel;
+extern KernelTable<AdagradStepKernel> adagrad_step_kernel;
 extern KernelTable<NormKernel> norm_kernel;
 extern KernelTable<ScaleKernel> scale_kernel;
 

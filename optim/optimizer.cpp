@@ -168,7 +168,8 @@ NamedTensors Optimizer::state_tensors() const {
   for (size_t g = 0; g < num_param_groups(); ++g) {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
-    out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(group.momentum, {.dtype = kFloat64}));
+    if (group.momentum)
+      out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(*group.momentum, {.dtype = kFloat64}));
     for (const OtherOption& o : other_options(g)) {
       Tensor value = o.flag ? scalar_tensor(o.value != 0, {.dtype = kBool})
                             : scalar_tensor(o.value, {.dtype = kFloat64});
@@ -290,6 +291,8 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         (parts[2] == "lr" || parts[2] == "momentum")) {
       if (g >= num_groups) {
         errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
+      } else if (parts[2] == "momentum" && !param_group(g).momentum) {
+        errors.push_back(fmt::format("unexpected entry '{}': {} has no momentum", name, name_));
       } else if (t.numel() != 1 || !t.is_floating_point()) {
         errors.push_back(fmt::format("'{}' must be a one-element floating tensor, got {}", name, t.meta()));
       } else if (const double v = t.item<double>(); !std::isfinite(v)) {
@@ -369,13 +372,15 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
   for (size_t g = 0; g < num_groups; ++g) {
     GroupEntries& ge = groups[g];
     if (!ge.has_lr) errors.push_back(fmt::format("missing 'param_groups.{}.lr'", g));
-    if (!ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
+    const bool has_momentum = param_group(g).momentum != nullptr;
+    if (has_momentum && !ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
     // The values the constructor would refuse (a negative lr, Adam's beta1 >= 1, nesterov without momentum).
-    if (ge.has_lr && ge.has_momentum) {
+    if (ge.has_lr && (ge.has_momentum || !has_momentum)) {
       if (std::string why = refusal(g, ge.lr, ge.momentum, ge.others); !why.empty()) {
         std::string others;
         for (const auto& [option, value] : ge.others) others += fmt::format(", {} {}", option, value);
-        errors.push_back(fmt::format("param_groups.{}: lr {}, momentum {}{}: {}", g, ge.lr, ge.momentum, others, why));
+        const std::string momentum = has_momentum ? fmt::format(", momentum {}", ge.momentum) : "";
+        errors.push_back(fmt::format("param_groups.{}: lr {}{}{}: {}", g, ge.lr, momentum, others, why));
       }
     }
     // A parameter's state is all there or not there at all.

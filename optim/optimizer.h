@@ -3,7 +3,7 @@
 //
 // Who uses what:
 //   a training loop    step(), zero_grad()
-//   schedulers         param_group(g).lr and .momentum           (optim/scheduler.h)
+//   schedulers         param_group(g).lr and *.momentum          (optim/scheduler.h)
 //   amp::initialize    param_group(g).params: O2 replaces each parameter by its FP32 master copy before the
 //                      first step; the optimizer then keeps its state for, and updates, the masters
 //   checkpoints        state_tensors() / load_state_tensors()
@@ -12,7 +12,7 @@
 //
 //   optim::SGD opt({{{backbone...}, {.lr = 0.01, .momentum = 0.9}},
 //                   {{head...}, {.lr = 0.1, .momentum = 0.9}}});
-//   opt.groups()[1].options.weight_decay = 5e-4;          // typed access (SGD, Adam, AdamW)
+//   opt.groups()[1].options.weight_decay = 5e-4;          // typed access (each optimizer's options struct)
 //   opt.add_param_group({{classifier...}, {.lr = 0.1}});  // a group added later, checked as the constructor's
 //   for (optim::ParamGroupRef g : opt.param_groups()) g.lr *= 0.1;   // generic access (any Optimizer)
 //
@@ -37,7 +37,9 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 struct ParamGroupRef {
   TensorList& params;  // may be replaced (same shapes) before the first step: amp's FP32 master weights
   double& lr;
-  double& momentum;  // SGD: momentum; Adam/AdamW: beta1 (what OneCycle cycles, as PyTorch's OneCycleLR)
+  // SGD and RMSprop: momentum; Adam/AdamW: beta1 (what OneCycle cycles, as PyTorch's OneCycleLR); nullptr where the
+  // optimizer has none (Adagrad).
+  double* momentum;
 };
 
 // An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, or a flag (one of the
@@ -62,14 +64,14 @@ class Optimizer {
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
-  const char* name() const { return name_; }  // "SGD", "Adam", "AdamW": error messages start with it
+  const char* name() const { return name_; }  // "SGD", "Adam", ...: error messages start with it
 
   // Updates every parameter that has a gradient; parameters whose .grad is undefined are skipped (and their
   // step count does not advance), as in PyTorch.
   virtual void step() = 0;
   // step(), unless `found_inf` (a float32 0-d tensor: the loss scaler's overflow flag) is nonzero, in which case
   // nothing changes. Optimizers whose fused kernel reads the flag on the device (SGD) decide there, with no host
-  // synchronisation; the others (Adam, whose host counts its steps) read it first.
+  // synchronisation; the others (Adam, RMSprop, Adagrad, whose hosts count their steps) read it first.
   virtual void step_unless(const Tensor& found_inf);
   // step_unless(found_inf) (step() where found_inf is undefined) with every gradient multiplied by `grad_scale` (a
   // float32 0-d tensor on the gradients' device): the loss scaler's unscaling and clipping's coefficient in one
@@ -90,14 +92,17 @@ class Optimizer {
 
   // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
   //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change
-  //   param_groups.<g>.momentum      0-d float64   (Adam/AdamW: beta1)
+  //   param_groups.<g>.momentum      0-d float64   (Adam/AdamW: beta1; none for Adagrad, which has no momentum)
   //   param_groups.<g>.<option>      0-d float64   every other option of the group, as PyTorch's param_groups:
   //                                  or 0-d bool   SGD's dampening, weight_decay, nesterov; Adam's beta2, eps,
-  //                                                weight_decay, amsgrad
+  //                                                weight_decay, amsgrad; RMSprop's alpha, eps, weight_decay,
+  //                                                centered; Adagrad's lr_decay, weight_decay,
+  //                                                initial_accumulator_value, eps
   //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
-  //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW)
+  //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW, RMSprop, Adagrad)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
-  //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad)
+  //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad); square_avg,
+  //                                  grad_avg, momentum_buffer (RMSprop, as its options keep them); sum (Adagrad)
   // A parameter has entries only once it has state (after its first step with a gradient). Indices are plain
   // decimals ("0", "12"; not "00").
   // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
@@ -176,7 +181,7 @@ template <typename Options> struct Group {
 };
 
 // The base of optimizers whose groups hold an `Options` struct with a `double lr`, whose
-// `double& momentum_of(Options&)` names what ParamGroupRef::momentum refers to, and whose
+// `double* momentum_of(Options&)` names what ParamGroupRef::momentum points to (nullptr: none), and whose
 // `std::vector<OptionField> other_options_of(Options&)` lists the rest.
 template <typename Options> class OptimizerWith : public Optimizer {
  public:
@@ -232,7 +237,7 @@ template <typename Options> class OptimizerWith : public Optimizer {
   }
   static Options with(Options options, double lr, double momentum, const std::map<std::string, double>& others) {
     options.lr = lr;
-    momentum_of(options) = momentum;
+    if (double* m = momentum_of(options)) *m = momentum;
     for (const OptionField& f : other_options_of(options)) {
       const auto it = others.find(f.name);
       if (it == others.end()) continue;

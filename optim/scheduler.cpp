@@ -69,10 +69,12 @@ void LRScheduler::set_step(int64_t n) {
            optimizer_.num_param_groups(), base_lrs_.size());
   std::vector<double> lrs = lr_at(n);
   std::vector<double> momenta = momentum_at(n);
+  HG_CHECK(momenta.empty() || optimizer_.param_group(0).momentum, "{}: it sets the momentum, and {} has none: make it "
+           "with cycle_momentum = false", name_, optimizer_.name());
   for (size_t g = 0; g < lrs.size(); ++g) {
     ParamGroupRef group = optimizer_.param_group(g);
     group.lr = lrs[g];
-    if (!momenta.empty()) group.momentum = momenta[g];
+    if (!momenta.empty()) *group.momentum = momenta[g];
   }
   last_step_ = n;
   last_lr_ = std::move(lrs);
@@ -384,6 +386,134 @@ std::vector<double> LinearWarmup::lr_at(int64_t n) const {
 std::vector<double> LinearWarmup::momentum_at(int64_t n) const {
   if (!after_) return {};
   return after_->momentum_at(std::max<int64_t>(0, n - options_.warmup_steps));
+}
+
+// ---- ReduceLROnPlateau
+
+namespace {
+// mode and threshold_mode go through their codes: 0 min / rel, 1 max / abs.
+std::vector<NamedOption> fields_of(ReduceLROnPlateauOptions& o, int64_t& mode, int64_t& threshold_mode) {
+  return {{"mode", &mode},           {"factor", &o.factor},
+          {"patience", &o.patience}, {"threshold", &o.threshold},
+          {"threshold_mode", &threshold_mode}, {"cooldown", &o.cooldown},
+          {"min_lr", &o.min_lr},     {"eps", &o.eps}};
+}
+
+ReduceLROnPlateauOptions checked(ReduceLROnPlateauOptions o, size_t groups) {
+  const char* who = "ReduceLROnPlateau";
+  HG_CHECK(std::isfinite(o.factor) && o.factor >= 0 && o.factor < 1, "{}: factor must be in [0, 1), got {}", who,
+           o.factor);
+  HG_CHECK(o.patience >= 0, "{}: patience must not be negative, got {}", who, o.patience);
+  check_finite_non_negative(who, "threshold", o.threshold);
+  HG_CHECK(o.cooldown >= 0, "{}: cooldown must not be negative, got {}", who, o.cooldown);
+  check_finite_non_negative(who, "eps", o.eps);
+  HG_CHECK(o.min_lr.size() == 1 || o.min_lr.size() == groups,
+           "{}: min_lr must hold one value for every group or one per group ({}), got {}", who, groups,
+           o.min_lr.size());
+  for (double lr : o.min_lr) check_finite_non_negative(who, "min_lr", lr);
+  return o;
+}
+}  // namespace
+
+ReduceLROnPlateau::ReduceLROnPlateau(Optimizer& optimizer, ReduceLROnPlateauOptions options)
+    : optimizer_(optimizer), options_(checked(std::move(options), optimizer.num_param_groups())) {
+  HG_CHECK(optimizer.num_param_groups() > 0, "ReduceLROnPlateau: the optimizer has no parameter groups");
+  best_ = options_.mode == ReduceLROnPlateauOptions::Mode::Min ? std::numeric_limits<double>::infinity()
+                                                               : -std::numeric_limits<double>::infinity();
+  for (const ParamGroupRef& group : optimizer.param_groups()) last_lr_.push_back(group.lr);
+}
+
+double ReduceLROnPlateau::min_lr(size_t group) const {
+  return options_.min_lr.size() == 1 ? options_.min_lr[0] : options_.min_lr[group];
+}
+
+bool ReduceLROnPlateau::is_better(double metric) const {
+  const bool rel = options_.threshold_mode == ReduceLROnPlateauOptions::ThresholdMode::Rel;
+  if (options_.mode == ReduceLROnPlateauOptions::Mode::Min)
+    return metric < (rel ? best_ * (1.0 - options_.threshold) : best_ - options_.threshold);
+  return metric > (rel ? best_ * (options_.threshold + 1.0) : best_ + options_.threshold);
+}
+
+void ReduceLROnPlateau::step(double metric) {
+  const size_t groups = optimizer_.num_param_groups();
+  HG_CHECK(options_.min_lr.size() == 1 || options_.min_lr.size() == groups,
+           "ReduceLROnPlateau: the optimizer has {} parameter groups, and min_lr holds one value for each of the {} "
+           "it had when the scheduler was made", groups, options_.min_lr.size());
+  ++last_step_;
+  if (is_better(metric)) {
+    best_ = metric;
+    num_bad_steps_ = 0;
+  } else {
+    ++num_bad_steps_;
+  }
+  if (cooldown_counter_ > 0) {  // in cooldown: no step counts as bad
+    --cooldown_counter_;
+    num_bad_steps_ = 0;
+  }
+  if (num_bad_steps_ > options_.patience) {
+    for (size_t g = 0; g < groups; ++g) {
+      ParamGroupRef group = optimizer_.param_group(g);
+      const double reduced = std::max(group.lr * options_.factor, min_lr(g));
+      if (group.lr - reduced > options_.eps) {
+        logger().info("ReduceLROnPlateau: step {}: group {}'s lr {} -> {}", last_step_, g, group.lr, reduced);
+        group.lr = reduced;
+      }
+    }
+    cooldown_counter_ = options_.cooldown;
+    num_bad_steps_ = 0;
+  }
+  last_lr_.clear();
+  for (const ParamGroupRef& group : optimizer_.param_groups()) last_lr_.push_back(group.lr);
+}
+
+NamedTensors ReduceLROnPlateau::state_tensors() const {
+  ReduceLROnPlateauOptions o = options_;
+  int64_t mode = int64_t(o.mode), threshold_mode = int64_t(o.threshold_mode);
+  int64_t last_step = last_step_, num_bad_steps = num_bad_steps_, cooldown_counter = cooldown_counter_;
+  double best = best_;
+  std::vector<NamedOption> fields = {{"last_step", &last_step}, {"best", &best}, {"num_bad_steps", &num_bad_steps},
+                                     {"cooldown_counter", &cooldown_counter}};
+  for (const NamedOption& option : fields_of(o, mode, threshold_mode)) fields.push_back(option);
+  return option_tensors(fields);
+}
+
+void ReduceLROnPlateau::load_state_tensors(const NamedTensors& state) {
+  ReduceLROnPlateauOptions o = options_;
+  int64_t mode = -1, threshold_mode = -1, last_step = -1, num_bad_steps = -1, cooldown_counter = -1;
+  double best = NAN;
+  std::vector<NamedOption> fields = {{"last_step", &last_step}, {"best", &best}, {"num_bad_steps", &num_bad_steps},
+                                     {"cooldown_counter", &cooldown_counter}};
+  for (const NamedOption& option : fields_of(o, mode, threshold_mode)) fields.push_back(option);
+  std::vector<std::string> errors;
+  for (const std::string& absent : read_option_tensors(fields, state, errors))
+    errors.push_back(fmt::format("missing '{}'", absent));
+  for (const auto& [name, t] : state)
+    if (std::none_of(fields.begin(), fields.end(), [&](const NamedOption& f) { return name == f.name; }))
+      errors.push_back(fmt::format("unexpected entry '{}'", name));
+  if (errors.empty()) {
+    if (mode != 0 && mode != 1) errors.push_back(fmt::format("'mode' is {}: 0 (min) or 1 (max)", mode));
+    if (threshold_mode != 0 && threshold_mode != 1)
+      errors.push_back(fmt::format("'threshold_mode' is {}: 0 (rel) or 1 (abs)", threshold_mode));
+    for (const auto& [what, value] : {std::pair{"last_step", last_step}, std::pair{"num_bad_steps", num_bad_steps},
+                                      std::pair{"cooldown_counter", cooldown_counter}})
+      if (value < 0) errors.push_back(fmt::format("'{}' is {}", what, value));
+    if (std::isnan(best)) errors.push_back("'best' is NaN");
+    o.mode = ReduceLROnPlateauOptions::Mode(mode);
+    o.threshold_mode = ReduceLROnPlateauOptions::ThresholdMode(threshold_mode);
+    try {
+      o = checked(o, optimizer_.num_param_groups());
+    } catch (const Error& e) {
+      errors.push_back(e.what());
+    }
+  }
+  if (!errors.empty()) fail_loading(name(), "scheduler state", errors);
+  options_ = std::move(o);
+  last_step_ = last_step;
+  best_ = best;
+  num_bad_steps_ = num_bad_steps;
+  cooldown_counter_ = cooldown_counter;
+  last_lr_.clear();
+  for (const ParamGroupRef& group : optimizer_.param_groups()) last_lr_.push_back(group.lr);
 }
 
 }  // namespace halfgrad::optim

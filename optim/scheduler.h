@@ -8,8 +8,9 @@
 //     sched.step();                                           // the lr for the next epoch
 //   }
 //
-// Every scheduler is a closed form: lr_at(n) gives each group's lr after n calls of step() (momentum_at(n)
-// the momentum, for OneCycleLR), computed from the groups' lr when the scheduler was made (base_lrs()).
+// Every LRScheduler is a closed form (ReduceLROnPlateau, at the end, follows a metric instead): lr_at(n) gives each
+// group's lr after n calls of step() (momentum_at(n) the momentum, for OneCycleLR), computed from the groups' lr when
+// the scheduler was made (base_lrs()).
 // So resuming needs the step count, those base lrs and the options (state_tensors; set_step alone where the scheduler
 // was made with the same options, before the optimizer's state was loaded), and schedulers compose (LinearWarmup).
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
@@ -207,6 +208,62 @@ class LinearWarmup : public LRScheduler {
   void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
   LinearWarmupOptions options_;
   std::unique_ptr<LRScheduler> after_;
+};
+
+// Reduces each group's lr by `factor` once a metric has stopped improving, as PyTorch's
+// torch.optim.lr_scheduler.ReduceLROnPlateau (libtorch's ReduceLROnPlateauScheduler). Not a closed form: what it does
+// depends on the metrics it is given, so it is no LRScheduler and keeps a state of its own.
+//
+//   optim::ReduceLROnPlateau plateau(opt, {.patience = 2});
+//   for (int epoch = 0; epoch < epochs; ++epoch) {
+//     train_one_epoch(opt);
+//     plateau.step(validation_loss());
+//   }
+//
+// A metric is better than the best so far where, in mode Min, it is below best * (1 - threshold) (threshold_mode Rel)
+// or best - threshold (Abs); in mode Max, above best * (1 + threshold) or best + threshold. NaN is never better. After
+// more than `patience` steps without a better metric, each group's lr becomes max(lr * factor, min_lr), where that
+// moves it by more than eps; then for `cooldown` steps no step counts as bad.
+struct ReduceLROnPlateauOptions {
+  enum class Mode { Min, Max } mode = Mode::Min;  // in a checkpoint: 0 min, 1 max
+  double factor = 0.1;                            // in [0, 1)
+  int64_t patience = 10;
+  double threshold = 1e-4;
+  enum class ThresholdMode { Rel, Abs } threshold_mode = ThresholdMode::Rel;  // in a checkpoint: 0 rel, 1 abs
+  int64_t cooldown = 0;
+  std::vector<double> min_lr = {0};  // one value for every group, or one per group
+  double eps = 1e-8;
+};
+class ReduceLROnPlateau {
+ public:
+  ReduceLROnPlateau(Optimizer& optimizer, ReduceLROnPlateauOptions options = {});
+  // One step with its metric (an epoch's validation loss, say): counts it against the best, and reduces the lrs when
+  // due.
+  void step(double metric);
+  int64_t last_step() const { return last_step_; }               // step() calls so far
+  const std::vector<double>& get_last_lr() const { return last_lr_; }  // each group's lr after the last step
+  double best() const { return best_; }                          // before any step: +inf (Min) or -inf (Max)
+  int64_t num_bad_steps() const { return num_bad_steps_; }       // steps since the best, the cooldown's not counted
+  int64_t cooldown_counter() const { return cooldown_counter_; }  // cooldown steps left
+  const ReduceLROnPlateauOptions& options() const { return options_; }
+
+  // For checkpoints: "last_step", "best", "num_bad_steps", "cooldown_counter" and the options by their names (mode
+  // and threshold_mode by their codes). Loading checks every entry before anything changes and replaces the options
+  // with the state's, as PyTorch's load_state_dict; the lrs are the optimizer's state's.
+  NamedTensors state_tensors() const;
+  void load_state_tensors(const NamedTensors& state);
+  const char* name() const { return "ReduceLROnPlateau"; }
+  Optimizer& optimizer() const { return optimizer_; }
+
+ private:
+  bool is_better(double metric) const;
+  double min_lr(size_t group) const;
+
+  Optimizer& optimizer_;
+  ReduceLROnPlateauOptions options_;
+  int64_t last_step_ = 0, num_bad_steps_ = 0, cooldown_counter_ = 0;
+  double best_ = 0;
+  std::vector<double> last_lr_;
 };
 
 }  // namespace halfgrad::optim

@@ -15,7 +15,7 @@ struct SGDOptions {
   double weight_decay = 0;
   bool nesterov = false;
 };
-inline double& momentum_of(SGDOptions& o) { return o.momentum; }
+inline double* momentum_of(SGDOptions& o) { return &o.momentum; }
 inline std::vector<OptionField> other_options_of(SGDOptions& o) {
   return {{.name = "dampening", .number = &o.dampening}, {.name = "weight_decay", .number = &o.weight_decay},
           {.name = "nesterov", .flag = &o.nesterov}};

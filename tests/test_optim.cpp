@@ -16,8 +16,10 @@
 #include "core/cuda.h"
 #include "halfgrad.h"
 #include "nn/checkpoint.h"
+#include "optim/adagrad.h"
 #include "optim/adam.h"
 #include "optim/clip_grad.h"
+#include "optim/rmsprop.h"
 #include "optim/sgd.h"
 #include "tests/testing.h"
 
@@ -228,6 +230,140 @@ TEST_CASE("Adam refuses bad options") {
   CHECK_THROWS_WITH_AS(optim::AdamW({p}, {.betas = {0.9, -0.1}}), doctest::Contains("AdamW: invalid beta2"), Error);
   CHECK_THROWS_WITH_AS(optim::Adam({p}, {.eps = -1}), doctest::Contains("eps"), Error);
   CHECK_THROWS_WITH_AS(optim::AdamW({p}, {.weight_decay = -1}), doctest::Contains("weight_decay"), Error);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSprop and Adagrad: PyTorch's numbers for three steps with gradients [1, -0.5], [0.25, 2], [-1.5, 0.125] from
+// p = [1, -2] (torch.optim.RMSprop and Adagrad, foreach=False, float64; .ref's scripts printed them, and the same
+// formulas in Python floats gave the same digits).
+
+namespace {
+template <typename Optimizer, typename Options>
+void check_pytorch_steps(const char* what, const Options& options, const std::vector<std::vector<double>>& expected) {
+  CAPTURE(what);
+  const std::vector<std::vector<double>> grads = {{1.0, -0.5}, {0.25, 2.0}, {-1.5, 0.125}};
+  Tensor p = tensor(std::vector<double>{1.0, -2.0}).requires_grad_();
+  Optimizer opt({p}, options);
+  for (size_t s = 0; s < 3; ++s) {
+    CAPTURE(s);
+    step_with(opt, p, grads[s]);
+    check_close(p, expected[s]);
+  }
+}
+}  // namespace
+
+TEST_CASE("RMSprop matches PyTorch's update: plain, weight decay, momentum, centered, and all of them") {
+  // Step 1 by hand: square_avg = 0.01 g^2, so p = 1 - 0.1 * 1 / (0.1 + 1e-8).
+  check_pytorch_steps<optim::RMSprop>("defaults but lr", optim::RMSpropOptions{.lr = 0.1},
+                                      {{9.99999903994464e-08, -1.0000001999999606},
+                                       {-0.24368496566133238, -1.9704281150335092},
+                                       {0.583043651391154, -2.0312724743102324}});
+  check_pytorch_steps<optim::RMSprop>("weight decay",
+                                      optim::RMSpropOptions{.lr = 0.1, .alpha = 0.9, .weight_decay = 0.1},
+                                      {{0.6837722430740709, -1.6837722482688757},
+                                       {0.5914934135783971, -1.9810633874452659},
+                                       {0.8483226676866971, -1.9685653949186221}});
+  check_pytorch_steps<optim::RMSprop>("momentum", optim::RMSpropOptions{.lr = 0.1, .alpha = 0.9, .momentum = 0.5},
+                                      {{0.6837722439831617, -1.6837722539831608},
+                                       {0.445076072169607, -1.8333506839333211},
+                                       {0.5944325888995815, -1.928369388941434}});
+  // Step 1: grad_avg = 0.1 g, square_avg = 0.1 g^2: avg = sqrt(0.09) |g|, p = 1 - 0.1 / 0.3.
+  check_pytorch_steps<optim::RMSprop>("centered", optim::RMSpropOptions{.lr = 0.1, .alpha = 0.9, .centered = true},
+                                      {{0.6666666777777774, -1.6666666888888875},
+                                       {0.5799034797396929, -1.9834989882175904},
+                                       {0.8495451824923517, -2.0043697918437573}});
+  // alpha 0.3: grad_avg's lerp weight 0.7 takes lerp's other form.
+  check_pytorch_steps<optim::RMSprop>(
+      "all of them",
+      optim::RMSpropOptions{
+          .lr = 0.1, .alpha = 0.3, .eps = 1e-3, .weight_decay = 0.1, .momentum = 0.5, .centered = true},
+      {{0.78221415310975, -1.7824602677841026},
+       {0.5777322073206268, -1.8431795718317447},
+       {0.6369966256841714, -1.8661458501456545}});
+}
+
+TEST_CASE("RMSprop's state follows its options: square_avg, grad_avg where centered, momentum_buffer with momentum") {
+  Tensor a = ones({2, 3}, {.requires_grad = true});
+  Tensor b = ones({4}, {.requires_grad = true});
+  Tensor c = ones({1}, {.requires_grad = true});
+  optim::RMSprop opt({{{a}, {.lr = 0.1}}, {{b}, {.momentum = 0.9, .centered = true}}, {{c}, {.momentum = 0.5}}});
+  CHECK(optim::RMSprop({a}).groups()[0].options.lr == 1e-2);  // PyTorch's default
+  a.set_grad(ones({2, 3}));
+  b.set_grad(ones({4}));
+  c.set_grad(ones({1}));
+  opt.step();
+  std::vector<std::string> names;
+  for (const auto& [name, t] : opt.state_tensors())
+    if (name.rfind("state.", 0) == 0) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"state.0.0.step", "state.0.0.square_avg", "state.1.0.step",
+                                          "state.1.0.square_avg", "state.1.0.grad_avg", "state.1.0.momentum_buffer",
+                                          "state.2.0.step", "state.2.0.square_avg", "state.2.0.momentum_buffer"});
+  // Momentum turned on after a step starts its buffer from zeros, as a first step with momentum does.
+  opt.groups()[0].options.momentum = 0.9;
+  a.set_grad(ones({2, 3}));
+  opt.step();
+  CHECK(opt.state(0, 0).buffers.size() == 2);
+  CHECK(opt.state(0, 0).step == 2);
+  // centered decides where the buffers are: changed after a step, it is refused.
+  opt.groups()[2].options.centered = true;
+  c.set_grad(ones({1}));
+  CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("group 2 took its first step with centered false"), Error);
+}
+
+TEST_CASE("RMSprop refuses bad options and a checkpoint written with the other centered") {
+  Tensor p = ones({1}, {.requires_grad = true});
+  CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.lr = -1}), doctest::Contains("RMSprop: invalid learning rate"), Error);
+  CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.alpha = 1.5}), doctest::Contains("alpha"), Error);
+  CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.eps = -1}), doctest::Contains("eps"), Error);
+  CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.weight_decay = -1}), doctest::Contains("weight_decay"), Error);
+  CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.momentum = -0.5}), doctest::Contains("momentum"), Error);
+  optim::RMSprop centered({p}, {.centered = true});
+  p.set_grad(ones({1}));
+  centered.step();
+  Tensor q = ones({1}, {.requires_grad = true});
+  optim::RMSprop plain({q});
+  CHECK_THROWS_WITH_AS(plain.load_state_tensors(centered.state_tensors()),
+                       doctest::Contains("decides which buffers each parameter keeps"), Error);
+}
+
+TEST_CASE("Adagrad matches PyTorch's update: the lr decayed by each parameter's steps, the sum's initial value") {
+  // Step 1 by hand: sum = g^2, so p = 1 - 0.1 * 1 / (1 + 1e-10).
+  check_pytorch_steps<optim::Adagrad>("defaults but lr", optim::AdagradOptions{.lr = 0.1},
+                                      {{0.90000000001, -1.90000000002},
+                                       {0.8757464375087196, -1.9970142500298271},
+                                       {0.9581627758734047, -2.003066525356222}});
+  check_pytorch_steps<optim::Adagrad>(
+      "lr_decay, weight decay, initial sum, eps",
+      optim::AdagradOptions{.lr = 0.1, .lr_decay = 0.5, .weight_decay = 0.1, .initial_accumulator_value = 0.25,
+                            .eps = 1e-3},
+      {{0.9090386324171864, -1.9187211376376205},
+       {0.8909507764301531, -1.9788918752072437},
+       {0.928283900393737, -1.9770738782517308}});
+}
+
+TEST_CASE("Adagrad has no momentum: its state has none, loading one is refused, OneCycleLR must not cycle it") {
+  Tensor p = ones({2}, {.requires_grad = true});
+  CHECK_THROWS_WITH_AS(optim::Adagrad({p}, {.lr_decay = -1}), doctest::Contains("Adagrad: invalid lr_decay"), Error);
+  CHECK_THROWS_WITH_AS(optim::Adagrad({p}, {.initial_accumulator_value = -1}),
+                       doctest::Contains("initial_accumulator_value"), Error);
+  optim::Adagrad opt({p}, {.lr = 0.1, .initial_accumulator_value = 0.5});
+  p.set_grad(ones({2}));
+  opt.step();
+  std::vector<std::string> names;
+  for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.lr_decay", "param_groups.0.weight_decay",
+                                          "param_groups.0.initial_accumulator_value", "param_groups.0.eps",
+                                          "param_groups.0.with_state", "state.0.0.step", "state.0.0.sum"});
+  CHECK(values(opt.state_tensors().back().second) == std::vector<double>{1.5, 1.5});  // 0.5 + 1^2
+  NamedTensors with_momentum = opt.state_tensors();
+  with_momentum.emplace_back("param_groups.0.momentum", scalar_tensor(0.9, {.dtype = kFloat64}));
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with_momentum),
+                       doctest::Contains("unexpected entry 'param_groups.0.momentum': Adagrad has no momentum"), Error);
+  CHECK_THROWS_WITH_AS(optim::OneCycleLR(opt, {.max_lr = {0.1}, .total_steps = 10}),
+                       doctest::Contains("OneCycleLR: it sets the momentum, and Adagrad has none"), Error);
+  CHECK(opt.groups()[0].options.lr == 0.1);  // the refused scheduler changed nothing
+  optim::OneCycleLR cycle(opt, {.max_lr = {0.1}, .total_steps = 10, .cycle_momentum = false});
+  CHECK(opt.groups()[0].options.lr == doctest::Approx(0.1 / 25));
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -482,25 +618,30 @@ TEST_CASE("a step bumps the parameter's version: a graph that saved the old valu
 // ---------------------------------------------------------------------------------------------------------
 // Generic access: what schedulers and amp::initialize use
 
-TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: beta1)") {
+TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: beta1; Adagrad: none)") {
   Tensor a = ones({1}, {.requires_grad = true});
   Tensor b = ones({1}, {.requires_grad = true});
   optim::Adam adam({{{a}, {.lr = 0.1}}, {{b}, {.lr = 0.2, .betas = {0.8, 0.99}}}});
   optim::Optimizer& opt = adam;
   REQUIRE(opt.num_param_groups() == 2);
   CHECK(opt.param_group(1).lr == 0.2);
-  CHECK(opt.param_group(1).momentum == 0.8);
+  CHECK(*opt.param_group(1).momentum == 0.8);
   for (optim::ParamGroupRef g : opt.param_groups()) {
     g.lr *= 10;
-    g.momentum = 0.85;
+    *g.momentum = 0.85;
   }
   CHECK(adam.groups()[0].options.lr == doctest::Approx(1.0));
   CHECK(adam.groups()[1].options.betas == std::pair<double, double>{0.85, 0.99});
   CHECK_THROWS_WITH_AS(opt.param_group(2), doctest::Contains("no parameter group 2"), Error);
 
   optim::SGD sgd({a}, {.lr = 0.1, .momentum = 0.9});
-  sgd.param_group(0).momentum = 0.5;
+  *sgd.param_group(0).momentum = 0.5;
   CHECK(sgd.groups()[0].options.momentum == 0.5);
+
+  optim::Adagrad adagrad({a}, {.lr = 0.1});
+  CHECK(adagrad.param_group(0).momentum == nullptr);
+  adagrad.param_group(0).lr = 0.3;
+  CHECK(adagrad.groups()[0].options.lr == 0.3);
 }
 
 TEST_CASE("add_param_group checks a new group as the constructor does; an empty parameter list is refused") {
@@ -630,6 +771,14 @@ TEST_CASE("continuing from loaded state gives exactly the results of uninterrupt
   }
   SUBCASE("Adam with amsgrad") { check([](Tensor& p) { return optim::Adam({p}, {.lr = 0.01, .amsgrad = true}); }); }
   SUBCASE("AdamW") { check([](Tensor& p) { return optim::AdamW({p}, {.lr = 0.01}); }); }
+  SUBCASE("Adagrad with lr decay") {
+    check([](Tensor& p) {
+      return optim::Adagrad({p}, {.lr = 0.1, .lr_decay = 0.1, .initial_accumulator_value = 0.1});
+    });
+  }
+  SUBCASE("RMSprop, centered with momentum") {
+    check([](Tensor& p) { return optim::RMSprop({p}, {.lr = 0.01, .momentum = 0.9, .centered = true}); });
+  }
 }
 
 TEST_CASE("loaded state is copied: later steps do not write into the caller's tensors") {
@@ -1086,6 +1235,30 @@ TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; 
       return optim::Adam(p, {.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true});
     });
     compare_cuda_step(dt, [](TensorList& p) { return optim::AdamW(p, {.lr = 1e-2}); });
+  }
+}
+
+TEST_CASE("CUDA fused RMSprop matches the CPU step (centered, momentum, weight decay; every dtype)") {
+  SKIP_WITHOUT_GPU();
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    compare_cuda_step(dt, [](TensorList& p) {
+      return optim::RMSprop(p, {.lr = 1e-2, .weight_decay = 1e-2, .momentum = 0.9, .centered = true});
+    });
+    compare_cuda_step(dt, [](TensorList& p) {
+      return optim::RMSprop(p, {.lr = 1e-2, .alpha = 0.3, .centered = true});
+    });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::RMSprop(p, {.lr = 1e-2, .momentum = 0.5}); });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::RMSprop(p, {.lr = 1e-2}); });
+  }
+}
+
+TEST_CASE("CUDA fused Adagrad matches the CPU step (lr decay, weight decay, initial sum; every dtype)") {
+  SKIP_WITHOUT_GPU();
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    compare_cuda_step(dt, [](TensorList& p) {
+      return optim::Adagrad(p, {.lr = 1e-2, .lr_decay = 0.1, .weight_decay = 1e-2, .initial_accumulator_value = 0.1});
+    });
+    compare_cuda_step(dt, [](TensorList& p) { return optim::Adagrad(p, {.lr = 1e-2}); });
   }
 }
 

@@ -433,3 +433,122 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
                          doctest::Contains("MultiStepLR: gamma must be finite and >= 0, got -0.5"), Error);
   }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// ReduceLROnPlateau: each group's lr after every step, as torch.optim.lr_scheduler.ReduceLROnPlateau gives them for
+// the same metrics (.ref's script ran PyTorch's and the same logic in Python; both printed these).
+
+namespace {
+std::vector<std::vector<double>> plateau_curve(optim::ReduceLROnPlateau& s, const std::vector<double>& metrics) {
+  std::vector<std::vector<double>> lrs;
+  for (double m : metrics) {
+    s.step(m);
+    lrs.push_back(s.get_last_lr());
+  }
+  return lrs;
+}
+}  // namespace
+
+TEST_CASE("ReduceLROnPlateau (min, rel): patience, cooldown, a NaN metric, and each group's own min_lr") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 0.1}}, {{f.b}, {.lr = 0.1}}});
+  optim::ReduceLROnPlateau plateau(opt, {.factor = 0.5, .patience = 2, .cooldown = 1, .min_lr = {0.02, 0.0}});
+  CHECK(plateau.best() == INFINITY);
+  CHECK(plateau.get_last_lr() == std::vector<double>{0.1, 0.1});
+  // 0.9 after 0.9 is not better (by 1e-4 relative), nor is 0.89995; NaN is never better.
+  const std::vector<double> metrics = {1.0, 0.9, 0.95, 0.9, 0.91, 0.89995, 0.5, 0.6, 0.6,
+                                       0.6, 0.6, 0.6, NAN, 0.6, 0.6, 0.6, 0.6};
+  const std::vector<std::vector<double>> expected = {
+      {0.1, 0.1},     {0.1, 0.1},     {0.1, 0.1},     {0.1, 0.1},     {0.05, 0.05},   {0.05, 0.05},
+      {0.05, 0.05},   {0.05, 0.05},   {0.05, 0.05},   {0.025, 0.025}, {0.025, 0.025}, {0.025, 0.025},
+      {0.025, 0.025}, {0.02, 0.0125}, {0.02, 0.0125}, {0.02, 0.0125}, {0.02, 0.0125}};
+  CHECK(plateau_curve(plateau, metrics) == expected);
+  CHECK(plateau.best() == 0.5);
+  CHECK(plateau.num_bad_steps() == 2);
+  CHECK(plateau.cooldown_counter() == 0);
+  CHECK(plateau.last_step() == int64_t(metrics.size()));
+  CHECK(opt.groups()[1].options.lr == 0.0125);
+}
+
+TEST_CASE("ReduceLROnPlateau (max): abs and rel thresholds; a reduction by eps or less is not made") {
+  SUBCASE("abs, patience 0, eps 1e-3: 0.001 -> 0.0001 would move the lr by less than eps") {
+    Fixture f;
+    optim::SGD opt({f.a}, {.lr = 0.1});
+    optim::ReduceLROnPlateau plateau(opt, {.mode = optim::ReduceLROnPlateauOptions::Mode::Max, .patience = 0,
+                                           .threshold = 0.5,
+                                           .threshold_mode = optim::ReduceLROnPlateauOptions::ThresholdMode::Abs,
+                                           .eps = 1e-3});
+    CHECK(plateau.best() == -INFINITY);
+    const auto lrs = plateau_curve(plateau, {1.0, 1.4, 1.6, 2.0, 2.6, 2.6, 2.6, 2.6});
+    const std::vector<double> expected = {0.1, 0.010000000000000002, 0.010000000000000002, 0.0010000000000000002,
+                                          0.0010000000000000002, 0.0010000000000000002, 0.0010000000000000002,
+                                          0.0010000000000000002};
+    for (size_t i = 0; i < expected.size(); ++i) CHECK(lrs[i] == std::vector<double>{expected[i]});
+  }
+  SUBCASE("rel, patience 1: a better metric is above best * 1.1, which below zero is a lower bar, as PyTorch's") {
+    Fixture f;
+    optim::SGD opt({f.a}, {.lr = 0.1});
+    optim::ReduceLROnPlateau plateau(opt, {.mode = optim::ReduceLROnPlateauOptions::Mode::Max, .factor = 0.5,
+                                           .patience = 1, .threshold = 0.1});
+    const auto lrs = plateau_curve(plateau, {-1.0, -0.95, -0.85, 2.0, 2.19, 2.21, 2.2, 2.2});
+    CHECK(lrs.back() == std::vector<double>{0.05});
+    CHECK(lrs[6] == std::vector<double>{0.1});
+    CHECK(plateau.best() == 2.21);
+  }
+}
+
+TEST_CASE("ReduceLROnPlateau refuses bad options; its state goes on where saved, and a bad state changes nothing") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 0.1}}, {{f.b}, {.lr = 0.1}}});
+  using Options = optim::ReduceLROnPlateauOptions;
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.factor = 1.0}), doctest::Contains("factor must be in [0, 1)"),
+                       Error);
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.patience = -1}), doctest::Contains("patience"), Error);
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.threshold = NAN}), doctest::Contains("threshold"), Error);
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.cooldown = -2}), doctest::Contains("cooldown"), Error);
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.min_lr = {0.1, 0.1, 0.1}}),
+                       doctest::Contains("one value for every group or one per group (2), got 3"), Error);
+  CHECK_THROWS_WITH_AS(optim::ReduceLROnPlateau(opt, {.min_lr = {-1}}), doctest::Contains("min_lr"), Error);
+
+  const Options options{.factor = 0.5, .patience = 1, .cooldown = 2, .min_lr = {0.01, 0.0}};
+  optim::ReduceLROnPlateau first(opt, options);
+  for (double m : {1.0, 2.0, 2.0}) first.step(m);  // reduced at the third step: cooldown 2 begins
+  const optim::NamedTensors state = first.state_tensors();
+  std::vector<std::string> names;
+  for (const auto& [name, t] : state) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"last_step", "best", "num_bad_steps", "cooldown_counter", "mode", "factor",
+                                          "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps"});
+
+  // Another run made with other options takes the state's, as PyTorch's load_state_dict, and goes on as the first.
+  optim::ReduceLROnPlateau second(opt, {.mode = Options::Mode::Max, .patience = 7});
+  second.load_state_tensors(state);
+  CHECK(second.options().patience == 1);
+  CHECK(second.options().mode == Options::Mode::Min);
+  CHECK(second.options().min_lr == std::vector<double>{0.01, 0.0});
+  CHECK(second.cooldown_counter() == 2);
+  CHECK(second.last_step() == 3);
+  const std::vector<double> metrics = {3.0, 3.0, 3.0, 3.0, 0.5, 3.0};
+  const double lr_before = opt.groups()[0].options.lr;
+  const auto continued = plateau_curve(second, metrics);
+  // The same steps from the first, on the lrs as they were: the same lrs.
+  for (size_t g = 0; g < 2; ++g) opt.groups()[g].options.lr = lr_before;
+  CHECK(plateau_curve(first, metrics) == continued);
+
+  // A bad entry names itself, and the state before the load stays.
+  optim::NamedTensors bad = state;
+  bad[4].second = scalar_tensor(int64_t(2), {.dtype = kInt64});  // mode 2
+  bad[1].second = scalar_tensor(NAN, {.dtype = kFloat64});        // best NaN
+  bad.emplace_back("epoch", count(1));
+  CHECK_THROWS_WITH_AS(second.load_state_tensors(bad),
+                       doctest::Contains("unexpected entry 'epoch'"), Error);
+  bad.pop_back();
+  try {
+    second.load_state_tensors(bad);
+    FAIL("loaded a bad state");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("'mode' is 2") != std::string::npos);
+    CHECK(std::string(e.what()).find("'best' is NaN") != std::string::npos);
+  }
+  CHECK(second.last_step() == 3 + int64_t(metrics.size()));
+  CHECK_THROWS_WITH_AS(second.load_state_tensors({state[0]}), doctest::Contains("missing 'best'"), Error);
+}
