@@ -12,12 +12,14 @@
 namespace halfgrad {
 namespace {
 
+// What an op stores: bool for comparisons and logical ops, else the operands' dtype.
+template <BinaryOp OP, typename T> using BinaryResult = std::conditional_t<is_predicate(OP), bool, T>;
+
 // Load in the storage type, compute in opmath_t (float for float16/bfloat16), store.
 template <BinaryOp OP, typename T> struct BinaryFn {
-  __device__ T operator()(T a, T b) const { return T(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
-};
-template <BinaryOp OP, typename T> struct BinaryPredicateFn {
-  __device__ bool operator()(T a, T b) const { return bool(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b))); }
+  __device__ BinaryResult<OP, T> operator()(T a, T b) const {
+    return BinaryResult<OP, T>(binary_math<OP>(opmath_t<T>(a), opmath_t<T>(b)));
+  }
 };
 // The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
 // bool takes only the ops that allow it and integer division is true division (computed in float). Kernels are
@@ -32,15 +34,8 @@ template <BinaryOp OP, typename T> constexpr bool binary_supported() {
 template <BinaryOp OP, typename T> struct BinaryScalarFn {
   float scalar;
   bool scalar_left;
-  __device__ T operator()(T x) const {
-    return T(scalar_left ? binary_math<OP>(scalar, float(x)) : binary_math<OP>(float(x), scalar));
-  }
-};
-template <BinaryOp OP, typename T> struct BinaryScalarPredicateFn {
-  float scalar;
-  bool scalar_left;
-  __device__ bool operator()(T x) const {
-    return bool(scalar_left ? binary_math<OP>(scalar, float(x)) : binary_math<OP>(float(x), scalar));
+  __device__ BinaryResult<OP, T> operator()(T x) const {
+    return BinaryResult<OP, T>(scalar_left ? binary_math<OP>(scalar, float(x)) : binary_math<OP>(float(x), scalar));
   }
 };
 
@@ -48,10 +43,7 @@ template <typename T>
 void binary_scalar_cuda(BinaryOp op, const Tensor& out, const Tensor& x, float scalar, bool left) {
   const char* name = op_name(op);
   dispatch_binary_op(op, [&]<BinaryOp OP>() {
-    if constexpr (is_predicate(OP))
-      cuda::launch_elementwise<bool, T>(name, out, BinaryScalarPredicateFn<OP, T>{scalar, left}, {x});
-    else
-      cuda::launch_elementwise<T, T>(name, out, BinaryScalarFn<OP, T>{scalar, left}, {x});
+    cuda::launch_elementwise<BinaryResult<OP, T>, T>(name, out, BinaryScalarFn<OP, T>{scalar, left}, {x});
   });
 }
 
@@ -67,10 +59,8 @@ void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& 
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       if constexpr (!binary_supported<OP, T>()) {
         HG_FAIL("{}: no CUDA kernel for {} operands", name, a.meta());
-      } else if constexpr (is_predicate(OP)) {
-        cuda::launch_elementwise<bool, T, T>(name, out, BinaryPredicateFn<OP, T>{}, {a, b});
       } else {
-        cuda::launch_elementwise<T, T, T>(name, out, BinaryFn<OP, T>{}, {a, b});
+        cuda::launch_elementwise<BinaryResult<OP, T>, T, T>(name, out, BinaryFn<OP, T>{}, {a, b});
       }
     });
   });
