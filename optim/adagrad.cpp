@@ -15,12 +15,12 @@ Adagrad::Adagrad(std::vector<AdagradGroup> groups) : OptimizerWith("Adagrad", st
 }
 
 void Adagrad::check_group_options(const AdagradOptions& o, size_t g) const {
-  HG_CHECK(o.lr >= 0, "Adagrad: invalid learning rate {} (group {})", o.lr, g);
-  HG_CHECK(o.lr_decay >= 0, "Adagrad: invalid lr_decay {} (group {})", o.lr_decay, g);
-  HG_CHECK(o.weight_decay >= 0, "Adagrad: invalid weight_decay {} (group {})", o.weight_decay, g);
-  HG_CHECK(o.initial_accumulator_value >= 0, "Adagrad: invalid initial_accumulator_value {} (group {})",
+  HG_CHECK(o.lr >= 0, "Adagrad: invalid learning rate {} (group {}): must be >= 0", o.lr, g);
+  HG_CHECK(o.lr_decay >= 0, "Adagrad: invalid lr_decay {} (group {}): must be >= 0", o.lr_decay, g);
+  HG_CHECK(o.weight_decay >= 0, "Adagrad: invalid weight_decay {} (group {}): must be >= 0", o.weight_decay, g);
+  HG_CHECK(o.initial_accumulator_value >= 0, "Adagrad: invalid initial_accumulator_value {} (group {}): must be >= 0",
            o.initial_accumulator_value, g);
-  HG_CHECK(o.eps >= 0, "Adagrad: invalid eps {} (group {})", o.eps, g);
+  HG_CHECK(o.eps >= 0, "Adagrad: invalid eps {} (group {}): must be >= 0", o.eps, g);
 }
 
 void Adagrad::step() {
@@ -39,9 +39,10 @@ void Adagrad::step() {
         args.params.push_back(item.param);
         args.grads.push_back(item.grad);
         bool created = false;
-        Tensor sum = state_buffer(g, item, 0, &created);
-        if (created && o.initial_accumulator_value != 0) sum.fill_(o.initial_accumulator_value);
-        args.sums.push_back(sum);
+        args.sums.push_back(state_buffer(g, item, 0, &created));
+        // The buffer's elements, not the flat view of its storage: an aligned-rows buffer's padding stays zero.
+        if (created && o.initial_accumulator_value != 0)
+          state(g, item.index).buffers[0].fill_(o.initial_accumulator_value);
         // As PyTorch's, in double on the host.
         const double t = double(++state(g, item.index).step);
         args.clrs.push_back(o.lr / (1 + (t - 1) * o.lr_decay));

@@ -133,10 +133,10 @@ void rmsprop_loop(T* __restrict p, const T* __restrict g, T* __restrict square_a
                   T* __restrict b, int64_t n, const RMSpropScalars<opmath_t<T>> s) {
   using M = opmath_t<T>;
   for (int64_t i = 0; i < n; ++i) {
-    M sq = M(square_avg[i]), avg = kCentered ? M(grad_avg[i]) : M(0), buffer = kMomentum ? M(b[i]) : M(0);
-    p[i] = T(rmsprop_update(M(p[i]), M(g[i]), sq, avg, buffer, s, kCentered, kMomentum, kDecay));
-    square_avg[i] = T(sq);
-    if constexpr (kCentered) grad_avg[i] = T(avg);
+    M squares = M(square_avg[i]), mean = kCentered ? M(grad_avg[i]) : M(0), buffer = kMomentum ? M(b[i]) : M(0);
+    p[i] = T(rmsprop_update(M(p[i]), M(g[i]), squares, mean, buffer, s, kCentered, kMomentum, kDecay));
+    square_avg[i] = T(squares);
+    if constexpr (kCentered) grad_avg[i] = T(mean);
     if constexpr (kMomentum) b[i] = T(buffer);
   }
 }

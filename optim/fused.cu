@@ -123,17 +123,19 @@ void adam_step_cuda(const AdamStepArgs& a) {
 
 // ---- RMSprop: operands p, g, square_avg[, grad_avg][, b]
 
-template <typename M> struct RMSpropOp {
+// kCentered a template flag: which operand r[3] is (grad_avg or the momentum buffer) is then known at compile time,
+// and the operands stay in registers (chosen at run time, they went through a local stack frame).
+template <typename M, bool kCentered> struct RMSpropOp {
   RMSpropScalars<M> scalars;
-  bool centered, momentum;
   static constexpr __device__ bool writes(int d) { return d != 1; }
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const NoExtra&) const {
-    M unused_avg = 0, unused_buffer = 0;
-    M* grad_avg = &unused_avg;
+    constexpr bool kMomentum = DEPTH == (kCentered ? 5 : 4);
+    M unused_mean = 0, unused_buffer = 0;
+    M* grad_avg = &unused_mean;
     M* buffer = &unused_buffer;
-    if constexpr (DEPTH == 4) (centered ? grad_avg : buffer) = &r[3];
-    if constexpr (DEPTH == 5) grad_avg = &r[3], buffer = &r[4];
-    r[0] = rmsprop_update(r[0], r[1], r[2], *grad_avg, *buffer, scalars, centered, momentum,
+    if constexpr (kCentered) grad_avg = &r[3];
+    if constexpr (kMomentum) buffer = &r[DEPTH - 1];
+    r[0] = rmsprop_update(r[0], r[1], r[2], *grad_avg, *buffer, scalars, kCentered, kMomentum,
                           scalars.weight_decay != M(0));
   }
 };
@@ -143,21 +145,22 @@ void rmsprop_step_cuda(const RMSpropStepArgs& a) {
   const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "RMSprop.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    const bool momentum = a.momentum != 0;
-    const RMSpropOp<M> op{{M(a.lr), M(a.alpha), M(1 - a.alpha), M(a.eps), M(a.weight_decay), M(a.momentum)},
-                          a.centered, momentum};
+    const RMSpropScalars<M> s{M(a.lr), M(a.alpha), M(1 - a.alpha), M(a.eps), M(a.weight_decay), M(a.momentum)};
+    const RMSpropOp<M, true> centered{s};
+    const RMSpropOp<M, false> plain{s};
     auto no_extra = [](size_t) { return NoExtra{}; };
-    if (a.centered && momentum) {
-      launch_multi_tensor<T, 5, NoExtra>("RMSprop.step", device,
-                                         {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs, &a.momentum_buffers},
-                                         no_extra, op);
-    } else if (a.centered || momentum) {
-      launch_multi_tensor<T, 4, NoExtra>("RMSprop.step", device,
-                                         {&a.params, &a.grads, &a.square_avgs,
-                                          a.centered ? &a.grad_avgs : &a.momentum_buffers},
-                                         no_extra, op);
+    const char* name = "RMSprop.step";
+    if (a.centered && a.momentum != 0) {
+      launch_multi_tensor<T, 5, NoExtra>(
+          name, device, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs, &a.momentum_buffers}, no_extra, centered);
+    } else if (a.centered) {
+      launch_multi_tensor<T, 4, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs}, no_extra,
+                                         centered);
+    } else if (a.momentum != 0) {
+      launch_multi_tensor<T, 4, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs, &a.momentum_buffers},
+                                         no_extra, plain);
     } else {
-      launch_multi_tensor<T, 3, NoExtra>("RMSprop.step", device, {&a.params, &a.grads, &a.square_avgs}, no_extra, op);
+      launch_multi_tensor<T, 3, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs}, no_extra, plain);
     }
   });
 }

@@ -20,6 +20,12 @@
 
 namespace halfgrad::optim {
 
+double* MomentumRef::checked() const {
+  HG_CHECK(value_, "{} has no momentum (nor a beta1): its parameter groups' momentum cannot be read or set",
+           optimizer_);
+  return value_;
+}
+
 void Optimizer::zero_grad() {
   for (const Tensor& p : parameters()) p.set_grad(Tensor());
 }
@@ -168,8 +174,10 @@ NamedTensors Optimizer::state_tensors() const {
   for (size_t g = 0; g < num_param_groups(); ++g) {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
-    if (group.momentum)
-      out.emplace_back(fmt::format("param_groups.{}.momentum", g), scalar_tensor(*group.momentum, {.dtype = kFloat64}));
+    if (group.momentum.exists()) {
+      out.emplace_back(fmt::format("param_groups.{}.momentum", g),
+                       scalar_tensor(double(group.momentum), {.dtype = kFloat64}));
+    }
     for (const OtherOption& o : other_options(g)) {
       Tensor value = o.flag ? scalar_tensor(o.value != 0, {.dtype = kBool})
                             : scalar_tensor(o.value, {.dtype = kFloat64});
@@ -291,7 +299,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         (parts[2] == "lr" || parts[2] == "momentum")) {
       if (g >= num_groups) {
         errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
-      } else if (parts[2] == "momentum" && !param_group(g).momentum) {
+      } else if (parts[2] == "momentum" && !param_group(g).momentum.exists()) {
         errors.push_back(fmt::format("unexpected entry '{}': {} has no momentum", name, name_));
       } else if (t.numel() != 1 || !t.is_floating_point()) {
         errors.push_back(fmt::format("'{}' must be a one-element floating tensor, got {}", name, t.meta()));
@@ -372,7 +380,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
   for (size_t g = 0; g < num_groups; ++g) {
     GroupEntries& ge = groups[g];
     if (!ge.has_lr) errors.push_back(fmt::format("missing 'param_groups.{}.lr'", g));
-    const bool has_momentum = param_group(g).momentum != nullptr;
+    const bool has_momentum = param_group(g).momentum.exists();
     if (has_momentum && !ge.has_momentum) errors.push_back(fmt::format("missing 'param_groups.{}.momentum'", g));
     // The values the constructor would refuse (a negative lr, Adam's beta1 >= 1, nesterov without momentum).
     if (ge.has_lr && (ge.has_momentum || !has_momentum)) {
@@ -383,11 +391,14 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         errors.push_back(fmt::format("param_groups.{}: lr {}{}{}: {}", g, ge.lr, momentum, others, why));
       }
     }
-    // A parameter's state is all there or not there at all.
+    // A parameter's state is all there or not there at all (its optional buffers aside).
     for (size_t p = 0; p < ge.params.size(); ++p) {
       std::vector<std::string> present, missing;
       if (counts_steps()) (ge.have_step[p] ? present : missing).push_back("step");
-      for (size_t k = 0; k < names[g].size(); ++k) (ge.have_buffer[p][k] ? present : missing).push_back(names[g][k]);
+      for (size_t k = 0; k < required_buffers(g); ++k)
+        (ge.have_buffer[p][k] ? present : missing).push_back(names[g][k]);
+      for (size_t k = required_buffers(g); k < names[g].size(); ++k)
+        if (ge.have_buffer[p][k]) present.push_back(names[g][k]);
       if (!present.empty() && !missing.empty())
         errors.push_back(fmt::format("parameter {} of group {} has {} but not {}", p, g, fmt::join(present, ", "),
                                      fmt::join(missing, ", ")));

@@ -32,14 +32,31 @@ namespace halfgrad::optim {
 // Named tensors, as a checkpoint stores them.
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
+// A group's momentum as ParamGroupRef reaches it: SGD's and RMSprop's momentum, Adam's and AdamW's beta1 (what OneCycle
+// cycles, as PyTorch's OneCycleLR), or none (Adagrad). Read and written as a double; either fails, naming the
+// optimizer, where there is none.
+class MomentumRef {
+ public:
+  MomentumRef(double* value, const char* optimizer) : value_(value), optimizer_(optimizer) {}
+  bool exists() const { return value_ != nullptr; }
+  operator double() const { return *checked(); }
+  MomentumRef& operator=(double momentum) {
+    *checked() = momentum;
+    return *this;
+  }
+
+ private:
+  double* checked() const;
+  double* value_;
+  const char* optimizer_;
+};
+
 // One parameter group seen through the options every optimizer has. The references point into the
 // optimizer: writing them changes the optimizer (until the group list itself changes).
 struct ParamGroupRef {
   TensorList& params;  // may be replaced (same shapes) before the first step: amp's FP32 master weights
   double& lr;
-  // SGD and RMSprop: momentum; Adam/AdamW: beta1 (what OneCycle cycles, as PyTorch's OneCycleLR); nullptr where the
-  // optimizer has none (Adagrad).
-  double* momentum;
+  MomentumRef momentum;
 };
 
 // An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, or a flag (one of the
@@ -127,6 +144,9 @@ class Optimizer {
   virtual const TensorList& group_params(size_t g) const = 0;
   // The buffers each parameter of group g keeps (in ParamState::buffers order).
   virtual std::vector<std::string> state_names(size_t g) const = 0;
+  // How many of them, from the first, every parameter with state has; the rest are made when an option first needs
+  // them, and kept (RMSprop's grad_avg and momentum_buffer). A checkpoint holds all of the first or none.
+  virtual size_t required_buffers(size_t g) const { return state_names(g).size(); }
   // Whether ParamState::step is part of the state (Adam's bias correction needs it; SGD's does not).
   virtual bool counts_steps() const = 0;
   // Group g's options besides lr and momentum, by name, with their values (a flag as 0 or 1).
@@ -181,7 +201,7 @@ template <typename Options> struct Group {
 };
 
 // The base of optimizers whose groups hold an `Options` struct with a `double lr`, whose
-// `double* momentum_of(Options&)` names what ParamGroupRef::momentum points to (nullptr: none), and whose
+// `double* momentum_of(Options&)` names what ParamGroupRef::momentum refers to (nullptr: none), and whose
 // `std::vector<OptionField> other_options_of(Options&)` lists the rest.
 template <typename Options> class OptimizerWith : public Optimizer {
  public:
@@ -208,7 +228,7 @@ template <typename Options> class OptimizerWith : public Optimizer {
   ParamGroupRef param_group(size_t g) override {
     HG_CHECK(g < groups_.size(), "{}: no parameter group {} (it has {})", name(), g, groups_.size());
     Group<Options>& group = groups_[g];
-    return {group.params, group.options.lr, momentum_of(group.options)};
+    return {group.params, group.options.lr, MomentumRef(momentum_of(group.options), name())};
   }
 
  protected:

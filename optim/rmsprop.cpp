@@ -15,35 +15,20 @@ RMSprop::RMSprop(std::vector<RMSpropGroup> groups) : OptimizerWith("RMSprop", st
 }
 
 void RMSprop::check_group_options(const RMSpropOptions& o, size_t g) const {
-  HG_CHECK(o.lr >= 0, "RMSprop: invalid learning rate {} (group {})", o.lr, g);
-  HG_CHECK(o.alpha >= 0 && o.alpha <= 1, "RMSprop: invalid alpha {} (group {}): must be in [0, 1]", o.alpha, g);
-  HG_CHECK(o.eps >= 0, "RMSprop: invalid eps {} (group {})", o.eps, g);
-  HG_CHECK(o.weight_decay >= 0, "RMSprop: invalid weight_decay {} (group {})", o.weight_decay, g);
-  HG_CHECK(o.momentum >= 0, "RMSprop: invalid momentum {} (group {})", o.momentum, g);
-}
-
-std::vector<std::string> RMSprop::state_names(size_t g) const {
-  const RMSpropOptions& o = groups_.at(g).options;
-  std::vector<std::string> names = {"square_avg"};
-  if (o.centered) names.push_back("grad_avg");
-  // Last, so that the others keep their places when momentum is turned on or off between steps.
-  if (o.momentum != 0) names.push_back("momentum_buffer");
-  return names;
+  HG_CHECK(o.lr >= 0, "RMSprop: invalid learning rate {} (group {}): must be >= 0", o.lr, g);
+  HG_CHECK(o.alpha >= 0 && o.alpha <= 1, "RMSprop: invalid alpha {} (group {}): must be in [0, 1] (PyTorch takes any "
+           "alpha >= 0, but above 1 the average of the squares turns negative)", o.alpha, g);
+  HG_CHECK(o.eps >= 0, "RMSprop: invalid eps {} (group {}): must be >= 0", o.eps, g);
+  HG_CHECK(o.weight_decay >= 0, "RMSprop: invalid weight_decay {} (group {}): must be >= 0", o.weight_decay, g);
+  HG_CHECK(o.momentum >= 0, "RMSprop: invalid momentum {} (group {}): must be >= 0", o.momentum, g);
 }
 
 void RMSprop::step() {
   NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {
     const RMSpropOptions& o = groups_[g].options;
-    if (stepped_centered_.size() <= g) stepped_centered_.resize(g + 1, -1);
-    int8_t& centered = stepped_centered_[g];
-    HG_CHECK(centered < 0 || bool(centered) == o.centered,
-             "RMSprop: group {} took its first step with centered {} and now has centered {}; its parameters' buffers "
-             "are laid out for the first: make a new optimizer (PyTorch's fails on the missing grad_avg)", g,
-             bool(centered), o.centered);
-    centered = o.centered;
     for (const std::vector<StepItem>& items : step_items(g)) {
-      // The step counts live on the host, where a replayed graph would not advance them.
+      // The step counts (which checkpoints keep) live on the host, where a replayed graph would not advance them.
       HG_CHECK(!cuda::is_capturing(items[0].param.device()),
                "RMSprop: a step inside a CUDA graph capture would leave its step counts where the capture left them; "
                "use SGD with --cuda-graph, or train eagerly");
@@ -55,14 +40,13 @@ void RMSprop::step() {
       args.momentum = o.momentum;
       args.centered = o.centered;
       for (const StepItem& item : items) {
-        ++state(g, item.index).step;
-        size_t k = 0;  // the buffers' places: state_names
         args.params.push_back(item.param);
         args.grads.push_back(item.grad);
-        args.square_avgs.push_back(state_buffer(g, item, k++));
-        if (o.centered) args.grad_avgs.push_back(state_buffer(g, item, k++));
-        if (o.momentum != 0) args.momentum_buffers.push_back(state_buffer(g, item, k++));
+        args.square_avgs.push_back(state_buffer(g, item, kSquareAvg));
+        if (o.centered) args.grad_avgs.push_back(state_buffer(g, item, kGradAvg));
+        if (o.momentum != 0) args.momentum_buffers.push_back(state_buffer(g, item, kMomentumBuffer));
       }
+      for (const StepItem& item : items) ++state(g, item.index).step;
       rmsprop_step_kernel[items[0].param.device()](args);
       write_back(items);
     }

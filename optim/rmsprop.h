@@ -2,9 +2,9 @@
 // RMSprop with PyTorch's update (torch.optim.RMSprop: eps outside the square root, the centered variant's running
 // mean of the gradient, momentum on the scaled gradient); the rule per element is optim/update_rules.h's
 // rmsprop_update. The update is one fused pass per (group, device, dtype): optim/fused.h.
-// State per parameter, in the parameter's dtype: square_avg; grad_avg where centered; momentum_buffer where momentum
-// is not 0 (created, zeros, on the first step with momentum); and the step count, as PyTorch keeps it.
-#include <cstdint>
+// State per parameter, in the parameter's dtype: square_avg; grad_avg once centered is on, momentum_buffer once
+// momentum is not 0 (each made, zeros, on the first step that needs it, as PyTorch's are on the first step, and kept
+// when the option is turned off); and the step count, as PyTorch keeps it (the update does not read it).
 #include <string>
 #include <vector>
 
@@ -12,11 +12,10 @@
 
 namespace halfgrad::optim {
 
-// PyTorch's defaults. `centered` decides which buffers a parameter keeps, so a checkpoint loads only into an optimizer
-// with the file's value; so does whether momentum is 0.
+// PyTorch's defaults.
 struct RMSpropOptions {
   double lr = 1e-2;
-  double alpha = 0.99;  // the running averages' decay
+  double alpha = 0.99;  // the running averages' decay, in [0, 1] (PyTorch takes more; above 1 they turn negative)
   double eps = 1e-8;
   double weight_decay = 0;
   double momentum = 0;
@@ -26,7 +25,7 @@ inline double* momentum_of(RMSpropOptions& o) { return &o.momentum; }
 inline std::vector<OptionField> other_options_of(RMSpropOptions& o) {
   return {{.name = "alpha", .number = &o.alpha}, {.name = "eps", .number = &o.eps},
           {.name = "weight_decay", .number = &o.weight_decay},
-          {.name = "centered", .flag = &o.centered, .shapes_state = true}};
+          {.name = "centered", .flag = &o.centered}};
 }
 
 using RMSpropGroup = Group<RMSpropOptions>;
@@ -38,14 +37,14 @@ class RMSprop : public OptimizerWith<RMSpropOptions> {
   void step() override;
 
  protected:
-  // "square_avg", then "grad_avg" (centered), then "momentum_buffer" (momentum != 0).
-  std::vector<std::string> state_names(size_t g) const override;
+  // Their places, whatever the options: a buffer is made when an option first needs it.
+  enum Buffer : size_t { kSquareAvg, kGradAvg, kMomentumBuffer };
+  std::vector<std::string> state_names(size_t) const override {
+    return {"square_avg", "grad_avg", "momentum_buffer"};
+  }
+  size_t required_buffers(size_t) const override { return 1; }  // square_avg
   bool counts_steps() const override { return true; }
   void check_group_options(const RMSpropOptions& options, size_t g) const override;
-
- private:
-  // Per group, the `centered` its first step ran with (-1: none yet): the buffers' places follow it.
-  std::vector<int8_t> stepped_centered_;
 };
 
 }  // namespace halfgrad::optim

@@ -69,12 +69,12 @@ void LRScheduler::set_step(int64_t n) {
            optimizer_.num_param_groups(), base_lrs_.size());
   std::vector<double> lrs = lr_at(n);
   std::vector<double> momenta = momentum_at(n);
-  HG_CHECK(momenta.empty() || optimizer_.param_group(0).momentum, "{}: it sets the momentum, and {} has none: make it "
-           "with cycle_momentum = false", name_, optimizer_.name());
+  HG_CHECK(momenta.empty() || optimizer_.param_group(0).momentum.exists(), "{}: it sets the momentum, and {} has "
+           "none: make it with cycle_momentum = false", name_, optimizer_.name());
   for (size_t g = 0; g < lrs.size(); ++g) {
     ParamGroupRef group = optimizer_.param_group(g);
     group.lr = lrs[g];
-    if (!momenta.empty()) *group.momentum = momenta[g];
+    if (!momenta.empty()) group.momentum = momenta[g];
   }
   last_step_ = n;
   last_lr_ = std::move(lrs);
@@ -438,7 +438,8 @@ void ReduceLROnPlateau::step(double metric) {
   const size_t groups = optimizer_.num_param_groups();
   HG_CHECK(options_.min_lr.size() == 1 || options_.min_lr.size() == groups,
            "ReduceLROnPlateau: the optimizer has {} parameter groups, and min_lr holds one value for each of the {} "
-           "it had when the scheduler was made", groups, options_.min_lr.size());
+           "it had when the scheduler was made: make a new scheduler, with a min_lr for each group or one for all",
+           groups, options_.min_lr.size());
   ++last_step_;
   if (is_better(metric)) {
     best_ = metric;
@@ -455,7 +456,7 @@ void ReduceLROnPlateau::step(double metric) {
       ParamGroupRef group = optimizer_.param_group(g);
       const double reduced = std::max(group.lr * options_.factor, min_lr(g));
       if (group.lr - reduced > options_.eps) {
-        logger().info("ReduceLROnPlateau: step {}: group {}'s lr {} -> {}", last_step_, g, group.lr, reduced);
+        logger().debug("ReduceLROnPlateau: step {}: group {}'s lr {} -> {}", last_step_, g, group.lr, reduced);
         group.lr = reduced;
       }
     }

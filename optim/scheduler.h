@@ -43,7 +43,8 @@ class LRScheduler {
 
   // The closed form: each group's lr at step n.
   virtual std::vector<double> lr_at(int64_t n) const = 0;
-  // Each group's momentum (SGD momentum, Adam beta1) at step n; empty when the scheduler leaves it alone.
+  // Each group's momentum (SGD's and RMSprop's momentum, Adam's beta1; Adagrad has none) at step n; empty when the
+  // scheduler leaves it alone.
   virtual std::vector<double> momentum_at(int64_t /*n*/) const { return {}; }
 
   // For checkpoints, what PyTorch's state_dict keeps: "last_step" (0-d int64), "base_lrs" (float64, one per group) and
@@ -149,7 +150,7 @@ struct OneCycleLROptions {
   int64_t steps_per_epoch = 0;
   double pct_start = 0.3;
   enum class Anneal { Cos, Linear } anneal_strategy = Anneal::Cos;  // in a checkpoint: 0 cos, 1 linear
-  bool cycle_momentum = true;
+  bool cycle_momentum = true;  // false for an optimizer without a momentum (Adagrad), which is refused otherwise
   double base_momentum = 0.85;
   double max_momentum = 0.95;
   double div_factor = 25;

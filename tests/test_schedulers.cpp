@@ -550,5 +550,10 @@ TEST_CASE("ReduceLROnPlateau refuses bad options; its state goes on where saved,
     CHECK(std::string(e.what()).find("'best' is NaN") != std::string::npos);
   }
   CHECK(second.last_step() == 3 + int64_t(metrics.size()));
+  CHECK(second.best() == 0.5);
+  CHECK(second.cooldown_counter() == first.cooldown_counter());
+  CHECK(second.num_bad_steps() == first.num_bad_steps());
+  CHECK(second.options().mode == Options::Mode::Min);
+  CHECK(second.options().patience == 1);
   CHECK_THROWS_WITH_AS(second.load_state_tensors({state[0]}), doctest::Contains("missing 'best'"), Error);
 }
