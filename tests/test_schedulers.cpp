@@ -435,8 +435,8 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// ReduceLROnPlateau: each group's lr after every step, as torch.optim.lr_scheduler.ReduceLROnPlateau gives them for
-// the same metrics (.ref's script ran PyTorch's and the same logic in Python; both printed these).
+// ReduceLROnPlateau: each group's lr after every step, as PyTorch 2.11's torch.optim.lr_scheduler.ReduceLROnPlateau
+// gives them for the same metrics (run 2026-12-06; the same logic in Python printed the same).
 
 namespace {
 std::vector<std::vector<double>> plateau_curve(optim::ReduceLROnPlateau& s, const std::vector<double>& metrics) {
