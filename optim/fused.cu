@@ -129,6 +129,7 @@ template <typename M, bool kCentered> struct RMSpropOp {
   RMSpropScalars<M> scalars;
   static constexpr __device__ bool writes(int d) { return d != 1; }
   template <int DEPTH> __device__ __forceinline__ void operator()(M (&r)[DEPTH], const NoExtra&) const {
+    static_assert(DEPTH == 3 + kCentered || DEPTH == 4 + kCentered, "p, g, square_avg[, grad_avg][, buffer]");
     constexpr bool kMomentum = DEPTH == (kCentered ? 5 : 4);
     M unused_mean = 0, unused_buffer = 0;
     M* grad_avg = &unused_mean;

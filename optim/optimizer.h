@@ -3,7 +3,7 @@
 //
 // Who uses what:
 //   a training loop    step(), zero_grad()
-//   schedulers         param_group(g).lr and *.momentum          (optim/scheduler.h)
+//   schedulers         param_group(g).lr and .momentum           (optim/scheduler.h)
 //   amp::initialize    param_group(g).params: O2 replaces each parameter by its FP32 master copy before the
 //                      first step; the optimizer then keeps its state for, and updates, the masters
 //   checkpoints        state_tensors() / load_state_tensors()
@@ -38,12 +38,18 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 class MomentumRef {
  public:
   MomentumRef(double* value, const char* optimizer) : value_(value), optimizer_(optimizer) {}
+  MomentumRef(const MomentumRef&) = default;
   bool exists() const { return value_ != nullptr; }
   operator double() const { return *checked(); }
-  MomentumRef& operator=(double momentum) {
+  // `if (g.momentum)` would read the value (false at momentum 0) where "has one" was meant: exists() says that.
+  explicit operator bool() const = delete;
+  // Writes the value, as `lr` is written through a const ParamGroupRef too; from another group's momentum as well
+  // (the default assignment would have re-pointed this one instead).
+  const MomentumRef& operator=(double momentum) const {
     *checked() = momentum;
     return *this;
   }
+  const MomentumRef& operator=(const MomentumRef& other) const { return *this = double(other); }
 
  private:
   double* checked() const;
@@ -119,7 +125,8 @@ class Optimizer {
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW, RMSprop, Adagrad)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
   //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad); square_avg,
-  //                                  grad_avg, momentum_buffer (RMSprop, as its options keep them); sum (Adagrad)
+  //                                  grad_avg, momentum_buffer (RMSprop: the last two made when an option first
+  //                                  needs them, and kept when it is turned off); sum (Adagrad)
   // A parameter has entries only once it has state (after its first step with a gradient). Indices are plain
   // decimals ("0", "12"; not "00").
   // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
@@ -128,7 +135,8 @@ class Optimizer {
   // Replaces the whole state by `state` (tensors are copied to each parameter's device), the groups' options
   // included, as PyTorch's load_state_dict: the file's weight_decay replaces the constructor's. Everything is
   // checked before anything changes: unknown names, groups or parameters that do not exist, shapes and
-  // dtypes that differ from the parameter's, a parameter with part of its state, missing group entries, options the
+  // dtypes that differ from the parameter's, a parameter with part of its state (optional buffers, RMSprop's grad_avg
+  // and momentum_buffer, may be absent), missing group entries, options the
   // constructor would refuse, an option that decides the state's buffers (amsgrad) unlike the optimizer's, and
   // a parameter that with_state lists without its state in the file (renamed or dropped: it would otherwise
   // restart from none) or the other way round. One Error lists every mismatch. A file without with_state

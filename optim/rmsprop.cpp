@@ -45,8 +45,8 @@ void RMSprop::step() {
         args.square_avgs.push_back(state_buffer(g, item, kSquareAvg));
         if (o.centered) args.grad_avgs.push_back(state_buffer(g, item, kGradAvg));
         if (o.momentum != 0) args.momentum_buffers.push_back(state_buffer(g, item, kMomentumBuffer));
+        ++state(g, item.index).step;  // with its buffers: a step that fails on a later item leaves whole states
       }
-      for (const StepItem& item : items) ++state(g, item.index).step;
       rmsprop_step_kernel[items[0].param.device()](args);
       write_back(items);
     }

@@ -44,15 +44,16 @@ void check_close(const Tensor& t, const std::vector<double>& expected, double rt
   for (size_t i = 0; i < v.size(); ++i) CHECK(v[i] == doctest::Approx(expected[i]).epsilon(rtol));
 }
 
-// Largest |a - b| / (atol + rtol * |b|) over the elements: <= 1 passes. A NaN on either side is infinitely wrong
-// (std::max would pass it over).
+// Largest |a - b| / (atol + rtol * |b|) over the elements: <= 1 passes. Equal values (infinities too) pass; a NaN on
+// either side, or an infinity against anything else, is infinitely wrong (std::max would pass a NaN ratio over).
 double worst_error(const Tensor& a, const Tensor& b, double rtol, double atol) {
   std::vector<double> x = values(a), y = values(b);
   REQUIRE(x.size() == y.size());
   double worst = 0;
   for (size_t i = 0; i < x.size(); ++i) {
-    if (std::isnan(x[i]) || std::isnan(y[i])) return INFINITY;
-    worst = std::max(worst, std::abs(x[i] - y[i]) / (atol + rtol * std::abs(y[i])));
+    const double ratio = x[i] == y[i] ? 0 : std::abs(x[i] - y[i]) / (atol + rtol * std::abs(y[i]));
+    if (std::isnan(ratio)) return INFINITY;
+    worst = std::max(worst, ratio);
   }
   return worst;
 }
@@ -681,6 +682,13 @@ TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: b
   optim::SGD sgd({a}, {.lr = 0.1, .momentum = 0.9});
   sgd.param_group(0).momentum = 0;
   CHECK(sgd.groups()[0].options.momentum == 0);
+  // One group's momentum assigned from another's writes the value (and through a const reference, as lr).
+  optim::SGD two({{{a}, {.momentum = 0.9}}, {{b}, {.momentum = 0.5}}});
+  const optim::ParamGroupRef first = two.param_group(0), second = two.param_group(1);
+  first.momentum = second.momentum;
+  first.momentum = 0.7;
+  CHECK(two.groups()[0].options.momentum == 0.7);
+  CHECK(two.groups()[1].options.momentum == 0.5);
 
   optim::Adagrad adagrad({a}, {.lr = 0.1});
   CHECK_FALSE(adagrad.param_group(0).momentum.exists());
