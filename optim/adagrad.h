@@ -6,8 +6,7 @@
 // State per parameter: step and sum (in the parameter's dtype), made on its first step with a gradient, the sum filled
 // with initial_accumulator_value (PyTorch makes it in the constructor; the values are the same).
 // Adagrad has no momentum: param_group(g).momentum.exists() is false (reading or writing it throws), its checkpoints
-// hold none, and OneCycleLR needs
-// cycle_momentum = false with it.
+// hold none, and OneCycleLR needs cycle_momentum = false with it.
 #include <string>
 #include <vector>
 

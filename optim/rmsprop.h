@@ -15,7 +15,7 @@ namespace halfgrad::optim {
 // PyTorch's defaults.
 struct RMSpropOptions {
   double lr = 1e-2;
-  double alpha = 0.99;  // the running averages' decay, in [0, 1] (PyTorch takes more; above 1 they turn negative)
+  double alpha = 0.99;  // the running averages' decay, in [0, 1] (PyTorch takes more; above 1 square_avg goes negative)
   double eps = 1e-8;
   double weight_decay = 0;
   double momentum = 0;
@@ -37,7 +37,7 @@ class RMSprop : public OptimizerWith<RMSpropOptions> {
   void step() override;
 
  protected:
-  // Their places, whatever the options: a buffer is made when an option first needs it.
+  // The buffers' places, whatever the options: a buffer is made when an option first needs it.
   enum Buffer : size_t { kSquareAvg, kGradAvg, kMomentumBuffer };
   std::vector<std::string> state_names(size_t) const override {
     return {"square_avg", "grad_avg", "momentum_buffer"};
