@@ -8,7 +8,8 @@
 // clip_grad_norm_), timed on the GPU with CUDA events around the call: the figure includes whatever the
 // host adds (argument packing, launch latency) when the GPU waits for it. GB/s counts the bytes the step
 // must move: SGD with momentum reads p, g, b and writes p, b (5 accesses per element); Adam/AdamW read p, g,
-// m, v and write p, m, v (7); clip_grad_norm_ reads g twice and writes it once (3).
+// m, v and write p, m, v (7); RMSprop p, g, square_avg (5), centered with momentum also grad_avg and b (9); Adagrad
+// p, g, sum (5); clip_grad_norm_ reads g twice and writes it once (3).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -21,8 +22,10 @@
 
 #include "core/cuda.h"
 #include "halfgrad.h"
+#include "optim/adagrad.h"
 #include "optim/adam.h"
 #include "optim/clip_grad.h"
+#include "optim/rmsprop.h"
 #include "optim/sgd.h"
 #include "tools/cli_checks.h"
 
@@ -157,6 +160,21 @@ int main(int argc, char** argv) {
     optim::AdamW opt(params, {.lr = 1e-3, .weight_decay = 1e-2});
     row("halfgrad AdamW (fused)", median_ms(device, [&] { opt.step(); }, repeats, warmup),
         7 * element * double(numel));
+  }
+  {
+    optim::RMSprop opt(params, {.lr = 1e-3});
+    row("halfgrad RMSprop (fused)", median_ms(device, [&] { opt.step(); }, repeats, warmup),
+        5 * element * double(numel));
+  }
+  {
+    optim::RMSprop opt(params, {.lr = 1e-3, .momentum = 0.9, .centered = true});
+    row("halfgrad RMSprop centered, momentum (fused)", median_ms(device, [&] { opt.step(); }, repeats, warmup),
+        9 * element * double(numel));
+  }
+  {
+    optim::Adagrad opt(params, {.lr = 1e-2});
+    row("halfgrad Adagrad (fused)", median_ms(device, [&] { opt.step(); }, repeats, warmup),
+        5 * element * double(numel));
   }
   // A huge max_norm: the gradients are multiplied by exactly 1 and stay the same from run to run.
   row("halfgrad clip_grad_norm_ (2-norm)",

@@ -107,6 +107,10 @@ def main():
           lambda **kw: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True, **kw), 5)
     bench("Adam", lambda **kw: torch.optim.Adam(params, lr=1e-3, **kw), 7)
     bench("AdamW", lambda **kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **kw), 7)
+    bench("RMSprop", lambda **kw: torch.optim.RMSprop(params, lr=1e-3, **kw), 5)
+    bench("RMSprop centered, momentum",
+          lambda **kw: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9, centered=True, **kw), 9)
+    bench("Adagrad", lambda **kw: torch.optim.Adagrad(params, lr=1e-2, **kw), 5)
     row("torch clip_grad_norm_ (2-norm, foreach)",
         median_ms(device, lambda: torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=True), args.repeats,
                   args.warmup),
