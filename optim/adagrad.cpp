@@ -15,12 +15,11 @@ Adagrad::Adagrad(std::vector<AdagradGroup> groups) : OptimizerWith("Adagrad", st
 }
 
 void Adagrad::check_group_options(const AdagradOptions& o, size_t g) const {
-  HG_CHECK(o.lr >= 0, "Adagrad: invalid learning rate {} (group {}): must be >= 0", o.lr, g);
-  HG_CHECK(o.lr_decay >= 0, "Adagrad: invalid lr_decay {} (group {}): must be >= 0", o.lr_decay, g);
-  HG_CHECK(o.weight_decay >= 0, "Adagrad: invalid weight_decay {} (group {}): must be >= 0", o.weight_decay, g);
-  HG_CHECK(o.initial_accumulator_value >= 0, "Adagrad: invalid initial_accumulator_value {} (group {}): must be >= 0",
-           o.initial_accumulator_value, g);
-  HG_CHECK(o.eps >= 0, "Adagrad: invalid eps {} (group {}): must be >= 0", o.eps, g);
+  check_not_negative("Adagrad", "learning rate", o.lr, g);
+  check_not_negative("Adagrad", "lr_decay", o.lr_decay, g);
+  check_not_negative("Adagrad", "weight_decay", o.weight_decay, g);
+  check_not_negative("Adagrad", "initial_accumulator_value", o.initial_accumulator_value, g);
+  check_not_negative("Adagrad", "eps", o.eps, g);
 }
 
 void Adagrad::step() {

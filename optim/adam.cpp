@@ -11,13 +11,13 @@ namespace halfgrad::optim {
 namespace {
 
 template <typename Options> void check_options(const char* name, const Options& o, size_t g) {
-  HG_CHECK(o.lr >= 0, "{}: invalid learning rate {} (group {})", name, o.lr, g);
-  HG_CHECK(o.eps >= 0, "{}: invalid eps {} (group {})", name, o.eps, g);
+  check_not_negative(name, "learning rate", o.lr, g);
+  check_not_negative(name, "eps", o.eps, g);
   HG_CHECK(o.betas.first >= 0 && o.betas.first < 1, "{}: invalid beta1 {} (group {}): must be in [0, 1)", name,
            o.betas.first, g);
   HG_CHECK(o.betas.second >= 0 && o.betas.second < 1, "{}: invalid beta2 {} (group {}): must be in [0, 1)", name,
            o.betas.second, g);
-  HG_CHECK(o.weight_decay >= 0, "{}: invalid weight_decay {} (group {})", name, o.weight_decay, g);
+  check_not_negative(name, "weight_decay", o.weight_decay, g);
 }
 
 }  // namespace

@@ -26,6 +26,10 @@ double* MomentumRef::checked() const {
   return value_;
 }
 
+void check_not_negative(const char* optimizer, const char* option, double value, size_t g) {
+  HG_CHECK(value >= 0, "{}: invalid {} {} (group {}): must be >= 0", optimizer, option, value, g);
+}
+
 void Optimizer::zero_grad() {
   for (const Tensor& p : parameters()) p.set_grad(Tensor());
 }

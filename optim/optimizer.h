@@ -202,6 +202,10 @@ class Optimizer {
   std::vector<std::vector<ParamState>> state_;
 };
 
+// An optimizer's check of an option that must not be negative (nor NaN): "<optimizer>: invalid <option> <value> (group
+// <g>): must be >= 0".
+void check_not_negative(const char* optimizer, const char* option, double value, size_t g);
+
 // Parameters that share options.
 template <typename Options> struct Group {
   TensorList params;

@@ -15,12 +15,12 @@ RMSprop::RMSprop(std::vector<RMSpropGroup> groups) : OptimizerWith("RMSprop", st
 }
 
 void RMSprop::check_group_options(const RMSpropOptions& o, size_t g) const {
-  HG_CHECK(o.lr >= 0, "RMSprop: invalid learning rate {} (group {}): must be >= 0", o.lr, g);
+  check_not_negative("RMSprop", "learning rate", o.lr, g);
   HG_CHECK(o.alpha >= 0 && o.alpha <= 1, "RMSprop: invalid alpha {} (group {}): must be in [0, 1] (PyTorch takes any "
            "alpha >= 0, but above 1 the average of the squares turns negative)", o.alpha, g);
-  HG_CHECK(o.eps >= 0, "RMSprop: invalid eps {} (group {}): must be >= 0", o.eps, g);
-  HG_CHECK(o.weight_decay >= 0, "RMSprop: invalid weight_decay {} (group {}): must be >= 0", o.weight_decay, g);
-  HG_CHECK(o.momentum >= 0, "RMSprop: invalid momentum {} (group {}): must be >= 0", o.momentum, g);
+  check_not_negative("RMSprop", "eps", o.eps, g);
+  check_not_negative("RMSprop", "weight_decay", o.weight_decay, g);
+  check_not_negative("RMSprop", "momentum", o.momentum, g);
 }
 
 void RMSprop::step() {

@@ -391,13 +391,21 @@ std::vector<double> LinearWarmup::momentum_at(int64_t n) const {
 // ---- ReduceLROnPlateau
 
 namespace {
-// mode and threshold_mode go through their codes: 0 min / rel, 1 max / abs.
-std::vector<NamedOption> fields_of(ReduceLROnPlateauOptions& o, int64_t& mode, int64_t& threshold_mode) {
-  return {{"mode", &mode},           {"factor", &o.factor},
-          {"patience", &o.patience}, {"threshold", &o.threshold},
-          {"threshold_mode", &threshold_mode}, {"cooldown", &o.cooldown},
-          {"min_lr", &o.min_lr},     {"eps", &o.eps}};
-}
+// ReduceLROnPlateau's state as a checkpoint keeps it: its counters and best, then its options (mode and
+// threshold_mode through their codes: 0 min / rel, 1 max / abs).
+struct PlateauState {
+  ReduceLROnPlateauOptions options;
+  int64_t mode = -1, threshold_mode = -1, last_step = -1, num_bad_steps = -1, cooldown_counter = -1;
+  double best = NAN;
+  std::vector<NamedOption> fields() {
+    return {{"last_step", &last_step},   {"best", &best},
+            {"num_bad_steps", &num_bad_steps}, {"cooldown_counter", &cooldown_counter},
+            {"mode", &mode},             {"factor", &options.factor},
+            {"patience", &options.patience}, {"threshold", &options.threshold},
+            {"threshold_mode", &threshold_mode}, {"cooldown", &options.cooldown},
+            {"min_lr", &options.min_lr}, {"eps", &options.eps}};
+  }
+};
 
 ReduceLROnPlateauOptions checked(ReduceLROnPlateauOptions o, size_t groups) {
   const char* who = "ReduceLROnPlateau";
@@ -420,7 +428,12 @@ ReduceLROnPlateau::ReduceLROnPlateau(Optimizer& optimizer, ReduceLROnPlateauOpti
   HG_CHECK(optimizer.num_param_groups() > 0, "ReduceLROnPlateau: the optimizer has no parameter groups");
   best_ = options_.mode == ReduceLROnPlateauOptions::Mode::Min ? std::numeric_limits<double>::infinity()
                                                                : -std::numeric_limits<double>::infinity();
-  for (const ParamGroupRef& group : optimizer.param_groups()) last_lr_.push_back(group.lr);
+  record_lrs();
+}
+
+void ReduceLROnPlateau::record_lrs() {
+  last_lr_.clear();
+  for (const ParamGroupRef& group : optimizer_.param_groups()) last_lr_.push_back(group.lr);
 }
 
 double ReduceLROnPlateau::min_lr(size_t group) const {
@@ -463,28 +476,23 @@ void ReduceLROnPlateau::step(double metric) {
     cooldown_counter_ = options_.cooldown;
     num_bad_steps_ = 0;
   }
-  last_lr_.clear();
-  for (const ParamGroupRef& group : optimizer_.param_groups()) last_lr_.push_back(group.lr);
+  record_lrs();
 }
 
 NamedTensors ReduceLROnPlateau::state_tensors() const {
-  ReduceLROnPlateauOptions o = options_;
-  int64_t mode = int64_t(o.mode), threshold_mode = int64_t(o.threshold_mode);
-  int64_t last_step = last_step_, num_bad_steps = num_bad_steps_, cooldown_counter = cooldown_counter_;
-  double best = best_;
-  std::vector<NamedOption> fields = {{"last_step", &last_step}, {"best", &best}, {"num_bad_steps", &num_bad_steps},
-                                     {"cooldown_counter", &cooldown_counter}};
-  for (const NamedOption& option : fields_of(o, mode, threshold_mode)) fields.push_back(option);
-  return option_tensors(fields);
+  PlateauState s{.options = options_,
+                 .mode = int64_t(options_.mode),
+                 .threshold_mode = int64_t(options_.threshold_mode),
+                 .last_step = last_step_,
+                 .num_bad_steps = num_bad_steps_,
+                 .cooldown_counter = cooldown_counter_,
+                 .best = best_};
+  return option_tensors(s.fields());
 }
 
 void ReduceLROnPlateau::load_state_tensors(const NamedTensors& state) {
-  ReduceLROnPlateauOptions o = options_;
-  int64_t mode = -1, threshold_mode = -1, last_step = -1, num_bad_steps = -1, cooldown_counter = -1;
-  double best = NAN;
-  std::vector<NamedOption> fields = {{"last_step", &last_step}, {"best", &best}, {"num_bad_steps", &num_bad_steps},
-                                     {"cooldown_counter", &cooldown_counter}};
-  for (const NamedOption& option : fields_of(o, mode, threshold_mode)) fields.push_back(option);
+  PlateauState s{.options = options_};  // the rest as "not read": -1 and NaN
+  const std::vector<NamedOption> fields = s.fields();
   std::vector<std::string> errors;
   for (const std::string& absent : read_option_tensors(fields, state, errors))
     errors.push_back(fmt::format("missing '{}'", absent));
@@ -492,29 +500,28 @@ void ReduceLROnPlateau::load_state_tensors(const NamedTensors& state) {
     if (std::none_of(fields.begin(), fields.end(), [&](const NamedOption& f) { return name == f.name; }))
       errors.push_back(fmt::format("unexpected entry '{}'", name));
   if (errors.empty()) {
-    if (mode != 0 && mode != 1) errors.push_back(fmt::format("'mode' is {}: 0 (min) or 1 (max)", mode));
-    if (threshold_mode != 0 && threshold_mode != 1)
-      errors.push_back(fmt::format("'threshold_mode' is {}: 0 (rel) or 1 (abs)", threshold_mode));
-    for (const auto& [what, value] : {std::pair{"last_step", last_step}, std::pair{"num_bad_steps", num_bad_steps},
-                                      std::pair{"cooldown_counter", cooldown_counter}})
+    if (s.mode != 0 && s.mode != 1) errors.push_back(fmt::format("'mode' is {}: 0 (min) or 1 (max)", s.mode));
+    if (s.threshold_mode != 0 && s.threshold_mode != 1)
+      errors.push_back(fmt::format("'threshold_mode' is {}: 0 (rel) or 1 (abs)", s.threshold_mode));
+    for (const auto& [what, value] : {std::pair{"last_step", s.last_step}, std::pair{"num_bad_steps", s.num_bad_steps},
+                                      std::pair{"cooldown_counter", s.cooldown_counter}})
       if (value < 0) errors.push_back(fmt::format("'{}' is {}", what, value));
-    if (std::isnan(best)) errors.push_back("'best' is NaN");
-    o.mode = ReduceLROnPlateauOptions::Mode(mode);
-    o.threshold_mode = ReduceLROnPlateauOptions::ThresholdMode(threshold_mode);
+    if (std::isnan(s.best)) errors.push_back("'best' is NaN");
+    s.options.mode = ReduceLROnPlateauOptions::Mode(s.mode);
+    s.options.threshold_mode = ReduceLROnPlateauOptions::ThresholdMode(s.threshold_mode);
     try {
-      o = checked(o, optimizer_.num_param_groups());
+      s.options = checked(s.options, optimizer_.num_param_groups());
     } catch (const Error& e) {
       errors.push_back(e.what());
     }
   }
   if (!errors.empty()) fail_loading(name(), "scheduler state", errors);
-  options_ = std::move(o);
-  last_step_ = last_step;
-  best_ = best;
-  num_bad_steps_ = num_bad_steps;
-  cooldown_counter_ = cooldown_counter;
-  last_lr_.clear();
-  for (const ParamGroupRef& group : optimizer_.param_groups()) last_lr_.push_back(group.lr);
+  options_ = std::move(s.options);
+  last_step_ = s.last_step;
+  best_ = s.best;
+  num_bad_steps_ = s.num_bad_steps;
+  cooldown_counter_ = s.cooldown_counter;
+  record_lrs();
 }
 
 }  // namespace halfgrad::optim

@@ -259,6 +259,7 @@ class ReduceLROnPlateau {
  private:
   bool is_better(double metric) const;
   double min_lr(size_t group) const;
+  void record_lrs();  // last_lr_: each group's lr now
 
   Optimizer& optimizer_;
   ReduceLROnPlateauOptions options_;

@@ -9,9 +9,9 @@ namespace halfgrad::optim {
 
 namespace {
 void check_options(const SGDOptions& o, size_t g) {
-  HG_CHECK(o.lr >= 0, "SGD: invalid learning rate {} (group {})", o.lr, g);
-  HG_CHECK(o.momentum >= 0, "SGD: invalid momentum {} (group {})", o.momentum, g);
-  HG_CHECK(o.weight_decay >= 0, "SGD: invalid weight_decay {} (group {})", o.weight_decay, g);
+  check_not_negative("SGD", "learning rate", o.lr, g);
+  check_not_negative("SGD", "momentum", o.momentum, g);
+  check_not_negative("SGD", "weight_decay", o.weight_decay, g);
   HG_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0),
            "SGD: nesterov momentum requires a momentum and zero dampening (group {}: momentum {}, dampening {})", g,
            o.momentum, o.dampening);
