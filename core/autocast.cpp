@@ -2,12 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <string>
 
 #include "core/autograd.h"
+#include "core/cuda.h"
+#include "core/cuda_graph.h"
 #include "core/log.h"
+#include "ops/copy.h"
 
 namespace halfgrad::amp {
 
@@ -32,6 +36,7 @@ struct State {
   size_t sweep_at = 64;  // cache size at which the entries of freed parameters (and their casts) are dropped
 };
 thread_local State state;
+std::atomic<bool> keep_casts{true};
 bool trace_env = [] {
   const char* v = std::getenv("HALFGRAD_AMP_TRACE");
   return v && std::string_view(v) != "0" && std::string_view(v) != "";
@@ -86,6 +91,20 @@ DType result_dtype(DType input) {
   return state.float32_math && (input == kFloat16 || input == kBFloat16) ? kFloat32 : input;
 }
 
+void set_keep_parameter_casts(bool keep) { keep_casts.store(keep); }
+bool keep_parameter_casts() { return keep_casts.load(); }
+
+Tensor kept_cast(const Tensor& param) {
+  if (!keep_parameter_casts() || !param.defined() || param.impl()->autograd == nullptr) return Tensor();
+  const AutogradMeta& meta = *param.impl()->autograd;
+  return meta.kept_cast.defined() && meta.kept_cast_version == param.version() ? meta.kept_cast : Tensor();
+}
+
+void keep_cast_current(const Tensor& param) {
+  AutogradMeta& meta = param.impl()->autograd_meta();
+  if (meta.kept_cast.defined()) meta.kept_cast_version = param.version();
+}
+
 TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
 TraceGuard::~TraceGuard() { state.tracing = prev_; }
 bool is_tracing() { return state.tracing || trace_env; }
@@ -118,18 +137,53 @@ DType target_dtype(CastRule rule, DType widest_floating) {
   return widest_floating;
 }
 
+namespace {
+// A captured graph whose region took `kept` instead of casting reads that memory at every replay, and only a captured
+// optimizer step writes it there. So before each replay, a write to the parameter that no step followed (a loaded
+// checkpoint, an edit between replays: the kept cast is stale, or another was made since) is cast into it, and it is
+// the parameter's kept cast again.
+void recast_before_replays_after_other_writes(const Tensor& param, const Tensor& kept) {
+  cuda::before_each_replay([weak = std::weak_ptr<TensorImpl>(param.impl_ptr()), kept] {
+    const std::shared_ptr<TensorImpl> impl = weak.lock();
+    if (impl == nullptr) return;
+    const Tensor p(impl);
+    AutogradMeta& meta = impl->autograd_meta();
+    if (meta.kept_cast.defined() && meta.kept_cast.data_ptr() == kept.data_ptr() &&
+        meta.kept_cast_version == p.version())
+      return;
+    NoGradGuard no_grad;
+    Tensor(kept).copy_(p);
+    meta.kept_cast = kept;
+    meta.kept_cast_version = p.version();
+  });
+}
+}  // namespace
+
 Tensor cast(const Tensor& t, DType target) {
   if (!t.defined() || !t.is_floating_point() || t.dtype() == kFloat64 || t.dtype() == target || target == kFloat64)
     return t;
-  // Parameters (float32 leaves that require grad) are cast once per outermost guard, as PyTorch does.
+  // Parameters (float32 leaves that require grad) are cast once per outermost guard, as PyTorch does. Unlike
+  // PyTorch's, leaves that are views qualify (a channels_last weight is a view of its own storage here), as every reuse
+  // checks the storage's version counter, which any write through any view bumps.
   bool cacheable = state.enabled && t.dtype() == kFloat32 && target == state.dtype && t.requires_grad() &&
-                   t.is_leaf() && !t.impl()->is_view;
+                   t.is_leaf();
   if (!cacheable) return t.to(target);
   auto key = std::make_pair(t.impl(), target);
   auto it = state.cache.find(key);
   if (it != state.cache.end() && it->second.source.lock() == t.impl_ptr() && it->second.version == t.version())
     return it->second.cast;
-  Tensor casted = t.to(target);
+  // The cast an earlier region kept, where the parameter has not been written since but by a step that wrote the cast.
+  AutogradMeta& meta = t.impl()->autograd_meta();
+  const Tensor kept = kept_cast(t);
+  Tensor casted;
+  if (kept.defined() && kept.dtype() == target) {
+    casted = as_cast_of(t, kept);
+    if (cuda::is_capturing(t.device())) recast_before_replays_after_other_writes(t, kept);
+  } else {
+    casted = t.to(target);
+    meta.kept_cast = keep_parameter_casts() ? casted.detach() : Tensor();
+    meta.kept_cast_version = t.version();
+  }
   state.cache.insert_or_assign(key, State::Cast{t.impl_ptr(), t.version(), casted});
   if (state.cache.size() >= state.sweep_at) {  // a region that makes parameters as it goes (inference loops)
     std::erase_if(state.cache, [](const auto& entry) { return entry.second.source.expired(); });

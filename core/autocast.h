@@ -71,7 +71,8 @@ consteval CastRule cast_rule(std::string_view op) {
 
 // ---- The guard
 // Thread-local and nestable: an inner guard may switch autocast off (enabled = false) or change the dtype.
-// Casts of float32 leaf parameters are cached until the outermost guard ends: one cast per weight per forward.
+// Casts of float32 leaf parameters are cached until the outermost guard ends (one cast per weight per forward), and
+// their values kept beyond it (below).
 class AutocastGuard {
  public:
   explicit AutocastGuard(DType dtype = kFloat16, bool enabled = true);
@@ -90,6 +91,19 @@ DType autocast_dtype();
 // and `input` is float16 or bfloat16, else `input` (outside autocast the op keeps its inputs' dtype, as PyTorch's).
 DType result_dtype(DType input);
 size_t autocast_cache_size();  // cached parameter casts held now
+
+// ---- Parameter casts kept across regions
+// A float32 parameter's cast is kept after its region ends (the values, held by the parameter), and a later region
+// takes it instead of casting again while the parameter's version counter is unchanged. Every fused optimizer step
+// writes the cast of each new value beside the value (Optimizer::step_items, optim/fused.cpp and fused.cu), so a
+// training step's forward casts no weight: ResNet-18 launches 22 cast kernels fewer a step. On by default; the casts
+// then stay in memory between steps (2 bytes a parameter). Off, each region casts again and the casts go with it.
+void set_keep_parameter_casts(bool keep);
+bool keep_parameter_casts();
+// For an optimizer about to write `param` in place: its kept cast if that is current, else undefined.
+Tensor kept_cast(const Tensor& param);
+// After bumping param's version for a step that writes kept_cast(param) too: the cast is current again.
+void keep_cast_current(const Tensor& param);
 
 // ---- The trace (teaching aid): logs each op with its input and output dtypes and the rule that decided them.
 // On inside a TraceGuard, or for the whole run with HALFGRAD_AMP_TRACE=1.

@@ -216,6 +216,10 @@ struct AutogradMeta {
   // A view taken of a tensor with a history (a non-leaf): the version of their storage then. The view's grad_fn leads
   // to that history, so once the storage is written in place the view is refused as an op's input (record).
   std::optional<uint64_t> view_version;
+  // Leaves: autocast's float16/bfloat16 cast of this parameter, kept across autocast regions while kept_cast_version
+  // is the storage's version (core/autocast.h, kept_cast); the optimizers' fused steps write it with the parameter.
+  Tensor kept_cast;
+  uint64_t kept_cast_version = 0;
 };
 
 struct TensorImpl {

@@ -38,13 +38,26 @@ Tensor transfer(const Tensor& t, Device device) {
 }  // namespace
 
 // Autocast category: "unchanged" (a cast is what autocast inserts).
+namespace {
+// `out` is t cast to another dtype.
+void record_cast(const Tensor& t, const Tensor& out) {
+  if (any_requires_grad({&t}) && is_floating(out.dtype())) {
+    // The engine casts each gradient to its input's dtype: the gradient passes back unchanged otherwise.
+    record("ToBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+  }
+}
+}  // namespace
+
 Tensor Tensor::to(DType dtype) const {
   if (dtype == this->dtype()) return *this;
   Tensor out = cast_nograd(*this, dtype);
-  if (any_requires_grad({this}) && is_floating(dtype)) {
-    // The engine casts each gradient to its input's dtype: the gradient passes back unchanged otherwise.
-    record("ToBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
-  }
+  record_cast(*this, out);
+  return out;
+}
+
+Tensor as_cast_of(const Tensor& t, const Tensor& values) {
+  Tensor out = values.detach();  // a node of its own: values may be an earlier region's cast
+  record_cast(t, out);
   return out;
 }
 

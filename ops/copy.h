@@ -15,6 +15,9 @@ extern KernelTable<CopyKernel> transfer_kernel;
 // Casts without recording autograd: for ops that convert their inputs internally. The result keeps t's layout
 // (kept_memory_format).
 Tensor cast_nograd(const Tensor& t, DType dtype);
+// `values`, t's values already cast to another floating dtype, as t.to(values.dtype()) returns them: an alias of
+// values with the cast's backward recorded (where t requires grad). How autocast hands out a kept cast (core/autocast.h).
+Tensor as_cast_of(const Tensor& t, const Tensor& values);
 
 // A 2-D t as an aligned-rows matrix (MemoryFormat::AlignedRows): itself when it is one, else a copy
 // (differentiable, like contiguous()).

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda.h"
 #include "core/dispatch.h"
@@ -50,6 +51,24 @@ template <int DEPTH, typename Extra> struct TensorBatch {
 };
 
 struct NoExtra {};
+
+// An update may also write each tensor's operand 0 (a parameter) rounded to CastT, a second place (its kept
+// float16/bfloat16 cast, optim/fused.h: StepTensors::param_casts): the entry's Extra is then WithCast, which carries
+// where (nullptr: nowhere) beside the op's own Extra.
+template <typename CastT, typename Extra> struct WithCast {
+  Extra extra;
+  CastT* cast;
+};
+template <typename Extra> struct CastOf {  // the type operand 0 is also written as, or void
+  using type = void;
+  static __device__ __forceinline__ const Extra& op_extra(const Extra& e) { return e; }
+  static __device__ __forceinline__ void* cast(const Extra&) { return nullptr; }
+};
+template <typename CastT, typename Extra> struct CastOf<WithCast<CastT, Extra>> {
+  using type = CastT;
+  static __device__ __forceinline__ const Extra& op_extra(const WithCast<CastT, Extra>& e) { return e.extra; }
+  static __device__ __forceinline__ CastT* cast(const WithCast<CastT, Extra>& e) { return e.cast; }
+};
 
 template <int DEPTH, typename Extra>
 __device__ __forceinline__ const TensorEntry<DEPTH, Extra>& entry_of_chunk(const TensorBatch<DEPTH, Extra>& batch,
@@ -122,10 +141,11 @@ template <typename T, int DEPTH, typename Extra, typename Op>
 __global__ void __launch_bounds__(kBlock)
     multi_tensor_kernel(const HG_GRID_CONSTANT TensorBatch<DEPTH, Extra> batch, const Op op, const float* skip) {
   using M = opmath_t<T>;
+  using CastT = typename CastOf<Extra>::type;
   if (skip != nullptr && *skip != 0) return;
   for (int64_t chunk = blockIdx.x; chunk < batch.num_chunks; chunk += gridDim.x) {
     const TensorEntry<DEPTH, Extra>& e = entry_of_chunk(batch, chunk);
-    const Extra extra = e.extra;
+    const auto extra = CastOf<Extra>::op_extra(e.extra);
     const int64_t begin = (chunk - e.first_chunk) * kChunk;
     const int64_t n = min(kChunk, e.numel - begin);
     T* ptr[DEPTH];
@@ -134,6 +154,13 @@ __global__ void __launch_bounds__(kBlock)
     for (int d = 0; d < DEPTH; ++d) {
       ptr[d] = static_cast<T*>(e.ptr[d]) + begin;
       aligned = aligned && reinterpret_cast<uintptr_t>(ptr[d]) % (sizeof(T) * kVec) == 0;
+    }
+    [[maybe_unused]] CastT* cast = nullptr;
+    if constexpr (!std::is_void_v<CastT>) {
+      if (CastOf<Extra>::cast(e.extra) != nullptr) {
+        cast = CastOf<Extra>::cast(e.extra) + begin;
+        aligned = aligned && reinterpret_cast<uintptr_t>(cast) % (sizeof(CastT) * kVec) == 0;
+      }
     }
     int64_t done = 0;
     if (aligned) {
@@ -166,6 +193,14 @@ __global__ void __launch_bounds__(kBlock)
           for (int k = 0; k < kVec; ++k) x.v[k] = T(r[k][d]);
           reinterpret_cast<Vec<T, kVec>*>(ptr[d])[v] = x;
         }
+        if constexpr (!std::is_void_v<CastT>) {
+          if (cast != nullptr) {
+            Vec<CastT, kVec> x;
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) x.v[k] = CastT(r[k][0]);
+            reinterpret_cast<Vec<CastT, kVec>*>(cast)[v] = x;
+          }
+        }
       }
       done = vectors * kVec;
     }
@@ -177,6 +212,9 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
       for (int d = 0; d < DEPTH; ++d)
         if (Op::writes(d)) ptr[d][i] = T(r[d]);
+      if constexpr (!std::is_void_v<CastT>) {
+        if (cast != nullptr) cast[i] = CastT(r[0]);
+      }
     }
   }
 }

@@ -35,8 +35,7 @@ void Adagrad::step() {
       args.eps = o.eps;
       args.weight_decay = o.weight_decay;
       for (const StepItem& item : items) {
-        args.params.push_back(item.param);
-        args.grads.push_back(item.grad);
+        add_tensors(args, item);
         bool created = false;
         args.sums.push_back(state_buffer(g, item, 0, &created));
         // The buffer's elements, not the flat view of its storage: an aligned-rows buffer's padding stays zero.

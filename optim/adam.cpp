@@ -61,8 +61,7 @@ template <bool kDecoupled> void AdamFamily<kDecoupled>::step() {
       args.decoupled_weight_decay = kDecoupled;
       args.amsgrad = o.amsgrad;
       for (const auto& item : items) {
-        args.params.push_back(item.param);
-        args.grads.push_back(item.grad);
+        this->add_tensors(args, item);
         args.exp_avgs.push_back(this->state_buffer(g, item, 0));
         args.exp_avg_sqs.push_back(this->state_buffer(g, item, 1));
         if (o.amsgrad) args.max_exp_avg_sqs.push_back(this->state_buffer(g, item, 2));

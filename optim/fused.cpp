@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
+#include "core/half.h"
 #include "optim/fused.h"
 #include "optim/update_rules.h"
 
@@ -53,6 +55,23 @@ template <typename Body> void for_each_chunk(const TensorList& tensors, const Bo
 
 template <typename T> T* ptr(const Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
+// After a chunk's update: its new parameter values, rounded, into the parameter's kept cast where the step has one
+// (StepTensors::param_casts), while they are in cache.
+template <typename T> void write_cast(const StepTensors& a, const Chunk& c) {
+  if constexpr (std::is_same_v<T, float>) {  // the only parameters with casts (Optimizer::step_items)
+    if (a.param_casts.empty() || !a.param_casts[c.tensor].defined()) return;
+    const Tensor& cast = a.param_casts[c.tensor];
+    const float* p = ptr<float>(a.params[c.tensor]) + c.begin;
+    const int64_t n = c.end - c.begin;
+    if (cast.dtype() == kFloat16) {
+      float_to_half(p, ptr<Half>(cast) + c.begin, n);
+    } else {
+      BFloat16* __restrict out = ptr<BFloat16>(cast) + c.begin;
+      for (int64_t i = 0; i < n; ++i) out[i] = BFloat16(p[i]);
+    }
+  }
+}
+
 // ---- SGD (the rule: optim/update_rules.h)
 
 template <typename T, bool kMomentum, bool kFirst, bool kNesterov, bool kDecay>
@@ -84,6 +103,7 @@ void sgd_step_cpu(const SGDStepArgs& a) {
             sgd_loop<T, kMomentum, kFirst, kNesterov, kDecay>(p, g, b, c.end - c.begin, s, grad_scale);
           },
           momentum, first, momentum && a.nesterov, a.weight_decay != 0);
+      write_cast<T>(a, c);
     });
   });
 }
@@ -122,6 +142,7 @@ void adam_step_cpu(const AdamStepArgs& a) {
                 M(a.bias_correction2_sqrts[t]));
           },
           a.amsgrad, a.decoupled_weight_decay, a.weight_decay != 0);
+      write_cast<T>(a, c);
     });
   });
 }
@@ -158,6 +179,7 @@ void rmsprop_step_cpu(const RMSpropStepArgs& a) {
                                                           c.end - c.begin, s);
           },
           a.centered, momentum, a.weight_decay != 0);
+      write_cast<T>(a, c);
     });
   });
 }
@@ -188,6 +210,7 @@ void adagrad_step_cpu(const AdagradStepArgs& a) {
                                     M(a.weight_decay));
           },
           a.weight_decay != 0);
+      write_cast<T>(a, c);
     });
   });
 }

@@ -19,6 +19,31 @@ namespace {
 
 using namespace multi_tensor;
 
+// A step's multi-tensor launch over `lists` (the first two are a.params and a.grads), writing operand 0's new values
+// rounded into a.param_casts too where a parameter has one (float32 parameters, casts of one dtype: optim/fused.h).
+template <typename T, int DEPTH, typename Extra, typename ExtraOf, typename Op>
+void launch_step(const char* name, const StepTensors& a, const std::array<const TensorList*, DEPTH>& lists,
+                 const ExtraOf& extra_of, const Op& op, const float* skip = nullptr) {
+  const Device device = a.params[0].device();
+  if constexpr (std::is_same_v<T, float>) {
+    const auto first = std::find_if(a.param_casts.begin(), a.param_casts.end(), [](const Tensor& c) { return c.defined(); });
+    if (first != a.param_casts.end()) {
+      auto launch = [&]<typename C>() {
+        auto with_cast = [&](size_t i) {
+          return WithCast<C, Extra>{extra_of(i), a.param_casts[i].defined() ? a.param_casts[i].template data<C>() : nullptr};
+        };
+        launch_multi_tensor<T, DEPTH, WithCast<C, Extra>>(name, device, lists, with_cast, op, skip);
+      };
+      if (first->dtype() == kFloat16)
+        launch.template operator()<Half>();
+      else
+        launch.template operator()<BFloat16>();
+      return;
+    }
+  }
+  launch_multi_tensor<T, DEPTH, Extra>(name, device, lists, extra_of, op, skip);
+}
+
 // ---- SGD: operands p, g[, b]
 
 struct SGDExtra {
@@ -60,7 +85,6 @@ template <typename M> struct SGDOp {
 
 void sgd_step_cuda(const SGDStepArgs& a) {
   if (a.params.empty()) return;
-  const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "SGD.step", [&]<typename T>() {
     using M = opmath_t<T>;
     const SGDOp<M> op{{M(a.lr), M(a.momentum), M(1 - a.dampening), M(a.weight_decay)}, a.nesterov,
@@ -69,10 +93,9 @@ void sgd_step_cuda(const SGDStepArgs& a) {
     auto extra_of = [&](size_t i) { return SGDExtra{a.momentum != 0 && a.first_step[i] ? 1 : 0}; };
     const float* skip = a.found_inf.defined() ? a.found_inf.data<float>() : nullptr;
     if (a.momentum != 0) {
-      launch_multi_tensor<T, 3, SGDExtra>("SGD.step", device, {&a.params, &a.grads, &a.momentum_buffers}, extra_of,
-                                          op, skip);
+      launch_step<T, 3, SGDExtra>("SGD.step", a, {&a.params, &a.grads, &a.momentum_buffers}, extra_of, op, skip);
     } else {
-      launch_multi_tensor<T, 2, SGDExtra>("SGD.step", device, {&a.params, &a.grads}, extra_of, op, skip);
+      launch_step<T, 2, SGDExtra>("SGD.step", a, {&a.params, &a.grads}, extra_of, op, skip);
     }
   });
 }
@@ -103,7 +126,6 @@ template <typename M> struct AdamOp {
 
 void adam_step_cuda(const AdamStepArgs& a) {
   if (a.params.empty()) return;
-  const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "Adam.step", [&]<typename T>() {
     using M = opmath_t<T>;
     const AdamOp<M> op{{M(a.beta1), M(1 - a.beta1), M(a.beta2), M(1 - a.beta2), M(a.eps), M(a.weight_decay),
@@ -111,12 +133,11 @@ void adam_step_cuda(const AdamStepArgs& a) {
                        a.decoupled_weight_decay};
     auto extra_of = [&](size_t i) { return AdamExtra{a.step_sizes[i], a.bias_correction2_sqrts[i]}; };
     if (a.amsgrad) {
-      launch_multi_tensor<T, 5, AdamExtra>("Adam.step", device,
-                                           {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs, &a.max_exp_avg_sqs},
-                                           extra_of, op);
+      launch_step<T, 5, AdamExtra>("Adam.step", a,
+                                   {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs, &a.max_exp_avg_sqs}, extra_of,
+                                   op);
     } else {
-      launch_multi_tensor<T, 4, AdamExtra>("Adam.step", device, {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs},
-                                           extra_of, op);
+      launch_step<T, 4, AdamExtra>("Adam.step", a, {&a.params, &a.grads, &a.exp_avgs, &a.exp_avg_sqs}, extra_of, op);
     }
   });
 }
@@ -143,7 +164,6 @@ template <typename M, bool kCentered> struct RMSpropOp {
 
 void rmsprop_step_cuda(const RMSpropStepArgs& a) {
   if (a.params.empty()) return;
-  const Device device = a.params[0].device();
   dispatch_floating(a.params[0].dtype(), "RMSprop.step", [&]<typename T>() {
     using M = opmath_t<T>;
     const RMSpropScalars<M> s{M(a.lr), M(a.alpha), M(1 - a.alpha), M(a.eps), M(a.weight_decay), M(a.momentum)};
@@ -152,16 +172,14 @@ void rmsprop_step_cuda(const RMSpropStepArgs& a) {
     auto no_extra = [](size_t) { return NoExtra{}; };
     const char* name = "RMSprop.step";
     if (a.centered && a.momentum != 0) {
-      launch_multi_tensor<T, 5, NoExtra>(
-          name, device, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs, &a.momentum_buffers}, no_extra, centered);
+      launch_step<T, 5, NoExtra>(name, a, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs, &a.momentum_buffers},
+                                 no_extra, centered);
     } else if (a.centered) {
-      launch_multi_tensor<T, 4, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs}, no_extra,
-                                         centered);
+      launch_step<T, 4, NoExtra>(name, a, {&a.params, &a.grads, &a.square_avgs, &a.grad_avgs}, no_extra, centered);
     } else if (a.momentum != 0) {
-      launch_multi_tensor<T, 4, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs, &a.momentum_buffers},
-                                         no_extra, plain);
+      launch_step<T, 4, NoExtra>(name, a, {&a.params, &a.grads, &a.square_avgs, &a.momentum_buffers}, no_extra, plain);
     } else {
-      launch_multi_tensor<T, 3, NoExtra>(name, device, {&a.params, &a.grads, &a.square_avgs}, no_extra, plain);
+      launch_step<T, 3, NoExtra>(name, a, {&a.params, &a.grads, &a.square_avgs}, no_extra, plain);
     }
   });
 }
@@ -184,9 +202,9 @@ void adagrad_step_cuda(const AdagradStepArgs& a) {
   if (a.params.empty()) return;
   dispatch_floating(a.params[0].dtype(), "Adagrad.step", [&]<typename T>() {
     using M = opmath_t<T>;
-    launch_multi_tensor<T, 3, AdagradExtra>("Adagrad.step", a.params[0].device(), {&a.params, &a.grads, &a.sums},
-                                            [&](size_t i) { return AdagradExtra{a.clrs[i]}; },
-                                            AdagradOp<M>{M(a.eps), M(a.weight_decay)});
+    launch_step<T, 3, AdagradExtra>("Adagrad.step", a, {&a.params, &a.grads, &a.sums},
+                                    [&](size_t i) { return AdagradExtra{a.clrs[i]}; },
+                                    AdagradOp<M>{M(a.eps), M(a.weight_decay)});
   });
 }
 

@@ -22,9 +22,17 @@
 
 namespace halfgrad::optim {
 
-// torch.optim.SGD's step (the rule per element: optim/update_rules.h, sgd_update).
-struct SGDStepArgs {
+// What every step's kernel writes besides its state: the parameters (params[i] -= ..., from grads[i]) and, where
+// autocast keeps a parameter's cast (core/autocast.h, kept_cast), that cast of the new value.
+struct StepTensors {
   TensorList params, grads;
+  // Empty, or one per parameter: undefined, or a float16/bfloat16 tensor laid out as params[i], element for element,
+  // into which the kernel writes the new value rounded to it. Float32 parameters only; one dtype in a call.
+  TensorList param_casts;
+};
+
+// torch.optim.SGD's step (the rule per element: optim/update_rules.h, sgd_update).
+struct SGDStepArgs : StepTensors {
   TensorList momentum_buffers;      // one per parameter when momentum != 0, else empty
   std::vector<uint8_t> first_step;  // per parameter (with momentum): the buffer is new, so b = g
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
@@ -42,8 +50,8 @@ struct SGDStepArgs {
 };
 
 // torch.optim.Adam / AdamW's step (the rule per element: optim/update_rules.h, adam_update).
-struct AdamStepArgs {
-  TensorList params, grads, exp_avgs, exp_avg_sqs;
+struct AdamStepArgs : StepTensors {
+  TensorList exp_avgs, exp_avg_sqs;
   TensorList max_exp_avg_sqs;  // amsgrad only, else empty
   std::vector<double> step_sizes, bias_correction2_sqrts;  // per parameter
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
@@ -52,8 +60,8 @@ struct AdamStepArgs {
 };
 
 // torch.optim.RMSprop's step (the rule per element: optim/update_rules.h, rmsprop_update).
-struct RMSpropStepArgs {
-  TensorList params, grads, square_avgs;
+struct RMSpropStepArgs : StepTensors {
+  TensorList square_avgs;
   TensorList grad_avgs;         // centered only, else empty
   TensorList momentum_buffers;  // momentum != 0 only, else empty
   double lr = 0, alpha = 0, eps = 0, weight_decay = 0, momentum = 0;
@@ -61,8 +69,8 @@ struct RMSpropStepArgs {
 };
 
 // torch.optim.Adagrad's step (the rule per element: optim/update_rules.h, adagrad_update).
-struct AdagradStepArgs {
-  TensorList params, grads, sums;
+struct AdagradStepArgs : StepTensors {
+  TensorList sums;
   std::vector<double> clrs;  // per parameter: lr / (1 + (its step - 1) * lr_decay)
   double eps = 0, weight_decay = 0;
 };

@@ -6,16 +6,19 @@
 #include <charconv>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <unordered_set>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/cuda.h"
 #include "core/log.h"
 #include "ops/conv.h"
 #include "ops/shape.h"
 #include "optim/clip_grad.h"
+#include "optim/fused.h"
 #include "optim/option_tensors.h"
 
 namespace halfgrad::optim {
@@ -113,6 +116,7 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
              name_, p, g, param.meta(), grad.meta());
     HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
              name_, p, g, param.meta());
+    const Tensor cast = amp::kept_cast(param);  // current before the step's write, or undefined
     check_inplace(param, name_, /*records=*/false);
     const std::optional<MemoryFormat> laid_out = storage_format(param);
     const MemoryFormat format = laid_out.value_or(MemoryFormat::Contiguous);
@@ -121,7 +125,14 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
                   .grad = flat_storage_view(contiguous(grad, format)),
                   .parameter = param,
                   .format = format,
-                  .copied = !laid_out};
+                  .copied = !laid_out,
+                  .cast = Tensor()};
+    // The cast kept current by the step: one laid out as the parameter is, element for element.
+    if (cast.defined() && param.dtype() == kFloat32 && laid_out && *laid_out != MemoryFormat::AlignedRows &&
+        storage_format(cast) == laid_out) {
+      check_inplace(cast, name_, /*records=*/false);
+      item.cast = flat_storage_view(cast);
+    }
     auto same_kind = [&](const std::vector<StepItem>& b) {
       return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
     };
@@ -132,7 +143,25 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
     }
     it->push_back(std::move(item));
   }
+  // A kernel writes casts of one dtype: the others are left stale, and cast again by the next autocast region.
+  for (std::vector<StepItem>& bucket : buckets) {
+    std::optional<DType> cast_dtype;
+    for (StepItem& item : bucket) {
+      if (!item.cast.defined()) continue;
+      if (!cast_dtype) cast_dtype = item.cast.dtype();
+      if (item.cast.dtype() == *cast_dtype)
+        amp::keep_cast_current(item.parameter);
+      else
+        item.cast = Tensor();
+    }
+  }
   return buckets;
+}
+
+void Optimizer::add_tensors(StepTensors& args, const StepItem& item) {
+  args.params.push_back(item.param);
+  args.grads.push_back(item.grad);
+  args.param_casts.push_back(item.cast);
 }
 
 void Optimizer::write_back(const std::vector<StepItem>& items) {

@@ -29,6 +29,8 @@
 
 namespace halfgrad::optim {
 
+struct StepTensors;  // optim/fused.h
+
 // Named tensors, as a checkpoint stores them.
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
@@ -185,11 +187,17 @@ class Optimizer {
     Tensor parameter;     // the parameter as the model holds it
     MemoryFormat format;  // the layout of `param`: the parameter's, or Contiguous for a copy
     bool copied = false;  // `param` is a copy that write_back() copies into `parameter`
+    // Autocast's kept cast of the parameter (core/autocast.h), as `param` is laid out, for the kernel to write the new
+    // value's cast into; undefined where there is none, it is stale, or it is laid out otherwise.
+    Tensor cast;
   };
   // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
   // call each. Checks each gradient against its parameter and bumps the parameter's version counter (the
-  // step writes it in place, so a graph that saved it can no longer use it).
+  // step writes it in place, so a graph that saved it can no longer use it); marks each item's cast current, so the
+  // step must hand every item to a kernel through add_tensors.
   std::vector<std::vector<StepItem>> step_items(size_t g);
+  // Appends the item's parameter, gradient and cast to a kernel's arguments.
+  static void add_tensors(StepTensors& args, const StepItem& item);
   static void write_back(const std::vector<StepItem>& items);
   // The state buffer k of parameter `item` of group g as the kernel takes it (a flat view, element for element with
   // item.param), created (zeros) when it does not exist yet; `created` tells which. The buffer is kept in the

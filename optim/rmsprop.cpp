@@ -40,8 +40,7 @@ void RMSprop::step() {
       args.momentum = o.momentum;
       args.centered = o.centered;
       for (const StepItem& item : items) {
-        args.params.push_back(item.param);
-        args.grads.push_back(item.grad);
+        add_tensors(args, item);
         args.square_avgs.push_back(state_buffer(g, item, kSquareAvg));
         if (o.centered) args.grad_avgs.push_back(state_buffer(g, item, kGradAvg));
         if (o.momentum != 0) args.momentum_buffers.push_back(state_buffer(g, item, kMomentumBuffer));

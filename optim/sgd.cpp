@@ -85,8 +85,7 @@ void SGD::run_step(const Tensor& found_inf, const Tensor& grad_scale) {
       args.weight_decay = o.weight_decay;
       args.nesterov = o.nesterov;
       for (const StepItem& item : items) {
-        args.params.push_back(item.param);
-        args.grads.push_back(item.grad);
+        add_tensors(args, item);
         ++state(g, item.index).step;
         if (o.momentum != 0) {
           bool created = false;

@@ -10,11 +10,17 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
+#include <tuple>
 
 #include "core/autocast.h"
+#include "core/cuda_graph.h"
 #include "halfgrad.h"
 #include "tests/testing.h"
+#include "optim/adagrad.h"
 #include "optim/adam.h"
+#include "optim/rmsprop.h"
+#include "optim/sgd.h"
 #include "optim/grad_scaler.h"
 
 using namespace halfgrad;
@@ -191,6 +197,182 @@ TEST_CASE("autocast's cast of a parameter is not reused for another one at a fre
   CHECK(matmul(x, w).item<double>() == 4);
   w.mul_(2);  // an in-place write within the region (an optimizer's step): the cast made before is stale
   CHECK(matmul(x, w).item<double>() == 8);
+}
+
+// ---- parameter casts kept across regions
+
+// Casts each parameter under autocast, as an op of the region would: the casts autocast then keeps.
+static void cast_in_a_region(const TensorList& params, DType low) {
+  amp::AutocastGuard autocast(low);
+  for (const Tensor& p : params) (void)amp::detail::cast(p, low);
+}
+
+static bool is_cast_of(const Tensor& cast, const Tensor& param) {
+  NoGradGuard no_grad;
+  return cast.defined() && testing::bit_equal(cast, param.detach().to(cast.dtype()));
+}
+
+// Every fused optimizer's step writes each parameter's kept cast with the new value, bit for bit, and leaves it
+// current: parameters of 37 elements (no whole vector), 2 x 16384 + 5 (two chunks and a tail) and a channels_last
+// convolution weight; plain SGD with a gradient partly zero, which its CUDA kernel skips vector by vector.
+static void check_steps_write_kept_casts(Device device) {
+  using Make = std::function<std::unique_ptr<optim::Optimizer>(const TensorList&)>;
+  const std::vector<std::pair<std::string, Make>> optimizers = {
+      {"SGD with momentum and weight decay",
+       [](const TensorList& p) {
+         return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-4});
+       }},
+      {"plain SGD", [](const TensorList& p) { return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1}); }},
+      {"Adam", [](const TensorList& p) { return std::make_unique<optim::Adam>(p, optim::AdamOptions{.lr = 1e-2}); }},
+      {"RMSprop centered with momentum",
+       [](const TensorList& p) {
+         return std::make_unique<optim::RMSprop>(
+             p, optim::RMSpropOptions{.lr = 1e-2, .momentum = 0.9, .centered = true});
+       }},
+      {"Adagrad", [](const TensorList& p) { return std::make_unique<optim::Adagrad>(p, optim::AdagradOptions{}); }},
+  };
+  for (DType low : {kFloat16, kBFloat16}) {
+    for (const auto& [name, make] : optimizers) {
+      CAPTURE(name);
+      CAPTURE(dtype_name(low));
+      const TensorOptions on{.device = device};
+      TensorList params = {randn({37}, on), randn({2 * 16384 + 5}, on),
+                           contiguous(randn({16, 8, 3, 3}, on), MemoryFormat::ChannelsLast)};
+      for (Tensor& p : params) p.requires_grad_();
+      cast_in_a_region(params, low);
+      for (Tensor& p : params) {
+        REQUIRE(amp::kept_cast(p).defined());
+        p.set_grad(randn_like(p));
+      }
+      {
+        NoGradGuard no_grad;
+        params[1].grad().narrow(0, 0, 100).zero_();
+      }
+      std::vector<const void*> addresses;
+      for (const Tensor& p : params) addresses.push_back(amp::kept_cast(p).data_ptr());
+      std::unique_ptr<optim::Optimizer> opt = make(params);
+      opt->step();
+      opt->step();
+      for (size_t i = 0; i < params.size(); ++i) {
+        CAPTURE(i);
+        const Tensor kept = amp::kept_cast(params[i]);
+        CHECK(is_cast_of(kept, params[i]));
+        CHECK(kept.data_ptr() == addresses[i]);  // written where it was, not cast again
+      }
+    }
+  }
+}
+
+TEST_CASE("every fused optimizer step writes autocast's kept cast of each parameter with its new value") {
+  manual_seed(21);
+  check_steps_write_kept_casts(Device::cpu());
+}
+
+TEST_CASE("cuda: every fused optimizer step writes autocast's kept cast of each parameter with its new value") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(22);
+  check_steps_write_kept_casts(Device::cuda());
+}
+
+TEST_CASE("a training step's next region takes the kept casts, and trains as casting afresh does") {
+  manual_seed(23);
+  const Tensor x = randn({6, 8}), target = randn({6, 4});
+  auto train = [&](bool keep) {
+    amp::set_keep_parameter_casts(keep);
+    manual_seed(24);
+    Tensor w1 = randn({16, 8}, {.requires_grad = true}), w2 = randn({4, 16}, {.requires_grad = true});
+    optim::SGD opt({w1, w2}, {.lr = 0.05, .momentum = 0.9});
+    std::vector<const void*> casts;
+    for (int step = 0; step < 3; ++step) {
+      Tensor loss;
+      {
+        amp::AutocastGuard autocast(kFloat16);
+        loss = mse_loss(linear(linear(x, w1).relu(), w2), target);
+      }
+      loss.backward();
+      opt.step();
+      opt.zero_grad();
+      casts.push_back(amp::kept_cast(w1).defined() ? amp::kept_cast(w1).data_ptr() : nullptr);
+    }
+    amp::set_keep_parameter_casts(true);
+    return std::make_tuple(w1.detach(), w2.detach(), casts);
+  };
+  const auto [kept_w1, kept_w2, kept_casts] = train(true);
+  const auto [fresh_w1, fresh_w2, fresh_casts] = train(false);
+  CHECK(testing::bit_equal(kept_w1, fresh_w1));  // the same casts, so the same steps, bit for bit
+  CHECK(testing::bit_equal(kept_w2, fresh_w2));
+  CHECK(kept_casts[0] != nullptr);  // one cast, kept and rewritten by every step
+  CHECK(kept_casts[1] == kept_casts[0]);
+  CHECK(kept_casts[2] == kept_casts[0]);
+  CHECK(fresh_casts == std::vector<const void*>(3, nullptr));  // off: nothing kept
+}
+
+TEST_CASE("a kept cast goes stale with any other write to its parameter, and is cast again") {
+  Tensor w = ones({4, 1}, {.requires_grad = true});
+  const Tensor x = ones({1, 4});
+  cast_in_a_region({w}, kFloat16);
+  REQUIRE(amp::kept_cast(w).defined());
+  {
+    NoGradGuard no_grad;
+    w.mul_(3);  // not an optimizer's step: the cast is not written
+  }
+  CHECK_FALSE(amp::kept_cast(w).defined());
+  amp::AutocastGuard autocast(kFloat16);
+  CHECK(matmul(x, w).item<double>() == 12);
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+}
+
+TEST_CASE("a step skipped for an overflow leaves each kept cast as its parameter's cast") {
+  Tensor w = randn({5}, {.requires_grad = true});
+  const Tensor before = w.detach().clone();
+  cast_in_a_region({w}, kBFloat16);
+  optim::SGD opt({w}, {.lr = 0.1, .momentum = 0.9});
+  amp::GradScaler scaler;
+  w.set_grad(tensor(std::vector<float>{1, INFINITY, 2, 3, 4}));
+  scaler.step(opt);
+  scaler.update();
+  CHECK(testing::bit_equal(w.detach(), before));
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+}
+
+TEST_CASE("a step writes the kept casts of one dtype; a parameter cast to another is cast again by its next region") {
+  Tensor a = randn({8}, {.requires_grad = true}), b = randn({8}, {.requires_grad = true});
+  cast_in_a_region({a}, kFloat16);
+  cast_in_a_region({b}, kBFloat16);
+  optim::SGD opt({a, b}, {.lr = 0.1});
+  a.set_grad(ones({8}));
+  b.set_grad(ones({8}));
+  opt.step();
+  CHECK(is_cast_of(amp::kept_cast(a), a));
+  CHECK_FALSE(amp::kept_cast(b).defined());
+  cast_in_a_region({b}, kBFloat16);
+  CHECK(is_cast_of(amp::kept_cast(b), b));
+}
+
+TEST_CASE("cuda: a graph whose region took a kept cast sees a parameter written between its replays") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions on{.device = Device::cuda()};
+  Tensor w = ones({4, 4}, on).requires_grad_();
+  const Tensor x = ones({2, 4}, on);
+  Tensor y;
+  auto forward = [&] {
+    amp::AutocastGuard autocast(kFloat16);
+    NoGradGuard no_grad;
+    y = matmul(x, w);
+  };
+  forward();  // eagerly first: cuBLAS's set-up, and the cast autocast keeps
+  REQUIRE(amp::kept_cast(w).defined());
+  cuda::Graph graph;
+  graph.capture(Device::cuda(), forward);  // takes the kept cast: no cast kernel in the graph
+  graph.replay();
+  CHECK(values(y) == std::vector<double>(8, 4));
+  {
+    NoGradGuard no_grad;
+    w.mul_(2);  // no optimizer step, so no captured kernel writes the cast
+  }
+  graph.replay();
+  CHECK(values(y) == std::vector<double>(8, 8));
+  CHECK(is_cast_of(amp::kept_cast(w), w));
 }
 
 // ---- loss scaling

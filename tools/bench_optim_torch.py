@@ -96,6 +96,7 @@ def main():
         for impl in ("foreach", "fused"):
             try:
                 opt = make(**{impl: True})
+                opt.step()  # some refuse a device only at the first step: fused Adagrad on CUDA (torch 2.11)
             except (RuntimeError, TypeError, ValueError) as e:  # e.g. fused SGD needs torch >= 2.3 (CUDA)
                 print(f"{'torch ' + label + ' (' + impl + ')':<44} unavailable: {str(e).splitlines()[0]}")
                 continue
