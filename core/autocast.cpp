@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "core/autograd.h"
@@ -94,15 +95,66 @@ DType result_dtype(DType input) {
 void set_keep_parameter_casts(bool keep) { keep_casts.store(keep); }
 bool keep_parameter_casts() { return keep_casts.load(); }
 
-Tensor kept_cast(const Tensor& param) {
-  if (!keep_parameter_casts() || !param.defined() || param.impl()->autograd == nullptr) return Tensor();
+namespace {
+// Guards every parameter's kept_cast and kept_cast_version: regions of several threads may cast one model's weights.
+std::mutex kept_mutex;
+
+// The kept cast if it is current and `param` may take it, else undefined. Under kept_mutex.
+Tensor current_kept_cast(const Tensor& param) {
+  if (!keep_parameter_casts() || param.impl()->autograd == nullptr) return Tensor();
   const AutogradMeta& meta = *param.impl()->autograd;
   return meta.kept_cast.defined() && meta.kept_cast_version == param.version() ? meta.kept_cast : Tensor();
 }
 
+// Before each replay of the graph being captured, `update(param, its AutogradMeta)` under kept_mutex, while the
+// parameter lives.
+void before_each_replay_of(const Tensor& param, std::function<void(const Tensor&, AutogradMeta&)> update) {
+  cuda::before_each_replay([weak = std::weak_ptr<TensorImpl>(param.impl_ptr()), update = std::move(update)] {
+    const std::shared_ptr<TensorImpl> impl = weak.lock();
+    if (impl == nullptr) return;
+    std::lock_guard lock(kept_mutex);
+    update(Tensor(impl), impl->autograd_meta());
+  });
+}
+
+// A captured graph whose region took `kept` instead of casting reads that memory at every replay. So before each replay,
+// where that is not the parameter's current cast (a write that no step followed: a loaded checkpoint, an edit between
+// replays, the replays of a step that writes no cast of it), the parameter is cast into it, and it is current again.
+void recast_before_replays_where_stale(const Tensor& param, const Tensor& kept) {
+  before_each_replay_of(param, [kept](const Tensor& p, AutogradMeta& meta) {
+    if (meta.kept_cast.defined() && meta.kept_cast.data_ptr() == kept.data_ptr() &&
+        meta.kept_cast_version == p.version())
+      return;
+    NoGradGuard no_grad;
+    Tensor(kept).copy_(p);
+    meta.kept_cast = kept;
+    meta.kept_cast_version = p.version();
+  });
+}
+}  // namespace
+
+Tensor kept_cast(const Tensor& param) {
+  if (!param.defined()) return Tensor();
+  std::lock_guard lock(kept_mutex);
+  const Tensor kept = current_kept_cast(param);
+  // Held elsewhere too (a graph kept for another backward saved it, or a region still open uses it): writing it would
+  // change what that reads, so it is left to go stale and the next region casts afresh.
+  return kept.defined() && kept.impl()->storage.use_count() == 1 ? kept : Tensor();
+}
+
 void keep_cast_current(const Tensor& param) {
+  std::lock_guard lock(kept_mutex);
   AutogradMeta& meta = param.impl()->autograd_meta();
-  if (meta.kept_cast.defined()) meta.kept_cast_version = param.version();
+  if (!meta.kept_cast.defined()) return;
+  meta.kept_cast_version = param.version();
+  // A captured step's replays write the parameter and this cast together: after check_inplace's bump before each
+  // replay (core/autograd.cpp), the cast is current again.
+  if (cuda::is_capturing(param.device())) {
+    before_each_replay_of(param, [kept = meta.kept_cast](const Tensor& p, AutogradMeta& m) {
+      m.kept_cast = kept;
+      m.kept_cast_version = p.version();
+    });
+  }
 }
 
 TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
@@ -137,28 +189,6 @@ DType target_dtype(CastRule rule, DType widest_floating) {
   return widest_floating;
 }
 
-namespace {
-// A captured graph whose region took `kept` instead of casting reads that memory at every replay, and only a captured
-// optimizer step writes it there. So before each replay, a write to the parameter that no step followed (a loaded
-// checkpoint, an edit between replays: the kept cast is stale, or another was made since) is cast into it, and it is
-// the parameter's kept cast again.
-void recast_before_replays_after_other_writes(const Tensor& param, const Tensor& kept) {
-  cuda::before_each_replay([weak = std::weak_ptr<TensorImpl>(param.impl_ptr()), kept] {
-    const std::shared_ptr<TensorImpl> impl = weak.lock();
-    if (impl == nullptr) return;
-    const Tensor p(impl);
-    AutogradMeta& meta = impl->autograd_meta();
-    if (meta.kept_cast.defined() && meta.kept_cast.data_ptr() == kept.data_ptr() &&
-        meta.kept_cast_version == p.version())
-      return;
-    NoGradGuard no_grad;
-    Tensor(kept).copy_(p);
-    meta.kept_cast = kept;
-    meta.kept_cast_version = p.version();
-  });
-}
-}  // namespace
-
 Tensor cast(const Tensor& t, DType target) {
   if (!t.defined() || !t.is_floating_point() || t.dtype() == kFloat64 || t.dtype() == target || target == kFloat64)
     return t;
@@ -173,16 +203,21 @@ Tensor cast(const Tensor& t, DType target) {
   if (it != state.cache.end() && it->second.source.lock() == t.impl_ptr() && it->second.version == t.version())
     return it->second.cast;
   // The cast an earlier region kept, where the parameter has not been written since but by a step that wrote the cast.
-  AutogradMeta& meta = t.impl()->autograd_meta();
-  const Tensor kept = kept_cast(t);
   Tensor casted;
-  if (kept.defined() && kept.dtype() == target) {
-    casted = as_cast_of(t, kept);
-    if (cuda::is_capturing(t.device())) recast_before_replays_after_other_writes(t, kept);
-  } else {
-    casted = t.to(target);
-    meta.kept_cast = keep_parameter_casts() ? casted.detach() : Tensor();
-    meta.kept_cast_version = t.version();
+  {
+    std::lock_guard lock(kept_mutex);
+    AutogradMeta& meta = t.impl()->autograd_meta();
+    const Tensor kept = current_kept_cast(t);
+    const bool capturing = cuda::is_capturing(t.device());
+    if (kept.defined() && kept.dtype() == target) {
+      casted = as_cast_of(t, kept);
+      if (capturing) recast_before_replays_where_stale(t, kept);
+    } else {
+      casted = t.to(target);
+      // A cast made inside a capture holds nothing until a replay: not kept.
+      meta.kept_cast = keep_parameter_casts() && !capturing ? casted.detach() : Tensor();
+      meta.kept_cast_version = t.version();
+    }
   }
   state.cache.insert_or_assign(key, State::Cast{t.impl_ptr(), t.version(), casted});
   if (state.cache.size() >= state.sweep_at) {  // a region that makes parameters as it goes (inference loops)

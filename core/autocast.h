@@ -94,15 +94,20 @@ size_t autocast_cache_size();  // cached parameter casts held now
 
 // ---- Parameter casts kept across regions
 // A float32 parameter's cast is kept after its region ends (the values, held by the parameter), and a later region
-// takes it instead of casting again while the parameter's version counter is unchanged. Every fused optimizer step
-// writes the cast of each new value beside the value (Optimizer::step_items, optim/fused.cpp and fused.cu), so a
-// training step's forward casts no weight: ResNet-18 launches 22 cast kernels fewer a step. On by default; the casts
-// then stay in memory between steps (2 bytes a parameter). Off, each region casts again and the casts go with it.
+// takes it instead of casting again while the parameter's version counter is unchanged. The fused optimizer steps
+// write the cast of each new value beside the value (Optimizer::step_items, optim/fused.cpp and fused.cu), so a
+// training step's forward casts no weight: ResNet-18 launches 22 cast kernels fewer a step. Any other write, or a
+// step that cannot write the cast (it is laid out otherwise than the parameter, or held elsewhere as well), leaves it
+// stale, and the next region casts afresh; so does each replay of a CUDA graph that writes the parameter, unless the
+// graph writes the cast too. Thread-safe. On by default; the casts then stay in memory between steps (2 bytes a
+// parameter). Off, every region casts again, and each parameter's kept cast goes at its next cast.
 void set_keep_parameter_casts(bool keep);
 bool keep_parameter_casts();
-// For an optimizer about to write `param` in place: its kept cast if that is current, else undefined.
+// For an optimizer about to write `param` in place: its kept cast if that is current and held by the parameter alone,
+// else undefined.
 Tensor kept_cast(const Tensor& param);
-// After bumping param's version for a step that writes kept_cast(param) too: the cast is current again.
+// After bumping param's version for a step that writes kept_cast(param) too: the cast is current again (and, inside
+// a CUDA graph capture, after each replay).
 void keep_cast_current(const Tensor& param);
 
 // ---- The trace (teaching aid): logs each op with its input and output dtypes and the rule that decided them.

@@ -129,7 +129,7 @@ int64_t alignment_of(const Tensor& t) {
   return a;
 }
 
-using ProblemKey = std::array<int64_t, 23>;
+using ProblemKey = std::array<int64_t, 25>;
 
 struct Problem {
   Direction direction;
@@ -152,10 +152,10 @@ struct Problem {
   bool tf32() const { return dtype == kFloat32 && params.allow_tf32; }
 
   ProblemKey key() const {
-    return {int64_t(direction), device(), int64_t(dtype), int64_t(nhwc), x.size(0), x.size(1), x.size(2),
-            x.size(3), w.size(0), w.size(1), w.size(2), w.size(3), params.stride[0], params.stride[1],
-            params.padding[0], params.padding[1], params.dilation[0], params.dilation[1], int64_t(tf32()),
-            alignment_of(x), alignment_of(w), alignment_of(y), int64_t(accumulate)};
+    return {int64_t(direction), device(), int64_t(x.dtype()), int64_t(w.dtype()), int64_t(y.dtype()), int64_t(nhwc),
+            x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(1), w.size(2), w.size(3), params.stride[0],
+            params.stride[1], params.padding[0], params.padding[1], params.dilation[0], params.dilation[1],
+            int64_t(tf32()), alignment_of(x), alignment_of(w), alignment_of(y), int64_t(accumulate)};
   }
 
   std::string str() const {

@@ -1,13 +1,13 @@
 #pragma once
 // Multi-tensor apply on CUDA, as PyTorch's: one launch updates a batch of tensors elementwise. For each tensor the
-// pointers of its DEPTH operands (param, grad, state...), its size and its own scalars (Adam's bias corrections)
-// travel by value in the kernel's argument (`TensorBatch`, under the classic 4 KB limit: 59 Adam tensors, 79
-// SGD-with-momentum tensors a batch), so there is no host-to-device copy and no allocation. Each tensor is cut into
-// chunks of kChunk elements; the blocks of the launch walk the batch's chunks (grid-stride), finding a chunk's
-// tensor by binary search over the entries' first chunk. Inside a chunk each thread loads kVec-element vectors of
-// every operand (when all are aligned), runs the update in registers in opmath_t, and stores the operands the update
-// writes. Used by the fused optimizers and the grad norm (optim/fused.cu), the loss scaler's unscale
-// (optim/grad_scaler.cu) and the copies of many tensors at once (copy_each_, ops/copy.cu).
+// pointers of its DEPTH operands (param, grad, state...), its size and its own scalars (Adam's bias corrections) travel
+// by value in the kernel's argument (`TensorBatch`, under the classic 4 KB limit: 59 Adam tensors, 79 SGD-with-momentum
+// tensors a batch; 53 and 68 where the step writes the parameters' casts too), so there is no host-to-device copy and
+// no allocation. Each tensor is cut into chunks of kChunk elements; the blocks of the launch walk the batch's chunks
+// (grid-stride), finding a chunk's tensor by binary search over the entries' first chunk. Inside a chunk each thread
+// loads kVec-element vectors of every operand (when all are aligned), runs the update in registers in opmath_t, and
+// stores the operands the update writes. Used by the fused optimizers and the grad norm (optim/fused.cu), the loss
+// scaler's unscale (optim/grad_scaler.cu) and the copies of many tensors at once (copy_each_, ops/copy.cu).
 #include <cuda_runtime.h>
 
 #include <array>

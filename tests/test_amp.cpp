@@ -317,8 +317,10 @@ TEST_CASE("a kept cast goes stale with any other write to its parameter, and is 
     w.mul_(3);  // not an optimizer's step: the cast is not written
   }
   CHECK_FALSE(amp::kept_cast(w).defined());
-  amp::AutocastGuard autocast(kFloat16);
-  CHECK(matmul(x, w).item<double>() == 12);
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    CHECK(matmul(x, w).item<double>() == 12);
+  }
   CHECK(is_cast_of(amp::kept_cast(w), w));
 }
 
@@ -347,6 +349,136 @@ TEST_CASE("a step writes the kept casts of one dtype; a parameter cast to anothe
   CHECK_FALSE(amp::kept_cast(b).defined());
   cast_in_a_region({b}, kBFloat16);
   CHECK(is_cast_of(amp::kept_cast(b), b));
+}
+
+TEST_CASE("a kept cast still read by a graph kept for another backward is not written: that backward reads the old values") {
+  manual_seed(25);
+  Tensor w = randn({4, 4}, {.requires_grad = true});
+  Tensor x = randn({3, 4}, {.requires_grad = true});  // so the product saves the float16 w, for x's gradient
+  cast_in_a_region({w}, kFloat16);  // kept, so the next region takes it
+  Tensor loss;
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    loss = matmul(x, w).to(kFloat32).pow(2).sum();
+  }
+  loss.backward(Tensor(), /*retain_graph=*/true);
+  const Tensor first = x.grad().clone();
+  optim::SGD opt({w}, {.lr = 0.1});
+  opt.step();  // the graph's saved float16 w is the kept cast: left as it was, and stale
+  CHECK_FALSE(amp::kept_cast(w).defined());
+  x.set_grad(Tensor());
+  loss.backward();
+  CHECK(testing::bit_equal(x.grad(), first));
+  cast_in_a_region({w}, kFloat16);  // cast afresh
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+}
+
+TEST_CASE("an aligned-rows weight's kept cast is taken as an aligned-rows matrix, and cast again after a step") {
+  manual_seed(26);
+  Tensor w = contiguous_aligned_rows(randn({5, 3})).requires_grad_();
+  REQUIRE(is_aligned_rows(w));
+  cast_in_a_region({w}, kFloat16);
+  const void* kept_at = amp::kept_cast(w).data_ptr();
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    const Tensor taken = amp::detail::cast(w, kFloat16);  // the kept cast, as a tensor of its own
+    CHECK(is_aligned_rows(taken));
+    CHECK(taken.data_ptr() == kept_at);
+  }
+  optim::SGD opt({w}, {.lr = 0.1});
+  w.set_grad(ones({5, 3}));
+  opt.step();  // the step's flat view of w has float32's padding, the cast's float16's: not written
+  CHECK_FALSE(amp::kept_cast(w).defined());
+  cast_in_a_region({w}, kFloat16);
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+}
+
+TEST_CASE("cuda: a replayed training step keeps the casts current for eager evaluations between replays") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions on{.device = Device::cuda()};
+  // Six steps, as a graph's replays or eagerly, each followed by evaluations in float16, bfloat16 and float16 again:
+  // the first takes the casts the step wrote; the bfloat16 one replaces them, so the second float16 one casts afresh,
+  // and a graph whose region took the casts kept at its capture must cast into those before its next replay.
+  auto train = [&](bool graph) {
+    manual_seed(27);
+    // Small weights: training moves the outputs a little each step and never overflows float16 (a NaN would fail
+    // every comparison below).
+    Tensor w1 = (randn({32, 16}, on) * 0.1).requires_grad_(), w2 = (randn({8, 32}, on) * 0.1).requires_grad_();
+    // An aligned-rows weight: the step cannot write its cast, so every step leaves it stale.
+    Tensor w3 = contiguous_aligned_rows(randn({8, 8}, on) * 0.1).requires_grad_();
+    const Tensor x = randn({4, 16}, on), target = randn({4, 8}, on), probe = randn({2, 16}, on);
+    optim::SGD opt({w1, w2, w3}, {.lr = 0.01, .momentum = 0.9});
+    auto model = [&](const Tensor& in) { return matmul(linear(linear(in, w1).relu(), w2), w3); };
+    auto step = [&] {
+      Tensor loss;
+      {
+        amp::AutocastGuard autocast(kFloat16);
+        loss = mse_loss(model(x), target);
+      }
+      loss.backward();
+      opt.step();
+      opt.zero_grad();
+    };
+    cuda::CapturedStep captured(Device::cuda(), step, 2);
+    for (int i = 0; i < 6; ++i) {
+      graph ? captured() : step();
+      CAPTURE(i);
+      for (DType low : {kFloat16, kBFloat16, kFloat16}) {
+        CAPTURE(dtype_name(low));
+        Tensor y;
+        {
+          amp::AutocastGuard autocast(low);
+          NoGradGuard no_grad;
+          for (const Tensor& w : {w1, w2, w3}) CHECK(is_cast_of(amp::detail::cast(w, low), w));
+          y = model(probe);
+        }
+        NoGradGuard no_grad;  // what the evaluation computes from casts made now, by hand
+        const Tensor fresh = matmul(linear(linear(probe.to(low), w1.to(low)).relu(), w2.to(low)), w3.to(low));
+        REQUIRE(y.to(kFloat32).isfinite().all().item<bool>());
+        CHECK(testing::bit_equal(y, fresh));
+      }
+    }
+    CHECK(captured.captured() == graph);
+    return TensorList{w1.detach().cpu(), w2.detach().cpu(), w3.detach().cpu()};
+  };
+  const TensorList replayed = train(true), eager = train(false);
+  for (size_t i = 0; i < eager.size(); ++i) {
+    CAPTURE(i);
+    const double scale = eager[i].abs().max().item<double>();
+    CHECK((replayed[i] - eager[i]).abs().max().item<double>() <= 1e-4 * scale);
+  }
+}
+
+TEST_CASE("cuda: a capture that fails after its forward keeps none of the casts it made") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(28);
+  const TensorOptions on{.device = Device::cuda()};
+  Tensor w = randn({8, 8}, on).requires_grad_();
+  const Tensor x = randn({4, 8}, on);
+  optim::Adam adam({w}, {.lr = 1e-3});
+  {
+    amp::AutocastGuard autocast(kFloat16);
+    NoGradGuard no_grad;
+    (void)matmul(x, w);  // cuBLAS's set-up, eagerly; a cast kept
+  }
+  {
+    NoGradGuard no_grad;
+    w.mul_(2);  // the kept cast is stale: the capture casts afresh
+  }
+  cuda::Graph graph;
+  CHECK_THROWS(graph.capture(Device::cuda(), [&] {
+    Tensor loss;
+    {
+      amp::AutocastGuard autocast(kFloat16);
+      loss = matmul(x, w).to(kFloat32).sum();
+    }
+    loss.backward();
+    adam.step();  // refuses a capture
+  }));
+  CHECK_FALSE(amp::kept_cast(w).defined());
+  amp::AutocastGuard autocast(kFloat16);
+  NoGradGuard no_grad;
+  CHECK(testing::bit_equal(matmul(x, w), matmul(x.to(kFloat16), w.to(kFloat16))));
 }
 
 TEST_CASE("cuda: a graph whose region took a kept cast sees a parameter written between its replays") {
