@@ -9,7 +9,6 @@
 #include <string>
 
 #include "core/autograd.h"
-#include "core/cuda.h"
 #include "core/cuda_graph.h"
 #include "core/log.h"
 #include "ops/copy.h"
@@ -142,19 +141,28 @@ Tensor kept_cast(const Tensor& param) {
   return kept.defined() && kept.impl()->storage.use_count() == 1 ? kept : Tensor();
 }
 
-void keep_cast_current(const Tensor& param) {
+void keep_cast_current(const Tensor& param, const Tensor& cast) {
   std::lock_guard lock(kept_mutex);
   AutogradMeta& meta = param.impl()->autograd_meta();
-  if (!meta.kept_cast.defined()) return;
+  // Another thread's region may have cast the parameter afresh since: that cast is not the one the step writes.
+  if (!meta.kept_cast.defined() || meta.kept_cast.impl()->storage != cast.impl()->storage) return;
+  const uint64_t bumps = param.version() - meta.kept_cast_version;  // the step's own, since kept_cast() read it
   meta.kept_cast_version = param.version();
-  // A captured step's replays write the parameter and this cast together: after check_inplace's bump before each
-  // replay (core/autograd.cpp), the cast is current again.
-  if (cuda::is_capturing(param.device())) {
-    before_each_replay_of(param, [kept = meta.kept_cast](const Tensor& p, AutogradMeta& m) {
-      m.kept_cast = kept;
-      m.kept_cast_version = p.version();
-    });
-  }
+  if (!cuda::capturing_graph()) return;
+  // Each replay writes the parameter and this cast together, after check_inplace's bumps (registered before this) of
+  // the same count. Where the cast was not current before them (an edit between replays, an eager region's cast since),
+  // the parameter is cast into it first: the replay's kernel may write only part of it (a skipped step writes nothing,
+  // plain SGD skips zero gradients), so it must hold the parameter's cast already.
+  before_each_replay_of(param, [kept = meta.kept_cast, bumps](const Tensor& p, AutogradMeta& m) {
+    const bool was_current = m.kept_cast.defined() && m.kept_cast.impl()->storage == kept.impl()->storage &&
+                             m.kept_cast_version + bumps == p.version();
+    if (!was_current) {
+      NoGradGuard no_grad;
+      Tensor(kept).copy_(p);
+    }
+    m.kept_cast = kept;
+    m.kept_cast_version = p.version();
+  });
 }
 
 TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
@@ -208,7 +216,7 @@ Tensor cast(const Tensor& t, DType target) {
     std::lock_guard lock(kept_mutex);
     AutogradMeta& meta = t.impl()->autograd_meta();
     const Tensor kept = current_kept_cast(t);
-    const bool capturing = cuda::is_capturing(t.device());
+    const bool capturing = cuda::capturing_graph();
     if (kept.defined() && kept.dtype() == target) {
       casted = as_cast_of(t, kept);
       if (capturing) recast_before_replays_where_stale(t, kept);

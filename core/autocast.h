@@ -99,16 +99,17 @@ size_t autocast_cache_size();  // cached parameter casts held now
 // training step's forward casts no weight: ResNet-18 launches 22 cast kernels fewer a step. Any other write, or a
 // step that cannot write the cast (it is laid out otherwise than the parameter, or held elsewhere as well), leaves it
 // stale, and the next region casts afresh; so does each replay of a CUDA graph that writes the parameter, unless the
-// graph writes the cast too. Thread-safe. On by default; the casts then stay in memory between steps (2 bytes a
-// parameter). Off, every region casts again, and each parameter's kept cast goes at its next cast.
+// graph writes the cast too. Regions of several threads may cast one model's weights at once. On by default; the casts
+// then stay in memory between steps (2 bytes a parameter). Off, every region casts again, and each parameter's kept
+// cast goes at its next cast.
 void set_keep_parameter_casts(bool keep);
 bool keep_parameter_casts();
 // For an optimizer about to write `param` in place: its kept cast if that is current and held by the parameter alone,
 // else undefined.
 Tensor kept_cast(const Tensor& param);
-// After bumping param's version for a step that writes kept_cast(param) too: the cast is current again (and, inside
-// a CUDA graph capture, after each replay).
-void keep_cast_current(const Tensor& param);
+// After bumping param's version for a step that writes `cast` (what kept_cast(param) gave) too: the cast is current
+// again, unless the parameter holds another one by now; inside a CUDA graph capture, after each replay too.
+void keep_cast_current(const Tensor& param, const Tensor& cast);
 
 // ---- The trace (teaching aid): logs each op with its input and output dtypes and the rule that decided them.
 // On inside a TraceGuard, or for the whole run with HALFGRAD_AMP_TRACE=1.

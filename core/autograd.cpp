@@ -1,7 +1,6 @@
 #include "core/autograd.h"
 
 #include "core/autocast.h"
-#include "core/cuda.h"
 #include "core/cuda_graph.h"
 #include "ops/shape.h"
 
@@ -331,10 +330,10 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
   HG_CHECK(!has_internal_overlap(self), "{}: {} is an expanded view, some of whose elements are one memory location "
            "(a dim of size > 1 with stride 0): writing it in place is ambiguous; clone() it first", op, self.meta());
   self.storage()->bump_version();
-  // A parameter written inside a CUDA graph capture is written again by every replay, which runs no host code: the
+  // A tensor written inside a CUDA graph capture is written again by every replay, which runs no host code: each
   // replay bumps its version as this write did, so what saved it, or keeps its autocast cast (core/autocast.h), sees
-  // each replay's write.
-  if (self.is_leaf() && self.requires_grad() && cuda::is_capturing(self.device())) {
+  // the replay's write.
+  if (cuda::capturing_graph()) {
     cuda::before_each_replay([storage = std::weak_ptr<Storage>(self.storage())] {
       if (const std::shared_ptr<Storage> s = storage.lock()) s->bump_version();
     });

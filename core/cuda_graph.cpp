@@ -152,6 +152,8 @@ void Graph::replay() {
   order(stream_, ambient);
 }
 
+bool capturing_graph() { return capturing != nullptr; }
+
 void before_each_replay(std::function<void()> update) {
   HG_CHECK(capturing != nullptr, "cuda::before_each_replay: called outside a cuda::Graph capture");
   capturing->before_replay_.push_back(std::move(update));
@@ -186,6 +188,7 @@ void Graph::capture(Device device, const std::function<void()>&) {
   check_device(device.index, "cuda::Graph::capture");  // throws: this build has no CUDA
 }
 void Graph::replay() { throw Error("cuda::Graph::replay: this build of halfgrad has no CUDA"); }
+bool capturing_graph() { return false; }
 void before_each_replay(std::function<void()>) {
   throw Error("cuda::before_each_replay: called outside a cuda::Graph capture (this build of halfgrad has no CUDA)");
 }

@@ -70,6 +70,9 @@ class Graph {
   friend Tensor replay_input(const Shape& shape, TensorOptions options);
 };
 
+// Whether a Graph's capture is under way on this thread: what may call before_each_replay (a capture of the stream
+// alone, as cuda::run_as_graph's, is not one).
+bool capturing_graph();
 // Inside Graph::capture: `update` runs on the host before every replay of the graph being captured, with the graph's
 // stream current, to write into device memory the host values that captured kernels read. An error outside a capture.
 void before_each_replay(std::function<void()> update);

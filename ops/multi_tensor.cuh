@@ -62,7 +62,6 @@ template <typename CastT, typename Extra> struct WithCast {
 template <typename Extra> struct CastOf {  // the type operand 0 is also written as, or void
   using type = void;
   static __device__ __forceinline__ const Extra& op_extra(const Extra& e) { return e; }
-  static __device__ __forceinline__ void* cast(const Extra&) { return nullptr; }
 };
 template <typename CastT, typename Extra> struct CastOf<WithCast<CastT, Extra>> {
   using type = CastT;

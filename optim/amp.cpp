@@ -4,6 +4,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "core/cuda_graph.h"
 #include "core/log.h"
 #include "nn/layers.h"
 #include "ops/elementwise.h"
@@ -174,6 +175,9 @@ void Amp::step() {
     for (auto& [master, model_param] : masters_) model_param.copy_(master);
   }
   note_synced();
+  // Each replay of a captured step bumps the versions of the masters and model parameters it writes
+  // (check_inplace); the versions after those bumps are the synchronised ones, so a load between replays is seen.
+  if (cuda::capturing_graph()) cuda::before_each_replay([this] { note_synced(); });
   scaler_.update();
 }
 

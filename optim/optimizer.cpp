@@ -105,6 +105,7 @@ void Optimizer::check_parameters() const {
 std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
   const TensorList& params = group_params(g);
   std::vector<std::vector<StepItem>> buckets;
+  std::vector<std::optional<DType>> cast_dtypes;  // per bucket: a kernel writes casts of one dtype
   for (size_t p = 0; p < params.size(); ++p) {
     const Tensor& param = params[p];
     HG_CHECK(param.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
@@ -116,10 +117,24 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
              name_, p, g, param.meta(), grad.meta());
     HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
              name_, p, g, param.meta());
-    const Tensor cast = amp::kept_cast(param);  // current before the step's write, or undefined
-    check_inplace(param, name_, /*records=*/false);
+    auto same_kind = [&](const std::vector<StepItem>& b) {
+      return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
+    };
+    const size_t bucket = size_t(std::find_if(buckets.begin(), buckets.end(), same_kind) - buckets.begin());
+    if (bucket == buckets.size()) {
+      buckets.emplace_back();
+      cast_dtypes.emplace_back();
+    }
     const std::optional<MemoryFormat> laid_out = storage_format(param);
     const MemoryFormat format = laid_out.value_or(MemoryFormat::Contiguous);
+    // Autocast's kept cast, written by the kernel where it is laid out as the parameter, element for element, and of
+    // the bucket's cast dtype; any other is left to go stale and is cast again by the next autocast region.
+    Tensor cast = amp::kept_cast(param);  // current before the step's write, or undefined
+    if (cast.defined() && !(param.dtype() == kFloat32 && laid_out && *laid_out != MemoryFormat::AlignedRows &&
+                            storage_format(cast) == laid_out &&
+                            cast_dtypes[bucket].value_or(cast.dtype()) == cast.dtype()))
+      cast = Tensor();
+    check_inplace(param, name_, /*records=*/false);
     StepItem item{.index = p,
                   .param = flat_storage_view(laid_out ? param : param.contiguous()),
                   .grad = flat_storage_view(contiguous(grad, format)),
@@ -127,33 +142,13 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
                   .format = format,
                   .copied = !laid_out,
                   .cast = Tensor()};
-    // The cast kept current by the step: one laid out as the parameter is, element for element.
-    if (cast.defined() && param.dtype() == kFloat32 && laid_out && *laid_out != MemoryFormat::AlignedRows &&
-        storage_format(cast) == laid_out) {
+    if (cast.defined()) {
+      cast_dtypes[bucket] = cast.dtype();
       check_inplace(cast, name_, /*records=*/false);
       item.cast = flat_storage_view(cast);
+      amp::keep_cast_current(param, cast);
     }
-    auto same_kind = [&](const std::vector<StepItem>& b) {
-      return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
-    };
-    auto it = std::find_if(buckets.begin(), buckets.end(), same_kind);
-    if (it == buckets.end()) {
-      buckets.emplace_back();
-      it = buckets.end() - 1;
-    }
-    it->push_back(std::move(item));
-  }
-  // A kernel writes casts of one dtype: the others are left stale, and cast again by the next autocast region.
-  for (std::vector<StepItem>& bucket : buckets) {
-    std::optional<DType> cast_dtype;
-    for (StepItem& item : bucket) {
-      if (!item.cast.defined()) continue;
-      if (!cast_dtype) cast_dtype = item.cast.dtype();
-      if (item.cast.dtype() == *cast_dtype)
-        amp::keep_cast_current(item.parameter);
-      else
-        item.cast = Tensor();
-    }
+    buckets[bucket].push_back(std::move(item));
   }
   return buckets;
 }

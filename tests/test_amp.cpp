@@ -449,6 +449,69 @@ TEST_CASE("cuda: a replayed training step keeps the casts current for eager eval
   }
 }
 
+TEST_CASE("cuda: a replayed step skipped for an overflow after an edit between replays leaves the cast the parameter's") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(29);
+  const TensorOptions on{.device = Device::cuda()};
+  Tensor w = (randn({8, 8}, on) * 0.1).requires_grad_();
+  const Tensor x = randn({4, 8}, on);
+  Tensor poison = zeros({}, on);  // the replays read it: inf makes the step's gradients overflow
+  optim::SGD opt({w}, {.lr = 0.01, .momentum = 0.9});
+  amp::GradScaler scaler;
+  // A float32 step: its graph takes no cast, but writes the one each evaluation under autocast keeps.
+  auto step = [&] {
+    const Tensor loss = matmul(x, w).pow(2).sum() * (poison + 1);
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    opt.zero_grad();
+  };
+  cuda::CapturedStep captured(Device::cuda(), step, 2);
+  for (int i = 0; i < 4; ++i) {
+    captured();
+    cast_in_a_region({w}, kFloat16);  // an evaluation's cast, kept
+    CHECK(is_cast_of(amp::kept_cast(w), w));
+  }
+  REQUIRE(captured.captured());
+  {
+    NoGradGuard no_grad;
+    w.mul_(2);  // not a step: the kept cast, which the graph's step writes, is stale
+    poison.fill_(INFINITY);
+  }
+  const Tensor before = w.detach().clone();
+  captured();  // skipped: the step writes neither w nor its cast, which must be w's cast all the same
+  CHECK(testing::bit_equal(w.detach(), before));
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+  {
+    NoGradGuard no_grad;
+    poison.fill_(0);
+  }
+  captured();
+  CHECK_FALSE(testing::bit_equal(w.detach(), before));
+  CHECK(is_cast_of(amp::kept_cast(w), w));
+}
+
+TEST_CASE("a step marks current only the cast it writes, not one a region made since") {
+  Tensor w = randn({4}, {.requires_grad = true});
+  cast_in_a_region({w}, kFloat16);
+  const Tensor written = amp::kept_cast(w);
+  REQUIRE(written.defined());
+  {
+    NoGradGuard no_grad;
+    w.add_(1);  // as another thread's step would, between kept_cast() and keep_cast_current()
+  }
+  cast_in_a_region({w}, kFloat16);  // a fresh cast, current
+  const Tensor fresh = amp::kept_cast(w);
+  REQUIRE(fresh.defined());
+  REQUIRE(fresh.data_ptr() != written.data_ptr());
+  {
+    NoGradGuard no_grad;
+    w.add_(1);
+  }
+  amp::keep_cast_current(w, written);  // not the parameter's cast any more: nothing is marked
+  CHECK_FALSE(amp::kept_cast(w).defined());
+}
+
 TEST_CASE("cuda: a capture that fails after its forward keeps none of the casts it made") {
   SKIP_WITHOUT_GPU();
   manual_seed(28);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 
+#include "core/cuda_graph.h"
 #include "halfgrad.h"
 #include "nn/layers.h"
 #include "optim/adam.h"
@@ -290,6 +291,30 @@ TEST_CASE("O2: a state loaded into the model after initialize is what the next s
   const Tensor out = amp.forward(*model, ones({1, 2}));
   amp.backward(amp.loss([&] { return out.sum(); }));
   amp.step();  // the masters took the loaded values; the step's copy into the model did not undo the load
+  CHECK(values(model->parameters()[0]) == std::vector<double>{7, 7});
+  CHECK(values(amp.master_weights()[0].first) == std::vector<double>{7, 7});
+}
+
+TEST_CASE("cuda: O2 as a captured step: a state loaded between replays with sync_masters() is what the next replay starts from") {
+  SKIP_WITHOUT_GPU();
+  auto model = nn::sequential({std::make_shared<nn::Linear>(2, 1)});
+  model->to(Device::cuda());
+  optim::SGD opt(model->parameters(), {.lr = 0.0});  // lr 0: a step changes nothing
+  amp::Amp amp = amp::initialize(*model, opt, amp::OptLevel::O2);
+  const Tensor x = ones({1, 2}, {.device = Device::cuda()});
+  auto step = [&] {
+    const Tensor out = amp.forward(*model, x);
+    amp.backward(amp.loss([&] { return out.sum(); }));
+    amp.step();
+    amp.zero_grad();
+  };
+  cuda::CapturedStep captured(Device::cuda(), step, 1);
+  for (int i = 0; i < 3; ++i) captured();  // one eager step, the capture and its replay, a replay
+  REQUIRE(captured.captured());
+  model->load_state_dict({{"0.weight", full({1, 2}, 7.0, {.dtype = kFloat16, .device = Device::cuda()})},
+                          {"0.bias", full({1}, 7.0, {.dtype = kFloat16, .device = Device::cuda()})}});
+  amp.sync_masters();  // the host code a replay does not run (optim/amp.h)
+  captured();          // the replayed step's copy of the masters into the model did not undo the load
   CHECK(values(model->parameters()[0]) == std::vector<double>{7, 7});
   CHECK(values(amp.master_weights()[0].first) == std::vector<double>{7, 7});
 }
