@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/autograd.h"
+#include "core/cuda.h"
 #include "core/cuda_graph.h"
 #include "core/log.h"
 #include "ops/copy.h"
@@ -116,16 +117,20 @@ void before_each_replay_of(const Tensor& param, std::function<void(const Tensor&
   });
 }
 
-// A captured graph whose region took `kept` instead of casting reads that memory at every replay. So before each replay,
-// where that is not the parameter's current cast (a write that no step followed: a loaded checkpoint, an edit between
-// replays, the replays of a step that writes no cast of it), the parameter is cast into it, and it is current again.
-void recast_before_replays_where_stale(const Tensor& param, const Tensor& kept) {
-  before_each_replay_of(param, [kept](const Tensor& p, AutogradMeta& meta) {
-    if (meta.kept_cast.defined() && meta.kept_cast.data_ptr() == kept.data_ptr() &&
-        meta.kept_cast_version == p.version())
-      return;
-    NoGradGuard no_grad;
-    Tensor(kept).copy_(p);
+// Before each replay: `kept` becomes the parameter's current cast, the parameter cast into it first unless it was
+// current `bumps` version bumps ago (the bumps of this replay's own writes of the parameter, registered before this).
+// For a graph whose region took `kept` instead of casting (bumps 0: it reads that memory at every replay), and for a
+// captured step that writes `kept` with the parameter (its kernel may write part of it or nothing: a skipped step,
+// plain SGD's zero gradients). Stale there: a write that nothing followed (an edit or a load between replays), or an
+// eager region's cast since.
+void recast_before_replays_where_stale(const Tensor& param, const Tensor& kept, uint64_t bumps) {
+  before_each_replay_of(param, [kept, bumps](const Tensor& p, AutogradMeta& meta) {
+    const bool current = meta.kept_cast.defined() && meta.kept_cast.impl()->storage == kept.impl()->storage &&
+                         meta.kept_cast_version + bumps == p.version();
+    if (!current) {
+      NoGradGuard no_grad;
+      Tensor(kept).copy_(p);
+    }
     meta.kept_cast = kept;
     meta.kept_cast_version = p.version();
   });
@@ -144,25 +149,15 @@ Tensor kept_cast(const Tensor& param) {
 void keep_cast_current(const Tensor& param, const Tensor& cast) {
   std::lock_guard lock(kept_mutex);
   AutogradMeta& meta = param.impl()->autograd_meta();
-  // Another thread's region may have cast the parameter afresh since: that cast is not the one the step writes.
-  if (!meta.kept_cast.defined() || meta.kept_cast.impl()->storage != cast.impl()->storage) return;
-  const uint64_t bumps = param.version() - meta.kept_cast_version;  // the step's own, since kept_cast() read it
+  if (!meta.kept_cast.defined() || meta.kept_cast.impl()->storage != cast.impl()->storage) {
+    // Another thread's region cast the parameter since: after the step's bump, so from the values the step is about
+    // to replace.
+    if (meta.kept_cast_version == param.version()) meta.kept_cast = Tensor();
+    return;
+  }
+  const uint64_t bumps = param.version() - meta.kept_cast_version;  // the step's own (1), since kept_cast() read it
   meta.kept_cast_version = param.version();
-  if (!cuda::capturing_graph()) return;
-  // Each replay writes the parameter and this cast together, after check_inplace's bumps (registered before this) of
-  // the same count. Where the cast was not current before them (an edit between replays, an eager region's cast since),
-  // the parameter is cast into it first: the replay's kernel may write only part of it (a skipped step writes nothing,
-  // plain SGD skips zero gradients), so it must hold the parameter's cast already.
-  before_each_replay_of(param, [kept = meta.kept_cast, bumps](const Tensor& p, AutogradMeta& m) {
-    const bool was_current = m.kept_cast.defined() && m.kept_cast.impl()->storage == kept.impl()->storage &&
-                             m.kept_cast_version + bumps == p.version();
-    if (!was_current) {
-      NoGradGuard no_grad;
-      Tensor(kept).copy_(p);
-    }
-    m.kept_cast = kept;
-    m.kept_cast_version = p.version();
-  });
+  if (cuda::capturing_graph(param.device())) recast_before_replays_where_stale(param, meta.kept_cast, bumps);
 }
 
 TraceGuard::TraceGuard() : prev_(state.tracing) { state.tracing = true; }
@@ -216,14 +211,13 @@ Tensor cast(const Tensor& t, DType target) {
     std::lock_guard lock(kept_mutex);
     AutogradMeta& meta = t.impl()->autograd_meta();
     const Tensor kept = current_kept_cast(t);
-    const bool capturing = cuda::capturing_graph();
     if (kept.defined() && kept.dtype() == target) {
       casted = as_cast_of(t, kept);
-      if (capturing) recast_before_replays_where_stale(t, kept);
+      if (cuda::capturing_graph(t.device())) recast_before_replays_where_stale(t, kept, 0);
     } else {
       casted = t.to(target);
-      // A cast made inside a capture holds nothing until a replay: not kept.
-      meta.kept_cast = keep_parameter_casts() && !capturing ? casted.detach() : Tensor();
+      // A cast made inside any capture of the stream holds nothing until a replay: not kept.
+      meta.kept_cast = keep_parameter_casts() && !cuda::is_capturing(t.device()) ? casted.detach() : Tensor();
       meta.kept_cast_version = t.version();
     }
   }

@@ -333,7 +333,7 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
   // A tensor written inside a CUDA graph capture is written again by every replay, which runs no host code: each
   // replay bumps its version as this write did, so what saved it, or keeps its autocast cast (core/autocast.h), sees
   // the replay's write.
-  if (cuda::capturing_graph()) {
+  if (cuda::capturing_graph(self.device())) {
     cuda::before_each_replay([storage = std::weak_ptr<Storage>(self.storage())] {
       if (const std::shared_ptr<Storage> s = storage.lock()) s->bump_version();
     });

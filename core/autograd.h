@@ -146,7 +146,8 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 // "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
 std::string backward_name(std::string_view op);
 
-// For in-place ops: checks that `self` may be written and bumps its version counter. Call before writing. records:
+// For in-place ops: checks that `self` may be written and bumps its version counter (inside a cuda::Graph capture, also
+// before each replay, which writes it again). Call before writing. records:
 // whether autograd records the op (grad mode is on and self or an operand requires grad). Refused: a leaf that requires
 // grad; a view (but detach()'s) where the op records.
 void check_inplace(const Tensor& self, const char* op, bool records);

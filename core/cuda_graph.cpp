@@ -152,7 +152,7 @@ void Graph::replay() {
   order(stream_, ambient);
 }
 
-bool capturing_graph() { return capturing != nullptr; }
+bool capturing_graph(Device device) { return capturing != nullptr && is_capturing(device); }
 
 void before_each_replay(std::function<void()> update) {
   HG_CHECK(capturing != nullptr, "cuda::before_each_replay: called outside a cuda::Graph capture");
@@ -188,7 +188,7 @@ void Graph::capture(Device device, const std::function<void()>&) {
   check_device(device.index, "cuda::Graph::capture");  // throws: this build has no CUDA
 }
 void Graph::replay() { throw Error("cuda::Graph::replay: this build of halfgrad has no CUDA"); }
-bool capturing_graph() { return false; }
+bool capturing_graph(Device) { return false; }
 void before_each_replay(std::function<void()>) {
   throw Error("cuda::before_each_replay: called outside a cuda::Graph capture (this build of halfgrad has no CUDA)");
 }

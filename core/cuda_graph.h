@@ -70,11 +70,14 @@ class Graph {
   friend Tensor replay_input(const Shape& shape, TensorOptions options);
 };
 
-// Whether a Graph's capture is under way on this thread: what may call before_each_replay (a capture of the stream
-// alone, as cuda::run_as_graph's, is not one).
-bool capturing_graph();
+// Whether a Graph's capture is under way on this thread and on the device's current stream: work queued now runs at
+// every replay, and what may call before_each_replay (a capture of the stream alone, as cuda::run_as_graph's, is not
+// one; a CPU tensor's work runs now, once).
+bool capturing_graph(Device device);
 // Inside Graph::capture: `update` runs on the host before every replay of the graph being captured, with the graph's
-// stream current, to write into device memory the host values that captured kernels read. An error outside a capture.
+// stream current, to write into device memory the host values that captured kernels read, or to do the host's
+// bookkeeping of what a replay writes (version counters, autocast's kept casts, O2's synchronised versions). Hooks run
+// in the order they were registered. An error outside a capture.
 void before_each_replay(std::function<void()> update);
 // Inside Graph::capture: an uninitialised tensor for such an update to write, allocated outside the graph's pool. (The
 // update writes before the whole replay; memory of the pool may be reused by kernels earlier in the graph than the

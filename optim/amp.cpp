@@ -88,17 +88,21 @@ Amp initialize(nn::Module& model, optim::Optimizer& optimizer, OptLevel level, A
   return amp;
 }
 
-void Amp::note_synced() {
-  synced_versions_.clear();
-  for (const auto& [master, model_param] : masters_)
-    synced_versions_.emplace_back(master.version(), model_param.version());
+namespace {
+void record_versions(const std::vector<std::pair<Tensor, Tensor>>& masters,
+                     std::vector<std::pair<uint64_t, uint64_t>>& versions) {
+  versions.clear();
+  for (const auto& [master, model_param] : masters) versions.emplace_back(master.version(), model_param.version());
 }
+}  // namespace
+
+void Amp::note_synced() { record_versions(masters_, *synced_versions_); }
 
 void Amp::sync_masters() {
   NoGradGuard no_grad;
   for (size_t i = 0; i < masters_.size(); ++i) {
     auto& [master, model_param] = masters_[i];
-    const auto [master_version, model_version] = synced_versions_[i];
+    const auto [master_version, model_version] = (*synced_versions_)[i];
     if (model_param.version() == model_version || master.version() != master_version) continue;
     // On the device, without a host read: only the elements whose value moved off the master's rounding.
     const Tensor moved = model_param.ne(master.to(model_param.dtype()));
@@ -177,7 +181,9 @@ void Amp::step() {
   note_synced();
   // Each replay of a captured step bumps the versions of the masters and model parameters it writes
   // (check_inplace); the versions after those bumps are the synchronised ones, so a load between replays is seen.
-  if (cuda::capturing_graph()) cuda::before_each_replay([this] { note_synced(); });
+  if (!masters_.empty() && cuda::capturing_graph(masters_.front().first.device())) {
+    cuda::before_each_replay([masters = masters_, versions = synced_versions_] { record_versions(masters, *versions); });
+  }
   scaler_.update();
 }
 

@@ -107,7 +107,10 @@ class Amp {
   AmpOptions options_;
   GradScaler scaler_;
   std::vector<std::pair<Tensor, Tensor>> masters_;
-  std::vector<std::pair<uint64_t, uint64_t>> synced_versions_;  // O2: (master, model) versions after their last copy
+  // O2: (master, model) versions after their last copy; shared with a captured step's before-replay hook, which
+  // outlives a move of this object.
+  std::shared_ptr<std::vector<std::pair<uint64_t, uint64_t>>> synced_versions_ =
+      std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
   bool masters_have_grads_ = false;  // O2: the half gradients of this step were copied to the masters
   Tensor clip_coefficient_;          // without a loss scaler: what clip_grad_norm_ left for step() to multiply by
 

@@ -189,7 +189,7 @@ class Optimizer {
     bool copied = false;  // `param` is a copy that write_back() copies into `parameter`
     // Autocast's kept cast of the parameter (core/autocast.h), as `param` is laid out, for the kernel to write the new
     // value's cast into; undefined where there is none, it is stale, held elsewhere too, laid out otherwise, or of
-    // another dtype than the bucket's other casts.
+    // another dtype than the bucket's first cast.
     Tensor cast;
   };
   // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
