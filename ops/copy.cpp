@@ -58,14 +58,8 @@ Tensor Tensor::to(DType dtype) const {
 Tensor as_cast_of(const Tensor& t, const Tensor& values) {
   // A tensor of its own on values' storage, for a node of its own (values may be an earlier region's cast), and not a
   // view: what a fresh cast would be (is_aligned_rows, for one, refuses views).
-  auto alias = std::make_shared<TensorImpl>();
-  const TensorImpl& v = *values.impl();
-  alias->storage = v.storage;
-  alias->shape = v.shape;
-  alias->strides = v.strides;
-  alias->offset = v.offset;
-  alias->dtype = v.dtype;
-  Tensor out(std::move(alias));
+  Tensor out = values.detach();
+  out.impl()->is_view = out.impl()->is_detached = false;
   record_cast(t, out);
   return out;
 }

@@ -105,7 +105,6 @@ void Optimizer::check_parameters() const {
 std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
   const TensorList& params = group_params(g);
   std::vector<std::vector<StepItem>> buckets;
-  std::vector<std::optional<DType>> cast_dtypes;  // per bucket: a kernel writes casts of one dtype
   for (size_t p = 0; p < params.size(); ++p) {
     const Tensor& param = params[p];
     HG_CHECK(param.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
@@ -121,18 +120,18 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
       return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
     };
     const size_t bucket = size_t(std::find_if(buckets.begin(), buckets.end(), same_kind) - buckets.begin());
-    if (bucket == buckets.size()) {
-      buckets.emplace_back();
-      cast_dtypes.emplace_back();
-    }
+    if (bucket == buckets.size()) buckets.emplace_back();
     const std::optional<MemoryFormat> laid_out = storage_format(param);
     const MemoryFormat format = laid_out.value_or(MemoryFormat::Contiguous);
     // Autocast's kept cast, written by the kernel where it is laid out as the parameter, element for element, and of
-    // the bucket's cast dtype; any other is left to go stale and is cast again by the next autocast region.
+    // the dtype of the bucket's first cast (a kernel writes casts of one dtype); any other is left to go stale and is
+    // cast again by the next autocast region.
     Tensor cast = amp::kept_cast(param);  // current before the step's write, or undefined
+    auto first_cast = std::find_if(buckets[bucket].begin(), buckets[bucket].end(),
+                                   [](const StepItem& item) { return item.cast.defined(); });
     if (cast.defined() && !(param.dtype() == kFloat32 && laid_out && *laid_out != MemoryFormat::AlignedRows &&
                             storage_format(cast) == laid_out &&
-                            cast_dtypes[bucket].value_or(cast.dtype()) == cast.dtype()))
+                            (first_cast == buckets[bucket].end() || first_cast->cast.dtype() == cast.dtype())))
       cast = Tensor();
     check_inplace(param, name_, /*records=*/false);
     StepItem item{.index = p,
@@ -143,7 +142,6 @@ std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
                   .copied = !laid_out,
                   .cast = Tensor()};
     if (cast.defined()) {
-      cast_dtypes[bucket] = cast.dtype();
       check_inplace(cast, name_, /*records=*/false);
       item.cast = flat_storage_view(cast);
       amp::keep_cast_current(param, cast);
