@@ -147,6 +147,9 @@ Tensor kept_cast(const Tensor& param) {
 }
 
 void keep_cast_current(const Tensor& param, const Tensor& cast) {
+  HG_CHECK(param.defined() && cast.defined(),
+           "amp::keep_cast_current: expected a parameter and the cast kept_cast() gave for it, got {} and {}",
+           param.defined() ? param.meta() : "an undefined tensor", cast.defined() ? cast.meta() : "an undefined tensor");
   std::lock_guard lock(kept_mutex);
   AutogradMeta& meta = param.impl()->autograd_meta();
   if (!meta.kept_cast.defined() || meta.kept_cast.impl()->storage != cast.impl()->storage) {

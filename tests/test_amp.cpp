@@ -491,6 +491,15 @@ TEST_CASE("cuda: a replayed step skipped for an overflow after an edit between r
   CHECK(is_cast_of(amp::kept_cast(w), w));
 }
 
+TEST_CASE("keep_cast_current refuses an undefined parameter or cast, naming what it got") {
+  const Tensor w = randn({4}, {.requires_grad = true});
+  CHECK(contains(testing::error_of([&] { amp::keep_cast_current(w, Tensor()); }),
+                 "amp::keep_cast_current: expected a parameter and the cast kept_cast() gave for it, got float32[4] "
+                 "cpu and an undefined tensor"));
+  CHECK(contains(testing::error_of([&] { amp::keep_cast_current(Tensor(), w); }), "got an undefined tensor and"));
+  CHECK_FALSE(amp::kept_cast(Tensor()).defined());
+}
+
 TEST_CASE("a step marks current only the cast it writes, and drops one a region made from the values it replaces") {
   Tensor w = randn({4}, {.requires_grad = true});
   cast_in_a_region({w}, kFloat16);
