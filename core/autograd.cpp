@@ -2,6 +2,7 @@
 
 #include "core/autocast.h"
 #include "core/cuda_graph.h"
+#include "ops/copy.h"
 #include "ops/shape.h"
 
 #include <algorithm>
@@ -223,6 +224,11 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   return {};
 }
 
+bool AccumulateGrad::leaf_has_hooks() const {
+  const AutogradMeta& meta = leaf_->autograd_meta();
+  return !meta.hooks.empty() || !meta.post_accumulate_hooks.empty();
+}
+
 SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
   if (!t.defined()) return;
   tensor_ = t.detach();
@@ -365,13 +371,58 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   // Input buffer of each node: the sum of the gradients that reached each of its outputs.
   std::unordered_map<Node*, TensorList> buffers;
   std::unordered_map<Node*, std::shared_ptr<Node>> owners;
-  auto accumulate = [&](const Edge& edge, Tensor grad) {
+  // Gradients on their way to a leaf of another dtype (autocast's float16 weight gradients into float32 parameters:
+  // a ResNet-18 step has 22), held and cast together by one cast_each once nothing else is ready to run, where a cast
+  // each cost a launch each (ResNet-18 amp as a CUDA graph: 3.57 -> 3.53 ms on an H100). Only for a leaf without
+  // hooks (which would see its gradient later), whose first gradient this is: its AccumulateGrad waits for the cast;
+  // a later gradient for it casts this one first, so sums keep their order. Only gradients of at most kHeldCast
+  // elements, as a launch is then a fair share of the cast's cost: the held gradients live until the backward's end.
+  struct PendingCast {
+    Edge edge;
+    Tensor grad;
+    DType dtype;
+  };
+  std::vector<PendingCast> pending;  // in arrival order
+  std::unordered_set<Node*> pending_nodes;
+  std::vector<Node*> waiting;  // ready nodes held back for their pending cast
+  auto add_to_slot = [&](const Edge& edge, Tensor grad) {
     Node* n = edge.node.get();
     owners.emplace(n, edge.node);
     TensorList& buf = buffers[n];
     if (buf.empty()) buf.resize(n->output_meta.size());
     Tensor& slot = buf[edge.input_nr];
     slot = slot.defined() ? slot.add(grad) : std::move(grad);
+  };
+  auto cast_now = [&](Node* n) {
+    auto it = std::find_if(pending.begin(), pending.end(), [n](const PendingCast& c) { return c.edge.node.get() == n; });
+    PendingCast cast = std::move(*it);
+    pending.erase(it);
+    pending_nodes.erase(n);
+    add_to_slot(cast.edge, cast.grad.to(cast.dtype));
+  };
+  auto accumulate = [&](const Edge& edge, Tensor grad) {
+    if (pending_nodes.count(edge.node.get())) cast_now(edge.node.get());
+    add_to_slot(edge, std::move(grad));
+  };
+  auto holds_cast = [&](const Edge& edge, const Tensor& grad, DType dtype) {
+    constexpr int64_t kHeldCast = int64_t(1) << 22;  // 4M elements: 24 MB float16 -> float32, ~10 µs on an H100
+    const auto* acc = dynamic_cast<const AccumulateGrad*>(edge.node.get());
+    if (acc == nullptr || acc->leaf_has_hooks() || !edge.node->pre_hooks.empty()) return false;
+    if (pending_nodes.count(edge.node.get()) || grad.numel() > kHeldCast || !casts_in_batches(grad, dtype)) return false;
+    auto found = buffers.find(edge.node.get());
+    return found == buffers.end() || edge.input_nr >= found->second.size() || !found->second[edge.input_nr].defined();
+  };
+  auto cast_pending = [&] {
+    TensorList grads;
+    std::vector<DType> dtypes;
+    for (const PendingCast& c : pending) {
+      grads.push_back(c.grad);
+      dtypes.push_back(c.dtype);
+    }
+    TensorList cast = cast_each(grads, dtypes);
+    for (size_t i = 0; i < pending.size(); ++i) add_to_slot(pending[i].edge, std::move(cast[i]));
+    pending.clear();
+    pending_nodes.clear();
   };
 
   std::vector<std::shared_ptr<Node>> roots;
@@ -418,9 +469,20 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
       if (dependencies[r.get()] == 0 && queued.insert(r.get()).second) ready.push(r.get());
   }
 
-  while (!ready.empty()) {
+  for (;;) {
+    if (ready.empty()) {
+      if (pending.empty()) break;
+      cast_pending();
+      for (Node* n : waiting) ready.push(n);
+      waiting.clear();
+      continue;
+    }
     Node* node = ready.top();
     ready.pop();
+    if (pending_nodes.count(node)) {
+      waiting.push_back(node);
+      continue;
+    }
     std::shared_ptr<Node> keep_alive = owners[node];
     TensorList grads = std::move(buffers[node]);
     buffers.erase(node);
@@ -470,8 +532,16 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         const TensorMeta& m = node->input_meta[i];
         HG_CHECK(g.shape() == m.shape, "{}: backward returned a gradient {} for input {} of shape {} (a bug in "
                  "the op's backward)", node->name(), g.meta(), i, shape_str(m.shape));
-        if (g.dtype() != m.dtype) g = g.to(m.dtype);  // a cast passes the gradient back in the input's dtype
-        accumulate(edge, std::move(g));
+        // A cast passes the gradient back in the input's dtype: now, or with the other leaves' casts.
+        if (g.dtype() == m.dtype) {
+          accumulate(edge, std::move(g));
+        } else if (holds_cast(edge, g, m.dtype)) {
+          pending_nodes.insert(edge.node.get());
+          owners.emplace(edge.node.get(), edge.node);
+          pending.push_back({edge, std::move(g), m.dtype});
+        } else {
+          accumulate(edge, g.to(m.dtype));
+        }
       }
       if (--dependencies[edge.node.get()] == 0) {
         if (!buffers.count(edge.node.get())) owners.emplace(edge.node.get(), edge.node);

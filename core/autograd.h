@@ -115,6 +115,8 @@ class AccumulateGrad : public Node {
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
   std::string name() const override { return "AccumulateGrad"; }
   TensorList apply(TensorList&& grad_outputs) override;
+  // Whether the leaf has hooks (register_hook, register_post_accumulate_grad_hook) that see its gradient arrive.
+  bool leaf_has_hooks() const;
 
  private:
   std::shared_ptr<TensorImpl> leaf_;

@@ -2,14 +2,18 @@
 #include "core/cuda_graph.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "core/cuda_allocator.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/random.h"
 
 #if HALFGRAD_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "core/graph_memsets.h"
 #endif
 
 namespace halfgrad::cuda {
@@ -19,6 +23,15 @@ namespace halfgrad::cuda {
 namespace {
 
 thread_local Graph* capturing = nullptr;  // the graph whose capture is under way on this thread
+
+// HALFGRAD_CUDA_GRAPH_KEEP_MEMSETS=1 (read once): a captured graph keeps its memset nodes (for comparison).
+bool keep_memsets() {
+  static const bool keep = [] {
+    const char* v = std::getenv("HALFGRAD_CUDA_GRAPH_KEEP_MEMSETS");
+    return v && v[0] == '1';
+  }();
+  return keep;
+}
 
 // Orders `after` behind the work queued so far on `before` (both on the current device).
 void order(cudaStream_t before, cudaStream_t after) {
@@ -119,6 +132,17 @@ void Graph::capture(Device device, const std::function<void()>& work) {
       (void)cudaGetLastError();
       release();
       HG_CUDA_CHECK(ended, "cuda graph (the capture was invalidated: some work in it cannot be captured)");
+    }
+  }
+  if (!keep_memsets()) {
+    try {
+      const MemsetsRewritten rewritten = memsets_as_kernels(graph);
+      logger().debug("cuda graph: {} memset nodes rewritten as kernel nodes ({} bytes)", rewritten.nodes,
+                     rewritten.bytes);
+    } catch (const Error& e) {
+      cudaGraphDestroy(graph);
+      release();
+      throw Error(fmt::format("{}\n(HALFGRAD_CUDA_GRAPH_KEEP_MEMSETS=1 captures without this rewrite)", e.what()));
     }
   }
   const cudaError_t instantiated = cudaGraphInstantiate(&exec_, graph, 0);

@@ -27,6 +27,10 @@
 //   first-time  Autotuning (conv2d, batch_norm, the rnn op), cuBLAS's set-up and optimizer state created on a
 //   work        first step must have happened: run the step eagerly first (CapturedStep does, `warmup` times).
 //   shapes      A graph is one shape; a batch of another shape (the last, partial one) runs eagerly.
+//
+// Before the graph is instantiated, its small memset nodes (cuDNN queues one before most of its convolutions and
+// batch norms) become kernel nodes that write the same bytes, around which a replay idles less (core/graph_memsets.h).
+// HALFGRAD_CUDA_GRAPH_KEEP_MEMSETS=1 keeps them as captured.
 #include <cstdint>
 #include <functional>
 #include <vector>

@@ -17,9 +17,16 @@ KernelTable<CopyKernel> copy_kernel("copy");
 KernelTable<CopyKernel> transfer_kernel("transfer between devices");
 KernelTable<CopyEachKernel> copy_each_kernel("copy_each_");
 
+namespace {
+// Where a cast of t to `dtype` goes: t's layout kept, as PyTorch's to() keeps it.
+Tensor empty_cast_of(const Tensor& t, DType dtype) {
+  return empty(t.shape(), {.dtype = dtype, .device = t.device()}, kept_memory_format(t));
+}
+}  // namespace
+
 Tensor cast_nograd(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
-  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()}, kept_memory_format(t));
+  Tensor out = empty_cast_of(t, dtype);
   copy_kernel[t.device()](out, t);
   return out;
 }
@@ -132,6 +139,40 @@ Tensor Tensor::clone() const {
   return out;
 }
 
+bool copy_each_kernel_takes(DType dst, DType src) {
+  const bool narrow_or_widen = (dst == kFloat32 && is_half(src)) || (is_half(dst) && src == kFloat32);
+  return dst == src || narrow_or_widen;
+}
+
+namespace {
+// Both contiguous, or both channels_last with the same strides: element i of one storage is element i of the
+// other's, so the pair is copied as its storages' 1-D views. (Not aligned rows: their padding is no element.)
+bool laid_out_alike(const Tensor& d, const Tensor& s) {
+  return (d.is_contiguous() && s.is_contiguous()) ||
+         (d.strides() == s.strides() && storage_format(d) == MemoryFormat::ChannelsLast &&
+          storage_format(s) == MemoryFormat::ChannelsLast);
+}
+
+// copy_each_ past its checks: the pairs copy_each_kernel takes, grouped by device and dtypes, a launch (on CUDA) a
+// group; the others one by one.
+void copy_pairs(const TensorList& dst, const TensorList& src) {
+  NoGradGuard no_grad;
+  std::map<std::tuple<int, int, int, int>, std::pair<TensorList, TensorList>> batched;  // device type, index, dtypes
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const Tensor &d = dst[i], &s = src[i];
+    if (d.numel() == 0) continue;
+    if (laid_out_alike(d, s) && copy_each_kernel_takes(d.dtype(), s.dtype())) {
+      auto& [ds, ss] = batched[{int(d.device().type), d.device().index, int(d.dtype()), int(s.dtype())}];
+      ds.push_back(flat_storage_view(d));
+      ss.push_back(flat_storage_view(s));
+    } else {
+      copy_kernel[d.device()](d, s);
+    }
+  }
+  for (auto& [key, lists] : batched) copy_each_kernel[lists.first[0].device()](lists.first, lists.second);
+}
+}  // namespace
+
 void copy_each_(const TensorList& dst, const TensorList& src) {
   HG_CHECK(dst.size() == src.size(), "copy_each_: {} destinations for {} sources", dst.size(), src.size());
   for (size_t i = 0; i < dst.size(); ++i) {  // every pair checked before any is copied
@@ -139,21 +180,21 @@ void copy_each_(const TensorList& dst, const TensorList& src) {
              "(each pair must have one shape and one device)", i, dst[i].meta(), src[i].meta());
     check_inplace(dst[i], "copy_each_", /*records=*/false);
   }
-  NoGradGuard no_grad;
-  // The batched pairs grouped by device and dtype; the others copied one by one.
-  std::map<std::tuple<int, int, int>, std::pair<TensorList, TensorList>> batched;  // by device type, index, dtype
-  for (size_t i = 0; i < dst.size(); ++i) {
-    const Tensor &d = dst[i], &s = src[i];
-    if (d.numel() == 0) continue;
-    if (d.dtype() == s.dtype() && d.is_contiguous() && s.is_contiguous()) {
-      auto& [ds, ss] = batched[{int(d.device().type), d.device().index, int(d.dtype())}];
-      ds.push_back(d);
-      ss.push_back(s);
-    } else {
-      copy_kernel[d.device()](d, s);
-    }
-  }
-  for (auto& [key, lists] : batched) copy_each_kernel[lists.first[0].device()](lists.first, lists.second);
+  copy_pairs(dst, src);
+}
+
+bool casts_in_batches(const Tensor& t, DType dtype) {
+  const std::optional<MemoryFormat> format = storage_format(t);
+  return t.dtype() != dtype && copy_each_kernel_takes(dtype, t.dtype()) &&
+         (format == MemoryFormat::Contiguous || format == MemoryFormat::ChannelsLast);
+}
+
+TensorList cast_each(const TensorList& tensors, const std::vector<DType>& dtypes) {
+  HG_CHECK(tensors.size() == dtypes.size(), "cast_each: {} tensors for {} dtypes", tensors.size(), dtypes.size());
+  TensorList out;
+  for (size_t i = 0; i < tensors.size(); ++i) out.push_back(empty_cast_of(tensors[i], dtypes[i]));
+  copy_pairs(out, tensors);
+  return out;
 }
 
 namespace {

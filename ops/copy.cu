@@ -1,5 +1,5 @@
 // Copies on CUDA: the dtype-converting strided copy (copy_kernel), copies between the host and a GPU or between GPUs
-// (transfer_kernel), and many contiguous copies in one launch (copy_each_kernel).
+// (transfer_kernel), and many copies in one launch (copy_each_kernel).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -256,7 +256,7 @@ void transfer_cuda(const Tensor& dst, const Tensor& src) {
   }
 }
 
-// ---- copy_each_kernel: contiguous pairs of one dtype, a launch per batch of them (ops/multi_tensor.cuh)
+// ---- copy_each_kernel: 1-D pairs of one dtype or a cast, a launch per batch of them (ops/multi_tensor.cuh)
 
 // Operand 0 the source, 1 the destination; the elements move as unsigned integers of their size, so every bit pattern
 // (a NaN's payload, -0) arrives as it left.
@@ -265,7 +265,59 @@ struct CopyEachOp {
   template <typename M> __device__ void operator()(M (&r)[2], const multi_tensor::NoExtra&) const { r[1] = r[0]; }
 };
 
+// Pairs of two dtypes (float32 and float16 or bfloat16): each thread converts kVec elements at a time where both
+// operands' chunks are aligned for it, as copy_kernel converts them (convert_value).
+template <typename To, typename From>
+__global__ void __launch_bounds__(multi_tensor::kBlock)
+    cast_each_kernel(const HG_GRID_CONSTANT multi_tensor::TensorBatch<2, multi_tensor::NoExtra> batch) {
+  using multi_tensor::kChunk;
+  using multi_tensor::kVec;
+  using multi_tensor::Vec;
+  for (int64_t chunk = blockIdx.x; chunk < batch.num_chunks; chunk += gridDim.x) {
+    const auto& e = multi_tensor::entry_of_chunk(batch, chunk);
+    const int64_t begin = (chunk - e.first_chunk) * kChunk;
+    const int64_t n = min(kChunk, e.numel - begin);
+    const From* from = static_cast<const From*>(e.ptr[0]) + begin;
+    To* to = static_cast<To*>(e.ptr[1]) + begin;
+    int64_t done = 0;
+    if (reinterpret_cast<uintptr_t>(from) % sizeof(Vec<From, kVec>) == 0 &&
+        reinterpret_cast<uintptr_t>(to) % sizeof(Vec<To, kVec>) == 0) {
+      const int64_t vectors = n / kVec;
+      for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+        const Vec<From, kVec> x = reinterpret_cast<const Vec<From, kVec>*>(from)[v];
+        Vec<To, kVec> y;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) y.v[k] = convert_value<To>(x.v[k]);
+        reinterpret_cast<Vec<To, kVec>*>(to)[v] = y;
+      }
+      done = vectors * kVec;
+    }
+    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) to[i] = convert_value<To>(from[i]);
+  }
+}
+
+template <typename To, typename From> void cast_each(const TensorList& dst, const TensorList& src) {
+  const Device device = dst[0].device();
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::current_stream(device);
+  multi_tensor::for_each_batch<2, multi_tensor::NoExtra>(
+      {&src, &dst}, [](size_t) { return multi_tensor::NoExtra{}; },
+      [&](const multi_tensor::TensorBatch<2, multi_tensor::NoExtra>& batch) {
+        cast_each_kernel<To, From><<<unsigned(batch.num_chunks), multi_tensor::kBlock, 0, stream>>>(batch);
+        HG_CUDA_CHECK_LAUNCH("copy_each_");
+      });
+}
+
 void copy_each_cuda(const TensorList& dst, const TensorList& src) {
+  const DType to = dst[0].dtype(), from = src[0].dtype();
+  if (to != from) {
+    HG_CHECK(copy_each_kernel_takes(to, from), "copy_each_: the CUDA kernel converts float32 from and to float16 "
+             "and bfloat16, not {} -> {}", src[0].meta(), dst[0].meta());
+    if (to == kFloat32) {
+      return from == kFloat16 ? cast_each<float, Half>(dst, src) : cast_each<float, BFloat16>(dst, src);
+    }
+    return to == kFloat16 ? cast_each<Half, float>(dst, src) : cast_each<BFloat16, float>(dst, src);
+  }
   auto launch = [&]<typename Bits>() {
     multi_tensor::launch_multi_tensor<Bits, 2, multi_tensor::NoExtra>(
         "copy_each_", dst[0].device(), {&src, &dst}, [](size_t) { return multi_tensor::NoExtra{}; }, CopyEachOp{});

@@ -1,5 +1,5 @@
 #pragma once
-// Copies and casts (copy.cpp): Tensor::to, Tensor::copy_, contiguous(), clone(), copy_each_.
+// Copies and casts (copy.cpp): Tensor::to, Tensor::copy_, contiguous(), clone(), copy_each_, cast_each.
 #include "core/dispatch.h"
 #include "core/tensor.h"
 
@@ -24,14 +24,23 @@ Tensor as_cast_of(const Tensor& t, const Tensor& values);
 Tensor contiguous_aligned_rows(const Tensor& t);
 
 // dst[i].copy_(src[i]) for every i, without autograd (torch._foreach_copy_): every pair the same shape and device,
-// any dtypes. The pairs of one dtype that are both contiguous go to copy_each_kernel, which on CUDA copies a batch of
-// them in one launch (multi-tensor apply, ops/multi_tensor.cuh) where a copy each would cost a launch each (a
-// ResNet-50's 161 gradients into DistributedDataParallel's buckets and back: ~0.8 ms of tiny copies a step); the other
-// pairs are copied one by one. No destination may overlap another pair's tensors (the copies are not ordered). Lists
-// of different lengths, or a pair of different shapes or devices, is an error naming the pair, before anything is
-// copied; so is a destination that autograd forbids writing (a leaf that requires grad, while grad mode is on).
+// any dtypes. The pairs laid out alike (both contiguous, or both channels_last) of one dtype, or of float32 and float16
+// or bfloat16, go to copy_each_kernel, which on CUDA copies a batch of them in one launch (multi-tensor apply, ops/multi_tensor.cuh)
+// where a copy each would cost a launch each (a ResNet-50's 161 gradients into DistributedDataParallel's buckets and
+// back: ~0.8 ms of tiny copies a step; autograd's casts of a ResNet-18's 22 float16 weight gradients to float32); the
+// other pairs are copied one by one. No destination may overlap another pair's tensors (the copies are not ordered).
+// Lists of different lengths, or a pair of different shapes or devices, is an error naming the pair, before anything
+// is copied; so is a destination that autograd forbids writing (a leaf that requires grad, while grad mode is on).
 void copy_each_(const TensorList& dst, const TensorList& src);
-// Contiguous pairs of one dtype on one device, none empty.
+// tensors[i] cast to dtypes[i] for every i, each as cast_nograd makes it (its layout kept) into a new tensor, without
+// autograd: those for which casts_in_batches holds in a launch per device and pair of dtypes (copy_each_kernel), the
+// others one by one. The autograd engine casts a backward's weight gradients with it.
+TensorList cast_each(const TensorList& tensors, const std::vector<DType>& dtypes);
+// Whether cast_each casts t to `dtype` in a batch: float32 from or to float16 or bfloat16, t contiguous or
+// channels_last.
+bool casts_in_batches(const Tensor& t, DType dtype);
+// 1-D pairs on one device, none empty, all of one destination dtype and one source dtype that copy_each_kernel_takes.
+bool copy_each_kernel_takes(DType dst, DType src);  // one dtype, or float32 and float16 or bfloat16 either way
 using CopyEachKernel = void (*)(const TensorList& dst, const TensorList& src);
 extern KernelTable<CopyEachKernel> copy_each_kernel;
 

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <tuple>
@@ -390,6 +391,41 @@ TEST_CASE("cuda: copy_each_ copies many tensors bit for bit in batched launches,
     CAPTURE(i);
     CHECK(testing::values(dst[i].cpu()) == testing::values(src[i].to(dst[i].dtype()).cpu()));
   }
+}
+
+TEST_CASE("cuda: copy_each_ casts float32 to and from float16 and bfloat16 in batched launches, bit for bit as to()") {
+  SKIP_WITHOUT_GPU();
+  // Values past float16's range, subnormals, infinities and NaN; lengths with a tail past the 4-element vectors;
+  // destinations one element into their storage (the element-by-element path); channels_last pairs.
+  const std::vector<float> specials = {70000.f, -1e-6f, 3e-8f, INFINITY, -INFINITY, NAN, 1.f / 3, -0.f, 65520.f};
+  auto bits = [](const Tensor& t) {
+    const Tensor c = t.cpu().contiguous();
+    std::vector<uint8_t> out(size_t(c.numel()) * element_size(c.dtype()));
+    std::memcpy(out.data(), c.data_ptr(), out.size());
+    return out;
+  };
+  const std::pair<DType, DType> pairs[] = {{kFloat32, kFloat16}, {kFloat32, kBFloat16}, {kFloat16, kFloat32},
+                                           {kBFloat16, kFloat32}};
+  TensorList src, dst;
+  for (int i = 0; i < 440; ++i) {  // 110 a pair of dtypes: more than one launch's batch holds (95)
+    const auto [to, from] = pairs[i % 4];
+    const int64_t n = 1 + (i * 53) % 1000 + (i == 5 ? 40000 : 0);
+    Tensor values = randn({n}) * 1000;
+    values.narrow(0, 0, std::min<int64_t>(n, 9)).copy_(tensor(specials).narrow(0, 0, std::min<int64_t>(n, 9)));
+    src.push_back(values.to(from).cuda());
+    Tensor d = empty({n + 1}, {.dtype = to, .device = kGpu});
+    dst.push_back(i % 3 == 0 ? d.narrow(0, 1, n) : d.narrow(0, 0, n));
+  }
+  for (const auto& [to, from] : pairs) {
+    src.push_back(contiguous_channels_last((randn({4, 6, 3, 5}) * 100).to(from).cuda()));
+    dst.push_back(empty({4, 6, 3, 5}, {.dtype = to, .device = kGpu}, MemoryFormat::ChannelsLast));
+  }
+  copy_each_(dst, src);
+  for (size_t i = 0; i < src.size(); ++i) {
+    CAPTURE(i);
+    CHECK(bits(dst[i]) == bits(src[i].to(dst[i].dtype())));
+  }
+  CHECK(is_channels_last(dst.back()));
 }
 
 TEST_CASE("cuda: where, clamp and fill match the CPU") {

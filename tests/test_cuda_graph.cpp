@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "halfgrad.h"
 #include "optim/adam.h"
@@ -11,6 +12,12 @@
 #include "optim/clip_grad.h"
 #include "optim/sgd.h"
 #include "tests/testing.h"
+
+#if HALFGRAD_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/graph_memsets.h"
+#endif
 
 using namespace halfgrad;
 
@@ -249,3 +256,104 @@ TEST_CASE("cuda graph: a CPU device is refused") {
   CHECK(testing::error_of([&] { graph.capture(Device::cpu(), [] {}); }).find("CUDA device is needed") !=
         std::string::npos);
 }
+
+#if HALFGRAD_WITH_CUDA
+TEST_CASE("cuda graph: small memset nodes become kernel nodes that write the same bytes in the same order") {
+  SKIP_WITHOUT_GPU();
+  // Memsets of 1-, 2- and 4-byte values, in rows and not; the second overwrites part of the first, and a copy of the
+  // whole buffer after the last shows what each wrote and in which order. The last is too large to be rewritten.
+  struct Memset {
+    size_t offset, pitch;
+    unsigned int value, element_size;
+    size_t width, height;
+  };
+  const std::vector<Memset> memsets = {
+      {0, 0, 0x11223344u, 4, 300, 1},    // 1,200 bytes from 0
+      {256, 0, 0xabu, 1, 37, 1},         // bytes inside the first, at an odd length
+      {402, 0, 0xbeefu, 2, 19, 1},       // 2-byte values from an address not a multiple of 4
+      {1300, 96, 0xdeadbeefu, 4, 7, 5},  // 5 rows of 28 bytes, 96 apart
+      {2048, 128, 0x5a5au, 2, 32, 4},    // 4 rows of 64 bytes, 128 apart
+      {4096, 0, 0x77u, 1, cuda::kRewrittenMemsetBytes + 1, 1},  // left a memset node
+  };
+  constexpr size_t kBytes = 4096 + cuda::kRewrittenMemsetBytes + 64;
+  std::vector<uint8_t> start(kBytes), expected;
+  for (size_t i = 0; i < kBytes; ++i) start[i] = uint8_t(i * 7 + 3);
+  expected = start;
+  size_t rewritten_bytes = 0;
+  for (const Memset& m : memsets) {
+    for (size_t row = 0; row < m.height; ++row)
+      for (size_t e = 0; e < m.width; ++e)
+        for (unsigned int b = 0; b < m.element_size; ++b)
+          expected[m.offset + row * m.pitch + e * m.element_size + b] = uint8_t(m.value >> (8 * b));
+    const size_t bytes = m.width * m.element_size * m.height;
+    if (bytes <= cuda::kRewrittenMemsetBytes) rewritten_bytes += bytes;
+  }
+
+  auto run = [&](bool rewrite) {
+    const Device cuda = Device::cuda();
+    Tensor buffer = tensor(start, {.dtype = kUInt8, .device = cuda});
+    Tensor copy = zeros({int64_t(kBytes)}, {.dtype = kUInt8, .device = cuda});
+    auto* base = static_cast<char*>(buffer.data_ptr());
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaGraphCreate(&graph, 0) == cudaSuccess);
+    cudaGraphNode_t last = nullptr;
+    for (const Memset& m : memsets) {
+      cudaMemsetParams params{.dst = base + m.offset, .pitch = m.height > 1 ? m.pitch : 0, .value = m.value,
+                              .elementSize = m.element_size, .width = m.width, .height = m.height};
+      cudaGraphNode_t node = nullptr;
+      REQUIRE(cudaGraphAddMemsetNode(&node, graph, last ? &last : nullptr, last ? 1 : 0, &params) == cudaSuccess);
+      last = node;
+    }
+    cudaGraphNode_t copied = nullptr;
+    REQUIRE(cudaGraphAddMemcpyNode1D(&copied, graph, &last, 1, copy.data_ptr(), base, kBytes,
+                                     cudaMemcpyDeviceToDevice) == cudaSuccess);
+    if (rewrite) {
+      const cuda::MemsetsRewritten done = cuda::memsets_as_kernels(graph);
+      CHECK(done.nodes == int(memsets.size()) - 1);
+      CHECK(done.bytes == rewritten_bytes);
+      size_t count = 0;
+      REQUIRE(cudaGraphGetNodes(graph, nullptr, &count) == cudaSuccess);
+      std::vector<cudaGraphNode_t> nodes(count);
+      REQUIRE(cudaGraphGetNodes(graph, nodes.data(), &count) == cudaSuccess);
+      int kernels = 0, memset_nodes = 0;
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType type;
+        REQUIRE(cudaGraphNodeGetType(node, &type) == cudaSuccess);
+        kernels += type == cudaGraphNodeTypeKernel;
+        memset_nodes += type == cudaGraphNodeTypeMemset;
+      }
+      CHECK(kernels == int(memsets.size()) - 1);
+      CHECK(memset_nodes == 1);
+    }
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    cudaGraphDestroy(graph);
+    for (int replay = 0; replay < 2; ++replay) REQUIRE(cudaGraphLaunch(exec, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    cudaGraphExecDestroy(exec);
+    const Tensor host = copy.cpu();
+    std::vector<uint8_t> bytes(kBytes);
+    std::memcpy(bytes.data(), host.data_ptr(), kBytes);
+    return bytes;
+  };
+  CHECK(run(false) == expected);  // the driver's memsets, against which the expectation itself is checked
+  CHECK(run(true) == expected);
+}
+
+TEST_CASE("cuda graph: a memset captured in a step writes its bytes at every replay") {
+  SKIP_WITHOUT_GPU();
+  const Device cuda = Device::cuda();
+  Tensor t = zeros({1000}, {.dtype = kUInt8, .device = cuda});
+  cuda::Graph graph;
+  graph.capture(cuda, [&] {
+    REQUIRE(cudaMemsetAsync(t.narrow(0, 3, 500).data_ptr(), 0xab, 500, cuda::current_stream(0)) == cudaSuccess);
+  });
+  for (int replay = 0; replay < 2; ++replay) {
+    t.fill_(0);
+    graph.replay();
+    std::vector<double> expected(1000, 0);
+    std::fill(expected.begin() + 3, expected.begin() + 503, 0xab);
+    CHECK(testing::values(t.cpu()) == expected);
+  }
+}
+#endif
