@@ -337,7 +337,7 @@ TEST_CASE("a step skipped for an overflow leaves each kept cast as its parameter
   CHECK(is_cast_of(amp::kept_cast(w), w));
 }
 
-TEST_CASE("a step writes the kept casts of one dtype; a parameter cast to another is cast again by its next region") {
+TEST_CASE("a step writes the kept casts of one dtype, a parameter cast to another is cast again by its next region") {
   Tensor a = randn({8}, {.requires_grad = true}), b = randn({8}, {.requires_grad = true});
   cast_in_a_region({a}, kFloat16);
   cast_in_a_region({b}, kBFloat16);
@@ -614,7 +614,7 @@ TEST_CASE("an overflow skips the step, halves the scale and leaves the parameter
   CHECK(scaler.skipped_steps() == 2);
 }
 
-TEST_CASE("a skipped first step leaves SGD's momentum as if it had never run; Adam's step count does not advance") {
+TEST_CASE("a skipped first step leaves SGD's momentum as if it had never run, Adam's step count does not advance") {
   for (double dampening : {0.0, 0.5}) {  // with dampening the skip is decided on the host (SGD::step_unless)
     CAPTURE(dampening);
     Tensor w = ones({2}, {.requires_grad = true}), ref = ones({2}, {.requires_grad = true});
@@ -692,7 +692,7 @@ TEST_CASE("the scale is float32 and never grows to infinity there") {
 // Without a floor, 150 overflowing steps in a row took the scale below float32's smallest normal number; 1/scale
 // overflowed and every later step was skipped however clean its gradients (issue 16). The rule is one function for
 // both kernels (amp::update_scale_rule): the CPU's and, where a GPU is visible, the CUDA kernel's.
-TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, said once; it grows to max_scale") {
+TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, said once, it grows to max_scale") {
   std::vector<Device> devices{Device::cpu()};
   if (cuda::is_available()) devices.push_back(Device::cuda(0));
   for (Device device : devices) {
@@ -740,7 +740,7 @@ TEST_CASE("a dynamic scale stops at min_scale and clean steps go on from there, 
   low.load_state(low.state());
 }
 
-TEST_CASE("a static scale never changes; a disabled scaler passes everything through") {
+TEST_CASE("a static scale never changes, a disabled scaler passes everything through") {
   Tensor w = ones({1}, {.requires_grad = true});
   optim::SGD opt({w}, {.lr = 1});
   amp::GradScaler fixed({.init_scale = 128, .growth_interval = 1, .dynamic = false});
@@ -772,7 +772,7 @@ TEST_CASE("unscale_ runs at most once per step") {
   scaler.unscale_(opt);  // a new iteration
 }
 
-TEST_CASE("update() without an inf check since the last is an error, not a clean step; any gradient layout unscales") {
+TEST_CASE("update() without an inf check since the last is an error, not a clean step, any gradient layout unscales") {
   Tensor w = ones({3, 2}, {.requires_grad = true});
   optim::SGD opt({w}, {.lr = 1});
   amp::GradScaler scaler({.init_scale = 1024, .growth_interval = 1});

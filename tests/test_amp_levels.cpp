@@ -85,7 +85,7 @@ TEST_CASE("O3 puts everything in half, BatchNorm included, without masters or sc
   CHECK(to_vector<double>(before) != to_vector<double>(net->parameters()[0]));  // the optimizer trains the model
 }
 
-TEST_CASE("O0 and O1 leave the model in float32; O1 runs the forward under autocast") {
+TEST_CASE("O0 and O1 leave the model in float32, O1 runs the forward under autocast") {
   for (amp::OptLevel level : {amp::OptLevel::O0, amp::OptLevel::O1}) {
     auto net = small_net();
     optim::SGD opt(net->parameters(), {.lr = 0.01});
@@ -319,7 +319,7 @@ TEST_CASE("cuda: O2 as a captured step: a state loaded between replays with sync
   CHECK(values(amp.master_weights()[0].first) == std::vector<double>{7, 7});
 }
 
-TEST_CASE("O2: a write of the model's own values keeps the masters' float32 ones; a checkpoint's masters are kept") {
+TEST_CASE("O2: a write of the model's own values keeps the masters' float32 ones, a checkpoint's masters are kept") {
   auto model = nn::sequential({std::make_shared<nn::Linear>(2, 1)});
   {
     NoGradGuard no_grad;

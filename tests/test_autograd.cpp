@@ -106,7 +106,7 @@ TEST_CASE("backward runs nodes in reverse topological order on a diamond graph")
       {x});
 }
 
-TEST_CASE("a second backward through a freed graph is an error; retain_graph keeps it") {
+TEST_CASE("a second backward through a freed graph is an error, retain_graph keeps it") {
   Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
   Tensor y = (x.exp() * 2).sum();
   y.backward(Tensor(), /*retain_graph=*/true);
@@ -125,7 +125,7 @@ TEST_CASE("backward of a non-scalar needs a gradient of the output's shape") {
   CHECK_THROWS_WITH_AS(ones({1}).backward(), doctest::Contains("does not require grad"), Error);
 }
 
-TEST_CASE("requires_grad propagates; detach and NoGradGuard stop it") {
+TEST_CASE("requires_grad propagates, detach and NoGradGuard stop it") {
   Tensor x = ones({2}, {.requires_grad = true});
   Tensor c = ones({2});
   CHECK((x + c).requires_grad());
@@ -146,7 +146,7 @@ TEST_CASE("requires_grad propagates; detach and NoGradGuard stop it") {
   CHECK_THROWS_WITH_AS((x * 2).requires_grad_(false), doctest::Contains("leaf"), Error);
 }
 
-TEST_CASE("retain_grad keeps a non-leaf's gradient; non-leaves have none by default") {
+TEST_CASE("retain_grad keeps a non-leaf's gradient, non-leaves have none by default") {
   Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
   Tensor h = x * 2;
   Tensor k = h * 3;

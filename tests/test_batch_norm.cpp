@@ -126,7 +126,7 @@ TEST_CASE("batch_norm training updates the running statistics as computed by han
   CHECK(running_mean.version() > version);
 }
 
-TEST_CASE("batch_norm adds a training batch to num_batches_tracked on every path; evaluation leaves it alone") {
+TEST_CASE("batch_norm adds a training batch to num_batches_tracked on every path, evaluation leaves it alone") {
   manual_seed(104);
   Tensor x = randn({4, 3, 2, 2}), z = randn({4, 3, 2, 2}), ib = randn({3});
   Tensor rm = zeros({3}), rv = ones({3});

@@ -161,7 +161,7 @@ TEST_CASE("bench parses sizes in binary and decimal units and refuses anything e
   }
 }
 
-TEST_CASE("cuda: a memory limit caps what the allocator reserves; more than the device has is refused") {
+TEST_CASE("cuda: a memory limit caps what the allocator reserves, more than the device has is refused") {
   SKIP_WITHOUT_GPU();
   const size_t total = cuda::device_memory(0);
   CHECK(contains(error_of([&] { cuda::set_memory_limit(total + 1, 0); }), "is more than cuda:0 has"));

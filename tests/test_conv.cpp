@@ -605,7 +605,7 @@ TEST_CASE("cuda: conv2d's backward adds into the input's gradient from a shortcu
   }
 }
 
-TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU; the cached algorithm gives the same result again") {
+TEST_CASE("cuda: conv2d at ResNet sizes matches the CPU, the cached algorithm gives the same result again") {
   SKIP_WITHOUT_GPU();
   TF32Off tf32_off;
   manual_seed(29);

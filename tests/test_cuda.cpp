@@ -584,7 +584,7 @@ TEST_CASE("cuda: reductions match the CPU") {
   check_close(offset.cuda().var({1}), offset.to(kFloat64).var({1}).to(kFloat32), {1e-3, 0}, "var with a large mean");
 }
 
-TEST_CASE("cuda: matmul, bmm and linear match the CPU; fp32 is full precision unless TF32 is allowed") {
+TEST_CASE("cuda: matmul, bmm and linear match the CPU, fp32 is full precision unless TF32 is allowed") {
   SKIP_WITHOUT_GPU();
   manual_seed(17);
   // Error against a float64 product of the same (rounded) inputs, relative in the Frobenius norm: float32
@@ -874,7 +874,7 @@ TEST_CASE("cuda: running out of memory throws a catchable OutOfMemory that names
   CHECK(ok.sum().item<double>() == 2000.0);
 }
 
-TEST_CASE("cuda: work runs on the current stream; synchronize waits for it") {
+TEST_CASE("cuda: work runs on the current stream, synchronize waits for it") {
   SKIP_WITHOUT_GPU();
 #if HALFGRAD_WITH_CUDA
   CHECK(cuda::current_stream(0) == nullptr);  // the default stream until one is set

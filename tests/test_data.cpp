@@ -85,7 +85,7 @@ TEST_CASE("read_cifar10 reads every record of every file in order: labels and ch
   }
 }
 
-TEST_CASE("read_cifar100 takes the fine or the coarse label byte; the class tables match the official meta data") {
+TEST_CASE("read_cifar100 takes the fine or the coarse label byte, the class tables match the official meta data") {
   TempDir dir;
   write_records(dir.file("train.bin"), 0, {{11, 19}, {10, 49}, {4, 0}});
   data::ImageDataset fine = data::read_cifar100({dir.file("train.bin")});
@@ -465,7 +465,7 @@ TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, nami
   }
 }
 
-TEST_CASE("batchify lays the text out in columns; bptt_batch gives inputs and next-token targets") {
+TEST_CASE("batchify lays the text out in columns, bptt_batch gives inputs and next-token targets") {
   Tensor ids = arange(0, 26);
   Tensor source = data::batchify(ids, 4);  // 26 tokens -> 6 rows of 4 columns, 2 dropped
   CHECK(source.shape() == Shape{6, 4});

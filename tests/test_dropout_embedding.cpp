@@ -131,7 +131,7 @@ TEST_CASE("dropout multiplies a dropped element by 0: a dropped inf or nan gives
   }
 }
 
-TEST_CASE("dropout with p = 1 multiplies by 0: zeros and zero gradients, nan from inf or nan; p outside [0, 1] is an "
+TEST_CASE("dropout with p = 1 multiplies by 0: zeros and zero gradients, nan from inf or nan, p outside [0, 1] is an "
           "error") {
   Tensor x = randn({5}).requires_grad_();
   Tensor y = dropout(x, 1.0);
@@ -199,7 +199,7 @@ TEST_CASE("embedding gathers weight rows: indices [...] give [..., D]") {
   CHECK(embedding(scalar_tensor(int64_t(1), {.dtype = kInt64}), weight).shape() == Shape{3});
 }
 
-TEST_CASE("embedding backward adds the gradient of every use of a row; padding_idx rows get none") {
+TEST_CASE("embedding backward adds the gradient of every use of a row, padding_idx rows get none") {
   Tensor weight = randn({5, 2}).requires_grad_();
   Tensor idx = tensor<int64_t>({1, 4, 1, 1, 0});
   Tensor g = tensor<float>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, {5, 2});

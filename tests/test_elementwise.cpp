@@ -150,7 +150,7 @@ TEST_CASE("a copy within one dtype keeps every bit, NaN payloads and signed zero
   CHECK(bits_of(back) == bits);
 }
 
-TEST_CASE("copy_each_ copies every pair as copy_ does: casts, strides, empty tensors; a mismatched pair is an error") {
+TEST_CASE("copy_each_ copies every pair as copy_ does: casts, strides, empty tensors, a mismatched pair is an error") {
   TensorList src = {randn({3, 4}), randn({5}).to(kFloat16), randn({2, 3}).t(), randint(0, 9, {7}), randn({0}),
                     randn({4})};
   TensorList dst = {empty({3, 4}), empty({5}, {.dtype = kFloat16}), empty({3, 2}), empty({7}, {.dtype = kInt64}),
@@ -178,7 +178,7 @@ TEST_CASE("scalar operands on either side") {
   CHECK(arange(5).pow(2).dtype() == kInt64);
 }
 
-TEST_CASE("float16 and bfloat16 arithmetic reads a number in float32; comparisons and pow read it in their dtype") {
+TEST_CASE("float16 and bfloat16 arithmetic reads a number in float32, comparisons and pow read it in their dtype") {
   // PyTorch 2.11 on an H100: float16(1000) * 1e-8 is 1.0013580322265625e-05 on CUDA and on the CPU. 1e-8 rounded to
   // float16 first would be 0. The result is float16 (168 of its subnormal steps of 2^-24).
   const double product = 1.0013580322265625e-05;
@@ -240,7 +240,7 @@ TEST_CASE("a 0-d tensor beside one with dims promotes as a number does: only a h
   CHECK((half * ones({1}, {.dtype = kFloat64})).dtype() == kFloat64);
 }
 
-TEST_CASE("pow of integers refuses negative integer exponents; x^0.5 and x^-0.5 are sqrt and rsqrt, as in PyTorch") {
+TEST_CASE("pow of integers refuses negative integer exponents, x^0.5 and x^-0.5 are sqrt and rsqrt, as in PyTorch") {
   const Tensor i = tensor(std::vector<int64_t>{2, 1, -1, 0});
   CHECK_THROWS_WITH_AS(i.pow(-1), doctest::Contains("pow: integers to negative integer powers are not allowed "
                                                     "(int64[4] cpu to the power -1)"), Error);
@@ -259,7 +259,7 @@ TEST_CASE("pow of integers refuses negative integer exponents; x^0.5 and x^-0.5 
   }
 }
 
-TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's rule; infinities, a wrapping uint8 pass") {
+TEST_CASE("fill_ and full refuse a value their dtype cannot hold, by PyTorch's rule, infinities, a wrapping uint8 pass") {
   CHECK_THROWS_WITH_AS(full({1}, 300, {.dtype = kUInt8}), doctest::Contains("full: 300 cannot be converted to uint8 "
                                                                            "without overflow"), Error);
   Tensor half = zeros({2}, {.dtype = kFloat16});

@@ -8,7 +8,7 @@
 using namespace halfgrad;
 using halfgrad::testing::contains;
 
-TEST_CASE("HALFGRAD_LOG names a level in any case; warning is warn; anything else names none") {
+TEST_CASE("HALFGRAD_LOG names a level in any case, warning is warn, anything else names none") {
   CHECK(parse_log_level("debug") == spdlog::level::debug);
   CHECK(parse_log_level("DEBUG") == spdlog::level::debug);  // the bug: upper case silenced all logging
   CHECK(parse_log_level("Trace") == spdlog::level::trace);

@@ -89,7 +89,7 @@ TEST_CASE("linear_cross_entropy: gradcheck in float64, with and without a bias")
             {leaf({6, 3}), leaf({5, 3})});
 }
 
-TEST_CASE("linear_cross_entropy: the mean over no counted target is NaN; only the inputs that require grad get one") {
+TEST_CASE("linear_cross_entropy: the mean over no counted target is NaN, only the inputs that require grad get one") {
   Tensor x = randn({3, 2}, {.dtype = kFloat64}), w = randn({4, 2}, {.dtype = kFloat64}).requires_grad_(true);
   Tensor all_ignored = full({3}, int64_t(-100), {.dtype = kInt64});
   CHECK(std::isnan(linear_cross_entropy(x, w, Tensor(), all_ignored).item<double>()));

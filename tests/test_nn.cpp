@@ -156,7 +156,7 @@ TEST_CASE("apply visits every module, parents before children") {
 // ---------------------------------------------------------------------------------------------------------
 // Conversion
 
-TEST_CASE("a module registered twice is listed and visited once; nn::Sequential still runs each entry") {
+TEST_CASE("a module registered twice is listed and visited once, nn::Sequential still runs each entry") {
   auto linear = std::make_shared<nn::Linear>(2, 2, false);
   auto seq = nn::sequential({linear, linear});
   std::vector<std::string> names;
@@ -280,7 +280,7 @@ TEST_CASE("to(MemoryFormat::ChannelsLast) lays out the 4-D floating tensors NHWC
   CHECK(values(net.conv1->weight) == conv_values);
 }
 
-TEST_CASE("to(MemoryFormat::AlignedRows) lays out the 2-D floating tensors with their gradients; saved as values") {
+TEST_CASE("to(MemoryFormat::AlignedRows) lays out the 2-D floating tensors with their gradients, saved as values") {
   manual_seed(16);
   nn::Linear fc(7, 5);
   const Tensor x = randn({3, 7});
@@ -627,7 +627,7 @@ TEST_CASE("default init is reproducible under manual_seed") {
   CHECK_FALSE(bit_equal(a.weight, c.weight));
 }
 
-TEST_CASE("BatchNorm2d starts at weight 1, bias 0, mean 0, var 1; Embedding at N(0, 1)") {
+TEST_CASE("BatchNorm2d starts at weight 1, bias 0, mean 0, var 1, Embedding at N(0, 1)") {
   nn::BatchNorm2d bn(3);
   CHECK(values(bn.weight) == std::vector<double>{1, 1, 1});
   CHECK(values(bn.bias) == std::vector<double>{0, 0, 0});
@@ -849,7 +849,7 @@ TEST_CASE("BatchNorm2d on the GPU normalises and updates its running statistics 
   CHECK(bn_gpu->running_mean.dtype() == kFloat32);
 }
 
-TEST_CASE("a layer's negative size is an error naming the layer and the argument; a Linear of no inputs is built") {
+TEST_CASE("a layer's negative size is an error naming the layer and the argument, a Linear of no inputs is built") {
   CHECK_THROWS_WITH_AS(nn::Linear(-1, 3), doctest::Contains("Linear: in_features must be at least 0, got -1"), Error);
   CHECK_THROWS_WITH_AS(nn::Conv2d(2, -4, 3), doctest::Contains("Conv2d: out_channels must be at least 0, got -4"),
                        Error);

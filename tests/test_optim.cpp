@@ -90,7 +90,7 @@ TEST_CASE("SGD nesterov looks ahead along the momentum") {
   CHECK(values(p)[0] == doctest::Approx(-3.25));
 }
 
-TEST_CASE("parameter groups keep their own options; parameters without grad are skipped") {
+TEST_CASE("parameter groups keep their own options, parameters without grad are skipped") {
   Tensor a = tensor(std::vector<double>{1.0}).requires_grad_();
   Tensor b = tensor(std::vector<double>{1.0}).requires_grad_();
   Tensor c = tensor(std::vector<double>{1.0}).requires_grad_();
@@ -191,7 +191,7 @@ TEST_CASE("AdamW decays the weights directly: p *= 1 - lr * weight_decay") {
                      {0.7583525727518424, -1.7702548920304693}});
 }
 
-TEST_CASE("AdamW defaults to weight_decay 1e-2 like PyTorch; Adam to 0") {
+TEST_CASE("AdamW defaults to weight_decay 1e-2 like PyTorch, Adam to 0") {
   Tensor p = ones({1}, {.requires_grad = true});
   CHECK(optim::AdamW({p}).groups()[0].options.weight_decay == 1e-2);
   CHECK(optim::Adam({p}).groups()[0].options.weight_decay == 0);
@@ -327,7 +327,7 @@ TEST_CASE("RMSprop's state: square_avg, and grad_avg and momentum_buffer once it
   CHECK(values(opt.state(0, 0).buffers[1])[0] == doctest::Approx(0.01).epsilon(1e-6));  // float32
 }
 
-TEST_CASE("RMSprop refuses bad options; a checkpoint of other options loads them, as PyTorch's load_state_dict") {
+TEST_CASE("RMSprop refuses bad options, a checkpoint of other options loads them, as PyTorch's load_state_dict") {
   Tensor p = ones({1}, {.requires_grad = true});
   CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.lr = -1}), doctest::Contains("RMSprop: invalid learning rate"), Error);
   CHECK_THROWS_WITH_AS(optim::RMSprop({p}, {.alpha = 1.5}), doctest::Contains("alpha"), Error);
@@ -663,7 +663,7 @@ TEST_CASE("a step bumps the parameter's version: a graph that saved the old valu
 // ---------------------------------------------------------------------------------------------------------
 // Generic access: what schedulers and amp::initialize use
 
-TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: beta1; Adagrad: none)") {
+TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: beta1, Adagrad: none)") {
   Tensor a = ones({1}, {.requires_grad = true});
   Tensor b = ones({1}, {.requires_grad = true});
   optim::Adam adam({{{a}, {.lr = 0.1}}, {{b}, {.lr = 0.2, .betas = {0.8, 0.99}}}});
@@ -699,7 +699,7 @@ TEST_CASE("param_groups() reads and writes each group's lr and momentum (Adam: b
   CHECK(adagrad.groups()[0].options.lr == 0.3);
 }
 
-TEST_CASE("add_param_group checks a new group as the constructor does; an empty parameter list is refused") {
+TEST_CASE("add_param_group checks a new group as the constructor does, an empty parameter list is refused") {
   Tensor a = ones({1}, {.requires_grad = true}), b = ones({1}, {.requires_grad = true});
   optim::SGD sgd({a}, {.lr = 0.5});
   CHECK_THROWS_WITH_AS(sgd.add_param_group({{a, b}, {.lr = 0.1}}),
@@ -938,7 +938,7 @@ TEST_CASE("loading another optimizer's state names the unexpected entry, what th
                                          "decides which buffers each parameter keeps"), Error);
 }
 
-TEST_CASE("loading state restores every option of each group, as PyTorch's load_state_dict; an older file keeps the "
+TEST_CASE("loading state restores every option of each group, as PyTorch's load_state_dict, an older file keeps the "
           "constructor's") {
   auto grad_of = [](const Tensor& p, int s) {
     NoGradGuard no_grad;
@@ -1075,7 +1075,7 @@ TEST_CASE("clip_grad_norm_ with the 2-norm: total over all gradients, coefficien
   CHECK_FALSE(c.grad().defined());
 }
 
-TEST_CASE("clip_grad_norm_ with the inf-norm and other p; below max_norm the gradients do not change") {
+TEST_CASE("clip_grad_norm_ with the inf-norm and other p, below max_norm the gradients do not change") {
   Tensor a = zeros({3}, {.dtype = kFloat64, .requires_grad = true});
   auto reset = [&] { a.set_grad(tensor(std::vector<double>{1, -12, 4})); };
   reset();
@@ -1089,7 +1089,7 @@ TEST_CASE("clip_grad_norm_ with the inf-norm and other p; below max_norm the gra
   CHECK_THROWS_WITH_AS(optim::clip_grad_norm_({a}, 1, 0), doctest::Contains("norm_type"), Error);
 }
 
-TEST_CASE("clip_grad_norm_ on float16 gradients accumulates in float32; many gradients; nan propagates") {
+TEST_CASE("clip_grad_norm_ on float16 gradients accumulates in float32, many gradients, nan propagates") {
   // Two float16 gradients of 60000: the norm 84853 is beyond float16's 65504 but not float32's.
   Tensor h = zeros({2}, {.dtype = kFloat16, .requires_grad = true});
   h.set_grad(full({2}, 60000.0, {.dtype = kFloat16}));
@@ -1218,7 +1218,7 @@ template <typename MakeOptimizer> void compare_cuda_step(DType dt, MakeOptimizer
 
 }  // namespace
 
-TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay; every dtype)") {
+TEST_CASE("CUDA fused SGD matches the CPU step (momentum, nesterov, weight decay, every dtype)") {
   SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {
@@ -1283,7 +1283,7 @@ TEST_CASE("CUDA plain SGD skips the vectors whose gradient is +0, bit-exact with
   }
 }
 
-TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; every dtype)") {
+TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay, every dtype)") {
   SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {
@@ -1293,7 +1293,7 @@ TEST_CASE("CUDA fused Adam and AdamW match the CPU step (amsgrad, weight decay; 
   }
 }
 
-TEST_CASE("CUDA fused RMSprop matches the CPU step (centered, momentum, weight decay; every dtype)") {
+TEST_CASE("CUDA fused RMSprop matches the CPU step (centered, momentum, weight decay, every dtype)") {
   SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {
@@ -1307,7 +1307,7 @@ TEST_CASE("CUDA fused RMSprop matches the CPU step (centered, momentum, weight d
   }
 }
 
-TEST_CASE("CUDA fused Adagrad matches the CPU step (lr decay, weight decay, initial sum; every dtype)") {
+TEST_CASE("CUDA fused Adagrad matches the CPU step (lr decay, weight decay, initial sum, every dtype)") {
   SKIP_WITHOUT_GPU();
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
     compare_cuda_step(dt, [](TensorList& p) {

@@ -210,7 +210,7 @@ TEST_CASE("reductions over several separate blocks of dims (conv's bias gradient
   gradcheck([](const TensorList& in) { return in[0].mean({0, 3}, true); }, {g});
 }
 
-TEST_CASE("integer and bool sums give int64; max, min and argmax work on every dtype") {
+TEST_CASE("integer and bool sums give int64, max, min and argmax work on every dtype") {
   manual_seed(2);
   Tensor ints = randint(-50, 50, {6, 10, 14});
   for (DType dtype : {kBool, kUInt8, kInt32, kInt64}) {
@@ -379,7 +379,7 @@ TEST_CASE("all and any treat nonzero, including nan, as true") {
   CHECK(values(halfgrad::all(m.gt(0), {0}, true)) == std::vector<double>{1, 0, 1});
 }
 
-TEST_CASE("empty tensors: sum is 0, mean and var nan, all true, any false; max over nothing is an error") {
+TEST_CASE("empty tensors: sum is 0, mean and var nan, all true, any false, max over nothing is an error") {
   Tensor e = empty({0, 3});
   CHECK(e.sum().item<double>() == 0);
   CHECK(values(e.sum({0})) == std::vector<double>{0, 0, 0});

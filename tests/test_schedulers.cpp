@@ -470,7 +470,7 @@ TEST_CASE("ReduceLROnPlateau (min, rel): patience, cooldown, a NaN metric, and e
   CHECK(opt.groups()[1].options.lr == 0.0125);
 }
 
-TEST_CASE("ReduceLROnPlateau (max): abs and rel thresholds; a reduction by eps or less is not made") {
+TEST_CASE("ReduceLROnPlateau (max): abs and rel thresholds, a reduction by eps or less is not made") {
   SUBCASE("abs, patience 0, eps 1e-3: 0.001 -> 0.0001 would move the lr by less than eps") {
     Fixture f;
     optim::SGD opt({f.a}, {.lr = 0.1});
@@ -497,7 +497,7 @@ TEST_CASE("ReduceLROnPlateau (max): abs and rel thresholds; a reduction by eps o
   }
 }
 
-TEST_CASE("ReduceLROnPlateau refuses bad options; its state goes on where saved, and a bad state changes nothing") {
+TEST_CASE("ReduceLROnPlateau refuses bad options, its state goes on where saved, and a bad state changes nothing") {
   Fixture f;
   optim::SGD opt({{{f.a}, {.lr = 0.1}}, {{f.b}, {.lr = 0.1}}});
   using Options = optim::ReduceLROnPlateauOptions;

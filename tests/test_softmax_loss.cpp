@@ -401,7 +401,7 @@ TEST_CASE("cross_entropy gradients match finite differences: weights, ignore_ind
             {leaf({3, 4}), probs});
 }
 
-TEST_CASE("cross_entropy under autocast runs in float32; without it a float16 loss keeps float16") {
+TEST_CASE("cross_entropy under autocast runs in float32, without it a float16 loss keeps float16") {
   manual_seed(110);
   Tensor logits = randn({4, 10}).to(kFloat16).requires_grad_();
   Tensor target = labels({1, 9, 0, 3}, {4});
