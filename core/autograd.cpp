@@ -375,16 +375,17 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   // a ResNet-18 step has 22), held and cast together by one cast_each once nothing else is ready to run, where a cast
   // each cost a launch each (ResNet-18 amp as a CUDA graph: 3.57 -> 3.53 ms on an H100). Only for a leaf without
   // hooks (which would see its gradient later), whose first gradient this is: its AccumulateGrad waits for the cast;
-  // a later gradient for it casts this one first, so sums keep their order. Only gradients of at most kHeldCast
-  // elements, as a launch is then a fair share of the cast's cost: the held gradients live until the backward's end.
-  struct PendingCast {
+  // a later gradient for it casts the held one first, so sums keep their order. Only gradients of at most
+  // kMaxHeldCastElements, for which a launch is a fair share of the cast's cost: held ones live until the pass's end.
+  // The same on every device (on the CPU nothing is saved, and the rule is one).
+  struct HeldCast {
     Edge edge;
     Tensor grad;
     DType dtype;
   };
-  std::vector<PendingCast> pending;  // in arrival order
-  std::unordered_set<Node*> pending_nodes;
-  std::vector<Node*> waiting;  // ready nodes held back for their pending cast
+  std::vector<HeldCast> held;  // in arrival order
+  std::unordered_set<Node*> held_nodes;
+  std::vector<Node*> waiting;  // ready AccumulateGrads whose gradient is held
   auto add_to_slot = [&](const Edge& edge, Tensor grad) {
     Node* n = edge.node.get();
     owners.emplace(n, edge.node);
@@ -393,36 +394,36 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     Tensor& slot = buf[edge.input_nr];
     slot = slot.defined() ? slot.add(grad) : std::move(grad);
   };
-  auto cast_now = [&](Node* n) {
-    auto it = std::find_if(pending.begin(), pending.end(), [n](const PendingCast& c) { return c.edge.node.get() == n; });
-    PendingCast cast = std::move(*it);
-    pending.erase(it);
-    pending_nodes.erase(n);
+  auto cast_held = [&](Node* n) {
+    auto it = std::find_if(held.begin(), held.end(), [n](const HeldCast& c) { return c.edge.node.get() == n; });
+    HeldCast cast = std::move(*it);
+    held.erase(it);
+    held_nodes.erase(n);
     add_to_slot(cast.edge, cast.grad.to(cast.dtype));
   };
   auto accumulate = [&](const Edge& edge, Tensor grad) {
-    if (pending_nodes.count(edge.node.get())) cast_now(edge.node.get());
+    if (held_nodes.count(edge.node.get())) cast_held(edge.node.get());
     add_to_slot(edge, std::move(grad));
   };
   auto holds_cast = [&](const Edge& edge, const Tensor& grad, DType dtype) {
-    constexpr int64_t kHeldCast = int64_t(1) << 22;  // 4M elements: 24 MB float16 -> float32, ~10 µs on an H100
+    constexpr int64_t kMaxHeldCastElements = int64_t(1) << 22;  // float16 -> float32: 24 MB, ~10 µs on an H100
     const auto* acc = dynamic_cast<const AccumulateGrad*>(edge.node.get());
-    if (acc == nullptr || acc->leaf_has_hooks() || !edge.node->pre_hooks.empty()) return false;
-    if (pending_nodes.count(edge.node.get()) || grad.numel() > kHeldCast || !casts_in_batches(grad, dtype)) return false;
+    if (acc == nullptr || acc->leaf_has_hooks() || held_nodes.count(edge.node.get())) return false;
+    if (grad.numel() > kMaxHeldCastElements || !casts_in_batches(grad, dtype)) return false;
     auto found = buffers.find(edge.node.get());
     return found == buffers.end() || edge.input_nr >= found->second.size() || !found->second[edge.input_nr].defined();
   };
-  auto cast_pending = [&] {
+  auto cast_all_held = [&] {
     TensorList grads;
     std::vector<DType> dtypes;
-    for (const PendingCast& c : pending) {
+    for (const HeldCast& c : held) {
       grads.push_back(c.grad);
       dtypes.push_back(c.dtype);
     }
     TensorList cast = cast_each(grads, dtypes);
-    for (size_t i = 0; i < pending.size(); ++i) add_to_slot(pending[i].edge, std::move(cast[i]));
-    pending.clear();
-    pending_nodes.clear();
+    for (size_t i = 0; i < held.size(); ++i) add_to_slot(held[i].edge, std::move(cast[i]));
+    held.clear();
+    held_nodes.clear();
   };
 
   std::vector<std::shared_ptr<Node>> roots;
@@ -471,15 +472,15 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
 
   for (;;) {
     if (ready.empty()) {
-      if (pending.empty()) break;
-      cast_pending();
+      if (held.empty()) break;
+      cast_all_held();
       for (Node* n : waiting) ready.push(n);
       waiting.clear();
       continue;
     }
     Node* node = ready.top();
     ready.pop();
-    if (pending_nodes.count(node)) {
+    if (held_nodes.count(node)) {
       waiting.push_back(node);
       continue;
     }
@@ -536,9 +537,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         if (g.dtype() == m.dtype) {
           accumulate(edge, std::move(g));
         } else if (holds_cast(edge, g, m.dtype)) {
-          pending_nodes.insert(edge.node.get());
-          owners.emplace(edge.node.get(), edge.node);
-          pending.push_back({edge, std::move(g), m.dtype});
+          held_nodes.insert(edge.node.get());
+          held.push_back({edge, std::move(g), m.dtype});
         } else {
           accumulate(edge, g.to(m.dtype));
         }

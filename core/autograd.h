@@ -154,7 +154,9 @@ std::string backward_name(std::string_view op);
 // grad; a view (but detach()'s) where the op records.
 void check_inplace(const Tensor& self, const char* op, bool records);
 
-// Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves.
+// Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves. A leaf without
+// hooks whose gradient arrives through a cast from another dtype (autocast's weights) gets it at the pass's end, with
+// the other such casts in one launch; a pass that throws leaves those leaves' .grad as it was.
 void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);
 
 // Runs `callback` when the backward pass running on this thread has run every node, before backward() returns

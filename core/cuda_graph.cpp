@@ -137,12 +137,18 @@ void Graph::capture(Device device, const std::function<void()>& work) {
   if (!keep_memsets()) {
     try {
       const MemsetsRewritten rewritten = memsets_as_kernels(graph);
-      logger().debug("cuda graph: {} memset nodes rewritten as kernel nodes ({} bytes)", rewritten.nodes,
-                     rewritten.bytes);
+      if (rewritten.nodes > 0) {
+        logger().debug("cuda graph: {} memset nodes rewritten as kernel nodes ({} bytes)", rewritten.nodes,
+                       rewritten.bytes);
+      }
     } catch (const Error& e) {
       cudaGraphDestroy(graph);
       release();
       throw Error(fmt::format("{}\n(HALFGRAD_CUDA_GRAPH_KEEP_MEMSETS=1 captures without this rewrite)", e.what()));
+    } catch (...) {
+      cudaGraphDestroy(graph);
+      release();
+      throw;
     }
   }
   const cudaError_t instantiated = cudaGraphInstantiate(&exec_, graph, 0);

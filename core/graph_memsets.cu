@@ -2,9 +2,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/error.h"
 #include "core/graph_memsets.h"
 
 namespace halfgrad::cuda {
@@ -29,18 +31,48 @@ unsigned int repeated(unsigned int value, unsigned int element_size) {
   return value;
 }
 
+// The nodes before (dependencies) or after (dependents) `node`. The graph API gained edge data in CUDA 12.3 (the _v2
+// calls, which CUDA 13 renamed to the plain names); the edges' data are asked for too where it exists, as a query
+// without them fails where an edge carries some.
 std::vector<cudaGraphNode_t> neighbours(cudaGraphNode_t node, bool before) {
-  auto query = [&](cudaGraphNode_t* nodes, cudaGraphEdgeData* edges, size_t* n) {
-    return before ? cudaGraphNodeGetDependencies(node, nodes, edges, n)
-                  : cudaGraphNodeGetDependentNodes(node, nodes, edges, n);
-  };
   size_t n = 0;
-  std::vector<cudaGraphEdgeData> edges;  // asked for too: a query without them fails where an edge has data
+#if CUDART_VERSION >= 12030
+#if CUDART_VERSION >= 13000
+  auto query = [&](cudaGraphNode_t* nodes, cudaGraphEdgeData* edges, size_t* count) {
+    return before ? cudaGraphNodeGetDependencies(node, nodes, edges, count)
+                  : cudaGraphNodeGetDependentNodes(node, nodes, edges, count);
+  };
+#else
+  auto query = [&](cudaGraphNode_t* nodes, cudaGraphEdgeData* edges, size_t* count) {
+    return before ? cudaGraphNodeGetDependencies_v2(node, nodes, edges, count)
+                  : cudaGraphNodeGetDependentNodes_v2(node, nodes, edges, count);
+  };
+#endif
   HG_CUDA_CHECK(query(nullptr, nullptr, &n), "cuda graph: memsets as kernels");
   std::vector<cudaGraphNode_t> nodes(n);
-  edges.resize(n);
+  std::vector<cudaGraphEdgeData> edges(n);
   HG_CUDA_CHECK(query(nodes.data(), edges.data(), &n), "cuda graph: memsets as kernels");
+#else
+  auto query = [&](cudaGraphNode_t* nodes, size_t* count) {
+    return before ? cudaGraphNodeGetDependencies(node, nodes, count)
+                  : cudaGraphNodeGetDependentNodes(node, nodes, count);
+  };
+  HG_CUDA_CHECK(query(nullptr, &n), "cuda graph: memsets as kernels");
+  std::vector<cudaGraphNode_t> nodes(n);
+  HG_CUDA_CHECK(query(nodes.data(), &n), "cuda graph: memsets as kernels");
+#endif
   return nodes;
+}
+
+// An edge `from` -> `to` without data.
+cudaError_t add_edge(cudaGraph_t graph, cudaGraphNode_t from, cudaGraphNode_t to) {
+#if CUDART_VERSION >= 13000
+  return cudaGraphAddDependencies(graph, &from, &to, nullptr, 1);
+#elif CUDART_VERSION >= 12030
+  return cudaGraphAddDependencies_v2(graph, &from, &to, nullptr, 1);
+#else
+  return cudaGraphAddDependencies(graph, &from, &to, 1);
+#endif
 }
 
 }  // namespace
@@ -70,12 +102,12 @@ MemsetsRewritten memsets_as_kernels(cudaGraph_t graph) {
     kernel.blockDim = dim3(kThreads);
     kernel.kernelParams = args;
     const std::vector<cudaGraphNode_t> before = neighbours(node, true), after = neighbours(node, false);
+    const std::string what = fmt::format("cuda graph: the memset of {} rows of {} values of {} bytes as a kernel",
+                                         rows, memset.width, memset.elementSize);
     cudaGraphNode_t replacement = nullptr;
-    HG_CUDA_CHECK(cudaGraphAddKernelNode(&replacement, graph, before.data(), before.size(), &kernel),
-                  "cuda graph: memsets as kernels");
-    for (cudaGraphNode_t next : after)
-      HG_CUDA_CHECK(cudaGraphAddDependencies(graph, &replacement, &next, nullptr, 1), "cuda graph: memsets as kernels");
-    HG_CUDA_CHECK(cudaGraphDestroyNode(node), "cuda graph: memsets as kernels");
+    HG_CUDA_CHECK(cudaGraphAddKernelNode(&replacement, graph, before.data(), before.size(), &kernel), what.c_str());
+    for (cudaGraphNode_t next : after) HG_CUDA_CHECK(add_edge(graph, replacement, next), what.c_str());
+    HG_CUDA_CHECK(cudaGraphDestroyNode(node), what.c_str());
     ++done.nodes;
     done.bytes += bytes;
   }

@@ -1,9 +1,10 @@
 #pragma once
 // A captured CUDA graph's small memset nodes rewritten as kernel nodes, for cuda::Graph (core/cuda_graph.cpp) to call
-// between the end of a capture and the instantiation. Why: in a replayed ResNet-18 step (docs/benchmarks.md, session
-// 60) the GPU idled ~1.3 µs before and ~2.2 µs after each of the 50 memsets cuDNN queues before its convolutions and
-// batch norms (580 bytes in all), where a kernel follows a kernel after ~0.6 µs; as kernel nodes they took the step
-// from 3.53 to 3.46 ms on an H100. A large memset is left alone: its own time, not the idle time, is what it costs.
+// between the end of a capture and the instantiation: a step's graph and autotuning's timing graphs alike. Why: in a
+// replayed ResNet-18 step (docs/benchmarks.md, session 60) the GPU idled ~1.3 µs before and ~2.2 µs after each of the
+// 43-50 memsets cuDNN queues before its convolutions and batch norms (a few bytes each), where a kernel follows a
+// kernel after ~0.6 µs; as kernel nodes they took the step from 3.53 to 3.46 ms on an H100. A large memset is left
+// alone: its own time, not the idle time around it, is what it costs.
 #include <cstddef>
 
 typedef struct CUgraph_st* cudaGraph_t;  // as the CUDA headers declare it (core/cuda.h's way: no CUDA header here)

@@ -145,12 +145,16 @@ bool copy_each_kernel_takes(DType dst, DType src) {
 }
 
 namespace {
-// Both contiguous, or both channels_last with the same strides: element i of one storage is element i of the
-// other's, so the pair is copied as its storages' 1-D views. (Not aligned rows: their padding is no element.)
+// Contiguous or channels_last: a tensor whose storage holds its elements alone, in its layout's order. Two of one
+// shape and one such layout are copied as their storages' 1-D views: element i of one is element i of the other.
+// (Not aligned rows: their padding is no element.)
+bool flat_in_storage(const Tensor& t) {
+  const std::optional<MemoryFormat> format = storage_format(t);
+  return format == MemoryFormat::Contiguous || format == MemoryFormat::ChannelsLast;
+}
+
 bool laid_out_alike(const Tensor& d, const Tensor& s) {
-  return (d.is_contiguous() && s.is_contiguous()) ||
-         (d.strides() == s.strides() && storage_format(d) == MemoryFormat::ChannelsLast &&
-          storage_format(s) == MemoryFormat::ChannelsLast);
+  return flat_in_storage(d) && storage_format(d) == storage_format(s);
 }
 
 // copy_each_ past its checks: the pairs copy_each_kernel takes, grouped by device and dtypes, a launch (on CUDA) a
@@ -184,9 +188,8 @@ void copy_each_(const TensorList& dst, const TensorList& src) {
 }
 
 bool casts_in_batches(const Tensor& t, DType dtype) {
-  const std::optional<MemoryFormat> format = storage_format(t);
-  return t.dtype() != dtype && copy_each_kernel_takes(dtype, t.dtype()) &&
-         (format == MemoryFormat::Contiguous || format == MemoryFormat::ChannelsLast);
+  // cast_each's destination keeps t's layout (empty_cast_of): laid out alike where t is flat in its storage.
+  return t.dtype() != dtype && copy_each_kernel_takes(dtype, t.dtype()) && flat_in_storage(t);
 }
 
 TensorList cast_each(const TensorList& tensors, const std::vector<DType>& dtypes) {

@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(multi_tensor::kBlock)
   }
 }
 
-template <typename To, typename From> void cast_each(const TensorList& dst, const TensorList& src) {
+template <typename To, typename From> void launch_cast_each(const TensorList& dst, const TensorList& src) {
   const Device device = dst[0].device();
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::current_stream(device);
@@ -314,9 +314,9 @@ void copy_each_cuda(const TensorList& dst, const TensorList& src) {
     HG_CHECK(copy_each_kernel_takes(to, from), "copy_each_: the CUDA kernel converts float32 from and to float16 "
              "and bfloat16, not {} -> {}", src[0].meta(), dst[0].meta());
     if (to == kFloat32) {
-      return from == kFloat16 ? cast_each<float, Half>(dst, src) : cast_each<float, BFloat16>(dst, src);
+      return from == kFloat16 ? launch_cast_each<float, Half>(dst, src) : launch_cast_each<float, BFloat16>(dst, src);
     }
-    return to == kFloat16 ? cast_each<Half, float>(dst, src) : cast_each<BFloat16, float>(dst, src);
+    return to == kFloat16 ? launch_cast_each<Half, float>(dst, src) : launch_cast_each<BFloat16, float>(dst, src);
   }
   auto launch = [&]<typename Bits>() {
     multi_tensor::launch_multi_tensor<Bits, 2, multi_tensor::NoExtra>(

@@ -24,23 +24,24 @@ Tensor as_cast_of(const Tensor& t, const Tensor& values);
 Tensor contiguous_aligned_rows(const Tensor& t);
 
 // dst[i].copy_(src[i]) for every i, without autograd (torch._foreach_copy_): every pair the same shape and device,
-// any dtypes. The pairs laid out alike (both contiguous, or both channels_last) of one dtype, or of float32 and float16
-// or bfloat16, go to copy_each_kernel, which on CUDA copies a batch of them in one launch (multi-tensor apply, ops/multi_tensor.cuh)
+// any dtypes. The pairs both contiguous or both channels_last whose dtypes copy_each_kernel_takes go to
+// copy_each_kernel, which on CUDA copies them in batches (multi-tensor apply, ops/multi_tensor.cuh), a launch each,
 // where a copy each would cost a launch each (a ResNet-50's 161 gradients into DistributedDataParallel's buckets and
-// back: ~0.8 ms of tiny copies a step; autograd's casts of a ResNet-18's 22 float16 weight gradients to float32); the
-// other pairs are copied one by one. No destination may overlap another pair's tensors (the copies are not ordered).
-// Lists of different lengths, or a pair of different shapes or devices, is an error naming the pair, before anything
-// is copied; so is a destination that autograd forbids writing (a leaf that requires grad, while grad mode is on).
+// back: ~0.8 ms of tiny copies a step); the other pairs are copied one by one. No destination may overlap another
+// pair's tensors (the copies are not ordered). Lists of different lengths, or a pair of different shapes or devices,
+// is an error naming the pair, before anything is copied; so is a destination that autograd forbids writing (a leaf
+// that requires grad, while grad mode is on).
 void copy_each_(const TensorList& dst, const TensorList& src);
-// tensors[i] cast to dtypes[i] for every i, each as cast_nograd makes it (its layout kept) into a new tensor, without
-// autograd: those for which casts_in_batches holds in a launch per device and pair of dtypes (copy_each_kernel), the
-// others one by one. The autograd engine casts a backward's weight gradients with it.
+// tensors[i] cast to dtypes[i] for every i, each into a new tensor as cast_nograd makes it (its layout kept), without
+// autograd: those for which casts_in_batches holds in batches, as copy_each_ copies, the others one by one. The
+// autograd engine casts a backward's float16 weight gradients to float32 with it (ResNet-18: 22 in one launch).
 TensorList cast_each(const TensorList& tensors, const std::vector<DType>& dtypes);
 // Whether cast_each casts t to `dtype` in a batch: float32 from or to float16 or bfloat16, t contiguous or
 // channels_last.
 bool casts_in_batches(const Tensor& t, DType dtype);
-// 1-D pairs on one device, none empty, all of one destination dtype and one source dtype that copy_each_kernel_takes.
-bool copy_each_kernel_takes(DType dst, DType src);  // one dtype, or float32 and float16 or bfloat16 either way
+// The dtypes copy_each_kernel takes: one dtype, or float32 and float16 or bfloat16 either way.
+bool copy_each_kernel_takes(DType dst, DType src);
+// 1-D pairs on one device, none empty, all of one destination dtype and one source dtype that it takes.
 using CopyEachKernel = void (*)(const TensorList& dst, const TensorList& src);
 extern KernelTable<CopyEachKernel> copy_each_kernel;
 

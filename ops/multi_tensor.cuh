@@ -7,7 +7,8 @@
 // (grid-stride), finding a chunk's tensor by binary search over the entries' first chunk. Inside a chunk each thread
 // loads kVec-element vectors of every operand (when all are aligned), runs the update in registers in opmath_t, and
 // stores the operands the update writes. Used by the fused optimizers and the grad norm (optim/fused.cu), the loss
-// scaler's unscale (optim/grad_scaler.cu) and the copies of many tensors at once (copy_each_, ops/copy.cu).
+// scaler's unscale (optim/grad_scaler.cu) and the copies and casts of many tensors at once (copy_each_ and cast_each,
+// ops/copy.cu).
 #include <cuda_runtime.h>
 
 #include <array>
