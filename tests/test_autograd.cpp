@@ -339,17 +339,18 @@ TEST_CASE("gradients cast to a leaf's dtype are cast together at the end of the 
   // engine holds the first cast for the end of the pass, and must add it before the second gradient as it did when it
   // cast each at once: a leaf with a hook, which it never holds, is the reference. u's post-accumulate hook runs while
   // v's cast is held (its AccumulateGrad ran first when casts were not held); m's gradient keeps m's channels_last.
-  auto grads_of = [](bool hooked) {
-    Tensor u = tensor(std::vector<float>{5}).requires_grad_();
-    Tensor w = tensor(std::vector<float>{1, 2}).requires_grad_();
-    Tensor v = tensor(std::vector<float>{3, 4}).requires_grad_();
-    Tensor m = contiguous_channels_last(randn({2, 3, 2, 2})).requires_grad_();
+  // On the CPU, and on a GPU where there is one (the casts in one launch of copy_each_'s kernel).
+  auto grads_of = [](Device device, bool hooked) {
+    Tensor u = tensor(std::vector<float>{5}).to(device).requires_grad_();
+    Tensor w = tensor(std::vector<float>{1, 2}).to(device).requires_grad_();
+    Tensor v = tensor(std::vector<float>{3, 4}).to(device).requires_grad_();
+    Tensor m = contiguous_channels_last(randn({2, 3, 2, 2})).to(device).requires_grad_();
     if (hooked) {
       for (Tensor* t : {&w, &v, &m}) t->register_hook([](const Tensor& g) { return g; });
     }
     bool v_had_grad = false;
     u.register_post_accumulate_grad_hook([&](const Tensor&) { v_had_grad = v.grad().defined(); });
-    const Tensor tiny = full({2}, std::ldexp(1.0, -24), {.dtype = kFloat16});
+    const Tensor tiny = full({2}, std::ldexp(1.0, -24), {.dtype = kFloat16, .device = device});
     // One term a statement: the order the nodes are made in is the order they run in, backwards.
     Tensor loss = (u * 2).sum();
     loss = loss + (v.to(kFloat16) * 3).to(kFloat32).sum();
@@ -362,13 +363,18 @@ TEST_CASE("gradients cast to a leaf's dtype are cast together at the end of the 
     CHECK(w.grad().dtype() == kFloat32);
     CHECK(m.grad().dtype() == kFloat32);
     CHECK(is_channels_last(m.grad()));
-    return std::vector<std::vector<double>>{values(w.grad()), values(v.grad()), values(m.grad())};
+    return std::vector<std::vector<double>>{values(w.grad().cpu()), values(v.grad().cpu()), values(m.grad().cpu())};
   };
-  const auto reference = grads_of(true), held = grads_of(false);
-  CHECK(held == reference);
-  CHECK(held[0] == std::vector<double>{0, 0});
-  CHECK(held[1] == std::vector<double>{3, 3});
-  CHECK(held[2] == std::vector<double>(24, 2));
+  std::vector<Device> devices = {Device::cpu()};
+  if (cuda::is_available()) devices.push_back(Device::cuda());
+  for (Device device : devices) {
+    CAPTURE(device.str());
+    const auto reference = grads_of(device, true), held = grads_of(device, false);
+    CHECK(held == reference);
+    CHECK(held[0] == std::vector<double>{0, 0});
+    CHECK(held[1] == std::vector<double>{3, 3});
+    CHECK(held[2] == std::vector<double>(24, 2));
+  }
 }
 
 TEST_CASE("outputs of an op that get no gradient are treated as zero") {
