@@ -375,8 +375,9 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   // a ResNet-18 step has 22), held and cast together by one cast_each once nothing else is ready to run, where a cast
   // each cost a launch each (ResNet-18 amp as a CUDA graph: 3.57 -> 3.53 ms on an H100). Only for a leaf without
   // hooks (which would see its gradient later), whose first gradient this is: its AccumulateGrad waits for the cast;
-  // a later gradient for it casts the held one first, so sums keep their order. Only gradients of at most
-  // kMaxHeldCastElements, for which a launch is a fair share of the cast's cost: held ones live until the pass's end.
+  // a later gradient for it casts the held one first, so sums keep their order. Only gradients whose storage (a view's
+  // whole storage) holds at most kMaxHeldCastElements, for which a launch is a fair share of the cast's cost: held
+  // ones live until the pass's end.
   // The same on every device (on the CPU nothing is saved, and the rule is one).
   struct HeldCast {
     Edge edge;
@@ -409,7 +410,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     constexpr int64_t kMaxHeldCastElements = int64_t(1) << 22;  // float16 -> float32: 24 MB, ~10 µs on an H100
     const auto* acc = dynamic_cast<const AccumulateGrad*>(edge.node.get());
     if (acc == nullptr || acc->leaf_has_hooks() || held_nodes.count(edge.node.get())) return false;
-    if (grad.numel() > kMaxHeldCastElements || !casts_in_batches(grad, dtype)) return false;
+    const size_t max_bytes = size_t(kMaxHeldCastElements) * element_size(grad.dtype());
+    if (grad.storage()->nbytes() > max_bytes || !casts_in_batches(grad, dtype)) return false;
     auto found = buffers.find(edge.node.get());
     return found == buffers.end() || edge.input_nr >= found->second.size() || !found->second[edge.input_nr].defined();
   };

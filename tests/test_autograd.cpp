@@ -377,6 +377,29 @@ TEST_CASE("gradients cast to a leaf's dtype are cast together at the end of the 
   }
 }
 
+TEST_CASE("a gradient cast to a leaf's dtype is held only where its storage is small, a view's whole storage counted") {
+  // cat's backward passes each input a view of the one gradient of its output. w's is 2 elements of a storage of
+  // 4M + 2 float16 elements (the limit is 4M): held, it would keep 8 MB alive to the pass's end, so it is cast at
+  // once, before u's AccumulateGrad runs; v's 2 float16 elements of its own are held (u's hook sees no gradient).
+  auto w_and_v_had_grad = [](int64_t others) {
+    Tensor u = tensor(std::vector<float>{5}).requires_grad_();
+    Tensor w = tensor(std::vector<float>{1, 2}).requires_grad_();
+    Tensor v = tensor(std::vector<float>{3, 4}).requires_grad_();
+    Tensor big = zeros({others}, {.dtype = kFloat16, .requires_grad = true});
+    std::pair<bool, bool> had_grad;
+    u.register_post_accumulate_grad_hook([&](const Tensor&) { had_grad = {w.grad().defined(), v.grad().defined()}; });
+    Tensor loss = (u * 2).sum();
+    loss = loss + (v.to(kFloat16) * 3).to(kFloat32).sum();
+    loss = loss + cat({w.to(kFloat16), big}, 0).to(kFloat32).sum();
+    loss.backward();
+    CHECK(values(w.grad()) == std::vector<double>{1, 1});
+    CHECK(values(v.grad()) == std::vector<double>{3, 3});
+    return had_grad;
+  };
+  CHECK(w_and_v_had_grad(int64_t(1) << 22) == std::pair{true, false});
+  CHECK(w_and_v_had_grad(2) == std::pair{false, false});
+}
+
 TEST_CASE("outputs of an op that get no gradient are treated as zero") {
   Tensor x = tensor(std::vector<double>{1, 5, 3}).requires_grad_();
   auto [values_, indices] = x.max(0);
