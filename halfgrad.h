@@ -44,6 +44,7 @@
 #include "optim/amp.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
+#include "optim/lbfgs.h"
 #include "optim/rmsprop.h"
 #include "optim/scheduler.h"
 #include "optim/sgd.h"

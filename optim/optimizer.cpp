@@ -230,7 +230,16 @@ NamedTensors Optimizer::state_tensors() const {
         if (s.buffers[k].defined()) out.emplace_back(fmt::format("state.{}.{}.{}", g, p, names[k]), s.buffers[k]);
     }
   }
+  for (auto& [name, t] : own_state()) out.emplace_back("state." + name, std::move(t));
   return out;
+}
+
+std::vector<std::string> Optimizer::own_state_errors(const NamedTensors& entries,
+                                                     const std::vector<std::map<std::string, double>>&) const {
+  std::vector<std::string> errors;
+  for (const auto& [name, t] : entries)
+    errors.push_back(fmt::format("unexpected entry 'state.{}' ({})", name, t.meta()));
+  return errors;
 }
 
 namespace {
@@ -291,6 +300,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     return nullptr;
   };
 
+  NamedTensors own;  // "state.<name>" entries, named without "state."
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
     if (!seen.insert(name).second) {
@@ -342,11 +352,16 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     }
     if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g)) {
       if (const OtherOption* o = other_option(g, parts[2])) {
-        if (t.numel() != 1 || (o->flag ? t.dtype() != kBool : !t.is_floating_point())) {
+        const bool dtype_fits = o->flag      ? t.dtype() == kBool
+                                : o->integer ? t.is_floating_point() || is_integral(t.dtype())
+                                             : t.is_floating_point();
+        if (t.numel() != 1 || !dtype_fits) {
           errors.push_back(fmt::format("'{}' must be a one-element {} tensor, got {}", name,
-                                       o->flag ? "bool" : "floating", t.meta()));
+                                       o->flag ? "bool" : o->integer ? "floating or integer" : "floating", t.meta()));
         } else if (const double v = t.item<double>(); !std::isfinite(v)) {
           errors.push_back(fmt::format("'{}' is {}, not a finite number", name, v));
+        } else if (o->integer && (v != std::trunc(v) || std::abs(v) >= 0x1p63)) {
+          errors.push_back(fmt::format("'{}' is {}, not a whole number within int64's range", name, v));
         } else if (o->shapes_state && v != o->value) {
           errors.push_back(fmt::format("'{}' is {} but the optimizer's is {}, and it decides which buffers each "
                                        "parameter keeps: build the optimizer with the file's value", name,
@@ -356,6 +371,10 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         }
         continue;
       }
+    }
+    if (parts.size() == 2 && parts[0] == "state") {
+      own.emplace_back(std::string(parts[1]), t);
+      continue;
     }
     if (!(parts.size() == 4 && parts[0] == "state" && parse_index(parts[1], g) && parse_index(parts[2], p))) {
       errors.push_back(fmt::format("unexpected entry '{}' ({})", name, t.meta()));
@@ -386,6 +405,10 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     }
     size_t k = 0;
     while (k < names[g].size() && names[g][k] != parts[3]) ++k;
+    if (k == names[g].size() && names[g].empty() && !counts_steps()) {
+      errors.push_back(fmt::format("unexpected entry '{}': {} keeps no state per parameter", name, name_));
+      continue;
+    }
     if (k == names[g].size()) {
       errors.push_back(fmt::format("unexpected entry '{}': {} keeps {}{} for group {}", name, name_,
                                    counts_steps() ? "step, " : "", fmt::join(names[g], ", "), g));
@@ -446,6 +469,12 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     if (!absent.empty()) kept.push_back(fmt::format("group {}: {}", g, fmt::join(absent, ", ")));
   }
 
+  std::vector<std::map<std::string, double>> loaded_options(num_groups);
+  for (size_t g = 0; g < num_groups; ++g) {
+    for (const OtherOption& o : groups[g].expected) loaded_options[g][o.name] = o.value;
+    for (const auto& [option, value] : groups[g].others) loaded_options[g][option] = value;
+  }
+  for (std::string& e : own_state_errors(own, loaded_options)) errors.push_back(std::move(e));
   if (!errors.empty()) fail_loading(name_, "optimizer state", errors);
 
   if (!unchecked.empty())
@@ -464,6 +493,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
       if (any) this->state(g, p) = std::move(groups[g].params[p]);
     }
   }
+  load_own_state(own);
 }
 
 }  // namespace halfgrad::optim

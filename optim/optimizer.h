@@ -17,7 +17,8 @@
 //   for (optim::ParamGroupRef g : opt.param_groups()) g.lr *= 0.1;   // generic access (any Optimizer)
 //
 // A step runs the fused kernels of optim/fused.h: one call per (group, device, dtype) that updates all those
-// parameters in one pass over memory (one or a few kernel launches on CUDA, not one per parameter).
+// parameters in one pass over memory (one or a few kernel launches on CUDA, not one per parameter). LBFGS is the
+// exception: a step of it is iterations over flat vectors, with a closure (optim/lbfgs.h).
 #include <cstdint>
 #include <map>
 #include <span>
@@ -67,12 +68,14 @@ struct ParamGroupRef {
   MomentumRef momentum;
 };
 
-// An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, or a flag (one of the
-// two pointers is set). `shapes_state`: the option decides which buffers a parameter keeps (Adam's amsgrad), so a
-// checkpoint can only be loaded where it has the file's value. Each optimizer lists its own (other_options_of).
+// An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, an integer (kept as a
+// number) or a flag (one of the three pointers is set). `shapes_state`: the option decides which buffers a parameter
+// keeps (Adam's amsgrad), so a checkpoint can only be loaded where it has the file's value. Each optimizer lists its
+// own (other_options_of).
 struct OptionField {
   const char* name;
   double* number = nullptr;
+  int64_t* integer = nullptr;
   bool* flag = nullptr;
   bool shapes_state = false;
 };
@@ -122,13 +125,16 @@ class Optimizer {
   //                                  or 0-d bool   SGD's dampening, weight_decay, nesterov; Adam's beta2, eps,
   //                                                weight_decay, amsgrad; RMSprop's alpha, eps, weight_decay,
   //                                                centered; Adagrad's lr_decay, weight_decay,
-  //                                                initial_accumulator_value, eps
+  //                                                initial_accumulator_value, eps; LBFGS's max_iter,
+  //                                                max_eval, tolerance_grad, tolerance_change, history_size,
+  //                                                strong_wolfe
   //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW, RMSprop, Adagrad)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
   //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad); square_avg,
   //                                  grad_avg, momentum_buffer (RMSprop: the last two made when an option first
   //                                  needs them, and kept when it is turned off); sum (Adagrad)
+  //   state.<name>                   the optimizer's own state, of no one parameter (LBFGS: optim/lbfgs.h)
   // A parameter has entries only once it has state (after its first step with a gradient). Indices are plain
   // decimals ("0", "12"; not "00").
   // The tensors are the optimizer's own, not copies (as PyTorch's state_dict): write them out before the
@@ -159,11 +165,21 @@ class Optimizer {
   virtual size_t required_buffers(size_t g) const { return state_names(g).size(); }
   // Whether ParamState::step is part of the state (Adam's bias correction needs it; SGD's does not).
   virtual bool counts_steps() const = 0;
+  // The optimizer's own state, of no one parameter (LBFGS's history): state_tensors() writes it as "state.<name>";
+  // load_state_tensors() hands the file's "state.<name>" entries (named without "state.") to own_state_errors, which
+  // lists what is wrong with them (checked with everything else, before anything changes) given each group's other
+  // options as the load sets them (the file's, else the optimizer's), then to load_own_state. None by default: every
+  // such entry is unexpected.
+  virtual NamedTensors own_state() const { return {}; }
+  virtual std::vector<std::string> own_state_errors(const NamedTensors& entries,
+                                                    const std::vector<std::map<std::string, double>>& options) const;
+  virtual void load_own_state(const NamedTensors& entries) { (void)entries; }
   // Group g's options besides lr and momentum, by name, with their values (a flag as 0 or 1).
   struct OtherOption {
     std::string name;
     double value;
     bool flag, shapes_state;
+    bool integer = false;  // a whole number within int64's range
   };
   virtual std::vector<OtherOption> other_options(size_t g) const = 0;
   // Why group g cannot take a loaded lr, momentum and other options (the constructor's checks of its options with
@@ -260,8 +276,10 @@ template <typename Options> class OptimizerWith : public Optimizer {
   std::vector<OtherOption> other_options(size_t g) const override {
     Options options = groups_.at(g).options;
     std::vector<OtherOption> out;
-    for (const OptionField& f : other_options_of(options))
-      out.push_back({f.name, f.number ? *f.number : double(*f.flag), f.flag != nullptr, f.shapes_state});
+    for (const OptionField& f : other_options_of(options)) {
+      const double value = f.number ? *f.number : f.integer ? double(*f.integer) : double(*f.flag);
+      out.push_back({f.name, value, f.flag != nullptr, f.shapes_state, f.integer != nullptr});
+    }
     return out;
   }
   std::string refusal(size_t g, double lr, double momentum,
@@ -283,6 +301,7 @@ template <typename Options> class OptimizerWith : public Optimizer {
       const auto it = others.find(f.name);
       if (it == others.end()) continue;
       if (f.number) *f.number = it->second;
+      else if (f.integer) *f.integer = int64_t(it->second);
       else *f.flag = it->second != 0;
     }
     return options;

@@ -1,0 +1,361 @@
+// L-BFGS (optim/lbfgs.h): what its steps reach, its line search where a trial overflows, its stopping rules, its
+// checkpoint state and options, autocast and grad mode around it, CUDA against the CPU, and its refusals.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/autograd.h"
+#include "core/cuda.h"
+#include "halfgrad.h"
+#include "tests/testing.h"
+
+using namespace halfgrad;
+using halfgrad::testing::values;
+using optim::NamedTensors;
+
+namespace {
+
+// A small regression with a tanh, and a parameter the loss never reads (its gradient stays undefined):
+//   X[i][j] = sin(0.7 (3i + j) + 0.3) (6 x 3), Y[i][j] = cos(0.5 (2i + j)) (6 x 2),
+//   w[i][j] = 0.1 (i + 1) - 0.2 j (3 x 2), b = [0.05, -0.1], unused = [0.5, -0.5],
+//   loss = mean((tanh(X w + b) - Y)^2).
+struct Regression {
+  Tensor X, Y, w, b, unused;
+  int evals = 0;
+
+  explicit Regression(Device device = Device::cpu()) {
+    std::vector<double> x, y, w0;
+    for (int i = 0; i < 6; ++i)
+      for (int j = 0; j < 3; ++j) x.push_back(std::sin(0.7 * (3 * i + j) + 0.3));
+    for (int i = 0; i < 6; ++i)
+      for (int j = 0; j < 2; ++j) y.push_back(std::cos(0.5 * (2 * i + j)));
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < 2; ++j) w0.push_back(0.1 * (i + 1) - 0.2 * j);
+    X = tensor(x, {6, 3}).to(device);
+    Y = tensor(y, {6, 2}).to(device);
+    w = tensor(w0, {3, 2}).to(device).requires_grad_();
+    b = tensor(std::vector<double>{0.05, -0.1}).to(device).requires_grad_();
+    unused = tensor(std::vector<double>{0.5, -0.5}).to(device).requires_grad_();
+  }
+  TensorList params() { return {w, b, unused}; }
+  std::function<Tensor()> closure(optim::Optimizer& opt) {
+    return [this, &opt] {
+      opt.zero_grad();
+      Tensor loss = (X.matmul(w).add(b).tanh().sub(Y)).pow(2).mean();
+      loss.backward();
+      ++evals;
+      return loss;
+    };
+  }
+};
+
+void check_close(const std::vector<double>& got, const std::vector<double>& expected, double rel = 1e-10) {
+  REQUIRE(got.size() == expected.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == doctest::Approx(expected[i]).epsilon(rel));
+  }
+}
+
+// Runs `steps` steps and returns each step's loss.
+std::vector<double> run(Regression& r, optim::LBFGS& opt, int steps) {
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) losses.push_back(opt.step(r.closure(opt)).item<double>());
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("LBFGS minimises Rosenbrock's function with the strong-Wolfe line search in one step") {
+  // f(x, y) = (1 - x)^2 + 100 (y - x^2)^2 from (-1.5, 2): its minimum is 0 at (1, 1), along a curved valley that a
+  // fixed step crosses back and forth.
+  Tensor x = tensor(std::vector<double>{-1.5, 2.0}).requires_grad_();
+  optim::LBFGS opt({x}, {.lr = 1, .max_iter = 200, .strong_wolfe = true});
+  int evals = 0;
+  auto rosenbrock = [&] {
+    opt.zero_grad();
+    Tensor a = x[0], c = x[1];
+    Tensor loss = (a.neg().add(1)).pow(2).add(c.sub(a.pow(2)).pow(2).mul(100));
+    loss.backward();
+    ++evals;
+    return loss;
+  };
+  const double first = opt.step(rosenbrock).item<double>();
+  CHECK(first == doctest::Approx(std::pow(2.5, 2) + 100 * std::pow(2 - 2.25, 2)));  // the loss before the step
+  const std::vector<double> at = values(x);
+  CHECK(at[0] == doctest::Approx(1).epsilon(1e-5));
+  CHECK(at[1] == doctest::Approx(1).epsilon(1e-5));
+  CHECK(evals <= 200 * 5 / 4 + 25);  // max_eval, and at most one line search past it
+}
+
+TEST_CASE("LBFGS runs the closure with grad mode on, inside a NoGradGuard too, and returns its first loss") {
+  Regression r;
+  optim::LBFGS opt(r.params(), {.max_iter = 3});
+  Tensor loss;
+  {
+    NoGradGuard no_grad;
+    loss = opt.step(r.closure(opt));
+    CHECK_FALSE(GradMode::is_enabled());  // the caller's mode, back
+  }
+  CHECK(r.evals == 3);  // the first evaluation and one after each iteration but the last
+  CHECK(loss.item<double>() > 0);
+  CHECK(r.w.grad().defined());
+  CHECK(values(r.unused) == std::vector<double>{0.5, -0.5});  // no gradient: a zero one, never moved
+}
+
+TEST_CASE("LBFGS stops where the gradient is already below tolerance_grad, evaluating once") {
+  Tensor x = tensor(std::vector<double>{3.0}).requires_grad_();
+  optim::LBFGS opt({x}, {.tolerance_grad = 1e-7});
+  int evals = 0;
+  auto flat = [&] {
+    opt.zero_grad();
+    Tensor loss = x.mul(0).sum();  // a gradient of zeros
+    loss.backward();
+    ++evals;
+    return loss;
+  };
+  opt.step(flat);
+  CHECK(evals == 1);
+  CHECK(values(x) == std::vector<double>{3.0});
+  // The state has the count of evaluations and no history: no iteration ran.
+  NamedTensors state;
+  for (auto& [name, t] : opt.state_tensors())
+    if (name.rfind("state.", 0) == 0) state.emplace_back(name, t);
+  REQUIRE(state.size() == 2);
+  CHECK(state[0].first == "state.func_evals");
+  CHECK(state[0].second.item<int64_t>() == 1);
+  CHECK(state[1].first == "state.n_iter");
+  CHECK(state[1].second.item<int64_t>() == 0);
+}
+
+TEST_CASE("LBFGS resumes from its checkpoint state as if it had never stopped") {
+  for (bool wolfe : {false, true}) {
+    CAPTURE(wolfe);
+    // Two iterations a step: far from the minimum after the first step, where the history shapes the next.
+    const optim::LBFGSOptions options{.max_iter = 2, .history_size = 3, .strong_wolfe = wolfe};
+    Regression through, resumed, fresh;
+    optim::LBFGS a(through.params(), options);
+    run(through, a, 1);
+    const int first_evals = through.evals;
+    const NamedTensors saved = a.state_tensors();
+    for (Regression* r : {&resumed, &fresh}) {
+      NoGradGuard no_grad;
+      r->w.copy_(through.w);
+      r->b.copy_(through.b);
+    }
+    optim::LBFGS b(resumed.params(), {.max_iter = 7});  // the file's options replace these
+    b.load_state_tensors(saved);
+    optim::LBFGS c(fresh.params(), options);  // the same options, no history
+    const std::vector<double> expected = run(through, a, 2), got = run(resumed, b, 2);
+    CHECK(got == expected);
+    CHECK(values(resumed.w) == values(through.w));
+    CHECK(values(resumed.b) == values(through.b));
+    CHECK(resumed.evals == through.evals - first_evals);
+    run(fresh, c, 2);
+    CHECK(values(fresh.w) != values(through.w));
+  }
+}
+
+TEST_CASE("LBFGS refuses a checkpoint state that does not fit it, naming each entry, and keeps its own") {
+  Regression r;
+  optim::LBFGS opt(r.params(), {.max_iter = 3, .history_size = 2});
+  run(r, opt, 2);
+  const NamedTensors good = opt.state_tensors();
+  NamedTensors before;  // copies: state_tensors() hands out the optimizer's own tensors
+  for (const auto& [name, t] : good) before.emplace_back(name, t.clone());
+  auto with = [&](const std::string& name, const Tensor& value) {  // the entry replaced, or added
+    NamedTensors s;
+    for (const auto& [n, t] : good)
+      if (n != name) s.emplace_back(n, t);
+    s.emplace_back(name, value);
+    return s;
+  };
+  auto without = [&](const std::string& name) {
+    NamedTensors s;
+    for (const auto& [n, t] : good)
+      if (n != name) s.emplace_back(n, t);
+    return s;
+  };
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("state.d", zeros({7}, {.dtype = kFloat64}))),
+                       doctest::Contains("'state.d' must be a float64[10] tensor (the parameters' 10 elements end to "
+                                         "end), got float64[7] cpu"), Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("state.ro", zeros({3}, {.dtype = kFloat64}))),
+                       doctest::Contains("'state.ro' must be a 1-D floating tensor of at most history_size (2) "
+                                         "values"), Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(without("state.prev_loss")),
+                       doctest::Contains("the state has d, t, old_dirs, old_stps, ro, H_diag, prev_flat_grad but not "
+                                         "prev_loss"), Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("state.n_iter", scalar_tensor(-1, {.dtype = kInt64}))),
+                       doctest::Contains("'state.n_iter' must be a non-negative one-element integer tensor"), Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("state.al", zeros({2}, {.dtype = kFloat64}))),
+                       doctest::Contains("unexpected entry 'state.al' (float64[2] cpu): LBFGS keeps func_evals, "
+                                         "n_iter, d, t, old_dirs, old_stps, ro, H_diag, prev_flat_grad, prev_loss"),
+                       Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("param_groups.0.max_iter", scalar_tensor(2.5, {.dtype = kFloat64}))),
+                       doctest::Contains("'param_groups.0.max_iter' is 2.5, not a whole number"), Error);
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(
+                           with("param_groups.0.history_size", scalar_tensor(0.0, {.dtype = kFloat64}))),
+                       doctest::Contains("invalid history_size 0"), Error);
+  // Nothing changed: the state is still the one before the refused loads.
+  const NamedTensors after = opt.state_tensors();
+  REQUIRE(after.size() == before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    CAPTURE(after[i].first);
+    CHECK(after[i].first == before[i].first);
+    CHECK(values(after[i].second) == values(before[i].second));
+  }
+  // Another optimizer's per-parameter state is not LBFGS's.
+  CHECK_THROWS_WITH_AS(opt.load_state_tensors(with("state.0.0.momentum_buffer", zeros({3, 2}, {.dtype = kFloat64}))),
+                       doctest::Contains("unexpected entry 'state.0.0.momentum_buffer'"), Error);
+}
+
+TEST_CASE("LBFGS refuses what it cannot run: no closure, a second group, mixed parameters, bad options") {
+  Tensor x = zeros({2}, {.dtype = kFloat64, .requires_grad = true});
+  optim::LBFGS opt({x});
+  CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("LBFGS: step() needs the closure that evaluates the loss again"),
+                       Error);
+  CHECK_THROWS_WITH_AS(opt.step([] { return ones({2}); }),
+                       doctest::Contains("LBFGS: the closure must return the loss, a one-element tensor; it returned "
+                                         "float32[2] cpu"), Error);
+  Tensor y = zeros({2}, {.dtype = kFloat64, .requires_grad = true});
+  CHECK_THROWS_WITH_AS(opt.add_param_group({{y}, {}}), doctest::Contains("LBFGS: takes one parameter group (as "
+                                                                         "PyTorch's), not a group 1"), Error);
+  CHECK(opt.num_param_groups() == 1);
+  Tensor f = zeros({3}, {.requires_grad = true});
+  CHECK_THROWS_WITH_AS(optim::LBFGS({x, f}), doctest::Contains("LBFGS: every parameter must be on one device and of "
+                                                               "one dtype"), Error);
+  CHECK_THROWS_WITH_AS(optim::LBFGS({x}, {.max_iter = 0}), doctest::Contains("LBFGS: invalid max_iter 0"), Error);
+  CHECK_THROWS_WITH_AS(optim::LBFGS({x}, {.max_eval = 0}), doctest::Contains("LBFGS: invalid max_eval 0"), Error);
+  CHECK_THROWS_WITH_AS(optim::LBFGS({x}, {.history_size = 0}), doctest::Contains("LBFGS: invalid history_size 0"),
+                       Error);
+  CHECK_THROWS_WITH_AS(optim::LBFGS({x}, {.lr = -1}), doctest::Contains("LBFGS: invalid learning rate -1"), Error);
+  // The default max_eval is PyTorch's, max_iter * 5 / 4.
+  optim::LBFGS defaults({x}, {.max_iter = 10});
+  CHECK(defaults.groups()[0].options.max_eval == 12);
+}
+
+TEST_CASE("LBFGS on CUDA takes the steps it takes on the CPU") {
+  if (!cuda::is_available()) return;
+  for (bool wolfe : {false, true}) {
+    CAPTURE(wolfe);
+    const optim::LBFGSOptions options{.max_iter = 5, .history_size = 3, .strong_wolfe = wolfe};
+    Regression cpu, gpu(Device::cuda());
+    optim::LBFGS a(cpu.params(), options), b(gpu.params(), options);
+    check_close(run(gpu, b, 3), run(cpu, a, 3), 1e-12);
+    check_close(values(gpu.w.cpu()), values(cpu.w), 1e-12);
+    CHECK(gpu.evals == cpu.evals);
+  }
+}
+
+TEST_CASE("LBFGS's line search takes the bracket's middle where an overflowed trial leaves its cubic no minimum") {
+  // loss = -x / 10 + exp(10^6 (x - 3)): a slope down to a wall at 3, past which the loss and its gradient overflow to
+  // inf. A trial past the wall makes the cubic's coefficients inf - inf (NaN); PyTorch's interpolation then takes the
+  // middle of the bracket, and so must this one, rather than a NaN step.
+  // One iteration: its line search walks up to the wall, past it, and back, to a point that meets Wolfe's conditions
+  // just short of the minimum, 3 + ln(10^-7) / 10^6 = 2.9999839.
+  Tensor x = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+  optim::LBFGS opt({x}, {.max_iter = 1, .strong_wolfe = true});
+  int evals = 0;
+  opt.step([&] {
+    opt.zero_grad();
+    Tensor loss = x.mul(-0.1).add(x.sub(3).mul(1e6).exp()).sum();
+    loss.backward();
+    ++evals;
+    return loss;
+  });
+  const double at = values(x)[0];
+  CHECK(std::isfinite(at));
+  CHECK(at > 2.99998);
+  CHECK(at < 3);
+  CHECK(evals == 24);
+}
+
+TEST_CASE("LBFGS's own arithmetic runs without autocast; its closure runs under the caller's") {
+  // Under autocast a dot product (a matmul) would be float16, and Rosenbrock's slopes overflow it.
+  auto minimise = [](bool autocast) {
+    Tensor x = tensor(std::vector<float>{-1.5f, 2.0f}).requires_grad_();
+    optim::LBFGS opt({x}, {.max_iter = 40, .strong_wolfe = true});
+    bool closure_autocast = !autocast;
+    auto rosenbrock = [&] {
+      closure_autocast = amp::is_autocast_enabled();
+      opt.zero_grad();
+      Tensor a = x[0], c = x[1];
+      Tensor loss = (a.neg().add(1)).pow(2).add(c.sub(a.pow(2)).pow(2).mul(100));
+      loss.backward();
+      return loss;
+    };
+    amp::AutocastGuard guard(kFloat16, autocast);
+    opt.step(rosenbrock);
+    CHECK(closure_autocast == autocast);
+    CHECK(amp::is_autocast_enabled() == autocast);
+    return values(x);
+  };
+  const std::vector<double> plain = minimise(false), under_autocast = minimise(true);
+  CHECK(std::isfinite(under_autocast[0]));
+  CHECK(under_autocast == plain);
+}
+
+TEST_CASE("LBFGS refuses a loss scaler's steps before touching a gradient") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  optim::LBFGS opt({x});
+  x.set_grad(tensor(std::vector<double>{0.5, 0.25}));
+  const Tensor flag = zeros({}), scale = full({}, 0.5);
+  CHECK_THROWS_WITH_AS(opt.step_unless(flag), doctest::Contains("LBFGS: takes no loss scaler's overflow flag"), Error);
+  CHECK_THROWS_WITH_AS(opt.step_unless(ones({})), doctest::Contains("LBFGS: takes no loss scaler's overflow flag"),
+                       Error);
+  CHECK_THROWS_WITH_AS(opt.step_scaled(flag, scale), doctest::Contains("LBFGS: takes no loss scaler or clipping "
+                                                                       "coefficient"), Error);
+  CHECK(values(x.grad()) == std::vector<double>{0.5, 0.25});
+  CHECK(values(x) == std::vector<double>{1, 2});
+}
+
+TEST_CASE("LBFGS's checkpoint options: the file's history_size bounds its history, integers load from int64 too") {
+  Regression r;
+  optim::LBFGS saver(r.params(), {.max_iter = 6, .history_size = 5});
+  run(r, saver, 1);
+  const NamedTensors saved = saver.state_tensors();
+  int64_t kept = 0;
+  for (const auto& [name, t] : saved)
+    if (name == "state.ro") kept = t.size(0);
+  REQUIRE(kept > 2);
+  // An optimizer made with a smaller history_size takes the file's, and with it the longer history.
+  Regression r2;
+  optim::LBFGS smaller(r2.params(), {.history_size = 2});
+  smaller.load_state_tensors(saved);
+  CHECK(smaller.groups()[0].options.history_size == 5);
+  // A file whose history_size is below its own history is refused, whatever the optimizer's.
+  NamedTensors shrunk;
+  for (const auto& [name, t] : saved)
+    shrunk.emplace_back(name, name == "param_groups.0.history_size" ? scalar_tensor(2.0, {.dtype = kFloat64}) : t);
+  optim::LBFGS larger(r2.params(), {.history_size = 100});
+  CHECK_THROWS_WITH_AS(larger.load_state_tensors(shrunk),
+                       doctest::Contains("'state.ro' must be a 1-D floating tensor of at most history_size (2) values"),
+                       Error);
+  // Integer options as int64 tensors (as a converted PyTorch param_groups holds them).
+  NamedTensors integers;
+  for (const auto& [name, t] : saved)
+    integers.emplace_back(name, name == "param_groups.0.max_iter" ? scalar_tensor(9, {.dtype = kInt64}) : t);
+  larger.load_state_tensors(integers);
+  CHECK(larger.groups()[0].options.max_iter == 9);
+  // A history without an iteration to make it is refused.
+  NamedTensors no_iteration;
+  for (const auto& [name, t] : saved)
+    no_iteration.emplace_back(name, name == "state.n_iter" ? scalar_tensor(0, {.dtype = kInt64}) : t);
+  CHECK_THROWS_WITH_AS(larger.load_state_tensors(no_iteration),
+                       doctest::Contains("'state.n_iter' is 0 but the state holds a history"), Error);
+}
+
+TEST_CASE("LBFGS's options replaced whole keep PyTorch's max_eval default") {
+  Regression r;
+  optim::LBFGS opt(r.params());
+  opt.groups()[0].options = {.max_iter = 8};  // max_eval unset
+  run(r, opt, 1);
+  CHECK(r.evals <= 10);  // max_eval 8 * 5 / 4
+  double max_eval = 0;
+  for (const auto& [name, t] : opt.state_tensors())
+    if (name == "param_groups.0.max_eval") max_eval = t.item<double>();
+  CHECK(max_eval == 10);
+  CHECK(optim::default_max_eval(std::numeric_limits<int64_t>::max()) == std::numeric_limits<int64_t>::max());
+}
