@@ -272,7 +272,7 @@ TEST_CASE("LBFGS's line search takes the bracket's middle where an overflowed tr
   CHECK(evals == 24);
 }
 
-TEST_CASE("LBFGS's own arithmetic runs without autocast; its closure runs under the caller's") {
+TEST_CASE("LBFGS's own arithmetic runs without autocast, and its closure under the caller's") {
   // Under autocast a dot product (a matmul) would be float16, and Rosenbrock's slopes overflow it.
   auto minimise = [](bool autocast) {
     Tensor x = tensor(std::vector<float>{-1.5f, 2.0f}).requires_grad_();
