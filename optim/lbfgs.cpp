@@ -12,13 +12,16 @@
 
 namespace halfgrad::optim {
 
-int64_t default_max_eval(int64_t max_iter) {
+int64_t max_eval_of(const LBFGSOptions& o) {
+  if (o.max_eval) return *o.max_eval;
+  // floor(max_iter * 5 / 4) without overflowing, int64's largest where it would not fit.
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-  return max_iter > kMax / 5 ? kMax : max_iter * 5 / 4;
+  if (o.max_iter <= 0) return 0;
+  return o.max_iter > kMax / 5 * 4 ? kMax : o.max_iter / 4 * 5 + o.max_iter % 4 * 5 / 4;
 }
 
 std::vector<OptionField> other_options_of(LBFGSOptions& o) {
-  if (!o.max_eval) o.max_eval = default_max_eval(o.max_iter);  // as a checkpoint keeps it: the number a step uses
+  o.max_eval = max_eval_of(o);  // as a checkpoint keeps it: the number a step uses
   return {{.name = "max_iter", .integer = &o.max_iter},
           {.name = "max_eval", .integer = &*o.max_eval},
           {.name = "tolerance_grad", .number = &o.tolerance_grad},
@@ -172,7 +175,7 @@ LineSearchResult strong_wolfe(const std::function<std::pair<double, Tensor>(doub
 LBFGS::LBFGS(TensorList params, LBFGSOptions options)
     : OptimizerWith("LBFGS", std::vector<Group<LBFGSOptions>>{{std::move(params), options}}) {
   LBFGSOptions& o = groups_[0].options;
-  if (!o.max_eval) o.max_eval = default_max_eval(o.max_iter);
+  o.max_eval = max_eval_of(o);
   check_group_options(o, 0);
   check_parameters();
   const Tensor& first = this->params()[0];
@@ -257,7 +260,7 @@ Tensor LBFGS::step(const std::function<Tensor()>& closure) {
   amp::AutocastGuard no_autocast(caller.dtype, false);  // a dot product under autocast would be float16
   const auto loss_of = [&] { return evaluate(closure, caller).item<double>(); };
   const LBFGSOptions& o = groups_[0].options;
-  const int64_t max_eval = o.max_eval.value_or(default_max_eval(o.max_iter));
+  const int64_t max_eval = max_eval_of(o);
 
   const Tensor orig_loss = evaluate(closure, caller);
   double loss = orig_loss.item<double>();

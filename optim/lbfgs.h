@@ -47,7 +47,8 @@ struct LBFGSOptions {
   bool strong_wolfe = false;
 };
 inline double* momentum_of(LBFGSOptions&) { return nullptr; }
-int64_t default_max_eval(int64_t max_iter);  // max_iter * 5 / 4, at most int64's largest
+// The max_eval a step takes: the option's, or PyTorch's default max_iter * 5 / 4 (at most int64's largest).
+int64_t max_eval_of(const LBFGSOptions& o);
 std::vector<OptionField> other_options_of(LBFGSOptions& o);  // sets max_eval where unset
 
 class LBFGS : public OptimizerWith<LBFGSOptions> {

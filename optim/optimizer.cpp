@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <limits>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -234,6 +235,10 @@ NamedTensors Optimizer::state_tensors() const {
   return out;
 }
 
+int64_t whole_number(double value) {
+  return value >= 0x1p63 ? std::numeric_limits<int64_t>::max() : int64_t(value);
+}
+
 std::vector<std::string> Optimizer::own_state_errors(const NamedTensors& entries,
                                                      const std::vector<std::map<std::string, double>>&) const {
   std::vector<std::string> errors;
@@ -360,7 +365,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
                                        o->flag ? "bool" : o->integer ? "floating or integer" : "floating", t.meta()));
         } else if (const double v = t.item<double>(); !std::isfinite(v)) {
           errors.push_back(fmt::format("'{}' is {}, not a finite number", name, v));
-        } else if (o->integer && (v != std::trunc(v) || std::abs(v) >= 0x1p63)) {
+        } else if (o->integer && (v != std::trunc(v) || std::abs(v) > 0x1p63)) {
           errors.push_back(fmt::format("'{}' is {}, not a whole number within int64's range", name, v));
         } else if (o->shapes_state && v != o->value) {
           errors.push_back(fmt::format("'{}' is {} but the optimizer's is {}, and it decides which buffers each "

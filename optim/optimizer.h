@@ -69,7 +69,8 @@ struct ParamGroupRef {
 };
 
 // An option of a parameter group besides lr and momentum, as a checkpoint keeps it: a number, an integer (kept as a
-// number) or a flag (one of the three pointers is set). `shapes_state`: the option decides which buffers a parameter
+// float64 number: exact up to 2^53, and int64's largest, 2^63 - 1, read back as such from its rounding to 2^63) or a
+// flag (one of the three pointers is set). `shapes_state`: the option decides which buffers a parameter
 // keeps (Adam's amsgrad), so a checkpoint can only be loaded where it has the file's value. Each optimizer lists its
 // own (other_options_of).
 struct OptionField {
@@ -127,7 +128,7 @@ class Optimizer {
   //                                                centered; Adagrad's lr_decay, weight_decay,
   //                                                initial_accumulator_value, eps; LBFGS's max_iter,
   //                                                max_eval, tolerance_grad, tolerance_change, history_size,
-  //                                                strong_wolfe
+  //                                                strong_wolfe (its integers read from int64 tensors too)
   //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW, RMSprop, Adagrad)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
@@ -227,6 +228,10 @@ class Optimizer {
   std::vector<std::vector<ParamState>> state_;
 };
 
+// A loaded integer option's value, a whole number in [-2^63, 2^63] (load_state_tensors checks): int64's largest for
+// 2^63, the rounding of 2^63 - 1 to float64.
+int64_t whole_number(double value);
+
 // An optimizer's check of an option that must not be negative (nor NaN): "<optimizer>: invalid <option> <value> (group
 // <g>): must be >= 0".
 void check_not_negative(const char* optimizer, const char* option, double value, size_t g);
@@ -301,7 +306,7 @@ template <typename Options> class OptimizerWith : public Optimizer {
       const auto it = others.find(f.name);
       if (it == others.end()) continue;
       if (f.number) *f.number = it->second;
-      else if (f.integer) *f.integer = int64_t(it->second);
+      else if (f.integer) *f.integer = whole_number(it->second);
       else *f.flag = it->second != 0;
     }
     return options;

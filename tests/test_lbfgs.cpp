@@ -59,6 +59,12 @@ void check_close(const std::vector<double>& got, const std::vector<double>& expe
   }
 }
 
+// Rosenbrock's function of x = (a, c): (1 - a)^2 + 100 (c - a^2)^2, its minimum 0 at (1, 1) along a curved valley.
+Tensor rosenbrock(const Tensor& x) {
+  Tensor a = x[0], c = x[1];
+  return (a.neg().add(1)).pow(2).add(c.sub(a.pow(2)).pow(2).mul(100));
+}
+
 // Runs `steps` steps and returns each step's loss.
 std::vector<double> run(Regression& r, optim::LBFGS& opt, int steps) {
   std::vector<double> losses;
@@ -69,20 +75,18 @@ std::vector<double> run(Regression& r, optim::LBFGS& opt, int steps) {
 }  // namespace
 
 TEST_CASE("LBFGS minimises Rosenbrock's function with the strong-Wolfe line search in one step") {
-  // f(x, y) = (1 - x)^2 + 100 (y - x^2)^2 from (-1.5, 2): its minimum is 0 at (1, 1), along a curved valley that a
-  // fixed step crosses back and forth.
+  // From (-1.5, 2), where a fixed step would cross the valley back and forth.
   Tensor x = tensor(std::vector<double>{-1.5, 2.0}).requires_grad_();
   optim::LBFGS opt({x}, {.lr = 1, .max_iter = 200, .strong_wolfe = true});
   int evals = 0;
-  auto rosenbrock = [&] {
+  auto closure = [&] {
     opt.zero_grad();
-    Tensor a = x[0], c = x[1];
-    Tensor loss = (a.neg().add(1)).pow(2).add(c.sub(a.pow(2)).pow(2).mul(100));
+    Tensor loss = rosenbrock(x);
     loss.backward();
     ++evals;
     return loss;
   };
-  const double first = opt.step(rosenbrock).item<double>();
+  const double first = opt.step(closure).item<double>();
   CHECK(first == doctest::Approx(std::pow(2.5, 2) + 100 * std::pow(2 - 2.25, 2)));  // the loss before the step
   const std::vector<double> at = values(x);
   CHECK(at[0] == doctest::Approx(1).epsilon(1e-5));
@@ -100,7 +104,9 @@ TEST_CASE("LBFGS runs the closure with grad mode on, inside a NoGradGuard too, a
     CHECK_FALSE(GradMode::is_enabled());  // the caller's mode, back
   }
   CHECK(r.evals == 3);  // the first evaluation and one after each iteration but the last
-  CHECK(loss.item<double>() > 0);
+  Regression start;
+  optim::LBFGS unused(start.params());
+  CHECK(loss.item<double>() == start.closure(unused)().item<double>());  // the loss where the step began
   CHECK(r.w.grad().defined());
   CHECK(values(r.unused) == std::vector<double>{0.5, -0.5});  // no gradient: a zero one, never moved
 }
@@ -278,16 +284,15 @@ TEST_CASE("LBFGS's own arithmetic runs without autocast, and its closure under t
     Tensor x = tensor(std::vector<float>{-1.5f, 2.0f}).requires_grad_();
     optim::LBFGS opt({x}, {.max_iter = 40, .strong_wolfe = true});
     bool closure_autocast = !autocast;
-    auto rosenbrock = [&] {
+    auto closure = [&] {
       closure_autocast = amp::is_autocast_enabled();
       opt.zero_grad();
-      Tensor a = x[0], c = x[1];
-      Tensor loss = (a.neg().add(1)).pow(2).add(c.sub(a.pow(2)).pow(2).mul(100));
+      Tensor loss = rosenbrock(x);
       loss.backward();
       return loss;
     };
     amp::AutocastGuard guard(kFloat16, autocast);
-    opt.step(rosenbrock);
+    opt.step(closure);
     CHECK(closure_autocast == autocast);
     CHECK(amp::is_autocast_enabled() == autocast);
     return values(x);
@@ -347,15 +352,50 @@ TEST_CASE("LBFGS's checkpoint options: the file's history_size bounds its histor
                        doctest::Contains("'state.n_iter' is 0 but the state holds a history"), Error);
 }
 
-TEST_CASE("LBFGS's options replaced whole keep PyTorch's max_eval default") {
-  Regression r;
-  optim::LBFGS opt(r.params());
-  opt.groups()[0].options = {.max_iter = 8};  // max_eval unset
-  run(r, opt, 1);
-  CHECK(r.evals <= 10);  // max_eval 8 * 5 / 4
+TEST_CASE("LBFGS's options replaced whole keep PyTorch's max_eval default, which ends a step") {
+  // On Rosenbrock's function the line search takes two evaluations in some iterations, so max_eval (4 * 5 / 4 = 5)
+  // ends the step before max_iter does: as many evaluations and the same point as an optimizer given those options at
+  // construction, fewer than one allowed 1000.
+  struct Rosenbrock {
+    Tensor x = tensor(std::vector<double>{-1.5, 2.0}).requires_grad_();
+    int evals = 0;
+    void step(optim::LBFGS& opt) {
+      opt.step([&] {
+        opt.zero_grad();
+        Tensor loss = rosenbrock(x);
+        loss.backward();
+        ++evals;
+        return loss;
+      });
+    }
+  } replaced, built, unbounded;
+  const optim::LBFGSOptions options{.max_iter = 4, .strong_wolfe = true};
+  optim::LBFGS a({replaced.x});
+  a.groups()[0].options = options;  // max_eval unset
+  optim::LBFGS b({built.x}, options);
+  optim::LBFGSOptions more = options;
+  more.max_eval = 1000;
+  optim::LBFGS c({unbounded.x}, more);
+  replaced.step(a), built.step(b), unbounded.step(c);
+  CHECK(replaced.evals == built.evals);
+  CHECK(values(replaced.x) == values(built.x));
+  CHECK(built.evals == 5);
+  CHECK(unbounded.evals == 6);
   double max_eval = 0;
-  for (const auto& [name, t] : opt.state_tensors())
+  for (const auto& [name, t] : a.state_tensors())
     if (name == "param_groups.0.max_eval") max_eval = t.item<double>();
-  CHECK(max_eval == 10);
-  CHECK(optim::default_max_eval(std::numeric_limits<int64_t>::max()) == std::numeric_limits<int64_t>::max());
+  CHECK(max_eval == 5);
+}
+
+TEST_CASE("LBFGS's integer options survive a checkpoint up to int64's largest") {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  // PyTorch's default, floor(max_iter * 5 / 4), without overflowing, and int64's largest where it would not fit.
+  CHECK(optim::max_eval_of({.max_iter = 7}) == 8);
+  CHECK(optim::max_eval_of({.max_iter = kMax / 5 * 4}) == kMax / 5 * 5);
+  CHECK(optim::max_eval_of({.max_iter = kMax}) == kMax);
+  Tensor x = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+  optim::LBFGS saved({x}, {.max_iter = kMax}), loaded({x});
+  loaded.load_state_tensors(saved.state_tensors());
+  CHECK(loaded.groups()[0].options.max_iter == kMax);
+  CHECK(loaded.groups()[0].options.max_eval == kMax);
 }
