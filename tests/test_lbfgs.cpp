@@ -256,26 +256,26 @@ TEST_CASE("LBFGS on CUDA takes the steps it takes on the CPU") {
 }
 
 TEST_CASE("LBFGS's line search takes the bracket's middle where an overflowed trial leaves its cubic no minimum") {
-  // loss = -x / 10 + exp(10^6 (x - 3)): a slope down to a wall at 3, past which the loss and its gradient overflow to
-  // inf. A trial past the wall makes the cubic's coefficients inf - inf (NaN); PyTorch's interpolation then takes the
-  // middle of the bracket, and so must this one, rather than a NaN step.
-  // One iteration: its line search walks up to the wall, past it, and back, to a point that meets Wolfe's conditions
-  // just short of the minimum, 3 + ln(10^-7) / 10^6 = 2.9999839.
+  // loss = -x / 10 + exp(10^300 (x - 3)): a slope of -1/10 up to a wall at 3, past which the loss and its gradient are
+  // inf (below 3 the exponential is exactly 0). A trial past the wall makes the cubic's coefficient inf - inf (NaN);
+  // PyTorch's interpolation then takes the middle of the bracket, and so must this one, rather than a NaN step. No
+  // point meets Wolfe's curvature condition (the slope is -1/10 or inf), so the line search runs its 25 trials, closing
+  // in on the wall from below.
   Tensor x = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
   optim::LBFGS opt({x}, {.max_iter = 1, .strong_wolfe = true});
   int evals = 0;
   opt.step([&] {
     opt.zero_grad();
-    Tensor loss = x.mul(-0.1).add(x.sub(3).mul(1e6).exp()).sum();
+    Tensor loss = x.mul(-0.1).add(x.sub(3).mul(1e300).exp()).sum();
     loss.backward();
     ++evals;
     return loss;
   });
   const double at = values(x)[0];
   CHECK(std::isfinite(at));
-  CHECK(at > 2.99998);
+  CHECK(at > 2.9999);
   CHECK(at < 3);
-  CHECK(evals == 24);
+  CHECK(evals == 1 + 1 + 25);  // the step's first, the line search's first guess, its 25 trials
 }
 
 TEST_CASE("LBFGS's own arithmetic runs without autocast, and its closure under the caller's") {
