@@ -77,12 +77,11 @@ struct LineSearchResult {
 
 // A step length t along d from the loss f, gradient g and slope gtd = g . d at t = 0 that meets the strong Wolfe
 // conditions (sufficient decrease c1, curvature c2), PyTorch's _strong_wolfe (after minFunc): widen a bracket from the
-// first guess t until it holds such a point, then narrow it by cubic interpolation, at most max_ls evaluations in all.
-// `evaluate_at(t)` is the loss and flat gradient at x + t * d.
+// first guess t until it holds such a point, then narrow it by cubic interpolation, at most max_ls trials after the
+// first guess. `evaluate_at(t)` is the loss and flat gradient at x + t * d.
 LineSearchResult strong_wolfe(const std::function<std::pair<double, Tensor>(double)>& evaluate_at, double t,
-                              const Tensor& d, double f, const Tensor& g, double gtd) {
+                              const Tensor& d, double f, const Tensor& g, double gtd, int64_t max_ls) {
   constexpr double c1 = 1e-4, c2 = 0.9;
-  constexpr int max_ls = 25;
   // The bracket's narrowest width (times |d|_inf): PyTorch's default, which its step never overrides (not the
   // optimizer's tolerance_change).
   constexpr double tolerance_change = 1e-9;
@@ -97,7 +96,7 @@ LineSearchResult strong_wolfe(const std::function<std::pair<double, Tensor>(doub
   std::vector<double> bracket, bracket_f, bracket_gtd;
   std::vector<Tensor> bracket_g;
   bool done = false;
-  int ls_iter = 0;
+  int64_t ls_iter = 0;
   while (ls_iter < max_ls) {
     if (f_new > f + c1 * t * gtd || (ls_iter > 1 && f_new >= f_prev)) {
       bracket = {t_prev, t}, bracket_f = {f_prev, f_new}, bracket_g = {g_prev, g_new};
@@ -315,8 +314,9 @@ Tensor LBFGS::step(const std::function<Tensor()>& closure) {
     if (o.strong_wolfe) {
       TensorList x_init;
       for (const Tensor& p : params()) x_init.push_back(p.clone());
-      const LineSearchResult found = strong_wolfe(
-          [&](double t) { return evaluate_along(loss_of, x_init, t, d_); }, t_, d_, loss, grad, gtd);
+      // As PyTorch's: the trials the step's max_eval leaves (none where the first evaluation used it up).
+      const LineSearchResult found = strong_wolfe([&](double t) { return evaluate_along(loss_of, x_init, t, d_); }, t_,
+                                                  d_, loss, grad, gtd, max_eval - current_evals);
       loss = found.loss, grad = found.grad, t_ = found.t, ls_evals = found.evals;
       add_to_params(t_, d_);
       optimal = max_abs(grad) <= o.tolerance_grad;

@@ -1,9 +1,10 @@
 #pragma once
 // L-BFGS with PyTorch's algorithm (torch.optim.LBFGS, after minFunc): a step is up to max_iter iterations, each
 // moving along a direction that the last history_size (step, gradient change) pairs shape from the gradient, either by
-// lr (the first iteration of all by lr / |g|_1 at most) or by a strong-Wolfe line search; it stops early once the
-// gradient, the step or the loss's change falls below its tolerance. Each iteration evaluates the loss and its
-// gradient again, so a step takes a closure that does (zero_grad, forward, backward) and returns the loss:
+// lr (the first iteration of all by lr / |g|_1 at most) or by a strong-Wolfe line search (of at most the evaluations
+// max_eval leaves the step, as PyTorch 2.11's); it stops early once the gradient, the step or the loss's change falls
+// below its tolerance. Each iteration evaluates the loss and its gradient again, so a step takes a closure that does
+// (zero_grad, forward, backward) and returns the loss:
 //
 //   optim::LBFGS opt(model.parameters(), {.lr = 1, .history_size = 10, .strong_wolfe = true});
 //   for (int i = 0; i < 50; ++i)
