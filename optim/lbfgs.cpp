@@ -259,6 +259,7 @@ Tensor LBFGS::step(const std::function<Tensor()>& closure) {
   amp::AutocastGuard no_autocast(caller.dtype, false);  // a dot product under autocast would be float16
   const auto loss_of = [&] { return evaluate(closure, caller).item<double>(); };
   const LBFGSOptions& o = groups_[0].options;
+  check_group_options(o, 0);  // again: groups() hands the options out for editing in place
   const int64_t max_eval = max_eval_of(o);
 
   const Tensor orig_loss = evaluate(closure, caller);

@@ -1,10 +1,10 @@
 #pragma once
 // L-BFGS with PyTorch's algorithm (torch.optim.LBFGS, after minFunc): a step is up to max_iter iterations, each
 // moving along a direction that the last history_size (step, gradient change) pairs shape from the gradient, either by
-// lr (the first iteration of all by lr / |g|_1 at most) or by a strong-Wolfe line search (of at most the evaluations
-// max_eval leaves the step, as PyTorch 2.11's); it stops early once the gradient, the step or the loss's change falls
-// below its tolerance. Each iteration evaluates the loss and its gradient again, so a step takes a closure that does
-// (zero_grad, forward, backward) and returns the loss:
+// lr (the first iteration of all by lr / |g|_1 at most) or by a strong-Wolfe line search (a first guess, then at most
+// the evaluations max_eval leaves the step, as PyTorch 2.11's, so a step may evaluate max_eval + 1 times); it stops
+// early once the gradient, the step or the loss's change falls below its tolerance. Each iteration evaluates the loss
+// and its gradient again, so a step takes a closure that does (zero_grad, forward, backward) and returns the loss:
 //
 //   optim::LBFGS opt(model.parameters(), {.lr = 1, .history_size = 10, .strong_wolfe = true});
 //   for (int i = 0; i < 50; ++i)
@@ -39,7 +39,7 @@ namespace halfgrad::optim {
 struct LBFGSOptions {
   double lr = 1;
   int64_t max_iter = 20;                // iterations per step
-  std::optional<int64_t> max_eval;      // loss evaluations per step; max_iter * 5 / 4 where unset (PyTorch's)
+  std::optional<int64_t> max_eval;      // evaluations after which a step stops; max_iter * 5 / 4 where unset
   double tolerance_grad = 1e-7;         // stop once the gradient's largest magnitude is at most this
   double tolerance_change = 1e-9;       // ... or the step's, or the loss's change, is below this
   int64_t history_size = 100;           // (step, gradient change) pairs kept

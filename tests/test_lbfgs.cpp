@@ -79,10 +79,10 @@ double own_state(const optim::LBFGS& opt, const std::string& name) {
   return 0;
 }
 
-// One strong-Wolfe step from x = 0 on loss = -x / 10 + exp(steepness (x - 3)), a slope down to a wall at 3: x after
-// it, and the evaluations it took.
-std::pair<double, int> step_to_wall(double steepness, int64_t max_iter) {
-  Tensor x = zeros({1}, {.dtype = kFloat64, .requires_grad = true});
+// One strong-Wolfe step from x = `start` on loss = -x / 10 + exp(steepness (x - 3)), a slope down to a wall at 3: x
+// after it, and the evaluations it took.
+std::pair<double, int> step_to_wall(double steepness, int64_t max_iter, double start = 0) {
+  Tensor x = full({1}, start, {.dtype = kFloat64, .requires_grad = true});
   optim::LBFGS opt({x}, {.max_iter = max_iter, .strong_wolfe = true});
   int evals = 0;
   opt.step([&] {
@@ -156,9 +156,15 @@ TEST_CASE("LBFGS takes PyTorch's steps: a fixed step, max_eval, the strong-Wolfe
 }
 
 TEST_CASE("LBFGS's line search takes the trials max_eval leaves it, none where the first evaluation used them up") {
-  // max_iter 1 makes max_eval 1: the line search evaluates its first guess (t = 1 here) and takes it, as PyTorch's
-  // does (x = 0.1 after 2 evaluations), though that point does not meet the curvature condition.
-  CHECK(step_to_wall(1e6, 1) == std::pair{0.1, 2});
+  // max_iter 1 makes max_eval 1: the line search evaluates its first guess (t = 1 here) and takes it where it is lower,
+  // as PyTorch's does (x = 0.1 after 2 evaluations), though that point does not meet the curvature condition...
+  const auto [x, evals] = step_to_wall(1e6, 1);
+  CHECK(x == 0.1);
+  CHECK(evals == 2);
+  // ... and stays where it was where the guess is higher (from 2.95 the guess is past the wall, at inf).
+  const auto [stayed, evals_there] = step_to_wall(1e6, 1, 2.95);
+  CHECK(stayed == 2.95);
+  CHECK(evals_there == 2);
 }
 
 TEST_CASE("LBFGS minimises Rosenbrock's function with the strong-Wolfe line search in one step") {
@@ -175,7 +181,8 @@ TEST_CASE("LBFGS minimises Rosenbrock's function with the strong-Wolfe line sear
   };
   const double first = opt.step(closure).item<double>();
   CHECK(first == doctest::Approx(std::pow(2.5, 2) + 100 * std::pow(2 - 2.25, 2)));  // the loss before the step
-  // PyTorch's point and counts: within ~2e-6 of (1, 1), where the gradient fell below tolerance_grad.
+  // PyTorch's point and counts: within ~2e-6 of (1, 1), where g . d rose above -tolerance_change (no descent left
+  // along d).
   check_close(values(x), {0.9999979943196398, 0.9999973438921637}, 1e-12);
   CHECK(evals == 51);
   CHECK(own_state(opt, "n_iter") == 41);
@@ -327,6 +334,14 @@ TEST_CASE("LBFGS refuses what it cannot run: no closure, a second group, mixed p
   // The default max_eval is PyTorch's, max_iter * 5 / 4.
   optim::LBFGS defaults({x}, {.max_iter = 10});
   CHECK(defaults.groups()[0].options.max_eval == 12);
+  // Options edited in place are checked when a step starts, before the closure runs.
+  defaults.groups()[0].options.max_eval = 0;
+  int evals = 0;
+  CHECK_THROWS_WITH_AS(defaults.step([&] {
+    ++evals;
+    return x.sum();
+  }), doctest::Contains("LBFGS: invalid max_eval 0"), Error);
+  CHECK(evals == 0);
 }
 
 TEST_CASE("LBFGS on CUDA takes the steps it takes on the CPU") {
