@@ -95,7 +95,7 @@ SumGrads fused_cpu(const Tensor& x, const Tensor& w, const Tensor& b, const Tens
         const T top = row.maxCoeff(), picked = row[target];
         row = (row - top).exp();  // (x - max) is exact; an all -inf or +inf row gives NaN, as log_softmax does
         const T sum = row.sum();
-        loss_sum += double(top + std::log(sum) - picked);
+        loss_sum += double(std::log(sum) - (picked - top));  // (x - max) is exact, max + log(sum) would round
         ++counted;
         if (any_grad) {  // softmax minus the one-hot target: the gradient of this row's loss
           row *= T(1) / sum;

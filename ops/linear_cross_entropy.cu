@@ -80,9 +80,9 @@ __global__ void __launch_bounds__(kRowThreads)
       if (v * V + k < classes) st = add_element(st, logit(in, k, v * V + k));
   }
   st = row_reduce<kRowThreads>(st, MergeOp{});
-  const A lse = st.m + device_log(st.s);
+  const A log_sum = device_log(st.s);  // log-probabilities as (x - m) - log_sum: x - m is exact, m + log_sum rounds
   if (threadIdx.x == 0) {
-    row_loss[row] = ignored ? A(0) : lse - picked;
+    row_loss[row] = ignored ? A(0) : log_sum - (picked - st.m);
     row_count[row] = ignored ? A(0) : A(1);
   }
   if (grad_factor == A(0)) return;
@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int64_t j = v * V + k;
-      const A g = ignored || j >= classes ? A(0) : device_exp(logit(in, k, j) - lse) - (j == c ? A(1) : A(0));
+      const A g =
+          ignored || j >= classes ? A(0) : device_exp((logit(in, k, j) - st.m) - log_sum) - (j == c ? A(1) : A(0));
       out.v[k] = T(grad_factor * g);
     }
     x[v] = out;

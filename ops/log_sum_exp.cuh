@@ -16,10 +16,13 @@ __device__ __forceinline__ float device_log(float x) { return logf(x); }
 __device__ __forceinline__ double device_log(double x) { return ::log(x); }
 
 // The softmax normaliser of a set of elements: their max m and s = sum exp(x - m). Two sets merge by
-// rescaling each sum to the larger max; one element x is the set {m = x, s = 1}. A nan anywhere makes s nan.
+// rescaling each sum to the larger max; one element x is the set {m = x, s = 1}, but +inf is {+inf, nan}: its own
+// term exp(inf - inf) is nan, as in PyTorch's two passes, so a row holding +inf normalises to nan throughout rather
+// than to a one-hot of its infinities. A nan anywhere makes s nan.
 template <typename A> struct MaxSum {
   A m, s;
 };
+template <typename A> __device__ __forceinline__ A own_term(A x) { return x == A(INFINITY) ? A(NAN) : A(1); }
 template <typename A> __device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
   const A m = a.m > b.m ? a.m : b.m;
   // (a.m == m also covers two empty sets, -inf and -inf, where a.m - m would be nan)
@@ -29,8 +32,8 @@ template <typename A> __device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, Ma
 }
 // merge(st, {x, 1}) with one exp, not two: the set st with the element x added.
 template <typename A> __device__ __forceinline__ MaxSum<A> add_element(MaxSum<A> st, A x) {
-  if (x > st.m) return {x, st.s * device_exp(st.m - x) + A(1)};
-  if (x == st.m) return {st.m, st.s + A(1)};  // (also -inf into a set of -inf, where x - st.m would be nan)
+  if (x > st.m) return {x, st.s * device_exp(st.m - x) + own_term(x)};
+  if (x == st.m) return {st.m, st.s + own_term(x)};  // (also -inf into a set of -inf, where x - st.m would be nan)
   return {st.m, st.s + device_exp(x - st.m)};  // a nan x lands here and makes s nan
 }
 template <typename A> __device__ __forceinline__ MaxSum<A> shuffle_xor(MaxSum<A> v, int mask) {

@@ -1,4 +1,5 @@
-// Loss functions: forward and backward side by side, written with tensor ops (they run on any device).
+// Loss functions: forward and backward side by side. nll_loss and cross_entropy run kernels (the CPU ones at the end of
+// this file, the CUDA ones in ops/loss.cu); the other losses are written with tensor ops and run on any device.
 #include "ops/loss.h"
 
 #include <omp.h>
@@ -78,8 +79,15 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   return loss;
 }
 
-// ---- nll_loss and cross_entropy. Autocast category: "float32".
+// ---- nll_loss and cross_entropy. Autocast category: "float32" (nll_loss), "float32 math" (cross_entropy).
 namespace {
+
+// PyTorch's nll_loss and binary cross-entropies are not differentiable in their weights and refuse one that requires
+// grad, even under no_grad; so do these, rather than leave its gradient silently undefined.
+void refuse_weight_gradient(const Tensor& weight, const char* op, const char* what) {
+  HG_CHECK(!weight.defined() || !weight.requires_grad(), "{}: the {} {} requires grad, but {} is not differentiable "
+           "with respect to its {} (as in PyTorch); pass {}.detach()", op, what, weight.meta(), op, what, what);
+}
 
 // The per-element losses and target weights of nll_loss, [N, d...] (0-d for an unbatched [C] input), in
 // the accumulation dtype (float32 for float16/bfloat16 inputs: sums of many losses, or of more than 65504
@@ -95,7 +103,8 @@ struct NllElements {
 // The accumulation dtype of a floating dtype.
 DType accumulation_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
 
-// A [C] tensor of class weights, checked; undefined stays undefined.
+// A [C] tensor of class weights, checked; undefined stays undefined. It keeps its autograd history: cross_entropy's
+// probability targets differentiate through it, nll_problem refuses it.
 Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t classes, const char* op) {
   if (!weight.defined()) return weight;
   HG_CHECK(weight.dim() == 1 && weight.size(0) == classes && weight.is_floating_point(),
@@ -103,7 +112,7 @@ Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t cla
            input.meta(), weight.meta());
   HG_CHECK(weight.device() == input.device(), "{}: input {} and weight {} are on different devices", op, input.meta(),
            weight.meta());
-  return weight.detach();
+  return weight;
 }
 
 // A class-index problem, checked: input [N, C, inner] (input [C] is one sample), targets as int64 [N, inner], class
@@ -139,7 +148,8 @@ NllProblem nll_problem(const Tensor& input, const Tensor& target, const Tensor& 
            target.meta());
   p.acc = accumulation_dtype(input.dtype());
   p.weight = check_class_weight(weight, input, p.classes, op);
-  if (p.weight.defined()) p.weight = cast_nograd(p.weight, p.acc).contiguous();
+  refuse_weight_gradient(p.weight, op, "weight");
+  if (p.weight.defined()) p.weight = cast_nograd(p.weight.detach(), p.acc).contiguous();
   p.target = cast_nograd(target.detach(), kInt64).contiguous();
   return p;
 }
@@ -204,9 +214,9 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
 
 namespace {
 
-// Class-index targets without label smoothing: the per-element losses and each row's log-sum-exp in one pass over
-// the logits (cross_entropy_kernel), and one node whose backward is softmax minus the one-hot target in a single
-// pass (cross_entropy_backward_kernel); no log-probabilities are stored. The loss is in `result` (the logits' dtype,
+// Class-index targets without label smoothing: the per-element losses and each row's normaliser (its max and log-sum)
+// in one pass over the logits (cross_entropy_kernel), and one node whose backward is softmax minus the one-hot target
+// in a single pass (cross_entropy_backward_kernel); no log-probabilities are stored. The loss is in `result` (the logits' dtype,
 // or float32 under autocast), the logits' gradient in their own dtype.
 Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Tensor& weight,
                              const CrossEntropyOptions& options, DType result) {
@@ -217,24 +227,26 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
   NllElements e{empty(p.target_shape, {.dtype = p.acc, .device = input.device()}),
                 empty(p.target_shape, {.dtype = p.acc, .device = input.device()}), p.target, p.weight, batch, classes,
                 inner};
-  Tensor lse = empty({batch, inner}, {.dtype = p.acc, .device = input.device()});
+  Tensor row_max = empty({batch, inner}, {.dtype = p.acc, .device = input.device()});
+  Tensor log_sum = empty({batch, inner}, {.dtype = p.acc, .device = input.device()});
   if (e.loss.numel() > 0) {
-    cross_entropy_kernel[input.device()](e.loss.view({batch, inner}), e.weights.view({batch, inner}), lse,
+    cross_entropy_kernel[input.device()](e.loss.view({batch, inner}), e.weights.view({batch, inner}), row_max, log_sum,
                                          logits.view({batch, classes, inner}), p.target.view({batch, inner}), p.weight,
                                          options.ignore_index);
   }
   // The closure holds what the backward reads, never e.loss: the node's own output would keep the node alive
-  // through its grad_fn, a cycle that leaked every graph not run backward (LeakSanitizer, make sanitize).
+  // through its grad_fn, a cycle that leaked every graph not run backward (LeakSanitizer, make sanitize). The logits,
+  // targets and weight may be the caller's own tensors (nothing needed a copy): saved with their versions.
   record("CrossEntropyBackward", {input}, {e.loss},
-         [x = SavedTensor(logits, op), lse, target = e.target, weight = e.weight, acc = p.acc, batch, classes, inner,
-          ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
+         [x = SavedTensor(logits, op), row_max, log_sum, t = SavedTensor(e.target, op), w = SavedTensor(e.weight, op),
+          acc = p.acc, batch, classes, inner, ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
            const Tensor& logits_ = x.get();
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(logits_.shape(), {.dtype = logits_.dtype(), .device = logits_.device()});
            if (grad_input.numel() > 0) {
              cross_entropy_backward_kernel[logits_.device()](grad_input.view({batch, classes, inner}), grad_loss,
-                                                             logits_.view({batch, classes, inner}), lse,
-                                                             target.view({batch, inner}), weight, ignore_index);
+                                                             logits_.view({batch, classes, inner}), row_max, log_sum,
+                                                             t.get().view({batch, inner}), w.get(), ignore_index);
            }
            return {grad_input};
          });
@@ -271,6 +283,8 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
              target.meta());
     HG_CHECK(target.device() == input.device(), "{}: input {} and target {} are on different devices", op,
              input.meta(), target.meta());
+    HG_CHECK(options.ignore_index < 0, "{}: ignore_index ({}) does not apply to a floating-point target of class "
+             "probabilities (as in PyTorch); leave it negative (its default, -100)", op, options.ignore_index);
     Tensor p = eps > 0 ? target * (1.0 - eps) + eps / double(classes) : target;
     Tensor terms = log_probs * p;
     if (w.defined()) terms = terms * class_weight_view(w, input.dim());
@@ -278,7 +292,11 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
     switch (options.reduction) {
       case Reduction::None: break;
       case Reduction::Sum: loss = loss.sum(); break;
-      case Reduction::Mean: loss = loss.mean(); break;  // over the samples, whatever the weights
+      case Reduction::Mean:  // over the samples, whatever the weights; nan for no logits at all, as PyTorch
+        loss = input.numel() == 0 ? full({}, std::numeric_limits<double>::quiet_NaN(), {.dtype = loss.dtype(),
+                                                                                          .device = loss.device()})
+                                  : loss.mean();
+        break;
     }
     return loss.to(input.dtype());
   }
@@ -318,6 +336,7 @@ void check_binary_operands(const Tensor& input, const Tensor& target, const char
 // An optional per-element factor (weight, pos_weight), checked and cast, without autograd.
 Tensor elementwise_factor(const Tensor& factor, const Tensor& input, DType dtype, const char* op, const char* what) {
   if (!factor.defined()) return factor;
+  refuse_weight_gradient(factor, op, what);
   HG_CHECK(factor.device() == input.device() && factor.is_floating_point(),
            "{}: {} must be a floating-point tensor on the input's device; input {}, {} {}", op, what, input.meta(),
            what, factor.meta());
@@ -520,15 +539,15 @@ template <typename T, typename A = opmath_t<T>> struct CrossEntropyRows {
   }
 };
 
-void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
-                       const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& row_max, const Tensor& log_sum,
+                       const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2);
   check_targets_cpu(target, classes, ignore_index, "cross_entropy");
   dispatch_floating(input.dtype(), "cross_entropy", [&]<typename T>() {
     using A = opmath_t<T>;
     const int64_t* t = target.data<int64_t>();
     const A* w = weight.defined() ? weight.data<A>() : nullptr;
-    A *l = loss.data<A>(), *wt = weights.data<A>(), *s = lse.data<A>();
+    A *l = loss.data<A>(), *wt = weights.data<A>(), *mx = row_max.data<A>(), *ls = log_sum.data<A>();
 #pragma omp parallel if (batch * classes * inner >= kNllParallelGrain)
     {
       CrossEntropyRows<T> rows{input.data<T>(), classes, inner, {}};
@@ -538,10 +557,11 @@ void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& 
         // (x - m) is exact; m == -inf (every logit -inf) or +inf gives nan, as log_softmax does. No classes (every
         // target then ignored): -inf, the log of an empty sum.
         const A m = classes > 0 ? x.maxCoeff() : -std::numeric_limits<A>::infinity();
-        s[k] = m + std::log((x - m).exp().sum());
+        mx[k] = m;
+        ls[k] = std::log((x - m).exp().sum());
         const int64_t c = t[k];
         const A wc = c == ignore_index ? A(0) : w ? w[c] : A(1);
-        l[k] = c == ignore_index ? A(0) : wc * (s[k] - x[c]);
+        l[k] = c == ignore_index ? A(0) : wc * (ls[k] - (x[c] - m));
         wt[k] = wc;
       }
     }
@@ -549,12 +569,13 @@ void cross_entropy_cpu(const Tensor& loss, const Tensor& weights, const Tensor& 
 }
 
 void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& input,
-                                const Tensor& lse, const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+                                const Tensor& row_max, const Tensor& log_sum, const Tensor& target,
+                                const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = grad_input.size(0), classes = grad_input.size(1), inner = grad_input.size(2);
   dispatch_floating(grad_input.dtype(), "cross_entropy_backward", [&]<typename T>() {
     using A = opmath_t<T>;
     T* gi = grad_input.data<T>();
-    const A *gl = grad_loss.data<A>(), *s = lse.data<A>();
+    const A *gl = grad_loss.data<A>(), *mx = row_max.data<A>(), *ls = log_sum.data<A>();
     const int64_t* t = target.data<int64_t>();
     const A* w = weight.defined() ? weight.data<A>() : nullptr;
 #pragma omp parallel if (batch * classes * inner >= kNllParallelGrain)
@@ -569,12 +590,12 @@ void cross_entropy_backward_cpu(const Tensor& grad_input, const Tensor& grad_los
         if constexpr (std::is_same_v<T, A>) {
           if (inner == 1) {  // written in place
             Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>> row_out(out, classes);
-            row_out = (rows.row(k) - s[k]).exp() * scale;
+            row_out = ((rows.row(k) - mx[k]) - ls[k]).exp() * scale;
             if (c != ignore_index) row_out[c] -= scale;
             continue;
           }
         }
-        grad = (rows.row(k) - s[k]).exp() * scale;
+        grad = ((rows.row(k) - mx[k]) - ls[k]).exp() * scale;
         if (c != ignore_index) grad[c] -= scale;
         if constexpr (std::is_same_v<T, Half>) {
           if (inner == 1) {

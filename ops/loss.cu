@@ -2,7 +2,8 @@
 // nll_loss_backward_kernel, and cross_entropy's one-pass forward and backward, cross_entropy_kernel and
 // cross_entropy_backward_kernel (ops/loss.h). The other losses are tensor-op compositions (ops/loss.cpp).
 //
-// One thread per target element. A target outside [0, C) that is not ignore_index stops the kernel with a
+// nll_loss: one thread per target element; cross_entropy: a block per row where a row's logits lie together (inner
+// == 1), else a thread per row (below). A target outside [0, C) that is not ignore_index stops the kernel with a
 // device-side assertion after printing the target, its position and C (the CPU kernel throws instead; a
 // host-side check would cost a device synchronisation on every call).
 #include <cuda_runtime.h>
@@ -20,7 +21,7 @@ namespace {
 constexpr int kThreads = 256;
 
 // The loss of target element k, -w[t] log_prob(t), and its weight w[t]; both 0 where t == ignore_index. log_prob is
-// the input itself (nll_loss) or the logit less the row's log-sum-exp (cross_entropy).
+// the input itself (nll_loss) or (logit - row max) - log-sum, as log_softmax's (cross_entropy).
 template <typename A, typename LogProb>
 __device__ __forceinline__ void write_target_loss(A* loss, A* weights, int64_t k, const int64_t* target,
                                                   const A* weight, int64_t classes, int64_t ignore_index,
@@ -92,8 +93,9 @@ template <typename T, typename F> __device__ __forceinline__ void for_each_in_ro
 
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    cross_entropy_rows_kernel(opmath_t<T>* loss, opmath_t<T>* weights, opmath_t<T>* lse, const T* input,
-                              const int64_t* target, const opmath_t<T>* weight, int64_t classes, int64_t ignore_index) {
+    cross_entropy_rows_kernel(opmath_t<T>* loss, opmath_t<T>* weights, opmath_t<T>* row_max, opmath_t<T>* log_sum,
+                              const T* input, const int64_t* target, const opmath_t<T>* weight, int64_t classes,
+                              int64_t ignore_index) {
   using A = opmath_t<T>;
   using namespace log_sum_exp;
   const int64_t row = blockIdx.x;
@@ -102,16 +104,18 @@ __global__ void __launch_bounds__(kRowThreads)
   for_each_in_row(x, classes, [&](int64_t, T v) { st = add_element(st, A(v)); });
   st = row_reduce<kRowThreads>(st, MergeOp{});
   if (threadIdx.x != 0) return;
-  const A s = st.m + device_log(st.s);
-  lse[row] = s;
-  write_target_loss(loss, weights, row, target, weight, classes, ignore_index, [&](int64_t c) { return A(x[c]) - s; });
+  const A ls = device_log(st.s);
+  row_max[row] = st.m;
+  log_sum[row] = ls;
+  write_target_loss(loss, weights, row, target, weight, classes, ignore_index,
+                    [&](int64_t c) { return (A(x[c]) - st.m) - ls; });
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_columns_kernel(opmath_t<T>* loss, opmath_t<T>* weights, opmath_t<T>* lse, const T* input,
-                                 const int64_t* target, const opmath_t<T>* weight, int64_t count, int64_t classes,
-                                 int64_t inner, int64_t ignore_index) {
+    cross_entropy_columns_kernel(opmath_t<T>* loss, opmath_t<T>* weights, opmath_t<T>* row_max, opmath_t<T>* log_sum,
+                                 const T* input, const int64_t* target, const opmath_t<T>* weight, int64_t count,
+                                 int64_t classes, int64_t inner, int64_t ignore_index) {
   using A = opmath_t<T>;
   using namespace log_sum_exp;
   const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -119,10 +123,11 @@ __global__ void __launch_bounds__(kThreads)
   const T* x = input + (k / inner) * classes * inner + k % inner;
   MaxSum<A> st{-INFINITY, A(0)};
   for (int64_t j = 0; j < classes; ++j) st = add_element(st, A(x[j * inner]));
-  const A s = st.m + device_log(st.s);
-  lse[k] = s;
+  const A ls = device_log(st.s);
+  row_max[k] = st.m;
+  log_sum[k] = ls;
   write_target_loss(loss, weights, k, target, weight, classes, ignore_index,
-                    [&](int64_t c) { return A(x[c * inner]) - s; });
+                    [&](int64_t c) { return (A(x[c * inner]) - st.m) - ls; });
 }
 
 // The gradient's scale for one (n, i): grad_loss w[t], 0 where t is ignored.
@@ -136,15 +141,16 @@ __device__ __forceinline__ A cross_entropy_scale(int64_t k, const A* grad_loss, 
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     cross_entropy_backward_rows_kernel(T* grad_input, const opmath_t<T>* grad_loss, const T* input,
-                                       const opmath_t<T>* lse, const int64_t* target, const opmath_t<T>* weight,
-                                       int64_t classes, int64_t ignore_index) {
+                                       const opmath_t<T>* row_max, const opmath_t<T>* log_sum, const int64_t* target,
+                                       const opmath_t<T>* weight, int64_t classes, int64_t ignore_index) {
   using A = opmath_t<T>;
   using log_sum_exp::device_exp;
   const int64_t row = blockIdx.x, c = target[row];
-  const A scale = cross_entropy_scale(row, grad_loss, target, weight, ignore_index), s = lse[row];
+  const A scale = cross_entropy_scale(row, grad_loss, target, weight, ignore_index), m = row_max[row],
+          ls = log_sum[row];
   const T* x = input + row * classes;
   T* g = grad_input + row * classes;
-  auto grad = [&](int64_t j, T v) { return T(scale * (device_exp(A(v) - s) - (j == c ? A(1) : A(0)))); };
+  auto grad = [&](int64_t j, T v) { return T(scale * (device_exp((A(v) - m) - ls) - (j == c ? A(1) : A(0)))); };
   if ((reinterpret_cast<uintptr_t>(x) - reinterpret_cast<uintptr_t>(g)) % 16 != 0) {  // vectors would not line up
     for (int64_t j = threadIdx.x; j < classes; j += blockDim.x) g[j] = grad(j, x[j]);
     return;
@@ -169,16 +175,17 @@ __global__ void __launch_bounds__(kRowThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_backward_columns_kernel(T* grad_input, const opmath_t<T>* grad_loss, const T* input,
-                                          const opmath_t<T>* lse, const int64_t* target, const opmath_t<T>* weight,
-                                          int64_t count, int64_t classes, int64_t inner, int64_t ignore_index) {
+                                          const opmath_t<T>* row_max, const opmath_t<T>* log_sum,
+                                          const int64_t* target, const opmath_t<T>* weight, int64_t count,
+                                          int64_t classes, int64_t inner, int64_t ignore_index) {
   using A = opmath_t<T>;
   using log_sum_exp::device_exp;
   const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (k >= count) return;
   const int64_t c = target[k], base = (k / inner) * classes * inner + k % inner;
-  const A scale = cross_entropy_scale(k, grad_loss, target, weight, ignore_index), s = lse[k];
+  const A scale = cross_entropy_scale(k, grad_loss, target, weight, ignore_index), m = row_max[k], ls = log_sum[k];
   for (int64_t j = 0; j < classes; ++j) {
-    const A p = device_exp(A(input[base + j * inner]) - s);
+    const A p = device_exp((A(input[base + j * inner]) - m) - ls);
     grad_input[base + j * inner] = T(scale * (p - (j == c ? A(1) : A(0))));
   }
 }
@@ -218,8 +225,8 @@ void nll_loss_backward_cuda(const Tensor& grad_input, const Tensor& grad_loss, c
   });
 }
 
-void cross_entropy_cuda(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
-                        const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+void cross_entropy_cuda(const Tensor& loss, const Tensor& weights, const Tensor& row_max, const Tensor& log_sum,
+                        const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = input.size(0), classes = input.size(1), inner = input.size(2), count = target.numel();
   if (count == 0) return;
   cuda::DeviceGuard guard(input.device());
@@ -229,19 +236,20 @@ void cross_entropy_cuda(const Tensor& loss, const Tensor& weights, const Tensor&
     const A* w = weight.defined() ? weight.data<A>() : nullptr;
     if (inner == 1) {
       cross_entropy_rows_kernel<T><<<unsigned(batch), kRowThreads, 0, stream>>>(
-          loss.data<A>(), weights.data<A>(), lse.data<A>(), input.data<T>(), target.data<int64_t>(), w, classes,
-          ignore_index);
+          loss.data<A>(), weights.data<A>(), row_max.data<A>(), log_sum.data<A>(), input.data<T>(),
+          target.data<int64_t>(), w, classes, ignore_index);
     } else {
       cross_entropy_columns_kernel<T><<<blocks_for(count), kThreads, 0, stream>>>(
-          loss.data<A>(), weights.data<A>(), lse.data<A>(), input.data<T>(), target.data<int64_t>(), w, count, classes,
-          inner, ignore_index);
+          loss.data<A>(), weights.data<A>(), row_max.data<A>(), log_sum.data<A>(), input.data<T>(),
+          target.data<int64_t>(), w, count, classes, inner, ignore_index);
     }
     HG_CUDA_CHECK_LAUNCH("cross_entropy");
   });
 }
 
 void cross_entropy_backward_cuda(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& input,
-                                 const Tensor& lse, const Tensor& target, const Tensor& weight, int64_t ignore_index) {
+                                 const Tensor& row_max, const Tensor& log_sum, const Tensor& target,
+                                 const Tensor& weight, int64_t ignore_index) {
   const int64_t batch = grad_input.size(0), classes = grad_input.size(1), inner = grad_input.size(2);
   const int64_t count = target.numel();
   if (count == 0 || classes == 0) return;
@@ -252,12 +260,12 @@ void cross_entropy_backward_cuda(const Tensor& grad_input, const Tensor& grad_lo
     const A* w = weight.defined() ? weight.data<A>() : nullptr;
     if (inner == 1) {
       cross_entropy_backward_rows_kernel<T><<<unsigned(batch), kRowThreads, 0, stream>>>(
-          grad_input.data<T>(), grad_loss.data<A>(), input.data<T>(), lse.data<A>(), target.data<int64_t>(), w,
-          classes, ignore_index);
+          grad_input.data<T>(), grad_loss.data<A>(), input.data<T>(), row_max.data<A>(), log_sum.data<A>(),
+          target.data<int64_t>(), w, classes, ignore_index);
     } else {
       cross_entropy_backward_columns_kernel<T><<<blocks_for(count), kThreads, 0, stream>>>(
-          grad_input.data<T>(), grad_loss.data<A>(), input.data<T>(), lse.data<A>(), target.data<int64_t>(), w, count,
-          classes, inner, ignore_index);
+          grad_input.data<T>(), grad_loss.data<A>(), input.data<T>(), row_max.data<A>(), log_sum.data<A>(),
+          target.data<int64_t>(), w, count, classes, inner, ignore_index);
     }
     HG_CUDA_CHECK_LAUNCH("cross_entropy_backward");
   });

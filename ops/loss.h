@@ -43,7 +43,8 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction =
 //   loss_j = -w[t_j] * input[j, t_j]        (0 where t_j == ignore_index)
 // and the reductions are None: the [N, d...] losses; Sum: their sum; Mean: their sum divided by the sum of
 // w[t_j] over the elements not ignored (PyTorch's weighted mean; nan when every target is ignored).
-// Gradients flow to the input only (targets are indices; weights are constants, as in PyTorch).
+// Gradients flow to the input only: targets are indices, and a weight that requires grad is refused, as PyTorch's
+// nll_loss refuses it ("not differentiable with respect to argument 'weight'").
 struct NllLossOptions {
   Tensor weight{};            // [C] or undefined
   int64_t ignore_index = -100;
@@ -57,8 +58,12 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
 // where smooth is zero at ignored targets and reduced as nll_loss reduces (Mean: divided by the same sum
 // of target weights). A floating target of the input's shape holds class probabilities instead:
 //   loss_j = -sum_c w[c] * p[j, c] * log_softmax(x)[j, c],   p smoothed to (1 - eps) p + eps / C,
-// Mean dividing by the number of samples N * d1 * ... * dk; ignore_index does not apply, and the target
-// receives a gradient when it requires one.
+// Mean dividing by the number of samples N * d1 * ... * dk (nan for an empty input, as PyTorch: [N, 0] too);
+// ignore_index must be left negative (an error otherwise, as PyTorch's), and the target and the weight receive a
+// gradient when they require one (the class-index forms refuse such a weight, as nll_loss does).
+// The class-index form without smoothing saves the logits themselves for its backward (PyTorch saves
+// log_softmax's output): an in-place change of them before backward() is the usual "modified by an in-place
+// operation" error.
 struct CrossEntropyOptions {
   Tensor weight{};            // [C] or undefined
   int64_t ignore_index = -100;
@@ -72,7 +77,8 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
 // On probabilities p in [0, 1] (the output of a sigmoid), targets y in [0, 1], optional weight w
 // (broadcast to the input's shape):
 //   loss_i = -w_i * (y_i * log(p_i) + (1 - y_i) * log(1 - p_i)),   each log clamped to >= -100 (as PyTorch)
-// Differentiable in input and target. Input and target must have the same shape. On the CPU, a p outside
+// Differentiable in input and target; a weight that requires grad is refused, as PyTorch refuses it. Input and
+// target must have the same shape. On the CPU, a p outside
 // [0, 1] is an error (the usual cause: logits passed where probabilities belong).
 // Refused under autocast (an Error pointing to binary_cross_entropy_with_logits): in float16, a sigmoid
 // saturates to exactly 0 or 1 and the log is -inf, so autocast has no safe dtype for it. This op has no
@@ -87,7 +93,8 @@ Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const Bin
 // (weight of the positive term, broadcast to the input: typically a [C] tensor for C labels) and weight w:
 //   loss_i = w_i * ((1 - y_i) * x_i + (1 + (p - 1) * y_i) * log(1 + exp(-x_i)))
 //          = -w_i * (p * y_i * log(sigmoid(x_i)) + (1 - y_i) * log(1 - sigmoid(x_i)))
-// Differentiable in input and target. Autocast category: "float32".
+// Differentiable in input and target; a weight or pos_weight that requires grad is refused, as PyTorch refuses it.
+// Autocast category: "float32".
 struct BinaryCrossEntropyWithLogitsOptions {
   Tensor weight{};      // broadcastable to the input, or undefined
   Tensor pos_weight{};  // broadcastable to the input, or undefined
@@ -112,16 +119,20 @@ extern KernelTable<NllLossBackwardKernel> nll_loss_backward_kernel;
 
 // cross_entropy for class-index targets without label smoothing, straight from the logits: one pass over them each
 // way, in A, and no log-probabilities stored (float16 logits are widened as they are read: autocast's float32 math).
-// Shapes and dtypes as nll_loss's kernels; lse [N, inner] in A.
-//   forward:  lse[n, i] = log sum_c exp(input[n, c, i]);  loss[n, i] = w[t] (lse[n, i] - input[n, t, i]) and
-//             weights[n, i] = w[t], both 0 where t == ignore_index (t = target[n, i]; a bad t as nll_loss's)
-//   backward: grad_input[n, c, i] = grad_loss[n, i] w[t] (exp(input[n, c, i] - lse[n, i]) - [c == t]), 0 where t is
-//             ignored
-using CrossEntropyKernel = void (*)(const Tensor& loss, const Tensor& weights, const Tensor& lse, const Tensor& input,
-                                    const Tensor& target, const Tensor& weight, int64_t ignore_index);
+// Shapes and dtypes as nll_loss's kernels; a row's normaliser, row_max and log_sum, [N, inner] in A. As log_softmax,
+// the log-probability is (x - m) - log_sum: x - m is exact, where m + log_sum would round to m's ulp (a loss of 3e-7
+// beside logits near 1000 read 0).
+//   forward:  m = max_c input[n, c, i], row_max[n, i] = m, log_sum[n, i] = log sum_c exp(input[n, c, i] - m);
+//             loss[n, i] = w[t] (log_sum - (input[n, t, i] - m)) and weights[n, i] = w[t], both 0 where t ==
+//             ignore_index (t = target[n, i]; a bad t as nll_loss's)
+//   backward: grad_input[n, c, i] = grad_loss[n, i] w[t] (exp((input[n, c, i] - m) - log_sum) - [c == t]), 0 where t
+//             is ignored
+using CrossEntropyKernel = void (*)(const Tensor& loss, const Tensor& weights, const Tensor& row_max,
+                                    const Tensor& log_sum, const Tensor& input, const Tensor& target,
+                                    const Tensor& weight, int64_t ignore_index);
 using CrossEntropyBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_loss, const Tensor& input,
-                                            const Tensor& lse, const Tensor& target, const Tensor& weight,
-                                            int64_t ignore_index);
+                                            const Tensor& row_max, const Tensor& log_sum, const Tensor& target,
+                                            const Tensor& weight, int64_t ignore_index);
 extern KernelTable<CrossEntropyKernel> cross_entropy_kernel;
 extern KernelTable<CrossEntropyBackwardKernel> cross_entropy_backward_kernel;
 

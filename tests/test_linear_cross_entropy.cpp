@@ -80,6 +80,21 @@ TEST_CASE("linear_cross_entropy equals cross_entropy(linear(...)): loss and all 
   }
 }
 
+TEST_CASE("linear_cross_entropy's loss is (max - x[t]) + log_sum: a small loss beside large logits keeps its bits") {
+  // Logits 1000 and 985 (x = 1, W = [1000, 985]) in float32: max + log_sum would round to max's ulp (6.1e-5) and read
+  // a loss of 3.06e-7 as 0. On the GPU as on the CPU.
+  for (bool on_gpu : {false, true}) {
+    if (on_gpu && !cuda::is_available()) continue;
+    const Device device = on_gpu ? Device::cuda(0) : Device::cpu();
+    CAPTURE(on_gpu);
+    const Tensor x = ones({1, 1}, {.device = device}), w = tensor<float>({1000.0f, 985.0f}, {2, 1}).to(device);
+    const Tensor t = zeros({1}, {.dtype = kInt64, .device = device});
+    const double loss = linear_cross_entropy(x, w, Tensor(), t).item<double>();
+    CHECK(loss == doctest::Approx(std::log1p(std::exp(-15.0))).epsilon(0.2));
+    CHECK(loss == cross_entropy(linear(x, w), t).item<double>());
+  }
+}
+
 TEST_CASE("linear_cross_entropy: gradcheck in float64, with and without a bias") {
   manual_seed(4);
   const Tensor t = tensor<int64_t>({2, 0, 4, 1, -100, 3});

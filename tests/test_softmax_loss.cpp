@@ -449,6 +449,79 @@ TEST_CASE("cross_entropy's float32 math reads float16 logits as they are: the re
   }
 }
 
+TEST_CASE("cross_entropy's log-probability is (x - max) - log_sum, as log_softmax's: a small loss keeps its bits") {
+  // max + log_sum would round to max's ulp: beside logits near 1000 (float32 ulp 6.1e-5) a loss of 3.06e-7 read 0,
+  // and the gradient at the target with it.
+  Tensor x = tensor<float>({100.0f, 90.0f, 1000.0f, 985.0f}, {2, 2}).requires_grad_();
+  Tensor target = labels({0, 0}, {2});
+  Tensor loss = cross_entropy(x, target, {.reduction = Reduction::None});
+  Tensor reference = nll_loss(log_softmax(x.detach(), 1), target, {.reduction = Reduction::None});
+  CHECK(values(loss) == values(reference));  // the same float32 operations, bit for bit
+  CHECK(loss[1].item<double>() == doctest::Approx(std::log1p(std::exp(-15.0))).epsilon(0.2));  // 3.06e-7, not 0
+  loss.sum().backward();
+  CHECK(x.grad()[1][0].item<double>() < 0.0);  // p - 1 = -3.06e-7: softmax((x - m) - log_sum)
+  CHECK(x.grad()[1][0].item<double>() == doctest::Approx(-std::exp(-15.0)).epsilon(0.2));
+}
+
+TEST_CASE("cross_entropy's backward refuses targets or class weights changed in place after the forward") {
+  // Both may be the caller's own tensors (an int64 target, a weight of the accumulation dtype): the backward would
+  // read the new values, a gradient of another loss.
+  Tensor x = tensor<float>({1, 2, 3, 4, 5, 6}, {2, 3}).requires_grad_();
+  Tensor target = labels({0, 1}, {2});
+  Tensor loss = cross_entropy(x, target);
+  target.copy_(labels({2, 2}, {2}));
+  CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("modified by an in-place operation"), Error);
+  Tensor weight = ones({3});
+  Tensor weighted = cross_entropy(x, labels({0, 1}, {2}), {.weight = weight, .reduction = Reduction::Sum});
+  weight.fill_(5.0);
+  CHECK_THROWS_WITH_AS(weighted.backward(), doctest::Contains("modified by an in-place operation"), Error);
+}
+
+TEST_CASE("class weights that require grad: refused where PyTorch's nll_loss refuses them, differentiated otherwise") {
+  Tensor x = randn({3, 4}, {.dtype = kFloat64});
+  Tensor w = (rand({4}, {.dtype = kFloat64}) + 0.5).requires_grad_();
+  Tensor target = labels({0, 3, 1}, {3});
+  for (double smoothing : {0.0, 0.1}) {
+    CAPTURE(smoothing);
+    CHECK_THROWS_WITH_AS(cross_entropy(x, target, {.weight = w, .label_smoothing = smoothing}),
+                         doctest::Contains("cross_entropy: the weight float64[4] cpu requires grad, but cross_entropy "
+                                           "is not differentiable with respect to its weight"), Error);
+  }
+  CHECK_THROWS_WITH_AS(nll_loss(x, target, {.weight = w}), doctest::Contains("pass weight.detach()"), Error);
+  {
+    NoGradGuard no_grad;  // as PyTorch: the weight's requires_grad is refused even here
+    CHECK_THROWS_AS(nll_loss(x, target, {.weight = w}), Error);
+  }
+  CHECK_NOTHROW(cross_entropy(x, target, {.weight = w.detach()}));
+  // Class probabilities are a composition of ops in PyTorch: the weight gets its gradient.
+  Tensor probs = softmax(randn({3, 4}, {.dtype = kFloat64}), 1);
+  gradcheck([&](const TensorList& in) { return cross_entropy(in[0], probs, {.weight = in[1]}); },
+            {leaf({3, 4}), leaf({4}, 0.5, 1.0)});
+  // The binary cross-entropies refuse a weight or pos_weight that requires grad.
+  Tensor p = rand({2, 3}, {.dtype = kFloat64}), y = rand({2, 3}, {.dtype = kFloat64});
+  Tensor bw = ones({2, 3}, {.dtype = kFloat64}).requires_grad_();
+  CHECK_THROWS_WITH_AS(binary_cross_entropy(p, y, {.weight = bw}),
+                       doctest::Contains("binary_cross_entropy: the weight float64[2, 3] cpu requires grad"), Error);
+  CHECK_THROWS_WITH_AS(binary_cross_entropy_with_logits(p, y, {.weight = bw}),
+                       doctest::Contains("binary_cross_entropy_with_logits: the weight"), Error);
+  CHECK_THROWS_WITH_AS(binary_cross_entropy_with_logits(p, y, {.pos_weight = bw}),
+                       doctest::Contains("binary_cross_entropy_with_logits: the pos_weight"), Error);
+}
+
+TEST_CASE("cross_entropy with class probabilities: ignore_index is refused, the mean of no logits is nan") {
+  Tensor logits = zeros({2, 3}), probs = full({2, 3}, 1.0 / 3);
+  CHECK_THROWS_WITH_AS(cross_entropy(logits, probs, {.ignore_index = 1}),
+                       doctest::Contains("ignore_index (1) does not apply to a floating-point target"), Error);
+  CHECK(cross_entropy(logits, probs, {.ignore_index = -1}).item<double>() == doctest::Approx(std::log(3.0)));
+  for (const Shape& shape : {Shape{2, 0}, Shape{0, 3}}) {
+    CAPTURE(shape_str(shape));
+    Tensor none = zeros(shape).requires_grad_();
+    Tensor mean = cross_entropy(none, zeros(shape));
+    CHECK(std::isnan(mean.item<double>()));  // PyTorch: nan for an empty input, [2, 0] too
+    CHECK(cross_entropy(none, zeros(shape), {.reduction = Reduction::Sum}).item<double>() == 0.0);
+  }
+}
+
 TEST_CASE("cross_entropy errors: float targets of the wrong shape, label_smoothing out of range") {
   Tensor logits = randn({2, 3});
   CHECK_THROWS_WITH_AS(cross_entropy(logits, randn({2})),
@@ -629,6 +702,46 @@ TEST_CASE("CUDA softmax, log_softmax, nll_loss and cross_entropy match the CPU, 
       check_close(values(lg.cpu()), values(lc), rounding(dt) * 4);
       check_close(values(xg.grad().cpu()), values(xc.grad()), rounding(dt) * 4);
     }
+  }
+#else
+  MESSAGE("built without CUDA: skipped");
+#endif
+}
+
+TEST_CASE("CUDA softmax, log_softmax and cross_entropy of a row holding +inf are nan throughout, as on the CPU") {
+#if HALFGRAD_WITH_CUDA
+  SKIP_WITHOUT_GPU();
+  // PyTorch's exp(x - max) makes the +inf element's term nan, so the whole row is nan; a running (max, sum) that
+  // counted the infinities would give a one-hot softmax and an infinite loss instead. Rows of one block, columns.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {kFloat32, kFloat16, kFloat64}) {
+    const std::string dtype = dtype_name(dt);
+    CAPTURE(dtype);
+    Tensor x = tensor<double>({inf, 1.0, 2.0, 0.5, -1.0, 3.0}, {2, 3}).to(dt);
+    for (const Tensor& cpu : {x, x.t().contiguous().t()}) {
+      Tensor gpu = cpu.cuda();
+      // nan where the CPU has nan (the +inf's row, or its column along dim 0), else within rounding
+      auto check_same = [&](const Tensor& got, const Tensor& want) {
+        const std::vector<double> g = values(got.cpu()), w = values(want);
+        for (size_t k = 0; k < w.size(); ++k) {
+          CAPTURE(k);
+          if (std::isnan(w[k])) CHECK(std::isnan(g[k]));
+          else CHECK(g[k] == doctest::Approx(w[k]).epsilon(rounding(dt) * 2));
+        }
+      };
+      for (int64_t dim : {1, 0}) {
+        CAPTURE(dim);
+        check_same(softmax(gpu, dim), softmax(cpu, dim));
+        check_same(log_softmax(gpu, dim), log_softmax(cpu, dim));
+      }
+      const Tensor loss = cross_entropy(gpu, labels({1, 2}, {2}).cuda(), {.reduction = Reduction::None}).cpu();
+      CHECK(std::isnan(loss[0].item<double>()));
+      CHECK_FALSE(std::isnan(loss[1].item<double>()));
+    }
+    Tensor pixels = x.t().contiguous().view({1, 3, 2});  // classes along dim 1, two pixels: the columns kernel
+    const Tensor per_pixel = cross_entropy(pixels.cuda(), labels({1, 2}, {1, 2}).cuda(), {.reduction = Reduction::None});
+    CHECK(std::isnan(per_pixel.cpu()[0][0].item<double>()));
+    CHECK_FALSE(std::isnan(per_pixel.cpu()[0][1].item<double>()));
   }
 #else
   MESSAGE("built without CUDA: skipped");
