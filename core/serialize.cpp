@@ -123,13 +123,18 @@ class CountingIterator {
   size_t* taken_;
 };
 
-// Builds the Json tree from nlohmann's SAX events; refuses duplicate keys (the parser keeps the last) and nesting
-// deeper than a header needs ("[[[[...": the tree's destructor recurses).
+// Builds the Json tree from nlohmann's SAX events; refuses duplicate keys (the parser keeps the last), nesting
+// deeper than a header needs ("[[[[...": the tree's destructor recurses), more values than a checkpoint has (a node
+// takes ~100 bytes, so a 100 MB header of "1,1,1,..." would have built a 5 GB tree) and NUL bytes (where nlohmann's
+// lexer stops reading, and JSON has none).
 class TreeBuilder : public nlohmann::json_sax<nlohmann::json> {
  public:
   explicit TreeBuilder(std::string_view text) : s_(text) {}
 
   Json parse() {
+    if (const size_t nul = s_.find('\0'); nul != std::string_view::npos)
+      throw HeaderError{nul, "a NUL byte: JSON has none (outside strings they are not whitespace, inside they must be "
+                             "escaped as \\u0000)"};
     if (!nlohmann::json::sax_parse(CountingIterator(s_.data(), &taken_), CountingIterator(s_.data() + s_.size(), &taken_),
                                    this))
       throw error_.value_or(HeaderError{taken_, "the JSON parser stopped"});
@@ -163,6 +168,8 @@ class TreeBuilder : public nlohmann::json_sax<nlohmann::json> {
 
  private:
   static constexpr size_t kMaxDepth = 64;  // a safetensors header nests 3 deep
+  // A tensor's entry is 5 values and its shape's dims: 2^20 values are over 100,000 tensors, a tree of ~100 MB.
+  static constexpr size_t kMaxValues = size_t(1) << 20;
 
   bool fail(size_t pos, std::string what) {
     error_ = HeaderError{pos, std::move(what)};
@@ -177,8 +184,13 @@ class TreeBuilder : public nlohmann::json_sax<nlohmann::json> {
     return parent.members.back().value;
   }
   bool value(Json::Kind kind, size_t pos, std::string text = {}) {
+    if (++values_ > kMaxValues) return too_many_values(pos);
     add(kind, pos, std::move(text));
     return true;
+  }
+  bool too_many_values(size_t pos) {
+    return fail(pos, fmt::format("more than {} JSON values, more than a header of 100,000 tensors holds (halfgrad "
+                                 "reads no more)", kMaxValues));
   }
   // Pointers into the tree stay valid while they are on open_: only the last value of a container is ever open, and
   // a container grows only while it is the innermost.
@@ -191,6 +203,7 @@ class TreeBuilder : public nlohmann::json_sax<nlohmann::json> {
   }
   bool open(Json::Kind kind) {
     if (open_.size() >= kMaxDepth) return fail(taken_ - 1, fmt::format("JSON nested more than {} deep", kMaxDepth));
+    if (++values_ > kMaxValues) return too_many_values(taken_ - 1);
     open_.push_back(&add(kind, taken_ - 1));
     keys_.emplace_back();
     return true;
@@ -222,6 +235,7 @@ class TreeBuilder : public nlohmann::json_sax<nlohmann::json> {
 
   std::string_view s_;
   size_t taken_ = 0;
+  size_t values_ = 0;  // values built so far, containers included
   Json root_;
   std::vector<Json*> open_;  // the containers being filled, innermost last
   std::vector<std::unordered_set<std::string>> keys_;
@@ -487,24 +501,28 @@ std::filesystem::path folder_of(const std::filesystem::path& file) {
   return file.parent_path().empty() ? std::filesystem::path(".") : file.parent_path();
 }
 
-// "<path>.tmp-<pid>-<n>" files of writers that are gone (a process killed mid-write): removed after a successful
-// write of the same path. A live process's temporaries (this one's included) are left alone.
+// "<path>.tmp-<pid>-<n>" files (and check_writable's "<path>.tmp-<pid>-probe") of writers that are gone (a process
+// killed mid-write): removed after a successful write of the same path. A live process's temporaries (this one's
+// included) are left alone. Best effort: the save has succeeded, so nothing here may throw (the range-for form of a
+// directory_iterator throws where its increment fails).
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   const std::string prefix = target.filename().string() + ".tmp-";
   const fs::path dir = folder_of(target);
   std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());  // "<pid>-<n>"
+    const std::string rest = name.substr(prefix.size());  // "<pid>-<n>" or "<pid>-probe"
     const size_t dash = rest.find('-');
     if (dash == 0 || dash == std::string::npos || dash > 9 ||
-        rest.find_first_not_of("0123456789-") != std::string::npos)
+        rest.find_first_not_of("0123456789") != dash ||
+        (rest.substr(dash + 1) != "probe" && rest.find_first_not_of("0123456789", dash + 1) != std::string::npos))
       continue;
     const long pid = std::stol(rest.substr(0, dash));
-    if (pid != long(::getpid()) && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) fs::remove(e.path(), ec);
+    std::error_code removed;
+    if (pid != long(::getpid()) && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) fs::remove(it->path(), removed);
   }
 }
 

@@ -21,6 +21,8 @@ uint64_t parse_uint(const Metadata& metadata, const std::string& key, const std:
   const std::string& s = it->second;
   uint64_t value = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  HG_CHECK(ec != std::errc::result_out_of_range, "load_training_checkpoint: '{}': metadata \"{}\" is \"{}\", more "
+           "than a uint64 holds", path, key, s);
   HG_CHECK(ec == std::errc() && end == s.data() + s.size() && !s.empty(),
            "load_training_checkpoint: '{}': metadata \"{}\" is \"{}\", not a non-negative integer", path, key, s);
   return value;

@@ -249,13 +249,17 @@ TEST_CASE("a successful write removes the temporary files that killed writers of
   TempDir dir;
   const std::string path = dir.file("run.safetensors");
   // pid 999999999 is above any pid_max: no such process. Ours is alive, and another file's are not ours to judge.
+  // check_writable's probe is a temporary too; a name of another shape is not ours to remove.
   const std::string stale = path + ".tmp-999999999-3", live = path + fmt::format(".tmp-{}-77", ::getpid()),
-                    other = dir.file("other.safetensors.tmp-999999999-1");
-  for (const std::string& f : {stale, live, other}) std::ofstream(f) << "partial";
+                    other = dir.file("other.safetensors.tmp-999999999-1"), probe = path + ".tmp-999999999-probe",
+                    unknown = path + ".tmp-999999999-3x";
+  for (const std::string& f : {stale, live, other, probe, unknown}) std::ofstream(f) << "partial";
   save_safetensors(path, {{"w", ones({2})}});
   CHECK_FALSE(fs::exists(stale));
+  CHECK_FALSE(fs::exists(probe));
   CHECK(fs::exists(live));
   CHECK(fs::exists(other));
+  CHECK(fs::exists(unknown));
   CHECK(load_safetensors(path).tensors.size() == 1);
 }
 
@@ -452,6 +456,23 @@ TEST_CASE("garbage, bad JSON and impossible headers are errors with the file and
     CHECK(contains(error_for(raw_file(R"({"a": {"dtype": "F32")", "")), "byte"));
     CHECK(contains(error_for(raw_file(std::string(10000, '[') , "")), "nested"));
     CHECK(contains(error_for(raw_file("{\"a\xff\": 1}", "")), "UTF-8"));
+  }
+  SUBCASE("a NUL byte in the header, where nlohmann's lexer would stop reading and take what came before") {
+    const std::string valid = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})";
+    const std::string m = error_for(raw_file(valid + std::string("\0 garbage {[", 12), "\x01"));
+    CHECK(contains(m, fmt::format("corrupt header at byte {}: a NUL byte", 8 + valid.size())));
+    const std::string inside = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"__metadata__":{"k":"v)";
+    CHECK(contains(error_for(raw_file(inside + std::string("\0\"}}", 4), "\x01")),
+                   fmt::format("at byte {}: a NUL byte", 8 + inside.size())));
+  }
+  SUBCASE("more JSON values than a checkpoint holds: refused before the tree grows past ~100 MB") {
+    // 2^20 + 1 dims of 1 in a 2 MB header; the tree of every value would take ~100 bytes a value.
+    std::string shape;
+    for (int k = 0; k <= (1 << 20); ++k) shape += k == 0 ? "1" : ",1";
+    const std::string m = error_for(raw_file(R"({"a":{"dtype":"U8","shape":[)" + shape + R"(],"data_offsets":[0,1]}})",
+                                             "\x01"));
+    CHECK(contains(m, path));
+    CHECK(contains(m, "more than 1048576 JSON values"));
   }
   SUBCASE("duplicate names") {
     std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
@@ -715,6 +736,22 @@ TEST_CASE("load_training_checkpoint refuses a model checkpoint and reserved name
                        doctest::Contains("reserved"), Error);
   CHECK_THROWS_WITH_AS(nn::save_training_checkpoint(path, {.metadata = {{"halfgrad.epoch", "1"}}}),
                        doctest::Contains("reserved"), Error);
+}
+
+TEST_CASE("a training checkpoint's epoch that is not a number, or more than a uint64 holds, is named as such") {
+  TempDir dir;
+  const std::string path = dir.file("run.safetensors");
+  nn::save_training_checkpoint(path, {.model = {{"w", ones({2})}}, .epoch = 3});
+  const SafetensorsContents saved = load_safetensors(path);
+  for (const auto& [epoch, error] : {std::pair<std::string, std::string>{"-1", "is \"-1\", not a non-negative integer"},
+                                     {"18446744073709551616", "more than a uint64 holds"},
+                                     {"3x", "not a non-negative integer"}}) {
+    CAPTURE(epoch);
+    Metadata metadata = saved.metadata;
+    metadata["halfgrad.epoch"] = epoch;
+    save_safetensors(path, saved.tensors, metadata);
+    CHECK_THROWS_WITH_AS(nn::load_training_checkpoint(path), doctest::Contains(error.c_str()), Error);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
