@@ -2,6 +2,8 @@
 #include "data/cifar.h"
 #include "data/files.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -28,54 +30,59 @@ struct Format {
 };
 
 
-std::vector<char> read_file(const std::filesystem::path& path, const char* what) {
-  regular_file_at(path, what);  // refuses a folder or a FIFO; where nothing is, the open below says so
-  std::ifstream in(path, std::ios::binary);
-  HG_CHECK(in.good(), "{}: cannot open {}", what, path.string());
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  HG_CHECK(size >= 0, "{}: cannot read the size of {}", what, path.string());
-  std::vector<char> bytes(static_cast<size_t>(size));
-  in.seekg(0);
-  in.read(bytes.data(), size);
-  HG_CHECK(in.gcount() == size, "{}: {} ended after {} of its {} bytes", what, path.string(), in.gcount(), size);
-  return bytes;
+// The records of a CIFAR file, from its size alone: nothing is read or allocated before the size is known to be a
+// whole number of records (a 64 GB sparse file, or any file cut short, is an error at once).
+int64_t records_in(const std::filesystem::path& path, const Format& f) {
+  regular_file_at(path, f.name);  // refuses a folder or a FIFO; where nothing is, file_size says so
+  std::error_code ec;
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  HG_CHECK(!ec, "{}: cannot open {}: {}", f.name, path.string(), ec.message());
+  const auto record = std::uintmax_t(f.label_bytes + kPixels);
+  HG_CHECK(size > 0, "{}: {} is empty (0 bytes: no images)", f.name, path.string());
+  HG_CHECK(size % record == 0,
+           "{}: {} has {} bytes, not a whole number of {}-byte records: the record at offset {} is cut short "
+           "(truncated or not a {} binary file)",
+           f.name, path.string(), size, record, size / record * record, f.name);
+  return int64_t(size / record);
 }
 
 ImageDataset read_records(const std::vector<std::filesystem::path>& files, const Format& f) {
   HG_CHECK(!files.empty(), "{}: no files given", f.name);
   const int64_t record = f.label_bytes + kPixels;
-  std::vector<std::vector<char>> contents;
+  std::vector<int64_t> records;
   int64_t count = 0;
-  for (const auto& path : files) {
-    contents.push_back(read_file(path, f.name));
-    const auto size = int64_t(contents.back().size());
-    HG_CHECK(size > 0, "{}: {} is empty (0 bytes: no images)", f.name, path.string());
-    HG_CHECK(size % record == 0,
-             "{}: {} has {} bytes, not a whole number of {}-byte records: the record at offset {} is cut short "
-             "(truncated or not a {} binary file)",
-             f.name, path.string(), size, record, size / record * record, f.name);
-    count += size / record;
-  }
+  for (const auto& path : files) count += records.emplace_back(records_in(path, f));
   ImageDataset d;
   d.images = empty({count, 3, 32, 32}, {.dtype = kUInt8});
   d.labels = empty({count}, {.dtype = kInt64});
   d.classes = f.names;
   auto* pixels = d.images.data<uint8_t>();
   auto* labels = d.labels.data<int64_t>();
+  // Read a few thousand records at a time, straight on into the tensors: no second copy of the dataset.
+  constexpr int64_t kChunkRecords = 4096;
+  std::vector<char> chunk;
   int64_t n = 0;
   for (size_t i = 0; i < files.size(); ++i) {
-    const char* bytes = contents[i].data();
-    const auto records = int64_t(contents[i].size()) / record;
-    for (int64_t r = 0; r < records; ++r, ++n) {
-      const char* at = bytes + r * record;
-      for (int64_t b = 0; b < f.label_bytes; ++b) {
-        const int64_t value = static_cast<uint8_t>(at[b]);
-        HG_CHECK(value < f.label_limits[size_t(b)], "{}: {} offset {}: label {} is not in 0..{}", f.name,
-                 files[i].string(), r * record + b, value, f.label_limits[size_t(b)] - 1);
+    std::ifstream in(files[i], std::ios::binary);
+    HG_CHECK(in.good(), "{}: cannot open {}: {}", f.name, files[i].string(), std::strerror(errno));
+    for (int64_t first = 0; first < records[i]; first += kChunkRecords) {
+      const int64_t m = std::min(kChunkRecords, records[i] - first);
+      chunk.resize(size_t(m * record));
+      in.read(chunk.data(), std::streamsize(m * record));
+      HG_CHECK(in.gcount() == m * record, "{}: {} ended at offset {}, before the {} bytes it had when its size was "
+               "read (changed while being read?)", f.name, files[i].string(), first * record + int64_t(in.gcount()),
+               records[i] * record);
+      for (int64_t j = 0; j < m; ++j, ++n) {
+        const char* at = chunk.data() + j * record;
+        const int64_t r = first + j;
+        for (int64_t b = 0; b < f.label_bytes; ++b) {
+          const int64_t value = static_cast<uint8_t>(at[b]);
+          HG_CHECK(value < f.label_limits[size_t(b)], "{}: {} offset {}: label {} is not in 0..{}", f.name,
+                   files[i].string(), r * record + b, value, f.label_limits[size_t(b)] - 1);
+        }
+        labels[n] = static_cast<uint8_t>(at[f.label_byte]);
+        std::memcpy(pixels + n * kPixels, at + f.label_bytes, kPixels);
       }
-      labels[n] = static_cast<uint8_t>(at[f.label_byte]);
-      std::memcpy(pixels + n * kPixels, at + f.label_bytes, kPixels);
     }
   }
   return d;
@@ -202,8 +209,12 @@ int64_t cifar100_coarse_of(int64_t fine_label) {
 }
 
 bool regular_file_at(const std::filesystem::path& path, const char* what) {
-  std::error_code ec;  // a status that cannot be read counts as nothing there: opening the file then says why
+  std::error_code ec;
   const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  // Only a missing file (or folder on the way) is nothing there: a status that cannot be read (a loop of links, a
+  // folder it may not search) is an error, where a reader taking it for missing would leave a batch out.
+  HG_CHECK(status.type() != std::filesystem::file_type::none, "{}: cannot read {}: {}", what, path.string(),
+           ec.message());
   HG_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
            "{}: {} is not a regular file (a folder, a FIFO or a device?)", what, path.string());
   return std::filesystem::is_regular_file(status);

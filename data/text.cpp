@@ -5,7 +5,9 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "core/error.h"
@@ -83,7 +85,10 @@ constexpr std::string_view kWhitespace = " \t\r\v\f\x1c\x1d\x1e\x1f";
 Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
   regular_file_at(file, "tokenize");  // refuses a folder or a FIFO; where nothing is, the open below says so
   std::ifstream in(file, std::ios::binary);
-  HG_CHECK(in.good(), "tokenize: cannot open {}", file.string());
+  HG_CHECK(in.good(), "tokenize: cannot open {}: {}", file.string(), std::strerror(errno));
+  // New words go into a copy, the caller's vocabulary taking it only when the whole file has been read: a file that
+  // fails half-way (bad UTF-8 on line 3) adds none, so a retry with the mended file gives the same ids.
+  Vocabulary grown = vocab;
   std::vector<int64_t> ids;
   std::string line;
   int64_t lines_before = 0, line_start = 0;  // of what getline read, for the UTF-8 error
@@ -109,13 +114,14 @@ Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab) {
         at = text.find_first_not_of(kWhitespace, at);
         if (at == std::string_view::npos) break;
         const size_t end = std::min(text.find_first_of(kWhitespace, at), text.size());
-        ids.push_back(vocab.add(text.substr(at, end - at)));
+        ids.push_back(grown.add(text.substr(at, end - at)));
         at = end;
       }
-      ids.push_back(vocab.add("<eos>"));  // after the line's words: the id order of data.py's Dictionary
+      ids.push_back(grown.add("<eos>"));  // after the line's words: the id order of data.py's Dictionary
     } while (!rest.empty());
   }
   HG_CHECK(in.eof(), "tokenize: reading {} failed after {} tokens", file.string(), ids.size());
+  vocab = std::move(grown);
   return tensor(ids);
 }
 

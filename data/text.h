@@ -42,7 +42,8 @@ class Vocabulary {
   std::vector<std::string> words_;
 };
 
-// The int64 ids of a text file's tokens, adding new words to `vocab`; an error naming the file if it cannot be read.
+// The int64 ids of a text file's tokens, adding new words to `vocab`; an error naming the file if it cannot be read, and
+// then `vocab` is as it was.
 Tensor tokenize(const std::filesystem::path& file, Vocabulary& vocab);
 
 struct Corpus {

@@ -130,6 +130,31 @@ TEST_CASE("CIFAR files that are cut short, hold a bad label or are missing are e
   CHECK(contains(error_of([] { data::read_cifar10({}); }), "no files given"));
 }
 
+TEST_CASE("a CIFAR file's size is checked before a byte of it is read: a 64 GiB sparse file is an error at once") {
+  TempDir dir;
+  const std::string huge = dir.file("data_batch_1.bin");
+  std::ofstream(huge).close();
+  std::filesystem::resize_file(huge, uint64_t(64) << 30);  // sparse: no disk, but reading it would need 64 GiB
+  const std::string e = error_of([&] { data::read_cifar10({huge}); });
+  CHECK(contains(e, "data_batch_1.bin has 68719476736 bytes, not a whole number of 3073-byte records"));
+  std::filesystem::resize_file(huge, 3073 * 10'000);  // a whole number of records, read a chunk at a time
+  write_records(dir.file("data_batch_2.bin"), 0, cifar10_labels(2, 3));
+  const data::ImageDataset d = data::read_cifar10({huge, dir.file("data_batch_2.bin")});
+  CHECK(d.size() == 10'002);
+  CHECK(to_vector<int64_t>(d.labels.narrow(0, 9'999, 3)) == std::vector<int64_t>{0, 3, 4});  // zeros, then file 2
+  CHECK(int(d.images[10'001][2][31][31].item<uint8_t>()) == int(pixel(1, kPixels - 1)));
+}
+
+TEST_CASE("a CIFAR batch whose status cannot be read is an error with the reason, not a batch left out as missing") {
+  TempDir dir;
+  write_records(dir.file("data_batch_2.bin"), 0, cifar10_labels(2, 0));
+  std::filesystem::create_symlink("data_batch_1.bin", dir.file("data_batch_1.bin"));  // a loop of links (ELOOP)
+  const std::string e = error_of([&] { data::load_cifar10(dir.path, data::Split::Train); });
+  CHECK(contains(e, "cifar10: cannot read " + dir.file("data_batch_1.bin") + ": Too many levels of symbolic links"));
+  std::filesystem::remove(dir.file("data_batch_1.bin"));
+  CHECK(data::load_cifar10(dir.path, data::Split::Train).size() == 2);  // missing: trained without it, with a warning
+}
+
 TEST_CASE("a FIFO in a CIFAR file's place is refused at once, not waited on for a writer") {
   TempDir dir;
   const std::string fifo = make_fifo(dir, "test_batch.bin");
@@ -463,6 +488,20 @@ TEST_CASE("tokenize takes UTF-8 words and refuses a file that is not UTF-8, nami
     CHECK(contains(error, dir.file("train.txt") + " is not valid UTF-8"));
     CHECK(contains(error, where));
   }
+}
+
+TEST_CASE("tokenize leaves the vocabulary as it was when the file fails half-way, and names why a file cannot open") {
+  TempDir dir;
+  data::Vocabulary vocab;
+  vocab.add("x");
+  vocab.add("<eos>");
+  std::ofstream(dir.file("bad.txt"), std::ios::binary) << "good words\nfoo bar\r\xff" "baz\n";
+  CHECK(contains(error_of([&] { data::tokenize(dir.file("bad.txt"), vocab); }), "byte 0xff at offset 19 (line 3)"));
+  CHECK(vocab.size() == 2);  // "good" and "words" were read before the bad byte: not added
+  std::ofstream(dir.file("bad.txt"), std::ios::binary | std::ios::trunc) << "good words\n";
+  CHECK(to_vector<int64_t>(data::tokenize(dir.file("bad.txt"), vocab)) == std::vector<int64_t>{2, 3, 1});
+  CHECK(contains(error_of([&] { data::tokenize(dir.file("none.txt"), vocab); }),
+                 "cannot open " + dir.file("none.txt") + ": No such file or directory"));
 }
 
 TEST_CASE("batchify lays the text out in columns, bptt_batch gives inputs and next-token targets") {
