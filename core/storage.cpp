@@ -1,5 +1,7 @@
 #include "core/storage.h"
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <iterator>
 #include <map>
@@ -21,7 +23,7 @@ constexpr size_t kDefaultLimit = size_t(1) << 30;
 size_t size_class(size_t nbytes) {
   if (nbytes < kCacheMin) return (nbytes + 63) / 64 * 64;
   size_t power = kCacheMin;
-  while (power * 2 <= nbytes) power *= 2;
+  while (power <= nbytes / 2) power *= 2;  // (power * 2 would wrap to 0 for a request of 2^63 bytes: a loop forever)
   const size_t step = power / 8;
   return (nbytes + step - 1) / step * step;
 }
@@ -31,11 +33,14 @@ size_t size_class(size_t nbytes) {
 size_t limit_from_environment() {
   const char* mb = std::getenv("HALFGRAD_CPU_CACHE_MB");
   if (mb == nullptr || *mb == '\0') return kDefaultLimit;
+  // Digits only: strtoull would take "-1" as 2^64 - 1 and skip leading spaces; a value whose bytes overflow size_t
+  // would wrap (2^44 MiB to 0, the cache silently off).
   char* end = nullptr;
+  errno = 0;
   const unsigned long long v = std::strtoull(mb, &end, 10);
-  if (end == nullptr || *end != '\0') {
-    logger().warn("HALFGRAD_CPU_CACHE_MB: expected a number of MiB, got \"{}\"; the CPU cache keeps its 1 GiB limit",
-                  mb);
+  if (*mb < '0' || *mb > '9' || *end != '\0' || errno == ERANGE || v > (SIZE_MAX >> 20)) {
+    logger().warn("HALFGRAD_CPU_CACHE_MB: expected a number of MiB up to {}, got \"{}\"; the CPU cache keeps its 1 GiB "
+                  "limit", SIZE_MAX >> 20, mb);
     return kDefaultLimit;
   }
   return size_t(v) << 20;
@@ -46,6 +51,8 @@ class CpuAllocator final : public Allocator {
  public:
   void* allocate(size_t nbytes, Device) override {
     if (nbytes == 0) return nullptr;
+    // No object may be larger (pointer differences must fit), and size_class's rounding up must not wrap.
+    if (nbytes > size_t(PTRDIFF_MAX)) HG_FAIL("cpu allocator: out of memory allocating {} bytes", nbytes);
     const size_t size = size_class(nbytes);
     if (size >= kCacheMin) {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include "core/storage.h"
 #include "halfgrad_commit.h"  // generated at build time: cmake/git_commit.cmake
 
 namespace halfgrad {
@@ -21,9 +22,9 @@ bool built_with_cuda() {
 }
 
 std::string build_summary() {
-  return fmt::format("halfgrad {} | CPU: Eigen {}.{}.{}, {} OpenMP threads | CUDA backend: {}", version(),
-                     EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, omp_get_max_threads(),
-                     built_with_cuda() ? "compiled in" : "not built");
+  return fmt::format("halfgrad {} | CPU: Eigen {}.{}.{}, {} OpenMP threads, a cache of {} MiB | CUDA backend: {}",
+                     version(), EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, omp_get_max_threads(),
+                     cpu_cache_limit() >> 20, built_with_cuda() ? "compiled in" : "not built");
 }
 
 }  // namespace halfgrad

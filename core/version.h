@@ -9,6 +9,6 @@ const char* version();  // "0.1.0"
 // "unknown" when not built from a git checkout).
 const char* git_commit();
 bool built_with_cuda();
-std::string build_summary();  // one line: version, backends, OpenMP threads, Eigen version
+std::string build_summary();  // one line: version, backends, OpenMP threads, the CPU cache's limit, Eigen version
 
 }  // namespace halfgrad

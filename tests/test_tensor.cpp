@@ -390,6 +390,16 @@ TEST_CASE("cuda: an aligned-rows matrix moves between devices as it is, padding 
   CHECK(values(back) == values(dense.to(kFloat16)));
 }
 
+TEST_CASE("a CPU storage of 2^63 bytes or more is an out-of-memory error at once") {
+  // empty() stops short of these sizes, but Storage is public: its size class once doubled a power of two past
+  // 2^63 to 0 and looped forever, and rounding up SIZE_MAX would have wrapped to a small block.
+  for (size_t nbytes : {size_t(1) << 63, SIZE_MAX}) {  // (refused before malloc, which ASan would abort in)
+    CAPTURE(nbytes);
+    const std::string expected = fmt::format("cpu allocator: out of memory allocating {} bytes", nbytes);
+    CHECK_THROWS_WITH_AS(Storage(nbytes, Device::cpu()), doctest::Contains(expected.c_str()), Error);
+  }
+}
+
 TEST_CASE("the CPU allocator keeps large freed blocks for the next request of their size class, up to its limit") {
   struct LimitGuard {  // the limit is process-wide: leave it as found
     size_t saved = cpu_cache_limit();
