@@ -39,7 +39,7 @@ namespace halfgrad::optim {
 struct LBFGSOptions {
   double lr = 1;
   int64_t max_iter = 20;                // iterations per step
-  std::optional<int64_t> max_eval;      // evaluations after which a step stops; max_iter * 5 / 4 where unset
+  std::optional<int64_t> max_eval{};    // evaluations after which a step stops; max_iter * 5 / 4 where unset
   double tolerance_grad = 1e-7;         // stop once the gradient's largest magnitude is at most this
   double tolerance_change = 1e-9;       // ... or the step's, or the loss's change, is below this
   int64_t history_size = 100;           // (step, gradient change) pairs kept
