@@ -54,7 +54,8 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Co
           "weight", empty({out_channels, options.groups > 0 ? in_channels / options.groups : 0, kernel_size[0],
                            kernel_size[1]}, param_options(tensor_options)))),
       bias(register_parameter("bias", bias ? empty({out_channels}, param_options(tensor_options)) : Tensor())) {
-  HG_CHECK(options.groups > 0 && in_channels % options.groups == 0 && out_channels % options.groups == 0,
+  HG_CHECK(options.groups > 0, "Conv2d: groups must be a positive integer, got {}", options.groups);
+  HG_CHECK(in_channels % options.groups == 0 && out_channels % options.groups == 0,
            "Conv2d: in_channels {} and out_channels {} must be divisible by groups {}", in_channels, out_channels,
            options.groups);
   init::default_linear_init_(weight, this->bias);
@@ -150,10 +151,16 @@ MaxPool2d::MaxPool2d(Pair2d kernel_size, MaxPool2dOptions options) : kernel_size
 
 Tensor MaxPool2d::forward(const Tensor& x) { return max_pool2d(x, kernel_size, options); }
 
+namespace {
+// PyTorch's pooling layers keep their arguments as given and print an int as an int: MaxPool2d(2) prints kernel_size=2.
+// A square pair prints so here, which is PyTorch's repr for an int argument (a tuple (2, 2) would print as (2, 2)).
+std::string pool_arg_str(const Pair2d& p) { return p[0] == p[1] ? std::to_string(p[0]) : pair_str(p); }
+}  // namespace
+
 std::string MaxPool2d::extra_repr() const {
   Pair2d stride = options.stride == Pair2d{0, 0} ? kernel_size : options.stride;
-  return fmt::format("kernel_size={}, stride={}, padding={}, dilation={}, ceil_mode={}", pair_str(kernel_size),
-                     pair_str(stride), pair_str(options.padding), pair_str(options.dilation),
+  return fmt::format("kernel_size={}, stride={}, padding={}, dilation={}, ceil_mode={}", pool_arg_str(kernel_size),
+                     pool_arg_str(stride), pool_arg_str(options.padding), pool_arg_str(options.dilation),
                      bool_str(options.ceil_mode));
 }
 
@@ -163,15 +170,15 @@ Tensor AvgPool2d::forward(const Tensor& x) { return avg_pool2d(x, kernel_size, o
 
 std::string AvgPool2d::extra_repr() const {
   Pair2d stride = options.stride == Pair2d{0, 0} ? kernel_size : options.stride;
-  return fmt::format("kernel_size={}, stride={}, padding={}", pair_str(kernel_size), pair_str(stride),
-                     pair_str(options.padding));
+  return fmt::format("kernel_size={}, stride={}, padding={}", pool_arg_str(kernel_size), pool_arg_str(stride),
+                     pool_arg_str(options.padding));
 }
 
 AdaptiveAvgPool2d::AdaptiveAvgPool2d(Pair2d output_size) : output_size(output_size) {}
 
 Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d(x, output_size); }
 
-std::string AdaptiveAvgPool2d::extra_repr() const { return "output_size=" + pair_str(output_size); }
+std::string AdaptiveAvgPool2d::extra_repr() const { return "output_size=" + pool_arg_str(output_size); }
 
 Dropout::Dropout(double p) : p(p) {
   HG_CHECK(p >= 0 && p <= 1, "Dropout: p must be in [0, 1], got {}", p);
@@ -179,7 +186,7 @@ Dropout::Dropout(double p) : p(p) {
 
 Tensor Dropout::forward(const Tensor& x) { return dropout(x, p, is_training()); }
 
-std::string Dropout::extra_repr() const { return fmt::format("p={}", p); }
+std::string Dropout::extra_repr() const { return fmt::format("p={}, inplace=False", p); }  // (never in place here)
 
 // ---- Embedding
 

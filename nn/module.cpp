@@ -170,7 +170,11 @@ Tensor& Module::tensor_at(const std::string& dotted_name) {
   HG_CHECK(m, "{}: tensor_at('{}'): no submodule '{}'", type_name(), dotted_name, missing_child);
   for (auto* list : {&m->parameters_, &m->buffers_})
     for (Slot& s : *list)
-      if (s.name == rest) return s.tensor;
+      if (s.name == rest) {
+        HG_CHECK(s.tensor.defined(), "{}: tensor_at('{}'): {}'s '{}' is registered but holds no tensor (a layer built "
+                 "without it, as Linear without a bias)", type_name(), dotted_name, m->type_name(), rest);
+        return s.tensor;
+      }
   HG_FAIL("{}: tensor_at('{}'): {} has no parameter or buffer '{}'", type_name(), dotted_name, m->type_name(), rest);
 }
 
@@ -269,14 +273,22 @@ void Module::zero_grad() {
 
 // ---- state
 
+// As PyTorch's state_dict: detached handles (requires_grad false, the same storage), so that a caller may edit the
+// values in place, which a leaf that requires grad refuses.
 NamedTensors Module::state_dict() const {
+  NamedTensors out = own_tensors();
+  for (auto& entry : out) entry.second = entry.second.detach();
+  return out;
+}
+
+NamedTensors Module::own_tensors() const {
   NamedTensors out;
   collect("", true, true, /*persistent_only=*/true, true, out, /*seen=*/nullptr);
   return out;
 }
 
 LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions& options) {
-  NamedTensors mine = state_dict();
+  NamedTensors mine = own_tensors();  // the model's own handles: tied weights are one TensorImpl
   std::map<std::string, const Tensor*> given;
   std::vector<std::string> problems;
   for (const auto& [name, t] : state) {

@@ -148,7 +148,8 @@ class Module {
   // Forgets every parameter's gradient (undefined, like PyTorch's set_to_none=True).
   void zero_grad();
 
-  // ---- state: persistent parameters and buffers by dotted name. The tensors themselves, not copies.
+  // ---- state: persistent parameters and buffers by dotted name: the tensors' own storage, not copies, in detached
+  // handles (requires_grad false, as PyTorch's), so that their values may be edited in place.
   NamedTensors state_dict() const;
   // Copies `state` into this module's tensors (in place, under no-grad; across devices as needed). Checks
   // every name, shape and dtype first and reports ALL mismatches in one error, changing nothing; with
@@ -173,6 +174,7 @@ class Module {
   std::string repr() const;
 
  private:
+  NamedTensors own_tensors() const;  // state_dict's entries, the model's own handles (load_state_dict writes them)
   struct Slot {
     std::string name;
     Tensor tensor;

@@ -148,8 +148,7 @@ StepLROptions checked(StepLROptions o) {
   return o;
 }
 MultiStepLROptions checked(MultiStepLROptions o) {
-  HG_CHECK(std::is_sorted(o.milestones.begin(), o.milestones.end()),
-           "MultiStepLR: milestones must be increasing, got [{}]", fmt::join(o.milestones, ", "));
+  std::sort(o.milestones.begin(), o.milestones.end());  // any order, as PyTorch's (it counts them)
   check_finite_non_negative("MultiStepLR", "gamma", o.gamma);
   return o;
 }

@@ -106,7 +106,7 @@ class StepLR : public LRScheduler {
 
 // lr = base_lr * gamma^(number of milestones <= n)
 struct MultiStepLROptions {
-  std::vector<int64_t> milestones;  // increasing
+  std::vector<int64_t> milestones;  // in any order; one given twice decays twice there (as PyTorch's)
   double gamma = 0.1;
 };
 class MultiStepLR : public LRScheduler {

@@ -98,6 +98,21 @@ TEST_CASE("named_parameters and state_dict use PyTorch's dotted names and order"
   CHECK_THROWS_WITH_AS(net.tensor_at("layer1.7.bn1.weight"), doctest::Contains("no submodule '7'"), Error);
 }
 
+TEST_CASE("state_dict's entries are detached handles of the model's tensors: edited in place, the model changes") {
+  nn::Linear lin(2, 2);
+  const NamedTensors state = lin.state_dict();
+  CHECK_FALSE(state[0].second.requires_grad());  // as PyTorch's: a leaf that requires grad refuses mul_
+  CHECK(state[0].second.storage() == lin.weight.storage());
+  const std::vector<double> before = values(lin.weight);
+  Tensor(state[0].second).mul_(2.0);
+  for (size_t k = 0; k < before.size(); ++k) CHECK(values(lin.weight)[k] == 2 * before[k]);
+  CHECK(lin.weight.requires_grad());
+  // A slot registered without a tensor (a Linear without a bias) is an error at tensor_at, not an undefined tensor.
+  nn::Linear no_bias(2, 2, /*bias=*/false);
+  CHECK_THROWS_WITH_AS(no_bias.tensor_at("bias"), doctest::Contains("Linear's 'bias' is registered but holds no tensor"),
+                       Error);
+}
+
 TEST_CASE("registration refuses empty, dotted and duplicate names and non-leaf parameters") {
   nn::Module m;
   m.register_parameter("w", zeros({2}));
@@ -713,6 +728,14 @@ TEST_CASE("nn::init::uniform_ keeps float16 values below high as the dtype holds
   CHECK(h.min().item<double>() >= -0.0999755859375);
 }
 
+TEST_CASE("nn::init::uniform_ refuses bounds past the dtype's range, which would draw infinities (as PyTorch)") {
+  Tensor h = empty({6}, {.dtype = kFloat16});
+  CHECK_THROWS_WITH_AS(nn::init::uniform_(h, -1e5, 1e5),
+                       doctest::Contains("uniform_: low -100000 and high 100000 must lie within float16"), Error);
+  CHECK_THROWS_AS(nn::init::uniform_(empty({2}, {.dtype = kBFloat16}), -1e39, 0), Error);
+  CHECK_NOTHROW(nn::init::uniform_(h, -65504, 65504));
+}
+
 TEST_CASE("initialisers fill parameters in place, without recording autograd, in any dtype") {
   nn::Linear lin(4, 3, true, {.dtype = kFloat64});
   CHECK(lin.weight.dtype() == kFloat64);
@@ -759,13 +782,18 @@ TEST_CASE("repr prints the module tree like PyTorch") {
         "  (0): Linear(in_features=4, out_features=8, bias=True)\n"
         "  (1): ReLU()\n"
         "  (2): Sequential(\n"
-        "    (0): Dropout(p=0.1)\n"
+        "    (0): Dropout(p=0.1, inplace=False)\n"
         "    (1): Linear(in_features=8, out_features=2, bias=False)\n"
         "  )\n"
         ")");
   CHECK(nn::Conv2d(3, 16, 3, {.stride = {2, 2}, .padding = {1, 1}}, false).repr() ==
         "Conv2d(3, 16, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), bias=False)");
   CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True)");
+  // Pooling prints a square argument as PyTorch prints an int one.
+  CHECK(nn::MaxPool2d(2).repr() == "MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)");
+  CHECK(nn::AvgPool2d(Pair2d{2, 3}, {.padding = {1, 1}}).repr() ==
+        "AvgPool2d(kernel_size=(2, 3), stride=(2, 3), padding=1)");
+  CHECK(nn::AdaptiveAvgPool2d(1).repr() == "AdaptiveAvgPool2d(output_size=1)");
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -855,6 +883,12 @@ TEST_CASE("a layer's negative size is an error naming the layer and the argument
                        Error);
   CHECK_THROWS_WITH_AS(nn::Conv2d(2, 4, Pair2d{3, 0}), doctest::Contains("Conv2d: kernel_size[1] must be at least 1"),
                        Error);
+  for (int64_t groups : {0, -2}) {
+    CAPTURE(groups);
+    CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.groups = groups}),
+                         doctest::Contains(fmt::format("Conv2d: groups must be a positive integer, got {}", groups).c_str()),
+                         Error);
+  }
   CHECK_THROWS_WITH_AS(nn::Embedding(-2, 3), doctest::Contains("Embedding: num_embeddings must be at least 0"), Error);
   CHECK_THROWS_WITH_AS(nn::BatchNorm2d(0), doctest::Contains("BatchNorm2d: num_features must be at least 1, got 0"),
                        Error);
