@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -79,6 +80,23 @@ Shape pooled_shape(const char* op, const Tensor& input, const Pool2dParams& p, b
 
 TensorOptions like(const Tensor& t, DType dtype) { return {.dtype = dtype, .device = t.device()}; }
 
+// An unbatched [C, H, W] input runs as a batch of one; an error then names the caller's tensor, not the [1, C, H, W]
+// view it never passed.
+template <typename Run> auto as_batch_of_one(const Tensor& input, Run run) {
+  const Tensor batch = input.unsqueeze(0);
+  try {
+    return run(batch);
+  } catch (const OutOfMemory&) {
+    throw;
+  } catch (const Error& e) {
+    std::string what = e.what();
+    const std::string batch_meta = batch.meta(), own = input.meta();
+    for (size_t at = what.find(batch_meta); at != std::string::npos; at = what.find(batch_meta, at + own.size()))
+      what.replace(at, batch_meta.size(), own);
+    throw Error(what);
+  }
+}
+
 }  // namespace
 
 // ---- max_pool2d. Autocast category: "unchanged".
@@ -91,7 +109,8 @@ std::pair<Tensor, Tensor> max_pool2d_impl(const Tensor& input, Pair2d kernel_siz
                                           bool flat) {
   HG_CHECK(input.defined(), "max_pool2d: got an undefined input");
   if (input.dim() == 3) {  // unbatched
-    auto [out, indices] = max_pool2d_impl(input.unsqueeze(0), kernel_size, options, flat);
+    auto [out, indices] = as_batch_of_one(
+        input, [&](const Tensor& batch) { return max_pool2d_impl(batch, kernel_size, options, flat); });
     return {out.squeeze(0), indices.squeeze(0)};
   }
   check_input("max_pool2d", input);
@@ -133,7 +152,8 @@ Tensor max_pool2d(const Tensor& input, Pair2d kernel_size, const MaxPool2dOption
 Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOptions& options) {
   HG_AUTOCAST(avg_pool2d, input, kernel_size, options);
   HG_CHECK(input.defined(), "avg_pool2d: got an undefined input");
-  if (input.dim() == 3) return avg_pool2d(input.unsqueeze(0), kernel_size, options).squeeze(0);
+  if (input.dim() == 3)
+    return as_batch_of_one(input, [&](const Tensor& batch) { return avg_pool2d(batch, kernel_size, options); }).squeeze(0);
   check_input("avg_pool2d", input);
   Pool2dParams p = window_params("avg_pool2d", input, kernel_size, options.stride, options.padding, {1, 1});
   p.count_include_pad = options.count_include_pad;
@@ -158,7 +178,8 @@ Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOption
 Tensor adaptive_avg_pool2d(const Tensor& input, Pair2d output_size) {
   HG_AUTOCAST(adaptive_avg_pool2d, input, output_size);
   HG_CHECK(input.defined(), "adaptive_avg_pool2d: got an undefined input");
-  if (input.dim() == 3) return adaptive_avg_pool2d(input.unsqueeze(0), output_size).squeeze(0);
+  if (input.dim() == 3)
+    return as_batch_of_one(input, [&](const Tensor& batch) { return adaptive_avg_pool2d(batch, output_size); }).squeeze(0);
   check_input("adaptive_avg_pool2d", input);
   HG_CHECK(output_size[0] >= 0 && output_size[1] >= 0,
            "adaptive_avg_pool2d: output_size must be non-negative, got {} (input {})", pair_str(output_size),

@@ -33,7 +33,8 @@ struct AvgPool2dOptions {
 // Maximum over each kernel window:
 //   max_pool2d(x, {2, 2});                                       // stride 2
 //   max_pool2d(x, {3, 3}, {.stride = {2, 2}, .padding = {1, 1}});
-// The gradient goes to the window's maximum (the first one on ties; a nan is the maximum when present).
+// The gradient goes to the window's maximum: the first one on ties; a nan is the maximum when present, the last nan of
+// several (as PyTorch's CPU and CUDA kernels pick).
 // For its backward it keeps where each maximum lies within its window, one byte an output element (windows of up to
 // kMaxWindowPositions elements), where the flat indices of max_pool2d_with_indices take eight: at VGG16's first
 // pooling at batch 2048 that is 34 MB to write and read back instead of 268.

@@ -305,14 +305,19 @@ Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
   Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
   run_reduction(ReduceOp::Var, p, out, Tensor(), correction);
   // backward: d/dx_i sum_j (x_j - mean)^2 / (N - correction) = 2 (x_i - mean) / (N - correction); the
-  // mean's own dependence on x_i drops out because the deviations sum to zero.
+  // mean's own dependence on x_i drops out because the deviations sum to zero. Where N - correction <= 0, PyTorch's
+  // var_backward: over every element, inf (nan where x_i is the mean, inf * 0); over named dims, the formula as it
+  // stands (a finite factor of the wrong sign past N, inf at N).
   record("VarBackward", {x}, {out},
-         [saved_x = SavedTensor(x, "var"), mask = p.mask, keepdim, correction,
-          count = p.reduced](const GradContext& g) -> TensorList {
+         [saved_x = SavedTensor(x, "var"), mask = p.mask, keepdim, correction, count = p.reduced,
+          every_element = dims.empty() || x.dim() == 0](const GradContext& g) -> TensorList {
            const Tensor& xs = saved_x.get();
-           const double scale = 2.0 / double(std::max<int64_t>(0, count - correction));
            Tensor deviation = xs.sub(xs.mean(reduced_dims(mask), /*keepdim=*/true));
-           return {scaled_once(deviation.mul(unsqueeze_reduced(g[0], mask, keepdim)), scale)};
+           Tensor grad = unsqueeze_reduced(g[0], mask, keepdim);
+           if (every_element && count - correction <= 0)
+             return {where(deviation.eq(0.0), std::numeric_limits<double>::quiet_NaN(),
+                           full_like(xs, std::numeric_limits<double>::infinity())).mul(grad)};
+           return {scaled_once(deviation.mul(grad), 2.0 / double(count - correction))};
          });
   return out;
 }
@@ -334,10 +339,9 @@ Tensor extreme_all(const Tensor& x, ReduceOp op) {
          [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name)](const GradContext& g) -> TensorList {
            const Tensor& xs = saved_x.get();
            const Tensor& result = saved_out.get();
-           const DType dt = xs.dtype();
-           Tensor nan_result = result.ne(result).to(dt);  // 0-d: 1 when the result is nan
-           Tensor mask = xs.eq(result).to(dt).add(xs.ne(xs).to(dt).mul(nan_result));
-           return {mask.mul(g[0].div(mask.sum()))};
+           // The ties counted in int64 (a float16 count rounds: 100,000 equal elements summed to inf, a zero gradient).
+           Tensor mask = logical_or(xs.eq(result), logical_and(xs.ne(xs), result.ne(result)));
+           return {mask.to(xs.dtype()).mul(g[0].div(mask.sum()))};
          });
   return out;
 }

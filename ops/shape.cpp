@@ -64,6 +64,12 @@ Tensor view_op(const char* name, const Tensor& x, Shape shape, Shape strides, in
   return out;
 }
 
+// A new view of all of x: what squeeze of no dim of size 1, t() of a vector and transpose of a 0-d tensor give, as in
+// PyTorch. Not x itself: requires_grad_, hooks or retain_grad set on the result would be set on x.
+Tensor alias_view(const char* name, const Tensor& x) {
+  return view_op(name, x, x.shape(), x.strides(), x.offset(), [](const Tensor& g) { return g; });
+}
+
 Shape infer_shape(Shape shape, int64_t numel, const char* op) {
   int64_t known = 1, infer_at = -1;
   for (size_t d = 0; d < shape.size(); ++d) {
@@ -148,7 +154,7 @@ Tensor Tensor::permute(Dims dims) const {
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   d0 = wrap_dim(d0, dim(), "transpose");
   d1 = wrap_dim(d1, dim(), "transpose");
-  if (dim() == 0) return *this;
+  if (dim() == 0) return alias_view("transpose", *this);
   Dims order(static_cast<size_t>(dim()));
   std::iota(order.begin(), order.end(), 0);
   std::swap(order[size_t(d0)], order[size_t(d1)]);
@@ -157,7 +163,7 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
 
 Tensor Tensor::t() const {
   HG_CHECK(dim() <= 2, "t: expects a tensor with <= 2 dims, got {}", meta());
-  return dim() < 2 ? *this : transpose(0, 1);
+  return dim() < 2 ? alias_view("t", *this) : transpose(0, 1);
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
@@ -226,12 +232,12 @@ Tensor Tensor::squeeze() const {
   Shape new_shape;
   for (int64_t s : shape())
     if (s != 1) new_shape.push_back(s);
-  return new_shape.size() == shape().size() ? *this : reshape(new_shape);
+  return new_shape.size() == shape().size() ? alias_view("squeeze", *this) : reshape(new_shape);
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
   d = wrap_dim(d, dim(), "squeeze");
-  if (dim() == 0 || shape()[size_t(d)] != 1) return *this;
+  if (dim() == 0 || shape()[size_t(d)] != 1) return alias_view("squeeze", *this);
   Shape new_shape = shape();
   new_shape.erase(new_shape.begin() + d);
   return reshape(new_shape);
@@ -268,25 +274,40 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     HG_CHECK(tensors[i].dim() > 0, "cat: the tensor at position {} ({}) cannot be concatenated: it has no dims "
              "(stack() makes a new dim; unsqueeze(0) gives it one)", i, tensors[i].meta());
   }
-  const Tensor& first = tensors[0];
+  // As PyTorch, an empty tensor of shape [0] (a list grown from empty({0})) joins any shape: it counts in the dtype
+  // only. The others decide the shape; where all are such, the result is one too.
+  auto legacy_empty = [](const Tensor& t) { return t.dim() == 1 && t.numel() == 0; };
+  const Tensor* shaped = &tensors[0];
+  for (const Tensor& t : tensors)
+    if (!legacy_empty(t)) {
+      shaped = &t;
+      break;
+    }
+  const Tensor& first = *shaped;
   dim = wrap_dim(dim, first.dim(), "cat");
   DType dtype = first.dtype();
   Shape shape = first.shape();
   shape[size_t(dim)] = 0;
   for (const Tensor& t : tensors) {
-    HG_CHECK(t.dim() == first.dim() && t.device() == first.device(), "cat: {} does not match {}", t.meta(), first.meta());
+    HG_CHECK(t.device() == first.device(), "cat: {} does not match {}", t.meta(), first.meta());
+    dtype = promote_types(dtype, t.dtype());
+    if (legacy_empty(t) && &t != &first) continue;
+    HG_CHECK(t.dim() == first.dim(), "cat: {} does not match {}", t.meta(), first.meta());
     for (int64_t d = 0; d < t.dim(); ++d)
       HG_CHECK(d == dim || t.shape()[size_t(d)] == first.shape()[size_t(d)],
                "cat: sizes must match except in dim {}: {} vs {}", dim, t.meta(), first.meta());
     shape[size_t(dim)] += t.shape()[size_t(dim)];
-    dtype = promote_types(dtype, t.dtype());
   }
   Tensor out = empty(shape, {.dtype = dtype, .device = first.device()});
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> sizes;  // along dim; -1 for a legacy empty input, whose gradient is its own [0]
   {
     NoGradGuard no_grad;
     int64_t at = 0;
     for (const Tensor& t : tensors) {
+      if (legacy_empty(t) && &t != &first) {
+        sizes.push_back(-1);
+        continue;
+      }
       int64_t n = t.shape()[size_t(dim)];
       copy_kernel[out.device()](out.narrow(dim, at, n), t);
       sizes.push_back(n);
@@ -298,6 +319,10 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
       TensorList grads;
       int64_t at = 0;
       for (size_t i = 0; i < sizes.size(); ++i) {
+        if (sizes[i] < 0) {
+          grads.push_back(g.needs(i) ? empty({0}, {.dtype = g[0].dtype(), .device = g[0].device()}) : Tensor());
+          continue;
+        }
         grads.push_back(g.needs(i) ? g[0].narrow(dim, at, sizes[i]) : Tensor());
         at += sizes[i];
       }

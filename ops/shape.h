@@ -20,6 +20,8 @@ std::optional<MemoryFormat> storage_format(const Tensor& t);
 // correspond element for element.
 Tensor flat_storage_view(const Tensor& t);
 
-Tensor cat(const TensorList& tensors, int64_t dim = 0);  // ops/shape.cpp
+// Joins along dim; sizes must match elsewhere. An input of shape [0] joins any shape (PyTorch's legacy empty tensor: a
+// list grown from empty({0})). ops/shape.cpp
+Tensor cat(const TensorList& tensors, int64_t dim = 0);
 
 }  // namespace halfgrad

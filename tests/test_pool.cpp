@@ -333,6 +333,12 @@ TEST_CASE("pooling errors name the op and the shapes") {
   CHECK(contains(error_of([&] { avg_pool2d(x, {2, 2}, {.stride = {2, -1}}); }), "stride must be positive"));
   CHECK(contains(error_of([&] { adaptive_avg_pool2d(x, {-1, 2}); }), "non-negative"));
   CHECK(contains(error_of([&] { max_pool2d(randn({2, 3, 0, 4}), {1, 1}); }), "non-empty"));
+  // An unbatched input's error names it, not the batch of one it runs as.
+  e = error_of([&] { max_pool2d(randn({2, 3, 3}), {5, 5}); });
+  CHECK(contains(e, "larger than the input float32[2, 3, 3]"));
+  CHECK_FALSE(contains(e, "[1, 2, 3, 3]"));
+  CHECK(contains(error_of([&] { avg_pool2d(randn({2, 3, 3}).to(kInt32), {2, 2}); }), "int32[2, 3, 3]"));
+  CHECK(contains(error_of([&] { adaptive_avg_pool2d(randn({2, 3, 3}), {-1, 2}); }), "float32[2, 3, 3]"));
   // A dilation whose window would overflow 64 bits gave an 8-row output of -inf: refused, as PyTorch refuses it.
   const Tensor tall = arange(16, {.dtype = kFloat32}).reshape({1, 1, 4, 4});
   const MaxPool2dOptions huge{.stride = {1, 1}, .padding = {2, 0}, .dilation = {int64_t(1) << 62, 1}};

@@ -16,6 +16,7 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::check_close;
 using halfgrad::testing::values;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
@@ -474,6 +475,26 @@ TEST_CASE("gradient of max() and min() over all elements is split evenly among t
   Tensor z = tensor(std::vector<double>{1, NAN, 2}).requires_grad_();
   z.max().backward();
   CHECK(values(z.grad()) == std::vector<double>{0, 1, 0});
+  // Float16 ties are counted in int64, as PyTorch's evenly_distribute_backward: in float16 100,000 would be inf.
+  Tensor h = zeros({100000}, {.dtype = kFloat16}).requires_grad_();
+  h.max().backward();
+  CHECK(h.grad()[0].item<double>() == doctest::Approx(1e-5).epsilon(0.05));
+  CHECK(h.grad().to(kFloat32).sum().item<double>() == doctest::Approx(1.0).epsilon(0.05));
+}
+
+TEST_CASE("var's gradient where the correction leaves no degrees of freedom is PyTorch's") {
+  // Over every element: inf, nan where x is the mean; over named dims: 2 / (N - correction) as it stands.
+  Tensor x = tensor<double>({1, 2, 4}).requires_grad_();
+  x.var({}, 3).backward();
+  CHECK(values(x.grad()) == std::vector<double>(3, INFINITY));
+  Tensor m = tensor<double>({1, 2, 3}).requires_grad_();
+  m.var({}, 5).backward();
+  const std::vector<double> at_mean = values(m.grad());
+  CHECK(at_mean[0] == INFINITY);
+  CHECK(std::isnan(at_mean[1]));  // x == mean: inf * 0
+  Tensor d = tensor<double>({1, 2, 4}).requires_grad_();
+  d.var({0}, 4).backward();  // 2 / (3 - 4) (x - 7/3)
+  check_close(values(d.grad()), {8.0 / 3, 2.0 / 3, -10.0 / 3}, 1e-15);
 }
 
 TEST_CASE("reductions record nothing for inputs without grad and keep gradients in the input dtype") {

@@ -162,6 +162,43 @@ TEST_CASE("cat joins along a dim") {
   CHECK_THROWS_WITH_AS(cat({a, b}, 0), doctest::Contains("cat"), Error);
 }
 
+TEST_CASE("cat takes PyTorch's legacy empty tensor of shape [0] beside any shape, in the dtype only") {
+  // A list grown from empty({0}): the [0] joins a [2, 3] along either dim, and promotes the result's dtype.
+  Tensor grown = ones({2, 3}).requires_grad_();
+  Tensor start = empty({0}, {.dtype = kFloat64}).requires_grad_();
+  for (int64_t dim : {0, 1, -1}) {
+    CAPTURE(dim);
+    Tensor c = cat({start, grown}, dim);
+    CHECK(c.shape() == Shape{2, 3});
+    CHECK(c.dtype() == kFloat64);
+    CHECK(values(c) == std::vector<double>(6, 1.0));
+  }
+  Tensor c = cat({grown, start, grown * 2.0}, 1);
+  CHECK(c.shape() == Shape{2, 6});
+  c.sum().backward();
+  CHECK(start.grad().shape() == Shape{0});
+  CHECK(values(grown.grad()) == std::vector<double>(6, 3.0));
+  CHECK(cat({empty({0}), empty({0})}).shape() == Shape{0});
+  // Any other empty tensor still has a shape to match.
+  CHECK_THROWS_WITH_AS(cat({zeros({0, 2}), ones({2, 3})}, 0), doctest::Contains("sizes must match except in dim 0"),
+                       Error);
+}
+
+TEST_CASE("squeeze of nothing, t() of a vector and transpose of a 0-d tensor are new views, not the tensor itself") {
+  // Autograd state set on the result must not land on the input (PyTorch returns an alias of it).
+  Tensor x = ones({3}), c = ones({2, 3}), s = scalar_tensor(2.0);
+  for (Tensor y : {x.squeeze(), x.t(), c.squeeze(0), s.transpose(0, 0)}) y.requires_grad_();
+  CHECK_FALSE(x.requires_grad());
+  CHECK_FALSE(c.requires_grad());
+  CHECK_FALSE(s.requires_grad());
+  Tensor leaf = ones({3}).requires_grad_();
+  Tensor view = leaf.squeeze();
+  CHECK_FALSE(view.same(leaf));
+  CHECK_FALSE(view.is_leaf());  // a view of a tensor that requires grad, with a node to it
+  (view * 2.0).sum().backward();
+  CHECK(values(leaf.grad()) == std::vector<double>(3, 2.0));
+}
+
 TEST_CASE("type promotion follows PyTorch") {
   CHECK(promote_types(kInt32, kFloat16) == kFloat16);
   CHECK(promote_types(kFloat16, kBFloat16) == kFloat32);
