@@ -24,6 +24,7 @@ void Adagrad::check_group_options(const AdagradOptions& o, size_t g) const {
 
 void Adagrad::step() {
   NoGradGuard no_grad;
+  check_step();
   for (size_t g = 0; g < groups_.size(); ++g) {
     const AdagradOptions& o = groups_[g].options;
     for (const std::vector<StepItem>& items : step_items(g)) {

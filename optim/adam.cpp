@@ -45,6 +45,7 @@ template <bool kDecoupled> std::vector<std::string> AdamFamily<kDecoupled>::stat
 
 template <bool kDecoupled> void AdamFamily<kDecoupled>::step() {
   NoGradGuard no_grad;
+  this->check_step();
   for (size_t g = 0; g < this->groups_.size(); ++g) {
     const Options& o = this->groups_[g].options;
     for (const auto& items : this->step_items(g)) {

@@ -188,7 +188,10 @@ void Amp::step() {
 }
 
 void Amp::zero_grad() {
-  clip_coefficient_ = Tensor();  // a clipping of the gradients being forgotten
+  // An unscale or a clipping of the gradients being zeroed is forgotten, and O2's masters take the next ones.
+  clip_coefficient_ = Tensor();
+  masters_have_grads_ = false;
+  scaler_.forget_unscale(*optimizer_);
   model_->zero_grad();
   optimizer_->zero_grad();
 }

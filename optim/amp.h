@@ -90,6 +90,8 @@ class Amp {
   void step();
   // What step() does first: masters take the values of model parameters written since the last step (see step()).
   void sync_masters();
+  // Zeroes the model's and the optimizer's gradients, and forgets an unscale_ or clip_grad_norm_ of the ones zeroed:
+  // the next step() unscales, checks (and at O2 gathers into the masters) the gradients of the next backward.
   void zero_grad();
 
   OptLevel level() const { return level_; }

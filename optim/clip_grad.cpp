@@ -84,13 +84,25 @@ Tensor grad_norm(const TensorList& params, double norm_type) {
   return total_norm(gradient_buckets(params, "grad_norm"), norm_type);
 }
 
-Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type) {
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type, bool error_if_nonfinite) {
   check_norm_type(norm_type, "clip_grad_norm_");
   NoGradGuard no_grad;
   const std::vector<TensorList> buckets = gradient_buckets(params, "clip_grad_norm_");
   Tensor norm = total_norm(buckets, norm_type);
+  if (error_if_nonfinite) {
+    const double value = norm.item<double>();
+    HG_CHECK(std::isfinite(value), "clip_grad_norm_: the total norm of order {} of the gradients is {}, so they cannot "
+             "be clipped (error_if_nonfinite is set; no gradient was changed)", norm_type, value);
+  }
   if (!buckets.empty()) scale_buckets(buckets, clip_coefficient(norm, max_norm));
   return norm;
+}
+
+void clip_grad_value_(const TensorList& params, double clip_value) {
+  HG_CHECK(clip_value >= 0, "clip_grad_value_: clip_value must not be negative, got {}", clip_value);
+  NoGradGuard no_grad;
+  for (const TensorList& bucket : gradient_buckets(params, "clip_grad_value_"))
+    for (Tensor g : bucket) g.clamp_(-clip_value, clip_value);
 }
 
 Tensor clip_coefficient(const Tensor& norm, double max_norm) {

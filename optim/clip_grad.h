@@ -1,5 +1,5 @@
 #pragma once
-// Gradient clipping by the total norm (torch.nn.utils.clip_grad_norm_).
+// Gradient clipping by the total norm (torch.nn.utils.clip_grad_norm_), and by value (clip_grad_value_).
 //
 //   Tensor norm = clip_grad_norm_(model.parameters(), /*max_norm=*/1.0);
 //   if (step % 100 == 0) log(norm.item<double>());     // reading it is the only host synchronisation
@@ -23,8 +23,15 @@ namespace halfgrad::optim {
 Tensor grad_norm(const TensorList& params, double norm_type = 2.0);
 
 // Scales the gradients of `params` in place so that their total norm is at most max_norm, and returns the
-// total norm before clipping (as grad_norm). norm_type: any p > 0, or INFINITY.
-Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type = 2.0);
+// total norm before clipping (as grad_norm). norm_type: any p > 0, or INFINITY. With error_if_nonfinite, a total norm
+// that is nan or infinite is an error and no gradient changes (as PyTorch's; it reads the norm on the host, one
+// synchronisation).
+Tensor clip_grad_norm_(const TensorList& params, double max_norm, double norm_type = 2.0,
+                       bool error_if_nonfinite = false);
+
+// Clamps every gradient of `params` in place to [-clip_value, clip_value], a nan staying nan (PyTorch's
+// clip_grad_value_). clip_value must not be negative (PyTorch would set every gradient to it).
+void clip_grad_value_(const TensorList& params, double clip_value);
 
 // The coefficient clipping multiplies the gradients by, from their total norm: min(1, max_norm / (norm + 1e-6)),
 // as PyTorch's (a 0-d tensor where norm is).

@@ -177,26 +177,39 @@ void GradScaler::step(optim::Optimizer& optimizer) {
   PerOptimizer& p = per_optimizer(optimizer);
   HG_CHECK(!p.stepped, "GradScaler::step: step() was already called on this optimizer since the last update()");
   if (!p.unscaled) unscale_(optimizer);
-  p.stepped = true;
   if (!scale_.defined()) {  // no gradient and no loss seen: nothing can have overflowed
     optimizer.step();
+    p.stepped = true;
     return;
   }
+  // As PyTorch: an optimizer none of whose parameters has a gradient had nothing checked, and its step would count
+  // as a clean one.
+  HG_CHECK(!p.found_inf.empty(), "GradScaler::step: no inf checks were recorded for this optimizer: none of its {} "
+           "parameter(s) has a gradient (call backward() on the scaled loss first)", optimizer.parameters().size());
   NoGradGuard no_grad;
   if (p.grad_scale.defined())
     optimizer.step_scaled(found_inf(p), p.grad_scale);
   else
     optimizer.step_unless(found_inf(p));
+  p.stepped = true;  // once it ran: a step that failed (and changed nothing) may be called again, as PyTorch's
+}
+
+void GradScaler::forget_unscale(optim::Optimizer& optimizer) {
+  auto it = per_optimizer_.find(&optimizer);
+  if (it != per_optimizer_.end() && !it->second.stepped) per_optimizer_.erase(it);
 }
 
 void GradScaler::update() {
   if (!options_.enabled) return;
   if (scale_.defined()) {
     // As PyTorch: a step whose gradients were never checked for infinities must not count as a clean one.
-    if (per_optimizer_.empty()) {
-      loss_was_finite_.clear();  // this iteration's records end with the refusal, as they would with an update
+    bool checked = false;
+    for (const auto& [opt, p] : per_optimizer_) checked = checked || !p.found_inf.empty();
+    if (!checked) {
+      per_optimizer_.clear();  // this iteration's records end with the refusal, as they would with an update
+      loss_was_finite_.clear();
       HG_FAIL("GradScaler::update: no inf checks were recorded since the last update(): call step(optimizer) (or "
-              "unscale_) first");
+              "unscale_) first, after a backward() that gave the optimizer's parameters gradients");
     }
     NoGradGuard no_grad;
     Tensor overflow;
@@ -361,9 +374,10 @@ void unscale_cpu(const TensorList& grads, const Tensor& scale, const Tensor& fou
       // One pass: scale and test together; the test is folded into a reduction the compiler vectorises.
 #pragma omp parallel for reduction(|| : bad) if (n > 65536)
       for (int64_t i = 0; i < n; ++i) {
-        opmath_t<T> v = opmath_t<T>(data[i]) * opmath_t<T>(inv);
-        bad = bad || !std::isfinite(v);
-        data[i] = T(v);
+        // Tested as stored: a scale below 1 multiplies float16 gradients up, past float16's range.
+        const T v = T(opmath_t<T>(data[i]) * opmath_t<T>(inv));
+        bad = bad || !std::isfinite(opmath_t<T>(v));
+        data[i] = v;
       }
       any_bad = any_bad || bad;
     });

@@ -10,16 +10,17 @@
 namespace halfgrad::amp {
 namespace {
 
-// g *= 1 / scale, in opmath_t; a non-finite result sets found_inf. Every thread that sees one writes the same value:
-// no atomics needed.
-struct UnscaleOp {
+// g *= 1 / scale, in opmath_t; a result that is not finite once stored as T sets found_inf (a scale below 1
+// multiplies float16 gradients up: 30000 * 4 is finite in float32, inf in float16). Every thread that sees one writes
+// the same value: no atomics needed.
+template <typename T> struct UnscaleOp {
   const float* scale;
   float* found_inf;
   static constexpr __device__ bool writes(int) { return true; }
   template <typename M>
   __device__ __forceinline__ void operator()(M (&r)[1], const multi_tensor::NoExtra&) const {
     r[0] = r[0] * M(1.0f / __ldg(scale));
-    if (!isfinite(r[0])) *found_inf = 1.0f;
+    if (!isfinite(M(T(r[0])))) *found_inf = 1.0f;
   }
 };
 
@@ -34,7 +35,7 @@ void unscale_cuda(const TensorList& grads, const Tensor& scale, const Tensor& fo
   dispatch_floating(grads[0].dtype(), "unscale_", [&]<typename T>() {
     multi_tensor::launch_multi_tensor<T, 1, multi_tensor::NoExtra>(
         "unscale_", device, {&grads}, [](size_t) { return multi_tensor::NoExtra{}; },
-        UnscaleOp{scale.data<float>(), found_inf.data<float>()});
+        UnscaleOp<T>{scale.data<float>(), found_inf.data<float>()});
   });
 }
 

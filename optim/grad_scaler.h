@@ -82,6 +82,9 @@ class GradScaler {
   void step(optim::Optimizer& optimizer);
   // Adjusts the scale for the next iteration: backoff on overflow, growth after growth_interval clean steps.
   void update();
+  // Forgets what unscale_ or clip_grad_norm_ recorded for `optimizer` since the last update(), unless its step() has
+  // run: its gradients are being zeroed (Amp::zero_grad), and the next step() must unscale and check the new ones.
+  void forget_unscale(optim::Optimizer& optimizer);
 
   // These read the device (a synchronisation).
   double get_scale() const;

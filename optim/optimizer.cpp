@@ -49,6 +49,7 @@ void Optimizer::step_unless(const Tensor& found_inf) {
 }
 
 void Optimizer::step_scaled(const Tensor& found_inf, const Tensor& grad_scale) {
+  check_step();  // before the gradients are scaled: a step refused later would leave them scaled
   scale_grads_(parameters(), grad_scale);
   if (found_inf.defined())
     step_unless(found_inf);
@@ -103,20 +104,48 @@ void Optimizer::check_parameters() const {
   }
 }
 
+void Optimizer::check_gradient(size_t g, size_t p, const Tensor& param, const Tensor& grad) const {
+  HG_CHECK(param.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
+  if (!grad.defined()) return;
+  HG_CHECK(grad.shape() == param.shape() && grad.dtype() == param.dtype() && grad.device() == param.device(),
+           "{}: parameter {} of group {} is {} but its gradient is {}; the gradient must have the parameter's "
+           "shape, dtype and device",
+           name_, p, g, param.meta(), grad.meta());
+  HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
+           name_, p, g, param.meta());
+}
+
+void Optimizer::check_buffer(size_t g, size_t p, size_t k, const Tensor& buffer, const Tensor& param) const {
+  HG_CHECK(buffer.shape() == param.shape() && buffer.dtype() == param.dtype() && buffer.device() == param.device(),
+           "{}: the {} of parameter {} of group {} is {} but the parameter is now {}; a parameter replaced after "
+           "the optimizer's first step must keep its shape, dtype and device",
+           name_, state_names(g).at(k), p, g, buffer.meta(), param.meta());
+}
+
+void Optimizer::check_step() {
+  for (size_t g = 0; g < num_param_groups(); ++g) {
+    const TensorList& params = group_params(g);
+    for (size_t p = 0; p < params.size(); ++p) {
+      const Tensor& param = params[p];
+      check_gradient(g, p, param, param.defined() ? param.grad() : Tensor());
+      if (!param.grad().defined()) continue;
+      if (g < state_.size() && p < state_[g].size()) {
+        const std::vector<Tensor>& buffers = state_[g][p].buffers;
+        for (size_t k = 0; k < buffers.size(); ++k)
+          if (buffers[k].defined()) check_buffer(g, p, k, buffers[k], param);
+      }
+    }
+  }
+}
+
 std::vector<std::vector<Optimizer::StepItem>> Optimizer::step_items(size_t g) {
   const TensorList& params = group_params(g);
   std::vector<std::vector<StepItem>> buckets;
   for (size_t p = 0; p < params.size(); ++p) {
     const Tensor& param = params[p];
-    HG_CHECK(param.defined(), "{}: parameter {} of group {} is an undefined tensor", name_, p, g);
-    Tensor grad = param.grad();
+    Tensor grad = param.defined() ? param.grad() : Tensor();
+    check_gradient(g, p, param, grad);
     if (!grad.defined()) continue;
-    HG_CHECK(grad.shape() == param.shape() && grad.dtype() == param.dtype() && grad.device() == param.device(),
-             "{}: parameter {} of group {} is {} but its gradient is {}; the gradient must have the parameter's "
-             "shape, dtype and device",
-             name_, p, g, param.meta(), grad.meta());
-    HG_CHECK(param.is_floating_point(), "{}: parameter {} of group {} is {}; parameters must be floating point",
-             name_, p, g, param.meta());
     auto same_kind = [&](const std::vector<StepItem>& b) {
       return b[0].param.device() == param.device() && b[0].param.dtype() == param.dtype();
     };
@@ -183,10 +212,7 @@ Tensor Optimizer::state_buffer(size_t g, const StepItem& item, size_t k, bool* c
   if (!buf.defined()) {
     buf = empty(p.shape(), {.dtype = p.dtype(), .device = p.device()}, item.format).zero_();
   } else {
-    HG_CHECK(buf.shape() == p.shape() && buf.dtype() == p.dtype() && buf.device() == p.device(),
-             "{}: the {} of parameter {} of group {} is {} but the parameter is now {}; a parameter replaced after "
-             "the optimizer's first step must keep its shape, dtype and device",
-             name_, state_names(g).at(k), item.index, g, buf.meta(), p.meta());
+    check_buffer(g, item.index, k, buf, p);
     if (!in_layout) buf = contiguous(buf, item.format);
   }
   return flat_storage_view(buf);
@@ -220,6 +246,9 @@ NamedTensors Optimizer::state_tensors() const {
       if (has_buffer || (counts_steps() && states[p].step > 0)) with_state.push_back(int64_t(p));
     }
     out.emplace_back(fmt::format("param_groups.{}.with_state", g), tensor(with_state));
+    // The group's size, as PyTorch's state_dict lists its params: a file of other groups is refused on load.
+    out.emplace_back(fmt::format("param_groups.{}.num_params", g),
+                     scalar_tensor(int64_t(group_params(g).size()), {.dtype = kInt64}));
   }
   for (size_t g = 0; g < state_.size() && g < num_param_groups(); ++g) {
     const std::vector<std::string> names = state_names(g);
@@ -335,6 +364,18 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
         }
       }
       continue;
+    }
+    if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) && parts[2] == "num_params") {
+      if (g >= num_groups) {
+        errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
+      } else if (t.numel() != 1 || !is_integral(t.dtype())) {
+        errors.push_back(fmt::format("'{}' must be a one-element integer tensor, got {}", name, t.meta()));
+      } else if (const int64_t n = t.item<int64_t>(); n != int64_t(group_params(g).size())) {
+        errors.push_back(fmt::format("'{}' says group {} had {} parameter(s), but the optimizer's group {} has {} "
+                                     "(as PyTorch: a state of other groups does not load)", name, g, n, g,
+                                     group_params(g).size()));
+      }
+      continue;  // (files written before this entry have none: their groups are checked by what they list)
     }
     if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) &&
         (parts[2] == "lr" || parts[2] == "momentum")) {

@@ -130,6 +130,8 @@ class Optimizer {
   //                                                max_eval, tolerance_grad, tolerance_change, history_size,
   //                                                strong_wolfe (its integers read from int64 tensors too)
   //   param_groups.<g>.with_state    int64 [n]     the indices <p> of the group's parameters that have state
+  //   param_groups.<g>.num_params    0-d int64     how many parameters the group has (a load into a group of
+  //                                                another size is refused, as PyTorch's; older files lack it)
   //   state.<g>.<p>.step             0-d int64     optimizers that count steps (Adam, AdamW, RMSprop, Adagrad)
   //   state.<g>.<p>.<buffer>         the parameter's shape and dtype: momentum_buffer (SGD); exp_avg,
   //                                  exp_avg_sq, max_exp_avg_sq (Adam/AdamW, the last with amsgrad); square_avg,
@@ -209,6 +211,10 @@ class Optimizer {
     // another dtype than the bucket's first cast.
     Tensor cast;
   };
+  // The checks of each parameter that a step makes (its gradient, its existing state buffers), over all groups,
+  // before anything changes: a step that fails them leaves no group stepped, no count raised and no buffer made.
+  // Each optimizer's step calls it first.
+  void check_step();
   // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
   // call each. Checks each gradient against its parameter and bumps the parameter's version counter (the
   // step writes it in place, so a graph that saved it can no longer use it); marks each item's cast current, so the
@@ -224,6 +230,9 @@ class Optimizer {
   Tensor state_buffer(size_t g, const StepItem& item, size_t k, bool* created = nullptr);
 
  private:
+  void check_gradient(size_t g, size_t p, const Tensor& param, const Tensor& grad) const;
+  void check_buffer(size_t g, size_t p, size_t k, const Tensor& buffer, const Tensor& param) const;
+
   const char* name_;
   std::vector<std::vector<ParamState>> state_;
 };

@@ -25,6 +25,7 @@ void RMSprop::check_group_options(const RMSpropOptions& o, size_t g) const {
 
 void RMSprop::step() {
   NoGradGuard no_grad;
+  check_step();
   for (size_t g = 0; g < groups_.size(); ++g) {
     const RMSpropOptions& o = groups_[g].options;
     for (const std::vector<StepItem>& items : step_items(g)) {

@@ -75,6 +75,7 @@ Tensor SGD::replayed_hyperparameters(size_t g, Device device) {
 
 void SGD::run_step(const Tensor& found_inf, const Tensor& grad_scale) {
   NoGradGuard no_grad;
+  check_step();
   for (size_t g = 0; g < groups_.size(); ++g) {
     const SGDOptions& o = groups_[g].options;
     for (const std::vector<StepItem>& items : step_items(g)) {

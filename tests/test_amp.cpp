@@ -795,6 +795,39 @@ TEST_CASE("update() without an inf check since the last is an error, not a clean
   CHECK(values(w.grad())[0] == 2048);  // untouched
 }
 
+TEST_CASE("step() of an optimizer with no gradient checked is refused, and update() after it counts no clean step") {
+  // As PyTorch ("No inf checks were recorded for this optimizer"): nothing was checked, so nothing may count as clean.
+  Tensor w = ones({2}, {.requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler({.init_scale = 1024, .growth_interval = 1});
+  (void)scaler.scale(w.sum());  // no backward: w has no gradient
+  CHECK_THROWS_WITH_AS(scaler.step(opt), doctest::Contains("GradScaler::step: no inf checks were recorded for this "
+                                                           "optimizer: none of its 1 parameter(s) has a gradient"),
+                       Error);
+  CHECK_THROWS_WITH_AS(scaler.update(), doctest::Contains("no inf checks were recorded"), Error);
+  CHECK(scaler.get_scale() == 1024);  // not grown
+  // The next iteration starts afresh, and a step that ran once is refused a second time.
+  w.set_grad(full({2}, 1024.0));
+  scaler.step(opt);
+  CHECK(values(w) == std::vector<double>{0, 0});
+  CHECK_THROWS_WITH_AS(scaler.step(opt), doctest::Contains("step() was already called"), Error);
+  scaler.update();
+  CHECK(scaler.get_scale() == 2048);
+}
+
+TEST_CASE("a float16 gradient that unscaling by a scale below 1 takes past float16's range is an overflow") {
+  // 30000 / 0.25 = 120000: finite in float32, where the product is made, inf once stored in float16.
+  Tensor w = ones({2}, {.dtype = kFloat16, .requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler({.init_scale = 0.25});
+  (void)scaler.scale(w.to(kFloat32).sum());
+  w.set_grad(tensor(std::vector<float>{30000, 1}).to(kFloat16));
+  scaler.step(opt);
+  scaler.update();
+  CHECK(scaler.skipped_steps() == 1);
+  CHECK(values(w) == std::vector<double>{1, 1});  // left alone
+}
+
 TEST_CASE("scaler state round-trips") {
   amp::GradScaler a({.init_scale = 64, .growth_interval = 10});
   Tensor w = ones({1}, {.requires_grad = true});

@@ -14,6 +14,7 @@
 #include "tests/testing.h"
 
 using namespace halfgrad;
+using halfgrad::testing::bit_equal;
 using halfgrad::testing::values;
 
 namespace {
@@ -69,6 +70,33 @@ TEST_CASE("O2 puts the model in half except BatchNorm and keeps float32 masters 
   for (auto& [master, model_param] : amp.master_weights()) {
     CHECK(to_vector<double>(master.to(kFloat16)) == to_vector<double>(model_param));
     CHECK_FALSE(master.grad().defined());
+  }
+}
+
+TEST_CASE("Amp::zero_grad forgets an unscale or a clipping of the gradients it zeroes") {
+  // O2: the masters take the next backward's gradients, not none; O1: the next step checks the new gradients, so an
+  // overflow among them is skipped rather than stepped with the old flag.
+  for (amp::OptLevel level : {amp::OptLevel::O2, amp::OptLevel::O1}) {
+    CAPTURE(int(level));
+    manual_seed(5);
+    auto net = small_net();
+    optim::SGD opt(net->parameters(), {.lr = 0.1});
+    amp::Amp amp = amp::initialize(*net, opt, level, {.scaler = {.init_scale = 16}});
+    Tensor x = randn({8, 3, 5, 5}), y = randn({8, 2});
+    amp.backward(mse_loss(amp.forward(*net, x).to(kFloat32), y));
+    amp.clip_grad_norm_(1.0);
+    amp.zero_grad();
+    amp.backward(mse_loss(amp.forward(*net, x).to(kFloat32), y));
+    const Tensor before = opt.parameters()[0].detach().clone();
+    if (level == amp::OptLevel::O1) {
+      Tensor g = opt.parameters()[0].grad();
+      g.fill_(INFINITY);
+    }
+    amp.step();
+    const bool moved = !bit_equal(opt.parameters()[0], before);
+    CHECK(moved == (level == amp::OptLevel::O2));
+    CHECK(amp.scaler().skipped_steps() == (level == amp::OptLevel::O1 ? 1 : 0));
+    for (const Tensor& p : opt.parameters()) CHECK(std::isfinite(p.abs().max().item<double>()));
   }
 }
 

@@ -392,7 +392,8 @@ TEST_CASE("Adagrad has no momentum: its state has none, loading one is refused, 
   for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
   CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.lr_decay", "param_groups.0.weight_decay",
                                           "param_groups.0.initial_accumulator_value", "param_groups.0.eps",
-                                          "param_groups.0.with_state", "state.0.0.step", "state.0.0.sum"});
+                                          "param_groups.0.with_state", "param_groups.0.num_params", "state.0.0.step",
+                                          "state.0.0.sum"});
   CHECK(values(opt.state_tensors().back().second) == std::vector<double>{1.5, 1.5});  // 0.5 + 1^2
   NamedTensors with_momentum = opt.state_tensors();
   with_momentum.emplace_back("param_groups.0.momentum", scalar_tensor(0.9, {.dtype = kFloat64}));
@@ -762,25 +763,27 @@ TEST_CASE("Adam's state has stable names: groups' options, step, exp_avg, exp_av
   for (const auto& [name, t] : opt.state_tensors()) names.push_back(name);
   CHECK(names == std::vector<std::string>{"param_groups.0.lr", "param_groups.0.momentum", "param_groups.0.beta2",
                                           "param_groups.0.eps", "param_groups.0.weight_decay", "param_groups.0.amsgrad",
-                                          "param_groups.0.with_state",
+                                          "param_groups.0.with_state", "param_groups.0.num_params",
                                           "param_groups.1.lr", "param_groups.1.momentum", "param_groups.1.beta2",
                                           "param_groups.1.eps", "param_groups.1.weight_decay", "param_groups.1.amsgrad",
-                                          "param_groups.1.with_state",
+                                          "param_groups.1.with_state", "param_groups.1.num_params",
                                           "state.0.0.step", "state.0.0.exp_avg", "state.0.0.exp_avg_sq",
                                           "state.1.0.step", "state.1.0.exp_avg", "state.1.0.exp_avg_sq",
                                           "state.1.0.max_exp_avg_sq"});
   NamedTensors state = opt.state_tensors();
   CHECK(to_vector<int64_t>(state[6].second) == std::vector<int64_t>{0});  // a, not b: b had no gradient
-  CHECK(to_vector<int64_t>(state[13].second) == std::vector<int64_t>{0});
-  CHECK(state[14].second.dim() == 0);
-  CHECK(state[14].second.dtype() == kInt64);
-  CHECK(state[14].second.item<int64_t>() == 1);
-  CHECK(state[15].second.shape() == Shape{2, 3});
+  CHECK(state[7].second.item<int64_t>() == 2);                            // group 0 has a and b
+  CHECK(to_vector<int64_t>(state[14].second) == std::vector<int64_t>{0});
+  CHECK(state[15].second.item<int64_t>() == 1);
+  CHECK(state[16].second.dim() == 0);
+  CHECK(state[16].second.dtype() == kInt64);
+  CHECK(state[16].second.item<int64_t>() == 1);
+  CHECK(state[17].second.shape() == Shape{2, 3});
   CHECK(state[0].second.dim() == 0);
   CHECK(state[0].second.item<double>() == 0.1);
   CHECK(state[2].second.item<double>() == 0.999);  // beta2
-  CHECK(state[12].second.dtype() == kBool);         // group 1's amsgrad
-  CHECK(state[12].second.item<bool>());
+  CHECK(state[13].second.dtype() == kBool);         // group 1's amsgrad
+  CHECK(state[13].second.item<bool>());
 }
 
 TEST_CASE("continuing from loaded state gives exactly the results of uninterrupted training") {
@@ -850,6 +853,51 @@ TEST_CASE("loaded state is copied: later steps do not write into the caller's te
   CHECK(values(p)[0] == doctest::Approx(0.26).epsilon(1e-6));
 }
 
+TEST_CASE("a step that fails its checks changes nothing: no group stepped, no count raised, no buffer made") {
+  Tensor a = ones({2}, {.requires_grad = true}), b = ones({3}, {.requires_grad = true});
+  SUBCASE("Adam: b replaced by a tensor of another shape after a step") {
+    optim::Adam opt({a, b}, {.lr = 0.1});
+    a.set_grad(ones({2}));
+    b.set_grad(ones({3}));
+    opt.step();
+    const std::vector<double> a_after_one = values(a);
+    Tensor other = ones({4}, {.requires_grad = true});
+    other.set_grad(ones({4}));
+    opt.param_groups()[0].params[1] = other;
+    CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("the exp_avg of parameter 1 of group 0 is float32[3]"), Error);
+    CHECK(values(a) == a_after_one);
+    CHECK(opt.state(0, 0).step == 1);  // not 2: a later bias correction would be off
+  }
+  SUBCASE("SGD with momentum: group 1's parameter replaced by one of another shape") {
+    optim::SGD opt({{{a}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.5}}, {{b}, {.lr = 0.1, .momentum = 0.9}}});
+    b.set_grad(ones({3}));
+    opt.step();  // b's momentum buffer made; a has no gradient yet
+    Tensor other = ones({4}, {.requires_grad = true});
+    other.set_grad(ones({4}));
+    opt.param_groups()[1].params[0] = other;
+    a.set_grad(ones({2}));
+    CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("the momentum_buffer of parameter 0 of group 1 is float32[3]"),
+                         Error);
+    CHECK(values(a) == std::vector<double>{1, 1});
+    CHECK(opt.state(0, 0).buffers.empty());  // no momentum buffer: the first real step takes b = g, as PyTorch
+    opt.param_groups()[1].params[0] = b;
+    opt.step();
+    CHECK(values(a)[0] == doctest::Approx(0.9));  // 1 - 0.1 * g, undamped on the first step
+  }
+}
+
+TEST_CASE("an optimizer state of groups of other sizes is refused, as PyTorch's") {
+  Tensor a = ones({2}, {.requires_grad = true}), b = ones({3}, {.requires_grad = true}), c = ones({2}, {.requires_grad = true});
+  optim::Adam two({a, b}, {.lr = 0.1});
+  a.set_grad(ones({2}));
+  two.step();  // only a has state
+  optim::Adam one({c}, {.lr = 0.1});
+  CHECK_THROWS_WITH_AS(one.load_state_tensors(two.state_tensors()),
+                       doctest::Contains("'param_groups.0.num_params' says group 0 had 2 parameter(s), but the "
+                                         "optimizer's group 0 has 1"), Error);
+  CHECK(one.state_tensors().size() == 8);  // nothing loaded
+}
+
 TEST_CASE("loading state reports every mismatch at once and changes nothing") {
   Tensor a = ones({2, 3}, {.requires_grad = true});
   Tensor b = ones({4}, {.requires_grad = true});
@@ -885,7 +933,8 @@ TEST_CASE("loading state reports every mismatch at once and changes nothing") {
     CHECK(msg.find("unexpected entry 'model.weight'") != std::string::npos);
   }
   CHECK(opt.groups()[0].options.lr == 0.1);  // nothing changed
-  CHECK(opt.state_tensors().size() == 7);  // lr, momentum, beta2, eps, weight_decay, amsgrad, with_state (empty)
+  CHECK(opt.state_tensors().size() == 8);  // lr, momentum, beta2, eps, weight_decay, amsgrad, with_state (empty),
+                                           // num_params
 }
 
 TEST_CASE("loading state refuses an option that is not finite, or that the optimizer's constructor refuses") {
@@ -1116,6 +1165,34 @@ TEST_CASE("clip_grad_norm_ on float16 gradients accumulates in float32, many gra
   CHECK(std::isnan(optim::grad_norm({bad}, INFINITY).item<double>()));
 
   CHECK(optim::clip_grad_norm_({zeros({1}, {.requires_grad = true})}, 1).item<double>() == 0);  // no gradients
+}
+
+TEST_CASE("clip_grad_norm_ with error_if_nonfinite refuses a nan or infinite norm and leaves the gradients alone") {
+  Tensor p = zeros({2}, {.requires_grad = true}), q = zeros({1}, {.requires_grad = true});
+  p.set_grad(tensor(std::vector<float>{3, 4}));
+  q.set_grad(tensor(std::vector<float>{INFINITY}));
+  CHECK_THROWS_WITH_AS(optim::clip_grad_norm_({p, q}, 1, 2.0, /*error_if_nonfinite=*/true),
+                       doctest::Contains("clip_grad_norm_: the total norm of order 2 of the gradients is inf"), Error);
+  CHECK(values(p.grad()) == std::vector<double>{3, 4});
+  CHECK(optim::clip_grad_norm_({p}, 1, 2.0, true).item<double>() == doctest::Approx(5));  // finite: clipped
+  check_close(p.grad(), {0.6, 0.8}, 1e-6);
+}
+
+TEST_CASE("clip_grad_value_ clamps every gradient to [-clip, clip] in place, nan staying nan") {
+  Tensor a = zeros({4}, {.requires_grad = true}), b = zeros({2}, {.dtype = kFloat16, .requires_grad = true});
+  Tensor none = zeros({1}, {.requires_grad = true});  // no gradient: left out
+  a.set_grad(tensor(std::vector<float>{-3, 0.5, 2, NAN}));
+  b.set_grad(tensor(std::vector<float>{70, -0.25}).to(kFloat16));
+  optim::clip_grad_value_({a, b, none}, 1.0);
+  const std::vector<double> ga = values(a.grad());
+  CHECK(ga[0] == -1.0);
+  CHECK(ga[1] == 0.5);
+  CHECK(ga[2] == 1.0);
+  CHECK(std::isnan(ga[3]));
+  CHECK(values(b.grad()) == std::vector<double>{1.0, -0.25});
+  CHECK_FALSE(none.grad().defined());
+  CHECK_THROWS_WITH_AS(optim::clip_grad_value_({a}, -1), doctest::Contains("clip_value must not be negative, got -1"),
+                       Error);
 }
 
 TEST_CASE("the CPU norm is the same to the bit whatever the number of threads") {
