@@ -43,7 +43,7 @@ inline constexpr OpRule kCastRules[] = {
     {"matmul", CastRule::LowerPrecision}, {"linear", CastRule::LowerPrecision}, {"bmm", CastRule::LowerPrecision},
     {"conv2d", CastRule::LowerPrecision}, {"rnn", CastRule::LowerPrecision},
     // float32: exponentials, powers, softmax, losses and sum-like reductions
-    {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32},
+    {"exp", CastRule::Float32}, {"log", CastRule::Float32}, {"pow", CastRule::Float32}, {"rsqrt", CastRule::Float32},
     {"softmax", CastRule::Float32}, {"log_softmax", CastRule::Float32},
     {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32Math}, {"nll_loss", CastRule::Float32},
     {"binary_cross_entropy_with_logits", CastRule::Float32},
@@ -55,7 +55,7 @@ inline constexpr OpRule kCastRules[] = {
     // unchanged (listed so the trace can name them): activations, pooling, views and the rest
     {"relu", CastRule::Unchanged}, {"tanh", CastRule::Unchanged}, {"sigmoid", CastRule::Unchanged},
     {"neg", CastRule::Unchanged}, {"abs", CastRule::Unchanged}, {"sqrt", CastRule::Unchanged},
-    {"rsqrt", CastRule::Unchanged}, {"clamp", CastRule::Unchanged}, {"max_pool2d", CastRule::Unchanged},
+    {"clamp", CastRule::Unchanged}, {"max_pool2d", CastRule::Unchanged},
     {"avg_pool2d", CastRule::Unchanged}, {"adaptive_avg_pool2d", CastRule::Unchanged},
     {"dropout", CastRule::Unchanged}, {"embedding", CastRule::Unchanged}, {"max", CastRule::Unchanged},
     {"min", CastRule::Unchanged}, {"argmax", CastRule::Unchanged},

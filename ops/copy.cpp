@@ -179,11 +179,14 @@ void copy_pairs(const TensorList& dst, const TensorList& src) {
 
 void copy_each_(const TensorList& dst, const TensorList& src) {
   HG_CHECK(dst.size() == src.size(), "copy_each_: {} destinations for {} sources", dst.size(), src.size());
-  for (size_t i = 0; i < dst.size(); ++i) {  // every pair checked before any is copied
+  for (size_t i = 0; i < dst.size(); ++i) {  // every pair checked before any is copied, or any version bumped
     HG_CHECK(dst[i].shape() == src[i].shape() && dst[i].device() == src[i].device(), "copy_each_: pair {}: {} <- {} "
              "(each pair must have one shape and one device)", i, dst[i].meta(), src[i].meta());
-    check_inplace(dst[i], "copy_each_", /*records=*/false);
+    // (The batched kernel reads and writes in no order: x[1:] <- x[:-1] came out all zeros.)
+    HG_CHECK(!overlaps_partially(dst[i], src[i]), "copy_each_: pair {}: the destination {} and the source {} share "
+             "some of their memory; copy a clone() of the source", i, dst[i].meta(), src[i].meta());
   }
+  for (const Tensor& d : dst) check_inplace(d, "copy_each_", /*records=*/false);
   copy_pairs(dst, src);
 }
 

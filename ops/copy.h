@@ -29,8 +29,8 @@ Tensor contiguous_aligned_rows(const Tensor& t);
 // where a copy each would cost a launch each (a ResNet-50's 161 gradients into DistributedDataParallel's buckets and
 // back: ~0.8 ms of tiny copies a step); the other pairs are copied one by one. No destination may overlap another
 // pair's tensors (the copies are not ordered). Lists of different lengths, or a pair of different shapes or devices,
-// is an error naming the pair, before anything is copied; so is a destination that autograd forbids writing (a leaf
-// that requires grad, while grad mode is on).
+// is an error naming the pair, before anything is copied; so is a pair whose destination shares part of its memory
+// with its source, and a destination that autograd forbids writing (a leaf that requires grad, while grad mode is on).
 void copy_each_(const TensorList& dst, const TensorList& src);
 // tensors[i] cast to dtypes[i] for every i, each into a new tensor as cast_nograd makes it (its layout kept), without
 // autograd: those for which casts_in_batches holds in batches, as copy_each_ copies, the others one by one. The

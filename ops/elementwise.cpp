@@ -247,11 +247,12 @@ Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
 
 // In-place update self = op(self, other...). Without autograd the kernel writes into self directly.
 // With autograd the op runs out of place on a copy of self (so what backward saves is not overwritten),
-// the result is written back, and self's history moves to the new node.
+// the result is written back, and self's history moves to the new node. self's version is bumped after the operands
+// were read and checked, just before the write: a refused op leaves it as it was, and an operand that is self itself
+// (x.mul_(x)) is saved at the version the write makes stale, so its backward refuses, as PyTorch's does.
 template <typename Compute>
 Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Compute compute_out_of_place) {
   bool graph = GradMode::is_enabled() && (self.requires_grad() || any_requires_grad(others));
-  check_inplace(self, name, graph);
   Tensor result;
   if (graph) {
     result = compute_out_of_place(self.clone());
@@ -265,6 +266,7 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
   HG_CHECK((is_floating(self.dtype()) || !is_floating(result.dtype())) &&
                (self.dtype() != kBool || result.dtype() == kBool),
            "{}: result type {} can't be cast to the in-place target {}", name, dtype_name(result.dtype()), self.meta());
+  check_inplace(self, name, graph);
   {
     NoGradGuard no_grad;
     copy_kernel[self.device()](self, cast_nograd(result, self.dtype()));
@@ -322,19 +324,30 @@ void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b
 }
 }  // namespace
 
+namespace {
+// a + alpha b or a - alpha b (alpha != 1) with PyTorch's arithmetic: alpha b is made in the result dtype's opmath
+// (float32 for float16 and bfloat16 results, the result dtype otherwise), never in b's own dtype (uint8 200 * 2
+// wrapped to 144; float16 100 * 1000 overflowed), and a float16 result is rounded once, from float32.
+Tensor with_alpha(BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
+  const DType common = result_type(a, b);
+  const DType math = common == kFloat16 || common == kBFloat16 ? kFloat32 : common;
+  return binary(op, a.to(math), binary(BinaryOp::Mul, b.to(math), alpha)).to(common);
+}
+}  // namespace
+
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_alpha("add", BinaryOp::Add, a, b, alpha);
   HG_AUTOCAST(add, a, b, alpha);
   if (alpha.to_double() == 1) return binary(BinaryOp::Add, a, b);
   // Bool tensors add in bool, as PyTorch's: alpha counts as its truth value (an int alpha times a bool would
   // otherwise make the sum int64).
-  const bool bool_sum = result_type(a, b) == kBool;
-  return binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, bool_sum ? Scalar(alpha.to_double() != 0) : alpha));
+  if (result_type(a, b) == kBool) return binary(BinaryOp::Add, a, binary(BinaryOp::Mul, b, alpha.to_double() != 0));
+  return with_alpha(BinaryOp::Add, a, b, alpha);
 }
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   check_alpha("sub", BinaryOp::Sub, a, b, alpha);
   HG_AUTOCAST(sub, a, b, alpha);
-  return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : binary(BinaryOp::Sub, a, binary(BinaryOp::Mul, b, alpha));
+  return alpha.to_double() == 1 ? binary(BinaryOp::Sub, a, b) : with_alpha(BinaryOp::Sub, a, b, alpha);
 }
 Tensor mul(const Tensor& a, const Tensor& b) {
   HG_AUTOCAST(mul, a, b);
@@ -613,11 +626,12 @@ Tensor& Tensor::operator=(const Scalar& value) && {
 }
 
 Tensor& Tensor::fill_(const Scalar& value) {
-  check_inplace(*this, "fill_", /*records=*/false);
+  HG_CHECK(defined(), "fill_: the tensor is undefined");
   HG_CHECK(!GradMode::is_enabled() || !requires_grad(), "fill_: {} requires grad; {}", meta(),
            "autograd does not record fill_: a parameter (or a view of one) is filled under a NoGradGuard, a computed "
            "tensor's new values are made out of place (where, full_like)");
   HG_CHECK(fits_dtype(value, dtype()), "fill_: {} cannot be converted to {} without overflow", value.str(), meta());
+  check_inplace(*this, "fill_", /*records=*/false);  // after the checks: a refused fill bumps no version
   fill_kernel[device()](*this, value);
   return *this;
 }
@@ -695,7 +709,7 @@ void where_cpu(const Tensor& out, const Tensor& condition, const Tensor& a, cons
 
 void fill_cpu(const Tensor& out, const Scalar& value) {
   dispatch_all(out.dtype(), "fill_", [&]<typename T>() {
-    T v = is_floating(out.dtype()) ? T(opmath_t<T>(value.to_double())) : T(value.to_int());
+    const T v = fill_value<T>(value);
     cpu::map<T>(out, [v]() { return v; }, {});
   });
 }

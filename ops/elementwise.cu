@@ -63,8 +63,7 @@ void where_cuda(const Tensor& out, const Tensor& condition, const Tensor& a, con
 
 void fill_cuda(const Tensor& out, const Scalar& value) {
   dispatch_all(out.dtype(), "fill_", [&]<typename T>() {
-    // The same conversion as the CPU kernel (ops/elementwise.cpp).
-    T v = is_floating(out.dtype()) ? T(opmath_t<T>(value.to_double())) : T(value.to_int());
+    const T v = fill_value<T>(value);
     cuda::launch_elementwise<T>("fill_", out, FillFn<T>{v}, {});
   });
 }

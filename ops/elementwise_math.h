@@ -76,11 +76,24 @@ template <typename Op> HG_HOST_DEVICE constexpr bool needs_floating(Op op) {
 // Ops that take bool inputs (the others ask for a conversion first).
 template <typename Op> HG_HOST_DEVICE constexpr bool takes_bool(Op op) { return rules_of(op).takes_bool; }
 
+// Signed integers add, subtract, multiply and negate in their unsigned type: the result wraps as PyTorch's does (two's
+// complement), without C++'s undefined behaviour on signed overflow (int64's largest + 1; the sanitizer builds abort
+// on it). Every other type computes as itself.
+template <typename T, bool kSignedInteger = std::is_integral_v<T> && std::is_signed_v<T>> struct Wrapping {
+  using type = T;
+};
+template <typename T> struct Wrapping<T, true> {
+  using type = std::make_unsigned_t<T>;
+};
+template <typename T> using wrapping_t = typename Wrapping<T>::type;
+
 template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
   using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::isfinite;
-  if constexpr (OP == UnaryOp::Neg) return T(-x);
+  using W = wrapping_t<T>;
+  // (-x, not 0 - x, for floating x: -0.0 is the negation of +0.0)
+  if constexpr (OP == UnaryOp::Neg) { if constexpr (std::is_integral_v<T>) return T(W(0) - W(x)); else return T(-x); }
   // abs: 0 - x at zero too, so that -0 gives +0 (PyTorch's); nan passes the comparison by.
-  else if constexpr (OP == UnaryOp::Abs) { if constexpr (std::is_same_v<T, bool>) return x; else return T(x <= T(0) ? T(0) - x : x); }
+  else if constexpr (OP == UnaryOp::Abs) { if constexpr (std::is_same_v<T, bool>) return x; else return T(x <= T(0) ? T(W(0) - W(x)) : x); }
   else if constexpr (OP == UnaryOp::Exp) return exp(x);
   else if constexpr (OP == UnaryOp::Log) return log(x);
   else if constexpr (OP == UnaryOp::Sqrt) return sqrt(x);
@@ -102,16 +115,17 @@ template <typename T> HG_HOST_DEVICE inline T relu_backward_math(T g, T y) { ret
 
 template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T b) {
   using std::pow;
-  if constexpr (OP == BinaryOp::Add) return T(a + b);
-  else if constexpr (OP == BinaryOp::Sub) return T(a - b);
-  else if constexpr (OP == BinaryOp::Mul) return T(a * b);
+  using W = wrapping_t<T>;
+  if constexpr (OP == BinaryOp::Add) return T(W(a) + W(b));
+  else if constexpr (OP == BinaryOp::Sub) return T(W(a) - W(b));
+  else if constexpr (OP == BinaryOp::Mul) return T(W(a) * W(b));
   else if constexpr (OP == BinaryOp::Div) return T(a / b);
   else if constexpr (OP == BinaryOp::Pow) {
     if constexpr (std::is_integral_v<T>) {
       T r = 1;  // integer power by squaring; negative exponents give 0 except for bases +-1 (as PyTorch)
       if (b < T(0)) return T(a == T(1) ? 1 : a == T(-1) ? ((b & 1) ? -1 : 1) : 0);
-      for (T e = b, x = a; e != 0; e >>= 1, x = T(x * x))
-        if (e & 1) r = T(r * x);
+      for (T e = b, x = a; e != 0; e >>= 1, x = T(W(x) * W(x)))
+        if (e & 1) r = T(W(r) * W(x));
       return r;
     } else {
       return pow(a, b);
@@ -131,14 +145,29 @@ template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T
 }
 
 // The conversion rule of every dtype-converting copy (CPU and CUDA): through the compute types, so halves
-// convert via float; bool is "nonzero".
+// convert via float; bool is "nonzero"; a floating value becomes uint8 through int64, as PyTorch's (-1.5 is 255 and 300
+// is 44 on both devices, where a direct conversion saturates on a GPU).
 template <typename To, typename From> HG_HOST_DEVICE inline To convert_value(From x) {
   if constexpr (std::is_same_v<To, From>) {
     return x;
   } else if constexpr (std::is_same_v<To, bool>) {
     return opmath_t<From>(x) != opmath_t<From>(0);
+  } else if constexpr (std::is_same_v<To, uint8_t> && !std::is_integral_v<opmath_t<From>>) {
+    return To(int64_t(opmath_t<From>(x)));
   } else {
     return To(opmath_t<To>(opmath_t<From>(x)));
+  }
+}
+
+// The value fill_ writes into a tensor of T (CPU and CUDA): the number in T's arithmetic; into bool its truth, as
+// PyTorch's (0.5 and nan are true, where a conversion through an integer made 0.5 false).
+template <typename T> inline T fill_value(const Scalar& value) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return value.to_double() != 0;
+  } else if constexpr (std::is_integral_v<T>) {
+    return T(value.to_int());
+  } else {
+    return T(opmath_t<T>(value.to_double()));
   }
 }
 

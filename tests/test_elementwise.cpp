@@ -546,3 +546,89 @@ TEST_CASE("pow's gradients where the base is 0: 0 for the exponent 0, and for th
   d.backward(full({1}, INFINITY, {.dtype = kFloat64}));  // the factor is masked, not g: inf passes, as in PyTorch
   CHECK(std::isnan(values(c.grad())[0]));               // inf * 0
 }
+
+TEST_CASE("add and sub with alpha make alpha * b in the result's arithmetic, not b's dtype, and round once") {
+  // uint8 200 * 2 wrapped to 144 in b's dtype; float16 100 * 1000 overflowed to inf.
+  const Tensor i64 = zeros({2}, {.dtype = kInt64}), u8 = tensor(std::vector<uint8_t>{200, 1});
+  CHECK(values(add(i64, u8, 2)) == std::vector<double>{400, 2});
+  CHECK(values(sub(i64, u8, -1)) == std::vector<double>{200, 1});
+  CHECK(values(add(zeros({1}), tensor(std::vector<float>{100}).to(kFloat16), 1000)) == std::vector<double>{100000});
+  // float16 operands: a + 0.3 b computed in float32 and rounded to float16 once (twice, 1543 of 10,000 differed).
+  manual_seed(21);
+  const Tensor a = randn({10000}).to(kFloat16), b = randn({10000}).to(kFloat16);
+  const Tensor once = (a.to(kFloat32) + b.to(kFloat32) * 0.3).to(kFloat16);
+  CHECK(values(add(a, b, 0.3)) == values(once));
+  CHECK(values(sub(a, b, 0.3)) == values((a.to(kFloat32) - b.to(kFloat32) * 0.3).to(kFloat16)));
+  Tensor c = a.clone();
+  c.add_(b, 0.3);
+  CHECK(values(c) == values(once));
+  CHECK(add(a, b, 0.3).dtype() == kFloat16);
+  gradcheck([](const TensorList& in) { return add(in[0], in[1], 2.5); }, {leaf({3}), leaf({3})});
+}
+
+TEST_CASE("an in-place op bumps its target's version only as it writes: a refused op leaves it, x.mul_(x) is refused") {
+  // A refused in-place op left the version bumped, so a backward through a graph that saved the tensor failed.
+  Tensor a = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor y = a * 1.0;
+  Tensor z = y * y;
+  CHECK_THROWS_AS(y.add_(ones({2, 3}, {.dtype = kFloat64})), Error);  // does not broadcast into [3]
+  CHECK_THROWS_AS(y.fill_(0.0), Error);  // y requires grad
+  z.sum().backward();
+  CHECK(values(a.grad()) == std::vector<double>{2, 4, 6});
+  // x.mul_(x): the operand is the target, saved at the version the write makes stale; as PyTorch, backward refuses
+  // (it gave 2a + a^2's wrong gradient [2, 6, 12] without a word).
+  Tensor b = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor x = b * 1.0;
+  x.mul_(x);
+  CHECK_THROWS_WITH_AS(x.sum().backward(), doctest::Contains("modified by an in-place operation"), Error);
+}
+
+TEST_CASE("fill_ into bool writes the number's truth, as PyTorch: 0.5 and nan are true") {
+  CHECK(values(zeros({3}, {.dtype = kBool}).fill_(0.5)) == std::vector<double>{1, 1, 1});
+  CHECK(values(full({2}, 0.25, {.dtype = kBool})) == std::vector<double>{1, 1});
+  CHECK(values(zeros({1}, {.dtype = kBool}).fill_(std::nan(""))) == std::vector<double>{1});
+  CHECK(values(ones({1}, {.dtype = kBool}).fill_(0.0)) == std::vector<double>{0});
+}
+
+TEST_CASE("integer arithmetic wraps on overflow without undefined behaviour (the sanitizer build checks)") {
+  const int64_t big = std::numeric_limits<int64_t>::max(), small = std::numeric_limits<int64_t>::min();
+  const Tensor t = tensor(std::vector<int64_t>{big, small});
+  CHECK(to_vector<int64_t>(t + int64_t(1)) == std::vector<int64_t>{small, small + 1});
+  CHECK(to_vector<int64_t>(t.neg()) == std::vector<int64_t>{small + 1, small});
+  CHECK(to_vector<int64_t>(t.abs()) == std::vector<int64_t>{big, small});  // as PyTorch: |int64 min| wraps to itself
+  CHECK(to_vector<int32_t>(tensor(std::vector<int32_t>{std::numeric_limits<int32_t>::max()}) * int32_t(2)) ==
+        std::vector<int32_t>{-2});
+  uint64_t power = 1;  // 3^41 modulo 2^64, as two's complement wraps it
+  for (int k = 0; k < 41; ++k) power *= 3;
+  CHECK(to_vector<int64_t>(pow(tensor(std::vector<int64_t>{3}), int64_t(41)))[0] == int64_t(power));
+}
+
+TEST_CASE("a floating value converts to uint8 through int64, as PyTorch: -1.5 is 255 and 300 is 44") {
+  CHECK(values(tensor(std::vector<float>{-1.5f, 300.0f, 7.9f}).to(kUInt8)) == std::vector<double>{255, 44, 7});
+  CHECK(values(tensor(std::vector<float>{-1.5f, 300.0f}).to(kFloat16).to(kUInt8)) == std::vector<double>{255, 44});
+}
+
+TEST_CASE("cuda: a floating value converts to uint8 through int64 on the GPU as on the CPU") {
+  SKIP_WITHOUT_GPU();
+  const Tensor x = tensor(std::vector<float>{-1.5f, 300.0f, 7.9f, -200.0f});
+  CHECK(values(x.cuda().to(kUInt8).cpu()) == values(x.to(kUInt8)));
+  CHECK(values(x.to(kFloat16).cuda().to(kUInt8).cpu()) == values(x.to(kFloat16).to(kUInt8)));
+}
+
+TEST_CASE("copy_each_ refuses a pair whose destination shares part of its memory with its source") {
+  Tensor x = arange(0, 6, 1, {.dtype = kFloat32});
+  CHECK_THROWS_WITH_AS(copy_each_({x.narrow(0, 1, 5)}, {x.narrow(0, 0, 5)}),
+                       doctest::Contains("copy_each_: pair 0: the destination float32[5] cpu and the source float32[5] "
+                                         "cpu share some of their memory"), Error);
+  CHECK(values(x) == std::vector<double>{0, 1, 2, 3, 4, 5});  // untouched
+  Tensor d = zeros({5});
+  copy_each_({d}, {x.narrow(0, 0, 5)});
+  CHECK(values(d) == std::vector<double>{0, 1, 2, 3, 4});
+}
+
+TEST_CASE("autocast runs rsqrt in float32, as PyTorch's autocast does") {
+  amp::AutocastGuard guard(kFloat16);
+  const Tensor r = rsqrt(full({1}, 1e-6, {.dtype = kFloat16}));
+  CHECK(r.dtype() == kFloat32);
+  CHECK(r.item<double>() == doctest::Approx(1.0 / std::sqrt(double(Half(1e-6f)))).epsilon(1e-6));
+}
