@@ -322,7 +322,7 @@ std::string backward_name(std::string_view op) {
   return name + "Backward";
 }
 
-void check_inplace(const Tensor& self, const char* op, bool records) {
+void check_writable(const Tensor& self, const char* op, bool records) {
   if (GradMode::is_enabled() && self.requires_grad()) {
     HG_CHECK(!self.is_leaf(), "{}: a leaf tensor that requires grad ({}) is being used in an in-place operation; "
              "wrap the update in a NoGradGuard, as optimizers do", op, self.meta());
@@ -335,6 +335,10 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
            "(cat, stack, where), or write under a NoGradGuard where no gradient should flow", op, self.meta());
   HG_CHECK(!has_internal_overlap(self), "{}: {} is an expanded view, some of whose elements are one memory location "
            "(a dim of size > 1 with stride 0): writing it in place is ambiguous; clone() it first", op, self.meta());
+}
+
+void check_inplace(const Tensor& self, const char* op, bool records) {
+  check_writable(self, op, records);
   self.storage()->bump_version();
   // A tensor written inside a CUDA graph capture is written again by every replay, which runs no host code: each
   // replay bumps its version as this write did, so what saved it, or keeps its autocast cast (core/autocast.h), sees

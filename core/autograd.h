@@ -148,11 +148,14 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 // "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
 std::string backward_name(std::string_view op);
 
-// For in-place ops: checks that `self` may be written and bumps its version counter (inside a cuda::Graph capture, also
-// before each replay, which writes it again). Call before writing. records:
-// whether autograd records the op (grad mode is on and self or an operand requires grad). Refused: a leaf that requires
-// grad; a view (but detach()'s) where the op records.
+// For in-place ops: checks that `self` may be written (check_writable) and bumps its version counter (inside a
+// cuda::Graph capture, also before each replay, which writes it again). Call after the op's own checks, just before
+// writing: a refused op must leave the version as it was. records: whether autograd records the op (grad mode is on and
+// self or an operand requires grad). Refused: a leaf that requires grad; a view (but detach()'s) where the op records;
+// an expanded view.
 void check_inplace(const Tensor& self, const char* op, bool records);
+// check_inplace's checks alone, for an op that checks several targets before it writes any (copy_each_).
+void check_writable(const Tensor& self, const char* op, bool records);
 
 // Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves. A leaf without
 // hooks whose gradient arrives through a cast from another dtype (autocast's weights) gets it at the pass's end, with

@@ -23,7 +23,7 @@ constexpr size_t kDefaultLimit = size_t(1) << 30;
 size_t size_class(size_t nbytes) {
   if (nbytes < kCacheMin) return (nbytes + 63) / 64 * 64;
   size_t power = kCacheMin;
-  while (power <= nbytes / 2) power *= 2;  // (power * 2 would wrap to 0 for a request of 2^63 bytes: a loop forever)
+  while (power * 2 <= nbytes) power *= 2;  // (allocate refuses requests past PTRDIFF_MAX: power * 2 cannot wrap)
   const size_t step = power / 8;
   return (nbytes + step - 1) / step * step;
 }

@@ -49,9 +49,11 @@ Tensor uniform_(Tensor t, double low, double high) {
   check_floating(t, "uniform_");
   HG_CHECK(low <= high && std::isfinite(high - low),
            "nn::init::uniform_: expected low <= high, a finite range, got low {} and high {}", low, high);
-  // As PyTorch's check_uniform_bounds: a bound past the dtype's range would draw infinities.
-  HG_CHECK(fits_dtype(low, t.dtype()) && fits_dtype(high, t.dtype()),
-           "nn::init::uniform_: low {} and high {} must lie within {}'s range", low, high, t.meta());
+  // As PyTorch's check_uniform_bounds: a bound, or the span between them, past the dtype's range would draw
+  // infinities (and nan where a draw is 0).
+  HG_CHECK(fits_dtype(low, t.dtype()) && fits_dtype(high, t.dtype()) && fits_dtype(high - low, t.dtype()),
+           "nn::init::uniform_: low {} and high {}, and the span between them, must lie within {}'s range", low, high,
+           t.meta());
   NoGradGuard no_grad;
   // Scaled in float32 (float64), rounded to the tensor's dtype: the rounding can reach high (float16 on [1, 2): the
   // largest draw rounds to 2), which then goes to low, as PyTorch's CUDA kernel does, so that values stay in [low, high).

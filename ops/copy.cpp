@@ -89,13 +89,14 @@ Tensor Tensor::to(Device device, DType dtype) const {
 
 Tensor& Tensor::copy_(const Tensor& src) {
   const bool records = GradMode::is_enabled() && (requires_grad() || src.requires_grad());
-  check_inplace(*this, "copy_", records);
   {
     NoGradGuard no_grad;
     Tensor from = src.device() == device() ? src : src.to(device(), dtype());
     // From a copy where src shares memory with this tensor (m.copy_(m.t())): the kernel would read what it wrote.
     if (overlaps_partially(*this, from)) from = from.clone();
-    copy_kernel[device()](*this, broadcast_view(from, shape(), "copy_"));
+    const Tensor source = broadcast_view(from, shape(), "copy_");  // a shape refused before the version moves
+    check_inplace(*this, "copy_", records);
+    copy_kernel[device()](*this, source);
   }
   if (records) {
     Shape src_shape = src.shape();
@@ -185,6 +186,7 @@ void copy_each_(const TensorList& dst, const TensorList& src) {
     // (The batched kernel reads and writes in no order: x[1:] <- x[:-1] came out all zeros.)
     HG_CHECK(!overlaps_partially(dst[i], src[i]), "copy_each_: pair {}: the destination {} and the source {} share "
              "some of their memory; copy a clone() of the source", i, dst[i].meta(), src[i].meta());
+    check_writable(dst[i], "copy_each_", /*records=*/false);
   }
   for (const Tensor& d : dst) check_inplace(d, "copy_each_", /*records=*/false);
   copy_pairs(dst, src);

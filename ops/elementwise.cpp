@@ -325,9 +325,10 @@ void check_alpha(const char* name, BinaryOp op, const Tensor& a, const Tensor& b
 }  // namespace
 
 namespace {
-// a + alpha b or a - alpha b (alpha != 1) with PyTorch's arithmetic: alpha b is made in the result dtype's opmath
-// (float32 for float16 and bfloat16 results, the result dtype otherwise), never in b's own dtype (uint8 200 * 2
-// wrapped to 144; float16 100 * 1000 overflowed), and a float16 result is rounded once, from float32.
+// a + alpha b or a - alpha b (alpha != 1) in the result dtype's opmath, as PyTorch's kernels compute it: alpha b in
+// float32 for float16 and bfloat16 results (the result dtype otherwise), never in b's own dtype (uint8 200 * 2 wrapped
+// to 144; float16 100 * 1000 overflowed), and a float16 result rounded from float32 once. (PyTorch's kernels fuse the
+// multiply and the add, which here round apart in float32: at most a last-bit difference.)
 Tensor with_alpha(BinaryOp op, const Tensor& a, const Tensor& b, const Scalar& alpha) {
   const DType common = result_type(a, b);
   const DType math = common == kFloat16 || common == kBFloat16 ? kFloat32 : common;

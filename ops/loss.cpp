@@ -292,10 +292,9 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
     switch (options.reduction) {
       case Reduction::None: break;
       case Reduction::Sum: loss = loss.sum(); break;
-      case Reduction::Mean:  // over the samples, whatever the weights; nan for no logits at all, as PyTorch
-        loss = input.numel() == 0 ? full({}, std::numeric_limits<double>::quiet_NaN(), {.dtype = loss.dtype(),
-                                                                                          .device = loss.device()})
-                                  : loss.mean();
+      case Reduction::Mean:  // over the samples, whatever the weights; nan for no logits at all, as PyTorch (a nan
+                             // made from the sum, so that backward() still runs)
+        loss = input.numel() == 0 ? loss.sum() * std::numeric_limits<double>::quiet_NaN() : loss.mean();
         break;
     }
     return loss.to(input.dtype());

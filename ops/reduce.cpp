@@ -339,9 +339,10 @@ Tensor extreme_all(const Tensor& x, ReduceOp op) {
          [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name)](const GradContext& g) -> TensorList {
            const Tensor& xs = saved_x.get();
            const Tensor& result = saved_out.get();
-           // The ties counted in int64 (a float16 count rounds: 100,000 equal elements summed to inf, a zero gradient).
+           // The ties counted in int64 and divided into the gradient in float32 (a float16 count rounds: 100,000
+           // equal elements summed to inf, a zero gradient; a 0-d int64 count beside a 0-d float16 g would be cast to it).
            Tensor mask = logical_or(xs.eq(result), logical_and(xs.ne(xs), result.ne(result)));
-           return {mask.to(xs.dtype()).mul(g[0].div(mask.sum()))};
+           return {mask.to(xs.dtype()).mul(g[0].div(mask.sum().to(kFloat32)))};
          });
   return out;
 }

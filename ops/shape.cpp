@@ -284,7 +284,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
       break;
     }
   const Tensor& first = *shaped;
-  dim = wrap_dim(dim, first.dim(), "cat");
+  dim = legacy_empty(first) ? 0 : wrap_dim(dim, first.dim(), "cat");  // (only [0]s: any dim, as PyTorch's)
   DType dtype = first.dtype();
   Shape shape = first.shape();
   shape[size_t(dim)] = 0;

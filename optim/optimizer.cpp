@@ -38,18 +38,24 @@ void Optimizer::zero_grad() {
   for (const Tensor& p : parameters()) p.set_grad(Tensor());
 }
 
-void Optimizer::step_unless(const Tensor& found_inf) {
+void Optimizer::check_found_inf(const Tensor& found_inf) const {
   HG_CHECK(found_inf.defined() && found_inf.dim() == 0 && found_inf.dtype() == kFloat32,
            "{}.step_unless: found_inf must be a float32 0-d tensor, got {}", name_, found_inf.meta());
   HG_CHECK(!cuda::is_capturing(found_inf.device()),
            "{}.step_unless: this optimizer decides on the host whether to step (it counts its steps there), so it "
            "cannot run inside a CUDA graph capture with a loss scaler; use SGD, or train without capture",
            name_);
+}
+
+void Optimizer::step_unless(const Tensor& found_inf) {
+  check_found_inf(found_inf);
   if (found_inf.item<float>() == 0) step();
 }
 
 void Optimizer::step_scaled(const Tensor& found_inf, const Tensor& grad_scale) {
-  check_step();  // before the gradients are scaled: a step refused later would leave them scaled
+  // Every check before the gradients are scaled: a step refused later would leave them scaled.
+  check_step();
+  if (found_inf.defined()) check_found_inf(found_inf);
   scale_grads_(parameters(), grad_scale);
   if (found_inf.defined())
     step_unless(found_inf);

@@ -213,8 +213,10 @@ class Optimizer {
   };
   // The checks of each parameter that a step makes (its gradient, its existing state buffers), over all groups,
   // before anything changes: a step that fails them leaves no group stepped, no count raised and no buffer made.
-  // Each optimizer's step calls it first.
+  // The fused optimizers' steps (SGD, Adam/AdamW, RMSprop, Adagrad) and step_scaled call it first.
   void check_step();
+  // step_unless's checks of its overflow flag (a float32 0-d tensor, no capture: this base steps on the host).
+  void check_found_inf(const Tensor& found_inf) const;
   // The parameters of group g that have a gradient, split by (device, dtype): the lists of one fused kernel
   // call each. Checks each gradient against its parameter and bumps the parameter's version counter (the
   // step writes it in place, so a graph that saved it can no longer use it); marks each item's cast current, so the

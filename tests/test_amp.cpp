@@ -828,6 +828,19 @@ TEST_CASE("a float16 gradient that unscaling by a scale below 1 takes past float
   CHECK(values(w) == std::vector<double>{1, 1});  // left alone
 }
 
+TEST_CASE("cuda: a float16 gradient that unscaling by a scale below 1 overflows is flagged by the fused pass") {
+  SKIP_WITHOUT_GPU();
+  Tensor w = ones({2}, {.dtype = kFloat16, .device = Device::cuda(0), .requires_grad = true});
+  optim::SGD opt({w}, {.lr = 1});
+  amp::GradScaler scaler({.init_scale = 0.25});
+  (void)scaler.scale(w.to(kFloat32).sum());
+  w.set_grad(tensor(std::vector<float>{30000, 1}).to(kFloat16).cuda());
+  scaler.step(opt);
+  scaler.update();
+  CHECK(scaler.skipped_steps() == 1);
+  CHECK(values(w.cpu()) == std::vector<double>{1, 1});
+}
+
 TEST_CASE("scaler state round-trips") {
   amp::GradScaler a({.init_scale = 64, .growth_interval = 10});
   Tensor w = ones({1}, {.requires_grad = true});

@@ -624,6 +624,26 @@ TEST_CASE("copy_each_ refuses a pair whose destination shares part of its memory
   Tensor d = zeros({5});
   copy_each_({d}, {x.narrow(0, 0, 5)});
   CHECK(values(d) == std::vector<double>{0, 1, 2, 3, 4});
+  // A later pair refused (an expanded destination) leaves the earlier ones' versions: a backward that saved them runs.
+  Tensor a = tensor<double>({1, 2}).requires_grad_();
+  Tensor y = a * 1.0;
+  Tensor z = y * y;
+  {
+    NoGradGuard no_grad;
+    CHECK_THROWS_WITH_AS(copy_each_({y, zeros({1}, {.dtype = kFloat64}).expand({2})}, {ones({2}), ones({2})}),
+                         doctest::Contains("expanded view"), Error);
+  }
+  z.sum().backward();
+  CHECK(values(a.grad()) == std::vector<double>{2, 4});
+  // copy_ refuses a source that does not broadcast, with the version as it was.
+  Tensor b = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor u = b * 1.0, v = u * u;
+  {
+    NoGradGuard no_grad;
+    CHECK_THROWS_AS(u.copy_(ones({2, 3})), Error);
+  }
+  v.sum().backward();
+  CHECK(values(b.grad()) == std::vector<double>{2, 4, 6});
 }
 
 TEST_CASE("autocast runs rsqrt in float32, as PyTorch's autocast does") {

@@ -731,9 +731,13 @@ TEST_CASE("nn::init::uniform_ keeps float16 values below high as the dtype holds
 TEST_CASE("nn::init::uniform_ refuses bounds past the dtype's range, which would draw infinities (as PyTorch)") {
   Tensor h = empty({6}, {.dtype = kFloat16});
   CHECK_THROWS_WITH_AS(nn::init::uniform_(h, -1e5, 1e5),
-                       doctest::Contains("uniform_: low -100000 and high 100000 must lie within float16"), Error);
+                       doctest::Contains("uniform_: low -100000 and high 100000, and the span between them, must lie "
+                                         "within float16"), Error);
   CHECK_THROWS_AS(nn::init::uniform_(empty({2}, {.dtype = kBFloat16}), -1e39, 0), Error);
-  CHECK_NOTHROW(nn::init::uniform_(h, -65504, 65504));
+  // The span too, as PyTorch's to - from <= max: 131008 is past float16's 65504.
+  CHECK_THROWS_WITH_AS(nn::init::uniform_(h, -65504, 65504), doctest::Contains("and the span between them"), Error);
+  CHECK_THROWS_AS(nn::init::uniform_(empty({2}), -3e38, 3e38), Error);
+  CHECK_NOTHROW(nn::init::uniform_(h, -30000, 30000));
 }
 
 TEST_CASE("initialisers fill parameters in place, without recording autograd, in any dtype") {

@@ -886,6 +886,15 @@ TEST_CASE("a step that fails its checks changes nothing: no group stepped, no co
   }
 }
 
+TEST_CASE("step_scaled refuses a bad overflow flag before it scales the gradients") {
+  Tensor a = ones({2}, {.requires_grad = true});
+  optim::Adam opt({a}, {.lr = 0.1});
+  a.set_grad(full({2}, 4.0));
+  CHECK_THROWS_WITH_AS(opt.step_scaled(zeros({}, {.dtype = kFloat64}), full({}, 0.5)),
+                       doctest::Contains("found_inf must be a float32 0-d tensor"), Error);
+  CHECK(values(a.grad()) == std::vector<double>{4, 4});  // not scaled: a retry scales once
+}
+
 TEST_CASE("an optimizer state of groups of other sizes is refused, as PyTorch's") {
   Tensor a = ones({2}, {.requires_grad = true}), b = ones({3}, {.requires_grad = true}), c = ones({2}, {.requires_grad = true});
   optim::Adam two({a, b}, {.lr = 0.1});

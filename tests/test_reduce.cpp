@@ -482,6 +482,13 @@ TEST_CASE("gradient of max() and min() over all elements is split evenly among t
   CHECK(h.grad().to(kFloat32).sum().item<double>() == doctest::Approx(1.0).epsilon(0.05));
 }
 
+TEST_CASE("cuda: max()'s gradient among 100,000 float16 ties, counted in int64 and divided in float32, as on the CPU") {
+  SKIP_WITHOUT_GPU();
+  Tensor h = zeros({100000}, {.dtype = kFloat16, .device = Device::cuda(0)}).requires_grad_();
+  h.max().backward();
+  CHECK(h.grad().cpu()[0].item<double>() == doctest::Approx(1e-5).epsilon(0.05));
+}
+
 TEST_CASE("var's gradient where the correction leaves no degrees of freedom is PyTorch's") {
   // Over every element: inf, nan where x is the mean; over named dims: 2 / (N - correction) as it stands.
   Tensor x = tensor<double>({1, 2, 4}).requires_grad_();

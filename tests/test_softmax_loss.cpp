@@ -518,6 +518,8 @@ TEST_CASE("cross_entropy with class probabilities: ignore_index is refused, the 
     Tensor none = zeros(shape).requires_grad_();
     Tensor mean = cross_entropy(none, zeros(shape));
     CHECK(std::isnan(mean.item<double>()));  // PyTorch: nan for an empty input, [2, 0] too
+    mean.backward();                         // and its graph stays: an empty gradient
+    CHECK(none.grad().shape() == shape);
     CHECK(cross_entropy(none, zeros(shape), {.reduction = Reduction::Sum}).item<double>() == 0.0);
   }
 }

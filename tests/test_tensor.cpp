@@ -179,6 +179,7 @@ TEST_CASE("cat takes PyTorch's legacy empty tensor of shape [0] beside any shape
   CHECK(start.grad().shape() == Shape{0});
   CHECK(values(grown.grad()) == std::vector<double>(6, 3.0));
   CHECK(cat({empty({0}), empty({0})}).shape() == Shape{0});
+  CHECK(cat({empty({0}), empty({0})}, 1).shape() == Shape{0});  // any dim, as PyTorch's
   // Any other empty tensor still has a shape to match.
   CHECK_THROWS_WITH_AS(cat({zeros({0, 2}), ones({2, 3})}, 0), doctest::Contains("sizes must match except in dim 0"),
                        Error);
