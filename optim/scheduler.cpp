@@ -34,6 +34,16 @@ std::vector<NamedOption> fields_of(OneCycleLROptions& o, int64_t& anneal) {
           {"final_div_factor", &o.final_div_factor},
           {"three_phase", &o.three_phase}};
 }
+std::vector<NamedOption> fields_of(ExponentialLROptions& o) { return {{"gamma", &o.gamma}}; }
+std::vector<NamedOption> fields_of(LinearLROptions& o) {
+  return {{"start_factor", &o.start_factor}, {"end_factor", &o.end_factor}, {"total_iters", &o.total_iters}};
+}
+std::vector<NamedOption> fields_of(ConstantLROptions& o) {
+  return {{"factor", &o.factor}, {"total_iters", &o.total_iters}};
+}
+std::vector<NamedOption> fields_of(PolynomialLROptions& o) {
+  return {{"total_iters", &o.total_iters}, {"power", &o.power}};
+}
 std::vector<NamedOption> fields_of(LinearWarmupOptions& o) {
   return {{"warmup_steps", &o.warmup_steps}, {"start_factor", &o.start_factor}};
 }
@@ -139,7 +149,7 @@ void LRScheduler::load_state_tensors(const NamedTensors& state) {
                   name_, fmt::join(missing, ", "));
 }
 
-// ---- StepLR, MultiStepLR, CosineAnnealingLR
+// ---- LRSchedulerWith, with each scheduler's checks of its options (made or loaded)
 
 namespace {
 StepLROptions checked(StepLROptions o) {
@@ -163,48 +173,81 @@ LinearWarmupOptions checked(LinearWarmupOptions o) {
            o.start_factor);
   return o;
 }
+ExponentialLROptions checked(ExponentialLROptions o) {
+  check_finite_non_negative("ExponentialLR", "gamma", o.gamma);
+  return o;
+}
+LinearLROptions checked(LinearLROptions o) {
+  HG_CHECK(o.start_factor > 0 && o.start_factor <= 1, "LinearLR: start_factor must be in (0, 1], got {}",
+           o.start_factor);
+  HG_CHECK(o.end_factor >= 0 && o.end_factor <= 1, "LinearLR: end_factor must be in [0, 1], got {}", o.end_factor);
+  HG_CHECK(o.total_iters > 0, "LinearLR: total_iters must be positive, got {}", o.total_iters);
+  return o;
+}
+ConstantLROptions checked(ConstantLROptions o) {
+  HG_CHECK(o.factor >= 0 && o.factor <= 1, "ConstantLR: factor must be in [0, 1], got {}", o.factor);
+  HG_CHECK(o.total_iters >= 0, "ConstantLR: total_iters must not be negative, got {}", o.total_iters);
+  return o;
+}
+PolynomialLROptions checked(PolynomialLROptions o) {
+  HG_CHECK(o.total_iters > 0, "PolynomialLR: total_iters must be positive, got {}", o.total_iters);
+  check_finite_non_negative("PolynomialLR", "power", o.power);
+  return o;
+}
+
+// Each base lr times `factor`.
+std::vector<double> scaled(const std::vector<double>& base_lrs, double factor) {
+  std::vector<double> lrs;
+  for (double base : base_lrs) lrs.push_back(base * factor);
+  return lrs;
+}
 }  // namespace
 
-StepLR::StepLR(Optimizer& optimizer, StepLROptions options)
-    : LRScheduler(optimizer, "StepLR"), options_(checked(options)) {
-  start();
+template <typename Options>
+LRSchedulerWith<Options>::LRSchedulerWith(Optimizer& optimizer, const char* name, Options options)
+    : LRScheduler(optimizer, name), options_(checked(std::move(options))) {}
+template <typename Options> NamedTensors LRSchedulerWith<Options>::options_tensors() const {
+  return tensors_of(options_);
 }
-NamedTensors StepLR::options_tensors() const { return tensors_of(options_); }
-void StepLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
-  if (StepLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
+template <typename Options>
+void LRSchedulerWith<Options>::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
+  if (Options o = options_; read_into(o, named, errors)) options_ = checked(std::move(o));
+}
+template class LRSchedulerWith<StepLROptions>;
+template class LRSchedulerWith<MultiStepLROptions>;
+template class LRSchedulerWith<CosineAnnealingLROptions>;
+template class LRSchedulerWith<ExponentialLROptions>;
+template class LRSchedulerWith<LinearLROptions>;
+template class LRSchedulerWith<ConstantLROptions>;
+template class LRSchedulerWith<PolynomialLROptions>;
+template class LRSchedulerWith<LinearWarmupOptions>;
+
+// ---- StepLR, MultiStepLR, CosineAnnealingLR
+
+StepLR::StepLR(Optimizer& optimizer, StepLROptions options)
+    : LRSchedulerWith(optimizer, "StepLR", std::move(options)) {
+  start();
 }
 
 std::vector<double> StepLR::lr_at(int64_t n) const {
-  std::vector<double> lrs;
-  for (double base : base_lrs_) lrs.push_back(base * std::pow(options_.gamma, double(n / options_.step_size)));
-  return lrs;
+  return scaled(base_lrs_, std::pow(options_.gamma, double(n / options_.step_size)));
 }
 
 MultiStepLR::MultiStepLR(Optimizer& optimizer, MultiStepLROptions options)
-    : LRScheduler(optimizer, "MultiStepLR"), options_(checked(std::move(options))) {
+    : LRSchedulerWith(optimizer, "MultiStepLR", std::move(options)) {
   start();
-}
-NamedTensors MultiStepLR::options_tensors() const { return tensors_of(options_); }
-void MultiStepLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
-  if (MultiStepLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
 }
 
 std::vector<double> MultiStepLR::lr_at(int64_t n) const {
   // Milestones passed so far (PyTorch's bisect_right): at step == milestone the decay has happened.
   const auto passed = std::upper_bound(options_.milestones.begin(), options_.milestones.end(), n) -
                       options_.milestones.begin();
-  std::vector<double> lrs;
-  for (double base : base_lrs_) lrs.push_back(base * std::pow(options_.gamma, double(passed)));
-  return lrs;
+  return scaled(base_lrs_, std::pow(options_.gamma, double(passed)));
 }
 
 CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROptions options)
-    : LRScheduler(optimizer, "CosineAnnealingLR"), options_(checked(options)) {
+    : LRSchedulerWith(optimizer, "CosineAnnealingLR", std::move(options)) {
   start();
-}
-NamedTensors CosineAnnealingLR::options_tensors() const { return tensors_of(options_); }
-void CosineAnnealingLR::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
-  if (CosineAnnealingLROptions o = options_; read_into(o, named, errors)) options_ = checked(o);
 }
 
 std::vector<double> CosineAnnealingLR::lr_at(int64_t n) const {
@@ -213,6 +256,68 @@ std::vector<double> CosineAnnealingLR::lr_at(int64_t n) const {
   for (double base : base_lrs_)
     lrs.push_back(eta_min +
                   (base - eta_min) * (1 + std::cos(std::numbers::pi * double(n) / double(options_.T_max))) / 2);
+  return lrs;
+}
+
+// ---- ExponentialLR, LinearLR, ConstantLR, PolynomialLR: PyTorch's closed forms, its arithmetic in its order
+
+ExponentialLR::ExponentialLR(Optimizer& optimizer, ExponentialLROptions options)
+    : LRSchedulerWith(optimizer, "ExponentialLR", std::move(options)) {
+  start();
+}
+std::vector<double> ExponentialLR::lr_at(int64_t n) const {
+  return scaled(base_lrs_, std::pow(options_.gamma, double(n)));
+}
+
+LinearLR::LinearLR(Optimizer& optimizer, LinearLROptions options)
+    : LRSchedulerWith(optimizer, "LinearLR", std::move(options)) {
+  start();
+}
+std::vector<double> LinearLR::lr_at(int64_t n) const {
+  const LinearLROptions& o = options_;
+  return scaled(base_lrs_, o.start_factor + (o.end_factor - o.start_factor) * double(std::min(o.total_iters, n)) /
+                                                double(o.total_iters));
+}
+
+ConstantLR::ConstantLR(Optimizer& optimizer, ConstantLROptions options)
+    : LRSchedulerWith(optimizer, "ConstantLR", std::move(options)) {
+  start();
+}
+std::vector<double> ConstantLR::lr_at(int64_t n) const {
+  return scaled(base_lrs_, n < options_.total_iters ? options_.factor : 1.0);
+}
+
+PolynomialLR::PolynomialLR(Optimizer& optimizer, PolynomialLROptions options)
+    : LRSchedulerWith(optimizer, "PolynomialLR", std::move(options)) {
+  start();
+}
+std::vector<double> PolynomialLR::lr_at(int64_t n) const {
+  const PolynomialLROptions& o = options_;
+  return scaled(base_lrs_, std::pow(1.0 - double(std::min(o.total_iters, n)) / double(o.total_iters), o.power));
+}
+
+// ---- LambdaLR
+
+LambdaLR::LambdaLR(Optimizer& optimizer, Factor factor)
+    : LambdaLR(optimizer, std::vector<Factor>(optimizer.num_param_groups(), factor)) {}
+
+LambdaLR::LambdaLR(Optimizer& optimizer, std::vector<Factor> factors)
+    : LRScheduler(optimizer, "LambdaLR"), factors_(std::move(factors)) {
+  HG_CHECK(factors_.size() == base_lrs_.size(), "LambdaLR: {} functions for {} parameter groups (give one for all, "
+           "or one per group)", factors_.size(), base_lrs_.size());
+  for (size_t g = 0; g < factors_.size(); ++g)
+    HG_CHECK(bool(factors_[g]), "LambdaLR: the function of group {} is empty", g);
+  start();
+}
+
+std::vector<double> LambdaLR::lr_at(int64_t n) const {
+  std::vector<double> lrs;
+  for (size_t g = 0; g < base_lrs_.size(); ++g) {
+    const double factor = factors_[g](n);
+    HG_CHECK(std::isfinite(factor) && factor >= 0, "LambdaLR: the function of group {} gave {} at step {} (a factor "
+             "must be finite and >= 0)", g, factor, n);
+    lrs.push_back(base_lrs_[g] * factor);
+  }
   return lrs;
 }
 
@@ -329,15 +434,10 @@ std::vector<double> OneCycleLR::momentum_at(int64_t n) const {
 // ---- LinearWarmup
 
 LinearWarmup::LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after)
-    : LRScheduler(optimizer, "LinearWarmup"), options_(checked(options)), after_(std::move(after)) {
+    : LRSchedulerWith(optimizer, "LinearWarmup", options), after_(std::move(after)) {
   HG_CHECK(!after_ || &after_->optimizer() == &optimizer,
            "LinearWarmup: the scheduler after the warm-up ({}) drives another optimizer", after_->name());
   start();
-}
-
-NamedTensors LinearWarmup::options_tensors() const { return tensors_of(options_); }
-void LinearWarmup::load_options(const NamedTensors& named, std::vector<std::string>& errors) {
-  if (LinearWarmupOptions o = options_; read_into(o, named, errors)) options_ = checked(o);
 }
 
 NamedTensors LinearWarmup::state_tensors() const {

@@ -16,6 +16,7 @@
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
 // is the caller's choice.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,20 +89,27 @@ class LRScheduler {
   std::vector<double> last_lr_;
 };
 
+// A scheduler whose options are one struct: a checkpoint keeps each field by its name (fields_of in
+// optim/scheduler.cpp), and the options made or loaded pass the same checks (checked() there), or are refused.
+template <typename Options> class LRSchedulerWith : public LRScheduler {
+ protected:
+  LRSchedulerWith(Optimizer& optimizer, const char* name, Options options);
+  Options options_;
+
+ private:
+  NamedTensors options_tensors() const override;
+  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
+};
+
 // lr = base_lr * gamma^floor(n / step_size)
 struct StepLROptions {
   int64_t step_size = 1;
   double gamma = 0.1;
 };
-class StepLR : public LRScheduler {
+class StepLR : public LRSchedulerWith<StepLROptions> {
  public:
   StepLR(Optimizer& optimizer, StepLROptions options);
   std::vector<double> lr_at(int64_t n) const override;
-
- private:
-  NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
-  StepLROptions options_;
 };
 
 // lr = base_lr * gamma^(number of milestones <= n)
@@ -109,15 +117,10 @@ struct MultiStepLROptions {
   std::vector<int64_t> milestones;  // in any order; one given twice decays twice there (as PyTorch's)
   double gamma = 0.1;
 };
-class MultiStepLR : public LRScheduler {
+class MultiStepLR : public LRSchedulerWith<MultiStepLROptions> {
  public:
   MultiStepLR(Optimizer& optimizer, MultiStepLROptions options);
   std::vector<double> lr_at(int64_t n) const override;
-
- private:
-  NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
-  MultiStepLROptions options_;
 };
 
 // lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * n / T_max)) / 2      (PyTorch's closed form; periodic
@@ -126,15 +129,70 @@ struct CosineAnnealingLROptions {
   int64_t T_max = 1;
   double eta_min = 0;
 };
-class CosineAnnealingLR : public LRScheduler {
+class CosineAnnealingLR : public LRSchedulerWith<CosineAnnealingLROptions> {
  public:
   CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROptions options);
   std::vector<double> lr_at(int64_t n) const override;
+};
+
+// lr = base_lr * gamma^n
+struct ExponentialLROptions {
+  double gamma = 0.1;  // no default in PyTorch; 0.1 as StepLR's
+};
+class ExponentialLR : public LRSchedulerWith<ExponentialLROptions> {
+ public:
+  ExponentialLR(Optimizer& optimizer, ExponentialLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+};
+
+// lr = base_lr * (start_factor + (end_factor - start_factor) * min(n, total_iters) / total_iters): from start_factor
+// of the base lr to end_factor of it in total_iters steps, then held (PyTorch's LinearLR and its defaults).
+struct LinearLROptions {
+  double start_factor = 1.0 / 3;  // in (0, 1]
+  double end_factor = 1.0;        // in [0, 1]
+  int64_t total_iters = 5;
+};
+class LinearLR : public LRSchedulerWith<LinearLROptions> {
+ public:
+  LinearLR(Optimizer& optimizer, LinearLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+};
+
+// lr = base_lr * factor for n < total_iters, then base_lr (PyTorch's ConstantLR and its defaults).
+struct ConstantLROptions {
+  double factor = 1.0 / 3;  // in [0, 1]
+  int64_t total_iters = 5;
+};
+class ConstantLR : public LRSchedulerWith<ConstantLROptions> {
+ public:
+  ConstantLR(Optimizer& optimizer, ConstantLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+};
+
+// lr = base_lr * (1 - min(n, total_iters) / total_iters)^power: down to 0 in total_iters steps, then held
+// (PyTorch's PolynomialLR and its defaults).
+struct PolynomialLROptions {
+  int64_t total_iters = 5;
+  double power = 1.0;
+};
+class PolynomialLR : public LRSchedulerWith<PolynomialLROptions> {
+ public:
+  PolynomialLR(Optimizer& optimizer, PolynomialLROptions options);
+  std::vector<double> lr_at(int64_t n) const override;
+};
+
+// lr = base_lr * factor(n), with a function of the step for every group or one per group (PyTorch's LambdaLR).
+// A checkpoint keeps the step and the base lrs, not the functions: the loading scheduler brings its own.
+// A factor that is negative or not finite is refused, naming the step and the group.
+class LambdaLR : public LRScheduler {
+ public:
+  using Factor = std::function<double(int64_t step)>;
+  LambdaLR(Optimizer& optimizer, Factor factor);
+  LambdaLR(Optimizer& optimizer, std::vector<Factor> factors);
+  std::vector<double> lr_at(int64_t n) const override;
 
  private:
-  NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
-  CosineAnnealingLROptions options_;
+  std::vector<Factor> factors_;  // one per group
 };
 
 // The 1cycle policy (Smith & Topin), as torch.optim.lr_scheduler.OneCycleLR and fastai's fit_one_cycle: the
@@ -193,7 +251,7 @@ struct LinearWarmupOptions {
   int64_t warmup_steps = 0;
   double start_factor = 0;
 };
-class LinearWarmup : public LRScheduler {
+class LinearWarmup : public LRSchedulerWith<LinearWarmupOptions> {
  public:
   // `after` must drive the same optimizer; LinearWarmup owns it.
   LinearWarmup(Optimizer& optimizer, LinearWarmupOptions options, std::unique_ptr<LRScheduler> after = nullptr);
@@ -205,9 +263,6 @@ class LinearWarmup : public LRScheduler {
 
  private:
   void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps
-  NamedTensors options_tensors() const override;
-  void load_options(const NamedTensors& named, std::vector<std::string>& errors) override;
-  LinearWarmupOptions options_;
   std::unique_ptr<LRScheduler> after_;
 };
 

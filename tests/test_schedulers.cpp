@@ -1,8 +1,8 @@
 // Learning-rate schedulers: their curves against PyTorch's closed forms at several steps.
 //
 // The expected values were computed by hand with the formulas of torch/optim/lr_scheduler.py
-// (_get_closed_form_lr of StepLR, MultiStepLR, CosineAnnealingLR; OneCycleLR.get_lr with its phases), in
-// double precision: the tolerance is 1e-12 relative.
+// (_get_closed_form_lr of StepLR, MultiStepLR, CosineAnnealingLR, ExponentialLR, LinearLR, ConstantLR, PolynomialLR;
+// OneCycleLR.get_lr with its phases), in double precision: the tolerance is 1e-12 relative.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -216,6 +216,109 @@ TEST_CASE("LinearWarmup ramps up to the base lr, then stays or hands over to ano
   }
 }
 
+TEST_CASE("ExponentialLR, LinearLR, ConstantLR and PolynomialLR follow PyTorch's closed forms") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 0.3}}, {{f.b}, {.lr = 0.6}}});
+  // lr = base * factors[n], the factors as torch/optim/lr_scheduler.py's _get_closed_form_lr computes them.
+  auto check_factors = [&](optim::LRScheduler& sched, const std::vector<double>& factors) {
+    auto lrs = curve(sched, int(factors.size()) - 1);
+    for (size_t n = 0; n < factors.size(); ++n) {
+      CAPTURE(n);
+      CHECK(lrs[n][0] == doctest::Approx(0.3 * factors[n]).epsilon(1e-12));
+      CHECK(lrs[n][1] == doctest::Approx(0.6 * factors[n]).epsilon(1e-12));
+    }
+    CHECK(opt.groups()[1].options.lr == lrs.back()[1]);
+  };
+  SUBCASE("ExponentialLR: gamma^n") {
+    optim::ExponentialLR sched(opt, {.gamma = 0.5});
+    check_factors(sched, {1, 0.5, 0.25, 0.125, 0.0625});
+  }
+  SUBCASE("LinearLR: PyTorch's defaults rise from a third to the base lr in 5 steps, then hold") {
+    optim::LinearLR sched(opt, {});
+    check_factors(sched, {1.0 / 3, 1.0 / 3 + (2.0 / 3) / 5, 1.0 / 3 + (2.0 / 3) * 2 / 5, 1.0 / 3 + (2.0 / 3) * 3 / 5,
+                          1.0 / 3 + (2.0 / 3) * 4 / 5, 1, 1, 1});
+  }
+  SUBCASE("LinearLR: a decay, from the base lr to a tenth of it in 3 steps") {
+    optim::LinearLR sched(opt, {.start_factor = 1, .end_factor = 0.1, .total_iters = 3});
+    check_factors(sched, {1, 0.7, 0.4, 0.1, 0.1});
+  }
+  SUBCASE("ConstantLR: the factor until total_iters, then the base lr") {
+    optim::ConstantLR sched(opt, {.factor = 0.5, .total_iters = 3});
+    check_factors(sched, {0.5, 0.5, 0.5, 1, 1});
+    optim::ConstantLR none(opt, {.factor = 0.5, .total_iters = 0});  // PyTorch's: the base lr from step 0
+    check_factors(none, {1, 1});
+  }
+  SUBCASE("PolynomialLR: (1 - n / total_iters)^power, then 0") {
+    optim::PolynomialLR sched(opt, {.total_iters = 4, .power = 2});
+    check_factors(sched, {1, 0.5625, 0.25, 0.0625, 0, 0});
+    opt.param_group(0).lr = 0.3;  // the next scheduler's base lrs: each group's lr when it is made
+    opt.param_group(1).lr = 0.6;
+    optim::PolynomialLR linear(opt, {});  // PyTorch's defaults: linear to 0 in 5 steps
+    check_factors(linear, {1, 0.8, 0.6, 0.4, 0.2, 0, 0});
+  }
+  SUBCASE("options outside PyTorch's ranges, or that would make the lr NaN or negative, are refused") {
+    CHECK_THROWS_WITH_AS(optim::ExponentialLR(opt, {.gamma = -0.5}),
+                         doctest::Contains("ExponentialLR: gamma must be finite and >= 0, got -0.5"), Error);
+    CHECK_THROWS_WITH_AS(optim::LinearLR(opt, {.start_factor = 0}),
+                         doctest::Contains("LinearLR: start_factor must be in (0, 1], got 0"), Error);
+    CHECK_THROWS_WITH_AS(optim::LinearLR(opt, {.end_factor = 1.5}),
+                         doctest::Contains("LinearLR: end_factor must be in [0, 1], got 1.5"), Error);
+    CHECK_THROWS_WITH_AS(optim::LinearLR(opt, {.total_iters = 0}),
+                         doctest::Contains("LinearLR: total_iters must be positive, got 0"), Error);
+    CHECK_THROWS_WITH_AS(optim::ConstantLR(opt, {.factor = std::nan("")}),
+                         doctest::Contains("ConstantLR: factor must be in [0, 1], got nan"), Error);
+    CHECK_THROWS_WITH_AS(optim::ConstantLR(opt, {.total_iters = -1}),
+                         doctest::Contains("ConstantLR: total_iters must not be negative, got -1"), Error);
+    CHECK_THROWS_WITH_AS(optim::PolynomialLR(opt, {.total_iters = 0}),
+                         doctest::Contains("PolynomialLR: total_iters must be positive, got 0"), Error);
+    CHECK_THROWS_WITH_AS(optim::PolynomialLR(opt, {.power = -1}),
+                         doctest::Contains("PolynomialLR: power must be finite and >= 0, got -1"), Error);
+    CHECK(opt.groups()[0].options.lr == 0.3);  // a refused scheduler set nothing
+  }
+}
+
+TEST_CASE("LambdaLR multiplies each base lr by its group's function of the step") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 0.1}}, {{f.b}, {.lr = 1.0}}});
+  SUBCASE("one function for every group") {
+    optim::LambdaLR sched(opt, [](int64_t n) { return 1.0 / double(n + 1); });
+    auto lrs = curve(sched, 3);
+    CHECK(lrs[0] == std::vector<double>{0.1, 1.0});
+    CHECK(lrs[3][0] == doctest::Approx(0.025).epsilon(1e-12));
+    CHECK(lrs[3][1] == doctest::Approx(0.25).epsilon(1e-12));
+  }
+  SUBCASE("one per group; the state keeps the step and base lrs, and the loader brings its functions") {
+    auto warm_up = [](int64_t n) { return std::min(1.0, double(n + 1) / 4); };
+    auto halve = [](int64_t n) { return std::pow(0.5, double(n)); };
+    optim::LambdaLR saved(opt, std::vector<optim::LambdaLR::Factor>{warm_up, halve});
+    auto lrs = curve(saved, 4);
+    CHECK(lrs[2][0] == doctest::Approx(0.075).epsilon(1e-12));
+    CHECK(lrs[2][1] == doctest::Approx(0.25).epsilon(1e-12));
+    CHECK(lrs[4][0] == doctest::Approx(0.1).epsilon(1e-12));
+    const optim::NamedTensors state = saved.state_tensors();
+    REQUIRE(state.size() == 2);
+    optim::SGD opt2({{{f.a}, {.lr = 0.7}}, {{f.b}, {.lr = 0.7}}});
+    optim::LambdaLR loaded(opt2, std::vector<optim::LambdaLR::Factor>{warm_up, halve});
+    loaded.load_state_tensors(state);
+    CHECK(loaded.base_lrs() == std::vector<double>{0.1, 1.0});
+    CHECK(loaded.get_last_lr() == saved.get_last_lr());
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(optim::ExponentialLR(opt2, {}).state_tensors()),
+                         doctest::Contains("unexpected entry 'gamma'"), Error);
+  }
+  SUBCASE("errors name the group, and leave the lrs as they were") {
+    CHECK_THROWS_WITH_AS(optim::LambdaLR(opt, std::vector<optim::LambdaLR::Factor>{[](int64_t) { return 1.0; }}),
+                         doctest::Contains("LambdaLR: 1 functions for 2 parameter groups"), Error);
+    CHECK_THROWS_WITH_AS(optim::LambdaLR(opt, std::vector<optim::LambdaLR::Factor>{[](int64_t) { return 1.0; }, {}}),
+                         doctest::Contains("LambdaLR: the function of group 1 is empty"), Error);
+    optim::LambdaLR sched(opt, [](int64_t n) { return n < 2 ? 1.0 : -1.0; });
+    sched.step();
+    CHECK_THROWS_WITH_AS(sched.step(), doctest::Contains("LambdaLR: the function of group 0 gave -1 at step 2"),
+                         Error);
+    CHECK(sched.last_step() == 1);
+    CHECK(opt.groups()[1].options.lr == 1.0);
+  }
+}
+
 TEST_CASE("a scheduler's state is its step, base lrs and options: loading it restores the lr of that step") {
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
@@ -359,6 +462,31 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
     CHECK(loaded.get_last_lr() == std::vector<double>{0.1 * 0.25});
     loaded.load_state_tensors(with(saved.state_tensors(), "milestones", tensor(std::vector<int64_t>{5, 2})));
     CHECK(to_vector<int64_t>(entry(loaded, "milestones")) == std::vector<int64_t>{2, 5});  // in any order, sorted
+  }
+  SUBCASE("ExponentialLR, LinearLR, ConstantLR, PolynomialLR") {
+    optim::ExponentialLR saved_exp(opt, {.gamma = 0.9});
+    optim::ExponentialLR loaded_exp(opt2, {});
+    loaded_exp.load_state_tensors(saved_exp.state_tensors());
+    step_together(saved_exp, loaded_exp, 3);
+    optim::LinearLR saved_linear(opt, {.start_factor = 0.5, .end_factor = 0.25, .total_iters = 6});
+    saved_linear.step();
+    optim::LinearLR loaded_linear(opt2, {});
+    loaded_linear.load_state_tensors(saved_linear.state_tensors());
+    CHECK(loaded_linear.last_step() == 1);
+    step_together(saved_linear, loaded_linear, 7);
+    CHECK_THROWS_WITH_AS(loaded_linear.load_state_tensors(with(saved_linear.state_tensors(), "start_factor",
+                                                               scalar_tensor(0.0, {.dtype = kFloat64}))),
+                         doctest::Contains("LinearLR: start_factor must be in (0, 1], got 0"), Error);
+    CHECK(entry(loaded_linear, "start_factor").item<double>() == 0.5);
+    optim::ConstantLR saved_constant(opt, {.factor = 0.1, .total_iters = 2});
+    optim::ConstantLR loaded_constant(opt2, {});
+    loaded_constant.load_state_tensors(saved_constant.state_tensors());
+    step_together(saved_constant, loaded_constant, 3);
+    optim::PolynomialLR saved_poly(opt, {.total_iters = 3, .power = 0.5});
+    optim::PolynomialLR loaded_poly(opt2, {});
+    loaded_poly.load_state_tensors(saved_poly.state_tensors());
+    step_together(saved_poly, loaded_poly, 4);
+    CHECK(loaded_poly.get_last_lr() == std::vector<double>{0});
   }
   SUBCASE("CosineAnnealingLR") {
     optim::CosineAnnealingLR saved(opt, {.T_max = 7, .eta_min = 0.01});
