@@ -477,24 +477,27 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   check_defined("where", {condition, a, b});
   HG_AUTOCAST(where, condition, a, b);
   HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
-  // a or b may be a 0-d CPU "scalar" with the rest on a device, as in binary ops: the kernel takes it by value
-  // (relu's backward, where(y > 0, g, 0), then runs on the flat kernel instead of reading a broadcast operand).
-  const bool a_scalar = a.dim() == 0 && a.is_cpu(), b_scalar = b.dim() == 0 && b.is_cpu();
-  const Tensor& on_device = a_scalar ? b : a;
-  check_same_device("where", condition, on_device);
-  if (!a_scalar && !b_scalar) check_same_device("where", a, b);
-  const Device device = condition.device();
+  // Any operand may be a 0-d CPU "scalar" with the others on a device, as in binary ops and PyTorch's where: the
+  // kernel takes it by value (relu's backward, where(y > 0, g, 0), then runs on the flat kernel instead of reading a
+  // broadcast operand). The others share one device.
+  auto is_scalar = [](const Tensor& t) { return t.dim() == 0 && t.is_cpu(); };
+  const Tensor* on_device = nullptr;
+  for (const Tensor* t : {&condition, &a, &b}) {
+    if (is_scalar(*t)) continue;
+    if (on_device) check_same_device("where", *on_device, *t);
+    else on_device = t;
+  }
+  const Device device = on_device ? on_device->device() : Device::cpu();
   DType common = result_type(a, b);
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
   // The output takes the layout of the operand that has the output's shape (a, else b), as binary ops do.
   const Tensor& layout = a.shape() == shape ? a : b;
   Tensor out = empty(shape, {.dtype = common, .device = device},
                      layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
-  auto operand = [&](const Tensor& t, bool scalar) {
-    Tensor c = cast_nograd(t, common);
-    return scalar && !device.is_cpu() ? c : broadcast_view(c, shape, "where");
+  auto operand = [&](const Tensor& t) {
+    return is_scalar(t) && !device.is_cpu() ? t : broadcast_view(t, shape, "where");
   };
-  where_kernel[device](out, broadcast_view(condition, shape, "where"), operand(a, a_scalar), operand(b, b_scalar));
+  where_kernel[device](out, operand(condition), operand(cast_nograd(a, common)), operand(cast_nograd(b, common)));
   if (any_requires_grad({&a, &b})) {
     SavedTensor c(condition, "where");
     Shape sa = a.shape(), sb = b.shape();
@@ -659,7 +662,7 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
         cpu::map<bool, T>(out, [](auto x) { return bool(unary_math<OP>(M(x))); }, {in});
       } else if constexpr (!std::is_same_v<T, bool>) {
         cpu::map<T, T>(out, [](auto x) { return cpu::widened_t<T>(unary_math<OP>(M(x))); }, {in});
-      } else if constexpr (takes_bool(OP)) {  // abs: the identity, as on CUDA
+      } else if constexpr (takes_bool(OP) && !needs_floating(OP)) {  // abs, sign: as on CUDA
         cpu::map<bool, bool>(out, [](bool x) { return unary_math<OP>(x); }, {in});
       } else {
         HG_FAIL("{}: not supported for bool tensors", op_name(op));

@@ -22,10 +22,10 @@ template <BinaryOp OP, typename T> struct BinaryFn {
   }
 };
 // The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
-// bool takes only the ops that allow it and integer division is true division (computed in float). Kernels are
+// bool takes only the ops that allow it and integer or bool division is true division (computed in float). Kernels are
 // instantiated for these pairs only.
 template <BinaryOp OP, typename T> constexpr bool binary_supported() {
-  if constexpr (std::is_same_v<T, bool>) return takes_bool(OP);
+  if constexpr (std::is_same_v<T, bool>) return takes_bool(OP) && !needs_floating(OP);
   else if constexpr (std::is_integral_v<T>) return !needs_floating(OP);
   else return true;
 }

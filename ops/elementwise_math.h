@@ -16,16 +16,17 @@ namespace halfgrad {
 //   Plain      the result has the (promoted) input dtype
 //   Math       a math function: an integer input is computed in the default float dtype (exp(int) is float32)
 //   Predicate  the result is bool whatever the input dtype
-// and "takes bool" whether a bool input is allowed (the others ask for a conversion first). Adding an op: its row
-// here, its case in unary_math / binary_math below, its derivative in ops/elementwise.cpp (unary_backward or
-// binary), its function and Tensor method, and its row in core/autocast.h.
+// and "takes bool" whether a bool input is allowed, as PyTorch allows it (the others ask for a conversion first; a
+// Math op computes bool, as any integer, in the default float dtype: exp(bool) and bool / bool are float32). Adding
+// an op: its row here, its case in unary_math / binary_math below, its derivative in ops/elementwise.cpp
+// (unary_backward or binary), its function and Tensor method, and its row in core/autocast.h.
 #define HG_UNARY_OPS(X)                                                                                    \
-  X(Neg, "neg", Plain, false) X(Abs, "abs", Plain, true) X(Exp, "exp", Math, false) X(Log, "log", Math, false) \
-  X(Sqrt, "sqrt", Math, false) X(Rsqrt, "rsqrt", Math, false) X(Tanh, "tanh", Math, false)                  \
-  X(Sigmoid, "sigmoid", Math, false) X(Relu, "relu", Plain, false) X(Sign, "sign", Plain, false)           \
+  X(Neg, "neg", Plain, false) X(Abs, "abs", Plain, true) X(Exp, "exp", Math, true) X(Log, "log", Math, true) \
+  X(Sqrt, "sqrt", Math, true) X(Rsqrt, "rsqrt", Math, true) X(Tanh, "tanh", Math, true)                     \
+  X(Sigmoid, "sigmoid", Math, true) X(Relu, "relu", Plain, false) X(Sign, "sign", Plain, true)             \
   X(LogicalNot, "logical_not", Predicate, true) X(IsFinite, "isfinite", Predicate, true)
 #define HG_BINARY_OPS(X)                                                                                        \
-  X(Add, "add", Plain, true) X(Sub, "sub", Plain, false) X(Mul, "mul", Plain, true) X(Div, "div", Math, false) \
+  X(Add, "add", Plain, true) X(Sub, "sub", Plain, false) X(Mul, "mul", Plain, true) X(Div, "div", Math, true) \
   X(Pow, "pow", Plain, false) X(Maximum, "maximum", Plain, true) X(Minimum, "minimum", Plain, true)            \
   X(Eq, "eq", Predicate, true) X(Ne, "ne", Predicate, true) X(Lt, "lt", Predicate, true)                       \
   X(Le, "le", Predicate, true) X(Gt, "gt", Predicate, true) X(Ge, "ge", Predicate, true)                       \

@@ -16,6 +16,19 @@ namespace halfgrad {
 constinit KernelTable<EmbeddingKernel> embedding_kernel("embedding");
 constinit KernelTable<EmbeddingBackwardKernel> embedding_backward_kernel("embedding_backward");
 
+namespace {
+// Every index of `indices` (int64, on the CPU) in [0, rows), or an error naming the first that is not.
+void check_indices(const Tensor& indices, const Tensor& weight) {
+  const int64_t rows = weight.size(0), n = indices.numel();
+  const int64_t* index = indices.data<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    HG_CHECK(index[k] >= 0 && index[k] < rows,
+             "embedding: index {} at position {} is out of range for a weight of {} rows ({}); indices must be in "
+             "[0, {})", index[k], k, rows, weight.meta(), rows);
+  }
+}
+}  // namespace
+
 Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int64_t> padding_idx) {
   HG_AUTOCAST(embedding, indices, weight, padding_idx);
   HG_CHECK(indices.defined() && weight.defined(), "embedding: got an undefined tensor (indices {}, weight {})",
@@ -39,7 +52,13 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
   Shape out_shape = indices.shape();
   out_shape.push_back(dim);
   Tensor out = empty(out_shape, {.dtype = weight.dtype(), .device = weight.device()});
-  if (n > 0) embedding_kernel[weight.device()](out.view({n, dim}), weight.detach().contiguous(), index.view({n}));
+  if (n > 0 && dim == 0 && !index.is_cpu()) {
+    // No output element for a device kernel to check its index by: checked here, as on the CPU (a copy of the indices
+    // and a synchronisation, for a weight with no columns).
+    check_indices(index.cpu(), weight);
+  } else if (n > 0) {
+    embedding_kernel[weight.device()](out.view({n, dim}), weight.detach().contiguous(), index.view({n}));
+  }
 
   // backward: each output row's gradient is added into the weight row it was read from (repeated indices
   // add up); the padding row gets nothing.
@@ -59,13 +78,9 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
 namespace {
 
 void embedding_cpu(const Tensor& out, const Tensor& weight, const Tensor& indices) {
-  const int64_t rows = weight.size(0), n = indices.numel();
+  check_indices(indices, weight);
+  const int64_t n = indices.numel();
   const int64_t* index = indices.data<int64_t>();
-  for (int64_t k = 0; k < n; ++k) {
-    HG_CHECK(index[k] >= 0 && index[k] < rows,
-             "embedding: index {} at position {} is out of range for a weight of {} rows ({}); indices must be in "
-             "[0, {})", index[k], k, rows, weight.meta(), rows);
-  }
   const size_t row_bytes = size_t(weight.size(1)) * element_size(weight.dtype());
   const char* src = static_cast<const char*>(weight.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());

@@ -4,7 +4,8 @@
 // Backward: one thread per gradient element, atomicAdd into a float32 (float64) grad_weight, so repeated
 // indices accumulate in full precision whatever the gradient's dtype.
 // An index outside [0, V) stops the forward kernel with a device-side assertion after printing the index,
-// its position and V (checking on the host would synchronise the device on every call).
+// its position and V (checking on the host would synchronise the device on every call; the op checks them there only
+// for a weight of no columns, where no thread runs).
 #include <cuda_runtime.h>
 
 #include <cstdio>

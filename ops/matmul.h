@@ -91,7 +91,8 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor bmm(const Tensor& a, const Tensor& b);
 
 // x W^T + bias, as torch.nn.functional.linear: x [..., in], weight [out, in], bias [out] or undefined
-// (no bias) -> [..., out]. One GEMM over all leading dims of x, with the bias fused into it.
+// (no bias) -> [..., out]. One GEMM over all leading dims of x, with the bias fused into it. A 1-D weight [in] (and a
+// bias of one value) gives [...], as PyTorch's.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 
 }  // namespace halfgrad

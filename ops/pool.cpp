@@ -157,6 +157,10 @@ Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOption
   check_input("avg_pool2d", input);
   Pool2dParams p = window_params("avg_pool2d", input, kernel_size, options.stride, options.padding, {1, 1});
   p.count_include_pad = options.count_include_pad;
+  if (options.divisor_override) {
+    HG_CHECK(*options.divisor_override != 0, "avg_pool2d: divisor_override must not be 0");
+    p.divisor_override = *options.divisor_override;
+  }
   const Shape shape = pooled_shape("avg_pool2d", input, p, options.ceil_mode);
   const MemoryFormat format = suggest_memory_format(input);
   Tensor out = empty(shape, like(input, input.dtype()), format);
@@ -324,13 +328,12 @@ template <typename T> void avg_pool_cpu_typed(const Tensor& out, const Tensor& i
       const AvgWindow wh = avg_window(oh, H, p.kernel[0], p.stride[0], p.padding[0]);
       for (int64_t ow = 0; ow < OW; ++ow) {
         const AvgWindow ww = avg_window(ow, W, p.kernel[1], p.stride[1], p.padding[1]);
-        const int64_t divisor = p.count_include_pad ? wh.padded_size * ww.padded_size
-                                                    : (wh.end - wh.start) * (ww.end - ww.start);
+        const int64_t divisor = avg_divisor(p, wh, ww);
         Acc sum = 0;
         for (int64_t ih = wh.start; ih < wh.end; ++ih) {
           for (int64_t iw = ww.start; iw < ww.end; ++iw) sum += Acc(xp[ih * x.s[2] + iw * x.s[3]]);
         }
-        yp[oh * y.s[2] + ow * y.s[3]] = T(divisor > 0 ? sum / Acc(divisor) : Acc(0));
+        yp[oh * y.s[2] + ow * y.s[3]] = T(divisor != 0 ? sum / Acc(divisor) : Acc(0));
       }
     }
   });
@@ -348,9 +351,8 @@ template <typename T> void avg_pool_backward_cpu_typed(const Tensor& grad_input,
       const AvgWindow wh = avg_window(oh, H, p.kernel[0], p.stride[0], p.padding[0]);
       for (int64_t ow = 0; ow < OW; ++ow) {
         const AvgWindow ww = avg_window(ow, W, p.kernel[1], p.stride[1], p.padding[1]);
-        const int64_t divisor = p.count_include_pad ? wh.padded_size * ww.padded_size
-                                                    : (wh.end - wh.start) * (ww.end - ww.start);
-        if (divisor <= 0) continue;
+        const int64_t divisor = avg_divisor(p, wh, ww);
+        if (divisor == 0) continue;
         const Acc share = Acc(gp[oh * g.s[2] + ow * g.s[3]]) / Acc(divisor);
         for (int64_t ih = wh.start; ih < wh.end; ++ih) {
           for (int64_t iw = ww.start; iw < ww.end; ++iw) acc[ih * W + iw] += share;

@@ -267,22 +267,18 @@ __global__ void max_pool_tiled_backward_kernel(T* dx, const T* dy, const uint8_t
 
 // ---- avg
 
-__device__ __forceinline__ int64_t avg_divisor(const AvgWindow& h, const AvgWindow& w, bool count_include_pad) {
-  return count_include_pad ? h.padded_size * w.padded_size : (h.end - h.start) * (w.end - w.start);
-}
-
 template <typename T> __global__ void avg_pool_kernel(const T* x, T* y, Geometry<> g, Pool2dParams p, int64_t total) {
   using Acc = opmath_t<T>;
   HG_GRID_STRIDE_LOOP(int64_t, i, total) {
     const auto o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
     const AvgWindow wh = avg_window(o.p, g.H, p.kernel[0], p.stride[0], p.padding[0]);
     const AvgWindow ww = avg_window(o.q, g.W, p.kernel[1], p.stride[1], p.padding[1]);
-    const int64_t divisor = avg_divisor(wh, ww, p.count_include_pad);
+    const int64_t divisor = avg_divisor(p, wh, ww);
     Acc sum = 0;
     for (int64_t ih = wh.start; ih < wh.end; ++ih) {
       for (int64_t iw = ww.start; iw < ww.end; ++iw) sum += Acc(x[offset(g.in, o.n, o.c, ih, iw)]);
     }
-    y[offset(g.out, o.n, o.c, o.p, o.q)] = T(divisor > 0 ? sum / Acc(divisor) : Acc(0));
+    y[offset(g.out, o.n, o.c, o.p, o.q)] = T(divisor != 0 ? sum / Acc(divisor) : Acc(0));
   }
 }
 
@@ -299,8 +295,8 @@ __global__ void avg_pool_backward_kernel(T* dx, const T* dy, Geometry<> g, Pool2
       const AvgWindow wh = avg_window(oh, g.H, p.kernel[0], p.stride[0], p.padding[0]);
       for (int64_t ow = w0; ow < w1; ++ow) {
         const AvgWindow ww = avg_window(ow, g.W, p.kernel[1], p.stride[1], p.padding[1]);
-        const int64_t divisor = avg_divisor(wh, ww, p.count_include_pad);
-        if (divisor > 0) sum += Acc(dy[offset(g.out, e.n, e.c, oh, ow)]) / Acc(divisor);
+        const int64_t divisor = avg_divisor(p, wh, ww);
+        if (divisor != 0) sum += Acc(dy[offset(g.out, e.n, e.c, oh, ow)]) / Acc(divisor);
       }
     }
     dx[offset(g.in, e.n, e.c, e.p, e.q)] = T(sum);

@@ -8,6 +8,7 @@
 // has the input's memory format (a channels_last input gives a channels_last output, ops/conv.h).
 // float16/bfloat16 sums are accumulated in float32. Autocast category of all three: "unchanged".
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "core/dispatch.h"
@@ -28,6 +29,7 @@ struct AvgPool2dOptions {
   Pair2d padding = {0, 0};  // implicit zeros on each side; at most half the kernel size
   bool ceil_mode = false;
   bool count_include_pad = true;  // divide by the window size including padding (PyTorch's default)
+  std::optional<int64_t> divisor_override = std::nullopt;  // where given, every window's sum is divided by it (not 0)
 };
 
 // Maximum over each kernel window:
@@ -45,7 +47,7 @@ std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, Pair2d ke
                                                   const MaxPool2dOptions& options = {});
 
 // Mean over each kernel window. With count_include_pad the divisor is the window's size clipped to the
-// padded input; without, the number of input elements it covers.
+// padded input; without, the number of input elements it covers; divisor_override replaces both.
 Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOptions& options = {});
 
 // Mean over windows that tile the input into output_size cells (PyTorch's rule: cell o of n covers input
@@ -65,6 +67,7 @@ struct Pool2dParams {
   Pair2d padding = {0, 0};
   Pair2d dilation = {1, 1};
   bool count_include_pad = true;  // avg only
+  int64_t divisor_override = 0;    // avg only: where nonzero, the divisor of every window
 };
 
 // What max pooling's kernels write into `indices` and its backward reads, by the tensor's dtype:
@@ -129,6 +132,12 @@ HG_HOST_DEVICE inline AvgWindow avg_window(int64_t o, int64_t in, int64_t kernel
   start = start > 0 ? start : 0;
   end = end < in ? end : in;
   return {start, end, padded_size};
+}
+// What avg_pool2d divides the sum of the window h x w by, on every device (0 only for a window of no element
+// without count_include_pad, whose output is 0).
+HG_HOST_DEVICE inline int64_t avg_divisor(const Pool2dParams& p, const AvgWindow& h, const AvgWindow& w) {
+  if (p.divisor_override != 0) return p.divisor_override;
+  return p.count_include_pad ? h.padded_size * w.padded_size : (h.end - h.start) * (w.end - w.start);
 }
 
 }  // namespace halfgrad

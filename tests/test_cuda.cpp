@@ -720,6 +720,14 @@ TEST_CASE("cuda: operands on different devices are a clear error") {
   // where takes one too, by value (relu's backward: where(y > 0, g, 0)).
   check_close(where(g.gt(0), g, s), where(g.cpu().gt(0), g.cpu(), s), {0, 0}, "where with a 0-d CPU scalar");
   check_close(where(g.gt(0), 0.0, g), where(g.cpu().gt(0), 0.0, g.cpu()), {0, 0}, "where with a Scalar");
+  // Any of its operands, as PyTorch's: both values, or the condition, 0-d on the CPU beside the rest on the GPU.
+  check_close(where(g.gt(0), s, 0.0), where(g.cpu().gt(0), s, 0.0), {0, 0}, "where with two 0-d CPU values");
+  const Tensor yes = scalar_tensor(true, {.dtype = kBool});
+  check_close(where(yes, g, -g), g.cpu(), {0, 0}, "where with a 0-d CPU condition");
+  Tensor x = g.detach().requires_grad_();
+  where(yes.logical_not(), x, x * 3).sum().backward();
+  check_close(x.grad(), full({3}, 3.0f), {0, 0}, "where's backward with a 0-d CPU condition");
+  CHECK_THROWS_WITH_AS(where(c.gt(0), g, s), doctest::Contains("where: operands are on different devices"), Error);
 }
 
 TEST_CASE("cuda: autograd through CUDA tensors matches the CPU gradients") {

@@ -246,6 +246,21 @@ TEST_CASE("embedding errors name the bad index, its position and the number of r
                        doctest::Contains("expected a floating-point weight of shape [V, D], got float32[10]"), Error);
   CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({1}), weight, 10),
                        doctest::Contains("embedding: padding_idx 10 is out of range for a weight of 10 rows"), Error);
+  // A weight of no columns gives no values, but its indices are still checked.
+  CHECK(embedding(tensor<int64_t>({9, 0}), randn({10, 0})).shape() == Shape{2, 0});
+  CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({2, 12}), randn({10, 0})),
+                       doctest::Contains("embedding: index 12 at position 1 is out of range for a weight of 10 rows"),
+                       Error);
+}
+
+TEST_CASE("cuda: embedding checks the indices of a weight of no columns, as the CPU, with an error it can go on from") {
+  SKIP_WITHOUT_GPU();
+  const Tensor weight = randn({10, 0}).cuda();
+  CHECK(embedding(tensor<int64_t>({9, 0}).cuda(), weight).shape() == Shape{2, 0});
+  CHECK_THROWS_WITH_AS(embedding(tensor<int64_t>({2, 12}).cuda(), weight),
+                       doctest::Contains("embedding: index 12 at position 1 is out of range for a weight of 10 rows"),
+                       Error);
+  CHECK(values(embedding(tensor<int64_t>({1}).cuda(), randn({10, 2}).cuda()).cpu()).size() == 2);  // the GPU goes on
 }
 
 TEST_CASE("CUDA embedding matches the CPU, forward and backward") {

@@ -615,6 +615,42 @@ TEST_CASE("cuda: a floating value converts to uint8 through int64 on the GPU as 
   CHECK(values(x.to(kFloat16).cuda().to(kUInt8).cpu()) == values(x.to(kFloat16).to(kUInt8)));
 }
 
+TEST_CASE("math functions and division take bool as PyTorch does, in float32, and sign keeps bool") {
+  const Tensor flags = tensor<bool>({true, false});
+  auto check_float32 = [](const Tensor& got, const std::vector<double>& want) {
+    CHECK(got.dtype() == kFloat32);
+    const std::vector<double> v = values(got);
+    REQUIRE(v.size() == want.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      CAPTURE(i);
+      if (std::isnan(want[i])) CHECK(std::isnan(v[i]));
+      else if (std::isinf(want[i])) CHECK(v[i] == want[i]);
+      else CHECK(v[i] == doctest::Approx(want[i]).epsilon(1e-6));
+    }
+  };
+  check_float32(exp(flags), {std::exp(1.0), 1});
+  check_float32(log(flags), {0, -INFINITY});
+  check_float32(sqrt(flags), {1, 0});
+  check_float32(rsqrt(flags), {1, INFINITY});
+  check_float32(tanh(flags), {std::tanh(1.0), 0});
+  check_float32(sigmoid(flags), {1 / (1 + std::exp(-1.0)), 0.5});
+  check_float32(div(flags, flags), {1, NAN});  // true division, as PyTorch's tensor([True, False]) / itself
+  check_float32(flags / 2, {0.5, 0});
+  CHECK(sign(flags).dtype() == kBool);
+  CHECK(values(sign(flags)) == std::vector<double>{1, 0});
+  CHECK_THROWS_WITH_AS(relu(flags), doctest::Contains("relu: not supported for bool tensors"), Error);
+}
+
+TEST_CASE("cuda: math functions and division take bool on the GPU as on the CPU") {
+  SKIP_WITHOUT_GPU();
+  const Tensor flags = tensor<bool>({true, false}), on_gpu = flags.cuda();
+  CHECK(values(exp(on_gpu).cpu()) == values(exp(flags)));
+  CHECK(values(sigmoid(on_gpu).cpu()) == values(sigmoid(flags)));
+  CHECK(values(div(on_gpu, on_gpu).cpu().isfinite()) == std::vector<double>{1, 0});
+  CHECK(sign(on_gpu).dtype() == kBool);
+  CHECK(values(sign(on_gpu).cpu()) == std::vector<double>{1, 0});
+}
+
 TEST_CASE("copy_each_ refuses a pair whose destination shares part of its memory with its source") {
   Tensor x = arange(0, 6, 1, {.dtype = kFloat32});
   CHECK_THROWS_WITH_AS(copy_each_({x.narrow(0, 1, 5)}, {x.narrow(0, 0, 5)}),

@@ -269,6 +269,24 @@ TEST_CASE("linear computes x W^T + b for any leading dims of x") {
   }
 }
 
+TEST_CASE("linear with a 1-D weight gives one feature and drops its dim, as PyTorch's") {
+  Tensor x = tensor<float>({1, 2, 3, 4, 5, 6}).reshape({2, 3});
+  Tensor w = tensor<float>({1, 0, -1});
+  CHECK(linear(x, w).shape() == Shape{2});
+  CHECK(to_vector<float>(linear(x, w)) == std::vector<float>{-2, -2});
+  CHECK(to_vector<float>(linear(x, w, scalar_tensor(0.5f))) == std::vector<float>{-1.5, -1.5});
+  CHECK(to_vector<float>(linear(x, w, tensor<float>({1}))) == std::vector<float>{-1, -1});
+  Tensor dot = linear(tensor<float>({1, 2, 3}), w);  // a 1-D input: a 0-d result
+  CHECK(dot.dim() == 0);
+  CHECK(dot.item<float>() == -2);
+  CHECK_THROWS_WITH_AS(linear(x, w, tensor<float>({1, 2})),
+                       doctest::Contains("linear: with a 1-D weight [3] the bias must be one value (0-d or [1]), got "
+                                         "shape [2]"), Error);
+  manual_seed(20);
+  gradcheck([](const TensorList& in) { return linear(in[0], in[1], in[2]); }, {leaf({4, 5}), leaf({5}), leaf({})});
+  gradcheck([](const TensorList& in) { return linear(in[0], in[1]); }, {leaf({2, 3, 5}), leaf({5})});
+}
+
 TEST_CASE("matmul, bmm and linear report mismatched shapes, dtypes and devices with the operands") {
   std::string shapes = error_of([] { matmul(ones({2, 3}), ones({4, 5})); });
   CHECK(shapes.find("matmul") != std::string::npos);
@@ -301,7 +319,9 @@ TEST_CASE("matmul, bmm and linear report mismatched shapes, dtypes and devices w
                        Error);
   CHECK_THROWS_WITH_AS(linear(ones({4, 5}), ones({3, 5}), ones({3}, {.dtype = kFloat64})),
                        doctest::Contains("float64[3] cpu"), Error);
-  CHECK_THROWS_WITH_AS(linear(ones({4, 5}), ones({15})), doctest::Contains("linear: weight must be 2-D"), Error);
+  CHECK_THROWS_WITH_AS(linear(ones({4, 5}), ones({3, 1, 5})), doctest::Contains("linear: weight must be 2-D"), Error);
+  CHECK_THROWS_WITH_AS(linear(ones({4, 5}), ones({15})),
+                       doctest::Contains("linear: input shape [4, 5] does not match weight shape [15]"), Error);
 }
 
 TEST_CASE("gemm with alpha and beta in device memory is an error on the CPU, naming it") {

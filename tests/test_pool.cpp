@@ -76,7 +76,7 @@ std::pair<std::vector<double>, std::vector<int64_t>> reference_max_pool(const Te
 }
 
 // avg_pool2d by PyTorch's definition: the window clipped to the padded input counts with
-// count_include_pad, only the real elements without.
+// count_include_pad, only the real elements without; divisor_override replaces either.
 std::vector<double> reference_avg_pool(const Tensor& x, Pair2d k, const AvgPool2dOptions& o, Shape& shape) {
   Plane in(x);
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
@@ -100,7 +100,8 @@ std::vector<double> reference_avg_pool(const Tensor& x, Pair2d k, const AvgPool2
               ++real;
               sum += in.at(n, c, h, w);
             }
-          values.push_back(sum / double(o.count_include_pad ? padded : real));
+          values.push_back(sum / double(o.divisor_override ? *o.divisor_override
+                                                           : o.count_include_pad ? padded : real));
         }
   return values;
 }
@@ -173,6 +174,9 @@ const std::vector<AvgCase> kAvgCases = {
      {.stride = {2, 2}, .padding = {1, 1}, .ceil_mode = true, .count_include_pad = false}},
     {"ceil_mode, padding, with pad counts", {1, 2, 6, 7}, {3, 3},
      {.stride = {2, 2}, .padding = {1, 1}, .ceil_mode = true, .count_include_pad = true}},
+    {"divisor_override, padding, ceil_mode", {1, 2, 6, 7}, {3, 3},
+     {.stride = {2, 2}, .padding = {1, 1}, .ceil_mode = true, .divisor_override = 4}},
+    {"negative divisor_override", {2, 2, 5, 6}, {2, 3}, {.stride = {1, 2}, .divisor_override = -3}},
 };
 
 const std::vector<std::pair<Shape, Pair2d>> kAdaptiveCases = {
@@ -245,7 +249,7 @@ TEST_CASE("avg_pool2d matches a float64 reference for padding, ceil_mode and cou
   }
 }
 
-TEST_CASE("avg_pool2d: hand-computed values with and without counting the padding") {
+TEST_CASE("avg_pool2d: hand-computed values with and without counting the padding, and with divisor_override") {
   Tensor x = ones({1, 1, 3, 3});
   // 3x3 windows with padding 1 over ones: a corner window covers 4 real elements of 9.
   std::vector<float> with_pad = to_vector<float>(avg_pool2d(x, {3, 3}, {.stride = {1, 1}, .padding = {1, 1}}));
@@ -257,6 +261,13 @@ TEST_CASE("avg_pool2d: hand-computed values with and without counting the paddin
   for (float v : without) CHECK(v == doctest::Approx(1.0));
   Tensor a = arange(16, {.dtype = kFloat32}).reshape({1, 1, 4, 4});
   CHECK(to_vector<float>(avg_pool2d(a, {2, 2})) == std::vector<float>{2.5, 4.5, 10.5, 12.5});
+  // divisor_override divides every window's sum by itself, padding or not: the corner's 4 ones by 2.
+  Tensor over = avg_pool2d(x.requires_grad_(), {3, 3}, {.stride = {1, 1}, .padding = {1, 1}, .divisor_override = 2});
+  CHECK(to_vector<float>(over) == std::vector<float>{2, 3, 2, 3, 4.5, 3, 2, 3, 2});
+  over.sum().backward();
+  CHECK(to_vector<float>(x.grad()) == std::vector<float>{2, 3, 2, 3, 4.5, 3, 2, 3, 2});  // 4, 6 or 9 windows, / 2
+  CHECK(contains(error_of([&] { avg_pool2d(x, {3, 3}, {.divisor_override = 0}); }),
+                 "avg_pool2d: divisor_override must not be 0"));
 }
 
 TEST_CASE("adaptive_avg_pool2d matches PyTorch's start/end windows") {
