@@ -78,6 +78,8 @@ void LRScheduler::set_step(int64_t n) {
            "{}: the optimizer has {} parameter groups but had {} when the scheduler was made", name_,
            optimizer_.num_param_groups(), base_lrs_.size());
   std::vector<double> lrs = lr_at(n);
+  for (size_t g = 0; g < lrs.size(); ++g)  // gamma^n overflows: ExponentialLR's gamma 2 at step 1100
+    HG_CHECK(std::isfinite(lrs[g]), "{}: the lr of group {} at step {} would be {}", name_, g, n, lrs[g]);
   std::vector<double> momenta = momentum_at(n);
   HG_CHECK(momenta.empty() || optimizer_.param_group(0).momentum.exists(), "{}: it sets the momentum, and {} has "
            "none: make it with cycle_momentum = false", name_, optimizer_.name());
@@ -174,7 +176,8 @@ LinearWarmupOptions checked(LinearWarmupOptions o) {
   return o;
 }
 ExponentialLROptions checked(ExponentialLROptions o) {
-  check_finite_non_negative("ExponentialLR", "gamma", o.gamma);
+  HG_CHECK(std::isfinite(o.gamma) && o.gamma >= 0, "ExponentialLR: gamma must be finite and >= 0 (and given: it has "
+           "no default, as PyTorch's), got {}", o.gamma);
   return o;
 }
 LinearLROptions checked(LinearLROptions o) {
@@ -186,7 +189,7 @@ LinearLROptions checked(LinearLROptions o) {
 }
 ConstantLROptions checked(ConstantLROptions o) {
   HG_CHECK(o.factor >= 0 && o.factor <= 1, "ConstantLR: factor must be in [0, 1], got {}", o.factor);
-  HG_CHECK(o.total_iters >= 0, "ConstantLR: total_iters must not be negative, got {}", o.total_iters);
+  HG_CHECK(o.total_iters > 0, "ConstantLR: total_iters must be positive, got {}", o.total_iters);
   return o;
 }
 PolynomialLROptions checked(PolynomialLROptions o) {
@@ -298,13 +301,15 @@ std::vector<double> PolynomialLR::lr_at(int64_t n) const {
 
 // ---- LambdaLR
 
-LambdaLR::LambdaLR(Optimizer& optimizer, Factor factor)
-    : LambdaLR(optimizer, std::vector<Factor>(optimizer.num_param_groups(), factor)) {}
+LambdaLR::LambdaLR(Optimizer& optimizer, Factor factor) : LRScheduler(optimizer, "LambdaLR"), factors_{factor} {
+  HG_CHECK(bool(factor), "LambdaLR: the function is empty");
+  start();
+}
 
 LambdaLR::LambdaLR(Optimizer& optimizer, std::vector<Factor> factors)
     : LRScheduler(optimizer, "LambdaLR"), factors_(std::move(factors)) {
-  HG_CHECK(factors_.size() == base_lrs_.size(), "LambdaLR: {} functions for {} parameter groups (give one for all, "
-           "or one per group)", factors_.size(), base_lrs_.size());
+  HG_CHECK(factors_.size() == base_lrs_.size(), "LambdaLR: {} functions for {} parameter groups (give one per group, "
+           "or one function for all)", factors_.size(), base_lrs_.size());
   for (size_t g = 0; g < factors_.size(); ++g)
     HG_CHECK(bool(factors_[g]), "LambdaLR: the function of group {} is empty", g);
   start();
@@ -313,7 +318,7 @@ LambdaLR::LambdaLR(Optimizer& optimizer, std::vector<Factor> factors)
 std::vector<double> LambdaLR::lr_at(int64_t n) const {
   std::vector<double> lrs;
   for (size_t g = 0; g < base_lrs_.size(); ++g) {
-    const double factor = factors_[g](n);
+    const double factor = factors_[factors_.size() == 1 ? 0 : g](n);  // one function for all: called per group
     HG_CHECK(std::isfinite(factor) && factor >= 0, "LambdaLR: the function of group {} gave {} at step {} (a factor "
              "must be finite and >= 0)", g, factor, n);
     lrs.push_back(base_lrs_[g] * factor);

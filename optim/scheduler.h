@@ -15,8 +15,10 @@
 // was made with the same options, before the optimizer's state was loaded), and schedulers compose (LinearWarmup).
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
 // is the caller's choice.
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,7 +92,9 @@ class LRScheduler {
 };
 
 // A scheduler whose options are one struct: a checkpoint keeps each field by its name (fields_of in
-// optim/scheduler.cpp), and the options made or loaded pass the same checks (checked() there), or are refused.
+// optim/scheduler.cpp), and the options made or loaded pass the same checks (checked() there), or are refused. Its
+// members are defined there for the options of this file's schedulers only (the extern templates below): a scheduler
+// of one's own derives from LRScheduler.
 template <typename Options> class LRSchedulerWith : public LRScheduler {
  protected:
   LRSchedulerWith(Optimizer& optimizer, const char* name, Options options);
@@ -137,7 +141,7 @@ class CosineAnnealingLR : public LRSchedulerWith<CosineAnnealingLROptions> {
 
 // lr = base_lr * gamma^n
 struct ExponentialLROptions {
-  double gamma = 0.1;  // no default in PyTorch; 0.1 as StepLR's
+  double gamma = NAN;  // to be given: PyTorch's has no default, and a forgotten gamma is refused, not guessed
 };
 class ExponentialLR : public LRSchedulerWith<ExponentialLROptions> {
  public:
@@ -161,7 +165,7 @@ class LinearLR : public LRSchedulerWith<LinearLROptions> {
 // lr = base_lr * factor for n < total_iters, then base_lr (PyTorch's ConstantLR and its defaults).
 struct ConstantLROptions {
   double factor = 1.0 / 3;  // in [0, 1]
-  int64_t total_iters = 5;
+  int64_t total_iters = 5;  // positive: PyTorch's step() with 0 keeps base_lr * factor, its closed form base_lr
 };
 class ConstantLR : public LRSchedulerWith<ConstantLROptions> {
  public:
@@ -181,19 +185,30 @@ class PolynomialLR : public LRSchedulerWith<PolynomialLROptions> {
   std::vector<double> lr_at(int64_t n) const override;
 };
 
-// lr = base_lr * factor(n), with a function of the step for every group or one per group (PyTorch's LambdaLR).
-// A checkpoint keeps the step and the base lrs, not the functions: the loading scheduler brings its own.
-// A factor that is negative or not finite is refused, naming the step and the group.
+// lr = base_lr * factor(n), with one function of the step for every group or one per group (PyTorch's LambdaLR).
+// A function is called for any step, again for the same one (set_step, loading, LinearWarmup): it must depend on
+// the step alone. A checkpoint keeps the step and the base lrs, not the functions: the loading scheduler brings its
+// own. A factor that is negative or not finite is refused, naming the step and the group.
 class LambdaLR : public LRScheduler {
  public:
   using Factor = std::function<double(int64_t step)>;
-  LambdaLR(Optimizer& optimizer, Factor factor);
-  LambdaLR(Optimizer& optimizer, std::vector<Factor> factors);
+  LambdaLR(Optimizer& optimizer, Factor factor);                         // the same function for every group
+  LambdaLR(Optimizer& optimizer, std::vector<Factor> factors);           // one per group
+  LambdaLR(Optimizer& optimizer, std::initializer_list<Factor> factors)  // {f, g}: one per group
+      : LambdaLR(optimizer, std::vector<Factor>(factors)) {}
   std::vector<double> lr_at(int64_t n) const override;
 
  private:
-  std::vector<Factor> factors_;  // one per group
+  std::vector<Factor> factors_;  // one per group, or one for all
 };
+
+extern template class LRSchedulerWith<StepLROptions>;
+extern template class LRSchedulerWith<MultiStepLROptions>;
+extern template class LRSchedulerWith<CosineAnnealingLROptions>;
+extern template class LRSchedulerWith<ExponentialLROptions>;
+extern template class LRSchedulerWith<LinearLROptions>;
+extern template class LRSchedulerWith<ConstantLROptions>;
+extern template class LRSchedulerWith<PolynomialLROptions>;
 
 // The 1cycle policy (Smith & Topin), as torch.optim.lr_scheduler.OneCycleLR and fastai's fit_one_cycle: the
 // lr rises from max_lr / div_factor to max_lr over the first pct_start of the steps, then anneals to
@@ -265,6 +280,7 @@ class LinearWarmup : public LRSchedulerWith<LinearWarmupOptions> {
   void stepped(int64_t n) override;  // `after` follows: its last_step() and get_last_lr() are those of its own steps
   std::unique_ptr<LRScheduler> after_;
 };
+extern template class LRSchedulerWith<LinearWarmupOptions>;
 
 // Reduces each group's lr by `factor` once a metric has stopped improving, as PyTorch's
 // torch.optim.lr_scheduler.ReduceLROnPlateau (libtorch's ReduceLROnPlateauScheduler). Not a closed form: what it does

@@ -245,8 +245,6 @@ TEST_CASE("ExponentialLR, LinearLR, ConstantLR and PolynomialLR follow PyTorch's
   SUBCASE("ConstantLR: the factor until total_iters, then the base lr") {
     optim::ConstantLR sched(opt, {.factor = 0.5, .total_iters = 3});
     check_factors(sched, {0.5, 0.5, 0.5, 1, 1});
-    optim::ConstantLR none(opt, {.factor = 0.5, .total_iters = 0});  // PyTorch's: the base lr from step 0
-    check_factors(none, {1, 1});
   }
   SUBCASE("PolynomialLR: (1 - n / total_iters)^power, then 0") {
     optim::PolynomialLR sched(opt, {.total_iters = 4, .power = 2});
@@ -258,7 +256,9 @@ TEST_CASE("ExponentialLR, LinearLR, ConstantLR and PolynomialLR follow PyTorch's
   }
   SUBCASE("options outside PyTorch's ranges, or that would make the lr NaN or negative, are refused") {
     CHECK_THROWS_WITH_AS(optim::ExponentialLR(opt, {.gamma = -0.5}),
-                         doctest::Contains("ExponentialLR: gamma must be finite and >= 0, got -0.5"), Error);
+                         doctest::Contains("ExponentialLR: gamma must be finite and >= 0"), Error);
+    CHECK_THROWS_WITH_AS(optim::ExponentialLR(opt, {}),  // PyTorch's gamma has no default: not guessed
+                         doctest::Contains("(and given: it has no default, as PyTorch's), got nan"), Error);
     CHECK_THROWS_WITH_AS(optim::LinearLR(opt, {.start_factor = 0}),
                          doctest::Contains("LinearLR: start_factor must be in (0, 1], got 0"), Error);
     CHECK_THROWS_WITH_AS(optim::LinearLR(opt, {.end_factor = 1.5}),
@@ -267,13 +267,21 @@ TEST_CASE("ExponentialLR, LinearLR, ConstantLR and PolynomialLR follow PyTorch's
                          doctest::Contains("LinearLR: total_iters must be positive, got 0"), Error);
     CHECK_THROWS_WITH_AS(optim::ConstantLR(opt, {.factor = std::nan("")}),
                          doctest::Contains("ConstantLR: factor must be in [0, 1], got nan"), Error);
-    CHECK_THROWS_WITH_AS(optim::ConstantLR(opt, {.total_iters = -1}),
-                         doctest::Contains("ConstantLR: total_iters must not be negative, got -1"), Error);
+    // (PyTorch's step() with total_iters 0 keeps base_lr * factor for good, its closed form gives base_lr)
+    CHECK_THROWS_WITH_AS(optim::ConstantLR(opt, {.total_iters = 0}),
+                         doctest::Contains("ConstantLR: total_iters must be positive, got 0"), Error);
     CHECK_THROWS_WITH_AS(optim::PolynomialLR(opt, {.total_iters = 0}),
                          doctest::Contains("PolynomialLR: total_iters must be positive, got 0"), Error);
     CHECK_THROWS_WITH_AS(optim::PolynomialLR(opt, {.power = -1}),
                          doctest::Contains("PolynomialLR: power must be finite and >= 0, got -1"), Error);
     CHECK(opt.groups()[0].options.lr == 0.3);  // a refused scheduler set nothing
+  }
+  SUBCASE("an lr that overflows is refused before any group changes") {
+    optim::ExponentialLR sched(opt, {.gamma = 2});
+    CHECK_THROWS_WITH_AS(sched.set_step(1100), doctest::Contains("ExponentialLR: the lr of group 0 at step 1100 would "
+                                                                 "be inf"), Error);
+    CHECK(sched.last_step() == 0);
+    CHECK(opt.groups()[1].options.lr == 0.6);
   }
 }
 
@@ -302,19 +310,31 @@ TEST_CASE("LambdaLR multiplies each base lr by its group's function of the step"
     loaded.load_state_tensors(state);
     CHECK(loaded.base_lrs() == std::vector<double>{0.1, 1.0});
     CHECK(loaded.get_last_lr() == saved.get_last_lr());
-    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(optim::ExponentialLR(opt2, {}).state_tensors()),
+    CHECK_THROWS_WITH_AS(loaded.load_state_tensors(optim::ExponentialLR(opt2, {.gamma = 0.5}).state_tensors()),
                          doctest::Contains("unexpected entry 'gamma'"), Error);
+  }
+  SUBCASE("a braced list of functions: one per group") {
+    optim::SGD one({f.a}, {.lr = 0.1});
+    optim::LambdaLR sched(one, {[](int64_t n) { return 0.5 * double(n + 1); }});
+    sched.step();
+    CHECK(sched.get_last_lr() == std::vector<double>{0.1});
+    CHECK_THROWS_WITH_AS(optim::LambdaLR(opt, {[](int64_t) { return 1.0; }}),
+                         doctest::Contains("LambdaLR: 1 functions for 2 parameter groups"), Error);
   }
   SUBCASE("errors name the group, and leave the lrs as they were") {
     CHECK_THROWS_WITH_AS(optim::LambdaLR(opt, std::vector<optim::LambdaLR::Factor>{[](int64_t) { return 1.0; }}),
                          doctest::Contains("LambdaLR: 1 functions for 2 parameter groups"), Error);
     CHECK_THROWS_WITH_AS(optim::LambdaLR(opt, std::vector<optim::LambdaLR::Factor>{[](int64_t) { return 1.0; }, {}}),
                          doctest::Contains("LambdaLR: the function of group 1 is empty"), Error);
-    optim::LambdaLR sched(opt, [](int64_t n) { return n < 2 ? 1.0 : -1.0; });
+    // Group 0's lr would change at step 2, where group 1's function fails: neither changes.
+    optim::LambdaLR sched(opt, std::vector<optim::LambdaLR::Factor>{[](int64_t n) { return n < 2 ? 1.0 : 0.5; },
+                                                                    [](int64_t n) { return n < 2 ? 1.0 : -1.0; }});
     sched.step();
-    CHECK_THROWS_WITH_AS(sched.step(), doctest::Contains("LambdaLR: the function of group 0 gave -1 at step 2"),
+    CHECK_THROWS_WITH_AS(sched.step(), doctest::Contains("LambdaLR: the function of group 1 gave -1 at step 2"),
                          Error);
     CHECK(sched.last_step() == 1);
+    CHECK(sched.get_last_lr() == std::vector<double>{0.1, 1.0});
+    CHECK(opt.groups()[0].options.lr == 0.1);
     CHECK(opt.groups()[1].options.lr == 1.0);
   }
 }
@@ -424,6 +444,8 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
   optim::SGD opt2({f.b}, {.lr = 0.1, .momentum = 0.9});
+  Tensor c = ones({1}, {.requires_grad = true});
+  optim::SGD opt3({c}, {.lr = 0.7, .momentum = 0.9});
   SUBCASE("StepLR") {
     optim::StepLR saved(opt, {.step_size = 3, .gamma = 0.5});
     for (int i = 0; i < 4; ++i) saved.step();
@@ -463,29 +485,44 @@ TEST_CASE("a scheduler made with other options continues as the saved one, as Py
     loaded.load_state_tensors(with(saved.state_tensors(), "milestones", tensor(std::vector<int64_t>{5, 2})));
     CHECK(to_vector<int64_t>(entry(loaded, "milestones")) == std::vector<int64_t>{2, 5});  // in any order, sorted
   }
-  SUBCASE("ExponentialLR, LinearLR, ConstantLR, PolynomialLR") {
-    optim::ExponentialLR saved_exp(opt, {.gamma = 0.9});
-    optim::ExponentialLR loaded_exp(opt2, {});
-    loaded_exp.load_state_tensors(saved_exp.state_tensors());
-    step_together(saved_exp, loaded_exp, 3);
-    optim::LinearLR saved_linear(opt, {.start_factor = 0.5, .end_factor = 0.25, .total_iters = 6});
-    saved_linear.step();
-    optim::LinearLR loaded_linear(opt2, {});
-    loaded_linear.load_state_tensors(saved_linear.state_tensors());
-    CHECK(loaded_linear.last_step() == 1);
-    step_together(saved_linear, loaded_linear, 7);
-    CHECK_THROWS_WITH_AS(loaded_linear.load_state_tensors(with(saved_linear.state_tensors(), "start_factor",
-                                                               scalar_tensor(0.0, {.dtype = kFloat64}))),
+  SUBCASE("ExponentialLR, LinearLR, ConstantLR, PolynomialLR: their options and the saved base lrs") {
+    // Each loaded into a scheduler of other options on an optimizer of another lr (0.7): it goes on as the saved one.
+    auto resumed = [&](optim::LRScheduler& saved, auto&& loaded, int steps) {
+      opt3.param_group(0).lr = 0.7;
+      auto scheduler = loaded();
+      scheduler.load_state_tensors(saved.state_tensors());
+      CHECK(scheduler.base_lrs() == std::vector<double>{0.1});
+      CHECK(scheduler.last_step() == saved.last_step());
+      CHECK(scheduler.get_last_lr() == saved.get_last_lr());
+      step_together(saved, scheduler, steps);
+    };
+    optim::ExponentialLR exponential(opt, {.gamma = 0.9});
+    resumed(exponential, [&] { return optim::ExponentialLR(opt3, {.gamma = 0.5}); }, 3);
+    optim::LinearLR linear(opt2, {.start_factor = 0.5, .end_factor = 0.25, .total_iters = 6});
+    linear.step();
+    resumed(linear, [&] { return optim::LinearLR(opt3, {}); }, 7);
+    optim::LinearLR refusing(opt3, {});
+    const double lr = opt3.groups()[0].options.lr;
+    const std::vector<double> base_lrs = refusing.base_lrs();
+    CHECK_THROWS_WITH_AS(refusing.load_state_tensors(with(linear.state_tensors(), "start_factor",
+                                                          scalar_tensor(0.0, {.dtype = kFloat64}))),
                          doctest::Contains("LinearLR: start_factor must be in (0, 1], got 0"), Error);
-    CHECK(entry(loaded_linear, "start_factor").item<double>() == 0.5);
-    optim::ConstantLR saved_constant(opt, {.factor = 0.1, .total_iters = 2});
-    optim::ConstantLR loaded_constant(opt2, {});
-    loaded_constant.load_state_tensors(saved_constant.state_tensors());
-    step_together(saved_constant, loaded_constant, 3);
-    optim::PolynomialLR saved_poly(opt, {.total_iters = 3, .power = 0.5});
-    optim::PolynomialLR loaded_poly(opt2, {});
-    loaded_poly.load_state_tensors(saved_poly.state_tensors());
-    step_together(saved_poly, loaded_poly, 4);
+    CHECK(entry(refusing, "start_factor").item<double>() == 1.0 / 3);
+    CHECK(refusing.last_step() == 0);
+    CHECK(refusing.base_lrs() == base_lrs);
+    CHECK(opt3.groups()[0].options.lr == lr);
+  }
+  SUBCASE("ConstantLR and PolynomialLR, loaded") {
+    optim::ConstantLR constant(opt, {.factor = 0.1, .total_iters = 2});
+    opt3.param_group(0).lr = 0.7;
+    optim::ConstantLR loaded_constant(opt3, {});
+    loaded_constant.load_state_tensors(constant.state_tensors());
+    CHECK(loaded_constant.base_lrs() == std::vector<double>{0.1});
+    step_together(constant, loaded_constant, 3);
+    optim::PolynomialLR poly(opt2, {.total_iters = 3, .power = 0.5});
+    optim::PolynomialLR loaded_poly(opt3, {});
+    loaded_poly.load_state_tensors(poly.state_tensors());
+    step_together(poly, loaded_poly, 4);
     CHECK(loaded_poly.get_last_lr() == std::vector<double>{0});
   }
   SUBCASE("CosineAnnealingLR") {
