@@ -539,6 +539,13 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         const TensorMeta& m = node->input_meta[i];
         HG_CHECK(g.shape() == m.shape, "{}: backward returned a gradient {} for input {} of shape {} (a bug in "
                  "the op's backward)", node->name(), g.meta(), i, shape_str(m.shape));
+        if (g.device() != m.device) {
+          // A 0-d CPU input beside tensors on a device (a number that requires grad, as in x * s) gets its
+          // gradient back on the CPU, as PyTorch's validate_outputs moves it; any other device is a bug.
+          HG_CHECK(m.shape.empty() && m.device.is_cpu(), "{}: backward returned a gradient {} for input {} on {} (a "
+                   "bug in the op's backward)", node->name(), g.meta(), i, m.device.str());
+          g = g.to(m.device);
+        }
         // A cast passes the gradient back in the input's dtype: now, or with the other leaves' casts.
         if (g.dtype() == m.dtype) {
           accumulate(edge, std::move(g));

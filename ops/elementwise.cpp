@@ -193,7 +193,7 @@ Tensor binary_as(BinaryOp op, const Tensor& a, const Tensor& b, DType common) {
         // d a^b/da = b a^(b-1), 0 where b == 0 (a^0 is 1 everywhere, and 0 * 0^-1 would be nan); d a^b/db =
         // a^b log(a), 0 where a == 0 and b >= 0 (0 * -inf). As PyTorch's pow_backward, the factor is masked, not g:
         // an inf or nan gradient still passes (the loss scaler's overflow check counts on it). A scalar exponent is
-        // a 0-d CPU tensor, its mask decided on the host (where() takes its condition on the factor's device).
+        // a 0-d CPU tensor, its mask decided on the host: no kernel where it masks nothing.
         auto zero_where = [](const Tensor& mask, const Tensor& factor) {
           if (mask.dim() == 0 && mask.is_cpu()) return mask.item<bool>() ? zeros_like(factor) : factor;
           return where(mask, 0, factor);
@@ -490,8 +490,9 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   const Device device = on_device ? on_device->device() : Device::cpu();
   DType common = result_type(a, b);
   Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
-  // The output takes the layout of the operand that has the output's shape (a, else b), as binary ops do.
-  const Tensor& layout = a.shape() == shape ? a : b;
+  // The output takes the layout of the first operand that has the output's shape (a, b, else the condition: two
+  // 0-d values beside a channels_last mask give a channels_last result, as PyTorch's).
+  const Tensor& layout = a.shape() == shape ? a : b.shape() == shape ? b : condition;
   Tensor out = empty(shape, {.dtype = common, .device = device},
                      layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t) {

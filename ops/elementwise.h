@@ -92,7 +92,8 @@ template <typename Run> void dispatch_float32_number(BinaryOp op, const Tensor& 
   if (x.dtype() == kFloat16) return run.template operator()<Half>(x, number, left);
   return run.template operator()<BFloat16>(x, number, left);
 }
-// condition is bool; a and b have out's dtype; all viewed to out's shape.
+// condition is bool; a and b have out's dtype; each viewed to out's shape, or, on a device, a 0-d CPU scalar passed by
+// value.
 using WhereKernel = void (*)(const Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b);
 using FillKernel = void (*)(const Tensor& out, const Scalar& value);
 

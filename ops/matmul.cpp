@@ -376,12 +376,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   check_gemm_dtype("linear", x);
   if (weight.dim() == 1) {
     // One output feature whose dim the result drops, as PyTorch's: x [..., in] -> [...] (a 1-D x gives a 0-d result).
+    // With a bias of one value too, where PyTorch 2.x's eager linear refuses most such calls (its addmm path).
     HG_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(0),
              "linear: input shape {} does not match weight shape {} (expected input [..., {}])", shape_str(x.shape()),
              shape_str(weight.shape()), weight.size(0));
     HG_CHECK(!bias.defined() || (bias.dim() <= 1 && bias.numel() == 1),
              "linear: with a 1-D weight {} the bias must be one value (0-d or [1]), got shape {}",
              shape_str(weight.shape()), shape_str(bias.shape()));
+    if (bias.defined()) check_same_dtype_device("linear", "weight and bias", weight, bias);
     return linear(x, weight.unsqueeze(0), bias.defined() ? bias.reshape({1}) : bias).squeeze(-1);
   }
   HG_CHECK(weight.dim() == 2, "linear: weight must be 2-D [out_features, in_features] or 1-D [in_features], got "

@@ -92,7 +92,7 @@ Tensor bmm(const Tensor& a, const Tensor& b);
 
 // x W^T + bias, as torch.nn.functional.linear: x [..., in], weight [out, in], bias [out] or undefined
 // (no bias) -> [..., out]. One GEMM over all leading dims of x, with the bias fused into it. A 1-D weight [in] (and a
-// bias of one value) gives [...], as PyTorch's.
+// bias of one value) gives [...]: PyTorch's shape rule, where its eager linear refuses most such calls with a bias.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 
 }  // namespace halfgrad

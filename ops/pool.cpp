@@ -158,7 +158,7 @@ Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOption
   Pool2dParams p = window_params("avg_pool2d", input, kernel_size, options.stride, options.padding, {1, 1});
   p.count_include_pad = options.count_include_pad;
   if (options.divisor_override) {
-    HG_CHECK(*options.divisor_override != 0, "avg_pool2d: divisor_override must not be 0");
+    HG_CHECK(*options.divisor_override != 0, "avg_pool2d: divisor_override must not be 0 (input {})", input.meta());
     p.divisor_override = *options.divisor_override;
   }
   const Shape shape = pooled_shape("avg_pool2d", input, p, options.ceil_mode);

@@ -728,6 +728,18 @@ TEST_CASE("cuda: operands on different devices are a clear error") {
   where(yes.logical_not(), x, x * 3).sum().backward();
   check_close(x.grad(), full({3}, 3.0f), {0, 0}, "where's backward with a 0-d CPU condition");
   CHECK_THROWS_WITH_AS(where(c.gt(0), g, s), doctest::Contains("where: operands are on different devices"), Error);
+  Tensor mask = contiguous_channels_last(random({2, 3, 4, 5}, kFloat32).gt(0).cuda());
+  CHECK(is_channels_last(where(mask, s, 0.0)));  // the mask's layout, as PyTorch's
+  // A number that requires grad, used beside GPU tensors, gets its gradient on the CPU, as in PyTorch.
+  Tensor number = scalar_tensor(2.0f).requires_grad_();
+  (g * number).sum().backward();
+  REQUIRE(number.grad().defined());
+  CHECK(number.grad().is_cpu());
+  CHECK(number.grad().item<float>() == doctest::Approx(g.sum().item<float>()));
+  Tensor value = scalar_tensor(1.0f).requires_grad_();
+  where(g.gt(0), value, 0.0).sum().backward();
+  CHECK(value.grad().is_cpu());
+  CHECK(value.grad().item<float>() == float(g.gt(0).sum().item<int64_t>()));
 }
 
 TEST_CASE("cuda: autograd through CUDA tensors matches the CPU gradients") {

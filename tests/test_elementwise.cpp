@@ -635,17 +635,27 @@ TEST_CASE("math functions and division take bool as PyTorch does, in float32, an
   check_float32(tanh(flags), {std::tanh(1.0), 0});
   check_float32(sigmoid(flags), {1 / (1 + std::exp(-1.0)), 0.5});
   check_float32(div(flags, flags), {1, NAN});  // true division, as PyTorch's tensor([True, False]) / itself
-  check_float32(flags / 2, {0.5, 0});
   CHECK(sign(flags).dtype() == kBool);
   CHECK(values(sign(flags)) == std::vector<double>{1, 0});
   CHECK_THROWS_WITH_AS(relu(flags), doctest::Contains("relu: not supported for bool tensors"), Error);
+  // In place, a float32 result cannot go into bool: refused, as PyTorch's.
+  Tensor target = flags.clone();
+  CHECK_THROWS_WITH_AS(target.div_(flags), doctest::Contains("div_: result type float32 can't be cast to the in-place "
+                                                             "target bool[2] cpu"), Error);
+  CHECK_THROWS_WITH_AS(target.exp_(), doctest::Contains("exp_: result type float32 can't be cast"), Error);
+  CHECK(values(target) == std::vector<double>{1, 0});
 }
 
 TEST_CASE("cuda: math functions and division take bool on the GPU as on the CPU") {
   SKIP_WITHOUT_GPU();
   const Tensor flags = tensor<bool>({true, false}), on_gpu = flags.cuda();
-  CHECK(values(exp(on_gpu).cpu()) == values(exp(flags)));
-  CHECK(values(sigmoid(on_gpu).cpu()) == values(sigmoid(flags)));
+  for (const auto& [gpu, cpu] : {std::pair{exp(on_gpu), exp(flags)}, std::pair{sigmoid(on_gpu), sigmoid(flags)},
+                                  std::pair{rsqrt(on_gpu), rsqrt(flags)}}) {
+    CHECK(gpu.dtype() == kFloat32);
+    const std::vector<double> got = values(gpu.cpu()), want = values(cpu);  // each device's float32 math: ~1 ulp
+    CHECK(got[0] == doctest::Approx(want[0]).epsilon(1e-6));
+    CHECK(got[1] == want[1]);  // exp(0) 1, sigmoid(0) 0.5, rsqrt(0) inf: exact on both
+  }
   CHECK(values(div(on_gpu, on_gpu).cpu().isfinite()) == std::vector<double>{1, 0});
   CHECK(sign(on_gpu).dtype() == kBool);
   CHECK(values(sign(on_gpu).cpu()) == std::vector<double>{1, 0});

@@ -269,7 +269,7 @@ TEST_CASE("linear computes x W^T + b for any leading dims of x") {
   }
 }
 
-TEST_CASE("linear with a 1-D weight gives one feature and drops its dim, as PyTorch's") {
+TEST_CASE("linear with a 1-D weight gives one feature and drops its dim, with or without a bias of one value") {
   Tensor x = tensor<float>({1, 2, 3, 4, 5, 6}).reshape({2, 3});
   Tensor w = tensor<float>({1, 0, -1});
   CHECK(linear(x, w).shape() == Shape{2});
@@ -282,6 +282,9 @@ TEST_CASE("linear with a 1-D weight gives one feature and drops its dim, as PyTo
   CHECK_THROWS_WITH_AS(linear(x, w, tensor<float>({1, 2})),
                        doctest::Contains("linear: with a 1-D weight [3] the bias must be one value (0-d or [1]), got "
                                          "shape [2]"), Error);
+  CHECK_THROWS_WITH_AS(linear(x, w, tensor<double>({1})),
+                       doctest::Contains("linear: expected weight and bias to have the same dtype, got float32[3] cpu "
+                                         "and float64[1] cpu"), Error);
   manual_seed(20);
   gradcheck([](const TensorList& in) { return linear(in[0], in[1], in[2]); }, {leaf({4, 5}), leaf({5}), leaf({})});
   gradcheck([](const TensorList& in) { return linear(in[0], in[1]); }, {leaf({2, 3, 5}), leaf({5})});
