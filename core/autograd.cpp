@@ -54,8 +54,12 @@ Tensor hooked(const Tensor& grad, const Tensor& replaced) {
   return replaced;
 }
 
+// By index, each hook copied: a hook may register another, which grows the vector.
 Tensor apply_hooks(const std::vector<GradHook>& hooks, Tensor grad) {
-  for (const auto& hook : hooks) grad = hooked(grad, hook(grad));
+  for (size_t i = 0; i < hooks.size(); ++i) {
+    const GradHook hook = hooks[i];
+    grad = hooked(grad, hook(grad));
+  }
   return grad;
 }
 }  // namespace
@@ -78,8 +82,11 @@ bool Tensor::requires_grad() const {
 }
 
 Tensor& Tensor::requires_grad_(bool enabled) {
-  HG_CHECK(is_leaf(), "requires_grad_: only leaf tensors can change requires_grad; this {} was produced by {} "
-           "(use detach() to get a new leaf)", meta(), grad_fn()->name());
+  if (!is_leaf()) {  // it requires grad through its history: asking so again changes nothing, as in PyTorch
+    HG_CHECK(enabled, "requires_grad_: only leaf tensors can change requires_grad; this {} was produced by {} "
+             "(use detach() to get a new leaf)", meta(), grad_fn()->name());
+    return *this;
+  }
   HG_CHECK(!enabled || is_floating_point(), "requires_grad_: only floating-point tensors can require "
            "gradients, got {}", meta());
   impl()->autograd_meta().requires_grad = enabled;
@@ -98,6 +105,7 @@ void Tensor::set_grad(const Tensor& grad) const {
     HG_CHECK(grad.shape() == shape() && grad.dtype() == dtype() && grad.device() == device(),
              "set_grad: gradient {} does not match tensor {}", grad.meta(), meta());
   }
+  defined_impl("set_grad");
   impl()->autograd_meta().grad = grad;
 }
 
@@ -128,7 +136,7 @@ Tensor Tensor::detach() const {
 }
 
 bool Tensor::retains_grad() const {
-  const auto& m = impl()->autograd;
+  const auto& m = defined_impl("retains_grad").autograd;
   return m && m->retains_grad;
 }
 
@@ -136,14 +144,7 @@ void Tensor::retain_grad() const {
   HG_CHECK(requires_grad(), "retain_grad: {} does not require grad", meta());
   if (is_leaf() || retains_grad()) return;  // leaves keep their gradient anyway
   impl()->autograd_meta().retains_grad = true;
-  std::weak_ptr<TensorImpl> weak = impl_ptr();
-  grad_fn()->pre_hooks.emplace_back(output_nr(), [weak](const Tensor& grad) {
-    if (auto self = weak.lock()) {
-      Tensor& stored = self->autograd_meta().grad;
-      stored = stored.defined() ? stored.add(grad) : grad.clone();
-    }
-    return Tensor();
-  });
+  grad_fn()->retained.emplace_back(output_nr(), impl_ptr());
 }
 
 void Tensor::register_hook(GradHook hook) const {
@@ -190,6 +191,7 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
 }
 
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
+  if (!leaf_->autograd_meta().requires_grad) return {};  // requires_grad_(false) since the forward: as PyTorch's
   Tensor grad = apply_hooks(leaf_->autograd_meta().hooks, std::move(grad_outputs[0]));
   Tensor& stored = leaf_->autograd_meta().grad;
   // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last leaf; here
@@ -212,15 +214,20 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
       stored = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()}, layout);
       stored.copy_(grad);
     }
-  } else if (layout == MemoryFormat::AlignedRows) {  // add's result would be contiguous: summed in the layout
-    Tensor sum = empty(grad.shape(), {.dtype = stored.dtype(), .device = stored.device()}, layout);
-    sum.copy_(stored);
-    stored = sum.add_(grad);
+  } else if (stored.storage() == grad.storage() || has_internal_overlap(stored)) {
+    stored = stored.add(grad);  // a .grad set to a view of the gradient itself, or an expanded one: a new sum
   } else {
-    stored = stored.add(grad);  // out of place: a previous .grad handed out stays as it was
+    // In place, as PyTorch's AccumulateGrad: a handle to .grad (a buffer given by set_grad, a bucket's view) sees
+    // the sum, and a replayed graph finds it at the same address.
+    NoGradGuard no_grad;
+    stored.add_(grad);
   }
   const Tensor leaf(leaf_);
-  for (const auto& hook : leaf_->autograd_meta().post_accumulate_hooks) hook(leaf);
+  const auto& hooks = leaf_->autograd_meta().post_accumulate_hooks;
+  for (size_t i = 0; i < hooks.size(); ++i) {  // by index, each copied: a hook may register another
+    const PostAccumulateGradHook hook = hooks[i];
+    hook(leaf);
+  }
   return {};
 }
 
@@ -298,14 +305,22 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
     const Tensor& out = outputs[i];
     node->output_meta.push_back(meta_of(out));
     if (!is_floating(out.dtype())) continue;  // indices, masks: not differentiable
-    AutogradMeta& m = out.impl()->autograd_meta();
-    m.grad_fn = node;
-    m.output_nr = i;
-    m.requires_grad = false;
+    set_history(out, node, i);
     if (checked_base && out.impl()->is_view && !out.impl()->is_detached) {
-      m.view_version = out.version();
+      out.impl()->autograd_meta().view_version = out.version();
     }
   }
+}
+
+void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t output_nr) {
+  AutogradMeta& m = t.impl()->autograd_meta();
+  if (m.retains_grad && m.grad_fn) {
+    std::erase_if(m.grad_fn->retained, [&](const auto& r) { return r.second.lock().get() == t.impl(); });
+    node->retained.emplace_back(output_nr, t.impl_ptr());
+  }
+  m.grad_fn = node;
+  m.output_nr = output_nr;
+  m.requires_grad = false;
 }
 
 std::string backward_name(std::string_view op) {
@@ -444,6 +459,10 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
       grad = ones_like(out);
     }
     HG_CHECK(grad.shape() == out.shape(), "backward: gradient {} does not match output {}", grad.meta(), out.meta());
+    // A 0-d gradient moves to its output's device, as PyTorch's; any other on another device is the caller's error.
+    HG_CHECK(grad.device() == out.device() || grad.dim() == 0, "backward: gradient {} for tensor {} of the outputs is "
+             "on another device than the tensor ({})", grad.meta(), i, out.meta());
+    if (grad.device() != out.device()) grad = grad.to(out.device());
     Edge edge = gradient_edge(out);
     accumulate(edge, grad.to(out.dtype()));
     roots.push_back(edge.node);
@@ -500,7 +519,16 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         grads[i] = zeros(m.shape, {.dtype = m.dtype, .device = m.device});
       }
     }
-    for (auto& [output, hook] : node->pre_hooks) grads[output] = hooked(grads[output], hook(grads[output]));
+    for (size_t h = 0; h < node->pre_hooks.size(); ++h) {  // by index, each copied: a hook may register another
+      const auto [output, hook] = node->pre_hooks[h];
+      grads[output] = hooked(grads[output], hook(grads[output]));
+    }
+    for (const auto& [output, weak] : node->retained) {  // out of place, as PyTorch's retain_grad
+      if (const auto self = weak.lock()) {
+        Tensor& stored = self->autograd_meta().grad;
+        stored = stored.defined() ? stored.add(grads[output]) : grads[output].clone();
+      }
+    }
 
     // Each input's gradient so far, handed to the backward to add into where nothing else holds it (not the
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid

@@ -92,7 +92,10 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<Edge> next_edges;             // one per input
   std::vector<TensorMeta> input_meta;       // one per input: gradients are checked and cast to it
   std::vector<TensorMeta> output_meta;      // one per output: missing gradients become zeros of it
-  std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook/retain_grad
+  std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook
+  // (output, tensor) from retain_grad: the tensor's .grad takes the output's gradient after the pre-hooks changed it
+  // (PyTorch 2's order), and moves with the tensor to the node of an in-place op on it (set_history).
+  std::vector<std::pair<uint32_t, std::weak_ptr<TensorImpl>>> retained;
   uint64_t sequence_nr = 0;                 // creation order: later nodes run first in backward
 };
 
@@ -144,6 +147,10 @@ bool any_requires_grad(const TensorList& inputs);
 // Creates the node for an op and hangs the outputs on it. Does nothing unless any_requires_grad(inputs).
 // Node names follow PyTorch's printing: "MulBackward", "SumBackward" (see backward_name).
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn);
+
+// Hangs t on output `output_nr` of `node` (an op's output, or the target of an in-place op, whose history this
+// replaces); a tensor that retains its gradient moves that to the new node.
+void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t output_nr);
 
 // "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
 std::string backward_name(std::string_view op);

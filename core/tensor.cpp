@@ -5,9 +5,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <numbers>
 #include <ostream>
+#include <type_traits>
 
 #include "core/autograd.h"
 #include "core/random.h"
@@ -103,6 +105,23 @@ template <typename T> T* Tensor::data() const {
 
 template <typename T> T Tensor::item() const {
   HG_CHECK(numel() == 1, "item(): expected a tensor with one element, got {}", meta());
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // As libtorch's item<T>() (checked_convert): a value T cannot hold is an error, not a wrapped or undefined number.
+    using Limits = std::numeric_limits<T>;
+    const char* name = dtype_name(dtype_of<T>());
+    if (is_floating_point()) {
+      const double v = to_vector<double>(*this)[0];  // NaN fails both comparisons
+      HG_CHECK(v >= double(Limits::lowest()) && v < double(Limits::max()) + 1.0,
+               "item<{}>(): the value {} of {} cannot be converted to {} without overflow", name, v, meta(), name);
+      return T(v);
+    }
+    if (dtype() != kBool) {
+      const int64_t v = to_vector<int64_t>(*this)[0];
+      HG_CHECK(v >= int64_t(Limits::lowest()) && v <= int64_t(Limits::max()),
+               "item<{}>(): the value {} of {} cannot be converted to {} without overflow", name, v, meta(), name);
+      return T(v);
+    }
+  }
   return to_vector<T>(*this)[0];
 }
 

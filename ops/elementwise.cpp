@@ -271,11 +271,7 @@ Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Comput
     NoGradGuard no_grad;
     copy_kernel[self.device()](self, cast_nograd(result, self.dtype()));
   }
-  if (graph) {
-    AutogradMeta& m = self.impl()->autograd_meta();
-    m.grad_fn = result.grad_fn();
-    m.output_nr = result.output_nr();
-  }
+  if (graph) set_history(self, result.grad_fn(), result.output_nr());
   return self;
 }
 

@@ -422,3 +422,88 @@ TEST_CASE("a gradient hook may change the gradient's values, not its shape, dtyp
   (d * 1.0).sum().backward();
   CHECK(values(d.grad()) == std::vector<double>{3, 3});
 }
+
+TEST_CASE(".grad accumulates in place, as PyTorch's: a handle to it, or a buffer given by set_grad, sees the sum") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  (x * 2).sum().backward();
+  const Tensor first = x.grad();
+  (x * 3).sum().backward();
+  CHECK(first.same(x.grad()));
+  CHECK(values(first) == std::vector<double>{5, 5});
+  Tensor buffer = zeros({2}, {.dtype = kFloat64});
+  x.set_grad(buffer);
+  (x * 4).sum().backward();
+  CHECK(values(buffer) == std::vector<double>{4, 4});
+  // A .grad that is an expanded view is summed out of place: in place, its one element would take both.
+  x.set_grad(zeros({1}, {.dtype = kFloat64}).expand({2}));
+  (x * 4).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{4, 4});
+}
+
+TEST_CASE("retain_grad keeps the gradient after the tensor's hooks, and follows the tensor through an in-place op") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor h = x * 1;
+  h.retain_grad();
+  h.register_hook([](const Tensor& g) { return g * 10; });
+  h.sum().backward();
+  CHECK(values(h.grad()) == std::vector<double>{10, 10});  // PyTorch 2: retains_grad hooks run after the others
+  Tensor a = x * 1;
+  a.retain_grad();
+  a.mul_(2);
+  a.sum().backward();
+  CHECK(values(a.grad()) == std::vector<double>{1, 1});  // the gradient of a as it is now, after mul_
+}
+
+TEST_CASE("a hook may register hooks and retain gradients while it runs") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor h = x * 1;
+  int later_calls = 0;
+  h.register_hook([&](const Tensor&) {
+    for (int i = 0; i < 100; ++i) h.register_hook([&](const Tensor&) { ++later_calls; return Tensor(); });
+    h.retain_grad();
+    return Tensor();
+  });
+  x.register_hook([&](const Tensor&) {
+    for (int i = 0; i < 100; ++i) x.register_hook([](const Tensor&) { return Tensor(); });
+    return Tensor();
+  });
+  h.sum().backward();
+  CHECK(later_calls == 100);  // those registered during the pass run in it, as they come
+  CHECK(values(x.grad()) == std::vector<double>{1, 1});
+}
+
+TEST_CASE("requires_grad_ on a non-leaf: true changes nothing, false is refused, and a leaf set false gets no gradient") {
+  Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
+  Tensor y = x * 2;
+  CHECK(y.requires_grad_().requires_grad());
+  CHECK_THROWS_WITH_AS(y.requires_grad_(false), doctest::Contains("only leaf tensors can change requires_grad"),
+                       Error);
+  Tensor z = (x * 3).sum();
+  x.requires_grad_(false);  // after the forward: PyTorch's AccumulateGrad leaves .grad alone
+  z.backward();
+  CHECK_FALSE(x.grad().defined());
+  CHECK_THROWS_WITH_AS(Tensor().retains_grad(), doctest::Contains("retains_grad"), Error);
+  CHECK_THROWS_WITH_AS(Tensor().set_grad(Tensor()), doctest::Contains("set_grad"), Error);
+}
+
+TEST_CASE("item<T>() refuses a value T cannot hold, as libtorch's checked conversion") {
+  CHECK_THROWS_WITH_AS(scalar_tensor(1e20, {.dtype = kFloat64}).item<int32_t>(),
+                       doctest::Contains("item<int32>(): the value 1e+20 of float64[] cpu cannot be converted to int32 "
+                                         "without overflow"), Error);
+  CHECK_THROWS_WITH_AS(scalar_tensor(std::nan("")).item<int64_t>(), doctest::Contains("item<int64>()"), Error);
+  CHECK_THROWS_WITH_AS(scalar_tensor(-1.0).item<uint8_t>(), doctest::Contains("item<uint8>()"), Error);
+  CHECK_THROWS_WITH_AS(scalar_tensor(int64_t(300), {.dtype = kInt64}).item<uint8_t>(),
+                       doctest::Contains("the value 300 of int64[] cpu cannot be converted to uint8"), Error);
+  CHECK(scalar_tensor(-7.9).item<int32_t>() == -7);  // truncated toward zero, as static_cast
+  CHECK(scalar_tensor(int64_t(1) << 40, {.dtype = kInt64}).item<int64_t>() == int64_t(1) << 40);
+  CHECK(scalar_tensor(2.0).item<float>() == 2.0f);
+}
+
+TEST_CASE("cuda: a 0-d gradient on the CPU moves to its output's device, another is refused naming both") {
+  SKIP_WITHOUT_GPU();
+  Tensor x = tensor(std::vector<float>{1, 2}).cuda().requires_grad_();
+  (x * 3).sum().backward(scalar_tensor(2.0f));
+  CHECK(values(x.grad().cpu()) == std::vector<double>{6, 6});
+  CHECK_THROWS_WITH_AS((x * 3).backward(ones({2})), doctest::Contains("backward: gradient float32[2] cpu for tensor 0 "
+                                                                       "of the outputs is on another device"), Error);
+}
