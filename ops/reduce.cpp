@@ -983,14 +983,16 @@ template <typename T> void reduce_cpu_typed(const ReduceArgs& a) {
                                           [&](int64_t pos, Acc s) { out[pos] = T(s / count); });
           return;
         }
-        // Two passes: the means (in Acc, so float16 input keeps a float32 mean), then the deviations.
-        std::vector<Acc> means(size_t(outer * inner));
-        run_reducer<SumReducer<T, Acc>>(in, outer, reduced, inner, nullptr,
-                                        [&](int64_t pos, Acc s) { means[size_t(pos)] = s / count; });
-        const Acc divisor = Acc(std::max<int64_t>(0, reduced - a.correction));
-        run_reducer<SquaredDeviationReducer<T, Acc>>(in, outer, reduced, inner, means.data(), [&](int64_t pos, Acc squares) {
-          out[pos] = T(squares / divisor);
-        });
+        // Two passes: the means, then the deviations, both in double as PyTorch's CPU kernel (its Welford in double):
+        // float32 values near 1.5e19 have squared deviations past float32's range and a variance within it.
+        std::vector<double> means(size_t(outer * inner));
+        run_reducer<SumReducer<T, double>>(in, outer, reduced, inner, nullptr,
+                                           [&](int64_t pos, double s) { means[size_t(pos)] = s / double(reduced); });
+        const double divisor = double(std::max<int64_t>(0, reduced - a.correction));
+        run_reducer<SquaredDeviationReducer<T, double>>(in, outer, reduced, inner, means.data(),
+                                                        [&](int64_t pos, double squares) {
+                                                          out[pos] = T(squares / divisor);
+                                                        });
         return;
       } else {
         throw_unsupported_dtype(name, a.input.dtype());

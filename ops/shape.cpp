@@ -24,7 +24,10 @@ Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
 
 Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
   if (t.shape() == shape) return t;
-  numel_of(shape);  // the one view that can hold more elements than t: one whose count overflows is refused here
+  int64_t count = 1;  // the one view that can hold more elements than t: one whose count overflows is refused here
+  for (int64_t s : shape)
+    HG_CHECK(!__builtin_mul_overflow(count, s, &count), "{}: cannot broadcast {} to {}, which has more elements than "
+             "an int64 counts", op, t.meta(), shape_str(shape));
   HG_CHECK(t.dim() <= int64_t(shape.size()), "{}: cannot broadcast {} to {}", op, t.meta(), shape_str(shape));
   Shape strides(shape.size(), 0);
   int64_t lead = int64_t(shape.size()) - t.dim();
@@ -78,14 +81,17 @@ Shape infer_shape(Shape shape, int64_t numel, const char* op) {
       infer_at = int64_t(d);
     } else {
       HG_CHECK(shape[d] >= 0, "{}: invalid size {} in shape {}", op, shape[d], shape_str(shape));
-      known *= shape[d];
+      // A product past int64 cannot be the input's size (it wrapped to -2 for [-1, 2^63 - 1, 2], inferring -3).
+      HG_CHECK(!__builtin_mul_overflow(known, shape[d], &known), "{}: shape {} is invalid for input of size {}", op,
+               shape_str(shape), numel);
     }
   }
   if (infer_at >= 0) {
     HG_CHECK(known != 0 && numel % known == 0, "{}: shape {} is invalid for input of size {}", op, shape_str(shape), numel);
     shape[size_t(infer_at)] = numel / known;
+  } else {
+    HG_CHECK(known == numel, "{}: shape {} is invalid for input of size {}", op, shape_str(shape), numel);
   }
-  HG_CHECK(numel_of(shape) == numel, "{}: shape {} is invalid for input of size {}", op, shape_str(shape), numel);
   return shape;
 }
 
@@ -298,7 +304,13 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
                "cat: sizes must match except in dim {}: {} vs {}", dim, t.meta(), first.meta());
     shape[size_t(dim)] += t.shape()[size_t(dim)];
   }
-  Tensor out = empty(shape, {.dtype = dtype, .device = first.device()});
+  // The inputs' layout where they share one (channels_last activations stay so), else contiguous, as PyTorch's
+  // cat_compute_output_memory_format; a legacy [0] counts as contiguous.
+  const bool channels_last = std::all_of(tensors.begin(), tensors.end(), [](const Tensor& t) {
+    return suggest_memory_format(t) == MemoryFormat::ChannelsLast;
+  });
+  Tensor out = empty(shape, {.dtype = dtype, .device = first.device()},
+                     channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
   std::vector<int64_t> sizes;  // along dim; -1 for a legacy empty input, whose gradient is its own [0]
   {
     NoGradGuard no_grad;

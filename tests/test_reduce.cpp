@@ -295,6 +295,14 @@ TEST_CASE("var uses the correction and stays accurate for data far from zero") {
   CHECK(y.var().item<double>() == doctest::Approx(want).epsilon(1e-4));
   Tensor columns = y.view({1000, 100});
   check_close(values(columns.var({0})), values(columns.to(kFloat64).var({0})), 1e-4, "column variances near 1e4");
+  // float32 values of +-1.5e19: their squared deviations pass float32's range, their variance does not (PyTorch's CPU
+  // sums in double).
+  std::vector<float> alternating(1000);
+  for (size_t i = 0; i < alternating.size(); ++i) alternating[i] = i % 2 ? -1.5e19f : 1.5e19f;
+  Tensor wide = tensor(alternating);
+  const double wide_want = wide.to(kFloat64).var().item<double>();
+  CHECK(std::isfinite(wide.var().item<float>()));
+  CHECK(wide.var().item<float>() == doctest::Approx(wide_want).epsilon(1e-6));
   // A single element: 0 / 0 with Bessel's correction, 0 without.
   CHECK(std::isnan(ones({1}).var().item<double>()));
   CHECK(ones({1}).var({}, 0).item<double>() == 0);

@@ -12,6 +12,18 @@ using namespace halfgrad;
 using halfgrad::testing::gradcheck;
 using halfgrad::testing::leaf;
 
+TEST_CASE("cat keeps channels_last where every input is so, as PyTorch's, else gives a contiguous result") {
+  const Tensor a = arange(120, {.dtype = kFloat32}).view({2, 3, 4, 5}), b = a * 2;
+  const Tensor a_cl = contiguous_channels_last(a), b_cl = contiguous_channels_last(b);
+  for (int64_t dim : {0, 1, 2, 3}) {
+    CAPTURE(dim);
+    const Tensor both = cat({a_cl, b_cl}, dim);
+    CHECK(is_channels_last(both));
+    CHECK(to_vector<float>(both) == to_vector<float>(cat({a, b}, dim)));
+    CHECK(cat({a_cl, b}, dim).is_contiguous());  // mixed layouts: contiguous
+  }
+}
+
 TEST_CASE("stack inserts a new dim at dim, counting negative dims from the end of the result") {
   Tensor a = tensor<float>({1, 2, 3, 4, 5, 6}, {2, 3}), b = tensor<float>({7, 8, 9, 10, 11, 12}, {2, 3});
   CHECK(stack({a, b}).shape() == Shape{2, 2, 3});

@@ -92,6 +92,14 @@ TEST_CASE("view needs compatible strides, reshape copies when it must") {
   CHECK(values(r) == std::vector<double>{0, 3, 1, 4, 2, 5});
   CHECK(arange(6).view({-1, 2}).shape() == Shape{3, 2});
   CHECK_THROWS_WITH_AS(arange(6).view({4, -1}), doctest::Contains("invalid for input of size 6"), Error);
+  // A product of sizes past int64 names the op (it wrapped to -2 and inferred a size of -3).
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  CHECK_THROWS_WITH_AS(arange(6).view({-1, huge, 2}),
+                       doctest::Contains("view: shape [-1, 9223372036854775807, 2] is invalid for input of size 6"),
+                       Error);
+  CHECK_THROWS_WITH_AS(arange(6).reshape({huge, 2}), doctest::Contains("reshape: shape [9223372036854775807, 2] is "
+                                                                       "invalid for input of size 6"), Error);
+  CHECK_THROWS_WITH_AS(ones({1, 2}).expand({huge, 2}), doctest::Contains("expand: cannot broadcast"), Error);
   // A channels_last tensor reshaped row-major, as PyTorch: a copy, forward and in the backward of a view.
   const Tensor x = arange(48, {.dtype = kFloat64}).view({2, 3, 4, 2});
   const Tensor nhwc = contiguous_channels_last(x);
