@@ -215,7 +215,11 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
       stored.copy_(grad);
     }
   } else if (stored.storage() == grad.storage() || has_internal_overlap(stored)) {
-    stored = stored.add(grad);  // a .grad set to a view of the gradient itself, or an expanded one: a new sum
+    // A .grad set to a view of the gradient itself, or an expanded one: a new sum, in the leaf's layout.
+    Tensor sum = empty(grad.shape(), {.dtype = stored.dtype(), .device = stored.device()}, layout);
+    sum.copy_(stored);
+    NoGradGuard no_grad;
+    stored = sum.add_(grad);
   } else {
     // In place, as PyTorch's AccumulateGrad: a handle to .grad (a buffer given by set_grad, a bucket's view) sees
     // the sum, and a replayed graph finds it at the same address.

@@ -106,7 +106,8 @@ template <typename T> T* Tensor::data() const {
 template <typename T> T Tensor::item() const {
   HG_CHECK(numel() == 1, "item(): expected a tensor with one element, got {}", meta());
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    // As libtorch's item<T>() (checked_convert): a value T cannot hold is an error, not a wrapped or undefined number.
+    // Checked, as libtorch's item<T>() (checked_convert) but stricter: any value an integer T cannot hold is an error
+    // (libtorch wraps a negative int64 into uint8), not a wrapped or undefined number.
     using Limits = std::numeric_limits<T>;
     const char* name = dtype_name(dtype_of<T>());
     if (is_floating_point()) {

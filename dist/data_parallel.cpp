@@ -199,7 +199,7 @@ struct DistributedDataParallel::Reducer {
       const Tensor grad = p.grad();
       if (!grad.defined()) part.zero_();
       else if (grad.data_ptr() != part.data_ptr()) parts.push_back(part), grads.push_back(grad);
-      // else: the bucket's view from the last reduction (gradient_as_bucket_view), no gradient since: in place already
+      // else: the bucket's view (gradient_as_bucket_view): what this pass added went into it in place
     }
     copy_each_(parts, grads);
     if (group->size() > 1) bucket.flat.mul_(1.0 / group->size());

@@ -100,10 +100,12 @@ Tensor& Tensor::copy_(const Tensor& src) {
   }
   if (records) {
     Shape src_shape = src.shape();
+    const Device src_device = src.device();
     // This tensor's old value is overwritten: its history gets a zero gradient from here on (an input of the node, so
-    // that the tensor takes the node's history even where src does not require grad).
-    record("CopyBackward", {src, *this}, {*this}, [src_shape](const GradContext& g) -> TensorList {
-      return {g.needs(0) ? sum_to(g[0], src_shape) : Tensor(), g.needs(1) ? zeros_like(g[0]) : Tensor()};
+    // that the tensor takes the node's history even where src does not require grad). src's gradient goes back to
+    // src's device (a copy between devices, as PyTorch's).
+    record("CopyBackward", {src, *this}, {*this}, [src_shape, src_device](const GradContext& g) -> TensorList {
+      return {g.needs(0) ? sum_to(g[0], src_shape).to(src_device) : Tensor(), g.needs(1) ? zeros_like(g[0]) : Tensor()};
     });
   }
   return *this;

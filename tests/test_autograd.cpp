@@ -469,10 +469,11 @@ TEST_CASE("a hook may register hooks and retain gradients while it runs") {
   });
   h.sum().backward();
   CHECK(later_calls == 100);  // those registered during the pass run in it, as they come
+  CHECK(values(h.grad()) == std::vector<double>{1, 1});  // retained from this pass on
   CHECK(values(x.grad()) == std::vector<double>{1, 1});
 }
 
-TEST_CASE("requires_grad_ on a non-leaf: true changes nothing, false is refused, and a leaf set false gets no gradient") {
+TEST_CASE("requires_grad_ on a non-leaf: true changes nothing, false is refused, a leaf set false gets no gradient") {
   Tensor x = tensor(std::vector<double>{1, 2}).requires_grad_();
   Tensor y = x * 2;
   CHECK(y.requires_grad_().requires_grad());

@@ -736,6 +736,18 @@ TEST_CASE("cuda: operands on different devices are a clear error") {
   REQUIRE(number.grad().defined());
   CHECK(number.grad().is_cpu());
   CHECK(number.grad().item<float>() == doctest::Approx(g.sum().item<float>()));
+  // copy_ between devices passes src's gradient back to src's device, both ways, as PyTorch's.
+  Tensor w = tensor(std::vector<float>{1, 2, 3}).requires_grad_();
+  Tensor on_gpu = empty({3}, {.device = kGpu});
+  on_gpu.copy_(w);
+  (on_gpu * 2).sum().backward();
+  CHECK(w.grad().is_cpu());
+  CHECK(to_vector<float>(w.grad()) == std::vector<float>{2, 2, 2});
+  Tensor v = tensor(std::vector<float>{1, 2, 3}).cuda().requires_grad_();
+  Tensor on_cpu = empty({3});
+  on_cpu.copy_(v);
+  on_cpu.sum().backward();
+  CHECK(!v.grad().is_cpu());
   Tensor value = scalar_tensor(1.0f).requires_grad_();
   where(g.gt(0), value, 0.0).sum().backward();
   CHECK(value.grad().is_cpu());
