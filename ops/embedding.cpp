@@ -82,6 +82,7 @@ void embedding_cpu(const Tensor& out, const Tensor& weight, const Tensor& indice
   const int64_t n = indices.numel();
   const int64_t* index = indices.data<int64_t>();
   const size_t row_bytes = size_t(weight.size(1)) * element_size(weight.dtype());
+  if (row_bytes == 0) return;  // a weight of no columns: nothing to copy, and no buffers (memcpy of null is undefined)
   const char* src = static_cast<const char*>(weight.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
 #pragma omp parallel for schedule(static) if (int64_t(row_bytes) * n >= (int64_t(1) << 18))
