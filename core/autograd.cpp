@@ -198,6 +198,11 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   // also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same order and
   // nothing transposes later.
   const MemoryFormat layout = kept_memory_format(Tensor(leaf_));
+  auto copy_in_layout = [&](const Tensor& t) {
+    Tensor copy = empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}, layout);
+    NoGradGuard no_grad;
+    return copy.copy_(t);
+  };
   if (!stored.defined()) {
     // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
     // broadcast view: own a contiguous copy unless nothing else can see this one.
@@ -208,16 +213,10 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
       case MemoryFormat::AlignedRows: matches = is_aligned_rows(grad); break;
       case MemoryFormat::Contiguous: matches = grad.is_contiguous(); break;
     }
-    if (sole_owner && matches) {
-      stored = grad;
-    } else {
-      stored = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()}, layout);
-      stored.copy_(grad);
-    }
+    stored = sole_owner && matches ? grad : copy_in_layout(grad);
   } else if (stored.storage() == grad.storage() || has_internal_overlap(stored)) {
     // A .grad set to a view of the gradient itself, or an expanded one: a new sum, in the leaf's layout.
-    Tensor sum = empty(grad.shape(), {.dtype = stored.dtype(), .device = stored.device()}, layout);
-    sum.copy_(stored);
+    Tensor sum = copy_in_layout(stored);
     NoGradGuard no_grad;
     stored = sum.add_(grad);
   } else {
@@ -466,9 +465,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     // A 0-d gradient moves to its output's device, as PyTorch's; any other on another device is the caller's error.
     HG_CHECK(grad.device() == out.device() || grad.dim() == 0, "backward: gradient {} for tensor {} of the outputs is "
              "on another device than the tensor ({})", grad.meta(), i, out.meta());
-    if (grad.device() != out.device()) grad = grad.to(out.device());
     Edge edge = gradient_edge(out);
-    accumulate(edge, grad.to(out.dtype()));
+    accumulate(edge, grad.to(out.device(), out.dtype()));
     roots.push_back(edge.node);
   }
 

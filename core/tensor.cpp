@@ -18,12 +18,17 @@ namespace halfgrad {
 
 // ---- shape helpers
 
-int64_t numel_of(const Shape& shape) {
+std::optional<int64_t> checked_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) {
-    HG_CHECK(!__builtin_mul_overflow(n, s, &n), "shape {} has more elements than an int64 counts", shape_str(shape));
-  }
+  for (int64_t s : shape)
+    if (__builtin_mul_overflow(n, s, &n)) return std::nullopt;
   return n;
+}
+
+int64_t numel_of(const Shape& shape) {
+  const std::optional<int64_t> n = checked_numel(shape);
+  HG_CHECK(n.has_value(), "shape {} has more elements than an int64 counts", shape_str(shape));
+  return *n;
 }
 
 Shape contiguous_strides(const Shape& shape) {

@@ -240,6 +240,8 @@ std::ostream& operator<<(std::ostream& out, const Tensor& t);
 
 // ---- shape helpers used by ops
 int64_t numel_of(const Shape& shape);
+// The number of elements of `shape`, or nothing where it passes int64 (for callers that name themselves in the error).
+std::optional<int64_t> checked_numel(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);  // -1 -> ndim-1, with a range check
 // As wrap_dim, for ops that index a dim the tensor has (size, slice, narrow): a 0-d tensor has none, where wrap_dim

@@ -24,10 +24,9 @@ Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
 
 Tensor broadcast_view(const Tensor& t, const Shape& shape, const char* op) {
   if (t.shape() == shape) return t;
-  int64_t count = 1;  // the one view that can hold more elements than t: one whose count overflows is refused here
-  for (int64_t s : shape)
-    HG_CHECK(!__builtin_mul_overflow(count, s, &count), "{}: cannot broadcast {} to {}, which has more elements than "
-             "an int64 counts", op, t.meta(), shape_str(shape));
+  // The one view that can hold more elements than t: one whose count overflows is refused here.
+  HG_CHECK(checked_numel(shape).has_value(), "{}: cannot broadcast {} to {}, which has more elements than an int64 "
+           "counts", op, t.meta(), shape_str(shape));
   HG_CHECK(t.dim() <= int64_t(shape.size()), "{}: cannot broadcast {} to {}", op, t.meta(), shape_str(shape));
   Shape strides(shape.size(), 0);
   int64_t lead = int64_t(shape.size()) - t.dim();
