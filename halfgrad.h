@@ -30,6 +30,7 @@
 #include "ops/dropout.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
+#include "ops/layer_norm.h"
 #include "ops/linear_cross_entropy.h"
 #include "ops/loss.h"
 #include "ops/matmul.h"

@@ -190,9 +190,13 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   return fn_(GradContext(grad_outputs, needs, none.accumulated, none.took));
 }
 
+Tensor AccumulateGrad::hooked_gradient(Tensor grad) const {
+  return apply_hooks(leaf_->autograd_meta().hooks, std::move(grad));
+}
+
 TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   if (!leaf_->autograd_meta().requires_grad) return {};  // requires_grad_(false) since the forward: as PyTorch's
-  Tensor grad = apply_hooks(leaf_->autograd_meta().hooks, std::move(grad_outputs[0]));
+  Tensor grad = hooked_gradient(std::move(grad_outputs[0]));
   Tensor& stored = leaf_->autograd_meta().grad;
   // PyTorch's gradient layout contract: .grad has the leaf's layout (NCHW, or NHWC for a channels_last leaf; here
   // also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same order and
@@ -370,12 +374,74 @@ void check_inplace(const Tensor& self, const char* op, bool records) {
 
 // ---- the engine
 
+namespace {
+
+// autograd::grad's request: the gradient arriving at each edge, captured instead of passed on (run_backward).
+struct Capture {
+  std::vector<Edge> edges;  // one per input: gradient_edge(input)
+  TensorList grads;         // filled by the pass; undefined where no gradient arrived
+};
+
+// Which nodes a pass for `capture` visits: those from which a captured edge's node can be reached (itself included).
+std::unordered_set<Node*> nodes_reaching(const std::vector<std::shared_ptr<Node>>& roots, const Capture& capture) {
+  std::unordered_set<Node*> targets, reaching, done;
+  for (const Edge& e : capture.edges) targets.insert(e.node.get());
+  // Iterative post-order: a node is decided once every node after it is.
+  std::vector<std::pair<Node*, size_t>> stack;
+  for (const auto& r : roots)
+    if (done.insert(r.get()).second) stack.emplace_back(r.get(), 0);
+  while (!stack.empty()) {
+    auto& [n, next] = stack.back();
+    if (next < n->next_edges.size()) {
+      Node* child = n->next_edges[next++].node.get();
+      if (child && done.insert(child).second) stack.emplace_back(child, 0);
+      continue;
+    }
+    bool reaches = targets.count(n) > 0;
+    for (const Edge& e : n->next_edges) reaches = reaches || (e.node && reaching.count(e.node.get()));
+    if (reaches) reaching.insert(n);
+    stack.pop_back();
+  }
+  return reaching;
+}
+
+// The backward pass of backward() and autograd::grad: with `capture`, only the nodes that lead to its edges run, the
+// gradient reaching each edge is kept in capture->grads (after the tensor's hooks), and no leaf accumulates.
+void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, Capture* capture);
+
+}  // namespace
+
 void backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph) {
+  run_backward(outputs, grad_outputs, retain_graph, nullptr);
+}
+
+TensorList autograd::grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs,
+                          bool retain_graph, bool allow_unused) {
+  Capture capture;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    HG_CHECK(inputs[i].defined(), "autograd::grad: input {} is undefined", i);
+    HG_CHECK(inputs[i].requires_grad(), "autograd::grad: input {} ({}) does not require grad: there is no gradient "
+             "to compute", i, inputs[i].meta());
+    capture.edges.push_back(gradient_edge(inputs[i]));
+  }
+  capture.grads.resize(inputs.size());
+  run_backward(outputs, grad_outputs, retain_graph, &capture);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    HG_CHECK(allow_unused || capture.grads[i].defined(), "autograd::grad: input {} ({}) is not used in the graph of "
+             "the outputs; pass allow_unused = true to get an undefined tensor for it", i, inputs[i].meta());
+  }
+  return capture.grads;
+}
+
+namespace {
+
+void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, Capture* capture) {
+  const char* op = capture ? "autograd::grad" : "backward";
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
-           "backward: got {} tensors and {} gradients", outputs.size(), grad_outputs.size());
+           "{}: got {} tensors and {} gradients", op, outputs.size(), grad_outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) {
-    HG_CHECK(outputs[i].defined(), "backward: tensor {} is undefined", i);
-    check_view_current(outputs[i], "backward", "tensor", i);
+    HG_CHECK(outputs[i].defined(), "{}: tensor {} is undefined", op, i);
+    check_view_current(outputs[i], op, "tensor", i);
   }
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
@@ -453,22 +519,26 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   std::vector<std::shared_ptr<Node>> roots;
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& out = outputs[i];
-    HG_CHECK(out.requires_grad(), "backward: tensor {} of the outputs ({}) does not require grad and has no "
-             "grad_fn", i, out.meta());
+    HG_CHECK(out.requires_grad(), "{}: tensor {} of the outputs ({}) does not require grad and has no grad_fn", op,
+             i, out.meta());
     Tensor grad = i < grad_outputs.size() ? grad_outputs[i] : Tensor();
     if (!grad.defined()) {
-      HG_CHECK(out.numel() == 1, "backward: a gradient can be left out only for single-element outputs, got {}; "
-               "pass backward(gradient)", out.meta());
+      HG_CHECK(out.numel() == 1, "{}: a gradient can be left out only for single-element outputs, got {}; "
+               "pass the gradient", op, out.meta());
       grad = ones_like(out);
     }
-    HG_CHECK(grad.shape() == out.shape(), "backward: gradient {} does not match output {}", grad.meta(), out.meta());
+    HG_CHECK(grad.shape() == out.shape(), "{}: gradient {} does not match output {}", op, grad.meta(), out.meta());
     // A 0-d gradient moves to its output's device, as PyTorch's; any other on another device is the caller's error.
-    HG_CHECK(grad.device() == out.device() || grad.dim() == 0, "backward: gradient {} for tensor {} of the outputs is "
-             "on another device than the tensor ({})", grad.meta(), i, out.meta());
+    HG_CHECK(grad.device() == out.device() || grad.dim() == 0, "{}: gradient {} for tensor {} of the outputs is on "
+             "another device than the tensor ({})", op, grad.meta(), i, out.meta());
     Edge edge = gradient_edge(out);
     accumulate(edge, grad.to(out.device(), out.dtype()));
     roots.push_back(edge.node);
   }
+
+  // autograd::grad: the nodes that lead to a captured edge; the others neither run nor count.
+  const std::unordered_set<Node*> visited = capture ? nodes_reaching(roots, *capture) : std::unordered_set<Node*>();
+  auto visits = [&](Node* n) { return n && (!capture || visited.count(n) > 0); };
 
   // Count, for every reachable node, how many edges lead into it: a node runs once all of them delivered.
   std::unordered_map<Node*, int> dependencies;
@@ -476,12 +546,12 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     std::vector<Node*> stack;
     std::unordered_set<Node*> seen;
     for (auto& r : roots)
-      if (seen.insert(r.get()).second) stack.push_back(r.get());
+      if (visits(r.get()) && seen.insert(r.get()).second) stack.push_back(r.get());
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
       for (const Edge& e : n->next_edges) {
-        if (!e.node) continue;
+        if (!visits(e.node.get())) continue;
         dependencies[e.node.get()]++;
         if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
       }
@@ -494,7 +564,7 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
   {
     std::unordered_set<Node*> queued;
     for (auto& r : roots)
-      if (dependencies[r.get()] == 0 && queued.insert(r.get()).second) ready.push(r.get());
+      if (visits(r.get()) && dependencies[r.get()] == 0 && queued.insert(r.get()).second) ready.push(r.get());
   }
 
   for (;;) {
@@ -531,6 +601,22 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
         stored = stored.defined() ? stored.add(grads[output]) : grads[output].clone();
       }
     }
+    if (capture) {
+      // autograd::grad: an input's gradient is what reaches its edge, after its hooks (a leaf's, which its accumulator
+      // would run); a leaf's accumulator does not run, and a node runs on only where it leads to another input.
+      const auto* accumulator = dynamic_cast<const AccumulateGrad*>(node);
+      for (size_t i = 0; i < capture->edges.size(); ++i) {
+        const Edge& e = capture->edges[i];
+        if (e.node.get() != node) continue;
+        capture->grads[i] = accumulator ? accumulator->hooked_gradient(grads[e.input_nr]) : grads[e.input_nr];
+      }
+      const bool leads_on = std::any_of(node->next_edges.begin(), node->next_edges.end(),
+                                        [&](const Edge& e) { return visits(e.node.get()); });
+      if (accumulator || !leads_on) {
+        owners.erase(node);
+        continue;
+      }
+    }
 
     // Each input's gradient so far, handed to the backward to add into where nothing else holds it (not the
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid
@@ -558,7 +644,7 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
 
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& edge = node->next_edges[i];
-      if (!edge.node) continue;
+      if (!visits(edge.node.get())) continue;
       Tensor g = i < input_grads.size() ? input_grads[i] : Tensor();
       Tensor handed = std::move(hand_over.accumulated[i]);
       const bool took = hand_over.took[i];
@@ -598,6 +684,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
     callback();
   }
 }
+
+}  // namespace
 
 uint64_t current_backward_pass() { return current_pass; }
 

@@ -120,6 +120,8 @@ class AccumulateGrad : public Node {
   TensorList apply(TensorList&& grad_outputs) override;
   // Whether the leaf has hooks (register_hook, register_post_accumulate_grad_hook) that see its gradient arrive.
   bool leaf_has_hooks() const;
+  // grad after the leaf's register_hook hooks, as they give it to .grad (autograd::grad takes it from here).
+  Tensor hooked_gradient(Tensor grad) const;
 
  private:
   std::shared_ptr<TensorImpl> leaf_;
@@ -168,6 +170,18 @@ void check_writable(const Tensor& self, const char* op, bool records);
 // hooks whose gradient arrives through a cast from another dtype (autocast's weights) gets it at the pass's end, with
 // the other such casts in one launch; a pass that throws leaves those leaves' .grad as it was.
 void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);
+
+// torch.autograd.grad (libtorch's torch::autograd::grad) without create_graph: the gradients of `outputs` (seeded
+// with `grad_outputs`, which may be left out for single-element outputs, as backward's) with respect to each of
+// `inputs`, returned instead of accumulated: no .grad changes and only the nodes that lead to an input run. An input's
+// gradient is what reaches it after its register_hook hooks (a leaf's too); post-accumulate hooks do not run, since
+// nothing accumulates; a tensor that retains its gradient gets it where its node runs, as in backward. Every input
+// must require grad; one the outputs do not depend on is an error, or an undefined tensor with allow_unused. The
+// result is not itself differentiable.
+namespace autograd {
+TensorList grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs = {},
+                bool retain_graph = false, bool allow_unused = false);
+}  // namespace autograd
 
 // Runs `callback` when the backward pass running on this thread has run every node, before backward() returns
 // (PyTorch's Engine.queue_callback): how a gradient hook defers work to the end of the pass. Callbacks run in the

@@ -94,6 +94,13 @@ class Tensor {
   Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
   Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
   Tensor select(int64_t dim, int64_t index) const;
+  // Views along dim, in order: pieces of split_size (the last may be smaller); pieces of the given sizes (they must
+  // add up to the dim's size); `chunks` pieces of ceil(size / chunks) (fewer where that covers the dim sooner); every
+  // index (select). As PyTorch's split, split_with_sizes, chunk and unbind.
+  std::vector<Tensor> split(int64_t split_size, int64_t dim = 0) const;
+  std::vector<Tensor> split_with_sizes(const std::vector<int64_t>& sizes, int64_t dim = 0) const;
+  std::vector<Tensor> chunk(int64_t chunks, int64_t dim = 0) const;
+  std::vector<Tensor> unbind(int64_t dim = 0) const;
   Tensor operator[](int64_t index) const { return select(0, index); }
   Tensor expand(Shape shape) const;  // broadcast: size-1 dims become stride-0, -1 keeps a size
   Tensor expand_as(const Tensor& other) const { return expand(other.shape()); }
@@ -151,6 +158,7 @@ class Tensor {
   Tensor sigmoid() const;
   Tensor relu() const;
   Tensor sign() const;
+  Tensor erf() const;
   Tensor clamp(std::optional<Scalar> min, std::optional<Scalar> max) const;
   Tensor eq(const Tensor& other) const;
   Tensor ne(const Tensor& other) const;
@@ -181,12 +189,18 @@ class Tensor {
   Tensor& relu_();
   Tensor& clamp_(std::optional<Scalar> min, std::optional<Scalar> max);
   Tensor& fill_(const Scalar& value);
+  // value where mask (bool, broadcastable to this tensor's shape) is true, this tensor elsewhere (ops/elementwise.cpp).
+  Tensor masked_fill(const Tensor& mask, const Scalar& value) const;
+  Tensor& masked_fill_(const Tensor& mask, const Scalar& value);
   Tensor& zero_() { return fill_(0); }
 
   // ---- reductions (ops/reduce.cpp). Empty `dims` means every dim.
   Tensor sum(Dims dims = {}, bool keepdim = false) const;
   Tensor mean(Dims dims = {}, bool keepdim = false) const;
   Tensor var(Dims dims = {}, int64_t correction = 1, bool keepdim = false) const;
+  Tensor std(Dims dims = {}, int64_t correction = 1, bool keepdim = false) const;
+  Tensor amax(Dims dims = {}, bool keepdim = false) const;
+  Tensor amin(Dims dims = {}, bool keepdim = false) const;
   Tensor max() const;  // over all elements
   Tensor min() const;
   std::pair<Tensor, Tensor> max(int64_t dim, bool keepdim = false) const;  // (values, int64 indices)

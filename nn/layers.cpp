@@ -10,6 +10,7 @@
 #include "ops/dropout.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
+#include "ops/layer_norm.h"
 #include "ops/matmul.h"
 
 namespace halfgrad::nn {
@@ -143,9 +144,48 @@ std::string BatchNorm2d::extra_repr() const {
                      bool_str(options.track_running_stats));
 }
 
+// ---- LayerNorm
+
+namespace {
+Shape checked_normalized_shape(Shape shape) {
+  HG_CHECK(!shape.empty(), "LayerNorm: normalized_shape is empty: give the sizes of the last dims to normalise over");
+  for (int64_t& size : shape) size = size_argument("LayerNorm", "normalized_shape", size, 0);
+  return shape;
+}
+}  // namespace
+
+LayerNorm::LayerNorm(Shape normalized_shape, LayerNormOptions options, TensorOptions tensor_options)
+    : normalized_shape(checked_normalized_shape(std::move(normalized_shape))),
+      options(options),
+      weight(register_parameter("weight", options.elementwise_affine
+                                              ? ones(this->normalized_shape, param_options(tensor_options))
+                                              : Tensor())),
+      bias(register_parameter("bias", options.elementwise_affine && options.bias
+                                          ? zeros(this->normalized_shape, param_options(tensor_options))
+                                          : Tensor())) {}
+
+Tensor LayerNorm::forward(const Tensor& x) { return layer_norm(x, normalized_shape, weight, bias, options.eps); }
+
+// PyTorch's: "(8,), eps=1e-05, elementwise_affine=True" (a Python tuple).
+std::string LayerNorm::extra_repr() const {
+  const std::string sizes = normalized_shape.size() == 1 ? fmt::format("({},)", normalized_shape[0])
+                                                         : fmt::format("({})", fmt::join(normalized_shape, ", "));
+  return fmt::format("{}, eps={}, elementwise_affine={}", sizes, options.eps, bool_str(options.elementwise_affine));
+}
+
 // ---- activations, pooling, dropout
 
 Tensor ReLU::forward(const Tensor& x) { return relu(x); }
+
+GELU::GELU(std::string approximate) : approximate(std::move(approximate)) {
+  HG_CHECK(this->approximate == "none" || this->approximate == "tanh",
+           "GELU: approximate must be \"none\" or \"tanh\", got \"{}\"", this->approximate);
+}
+Tensor GELU::forward(const Tensor& x) { return gelu(x, approximate); }
+std::string GELU::extra_repr() const { return fmt::format("approximate='{}'", approximate); }  // PyTorch's
+Tensor SiLU::forward(const Tensor& x) { return silu(x); }
+Tensor Tanh::forward(const Tensor& x) { return tanh(x); }
+Tensor Sigmoid::forward(const Tensor& x) { return sigmoid(x); }
 
 MaxPool2d::MaxPool2d(Pair2d kernel_size, MaxPool2dOptions options) : kernel_size(kernel_size), options(options) {}
 

@@ -113,10 +113,62 @@ class BatchNorm2d : public Module {
   Tensor normalise(const Tensor& x, bool relu, const Tensor& residual, const Tensor& input_bias, ReluSaved saved);
 };
 
+struct LayerNormOptions {
+  double eps = 1e-5;
+  bool elementwise_affine = true;  // learnable weight (ones) and bias (zeros) of normalized_shape
+  bool bias = true;                // with elementwise_affine: false keeps the weight alone (PyTorch's bias=False)
+};
+
+// Layer normalisation over the last dims, layer_norm (ops/layer_norm.h): x (*, *normalized_shape) -> same shape, each
+// sample normalised with its own statistics in training and eval alike (no running statistics).
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(Shape normalized_shape, LayerNormOptions options = {}, TensorOptions tensor_options = {});
+  explicit LayerNorm(int64_t normalized_size, LayerNormOptions options = {}, TensorOptions tensor_options = {})
+      : LayerNorm(Shape{normalized_size}, options, tensor_options) {}
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "LayerNorm"; }
+  std::string extra_repr() const override;
+
+  const Shape normalized_shape;
+  const LayerNormOptions options;
+  Tensor& weight;  // undefined unless elementwise_affine
+  Tensor& bias;    // undefined unless elementwise_affine and bias
+};
+
 class ReLU : public Module {
  public:
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "ReLU"; }
+};
+
+// approximate: "none" or "tanh" (gelu's, ops/elementwise.h); checked at construction.
+class GELU : public Module {
+ public:
+  explicit GELU(std::string approximate = "none");
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "GELU"; }
+  std::string extra_repr() const override;
+
+  const std::string approximate;
+};
+
+class SiLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "SiLU"; }
+};
+
+class Tanh : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Tanh"; }
+};
+
+class Sigmoid : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string type_name() const override { return "Sigmoid"; }
 };
 
 // x (N, C, H, W) -> (N, C, OH, OW).

@@ -1,8 +1,10 @@
 // Elementwise ops: forward, backward and CPU kernels. The arithmetic is in ops/elementwise_math.h.
 #include "ops/elementwise.h"
 
+#include <cmath>
 #include <functional>
 #include <initializer_list>
+#include <numbers>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,8 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
 
 Tensor unary_forward(UnaryOp op, const Tensor& x) {
   const char* name = op_name(op);
+  HG_CHECK(!floating_only(op) || x.is_floating_point(),
+           "{}: expected a floating-point input, got {} (convert it with .to(kFloat32))", name, x.meta());
   HG_CHECK(x.dtype() != kBool || takes_bool(op), "{}: not supported for bool tensors ({})", name, x.meta());
   DType compute = needs_floating(op) && !x.is_floating_point() ? kDefaultFloat : x.dtype();
   Tensor in = cast_nograd(x, compute);
@@ -128,12 +132,20 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Sigmoid: return g * y * (1 - y);            // d s = s (1 - s)
     case UnaryOp::Relu: return where(y.gt(0), g, 0);         // relu_backward_math (ops/elementwise_math.h)
     case UnaryOp::Sign: return zeros_like(g);
+    case UnaryOp::Erf: return g * exp(-x * x) * (2 / std::sqrt(std::numbers::pi));  // d erf = 2/sqrt(pi) e^(-x^2)
+    // The activations' derivatives, one kernel each (their formulas: binary_math, ops/elementwise_math.h).
+    case UnaryOp::Gelu: return binary_forward(BinaryOp::GeluBackward, g, x, result_type(g, x));
+    case UnaryOp::GeluTanh: return binary_forward(BinaryOp::GeluTanhBackward, g, x, result_type(g, x));
+    case UnaryOp::Silu: return binary_forward(BinaryOp::SiluBackward, g, x, result_type(g, x));
     default: HG_FAIL("{}: not differentiable", op_name(op));
   }
 }
 
 // Which of x and y a unary op's backward reads (saving only what is needed keeps memory down).
-bool backward_uses_input(UnaryOp op) { return op == UnaryOp::Abs || op == UnaryOp::Log || op == UnaryOp::Sign; }
+bool backward_uses_input(UnaryOp op) {
+  return op == UnaryOp::Abs || op == UnaryOp::Log || op == UnaryOp::Sign || op == UnaryOp::Erf ||
+         op == UnaryOp::Gelu || op == UnaryOp::GeluTanh || op == UnaryOp::Silu;
+}
 bool backward_uses_output(UnaryOp op) {
   return op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt || op == UnaryOp::Tanh ||
          op == UnaryOp::Sigmoid || op == UnaryOp::Relu;
@@ -441,6 +453,23 @@ Tensor relu(const Tensor& x) {
   HG_AUTOCAST(relu, x);
   return unary(UnaryOp::Relu, x);
 }
+Tensor erf(const Tensor& x) {
+  HG_AUTOCAST(erf, x);
+  return unary(UnaryOp::Erf, x);
+}
+Tensor gelu(const Tensor& x, std::string_view approximate) {
+  HG_CHECK(approximate == "none" || approximate == "tanh",
+           "gelu: approximate must be \"none\" or \"tanh\", got \"{}\"", approximate);
+  HG_AUTOCAST(gelu, x, approximate);
+  check_defined("gelu", {x});
+  HG_CHECK(x.is_floating_point(), "gelu: expected a floating-point input, got {} (convert it with .to(kFloat32))",
+           x.meta());  // before the op's row, whose name for the tanh form is gelu_tanh
+  return unary(approximate == "tanh" ? UnaryOp::GeluTanh : UnaryOp::Gelu, x);
+}
+Tensor silu(const Tensor& x) {
+  HG_AUTOCAST(silu, x);
+  return unary(UnaryOp::Silu, x);
+}
 Tensor sign(const Tensor& x) { return unary(UnaryOp::Sign, x); }
 Tensor logical_not(const Tensor& x) { return unary(UnaryOp::LogicalNot, x); }
 Tensor isfinite(const Tensor& x) { return unary(UnaryOp::IsFinite, x); }
@@ -513,6 +542,16 @@ Tensor where(const Tensor& condition, const Scalar& a, const Tensor& b) {
   return where(condition, scalar_operand(a, promote_with_scalar(b.dtype(), a)), b);
 }
 
+// where(mask, value, x) with value in x's dtype (the number converted as fill_ converts it: PyTorch's rule), so the
+// result keeps x's dtype; x and mask broadcast together, as PyTorch's out-of-place masked_fill.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, const Scalar& value) {
+  check_defined("masked_fill", {x, mask});
+  HG_CHECK(mask.dtype() == kBool, "masked_fill: expected a bool mask, got {} for input {}", mask.meta(), x.meta());
+  HG_CHECK(fits_dtype(value, x.dtype()), "masked_fill: {} cannot be converted to {} without overflow", value.str(),
+           x.meta());
+  return where(mask, scalar_operand(value, x.dtype()), x);
+}
+
 Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
 Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
 Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
@@ -557,6 +596,7 @@ Tensor Tensor::tanh() const { return halfgrad::tanh(*this); }
 Tensor Tensor::sigmoid() const { return halfgrad::sigmoid(*this); }
 Tensor Tensor::relu() const { return halfgrad::relu(*this); }
 Tensor Tensor::sign() const { return halfgrad::sign(*this); }
+Tensor Tensor::erf() const { return halfgrad::erf(*this); }
 Tensor Tensor::clamp(std::optional<Scalar> min, std::optional<Scalar> max) const { return halfgrad::clamp(*this, min, max); }
 Tensor Tensor::eq(const Tensor& other) const { return halfgrad::eq(*this, other); }
 Tensor Tensor::ne(const Tensor& other) const { return halfgrad::ne(*this, other); }
@@ -619,6 +659,17 @@ Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
   return inplace(*this, "clamp_", {}, [&](const Tensor& s) { return halfgrad::clamp(s, min, max); });
 }
 
+Tensor Tensor::masked_fill(const Tensor& mask, const Scalar& value) const {
+  return halfgrad::masked_fill(*this, mask, value);
+}
+Tensor& Tensor::masked_fill_(const Tensor& mask, const Scalar& value) {
+  check_defined("masked_fill_", {*this, mask});
+  HG_CHECK(broadcast_shapes(shape(), mask.shape(), "masked_fill_") == shape(),
+           "masked_fill_: mask {} does not broadcast to the shape of {}, which an in-place write keeps", mask.meta(),
+           meta());
+  return inplace(*this, "masked_fill_", {mask}, [&](const Tensor& s) { return halfgrad::masked_fill(s, mask, value); });
+}
+
 Tensor& Tensor::operator=(const Scalar& value) && {
   // Where autograd sees the write, copy_ records it or refuses it as any in-place write (a view of a tensor that
   // requires grad); fill_ is never recorded.
@@ -655,7 +706,9 @@ void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
     dispatch_unary_op(op, [&]<UnaryOp OP>() {
       using M = opmath_t<T>;
       // auto operands: float16 arrives as float in contiguous runs (cpu::map)
-      if constexpr (is_predicate(OP)) {
+      if constexpr (floating_only(OP) && !std::is_floating_point_v<M>) {
+        HG_FAIL("{}: not supported for {} tensors", op_name(op), in.meta());
+      } else if constexpr (is_predicate(OP)) {
         cpu::map<bool, T>(out, [](auto x) { return bool(unary_math<OP>(M(x))); }, {in});
       } else if constexpr (!std::is_same_v<T, bool>) {
         cpu::map<T, T>(out, [](auto x) { return cpu::widened_t<T>(unary_math<OP>(M(x))); }, {in});
@@ -691,7 +744,9 @@ void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b
   dispatch_all(a.dtype(), op_name(op), [&]<typename T>() {
     dispatch_binary_op(op, [&]<BinaryOp OP>() {
       using M = opmath_t<T>;
-      if constexpr (is_predicate(OP)) {
+      if constexpr (floating_only(OP) && !std::is_floating_point_v<M>) {
+        HG_FAIL("{}: not supported for {} operands", op_name(op), a.meta());
+      } else if constexpr (is_predicate(OP)) {
         cpu::map<bool, T, T>(out, [](auto x, auto y) { return bool(binary_math<OP>(M(x), M(y))); }, {a, b});
       } else {
         cpu::map<T, T, T>(

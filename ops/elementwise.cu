@@ -29,11 +29,12 @@ template <typename T> struct FillFn {
 };
 
 // The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
-// math functions get floating inputs (integers and bool are cast to float32 first), bool only the others that take it.
+// math functions get floating inputs (integers and bool are cast to float32 first), the floating-only ones (gelu,
+// silu) floating inputs alone, bool only the others that take it.
 // Kernels are instantiated for these pairs only, which keeps nvcc's work down.
 template <UnaryOp OP, typename T> constexpr bool unary_supported() {
   if constexpr (std::is_same_v<T, bool>) return takes_bool(OP) && !needs_floating(OP);
-  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP);
+  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP) && !floating_only(OP);
   else return true;
 }
 

@@ -3,6 +3,7 @@
 // The public functions, their backward formulas and the CPU kernels are in ops/elementwise.cpp; the
 // arithmetic itself in ops/elementwise_math.h; the CUDA kernels in ops/elementwise.cu.
 #include <optional>
+#include <string_view>
 
 #include "core/dispatch.h"
 #include "core/tensor.h"
@@ -36,6 +37,12 @@ Tensor tanh(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor relu(const Tensor& x);
 Tensor sign(const Tensor& x);
+Tensor erf(const Tensor& x);  // the error function, 2/sqrt(pi) * integral of e^(-t^2) from 0 to x
+// GELU (torch.nn.functional.gelu): x * Phi(x), Phi the standard normal's distribution function, with approximate
+// "none" (through erf) or "tanh" (Hendrycks and Gimpel's tanh form). silu (swish): x * sigmoid(x). Floating inputs
+// only, as PyTorch's; autocast "unchanged" (a float16 input is computed in float32 and rounded once).
+Tensor gelu(const Tensor& x, std::string_view approximate = "none");
+Tensor silu(const Tensor& x);
 Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max);
 Tensor eq(const Tensor& a, const Tensor& b);
 Tensor ne(const Tensor& a, const Tensor& b);
@@ -50,6 +57,9 @@ Tensor isfinite(const Tensor& x);
 Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b);  // a where condition, else b
 Tensor where(const Tensor& condition, const Tensor& a, const Scalar& b);
 Tensor where(const Tensor& condition, const Scalar& a, const Tensor& b);
+// value where mask (bool) is true, x elsewhere, in x's dtype; x and mask broadcast together (Tensor::masked_fill_ keeps
+// x's shape). Gradient: x's where the mask is false.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, const Scalar& value);
 
 Tensor operator+(const Tensor& a, const Tensor& b);
 Tensor operator-(const Tensor& a, const Tensor& b);

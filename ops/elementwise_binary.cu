@@ -1,6 +1,7 @@
 // Binary elementwise ops on CUDA (add, mul, comparisons, ...): the kernel behind binary_kernel. In its own
 // file, apart from ops/elementwise.cu, because it holds most of the elementwise instantiations (15 ops x 8
-// dtypes): two files compile in parallel. Arithmetic: ops/elementwise_math.h; loops: ops/cuda_loops.cuh.
+// dtypes, and 3 more on the 4 floating ones): two files compile in parallel. Arithmetic: ops/elementwise_math.h;
+// loops: ops/cuda_loops.cuh.
 // elementwise_math.h compares with zero generically, which is pointless (and harmless) for unsigned types.
 #pragma nv_diag_suppress 186
 
@@ -22,11 +23,11 @@ template <BinaryOp OP, typename T> struct BinaryFn {
   }
 };
 // The (op, dtype) pairs the op layer (ops/elementwise.cpp) can send, by the op's row in ops/elementwise_math.h:
-// bool takes only the ops that allow it and integer or bool division is true division (computed in float). Kernels are
-// instantiated for these pairs only.
+// bool takes only the ops that allow it, integer or bool division is true division (computed in float) and the
+// activations' derivatives take floating operands alone. Kernels are instantiated for these pairs only.
 template <BinaryOp OP, typename T> constexpr bool binary_supported() {
   if constexpr (std::is_same_v<T, bool>) return takes_bool(OP) && !needs_floating(OP);
-  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP);
+  else if constexpr (std::is_integral_v<T>) return !needs_floating(OP) && !floating_only(OP);
   else return true;
 }
 

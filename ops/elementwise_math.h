@@ -16,6 +16,7 @@ namespace halfgrad {
 //   Plain      the result has the (promoted) input dtype
 //   Math       a math function: an integer input is computed in the default float dtype (exp(int) is float32)
 //   Predicate  the result is bool whatever the input dtype
+//   Floating   a floating input only: an integer or bool one is refused (PyTorch's gelu and silu refuse them)
 // and "takes bool" whether a bool input is allowed, as PyTorch allows it (the others ask for a conversion first; a
 // Math op computes bool, as any integer, in the default float dtype: exp(bool) and bool / bool are float32). Adding
 // an op: its row here, its case in unary_math / binary_math below, its derivative in ops/elementwise.cpp
@@ -24,15 +25,21 @@ namespace halfgrad {
   X(Neg, "neg", Plain, false) X(Abs, "abs", Plain, true) X(Exp, "exp", Math, true) X(Log, "log", Math, true) \
   X(Sqrt, "sqrt", Math, true) X(Rsqrt, "rsqrt", Math, true) X(Tanh, "tanh", Math, true)                     \
   X(Sigmoid, "sigmoid", Math, true) X(Relu, "relu", Plain, false) X(Sign, "sign", Plain, true)             \
-  X(LogicalNot, "logical_not", Predicate, true) X(IsFinite, "isfinite", Predicate, true)
+  X(LogicalNot, "logical_not", Predicate, true) X(IsFinite, "isfinite", Predicate, true)                 \
+  X(Erf, "erf", Math, true) X(Gelu, "gelu", Floating, false) X(GeluTanh, "gelu_tanh", Floating, false)      \
+  X(Silu, "silu", Floating, false)
+// The *Backward rows are the activations' derivatives, g * f'(x) for a (g, x) pair in one kernel, which only
+// unary_backward (ops/elementwise.cpp) calls: they are not differentiable themselves.
 #define HG_BINARY_OPS(X)                                                                                        \
   X(Add, "add", Plain, true) X(Sub, "sub", Plain, false) X(Mul, "mul", Plain, true) X(Div, "div", Math, true) \
   X(Pow, "pow", Plain, false) X(Maximum, "maximum", Plain, true) X(Minimum, "minimum", Plain, true)            \
   X(Eq, "eq", Predicate, true) X(Ne, "ne", Predicate, true) X(Lt, "lt", Predicate, true)                       \
   X(Le, "le", Predicate, true) X(Gt, "gt", Predicate, true) X(Ge, "ge", Predicate, true)                       \
-  X(LogicalAnd, "logical_and", Predicate, true) X(LogicalOr, "logical_or", Predicate, true)
+  X(LogicalAnd, "logical_and", Predicate, true) X(LogicalOr, "logical_or", Predicate, true)                   \
+  X(GeluBackward, "gelu_backward", Floating, false) X(GeluTanhBackward, "gelu_tanh_backward", Floating, false)  \
+  X(SiluBackward, "silu_backward", Floating, false)
 
-enum class ElementwiseKind : uint8_t { Plain, Math, Predicate };
+enum class ElementwiseKind : uint8_t { Plain, Math, Predicate, Floating };
 
 #define HG_ELEMENTWISE_ENUM(op, name, kind, takes_bool) op,
 enum class UnaryOp : uint8_t { HG_UNARY_OPS(HG_ELEMENTWISE_ENUM) };
@@ -74,6 +81,10 @@ template <typename Op> HG_HOST_DEVICE constexpr bool is_predicate(Op op) {
 template <typename Op> HG_HOST_DEVICE constexpr bool needs_floating(Op op) {
   return rules_of(op).kind == ElementwiseKind::Math;
 }
+// Ops that refuse integer and bool inputs.
+template <typename Op> HG_HOST_DEVICE constexpr bool floating_only(Op op) {
+  return rules_of(op).kind == ElementwiseKind::Floating;
+}
 // Ops that take bool inputs (the others ask for a conversion first).
 template <typename Op> HG_HOST_DEVICE constexpr bool takes_bool(Op op) { return rules_of(op).takes_bool; }
 
@@ -88,8 +99,20 @@ template <typename T> struct Wrapping<T, true> {
 };
 template <typename T> using wrapping_t = typename Wrapping<T>::type;
 
+// GELU's constants, PyTorch's: the exact form is x * Phi(x), Phi the standard normal's distribution function,
+//   gelu(x) = x / 2 * (1 + erf(x / sqrt(2))),   gelu'(x) = Phi(x) + x * exp(-x^2 / 2) / sqrt(2 pi);
+// the tanh approximation (approximate = "tanh"), with u = sqrt(2 / pi) * (x + 0.044715 x^3),
+//   gelu(x) = x / 2 * (1 + tanh(u)),   gelu'(x) = (1 + tanh(u)) / 2 + x / 2 * (1 - tanh(u)^2) * du/dx.
+namespace gelu_constants {
+inline constexpr double kSqrtHalf = 0.70710678118654752440;           // 1 / sqrt(2)
+inline constexpr double kInvSqrt2Pi = 0.39894228040143267794;         // 1 / sqrt(2 pi)
+inline constexpr double kSqrt2OverPi = 0.79788456080286535588;        // sqrt(2 / pi)
+inline constexpr double kCubic = 0.044715;
+}  // namespace gelu_constants
+
 template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
-  using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::isfinite;
+  using std::abs, std::exp, std::log, std::sqrt, std::tanh, std::isfinite, std::erf;
+  using namespace gelu_constants;
   using W = wrapping_t<T>;
   // (-x, not 0 - x, for floating x: -0.0 is the negation of +0.0)
   if constexpr (OP == UnaryOp::Neg) { if constexpr (std::is_integral_v<T>) return T(W(0) - W(x)); else return T(-x); }
@@ -108,6 +131,11 @@ template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
   else if constexpr (OP == UnaryOp::IsFinite) {
     if constexpr (std::is_floating_point_v<T>) return bool(isfinite(x)); else return true;
   }
+  else if constexpr (OP == UnaryOp::Erf) return erf(x);
+  else if constexpr (OP == UnaryOp::Gelu) return x * T(0.5) * (T(1) + erf(x * T(kSqrtHalf)));
+  else if constexpr (OP == UnaryOp::GeluTanh)
+    return T(0.5) * x * (T(1) + tanh(T(kSqrt2OverPi) * (x + T(kCubic) * (x * x * x))));
+  else if constexpr (OP == UnaryOp::Silu) return x / (T(1) + exp(-x));
 }
 
 // relu's backward from its output: the gradient g passes where y > 0 and is 0 elsewhere (at x == 0 and for NaN, as
@@ -115,7 +143,8 @@ template <UnaryOp OP, typename T> HG_HOST_DEVICE inline auto unary_math(T x) {
 template <typename T> HG_HOST_DEVICE inline T relu_backward_math(T g, T y) { return y > T(0) ? g : T(0); }
 
 template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T b) {
-  using std::pow;
+  using std::pow, std::erf, std::exp, std::tanh;
+  using namespace gelu_constants;
   using W = wrapping_t<T>;
   if constexpr (OP == BinaryOp::Add) return T(W(a) + W(b));
   else if constexpr (OP == BinaryOp::Sub) return T(W(a) - W(b));
@@ -143,6 +172,18 @@ template <BinaryOp OP, typename T> HG_HOST_DEVICE inline auto binary_math(T a, T
   else if constexpr (OP == BinaryOp::Ge) return a >= b;
   else if constexpr (OP == BinaryOp::LogicalAnd) return bool(a) && bool(b);
   else if constexpr (OP == BinaryOp::LogicalOr) return bool(a) || bool(b);
+  // The activations' derivatives: a is the output's gradient g, b the input x (formulas above unary_math).
+  else if constexpr (OP == BinaryOp::GeluBackward) {
+    const T cdf = T(0.5) * (T(1) + erf(b * T(kSqrtHalf)));
+    return a * (cdf + b * (exp(T(-0.5) * b * b) * T(kInvSqrt2Pi)));
+  } else if constexpr (OP == BinaryOp::GeluTanhBackward) {
+    const T t = tanh(T(kSqrt2OverPi) * (b + T(kCubic) * (b * b * b)));
+    const T du = T(kSqrt2OverPi) * (T(1) + T(3) * T(kCubic) * (b * b));
+    return a * (T(0.5) * (T(1) + t) + T(0.5) * b * (T(1) - t * t) * du);
+  } else if constexpr (OP == BinaryOp::SiluBackward) {
+    const T s = T(1) / (T(1) + exp(-b));  // silu'(x) = s (1 + x (1 - s)), s = sigmoid(x)
+    return a * s * (T(1) + b * (T(1) - s));
+  }
 }
 
 // The conversion rule of every dtype-converting copy (CPU and CUDA): through the compute types, so halves

@@ -1,7 +1,8 @@
 #pragma once
 // The softmax normaliser on CUDA, shared by softmax / log_softmax (ops/softmax.cu), cross_entropy (ops/loss.cu) and
 // linear_cross_entropy (ops/linear_cross_entropy.cu): the running (max, sum of exp) pair of a set of elements, merged
-// across the threads of a row. The row kernels read a row in 16-byte vectors (ops/vec16.cuh).
+// across the threads of a row. The row kernels read a row in 16-byte vectors (ops/vec16.cuh). row_reduce below serves
+// any row-wise reduction (layer_norm's statistics too: ops/layer_norm.cu).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -45,6 +46,9 @@ template <typename A> __device__ __forceinline__ A shuffle_xor(A v, int mask) {
 
 struct MergeOp {
   template <typename A> __device__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
+};
+struct AddOp {  // a plain sum over a row (softmax's backward, layer_norm's statistics)
+  template <typename A> __device__ A operator()(A a, A b) const { return a + b; }
 };
 
 // Reduces v over the TX threads of a row (threadIdx.x); every thread of the row gets the result. TX is 32

@@ -132,8 +132,10 @@ bool can_stage(ReduceOp op) {
 //      transposed. A mean of the first-stage means is the whole mean, since each of them averages as many elements.
 //      Not for float16/bfloat16, whose intermediate would be rounded to 16 bits.
 //   d. anything else: copy x with its reduced dims moved to the end, then as in (a).
-ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp reduce_op) {
-  const char* op = reduce_op_name(reduce_op);
+// name: the public op's, for errors (amax's plan reduces with Max), where it differs from reduce_op's.
+ReductionPlan plan_reduction(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp reduce_op,
+                             const char* name = nullptr) {
+  const char* op = name ? name : reduce_op_name(reduce_op);
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", op);
   const int64_t ndim = x.dim();
   ReductionPlan p;
@@ -322,27 +324,54 @@ Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
   return out;
 }
 
+// Autocast category "float32" (var's). The square root of var; its backward, as PyTorch's std_backward, passes 0
+// where the result is 0 (a constant input) instead of 0 * inf = nan: g / (2 std) into var's backward.
+Tensor std(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
+  HG_AUTOCAST(std, x, dims, correction, keepdim);
+  HG_CHECK(x.defined(), "std: the input is an undefined tensor");
+  check_floating(x, "std");
+  const Tensor variance = var(x, std::move(dims), correction, keepdim);
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = sqrt(variance);
+  }
+  record("StdBackward", {variance}, {out}, [saved = SavedTensor(out, "std")](const GradContext& g) -> TensorList {
+    const Tensor& s = saved.get();
+    return {where(s.eq(0), 0, g[0].div(s.mul(2)))};
+  });
+  return out;
+}
+
 namespace {
 
-// max() / min() over every element.
-Tensor extreme_all(const Tensor& x, ReduceOp op) {
-  const char* name = reduce_op_name(op);
+// max() / min() over every element (name "max" / "min", dims empty, nan_ties), amax / amin over dims: the values
+// alone. nan_ties: a nan result's gradient goes to the nans (below).
+Tensor extreme_values(const char* name, const Tensor& x, const Dims& dims, bool keepdim, ReduceOp op, bool nan_ties) {
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", name);
-  HG_CHECK(x.numel() > 0, "{}: cannot reduce the empty tensor {} (there is no identity); use {}(dim) on a "
-           "non-empty dim instead", name, x.meta(), name);
-  ReductionPlan p = plan_reduction(x, {}, false, op);
-  Tensor out = empty({}, {.dtype = x.dtype(), .device = x.device()});
+  HG_CHECK(!dims.empty() || x.numel() > 0, "{}: cannot reduce the empty tensor {} (there is no identity); use {}(dim) "
+           "on a non-empty dim instead", name, x.meta(), name);
+  ReductionPlan p = plan_reduction(x, dims, keepdim, op, name);
+  for (size_t d = 0; d < p.mask.size(); ++d)
+    HG_CHECK(!p.mask[d] || x.size(int64_t(d)) > 0,
+             "{}: cannot reduce over dim {} of {}, which has size 0 (there is no identity)", name, d, x.meta());
+  Tensor out = empty(p.out_shape, {.dtype = x.dtype(), .device = x.device()});
   run_reduction(op, p, out, Tensor());
-  // backward: the gradient is split evenly among the elements equal to the result (as PyTorch's
-  // max()/amax); when the result is nan, among the nans.
-  record(op == ReduceOp::Max ? "MaxAllBackward" : "MinAllBackward", {x}, {out},
-         [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name)](const GradContext& g) -> TensorList {
+  // backward: the gradient is split evenly among the elements equal to their result, as PyTorch's max() and amax.
+  // Where the result is nan: max() and min() split it among the nans (PyTorch's evenly_distribute_backward); amax and
+  // amin find no element equal to it and give the group nan (PyTorch's scale_grad_by_count: g / 0 * 0).
+  record(backward_name(name), {x}, {out},
+         [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name), mask = p.mask, keepdim,
+          nan_ties](const GradContext& g) -> TensorList {
            const Tensor& xs = saved_x.get();
-           const Tensor& result = saved_out.get();
+           const Tensor result = unsqueeze_reduced(saved_out.get(), mask, keepdim);
+           const Tensor ties = nan_ties ? logical_or(xs.eq(result), logical_and(xs.ne(xs), result.ne(result)))
+                                        : xs.eq(result);
            // The ties counted in int64 and divided into the gradient in float32 (a float16 count rounds: 100,000
-           // equal elements summed to inf, a zero gradient; a 0-d int64 count beside a 0-d float16 g would be cast to it).
-           Tensor mask = logical_or(xs.eq(result), logical_and(xs.ne(xs), result.ne(result)));
-           return {mask.to(xs.dtype()).mul(g[0].div(mask.sum().to(kFloat32)))};
+           // equal elements summed to inf, a zero gradient), the share rounded once to x's dtype.
+           const Tensor count = ties.sum(reduced_dims(mask), /*keepdim=*/true).to(kFloat32);
+           const Tensor share = unsqueeze_reduced(g[0], mask, keepdim).div(count).to(xs.dtype());
+           return {ties.to(xs.dtype()).mul(share)};
          });
   return out;
 }
@@ -405,11 +434,19 @@ Tensor logical_reduction(const Tensor& x, const Dims& dims, bool keepdim, Reduce
 // cast them anyway, only its trace does not name them.)
 Tensor max(const Tensor& x) {
   HG_AUTOCAST(max, x);
-  return extreme_all(x, ReduceOp::Max);
+  return extreme_values("max", x, {}, false, ReduceOp::Max, /*nan_ties=*/true);
 }
 Tensor min(const Tensor& x) {
   HG_AUTOCAST(min, x);
-  return extreme_all(x, ReduceOp::Min);
+  return extreme_values("min", x, {}, false, ReduceOp::Min, /*nan_ties=*/true);
+}
+Tensor amax(const Tensor& x, Dims dims, bool keepdim) {
+  HG_AUTOCAST(amax, x, dims, keepdim);
+  return extreme_values("amax", x, dims, keepdim, ReduceOp::Max, /*nan_ties=*/false);
+}
+Tensor amin(const Tensor& x, Dims dims, bool keepdim) {
+  HG_AUTOCAST(amin, x, dims, keepdim);
+  return extreme_values("amin", x, dims, keepdim, ReduceOp::Min, /*nan_ties=*/false);
 }
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   HG_AUTOCAST(max, x, dim, keepdim);
@@ -432,6 +469,11 @@ Tensor Tensor::mean(Dims dims, bool keepdim) const { return halfgrad::mean(*this
 Tensor Tensor::var(Dims dims, int64_t correction, bool keepdim) const {
   return halfgrad::var(*this, std::move(dims), correction, keepdim);
 }
+Tensor Tensor::std(Dims dims, int64_t correction, bool keepdim) const {
+  return halfgrad::std(*this, std::move(dims), correction, keepdim);
+}
+Tensor Tensor::amax(Dims dims, bool keepdim) const { return halfgrad::amax(*this, std::move(dims), keepdim); }
+Tensor Tensor::amin(Dims dims, bool keepdim) const { return halfgrad::amin(*this, std::move(dims), keepdim); }
 Tensor Tensor::max() const { return halfgrad::max(*this); }
 Tensor Tensor::min() const { return halfgrad::min(*this); }
 std::pair<Tensor, Tensor> Tensor::max(int64_t dim, bool keepdim) const { return halfgrad::max(*this, dim, keepdim); }

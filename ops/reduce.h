@@ -1,5 +1,5 @@
 #pragma once
-// Reductions: sum, mean, var, max/min (with indices), argmax/argmin, all/any.
+// Reductions: sum, mean, var, std, max/min (with indices), amax/amin, argmax/argmin, all/any.
 //
 // Path from the public op to the kernel (ops/reduce.cpp):
 //   Tensor::sum / halfgrad::sum  ->  run_reduction()  ->  reduce_kernel[device](ReduceArgs)
@@ -25,9 +25,16 @@ Tensor sum(const Tensor& x, Dims dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& x, Dims dims = {}, bool keepdim = false);
 // Variance with `correction` subtracted from the count (1: Bessel's unbiased estimate, 0: population).
 Tensor var(const Tensor& x, Dims dims = {}, int64_t correction = 1, bool keepdim = false);
+// Standard deviation: the square root of var (the same correction); its gradient where it is 0 is 0, as PyTorch's.
+Tensor std(const Tensor& x, Dims dims = {}, int64_t correction = 1, bool keepdim = false);
 // Over all elements; nan if any element is nan. Empty input is an error.
 Tensor max(const Tensor& x);
 Tensor min(const Tensor& x);
+// The largest / smallest values over dims (every dim where empty), nan if any of them is nan; a reduced dim of size 0
+// is an error. Gradient: split evenly among the elements equal to their result, as PyTorch's amax / amin (a nan
+// result, which no element equals, gives its group nan, as PyTorch's; max() gives it to the nans).
+Tensor amax(const Tensor& x, Dims dims = {}, bool keepdim = false);
+Tensor amin(const Tensor& x, Dims dims = {}, bool keepdim = false);
 // Along one dim: (values, int64 indices of the first occurrence; a nan wins and its first index is taken).
 std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false);
 std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim = false);

@@ -8,6 +8,7 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/stack.h"
 
 namespace halfgrad {
 
@@ -217,6 +218,78 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
                    r.select(d, index).copy_(g);
                    return r;
                  });
+}
+
+namespace {
+
+// Views of x along d: consecutive ranges of the given sizes (split, split_with_sizes, chunk), or each index (unbind,
+// `ranges` false); `name` names their node. One node for all of them, whose backward joins their gradients (cat, or stack for unbind; the
+// engine gives a piece without one zeros): one pass, where a node per piece (narrow's) would each write a
+// zeros tensor of x's whole size.
+std::vector<Tensor> pieces_along(const char* name, const Tensor& x, int64_t d, const std::vector<int64_t>& sizes,
+                                 bool ranges) {
+  std::vector<Tensor> pieces;
+  int64_t start = 0;
+  for (int64_t size : sizes) {
+    Shape shape = x.shape(), strides = x.strides();
+    if (ranges) {
+      shape[size_t(d)] = size;
+    } else {
+      shape.erase(shape.begin() + d);
+      strides.erase(strides.begin() + d);
+    }
+    pieces.push_back(make_view(x, shape, strides, x.offset() + start * x.stride(d)));
+    start += ranges ? size : 1;
+  }
+  record(backward_name(name), {x}, pieces, [d, ranges, n = pieces.size()](const GradContext& g) -> TensorList {
+    TensorList grads;
+    for (size_t i = 0; i < n; ++i) grads.push_back(g[i]);
+    return {ranges ? cat(grads, d) : stack(grads, d)};
+  });
+  return pieces;
+}
+
+}  // namespace
+
+std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, int64_t d) const {
+  d = wrap_existing_dim(d, dim(), "split_with_sizes");
+  int64_t total = 0;
+  for (int64_t size : sizes) {
+    HG_CHECK(size >= 0 && !__builtin_add_overflow(total, size, &total),
+             "split_with_sizes: sizes {} hold a negative size or overflow", shape_str(sizes));
+  }
+  HG_CHECK(total == size(d), "split_with_sizes: sizes {} add up to {}, but dim {} of {} has size {}", shape_str(sizes),
+           total, d, meta(), size(d));
+  return pieces_along("split_with_sizes", *this, d, sizes, /*ranges=*/true);
+}
+
+std::vector<Tensor> Tensor::split(int64_t split_size, int64_t d) const {
+  d = wrap_existing_dim(d, dim(), "split");
+  const int64_t n = size(d);
+  HG_CHECK(split_size > 0 || (split_size == 0 && n == 0),
+           "split: split_size must be positive (0 only for a dim of size 0), got {} for dim {} of {}", split_size, d,
+           meta());
+  std::vector<int64_t> sizes;
+  for (int64_t start = 0; start < n; start += sizes.back()) sizes.push_back(std::min(split_size, n - start));
+  if (sizes.empty()) sizes.push_back(0);  // a dim of size 0: one empty piece, as PyTorch's
+  return pieces_along("split", *this, d, sizes, /*ranges=*/true);
+}
+
+std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t d) const {
+  d = wrap_existing_dim(d, dim(), "chunk");
+  HG_CHECK(chunks > 0, "chunk: chunks must be positive, got {} for {}", chunks, meta());
+  const int64_t n = size(d);
+  // (the node is "SplitBackward", as PyTorch's chunk, which splits)
+  if (n == 0) return pieces_along("split", *this, d, std::vector<int64_t>(size_t(chunks), 0), /*ranges=*/true);
+  const int64_t piece = n / chunks + (n % chunks != 0);  // ceil(n / chunks) without overflow
+  std::vector<int64_t> sizes;
+  for (int64_t start = 0; start < n; start += sizes.back()) sizes.push_back(std::min(piece, n - start));
+  return pieces_along("split", *this, d, sizes, /*ranges=*/true);
+}
+
+std::vector<Tensor> Tensor::unbind(int64_t d) const {
+  d = wrap_existing_dim(d, dim(), "unbind");
+  return pieces_along("unbind", *this, d, std::vector<int64_t>(size_t(size(d)), 1), /*ranges=*/false);
 }
 
 Tensor Tensor::expand(Shape new_shape) const {

@@ -21,10 +21,6 @@ using namespace log_sum_exp;
 
 constexpr int kColumnThreads = 256;
 
-struct AddOp {
-  template <typename A> __device__ A operator()(A a, A b) const { return a + b; }
-};
-
 template <typename T, int TX, int ROWS>
 __global__ void __launch_bounds__(TX * ROWS) softmax_rows_kernel(T* out, const T* in, int64_t outer, int64_t size,
                                                                  bool log) {

@@ -508,3 +508,97 @@ TEST_CASE("cuda: a 0-d gradient on the CPU moves to its output's device, another
   CHECK_THROWS_WITH_AS((x * 3).backward(ones({2})), doctest::Contains("backward: gradient float32[2] cpu for tensor 0 "
                                                                        "of the outputs is on another device"), Error);
 }
+
+TEST_CASE("autograd::grad returns the gradients of the inputs and leaves every .grad as it was") {
+  Tensor x = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor w = tensor<double>({4, 5, 6}).requires_grad_();
+  Tensor y = (x * w).sum() + (x * x).sum();
+  const TensorList g = autograd::grad({y}, {x, w});
+  REQUIRE(g.size() == 2);
+  CHECK(values(g[0]) == std::vector<double>{6, 9, 12});  // w + 2x
+  CHECK(values(g[1]) == std::vector<double>{1, 2, 3});   // x
+  CHECK(!x.grad().defined());
+  CHECK(!w.grad().defined());
+  // The graph was freed (retain_graph false): a second pass through it is refused, as PyTorch's.
+  CHECK_THROWS_WITH_AS(autograd::grad({y}, {x}), doctest::Contains("a second time"), Error);
+  // With retain_graph, twice the same; then backward accumulates as always.
+  Tensor z = (x * w).sum();
+  CHECK(values(autograd::grad({z}, {w}, {}, /*retain_graph=*/true)[0]) == std::vector<double>{1, 2, 3});
+  CHECK(values(autograd::grad({z}, {w}, {}, true)[0]) == std::vector<double>{1, 2, 3});
+  z.backward();
+  CHECK(values(x.grad()) == std::vector<double>{4, 5, 6});
+}
+
+TEST_CASE("autograd::grad of an intermediate tensor, with grad_outputs, several outputs, and the same input twice") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  Tensor h = x * 3;
+  Tensor y = h * h;  // dy/dh = 2h = (6, 12)
+  const TensorList g = autograd::grad({y}, {h, x, h}, {tensor<double>({1, 10})});
+  CHECK(values(g[0]) == std::vector<double>{6, 120});
+  CHECK(values(g[1]) == std::vector<double>{18, 360});  // through h: 3 * 2h
+  CHECK(values(g[2]) == values(g[0]));
+  CHECK(!x.grad().defined());
+  // Two outputs: their gradients add, as backward({a, b}).
+  Tensor a = x.sum(), b = (x * x).sum();
+  CHECK(values(autograd::grad({a, b}, {x})[0]) == std::vector<double>{3, 5});
+  // The output itself is an input: its seed.
+  Tensor s = (x * 2).sum();
+  CHECK(values(autograd::grad({s}, {s})[0]) == std::vector<double>{1});
+}
+
+TEST_CASE("autograd::grad runs only the nodes that lead to an input, and no leaf accumulates") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  Tensor w = tensor<double>({3, 4}).requires_grad_();
+  int w_branch = 0;
+  Tensor wx = w * 2;
+  wx.register_hook([&](const Tensor&) {
+    ++w_branch;
+    return Tensor();
+  });
+  Tensor y = (x * wx).sum();
+  CHECK(values(autograd::grad({y}, {x})[0]) == std::vector<double>{6, 8});
+  CHECK(w_branch == 0);  // w's side of the graph did not run
+  CHECK(!w.grad().defined());
+  // An input's register_hook hooks change what is returned (a leaf's too), as they change what .grad would get.
+  Tensor v = tensor<double>({1, 1}).requires_grad_();
+  v.register_hook([](const Tensor& g) { return g * 10; });
+  int accumulated = 0;
+  v.register_post_accumulate_grad_hook([&](const Tensor&) { ++accumulated; });
+  CHECK(values(autograd::grad({(v * 3).sum()}, {v})[0]) == std::vector<double>{30, 30});
+  CHECK(accumulated == 0);
+  CHECK(!v.grad().defined());
+}
+
+TEST_CASE("autograd::grad refuses inputs without grad and unused inputs, unless allow_unused") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  Tensor unused = tensor<double>({5}).requires_grad_();
+  Tensor constant = tensor<double>({1, 2});
+  CHECK_THROWS_WITH_AS(autograd::grad({(x * 2).sum()}, {constant}),
+                       doctest::Contains("autograd::grad: input 0 (float64[2] cpu) does not require grad"), Error);
+  CHECK_THROWS_WITH_AS(autograd::grad({(x * 2).sum()}, {x, unused}),
+                       doctest::Contains("autograd::grad: input 1 (float64[1] cpu) is not used in the graph of the "
+                                         "outputs; pass allow_unused = true"), Error);
+  const TensorList g = autograd::grad({(x * 2).sum()}, {unused, x}, {}, false, /*allow_unused=*/true);
+  CHECK(!g[0].defined());
+  CHECK(values(g[1]) == std::vector<double>{2, 2});
+  CHECK_THROWS_WITH_AS(autograd::grad({x * 2}, {x}), doctest::Contains("autograd::grad: a gradient can be left out "
+                                                                        "only for single-element outputs"), Error);
+  CHECK_THROWS_WITH_AS(autograd::grad({constant.sum()}, {x}),
+                       doctest::Contains("autograd::grad: tensor 0 of the outputs (float64[] cpu) does not require "
+                                         "grad"), Error);
+}
+
+TEST_CASE("autograd::grad matches backward's gradients through a small network, and a gradient penalty's first pass") {
+  manual_seed(351);
+  nn::Sequential net({std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::GELU>(),
+                      std::make_shared<nn::LayerNorm>(8), std::make_shared<nn::Linear>(8, 1)});
+  net.to(kFloat64);
+  const Tensor x = randn({5, 4}, {.dtype = kFloat64}).requires_grad_();
+  const TensorList params = net.parameters();
+  TensorList inputs = params;
+  inputs.push_back(x);
+  const TensorList g = autograd::grad({net(x).sum()}, inputs);
+  net(x).sum().backward();
+  for (size_t i = 0; i < params.size(); ++i) CHECK(values(g[i]) == values(params[i].grad()));
+  CHECK(values(g.back()) == values(x.grad()));
+}

@@ -698,3 +698,53 @@ TEST_CASE("autocast runs rsqrt in float32, as PyTorch's autocast does") {
   CHECK(r.dtype() == kFloat32);
   CHECK(r.item<double>() == doctest::Approx(1.0 / std::sqrt(double(Half(1e-6f)))).epsilon(1e-6));
 }
+
+TEST_CASE("masked_fill writes the value where the mask is true, in the input's dtype, as PyTorch's") {
+  const Tensor x = arange(6).view({2, 3});
+  const Tensor mask = tensor<bool>({true, false, true});
+  CHECK(values(x.masked_fill(mask, -1)) == std::vector<double>{-1, 1, -1, -1, 4, -1});
+  CHECK(x.masked_fill(mask, 2.7).dtype() == kInt64);  // the value converted to int64, as fill_ converts it
+  CHECK(values(x.masked_fill(mask, 2.7)) == std::vector<double>{2, 1, 2, 2, 4, 2});
+  // Out of place, x and the mask broadcast together; in place, the mask must broadcast to x.
+  const Tensor column = tensor<bool>({false, true}).view({2, 1, 1});
+  CHECK(x.masked_fill(column, 0).shape() == Shape{2, 2, 3});
+  Tensor y = zeros({2, 3});
+  y.masked_fill_(tensor<bool>({true, false}).view({2, 1}), 5);
+  CHECK(values(y) == std::vector<double>{5, 5, 5, 0, 0, 0});
+  CHECK_THROWS_WITH_AS(y.masked_fill_(column, 1), doctest::Contains("masked_fill_: mask bool[2, 1, 1] cpu does not "
+                                                                    "broadcast to the shape of float32[2, 3]"), Error);
+  CHECK_THROWS_WITH_AS(x.masked_fill(arange(3), 1), doctest::Contains("masked_fill: expected a bool mask, got "
+                                                                      "int64[3]"), Error);
+  CHECK_THROWS_WITH_AS(zeros({2}, {.dtype = kFloat16}).masked_fill(tensor<bool>({true, true}), 1e6),
+                       doctest::Contains("masked_fill: 1000000 cannot be converted to float16[2] cpu without "
+                                         "overflow"), Error);
+  // A float32 number beside float16: -inf, the attention mask's usual value, is exact.
+  CHECK(values(zeros({2}, {.dtype = kFloat16}).masked_fill(tensor<bool>({true, false}), -INFINITY)) ==
+        std::vector<double>{-INFINITY, 0});
+}
+
+TEST_CASE("masked_fill's gradient is the input's where the mask is false, zero where it was filled") {
+  Tensor x = tensor<double>({1, 2, 3}).requires_grad_();
+  const Tensor mask = tensor<bool>({false, true, false});
+  x.masked_fill(mask, 9).mul(tensor<double>({4, 5, 6})).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{4, 0, 6});
+  gradcheck([&](const TensorList& in) { return in[0].masked_fill(tensor<bool>({true, false, false, true}), 0.5); },
+            {leaf({3, 4})});
+  // In place on a computed tensor: recorded as any in-place op.
+  Tensor z = tensor<double>({1, 2}).requires_grad_();
+  Tensor h = z * 3;
+  h.masked_fill_(tensor<bool>({true, false}), 0);
+  h.sum().backward();
+  CHECK(values(z.grad()) == std::vector<double>{0, 3});
+}
+
+TEST_CASE("cuda: masked_fill matches the CPU, with a mask that broadcasts and a value in every dtype") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(341);
+  const Tensor mask = rand({5, 1, 7}).gt(0.5);
+  for (DType dt : {kFloat32, kFloat16, kBFloat16, kInt64, kUInt8, kBool}) {
+    CAPTURE(dtype_name(dt));
+    const Tensor x = (rand({5, 6, 7}) * 50).to(dt);
+    CHECK(values(x.cuda().masked_fill(mask.cuda(), 1).cpu()) == values(x.masked_fill(mask, 1)));
+  }
+}

@@ -539,3 +539,81 @@ TEST_CASE("under autocast sum, mean and var run in float32 while max and argmax 
   CHECK(h.argmax(0).dtype() == kInt64);
   CHECK(ones({4}, {.dtype = kInt32}).sum().dtype() == kInt64);  // integers are never cast
 }
+
+TEST_CASE("amax and amin over several dims, with and without keepdim, match max over the same elements") {
+  const Tensor x = tensor(std::vector<double>{1, 7, 3, 2, -5, 6, 0, 4, 9, -1, 8, 5}, {2, 3, 2});
+  CHECK(values(x.amax({0, 2})) == std::vector<double>{7, 9, 8});
+  CHECK(values(x.amin({0, 2})) == std::vector<double>{0, -1, -5});
+  CHECK(x.amax({1}, /*keepdim=*/true).shape() == Shape{2, 1, 2});
+  CHECK(values(x.amax({1}, true)) == std::vector<double>{3, 7, 9, 5});
+  CHECK(values(x.amax()) == std::vector<double>{9});  // every dim
+  CHECK(x.amax().dim() == 0);
+  CHECK(values(x.amin({-1})) == std::vector<double>{1, 2, -5, 0, -1, 5});
+  // Every dtype keeps itself; a nan wins.
+  CHECK(arange(5).amax().item<int64_t>() == 4);
+  CHECK(arange(5).amax().dtype() == kInt64);
+  CHECK(std::isnan(tensor<float>({1, NAN, 3}).amax().item<float>()));
+  CHECK_THROWS_WITH_AS(zeros({2, 0}).amax({1}),
+                       doctest::Contains("amax: cannot reduce over dim 1 of float32[2, 0] cpu, which has size 0"),
+                       Error);
+  CHECK(zeros({2, 0}).amax({0}).shape() == Shape{0});  // a dim of size 0 kept: nothing to reduce to
+}
+
+TEST_CASE("amax's and amin's gradients are split evenly among the ties of each result") {
+  Tensor x = tensor(std::vector<double>{1, 3, 3, 2, 3, -1}, {2, 3}).requires_grad_();
+  x.amax({1}).mul(tensor<double>({6, 10})).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{0, 3, 3, 0, 10, 0});
+  x.set_grad(Tensor());
+  x.amin({0}, true).sum().backward();  // column 1 ties at 3
+  CHECK(values(x.grad()) == std::vector<double>{1, 0.5, 0, 0, 0.5, 1});
+  gradcheck([](const TensorList& in) { return in[0].amax({0, 2}); }, {leaf({3, 2, 4})});
+  // A nan result: no element equals it, and the group's gradient is nan, as PyTorch's amax (g / 0 * 0); max() over
+  // every element gives it to the nans instead (the test above).
+  Tensor n = tensor<double>({1, NAN, NAN, 2}).requires_grad_();
+  n.amax().backward();
+  for (double v : values(n.grad())) CHECK(std::isnan(v));
+  gradcheck([](const TensorList& in) { return in[0].amin({1}, true); }, {leaf({3, 5})});
+}
+
+TEST_CASE("std is var's square root with the same correction, and its gradient at a constant input is 0") {
+  const Tensor x = tensor(std::vector<double>{1, 2, 3, 4, 10, 10, 10, 10}, {2, 4});
+  check_close(values(x.std({1})), {std::sqrt(5.0 / 3.0), 0.0}, 1e-15);
+  check_close(values(x.std({1}, 0)), {std::sqrt(1.25), 0.0}, 1e-15);
+  check_close(values(x.std()), {std::sqrt(values(x.var())[0])}, 1e-15);
+  CHECK(x.std({0}, 1, true).shape() == Shape{1, 4});
+  gradcheck([](const TensorList& in) { return in[0].std({1}); }, {leaf({3, 5})});
+  gradcheck([](const TensorList& in) { return in[0].std({0, 2}, 0, true); }, {leaf({3, 2, 4})});
+  // PyTorch's std_backward: 0 where the result is 0, not 0 * inf = nan.
+  Tensor c = full({4}, 2.0, {.dtype = kFloat64}).requires_grad_();
+  c.std().backward();
+  CHECK(values(c.grad()) == std::vector<double>{0, 0, 0, 0});
+  CHECK_THROWS_WITH_AS(arange(4).std(), doctest::Contains("std: input dtype should be floating point"), Error);
+  CHECK_THROWS_WITH_AS(x.amax({2}), doctest::Contains("amax: "), Error);  // errors name the op, not its kernel's
+  amp::AutocastGuard guard(kFloat16);
+  CHECK(randn({4}).to(kFloat16).std().dtype() == kFloat32);  // var's category
+}
+
+TEST_CASE("cuda: amax, amin and std match the CPU, forward and backward") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(321);
+  for (DType dt : {kFloat32, kFloat64, kFloat16}) {
+    CAPTURE(dtype_name(dt));
+    // Few distinct values: ties in every reduced group.
+    const Tensor x = randint(0, 4, {6, 5, 7}).to(dt);
+    for (const Dims& dims : {Dims{0, 2}, Dims{1}, Dims{}}) {
+      Tensor xc = x.detach().requires_grad_(), xg = x.cuda().requires_grad_();
+      const Tensor yc = xc.amax(dims), yg = xg.amax(dims);
+      CHECK(values(yg.cpu()) == values(yc));
+      yc.sum().backward();
+      yg.sum().backward();
+      check_close(values(xg.grad().cpu()), values(xc.grad()), 1e-3);
+      Tensor sc = x.detach().requires_grad_(), sg = x.cuda().requires_grad_();
+      const Tensor stc = sc.std(dims), stg = sg.std(dims);
+      check_close(values(stg.cpu()), values(stc), 2e-3);
+      stc.sum().backward();
+      stg.sum().backward();
+      check_close(values(sg.grad().cpu()), values(sc.grad()), 4e-3);
+    }
+    CHECK(values(x.cuda().amin({1}).cpu()) == values(x.amin({1})));
+  }
+}

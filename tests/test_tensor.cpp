@@ -12,11 +12,14 @@
 #include <vector>
 
 #include "halfgrad.h"
+#include "tests/gradcheck.h"
 #include "tests/testing.h"
 
 using namespace halfgrad;
 using halfgrad::testing::aligned_padding;
 using halfgrad::testing::values;
+using halfgrad::testing::gradcheck;
+using halfgrad::testing::leaf;
 
 TEST_CASE("a tensor is storage seen through shape, strides and offset") {
   Tensor t = arange(12, {.dtype = kFloat32}).view({3, 4});
@@ -584,4 +587,71 @@ TEST_CASE("rand in float16 and bfloat16 stays below 1, and randint's range must 
   const Tensor whole = randint(INT64_MIN, INT64_MAX, {1000});  // the widest range: no overflow
   CHECK(whole.lt(0).sum().item<int64_t>() > 0);
   CHECK(whole.gt(0).sum().item<int64_t>() > 0);
+}
+
+TEST_CASE("split, split_with_sizes, chunk and unbind: views of consecutive ranges along a dim, as PyTorch's") {
+  const Tensor t = arange(10);
+  auto lists = [](const std::vector<Tensor>& pieces) {
+    std::vector<std::vector<double>> out;
+    for (const Tensor& p : pieces) out.push_back(values(p));
+    return out;
+  };
+  using Lists = std::vector<std::vector<double>>;
+  CHECK(lists(t.split(4)) == Lists{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9}});
+  CHECK(lists(t.split(10)) == Lists{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}});
+  CHECK(t.split(std::numeric_limits<int64_t>::max()).size() == 1);  // no overflow past the end
+  CHECK(lists(t.split_with_sizes({1, 0, 9})) == Lists{{0}, {}, {1, 2, 3, 4, 5, 6, 7, 8, 9}});
+  CHECK(lists(t.chunk(3)) == Lists{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9}});
+  CHECK(t.chunk(4).size() == 4);  // pieces of 3: 3, 3, 3, 1
+  CHECK(t.narrow(0, 0, 6).chunk(4).size() == 3);  // pieces of 2 cover 6 in three, as PyTorch's chunk
+  CHECK(t.chunk(20).size() == 10);
+  CHECK(zeros({0}).chunk(3).size() == 3);  // a dim of size 0: chunks empty pieces
+  CHECK(zeros({0}).split(2).size() == 1);
+  CHECK(zeros({0}).split(0).size() == 1);
+  const Tensor m = arange(6).view({2, 3});
+  CHECK(lists(m.split(2, 1)) == Lists{{0, 1, 3, 4}, {2, 5}});
+  CHECK(m.split(2, -1)[1].shape() == Shape{2, 1});
+  CHECK(lists(m.unbind(1)) == Lists{{0, 3}, {1, 4}, {2, 5}});
+  CHECK(m.unbind()[1].shape() == Shape{3});
+  // Views: a write through a piece is seen by the tensor it came from.
+  Tensor base = zeros({4});
+  base.chunk(2)[1].fill_(7);
+  CHECK(values(base) == std::vector<double>{0, 0, 7, 7});
+  CHECK(m.split(1, 0)[1].storage().get() == m.storage().get());
+}
+
+TEST_CASE("split, split_with_sizes, chunk and unbind refuse sizes that do not cover the dim, naming the op") {
+  const Tensor t = arange(10);
+  CHECK_THROWS_WITH_AS(t.split(0), doctest::Contains("split: split_size must be positive (0 only for a dim of size "
+                                                     "0), got 0 for dim 0 of int64[10]"), Error);
+  CHECK_THROWS_WITH_AS(t.split(-1), doctest::Contains("split: split_size must be positive"), Error);
+  CHECK_THROWS_WITH_AS(t.split_with_sizes({3, 3}), doctest::Contains("split_with_sizes: sizes [3, 3] add up to 6, but "
+                                                                     "dim 0 of int64[10] cpu has size 10"), Error);
+  CHECK_THROWS_WITH_AS(t.split_with_sizes({11, -1}), doctest::Contains("a negative size"), Error);
+  CHECK_THROWS_WITH_AS(t.chunk(0), doctest::Contains("chunk: chunks must be positive, got 0"), Error);
+  CHECK_THROWS_WITH_AS(scalar_tensor(1.0).unbind(), doctest::Contains("unbind: dimension 0 given, but the tensor is "
+                                                                      "0-d"), Error);
+  CHECK_THROWS_WITH_AS(t.split(2, 1), doctest::Contains("split"), Error);
+}
+
+TEST_CASE("split's, chunk's and unbind's pieces share one backward node that joins their gradients") {
+  manual_seed(331);
+  gradcheck([](const TensorList& in) {
+    const std::vector<Tensor> p = in[0].chunk(3, 1);
+    return p[0] * 2 + p[2].sum() - p[1].exp().sum();
+  }, {leaf({4, 7})});
+  gradcheck([](const TensorList& in) {
+    const std::vector<Tensor> p = in[0].split_with_sizes({1, 3}, 0);
+    return p[1] * p[0];
+  }, {leaf({4, 3})});
+  gradcheck([](const TensorList& in) { return in[0].unbind(1)[2] * 3; }, {leaf({3, 4})});
+  // A piece no loss uses gets zeros, and one node serves them all.
+  Tensor x = arange(6).to(kFloat64).requires_grad_();
+  const std::vector<Tensor> p = x.split(2);
+  CHECK(p[0].grad_fn() == p[2].grad_fn());
+  CHECK(p[0].grad_fn()->name() == "SplitBackward");
+  CHECK(x.chunk(2)[0].grad_fn()->name() == "SplitBackward");  // as PyTorch's chunk
+  (p[2] * 5).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{0, 0, 0, 0, 5, 5});
+  CHECK(x.unbind()[0].grad_fn()->name() == "UnbindBackward");
 }

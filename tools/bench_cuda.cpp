@@ -5,6 +5,8 @@
 //   elementwise / cast rows   GB/s counting the bytes each op must read plus write once (add: 3 x element
 //                             size per element); "% copy" is that over the copy row
 //   reduction rows            GB/s counting the input bytes (the outputs are small)
+//   norm / activation rows    layer_norm, gelu and silu, forward alone and forward + backward, GB/s counting the
+//                             bytes each pass must read plus write once
 //   GEMM rows                 TFLOP/s counting 2*m*n*k, through halfgrad::matmul; "% cuBLAS" is that over the
 //                             same cublasGemmEx call made directly on the same buffers
 // Every figure is the median of --repeats runs timed with CUDA events after warm-up runs, on random data
@@ -168,6 +170,45 @@ void reduction_rows(int64_t n, int repeats, double copy_gbs) {
   }
 }
 
+// layer_norm and the activations, forward alone and forward + backward (the gradient of every input that has one;
+// .grad reset before each run, so that it is assigned, not accumulated). Bytes: what each pass must read and write
+// once: layer_norm's forward reads x and writes y, its backward reads g and x and writes dx (the parameters' [C]
+// vectors are left out); an activation's forward reads x and writes y, its backward reads g and x and writes dx.
+void normalization_rows(int64_t n, int repeats, double copy_gbs) {
+  for (DType dt : {kFloat32, kBFloat16}) {
+    const double s = double(element_size(dt)), N = double(n);
+    const std::string t = dtype_name(dt);
+    for (int64_t cols : {int64_t(1024), int64_t(4096)}) {
+      const Shape shape{n / cols, cols};
+      Tensor x = random_gpu(shape, dt).requires_grad_(), g = random_gpu(shape, dt);
+      Tensor w = random_gpu({cols}, dt).requires_grad_(), b = random_gpu({cols}, dt).requires_grad_();
+      bandwidth_row("norm", t + " layer_norm forward", shape, 2 * N * s, [&] {
+        NoGradGuard no_grad;
+        Tensor y = layer_norm(x, {cols}, w, b);
+      }, repeats, copy_gbs);
+      bandwidth_row("norm", t + " layer_norm forward+backward", shape, 5 * N * s, [&] {
+        for (Tensor* p : {&x, &w, &b}) p->set_grad(Tensor());
+        layer_norm(x, {cols}, w, b).backward(g);
+      }, repeats, copy_gbs);
+    }
+    const Shape shape{n};
+    Tensor x = random_gpu(shape, dt).requires_grad_(), g = random_gpu(shape, dt);
+    for (const auto& [name, op] : std::vector<std::pair<std::string, std::function<Tensor(const Tensor&)>>>{
+             {"gelu", [](const Tensor& v) { return gelu(v); }},
+             {"gelu tanh", [](const Tensor& v) { return gelu(v, "tanh"); }},
+             {"silu", [](const Tensor& v) { return silu(v); }}}) {
+      bandwidth_row("activation", t + " " + name + " forward", shape, 2 * N * s, [&] {
+        NoGradGuard no_grad;
+        Tensor y = op(x);
+      }, repeats, copy_gbs);
+      bandwidth_row("activation", t + " " + name + " forward+backward", shape, 5 * N * s, [&] {
+        x.set_grad(Tensor());
+        op(x).backward(g);
+      }, repeats, copy_gbs);
+    }
+  }
+}
+
 // ---- GEMM
 
 void gemm_rows(const std::vector<int64_t>& sizes, int repeats) {
@@ -256,6 +297,7 @@ int main(int argc, char** argv) {
   const double copy_gbs = copy_bandwidth(elements * 4, repeats);
   elementwise_rows(elements, repeats, copy_gbs);
   reduction_rows(elements, repeats, copy_gbs);
+  normalization_rows(elements, repeats, copy_gbs);
   if (!skip_gemm) gemm_rows(gemm_sizes, repeats);
   fmt::print("\nallocator: {}\n", cuda::memory_stats_str(0));
 

@@ -7,6 +7,7 @@ Usage: python3 tools/bench_torch_cuda.py [--elements N] [--repeats R] [--gemm-si
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 
 def median_ms(fn, repeats, warmup=3):
@@ -90,6 +91,38 @@ def main():
         bw("reduction", f"{tname} max(dim 1) values+indices", f"[{rows}, {cols}]", n * s, lambda: m.max(1))
         bw("reduction", f"{tname} var(dim 1)", f"[{rows}, {cols}]", n * s, lambda: m.var(1))
         bw("reduction", f"{tname} argmax over 4096 rows", f"[{cols}, {rows}]", n * s, lambda: mt.argmax(1))
+    for dt, tname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        s = torch.tensor([], dtype=dt).element_size()
+        for cols in (1024, 4096):
+            rows = n // cols
+            x = torch.randn(rows, cols, device=dev).to(dt).requires_grad_()
+            g = torch.randn(rows, cols, device=dev).to(dt)
+            w = torch.randn(cols, device=dev).to(dt).requires_grad_()
+            b = torch.randn(cols, device=dev).to(dt).requires_grad_()
+
+            def ln_forward():
+                with torch.no_grad():
+                    F.layer_norm(x, (cols,), w, b)
+
+            def ln_both():
+                x.grad = w.grad = b.grad = None
+                F.layer_norm(x, (cols,), w, b).backward(g)
+
+            bw("norm", f"{tname} layer_norm forward", f"[{rows}, {cols}]", 2 * n * s, ln_forward)
+            bw("norm", f"{tname} layer_norm forward+backward", f"[{rows}, {cols}]", 5 * n * s, ln_both)
+        x = torch.randn(n, device=dev).to(dt).requires_grad_()
+        g = torch.randn(n, device=dev).to(dt)
+        for name, op in (("gelu", F.gelu), ("gelu tanh", lambda v: F.gelu(v, approximate="tanh")), ("silu", F.silu)):
+            def act_forward():
+                with torch.no_grad():
+                    op(x)
+
+            def act_both():
+                x.grad = None
+                op(x).backward(g)
+
+            bw("activation", f"{tname} {name} forward", f"[{n}]", 2 * n * s, act_forward)
+            bw("activation", f"{tname} {name} forward+backward", f"[{n}]", 5 * n * s, act_both)
     del a32, b32
 
     for size in args.gemm_sizes:
