@@ -175,6 +175,7 @@ namespace {
 struct HandOver {
   TensorList accumulated;
   std::vector<bool> took;
+  std::vector<bool> pruned;  // autograd::grad: inputs whose gradient leads to no requested input (GradContext::needs)
 };
 thread_local HandOver* t_hand_over = nullptr;
 }  // namespace
@@ -183,10 +184,11 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   HG_CHECK(fn_ != nullptr, "{}: trying to backward through the graph a second time (or to use saved tensors after "
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
   std::vector<bool> needs(next_edges.size());
-  for (size_t i = 0; i < next_edges.size(); ++i) needs[i] = next_edges[i].node != nullptr;
-  if (t_hand_over && t_hand_over->accumulated.size() == next_edges.size())
-    return fn_(GradContext(grad_outputs, needs, t_hand_over->accumulated, t_hand_over->took));
-  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false)};  // called outside backward
+  const bool handed = t_hand_over && t_hand_over->accumulated.size() == next_edges.size();
+  for (size_t i = 0; i < next_edges.size(); ++i)
+    needs[i] = next_edges[i].node != nullptr && !(handed && t_hand_over->pruned[i]);
+  if (handed) return fn_(GradContext(grad_outputs, needs, t_hand_over->accumulated, t_hand_over->took));
+  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false), {}};  // outside backward
   return fn_(GradContext(grad_outputs, needs, none.accumulated, none.took));
 }
 
@@ -386,21 +388,24 @@ struct Capture {
 std::unordered_set<Node*> nodes_reaching(const std::vector<std::shared_ptr<Node>>& roots, const Capture& capture) {
   std::unordered_set<Node*> targets, reaching, done;
   for (const Edge& e : capture.edges) targets.insert(e.node.get());
-  // Iterative post-order: a node is decided once every node after it is.
+  // Iterative post-order, one root's search to its end before the next root's: a node is decided once every node
+  // after it is (a root whose graph passes through another root must not find that one pushed but undecided).
   std::vector<std::pair<Node*, size_t>> stack;
-  for (const auto& r : roots)
-    if (done.insert(r.get()).second) stack.emplace_back(r.get(), 0);
-  while (!stack.empty()) {
-    auto& [n, next] = stack.back();
-    if (next < n->next_edges.size()) {
-      Node* child = n->next_edges[next++].node.get();
-      if (child && done.insert(child).second) stack.emplace_back(child, 0);
-      continue;
+  for (const auto& r : roots) {
+    if (!done.insert(r.get()).second) continue;
+    stack.emplace_back(r.get(), 0);
+    while (!stack.empty()) {
+      auto& [n, next] = stack.back();
+      if (next < n->next_edges.size()) {
+        Node* child = n->next_edges[next++].node.get();
+        if (child && done.insert(child).second) stack.emplace_back(child, 0);
+        continue;
+      }
+      bool reaches = targets.count(n) > 0;
+      for (const Edge& e : n->next_edges) reaches = reaches || (e.node && reaching.count(e.node.get()));
+      if (reaches) reaching.insert(n);
+      stack.pop_back();
     }
-    bool reaches = targets.count(n) > 0;
-    for (const Edge& e : n->next_edges) reaches = reaches || (e.node && reaching.count(e.node.get()));
-    if (reaches) reaching.insert(n);
-    stack.pop_back();
   }
   return reaching;
 }
@@ -417,6 +422,8 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs, bool re
 
 TensorList autograd::grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs,
                           bool retain_graph, bool allow_unused) {
+  HG_CHECK(!outputs.empty() && !inputs.empty(), "autograd::grad: needs outputs and inputs, got {} and {}",
+           outputs.size(), inputs.size());
   Capture capture;
   for (size_t i = 0; i < inputs.size(); ++i) {
     HG_CHECK(inputs[i].defined(), "autograd::grad: input {} is undefined", i);
@@ -585,7 +592,9 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     TensorList grads = std::move(buffers[node]);
     buffers.erase(node);
     grads.resize(node->output_meta.size());
+    std::vector<bool> arrived(grads.size());  // (autograd::grad: an output no gradient reached gives its input none)
     for (size_t i = 0; i < grads.size(); ++i) {
+      arrived[i] = grads[i].defined();
       if (!grads[i].defined()) {
         const TensorMeta& m = node->output_meta[i];
         grads[i] = zeros(m.shape, {.dtype = m.dtype, .device = m.device});
@@ -605,10 +614,10 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
       // autograd::grad: an input's gradient is what reaches its edge, after its hooks (a leaf's, which its accumulator
       // would run); a leaf's accumulator does not run, and a node runs on only where it leads to another input.
       const auto* accumulator = dynamic_cast<const AccumulateGrad*>(node);
+      if (accumulator) grads[0] = accumulator->hooked_gradient(std::move(grads[0]));  // once, for every capture of it
       for (size_t i = 0; i < capture->edges.size(); ++i) {
         const Edge& e = capture->edges[i];
-        if (e.node.get() != node) continue;
-        capture->grads[i] = accumulator ? accumulator->hooked_gradient(grads[e.input_nr]) : grads[e.input_nr];
+        if (e.node.get() == node && arrived[e.input_nr]) capture->grads[i] = grads[e.input_nr];
       }
       const bool leads_on = std::any_of(node->next_edges.begin(), node->next_edges.end(),
                                         [&](const Edge& e) { return visits(e.node.get()); });
@@ -622,7 +631,10 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid
     // out in some format (not a broadcast view, whose elements overlap), of the input's dtype. Taken out of its slot
     // meanwhile.
-    HandOver hand_over{TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false)};
+    HandOver hand_over{TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false),
+                       std::vector<bool>(node->next_edges.size(), false)};
+    for (size_t i = 0; i < node->next_edges.size(); ++i)
+      hand_over.pruned[i] = node->next_edges[i].node && !visits(node->next_edges[i].node.get());
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& edge = node->next_edges[i];
       auto found = edge.node ? buffers.find(edge.node.get()) : buffers.end();

@@ -173,11 +173,13 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bo
 
 // torch.autograd.grad (libtorch's torch::autograd::grad) without create_graph: the gradients of `outputs` (seeded
 // with `grad_outputs`, which may be left out for single-element outputs, as backward's) with respect to each of
-// `inputs`, returned instead of accumulated: no .grad changes and only the nodes that lead to an input run. An input's
-// gradient is what reaches it after its register_hook hooks (a leaf's too); post-accumulate hooks do not run, since
-// nothing accumulates; a tensor that retains its gradient gets it where its node runs, as in backward. Every input
-// must require grad; one the outputs do not depend on is an error, or an undefined tensor with allow_unused. The
-// result is not itself differentiable.
+// `inputs`, returned instead of accumulated: no .grad changes and only the nodes that lead to an input run, computing
+// only the gradients that lead on (GradContext::needs). An input's gradient is what reaches it after its register_hook
+// hooks (a leaf's too), always: PyTorch's takes it before them where the input's node leads on to another input (its
+// engine runs those hooks later), after them elsewhere. Post-accumulate hooks do not run, since nothing accumulates; a
+// tensor that retains its gradient gets it where its node runs, as in backward. Every input must require grad; one
+// the outputs do not depend on (or an output of a node that no gradient reached) is an error, or an undefined tensor
+// with allow_unused. The result is not itself differentiable.
 namespace autograd {
 TensorList grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs = {},
                 bool retain_graph = false, bool allow_unused = false);

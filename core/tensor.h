@@ -101,6 +101,7 @@ class Tensor {
   std::vector<Tensor> split_with_sizes(const std::vector<int64_t>& sizes, int64_t dim = 0) const;
   std::vector<Tensor> chunk(int64_t chunks, int64_t dim = 0) const;
   std::vector<Tensor> unbind(int64_t dim = 0) const;
+  Tensor index_select(int64_t dim, const Tensor& index) const;  // a copy, not a view (ops/embedding.h)
   Tensor operator[](int64_t index) const { return select(0, index); }
   Tensor expand(Shape shape) const;  // broadcast: size-1 dims become stride-0, -1 keeps a size
   Tensor expand_as(const Tensor& other) const { return expand(other.shape()); }

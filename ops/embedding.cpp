@@ -17,15 +17,29 @@ constinit KernelTable<EmbeddingKernel> embedding_kernel("embedding");
 constinit KernelTable<EmbeddingBackwardKernel> embedding_backward_kernel("embedding_backward");
 
 namespace {
-// Every index of `indices` (int64, on the CPU) in [0, rows), or an error naming the first that is not.
-void check_indices(const Tensor& indices, const Tensor& weight) {
-  const int64_t rows = weight.size(0), n = indices.numel();
+// Every index of `indices` (int64, on the CPU) in [0, rows), or an error naming the op, the first that is not, and
+// what it indexes (`of`: "a weight of 10 rows (...)").
+template <typename Of> void check_indices(const Tensor& indices, int64_t rows, const char* op, Of&& of) {
+  const int64_t n = indices.numel();
   const int64_t* index = indices.data<int64_t>();
   for (int64_t k = 0; k < n; ++k) {
-    HG_CHECK(index[k] >= 0 && index[k] < rows,
-             "embedding: index {} at position {} is out of range for a weight of {} rows ({}); indices must be in "
-             "[0, {})", index[k], k, rows, weight.meta(), rows);
+    HG_CHECK(index[k] >= 0 && index[k] < rows, "{}: index {} at position {} is out of range for {}; indices must be in "
+             "[0, {})", op, index[k], k, of(), rows);
   }
+}
+void check_embedding_indices(const Tensor& indices, const Tensor& weight) {
+  check_indices(indices, weight.size(0), "embedding",
+                [&] { return fmt::format("a weight of {} rows ({})", weight.size(0), weight.meta()); });
+}
+
+// The gradient of rows gathered at `index` [n] (int64, contiguous): grad [n, D] added into zeros [rows, D] of the
+// accumulation dtype (float32, or float64 for float64), skipping padding_idx (-1: none).
+Tensor scattered_rows(const Tensor& grad, const Tensor& index, int64_t rows, int64_t padding_idx) {
+  const int64_t n = grad.size(0), dim = grad.size(1);
+  const DType acc = grad.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  Tensor grad_weight = zeros({rows, dim}, {.dtype = acc, .device = grad.device()});
+  if (n > 0 && dim > 0) embedding_backward_kernel[grad.device()](grad_weight, grad, index.view({n}), padding_idx);
+  return grad_weight;
 }
 }  // namespace
 
@@ -55,7 +69,7 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
   if (n > 0 && dim == 0 && !index.is_cpu()) {
     // No output element for a device kernel to check its index by: checked here, as on the CPU (a copy of the indices
     // and a synchronisation, for a weight with no columns).
-    check_indices(index.cpu(), weight);
+    check_embedding_indices(index.cpu(), weight);
   } else if (n > 0) {
     embedding_kernel[weight.device()](out.view({n, dim}), weight.detach().contiguous(), index.view({n}));
   }
@@ -64,21 +78,87 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
   // add up); the padding row gets nothing.
   record("EmbeddingBackward", {weight}, {out},
          [saved_index = SavedTensor(index, "embedding"), rows, dim, n, pad](const GradContext& g) -> TensorList {
-           const Tensor& index_ = saved_index.get();
-           Tensor grad = g[0].contiguous().view({n, dim});
-           const DType acc = grad.dtype() == kFloat64 ? kFloat64 : kFloat32;
-           Tensor grad_weight = zeros({rows, dim}, {.dtype = acc, .device = grad.device()});
-           if (n > 0 && dim > 0) embedding_backward_kernel[grad.device()](grad_weight, grad, index_.view({n}), pad);
-           return {grad_weight};  // cast to the weight's dtype by the engine
+           // cast to the weight's dtype by the engine
+           return {scattered_rows(g[0].contiguous().view({n, dim}), saved_index.get(), rows, pad)};
          });
   return out;
+}
+
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  HG_CHECK(x.defined() && index.defined(), "index_select: got an undefined tensor (input {}, index {})", x.meta(),
+           index.meta());
+  HG_CHECK(index.dim() <= 1 && is_integral(index.dtype()),
+           "index_select: expected a 1-D integer index (int64, int32 or uint8), got {}", index.meta());
+  HG_CHECK(index.device() == x.device(), "index_select: input {} and index {} are on different devices", x.meta(),
+           index.meta());
+  const int64_t n = index.numel();
+  HG_CHECK(x.dim() > 0 || n == 1, "index_select: the index of a 0-d input must hold one value, got {}", index.meta());
+  const Tensor source = x.dim() == 0 ? x.view({1}) : x;
+  const int64_t d = wrap_dim(dim, source.dim(), "index_select");
+  // x with dim first, as [rows, columns] (a view where dim is first and x contiguous): embedding's gather, whose
+  // [n, columns] goes back to dim's place. `to_front` and its inverse `back` are the two permutations.
+  Dims to_front{d}, back(size_t(source.dim()));
+  for (int64_t k = 0; k < source.dim(); ++k)
+    if (k != d) to_front.push_back(k);
+  for (size_t k = 0; k < to_front.size(); ++k) back[size_t(to_front[k])] = int64_t(k);
+  const Tensor front = source.detach().permute(to_front).contiguous();
+  const int64_t rows = front.size(0);
+  Shape gathered_shape = front.shape();
+  gathered_shape[0] = n;
+  const int64_t columns = numel_of(Shape(gathered_shape.begin() + 1, gathered_shape.end()));
+  const Tensor flat_index = cast_nograd(index.detach(), kInt64).contiguous().view({n});
+  const Tensor table = front.view({rows, columns});
+  Tensor gathered = empty({n, columns}, {.dtype = x.dtype(), .device = x.device()});
+  // Checked here on the CPU, to name this op (the kernel's own check names embedding), and for no columns on a device,
+  // where no element's thread would check its index.
+  if (n > 0 && (flat_index.is_cpu() || columns == 0)) {
+    check_indices(flat_index.cpu(), rows, "index_select",
+                  [&] { return fmt::format("dim {} of size {} of {}", d, rows, x.meta()); });
+  }
+  if (n > 0 && columns > 0) embedding_kernel[x.device()](gathered, table, flat_index);
+  Tensor out = gathered.view(gathered_shape).permute(back).contiguous();
+  if (x.dim() == 0) out = out.view({});
+
+  // backward: each selected slice's gradient added into the slice it came from (embedding's scatter).
+  record("IndexSelectBackward", {x}, {out},
+         [saved_index = SavedTensor(flat_index, "index_select"), to_front, back, gathered_shape, rows, columns,
+          shape = x.shape()](const GradContext& g) -> TensorList {
+           const Tensor& idx = saved_index.get();
+           const Tensor grad = (shape.empty() ? g[0].view({1}) : g[0]).permute(to_front).contiguous();
+           Shape front_shape = gathered_shape;
+           front_shape[0] = rows;
+           const Tensor scattered = scattered_rows(grad.view({idx.numel(), columns}), idx, rows, -1);
+           return {scattered.view(front_shape).permute(back).reshape(shape)};  // cast to x's dtype by the engine
+         });
+  return out;
+}
+
+Tensor Tensor::index_select(int64_t dim, const Tensor& index) const { return halfgrad::index_select(*this, dim, index); }
+
+Tensor one_hot(const Tensor& indices, int64_t num_classes) {
+  HG_CHECK(indices.defined(), "one_hot: the indices are an undefined tensor");
+  HG_CHECK(indices.dtype() == kInt64, "one_hot: expected int64 indices (class labels), got {}", indices.meta());
+  HG_CHECK(num_classes >= -1, "one_hot: num_classes must be -1 (from the data) or >= 0, got {}", num_classes);
+  if (indices.numel() > 0) {
+    const int64_t low = indices.min().item<int64_t>(), high = indices.max().item<int64_t>();
+    HG_CHECK(low >= 0, "one_hot: index {} of {} is negative", low, indices.meta());
+    if (num_classes == -1) num_classes = high + 1;
+    HG_CHECK(high < num_classes, "one_hot: index {} of {} is out of range for {} classes", high, indices.meta(),
+             num_classes);
+  } else {
+    HG_CHECK(num_classes >= 0, "one_hot: num_classes cannot be inferred from the empty indices {}; give it",
+             indices.meta());
+  }
+  NoGradGuard no_grad;
+  const Tensor classes = arange(0, num_classes, 1, {.dtype = kInt64, .device = indices.device()});
+  return indices.unsqueeze(-1).eq(classes).to(kInt64);
 }
 
 // ---- CPU kernels
 namespace {
 
 void embedding_cpu(const Tensor& out, const Tensor& weight, const Tensor& indices) {
-  check_indices(indices, weight);
+  check_embedding_indices(indices, weight);
   const int64_t n = indices.numel();
   const int64_t* index = indices.data<int64_t>();
   const size_t row_bytes = size_t(weight.size(1)) * element_size(weight.dtype());

@@ -27,8 +27,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t k = e / dim, d = e % dim, row = indices[k];
   if (row < 0 || row >= rows) {
     if (d == 0) {
-      printf("embedding: index %lld at position %lld is out of range for a weight of %lld rows\n", (long long)row,
-             (long long)k, (long long)rows);
+      printf("embedding (or index_select): index %lld at position %lld is out of range for %lld rows\n",
+             (long long)row, (long long)k, (long long)rows);
     }
     __assert_fail("embedding index in [0, V)", __FILE__, __LINE__, __func__);
   }
@@ -53,7 +53,7 @@ void embedding_cuda(const Tensor& out, const Tensor& weight, const Tensor& indic
   if (count == 0) return;
   cuda::DeviceGuard guard(weight.device());
   cudaStream_t stream = cuda::current_stream(weight.device());
-  dispatch_floating(weight.dtype(), "embedding", [&]<typename T>() {
+  dispatch_all(weight.dtype(), "embedding", [&]<typename T>() {  // any dtype: index_select gathers integers too
     embedding_kernel_cuda<T><<<blocks_for(count), kThreads, 0, stream>>>(out.data<T>(), weight.data<T>(),
                                                                         indices.data<int64_t>(), count, dim, rows);
     HG_CUDA_CHECK_LAUNCH("embedding");

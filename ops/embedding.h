@@ -1,5 +1,6 @@
 #pragma once
 // embedding: a lookup table. Row i of weight [V, D] is the vector of index i; out[..., :] = weight[indices[...], :].
+// index_select: the same gather along any dim of any tensor, on the same kernels.
 #include <cstdint>
 #include <optional>
 
@@ -17,8 +18,21 @@ namespace halfgrad {
 // The gradient of weight is dense ([V, D], zero in rows no index selected); indices get none.
 Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int64_t> padding_idx = std::nullopt);
 
+// torch.index_select: x's slices at `index` along dim, in index's order (repeats allowed): out has x's shape with
+// dim's size len(index), contiguous, x's dtype (any). index: 1-D (or 0-d) int64, int32 or uint8 on x's device, each in
+// [0, size of dim); out of range is embedding's error (the CPU) or device-side assertion (CUDA). A 0-d x is one
+// element along dim 0. Gradient (a floating x): each selected slice's gradient added into the slice it came from.
+// Autocast: not cast (a gather).
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+
+// torch.nn.functional.one_hot: int64 [..., num_classes], 1 at each index of `indices` (int64, as PyTorch's) and 0
+// elsewhere. num_classes -1: the largest index + 1 (a synchronisation on CUDA, as PyTorch's). An index outside
+// [0, num_classes) is an error (read back to the host on CUDA, as PyTorch's check).
+Tensor one_hot(const Tensor& indices, int64_t num_classes = -1);
+
 // ---- kernels
-// Forward: out [n, D] = weight [V, D] rows at indices [n] (int64); all contiguous, out in weight's dtype.
+// Forward: out [n, D] = weight [V, D] rows at indices [n] (int64); all contiguous, out in weight's dtype (any dtype:
+// index_select gathers integers too).
 // Indices out of [0, V) are an error (CPU) or a device-side assertion (CUDA).
 using EmbeddingKernel = void (*)(const Tensor& out, const Tensor& weight, const Tensor& indices);
 // Backward: grad_weight [V, D] (float32 for float16/bfloat16/float32 gradients, float64 for float64;

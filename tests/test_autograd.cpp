@@ -602,3 +602,57 @@ TEST_CASE("autograd::grad matches backward's gradients through a small network, 
   for (size_t i = 0; i < params.size(); ++i) CHECK(values(g[i]) == values(params[i].grad()));
   CHECK(values(g.back()) == values(x.grad()));
 }
+
+TEST_CASE("autograd::grad with one output's graph through another output's counts both (a root under a root)") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  Tensor h = x * 3;
+  Tensor y = (h * h).sum();  // dy/dx = 18x
+  const Tensor ones_h = tensor<double>({1, 1});
+  CHECK(values(autograd::grad({h, y}, {x}, {ones_h, Tensor()}, true)[0]) == std::vector<double>{21, 39});
+  CHECK(values(autograd::grad({y, h}, {x}, {Tensor(), ones_h}, true)[0]) == std::vector<double>{21, 39});
+  CHECK(values(autograd::grad({h, y}, {h}, {ones_h, Tensor()})[0]) == std::vector<double>{7, 13});  // 1 + 2h
+}
+
+TEST_CASE("autograd::grad asks a backward only for the gradients that lead to an input") {
+  Tensor a = tensor<double>({1, 2}).requires_grad_(), b = tensor<double>({3, 4}).requires_grad_();
+  Tensor out = empty({2}, {.dtype = kFloat64});
+  {
+    NoGradGuard no_grad;
+    out.copy_(a * b);
+  }
+  std::vector<bool> asked;
+  record("ProbeBackward", {a, b}, {out}, [&](const GradContext& g) -> TensorList {
+    asked = {g.needs(0), g.needs(1)};
+    return {g.needs(0) ? g[0] * 3.0 : Tensor(), g.needs(1) ? g[0] * 1.0 : Tensor()};
+  });
+  CHECK(values(autograd::grad({out.sum()}, {a}, {}, true)[0]) == std::vector<double>{3, 3});
+  CHECK(asked == std::vector<bool>{true, false});
+  out.sum().backward();
+  CHECK(asked == std::vector<bool>{true, true});
+}
+
+TEST_CASE("autograd::grad runs a leaf's hooks once however often it is listed, and refuses empty lists") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  int calls = 0;
+  x.register_hook([&](const Tensor& g) {
+    ++calls;
+    return g * 2;
+  });
+  const TensorList g = autograd::grad({(x * 3).sum()}, {x, x});
+  CHECK(calls == 1);
+  CHECK(values(g[0]) == std::vector<double>{6, 6});
+  CHECK(values(g[1]) == std::vector<double>{6, 6});
+  CHECK_THROWS_WITH_AS(autograd::grad({(x * 3).sum()}, {}),
+                       doctest::Contains("autograd::grad: needs outputs and inputs, got 1 and 0"), Error);
+  CHECK_THROWS_WITH_AS(autograd::grad({}, {x}), doctest::Contains("autograd::grad: needs outputs and inputs"), Error);
+}
+
+TEST_CASE("autograd::grad: an output of a node that no gradient reached is unused, as PyTorch's") {
+  Tensor x = tensor<double>({1, 2, 3, 4}).requires_grad_();
+  const std::vector<Tensor> p = x.split(2);
+  CHECK_THROWS_WITH_AS(autograd::grad({p[0].sum()}, {p[1]}, {}, true), doctest::Contains("is not used in the graph"),
+                       Error);
+  const TensorList g = autograd::grad({p[0].sum()}, {p[1], x}, {}, false, /*allow_unused=*/true);
+  CHECK(!g[0].defined());
+  CHECK(values(g[1]) == std::vector<double>{1, 1, 0, 0});
+}

@@ -286,3 +286,93 @@ TEST_CASE("CUDA embedding matches the CPU, forward and backward") {
   MESSAGE("built without CUDA: skipped");
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------------
+// index_select, one_hot
+// ---------------------------------------------------------------------------------------------------
+
+TEST_CASE("index_select gathers slices along any dim, in the index's order, in any dtype, as PyTorch's") {
+  const Tensor x = arange(24).view({2, 3, 4});
+  const Tensor idx = tensor<int64_t>({2, 0, 2});
+  const Tensor along1 = x.index_select(1, idx);
+  CHECK(along1.shape() == Shape{2, 3, 4});
+  CHECK(along1.dtype() == kInt64);
+  CHECK(values(along1.select(0, 0)) == std::vector<double>{8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11});
+  CHECK(values(x.index_select(-1, tensor<int32_t>({3, 0}))) ==
+        std::vector<double>{3, 0, 7, 4, 11, 8, 15, 12, 19, 16, 23, 20});
+  CHECK(values(x.index_select(0, tensor<uint8_t>({1})).flatten()) == values(x.select(0, 1).flatten()));
+  CHECK(x.index_select(2, tensor<int64_t>({})).shape() == Shape{2, 3, 0});
+  CHECK(x.index_select(1, scalar_tensor(1, {.dtype = kInt64})).shape() == Shape{2, 1, 4});  // a 0-d index is one value
+  CHECK(values(scalar_tensor(7.0).index_select(0, tensor<int64_t>({0}))) == std::vector<double>{7});
+  CHECK(scalar_tensor(7.0).index_select(0, tensor<int64_t>({0})).dim() == 0);
+  CHECK(x.index_select(1, idx).is_contiguous());
+  const Tensor flags = tensor<bool>({true, false, true});
+  CHECK(values(flags.index_select(0, tensor<int64_t>({1, 2}))) == std::vector<double>{0, 1});
+}
+
+TEST_CASE("index_select refuses bad indices, naming the op, the index and the dim") {
+  const Tensor x = randn({2, 3});
+  CHECK_THROWS_WITH_AS(x.index_select(1, tensor<int64_t>({0, 3})),
+                       doctest::Contains("index_select: index 3 at position 1 is out of range for dim 1 of size 3 of "
+                                         "float32[2, 3] cpu"), Error);
+  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<int64_t>({-1})), doctest::Contains("index_select: index -1"), Error);
+  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<float>({0})),
+                       doctest::Contains("index_select: expected a 1-D integer index"), Error);
+  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<int64_t>({0, 1}, {1, 2})), doctest::Contains("1-D integer index"),
+                       Error);
+  CHECK_THROWS_WITH_AS(x.index_select(2, tensor<int64_t>({0})), doctest::Contains("index_select"), Error);
+  CHECK_THROWS_WITH_AS(scalar_tensor(1.0).index_select(0, tensor<int64_t>({0, 0})),
+                       doctest::Contains("index_select: the index of a 0-d input must hold one value"), Error);
+  // A dim of no columns around it: still checked.
+  CHECK_THROWS_WITH_AS(zeros({0, 3}).index_select(1, tensor<int64_t>({5})), doctest::Contains("index 5"), Error);
+}
+
+TEST_CASE("index_select's gradient adds each selected slice's gradient into the slice it came from") {
+  Tensor x = arange(6).to(kFloat64).view({2, 3}).requires_grad_();
+  x.index_select(1, tensor<int64_t>({2, 2, 0})).mul(tensor<double>({1, 10, 100}, {1, 3})).sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{100, 0, 11, 100, 0, 11});
+  manual_seed(361);
+  const Tensor idx = tensor<int64_t>({1, 0, 1, 3});
+  gradcheck([&](const TensorList& in) { return in[0].index_select(2, idx); }, {leaf({2, 3, 4})});
+  gradcheck([&](const TensorList& in) { return in[0].index_select(0, idx); }, {leaf({4, 3})});
+  gradcheck([&](const TensorList& in) { return in[0].t().index_select(1, idx); }, {leaf({4, 2})});  // strided input
+  Tensor h = randn({4}).to(kFloat16).requires_grad_();
+  h.index_select(0, idx).sum().backward();
+  CHECK(h.grad().dtype() == kFloat16);
+  CHECK(values(h.grad()) == std::vector<double>{1, 2, 0, 1});
+}
+
+TEST_CASE("one_hot: int64 [..., classes] with PyTorch's inference and checks") {
+  CHECK(values(one_hot(tensor<int64_t>({0, 2, 1}), 4)) == std::vector<double>{1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0});
+  const Tensor inferred = one_hot(tensor<int64_t>({1, 0, 3, 1}, {2, 2}));
+  CHECK(inferred.shape() == Shape{2, 2, 4});
+  CHECK(inferred.dtype() == kInt64);
+  CHECK(one_hot(tensor<int64_t>({}), 3).shape() == Shape{0, 3});
+  CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({}), -1), doctest::Contains("num_classes cannot be inferred"), Error);
+  CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({0, 5}), 5),
+                       doctest::Contains("one_hot: index 5 of int64[2] cpu is out of range for 5 classes"), Error);
+  CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({-1}), 5), doctest::Contains("one_hot: index -1"), Error);
+  CHECK_THROWS_WITH_AS(one_hot(tensor<int32_t>({1}), 5), doctest::Contains("one_hot: expected int64 indices"), Error);
+}
+
+TEST_CASE("CUDA index_select and one_hot match the CPU, forward and backward") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(362);
+  for (DType dt : {kFloat32, kFloat16, kFloat64, kInt64, kUInt8}) {
+    CAPTURE(dtype_name(dt));
+    const Tensor x = (randn({3, 5, 7}) * 20).to(dt);
+    for (int64_t dim : {0, 1, 2}) {
+      const Tensor i = randint(0, x.size(dim), {9});
+      CHECK(values(x.cuda().index_select(dim, i.cuda()).cpu()) == values(x.index_select(dim, i)));
+    }
+  }
+  Tensor xc = randn({6, 4}).requires_grad_(), xg = xc.detach().cuda().requires_grad_();
+  const Tensor repeated = tensor<int64_t>({3, 3, 0, 2, 3});
+  const Tensor g = randn({6, 5});
+  xc.index_select(1, repeated).backward(g);
+  xg.index_select(1, repeated.cuda()).backward(g.cuda());
+  halfgrad::testing::check_close(values(xg.grad().cpu()), values(xc.grad()), 1e-6);
+  const Tensor labels = tensor<int64_t>({3, 0, 2});
+  CHECK(values(one_hot(labels.cuda(), 5).cpu()) == values(one_hot(labels, 5)));
+  CHECK(values(one_hot(labels.cuda()).cpu()) == values(one_hot(labels)));
+}
