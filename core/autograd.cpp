@@ -54,11 +54,11 @@ Tensor hooked(const Tensor& grad, const Tensor& replaced) {
   return replaced;
 }
 
-// By index, each hook copied: a hook may register another, which grows the vector.
+// By index, each hook copied: a hook may register another, which grows the vector. A removed hook is empty.
 Tensor apply_hooks(const std::vector<GradHook>& hooks, Tensor grad) {
   for (size_t i = 0; i < hooks.size(); ++i) {
     const GradHook hook = hooks[i];
-    grad = hooked(grad, hook(grad));
+    if (hook) grad = hooked(grad, hook(grad));
   }
   return grad;
 }
@@ -147,19 +147,29 @@ void Tensor::retain_grad() const {
   grad_fn()->retained.emplace_back(output_nr(), impl_ptr());
 }
 
-void Tensor::register_hook(GradHook hook) const {
+HookHandle Tensor::register_hook(GradHook hook) const {
   HG_CHECK(requires_grad(), "register_hook: cannot register a hook on {}, which does not require grad", meta());
   if (is_leaf()) {
-    impl()->autograd_meta().hooks.push_back(std::move(hook));
-  } else {
-    grad_fn()->pre_hooks.emplace_back(output_nr(), std::move(hook));
+    auto& hooks = impl()->autograd_meta().hooks;
+    hooks.push_back(std::move(hook));
+    return HookHandle([leaf = std::weak_ptr<TensorImpl>(impl_ptr()), at = hooks.size() - 1] {
+      if (const auto impl = leaf.lock()) impl->autograd_meta().hooks[at] = nullptr;
+    });
   }
+  grad_fn()->pre_hooks.emplace_back(output_nr(), std::move(hook));
+  return HookHandle([node = std::weak_ptr<Node>(grad_fn()), at = grad_fn()->pre_hooks.size() - 1] {
+    if (const auto n = node.lock()) n->pre_hooks[at].second = nullptr;
+  });
 }
 
-void Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const {
+HookHandle Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const {
   HG_CHECK(is_leaf() && requires_grad(), "register_post_accumulate_grad_hook: {} is not a leaf that requires grad "
            "(only leaves accumulate into .grad)", meta());
-  impl()->autograd_meta().post_accumulate_hooks.push_back(std::move(hook));
+  auto& hooks = impl()->autograd_meta().post_accumulate_hooks;
+  hooks.push_back(std::move(hook));
+  return HookHandle([leaf = std::weak_ptr<TensorImpl>(impl_ptr()), at = hooks.size() - 1] {
+    if (const auto impl = leaf.lock()) impl->autograd_meta().post_accumulate_hooks[at] = nullptr;
+  });
 }
 
 void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
@@ -173,6 +183,7 @@ namespace {
 // accumulated so far that the backward may add into, and whether it took it. Kept by the engine, not on the node, so
 // that backward passes on other threads over a shared graph do not meet.
 struct HandOver {
+  const Node* node = nullptr;  // the node the engine is running, for which alone this is meant
   TensorList accumulated;
   std::vector<bool> took;
   std::vector<bool> pruned;  // autograd::grad: inputs whose gradient leads to no requested input (GradContext::needs)
@@ -184,11 +195,11 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   HG_CHECK(fn_ != nullptr, "{}: trying to backward through the graph a second time (or to use saved tensors after "
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
   std::vector<bool> needs(next_edges.size());
-  const bool handed = t_hand_over && t_hand_over->accumulated.size() == next_edges.size();
+  const bool handed = t_hand_over && t_hand_over->node == this;  // (not a node some backward calls itself)
   for (size_t i = 0; i < next_edges.size(); ++i)
     needs[i] = next_edges[i].node != nullptr && !(handed && t_hand_over->pruned[i]);
   if (handed) return fn_(GradContext(grad_outputs, needs, t_hand_over->accumulated, t_hand_over->took));
-  HandOver none{TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false), {}};  // outside backward
+  HandOver none{this, TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false), {}};
   return fn_(GradContext(grad_outputs, needs, none.accumulated, none.took));
 }
 
@@ -235,14 +246,17 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   const auto& hooks = leaf_->autograd_meta().post_accumulate_hooks;
   for (size_t i = 0; i < hooks.size(); ++i) {  // by index, each copied: a hook may register another
     const PostAccumulateGradHook hook = hooks[i];
-    hook(leaf);
+    if (hook) hook(leaf);
   }
   return {};
 }
 
 bool AccumulateGrad::leaf_has_hooks() const {
   const AutogradMeta& meta = leaf_->autograd_meta();
-  return !meta.hooks.empty() || !meta.post_accumulate_hooks.empty();
+  auto live = [](const auto& hooks) {
+    return std::any_of(hooks.begin(), hooks.end(), [](const auto& hook) { return bool(hook); });
+  };
+  return live(meta.hooks) || live(meta.post_accumulate_hooks);
 }
 
 SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
@@ -602,7 +616,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     }
     for (size_t h = 0; h < node->pre_hooks.size(); ++h) {  // by index, each copied: a hook may register another
       const auto [output, hook] = node->pre_hooks[h];
-      grads[output] = hooked(grads[output], hook(grads[output]));
+      if (hook) grads[output] = hooked(grads[output], hook(grads[output]));
     }
     for (const auto& [output, weak] : node->retained) {  // out of place, as PyTorch's retain_grad
       if (const auto self = weak.lock()) {
@@ -631,7 +645,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid
     // out in some format (not a broadcast view, whose elements overlap), of the input's dtype. Taken out of its slot
     // meanwhile.
-    HandOver hand_over{TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false),
+    HandOver hand_over{node, TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false),
                        std::vector<bool>(node->next_edges.size(), false)};
     for (size_t i = 0; i < node->next_edges.size(); ++i)
       hand_over.pruned[i] = node->next_edges[i].node && !visits(node->next_edges[i].node.get());

@@ -92,7 +92,7 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<Edge> next_edges;             // one per input
   std::vector<TensorMeta> input_meta;       // one per input: gradients are checked and cast to it
   std::vector<TensorMeta> output_meta;      // one per output: missing gradients become zeros of it
-  std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook
+  std::vector<std::pair<uint32_t, GradHook>> pre_hooks;  // (output, hook), from register_hook; empty where removed
   // (output, tensor) from retain_grad: the tensor's .grad takes the output's gradient after the pre-hooks changed it
   // (PyTorch 2's order), and moves with the tensor to the node of an in-place op on it (set_history).
   std::vector<std::pair<uint32_t, std::weak_ptr<TensorImpl>>> retained;

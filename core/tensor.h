@@ -35,6 +35,20 @@ using GradHook = std::function<Tensor(const Tensor& grad)>;
 // A post-accumulate hook receives the leaf itself once its .grad holds the gradient of the backward pass
 // (what data parallelism needs: the moment a parameter's gradient is complete).
 using PostAccumulateGradHook = std::function<void(const Tensor& leaf)>;
+// What register_hook and register_post_accumulate_grad_hook return: remove() takes the hook away, as PyTorch's
+// RemovableHandle (a second remove(), or one after the tensor and its graph are gone, does nothing). Dropping the
+// handle keeps the hook.
+class HookHandle {
+ public:
+  HookHandle() = default;
+  explicit HookHandle(std::function<void()> remove) : remove_(std::move(remove)) {}
+  void remove() {
+    if (remove_) std::exchange(remove_, nullptr)();
+  }
+
+ private:
+  std::function<void()> remove_;
+};
 
 struct TensorOptions {
   DType dtype = kFloat32;
@@ -131,9 +145,9 @@ class Tensor {
   Tensor detach() const;  // same storage, no history
   void retain_grad() const;  // keep .grad on a non-leaf too
   bool retains_grad() const;
-  void register_hook(GradHook hook) const;
+  HookHandle register_hook(GradHook hook) const;
   // Leaves only: `hook` runs each time a backward pass has added into this tensor's .grad.
-  void register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const;
+  HookHandle register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const;
   uint64_t version() const;  // bumped by each in-place write to the storage
   // Backpropagates from this tensor. `gradient` may be left out for a single-element tensor.
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
@@ -225,8 +239,8 @@ struct AutogradMeta {
   std::shared_ptr<Node> grad_fn;  // the node that produced this tensor, null for leaves
   uint32_t output_nr = 0;         // which output of grad_fn this tensor is
   std::weak_ptr<Node> grad_accumulator;  // leaves: the node that adds into .grad
-  std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn
-  std::vector<PostAccumulateGradHook> post_accumulate_hooks;  // leaves only
+  std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn; empty where removed
+  std::vector<PostAccumulateGradHook> post_accumulate_hooks;  // leaves only; empty where removed
   bool retains_grad = false;
   // A view taken of a tensor with a history (a non-leaf): the version of their storage then. The view's grad_fn leads
   // to that history, so once the storage is written in place the view is refused as an op's input (record).

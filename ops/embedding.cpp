@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/stack.h"
 
 namespace halfgrad {
 
@@ -87,8 +89,8 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   HG_CHECK(x.defined() && index.defined(), "index_select: got an undefined tensor (input {}, index {})", x.meta(),
            index.meta());
-  HG_CHECK(index.dim() <= 1 && is_integral(index.dtype()),
-           "index_select: expected a 1-D integer index (int64, int32 or uint8), got {}", index.meta());
+  HG_CHECK(index.dim() <= 1 && (index.dtype() == kInt64 || index.dtype() == kInt32),
+           "index_select: expected a 1-D int64 or int32 index, got {}", index.meta());
   HG_CHECK(index.device() == x.device(), "index_select: input {} and index {} are on different devices", x.meta(),
            index.meta());
   const int64_t n = index.numel();
@@ -96,7 +98,9 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   const Tensor source = x.dim() == 0 ? x.view({1}) : x;
   const int64_t d = wrap_dim(dim, source.dim(), "index_select");
   // x with dim first, as [rows, columns] (a view where dim is first and x contiguous): embedding's gather, whose
-  // [n, columns] goes back to dim's place. `to_front` and its inverse `back` are the two permutations.
+  // [n, columns] is the output itself for dim 0 and goes back to dim's place otherwise. `to_front` and its inverse
+  // `back` are the two permutations. The output is a tensor of its own, never a view (of a temporary: autograd would
+  // take it for a view of x).
   Dims to_front{d}, back(size_t(source.dim()));
   for (int64_t k = 0; k < source.dim(); ++k)
     if (k != d) to_front.push_back(k);
@@ -108,7 +112,11 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   const int64_t columns = numel_of(Shape(gathered_shape.begin() + 1, gathered_shape.end()));
   const Tensor flat_index = cast_nograd(index.detach(), kInt64).contiguous().view({n});
   const Tensor table = front.view({rows, columns});
-  Tensor gathered = empty({n, columns}, {.dtype = x.dtype(), .device = x.device()});
+  Shape out_shape = x.shape();
+  if (x.dim() > 0) out_shape[size_t(d)] = n;
+  Tensor out = empty(out_shape, {.dtype = x.dtype(), .device = x.device()});
+  const Tensor gathered =
+      d == 0 ? out.view({n, columns}) : empty({n, columns}, {.dtype = x.dtype(), .device = x.device()});
   // Checked here on the CPU, to name this op (the kernel's own check names embedding), and for no columns on a device,
   // where no element's thread would check its index.
   if (n > 0 && (flat_index.is_cpu() || columns == 0)) {
@@ -116,8 +124,10 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
                   [&] { return fmt::format("dim {} of size {} of {}", d, rows, x.meta()); });
   }
   if (n > 0 && columns > 0) embedding_kernel[x.device()](gathered, table, flat_index);
-  Tensor out = gathered.view(gathered_shape).permute(back).contiguous();
-  if (x.dim() == 0) out = out.view({});
+  if (d != 0) {
+    NoGradGuard no_grad;
+    out.copy_(gathered.view(gathered_shape).permute(back));
+  }
 
   // backward: each selected slice's gradient added into the slice it came from (embedding's scatter).
   record("IndexSelectBackward", {x}, {out},
@@ -133,20 +143,27 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   return out;
 }
 
-Tensor Tensor::index_select(int64_t dim, const Tensor& index) const { return halfgrad::index_select(*this, dim, index); }
+Tensor Tensor::index_select(int64_t dim, const Tensor& index) const {
+  return halfgrad::index_select(*this, dim, index);
+}
 
 Tensor one_hot(const Tensor& indices, int64_t num_classes) {
   HG_CHECK(indices.defined(), "one_hot: the indices are an undefined tensor");
   HG_CHECK(indices.dtype() == kInt64, "one_hot: expected int64 indices (class labels), got {}", indices.meta());
   HG_CHECK(num_classes >= -1, "one_hot: num_classes must be -1 (from the data) or >= 0, got {}", num_classes);
   if (indices.numel() > 0) {
-    const int64_t low = indices.min().item<int64_t>(), high = indices.max().item<int64_t>();
+    const Tensor bounds = stack({indices.min(), indices.max()}).cpu();  // one read back to the host
+    const int64_t low = bounds.data<int64_t>()[0], high = bounds.data<int64_t>()[1];
     HG_CHECK(low >= 0, "one_hot: index {} of {} is negative", low, indices.meta());
-    if (num_classes == -1) num_classes = high + 1;
+    if (num_classes == -1) {
+      HG_CHECK(high < std::numeric_limits<int64_t>::max(), "one_hot: index {} of {} leaves no number of classes",
+               high, indices.meta());
+      num_classes = high + 1;
+    }
     HG_CHECK(high < num_classes, "one_hot: index {} of {} is out of range for {} classes", high, indices.meta(),
              num_classes);
   } else {
-    HG_CHECK(num_classes >= 0, "one_hot: num_classes cannot be inferred from the empty indices {}; give it",
+    HG_CHECK(num_classes > 0, "one_hot: num_classes cannot be inferred from the empty indices {}; give it (> 0)",
              indices.meta());
   }
   NoGradGuard no_grad;

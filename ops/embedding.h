@@ -19,15 +19,16 @@ namespace halfgrad {
 Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int64_t> padding_idx = std::nullopt);
 
 // torch.index_select: x's slices at `index` along dim, in index's order (repeats allowed): out has x's shape with
-// dim's size len(index), contiguous, x's dtype (any). index: 1-D (or 0-d) int64, int32 or uint8 on x's device, each in
-// [0, size of dim); out of range is embedding's error (the CPU) or device-side assertion (CUDA). A 0-d x is one
-// element along dim 0. Gradient (a floating x): each selected slice's gradient added into the slice it came from.
-// Autocast: not cast (a gather).
+// dim's size len(index), contiguous, x's dtype (any). index: 1-D (or 0-d) int64 or int32 (PyTorch's two) on x's
+// device, each in [0, size of dim); out of range is an error naming index_select on the CPU, embedding's device-side
+// assertion on CUDA. A 0-d x is one element along dim 0. Gradient (a floating x): each selected slice's gradient added
+// into the slice it came from. Autocast: not cast (a gather).
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 
 // torch.nn.functional.one_hot: int64 [..., num_classes], 1 at each index of `indices` (int64, as PyTorch's) and 0
-// elsewhere. num_classes -1: the largest index + 1 (a synchronisation on CUDA, as PyTorch's). An index outside
-// [0, num_classes) is an error (read back to the host on CUDA, as PyTorch's check).
+// elsewhere. num_classes -1: the largest index + 1. An index outside [0, num_classes) is an error: the smallest and
+// largest index are read back to the host (one synchronisation on CUDA, where PyTorch's reads only when it infers
+// num_classes and otherwise leaves a bad index to its kernel's device-side assertion).
 Tensor one_hot(const Tensor& indices, int64_t num_classes = -1);
 
 // ---- kernels

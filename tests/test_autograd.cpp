@@ -656,3 +656,74 @@ TEST_CASE("autograd::grad: an output of a node that no gradient reached is unuse
   CHECK(!g[0].defined());
   CHECK(values(g[1]) == std::vector<double>{1, 1, 0, 0});
 }
+
+TEST_CASE("register_hook's handle removes the hook, as PyTorch's RemovableHandle, on leaves and non-leaves") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  int leaf_calls = 0, inner_calls = 0, accumulated = 0;
+  HookHandle on_leaf = x.register_hook([&](const Tensor& g) {
+    ++leaf_calls;
+    return g * 10;
+  });
+  HookHandle after = x.register_post_accumulate_grad_hook([&](const Tensor&) { ++accumulated; });
+  Tensor h = x * 2;
+  HookHandle on_inner = h.register_hook([&](const Tensor& g) {
+    ++inner_calls;
+    return g + 1;
+  });
+  h.sum().backward(Tensor(), /*retain_graph=*/true);
+  CHECK(values(x.grad()) == std::vector<double>{40, 40});  // ((1 + 1) * 2) * 10
+  on_leaf.remove();
+  on_inner.remove();
+  after.remove();
+  after.remove();  // a second remove does nothing
+  x.set_grad(Tensor());
+  h.sum().backward();
+  CHECK(values(x.grad()) == std::vector<double>{2, 2});
+  CHECK(leaf_calls == 1);
+  CHECK(inner_calls == 1);
+  CHECK(accumulated == 1);
+  // A hook that removes itself while it runs; a handle that outlives its tensor's graph.
+  Tensor y = tensor<double>({1}).requires_grad_();
+  int once = 0;
+  HookHandle self;
+  self = y.register_hook([&](const Tensor&) {
+    ++once;
+    self.remove();
+    return Tensor();
+  });
+  (y * 3).sum().backward();
+  (y * 3).sum().backward();
+  CHECK(once == 1);
+  HookHandle orphan;
+  {
+    Tensor z = tensor<double>({1}).requires_grad_();
+    orphan = (z * 2).register_hook([](const Tensor& g) { return g; });
+  }
+  orphan.remove();  // the node is gone: nothing to do
+  // A removed leaf hook no longer keeps the leaf's gradient out of the backward's batched casts.
+  Tensor w = ones({2}).requires_grad_();
+  w.register_hook([](const Tensor& g) { return g; }).remove();
+  (w.to(kFloat16) * 2).to(kFloat32).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{2, 2});
+}
+
+TEST_CASE("a backward that runs another node's backward itself gives that node all its inputs' needs") {
+  // The engine's hand-over (needs, the accumulated gradients) is for the node it runs alone: a node of the same
+  // number of inputs called from inside that backward must not inherit autograd::grad's pruning.
+  Tensor a = tensor<double>({1, 2}).requires_grad_(), b = tensor<double>({3, 4}).requires_grad_();
+  const Tensor m = a * b;  // MulBackward: two inputs
+  Tensor p = tensor<double>({1, 1}).requires_grad_(), q = tensor<double>({1, 1}).requires_grad_();
+  Tensor out = empty({2}, {.dtype = kFloat64});
+  {
+    NoGradGuard no_grad;
+    out.fill_(0);
+  }
+  bool inner_both = false;
+  record("OuterBackward", {p, q}, {out}, [&](const GradContext& g) -> TensorList {
+    const TensorList inner = m.grad_fn()->apply({g[0]});
+    inner_both = inner.size() == 2 && inner[0].defined() && inner[1].defined();
+    return {g[0], g.needs(1) ? g[0] : Tensor()};
+  });
+  CHECK(values(autograd::grad({out.sum()}, {p})[0]) == std::vector<double>{1, 1});
+  CHECK(inner_both);
+}

@@ -300,7 +300,7 @@ TEST_CASE("index_select gathers slices along any dim, in the index's order, in a
   CHECK(values(along1.select(0, 0)) == std::vector<double>{8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11});
   CHECK(values(x.index_select(-1, tensor<int32_t>({3, 0}))) ==
         std::vector<double>{3, 0, 7, 4, 11, 8, 15, 12, 19, 16, 23, 20});
-  CHECK(values(x.index_select(0, tensor<uint8_t>({1})).flatten()) == values(x.select(0, 1).flatten()));
+  CHECK(values(x.index_select(0, tensor<int32_t>({1})).flatten()) == values(x.select(0, 1).flatten()));
   CHECK(x.index_select(2, tensor<int64_t>({})).shape() == Shape{2, 3, 0});
   CHECK(x.index_select(1, scalar_tensor(1, {.dtype = kInt64})).shape() == Shape{2, 1, 4});  // a 0-d index is one value
   CHECK(values(scalar_tensor(7.0).index_select(0, tensor<int64_t>({0}))) == std::vector<double>{7});
@@ -317,8 +317,9 @@ TEST_CASE("index_select refuses bad indices, naming the op, the index and the di
                                          "float32[2, 3] cpu"), Error);
   CHECK_THROWS_WITH_AS(x.index_select(0, tensor<int64_t>({-1})), doctest::Contains("index_select: index -1"), Error);
   CHECK_THROWS_WITH_AS(x.index_select(0, tensor<float>({0})),
-                       doctest::Contains("index_select: expected a 1-D integer index"), Error);
-  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<int64_t>({0, 1}, {1, 2})), doctest::Contains("1-D integer index"),
+                       doctest::Contains("index_select: expected a 1-D int64 or int32 index, got float32[1]"), Error);
+  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<uint8_t>({0})), doctest::Contains("int64 or int32 index"), Error);
+  CHECK_THROWS_WITH_AS(x.index_select(0, tensor<int64_t>({0, 1}, {1, 2})), doctest::Contains("1-D int64 or int32"),
                        Error);
   CHECK_THROWS_WITH_AS(x.index_select(2, tensor<int64_t>({0})), doctest::Contains("index_select"), Error);
   CHECK_THROWS_WITH_AS(scalar_tensor(1.0).index_select(0, tensor<int64_t>({0, 0})),
@@ -336,6 +337,14 @@ TEST_CASE("index_select's gradient adds each selected slice's gradient into the 
   gradcheck([&](const TensorList& in) { return in[0].index_select(2, idx); }, {leaf({2, 3, 4})});
   gradcheck([&](const TensorList& in) { return in[0].index_select(0, idx); }, {leaf({4, 3})});
   gradcheck([&](const TensorList& in) { return in[0].t().index_select(1, idx); }, {leaf({4, 2})});  // strided input
+  // The result is a tensor of its own, not a view: in place on it is allowed, and autograd sees the write.
+  Tensor base = tensor<double>({1, 2, 3}).requires_grad_();
+  for (int64_t dim : {0, -1}) {
+    Tensor picked = base.index_select(dim, tensor<int64_t>({2, 0}));
+    picked.mul_(2);
+    picked.sum().backward();
+  }
+  CHECK(values(base.grad()) == std::vector<double>{4, 0, 4});
   Tensor h = randn({4}).to(kFloat16).requires_grad_();
   h.index_select(0, idx).sum().backward();
   CHECK(h.grad().dtype() == kFloat16);
@@ -349,6 +358,8 @@ TEST_CASE("one_hot: int64 [..., classes] with PyTorch's inference and checks") {
   CHECK(inferred.dtype() == kInt64);
   CHECK(one_hot(tensor<int64_t>({}), 3).shape() == Shape{0, 3});
   CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({}), -1), doctest::Contains("num_classes cannot be inferred"), Error);
+  CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({}), 0), doctest::Contains("num_classes cannot be inferred"), Error);
+  CHECK(one_hot(tensor<int64_t>({0, 0}), 1).shape() == Shape{2, 1});
   CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({0, 5}), 5),
                        doctest::Contains("one_hot: index 5 of int64[2] cpu is out of range for 5 classes"), Error);
   CHECK_THROWS_WITH_AS(one_hot(tensor<int64_t>({-1}), 5), doctest::Contains("one_hot: index -1"), Error);
