@@ -199,8 +199,9 @@ TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   for (size_t i = 0; i < next_edges.size(); ++i)
     needs[i] = next_edges[i].node != nullptr && !(handed && t_hand_over->pruned[i]);
   if (handed) return fn_(GradContext(grad_outputs, needs, t_hand_over->accumulated, t_hand_over->took));
-  HandOver none{this, TensorList(next_edges.size()), std::vector<bool>(next_edges.size(), false), {}};
-  return fn_(GradContext(grad_outputs, needs, none.accumulated, none.took));
+  TensorList accumulated(next_edges.size());  // called outside the engine's run of it: nothing to hand over
+  std::vector<bool> took(next_edges.size(), false);
+  return fn_(GradContext(grad_outputs, needs, accumulated, took));
 }
 
 Tensor AccumulateGrad::hooked_gradient(Tensor grad) const {

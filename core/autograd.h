@@ -54,7 +54,8 @@ struct TensorMeta {
 };
 
 // What a backward function receives: the gradient of each output (zeros for outputs that received none)
-// and which inputs need a gradient at all (so a matmul skips the product nobody wants).
+// and which inputs need a gradient at all (so a matmul skips the product nobody wants; under autograd::grad, not those
+// whose gradient leads to no requested input).
 class GradContext {
  public:
   GradContext(const TensorList& grads, const std::vector<bool>& needs, const TensorList& accumulated,

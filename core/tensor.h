@@ -204,7 +204,8 @@ class Tensor {
   Tensor& relu_();
   Tensor& clamp_(std::optional<Scalar> min, std::optional<Scalar> max);
   Tensor& fill_(const Scalar& value);
-  // value where mask (bool, broadcastable to this tensor's shape) is true, this tensor elsewhere (ops/elementwise.cpp).
+  // value where mask (bool) is true, this tensor elsewhere (ops/elementwise.cpp): out of place the two broadcast
+  // together; in place the mask must broadcast to this tensor's shape.
   Tensor masked_fill(const Tensor& mask, const Scalar& value) const;
   Tensor& masked_fill_(const Tensor& mask, const Scalar& value);
   Tensor& zero_() { return fill_(0); }

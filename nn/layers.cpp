@@ -178,8 +178,7 @@ std::string LayerNorm::extra_repr() const {
 Tensor ReLU::forward(const Tensor& x) { return relu(x); }
 
 GELU::GELU(std::string approximate) : approximate(std::move(approximate)) {
-  HG_CHECK(this->approximate == "none" || this->approximate == "tanh",
-           "GELU: approximate must be \"none\" or \"tanh\", got \"{}\"", this->approximate);
+  check_gelu_approximate("GELU", this->approximate);
 }
 Tensor GELU::forward(const Tensor& x) { return gelu(x, approximate); }
 std::string GELU::extra_repr() const { return fmt::format("approximate='{}'", approximate); }  // PyTorch's

@@ -1,7 +1,6 @@
 // Elementwise ops: forward, backward and CPU kernels. The arithmetic is in ops/elementwise_math.h.
 #include "ops/elementwise.h"
 
-#include <cmath>
 #include <functional>
 #include <initializer_list>
 #include <numbers>
@@ -132,7 +131,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Sigmoid: return g * y * (1 - y);            // d s = s (1 - s)
     case UnaryOp::Relu: return where(y.gt(0), g, 0);         // relu_backward_math (ops/elementwise_math.h)
     case UnaryOp::Sign: return zeros_like(g);
-    case UnaryOp::Erf: return g * exp(-x * x) * (2 / std::sqrt(std::numbers::pi));  // d erf = 2/sqrt(pi) e^(-x^2)
+    case UnaryOp::Erf: return g * exp(-x * x) * (2 * std::numbers::inv_sqrtpi);  // d erf = 2/sqrt(pi) e^(-x^2)
     // The activations' derivatives, one kernel each (their formulas: binary_math, ops/elementwise_math.h).
     case UnaryOp::Gelu: return binary_forward(BinaryOp::GeluBackward, g, x, result_type(g, x));
     case UnaryOp::GeluTanh: return binary_forward(BinaryOp::GeluTanhBackward, g, x, result_type(g, x));
@@ -457,13 +456,13 @@ Tensor erf(const Tensor& x) {
   HG_AUTOCAST(erf, x);
   return unary(UnaryOp::Erf, x);
 }
-Tensor gelu(const Tensor& x, std::string_view approximate) {
+void check_gelu_approximate(const char* op, std::string_view approximate) {
   HG_CHECK(approximate == "none" || approximate == "tanh",
-           "gelu: approximate must be \"none\" or \"tanh\", got \"{}\"", approximate);
+           "{}: approximate must be \"none\" or \"tanh\", got \"{}\"", op, approximate);
+}
+Tensor gelu(const Tensor& x, std::string_view approximate) {
+  check_gelu_approximate("gelu", approximate);
   HG_AUTOCAST(gelu, x, approximate);
-  check_defined("gelu", {x});
-  HG_CHECK(x.is_floating_point(), "gelu: expected a floating-point input, got {} (convert it with .to(kFloat32))",
-           x.meta());  // before the op's row, whose name for the tanh form is gelu_tanh
   return unary(approximate == "tanh" ? UnaryOp::GeluTanh : UnaryOp::Gelu, x);
 }
 Tensor silu(const Tensor& x) {

@@ -42,6 +42,8 @@ Tensor erf(const Tensor& x);  // the error function, 2/sqrt(pi) * integral of e^
 // "none" (through erf) or "tanh" (Hendrycks and Gimpel's tanh form). silu (swish): x * sigmoid(x). Floating inputs
 // only, as PyTorch's; autocast "unchanged" (a float16 input is computed in float32 and rounded once).
 Tensor gelu(const Tensor& x, std::string_view approximate = "none");
+// approximate is "none" or "tanh", or an error naming `op` (gelu's rule, which nn::GELU checks at construction).
+void check_gelu_approximate(const char* op, std::string_view approximate);
 Tensor silu(const Tensor& x);
 Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max);
 Tensor eq(const Tensor& a, const Tensor& b);

@@ -26,7 +26,7 @@ namespace halfgrad {
   X(Sqrt, "sqrt", Math, true) X(Rsqrt, "rsqrt", Math, true) X(Tanh, "tanh", Math, true)                     \
   X(Sigmoid, "sigmoid", Math, true) X(Relu, "relu", Plain, false) X(Sign, "sign", Plain, true)             \
   X(LogicalNot, "logical_not", Predicate, true) X(IsFinite, "isfinite", Predicate, true)                 \
-  X(Erf, "erf", Math, true) X(Gelu, "gelu", Floating, false) X(GeluTanh, "gelu_tanh", Floating, false)      \
+  X(Erf, "erf", Math, true) X(Gelu, "gelu", Floating, false) X(GeluTanh, "gelu", Floating, false)      \
   X(Silu, "silu", Floating, false)
 // The *Backward rows are the activations' derivatives, g * f'(x) for a (g, x) pair in one kernel, which only
 // unary_backward (ops/elementwise.cpp) calls: they are not differentiable themselves.

@@ -124,10 +124,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
                   [&] { return fmt::format("dim {} of size {} of {}", d, rows, x.meta()); });
   }
   if (n > 0 && columns > 0) embedding_kernel[x.device()](gathered, table, flat_index);
-  if (d != 0) {
-    NoGradGuard no_grad;
-    out.copy_(gathered.view(gathered_shape).permute(back));
-  }
+  if (d != 0) out.copy_(gathered.view(gathered_shape).permute(back));  // (nothing that requires grad: no record)
 
   // backward: each selected slice's gradient added into the slice it came from (embedding's scatter).
   record("IndexSelectBackward", {x}, {out},
@@ -166,7 +163,6 @@ Tensor one_hot(const Tensor& indices, int64_t num_classes) {
     HG_CHECK(num_classes > 0, "one_hot: num_classes cannot be inferred from the empty indices {}; give it (> 0)",
              indices.meta());
   }
-  NoGradGuard no_grad;
   const Tensor classes = arange(0, num_classes, 1, {.dtype = kInt64, .device = indices.device()});
   return indices.unsqueeze(-1).eq(classes).to(kInt64);
 }

@@ -1,9 +1,9 @@
 // layer_norm on CUDA: the kernels behind layer_norm_forward_kernel and layer_norm_backward_kernel
 // (ops/layer_norm.h). The op layer hands over contiguous [rows, cols] tensors.
 //
-//   rows      (the forward and the input's gradient): TX threads share a row, ROWS rows per block, as softmax's
-//             rows (ops/softmax.cu): a warp per row up to 1024 columns, eight rows per block; longer rows a block
-//             of 512 each. The forward reads the row three times (mean, squared deviations, write), from L1/L2 for
+//   rows      (the forward and the input's gradient): TX threads share a row, ROWS rows per block, the shape
+//             softmax's rows take (launch_rows, ops/log_sum_exp.cuh): a warp per row up to 1024 columns, eight rows
+//             per block; longer rows a block of 512 each. The forward reads the row three times (mean, squared deviations, write), from L1/L2 for
 //             all but very long rows.
 //   columns   (weight's and bias's gradients, sums over the rows): a block of 32 columns x 8 rows walks a chunk of
 //             rows, neighbouring threads on neighbouring columns (coalesced); each chunk writes its partial sums in
@@ -22,6 +22,8 @@ namespace halfgrad {
 namespace {
 
 using log_sum_exp::AddOp;
+using log_sum_exp::launch_rows;
+using log_sum_exp::row_blocks;
 using log_sum_exp::row_reduce;
 
 __device__ __forceinline__ float device_rsqrt(float x) { return rsqrtf(x); }
@@ -134,26 +136,15 @@ __global__ void parameter_sums_kernel(T* dw, T* db, const opmath_t<T>* partial_w
 
 // ---- launchers
 
-constexpr int64_t kWarpRowMax = 1024;  // rows up to this long get a warp each; longer ones a block each
-constexpr int kLongRowThreads = 512;
 constexpr int64_t kRowsPerChunk = 256;  // the parameters' sums: rows a block walks (more chunks for more rows)
 constexpr int64_t kMaxChunks = 1024;
 
 unsigned blocks_for(int64_t items, int64_t per_block) { return unsigned((items + per_block - 1) / per_block); }
 
-// Calls launch<TX, ROWS>(grid, block) with the row shape the row length picks.
-template <typename Launch> void launch_rows(int64_t rows, int64_t cols, Launch&& launch) {
-  if (cols <= kWarpRowMax) {
-    launch.template operator()<32, 8>(dim3(blocks_for(rows, 8)), dim3(32, 8));
-  } else {
-    launch.template operator()<kLongRowThreads, 1>(dim3(blocks_for(rows, 1)), dim3(kLongRowThreads, 1));
-  }
-}
-
-// The grid's x dimension holds rows / 8 blocks; the parameters' chunking divides by the row count.
+// The rows' blocks must fit the grid's x dimension (launch_rows); the parameters' chunking divides by the row count.
 void check_shape(const LayerNormShape& s) {
-  HG_CHECK(s.rows > 0 && s.cols > 0 && s.rows / 8 < (int64_t(1) << 31), "layer_norm: the CUDA kernels take 1 to 2^34 "
-           "rows of at least one column, got [{}, {}]", s.rows, s.cols);
+  HG_CHECK(s.rows > 0 && s.cols > 0 && row_blocks(s.rows, s.cols) < (int64_t(1) << 31), "layer_norm: the CUDA kernels "
+           "take rows of at least one column, at most 2^31 - 1 blocks of them, got [{}, {}]", s.rows, s.cols);
 }
 
 void layer_norm_forward_cuda(const LayerNormForwardArgs& a) {

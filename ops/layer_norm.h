@@ -22,22 +22,23 @@ namespace halfgrad {
 //   y = (x - mean) / sqrt(var + eps) * weight + bias      (weight 1 and bias 0 where undefined)
 // The statistics are kept in float32 for float16/bfloat16/float32 (float64 for float64) and computed in two passes
 // over the row (mean, then the squared deviations from it: no cancellation where the mean is large against the
-// spread), summed in float32 on CUDA and in double on the CPU; y has the input's dtype, contiguous. Gradients: input, weight and bias. normalized_shape must not be empty and
-// must end the input's shape; eps > 0 is not required (PyTorch's neither), eps >= 0 is.
+// spread), summed in that dtype on CUDA and in double on the CPU; y has the input's dtype, contiguous. Gradients:
+// input, weight and bias. normalized_shape must not be empty and must end the input's shape; eps > 0 is not required
+// (PyTorch's neither), eps >= 0 is.
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight = Tensor(),
                   const Tensor& bias = Tensor(), double eps = 1e-5);
 
-// ---- kernels, for rows, cols > 0. Every per-element tensor is contiguous [rows, cols] of dtype T; weight, bias [cols] of T or
-// undefined; mean and rstd [rows] of the accumulation dtype A (float32, or float64 for float64 input).
+// ---- kernels, for rows, cols > 0. Every per-element tensor is contiguous [rows, cols] of dtype T; weight, bias
+// [cols] of T or undefined; mean and rstd [rows] of the accumulation dtype A (float32, or float64 for float64 input).
 struct LayerNormShape {
-  int64_t rows = 0, cols = 1;
+  int64_t rows, cols;
 };
 
 // Writes output, and mean and rstd = 1 / sqrt(var + eps) of each row, which the backward reads.
 struct LayerNormForwardArgs {
   LayerNormShape shape;
   Tensor input, weight, bias, output, mean, rstd;
-  double eps = 1e-5;
+  double eps;
 };
 
 // With xhat = (x - mean) * rstd, g the output's gradient and gw = g * weight (g where weight is undefined), per row:

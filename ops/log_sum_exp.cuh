@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "ops/vec16.cuh"
 
@@ -67,6 +68,22 @@ template <int TX, typename V, typename Op> __device__ __forceinline__ V row_redu
     __syncthreads();  // the partials may be reused by a second reduction
   }
   return v;
+}
+
+// The row shape of the row-wise kernels (softmax's, layer_norm's), whose TX threads of a row reduce with row_reduce:
+// rows up to kWarpRowMax long get a warp each, eight rows to a block; longer ones a block of kLongRowThreads each.
+// Calls launch.template operator()<TX, ROWS>(grid, block).
+inline constexpr int64_t kWarpRowMax = 1024;
+inline constexpr int kLongRowThreads = 512;
+// The blocks launch_rows makes for `rows` rows of `cols` (the grid's x dimension holds 2^31 - 1).
+inline int64_t row_blocks(int64_t rows, int64_t cols) { return cols <= kWarpRowMax ? (rows + 7) / 8 : rows; }
+template <typename Launch> void launch_rows(int64_t rows, int64_t cols, Launch&& launch) {
+  const dim3 grid(unsigned(row_blocks(rows, cols)));
+  if (cols <= kWarpRowMax) {
+    launch.template operator()<32, 8>(grid, dim3(32, 8));
+  } else {
+    launch.template operator()<kLongRowThreads, 1>(grid, dim3(kLongRowThreads, 1));
+  }
 }
 
 }  // namespace halfgrad::log_sum_exp

@@ -223,9 +223,9 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
 namespace {
 
 // Views of x along d: consecutive ranges of the given sizes (split, split_with_sizes, chunk), or each index (unbind,
-// `ranges` false); `name` names their node. One node for all of them, whose backward joins their gradients (cat, or stack for unbind; the
-// engine gives a piece without one zeros): one pass, where a node per piece (narrow's) would each write a
-// zeros tensor of x's whole size.
+// `ranges` false); `name` names their node. One node for all of them, whose backward joins their gradients (cat, or
+// stack for unbind; the engine gives a piece without one zeros): one pass, where a node per piece (narrow's) would
+// each write a zeros tensor of x's whole size.
 std::vector<Tensor> pieces_along(const char* name, const Tensor& x, int64_t d, const std::vector<int64_t>& sizes,
                                  bool ranges) {
   std::vector<Tensor> pieces;
@@ -256,7 +256,8 @@ std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, 
   int64_t total = 0;
   for (int64_t size : sizes) {
     HG_CHECK(size >= 0 && !__builtin_add_overflow(total, size, &total),
-             "split_with_sizes: sizes {} hold a negative size or overflow", shape_str(sizes));
+             "split_with_sizes: sizes {} hold a negative size or overflow, for dim {} of {}", shape_str(sizes), d,
+             meta());
   }
   HG_CHECK(total == size(d), "split_with_sizes: sizes {} add up to {}, but dim {} of {} has size {}", shape_str(sizes),
            total, d, meta(), size(d));

@@ -100,9 +100,6 @@ __global__ void __launch_bounds__(kColumnThreads)
 
 // ---- launchers
 
-constexpr int64_t kWarpRowMax = 1024;  // rows up to this long get a warp each; longer ones a block each
-constexpr int kLongRowThreads = 512;
-
 unsigned blocks_for(int64_t items, int64_t per_block) { return unsigned((items + per_block - 1) / per_block); }
 
 void softmax_cuda(const Tensor& out, const Tensor& in, SoftmaxShape s, bool log) {
@@ -114,11 +111,10 @@ void softmax_cuda(const Tensor& out, const Tensor& in, SoftmaxShape s, bool log)
   dispatch_floating(in.dtype(), name, [&]<typename T>() {
     T* y = out.data<T>();
     const T* x = in.data<T>();
-    if (s.inner == 1 && s.size <= kWarpRowMax) {
-      softmax_rows_kernel<T, 32, 8><<<blocks_for(s.outer, 8), dim3(32, 8), 0, stream>>>(y, x, s.outer, s.size, log);
-    } else if (s.inner == 1) {
-      softmax_rows_kernel<T, kLongRowThreads, 1>
-          <<<blocks_for(s.outer, 1), dim3(kLongRowThreads, 1), 0, stream>>>(y, x, s.outer, s.size, log);
+    if (s.inner == 1) {
+      launch_rows(s.outer, s.size, [&]<int TX, int ROWS>(dim3 grid, dim3 block) {
+        softmax_rows_kernel<T, TX, ROWS><<<grid, block, 0, stream>>>(y, x, s.outer, s.size, log);
+      });
     } else {
       softmax_columns_kernel<T><<<blocks_for(s.outer * s.inner, kColumnThreads), kColumnThreads, 0, stream>>>(
           y, x, s.outer, s.size, s.inner, log);
@@ -138,12 +134,10 @@ void softmax_backward_cuda(const Tensor& grad_in, const Tensor& grad_out, const 
     T* dx = grad_in.data<T>();
     const T* g = grad_out.data<T>();
     const T* y = out.data<T>();
-    if (s.inner == 1 && s.size <= kWarpRowMax) {
-      softmax_backward_rows_kernel<T, 32, 8>
-          <<<blocks_for(s.outer, 8), dim3(32, 8), 0, stream>>>(dx, g, y, s.outer, s.size, log);
-    } else if (s.inner == 1) {
-      softmax_backward_rows_kernel<T, kLongRowThreads, 1>
-          <<<blocks_for(s.outer, 1), dim3(kLongRowThreads, 1), 0, stream>>>(dx, g, y, s.outer, s.size, log);
+    if (s.inner == 1) {
+      launch_rows(s.outer, s.size, [&]<int TX, int ROWS>(dim3 grid, dim3 block) {
+        softmax_backward_rows_kernel<T, TX, ROWS><<<grid, block, 0, stream>>>(dx, g, y, s.outer, s.size, log);
+      });
     } else {
       softmax_backward_columns_kernel<T><<<blocks_for(s.outer * s.inner, kColumnThreads), kColumnThreads, 0, stream>>>(
           dx, g, y, s.outer, s.size, s.inner, log);

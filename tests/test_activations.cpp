@@ -100,6 +100,8 @@ TEST_CASE("gelu and silu take floating inputs only, as PyTorch's, and erf comput
   CHECK_THROWS_WITH_AS(gelu(arange(4)), doctest::Contains("gelu: expected a floating-point input, got int64[4]"),
                        Error);
   CHECK_THROWS_WITH_AS(gelu(arange(4), "tanh"), doctest::Contains("gelu: expected a floating-point input"), Error);
+  Tensor t = tensor<double>({1.0}).requires_grad_();
+  CHECK(gelu(t, "tanh").grad_fn()->name() == "GeluBackward");  // PyTorch's node for both forms
   CHECK_THROWS_WITH_AS(silu(tensor<bool>({true})), doctest::Contains("silu: expected a floating-point input, got bool"),
                        Error);
   CHECK_THROWS_WITH_AS(gelu(ones({2}), "exact"),

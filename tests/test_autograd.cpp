@@ -700,10 +700,17 @@ TEST_CASE("register_hook's handle removes the hook, as PyTorch's RemovableHandle
     orphan = (z * 2).register_hook([](const Tensor& g) { return g; });
   }
   orphan.remove();  // the node is gone: nothing to do
-  // A removed leaf hook no longer keeps the leaf's gradient out of the backward's batched casts.
+  // A removed leaf hook no longer keeps the leaf's gradient out of the backward's batched casts: w's cast is held
+  // past u's accumulation, as a hookless leaf's is (a live hook would have it cast at once).
+  Tensor u = tensor(std::vector<float>{5}).requires_grad_();
   Tensor w = ones({2}).requires_grad_();
   w.register_hook([](const Tensor& g) { return g; }).remove();
-  (w.to(kFloat16) * 2).to(kFloat32).sum().backward();
+  bool w_had_grad_at_u = true;
+  u.register_post_accumulate_grad_hook([&](const Tensor&) { w_had_grad_at_u = w.grad().defined(); });
+  Tensor loss = (u * 2).sum();
+  loss = loss + (w.to(kFloat16) * 2).to(kFloat32).sum();
+  loss.backward();
+  CHECK(!w_had_grad_at_u);
   CHECK(values(w.grad()) == std::vector<double>{2, 2});
 }
 

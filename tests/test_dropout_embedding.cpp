@@ -383,6 +383,9 @@ TEST_CASE("CUDA index_select and one_hot match the CPU, forward and backward") {
   xc.index_select(1, repeated).backward(g);
   xg.index_select(1, repeated.cuda()).backward(g.cuda());
   halfgrad::testing::check_close(values(xg.grad().cpu()), values(xc.grad()), 1e-6);
+  // No columns around the dim: no element for the kernel to check an index by, checked on the host, as on the CPU.
+  CHECK_THROWS_WITH_AS(zeros({0, 3}).cuda().index_select(1, tensor<int64_t>({5}).cuda()),
+                       doctest::Contains("index_select: index 5"), Error);
   const Tensor labels = tensor<int64_t>({3, 0, 2});
   CHECK(values(one_hot(labels.cuda(), 5).cpu()) == values(one_hot(labels, 5)));
   CHECK(values(one_hot(labels.cuda()).cpu()) == values(one_hot(labels)));

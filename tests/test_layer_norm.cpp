@@ -56,7 +56,7 @@ TEST_CASE("layer_norm of one row: (x - mean) / sqrt(var + eps), var biased") {
   check_close(values(layer_norm(full({2, 3}, 7.0), {3}, Tensor(), full({3}, 0.5))), std::vector<double>(6, 0.5), 0);
 }
 
-TEST_CASE("layer_norm matches the float64 definition over one and two last dims, with and without weight and bias") {
+TEST_CASE("layer_norm matches the float64 definition over one, two and all dims, with and without weight and bias") {
   manual_seed(311);
   const Tensor x64 = randn({3, 4, 5}, {.dtype = kFloat64}) * 2 + 1;
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {

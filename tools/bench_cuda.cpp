@@ -174,7 +174,7 @@ void reduction_rows(int64_t n, int repeats, double copy_gbs) {
 // .grad reset before each run, so that it is assigned, not accumulated). Bytes: what each pass must read and write
 // once: layer_norm's forward reads x and writes y, its backward reads g and x and writes dx (the parameters' [C]
 // vectors are left out); an activation's forward reads x and writes y, its backward reads g and x and writes dx.
-void normalization_rows(int64_t n, int repeats, double copy_gbs) {
+void norm_and_activation_rows(int64_t n, int repeats, double copy_gbs) {
   for (DType dt : {kFloat32, kBFloat16}) {
     const double s = double(element_size(dt)), N = double(n);
     const std::string t = dtype_name(dt);
@@ -297,7 +297,7 @@ int main(int argc, char** argv) {
   const double copy_gbs = copy_bandwidth(elements * 4, repeats);
   elementwise_rows(elements, repeats, copy_gbs);
   reduction_rows(elements, repeats, copy_gbs);
-  normalization_rows(elements, repeats, copy_gbs);
+  norm_and_activation_rows(elements, repeats, copy_gbs);
   if (!skip_gemm) gemm_rows(gemm_sizes, repeats);
   fmt::print("\nallocator: {}\n", cuda::memory_stats_str(0));
 
