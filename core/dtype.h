@@ -24,6 +24,9 @@ const char* dtype_name(DType t);  // "float32", ...
 size_t element_size(DType t);
 inline bool is_floating(DType t) { return t >= DType::Float16; }
 inline bool is_half(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
+// The dtype sums and statistics of a floating dtype are kept in: float64 for float64, float32 for the rest (the
+// accumulators of batch_norm, layer_norm, the losses, the gradient scatters, the fused optimizers and the RNN GEMMs).
+inline DType accumulation_dtype(DType t) { return t == DType::Float64 ? DType::Float64 : DType::Float32; }
 inline bool is_integral(DType t, bool include_bool = false) {
   return (t >= DType::UInt8 && t <= DType::Int64) || (include_bool && t == DType::Bool);
 }

@@ -66,9 +66,6 @@ Tensor in_layout(const Tensor& t, bool channels_last) {
   return out;
 }
 
-// The accumulation dtype of the statistics and parameters.
-DType accumulation_dtype(DType input) { return input == kFloat64 ? kFloat64 : kFloat32; }
-
 void check_channel_tensor(const char* op, const Tensor& t, const Tensor& input, int64_t channels, const char* what) {
   if (!t.defined()) return;
   HG_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),

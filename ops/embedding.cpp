@@ -38,7 +38,7 @@ void check_embedding_indices(const Tensor& indices, const Tensor& weight) {
 // accumulation dtype (float32, or float64 for float64), skipping padding_idx (-1: none).
 Tensor scattered_rows(const Tensor& grad, const Tensor& index, int64_t rows, int64_t padding_idx) {
   const int64_t n = grad.size(0), dim = grad.size(1);
-  const DType acc = grad.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  const DType acc = accumulation_dtype(grad.dtype());
   Tensor grad_weight = zeros({rows, dim}, {.dtype = acc, .device = grad.device()});
   if (n > 0 && dim > 0) embedding_backward_kernel[grad.device()](grad_weight, grad, index.view({n}), padding_idx);
   return grad_weight;

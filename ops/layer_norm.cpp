@@ -14,8 +14,6 @@ constinit KernelTable<LayerNormBackwardKernel> layer_norm_backward_kernel("layer
 
 namespace {
 
-// The accumulation dtype of the statistics.
-DType accumulation_dtype(DType input) { return input == kFloat64 ? kFloat64 : kFloat32; }
 
 void check_parameter(const Tensor& p, const char* what, const Tensor& input, const Shape& normalized_shape) {
   if (!p.defined()) return;

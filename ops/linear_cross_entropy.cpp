@@ -162,7 +162,7 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   auto round_up = [&](int64_t v) { return (v + per_vector - 1) / per_vector * per_vector; };
   const bool has_bias = bias.defined();
   const int64_t in_p = round_up(in + (has_bias ? 1 : 0)), classes_p = round_up(classes);
-  const DType acc = dtype == kFloat64 ? kFloat64 : kFloat32;
+  const DType acc = accumulation_dtype(dtype);
   const Device device = input.device();
   const bool grad = GradMode::is_enabled();
   const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),

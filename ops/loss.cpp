@@ -100,9 +100,6 @@ struct NllElements {
   int64_t batch, classes, inner;
 };
 
-// The accumulation dtype of a floating dtype.
-DType accumulation_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
-
 // A [C] tensor of class weights, checked; undefined stays undefined. It keeps its autograd history: cross_entropy's
 // probability targets differentiate through it, nll_problem refuses it.
 Tensor check_class_weight(const Tensor& weight, const Tensor& input, int64_t classes, const char* op) {

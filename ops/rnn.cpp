@@ -43,8 +43,6 @@ void set_rnn_batch_groups(int groups) {
 }
 int rnn_batch_groups() { return g_batch_groups.load(std::memory_order_relaxed); }
 
-DType rnn_acc_dtype(DType storage) { return storage == kFloat64 ? kFloat64 : kFloat32; }
-
 const char* rnn_kind_name(RnnKind kind) {
   switch (kind) {
     case RnnKind::RNNTanh:
@@ -341,7 +339,7 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
   const int64_t L = options.num_layers, per_layer = int64_t(weights.size()) / L, G = rnn_gates(kind);
   const DType dtype = input.dtype(), storage = storage_dtype(dtype, input.device());
   const Problem p{kind, input.size(0),  input.size(1), input.size(2),      weights[0].size(0) / G, L,
-                  G,    per_layer == 4, storage,       rnn_acc_dtype(storage), input.device()};
+                  G,    per_layer == 4, storage,       accumulation_dtype(storage), input.device()};
 
   std::vector<LayerWeights> w(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
@@ -416,7 +414,7 @@ void rnn_loop_forward_cpu(const RnnLoopForwardArgs& a) {
     if constexpr (kCpuStorage<S>) {
       for (int64_t t = 0; t < a.steps; ++t) {
         const rnn_cell::Forward<S> cell(a, G, t);
-        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
+        gemm_dense(a.device, a.storage, accumulation_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
                    a.w_hh, Trans::Yes, a.gh, 0.0);
         for_each_unit(a.batch, a.hidden, a.kind, cell);
       }
@@ -433,8 +431,8 @@ void rnn_loop_backward_cpu(const RnnLoopBackwardArgs& a) {
       for (int64_t t = a.steps - 1; t >= 0; --t) {
         if (t + 1 < a.steps) {
           const rnn_cell::Backward<S> next(a, G, t + 1);
-          gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, next.recurrent_gradient(),
-                     Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
+          gemm_dense(a.device, a.storage, accumulation_dtype(a.storage), a.batch, a.hidden, GH,
+                     next.recurrent_gradient(), Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
         }
         for_each_unit(a.batch, a.hidden, a.kind, rnn_cell::Backward<S>(a, G, t));
       }

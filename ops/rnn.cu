@@ -90,7 +90,7 @@ void forward_steps(const RnnLoopForwardArgs& a) {
     dispatch_floating(a.storage, "rnn", [&]<typename S>() {
       for (int64_t t = 0; t < a.steps; ++t) {
         const rnn_cell::Forward<S> cell(a, G, t);
-        gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
+        gemm_dense(a.device, a.storage, accumulation_dtype(a.storage), a.batch, GH, a.hidden, cell.h_prev, Trans::No,
                    a.w_hh, Trans::Yes, a.gh, 0.0);
         launch_cell(cell, a.kind, a.batch, a.hidden, a.device, "rnn");
       }
@@ -106,8 +106,8 @@ void backward_steps(const RnnLoopBackwardArgs& a) {
       for (int64_t t = a.steps - 1; t >= 0; --t) {
         if (t + 1 < a.steps) {
           const rnn_cell::Backward<S> next(a, G, t + 1);
-          gemm_dense(a.device, a.storage, rnn_acc_dtype(a.storage), a.batch, a.hidden, GH, next.recurrent_gradient(),
-                     Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
+          gemm_dense(a.device, a.storage, accumulation_dtype(a.storage), a.batch, a.hidden, GH,
+                     next.recurrent_gradient(), Trans::No, a.w_hh, Trans::No, a.dh, 1.0);
         }
         launch_cell(rnn_cell::Backward<S>(a, G, t), a.kind, a.batch, a.hidden, a.device, "rnn backward");
       }

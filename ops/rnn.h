@@ -122,8 +122,6 @@ using RnnLoopBackwardKernel = void (*)(const RnnLoopBackwardArgs&);
 extern KernelTable<RnnLoopForwardKernel> rnn_loop_forward_kernel;
 extern KernelTable<RnnLoopBackwardKernel> rnn_loop_backward_kernel;
 
-// The accumulation dtype A of a storage dtype S: float64 for float64, else float32.
-DType rnn_acc_dtype(DType storage);
 
 
 }  // namespace halfgrad

@@ -49,7 +49,7 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
   for (const TensorList& b : buckets) {
     TensorList flat;  // the norm does not depend on the order of the elements: any dense layout is read in place
     for (const Tensor& g : b) flat.push_back(flat_storage_view(storage_format(g) ? g : g.contiguous()));
-    Tensor part = empty({}, {.dtype = accumulate_dtype(b[0].dtype()), .device = b[0].device()});
+    Tensor part = empty({}, {.dtype = accumulation_dtype(b[0].dtype()), .device = b[0].device()});
     norm_kernel[part.device()](flat, norm_type, part);
     part = part.to(device, dtype);
     reduced = !reduced.defined() ? part : inf ? maximum(reduced, part) : reduced + part;
@@ -62,7 +62,7 @@ Tensor total_norm(const std::vector<TensorList>& buckets, double norm_type) {
 // Multiplies the gradients of every bucket by `coefficient`.
 void scale_buckets(const std::vector<TensorList>& buckets, const Tensor& coefficient) {
   for (const TensorList& b : buckets) {
-    Tensor c = coefficient.to(b[0].device(), accumulate_dtype(b[0].dtype()));
+    Tensor c = coefficient.to(b[0].device(), accumulation_dtype(b[0].dtype()));
     TensorList flat;
     for (const Tensor& g : b) {
       if (storage_format(g)) {

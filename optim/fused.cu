@@ -221,7 +221,7 @@ template <typename A> struct ScaleOp {
 void scale_cuda(const TensorList& tensors, const Tensor& coefficient) {
   if (tensors.empty()) return;
   const Device device = tensors[0].device();
-  HG_CHECK(coefficient.device() == device && coefficient.dtype() == accumulate_dtype(tensors[0].dtype()),
+  HG_CHECK(coefficient.device() == device && coefficient.dtype() == accumulation_dtype(tensors[0].dtype()),
            "scale: coefficient {} for {} tensors", coefficient.meta(), tensors[0].meta());
   dispatch_floating(tensors[0].dtype(), "scale", [&]<typename T>() {
     using A = opmath_t<T>;  // float, or double for float64: the accumulate dtype

@@ -95,8 +95,6 @@ extern KernelTable<AdagradStepKernel> adagrad_step_kernel;
 extern KernelTable<NormKernel> norm_kernel;
 extern KernelTable<ScaleKernel> scale_kernel;
 
-// The dtype a norm or a scale coefficient is kept in for tensors of dtype t.
-inline DType accumulate_dtype(DType t) { return t == kFloat64 ? kFloat64 : kFloat32; }
 
 // Calls f(std::bool_constant<b>{}...) : turns run-time flags into compile-time ones for kernel templates.
 template <typename F> decltype(auto) with_bools(F&& f) { return f(); }
