@@ -48,11 +48,11 @@ inline constexpr OpRule kCastRules[] = {
     {"mse_loss", CastRule::Float32}, {"cross_entropy", CastRule::Float32Math}, {"nll_loss", CastRule::Float32},
     {"binary_cross_entropy_with_logits", CastRule::Float32},
     {"sum", CastRule::Float32}, {"mean", CastRule::Float32}, {"var", CastRule::Float32},
-    {"std", CastRule::Float32}, {"layer_norm", CastRule::Float32},
+    {"std", CastRule::Float32}, {"layer_norm", CastRule::Float32}, {"cumsum", CastRule::Float32},
     // promote: mixed inputs run in the widest of them (a 0-d one beside tensors with dims counts as a number)
     {"add", CastRule::Promote}, {"sub", CastRule::Promote}, {"mul", CastRule::Promote}, {"div", CastRule::Promote},
     {"maximum", CastRule::Promote}, {"minimum", CastRule::Promote}, {"where", CastRule::Promote},
-    {"cat", CastRule::Promote}, {"stack", CastRule::Promote},
+    {"cat", CastRule::Promote}, {"stack", CastRule::Promote}, {"scatter_add", CastRule::Promote},
     // unchanged (listed so the trace can name them): activations, pooling, views and the rest
     {"relu", CastRule::Unchanged}, {"tanh", CastRule::Unchanged}, {"sigmoid", CastRule::Unchanged},
     {"gelu", CastRule::Unchanged}, {"silu", CastRule::Unchanged}, {"erf", CastRule::Unchanged},
@@ -61,7 +61,7 @@ inline constexpr OpRule kCastRules[] = {
     {"avg_pool2d", CastRule::Unchanged}, {"adaptive_avg_pool2d", CastRule::Unchanged},
     {"dropout", CastRule::Unchanged}, {"embedding", CastRule::Unchanged}, {"max", CastRule::Unchanged},
     {"min", CastRule::Unchanged}, {"amax", CastRule::Unchanged}, {"amin", CastRule::Unchanged},
-    {"argmax", CastRule::Unchanged},
+    {"argmax", CastRule::Unchanged}, {"gather", CastRule::Unchanged}, {"scatter", CastRule::Unchanged},
     // BatchNorm: half activations with float32 parameters and statistics (the op handles the mix itself)
     {"batch_norm", CastRule::Unchanged}, {"batch_norm_relu", CastRule::Unchanged},
 };

@@ -209,6 +209,15 @@ class Tensor {
   Tensor masked_fill(const Tensor& mask, const Scalar& value) const;
   Tensor& masked_fill_(const Tensor& mask, const Scalar& value);
   Tensor& zero_() { return fill_(0); }
+  // Indexing element by element along dim (ops/gather.h): gather reads this tensor at index's positions; the
+  // scatters write (or add) src's values there, into a copy of this tensor or (the _ methods) into itself.
+  Tensor gather(int64_t dim, const Tensor& index) const;
+  Tensor scatter(int64_t dim, const Tensor& index, const Tensor& src) const;
+  Tensor scatter(int64_t dim, const Tensor& index, const Scalar& value) const;
+  Tensor scatter_add(int64_t dim, const Tensor& index, const Tensor& src) const;
+  Tensor& scatter_(int64_t dim, const Tensor& index, const Tensor& src);
+  Tensor& scatter_(int64_t dim, const Tensor& index, const Scalar& value);
+  Tensor& scatter_add_(int64_t dim, const Tensor& index, const Tensor& src);
 
   // ---- reductions (ops/reduce.cpp). Empty `dims` means every dim.
   Tensor sum(Dims dims = {}, bool keepdim = false) const;
@@ -225,6 +234,10 @@ class Tensor {
   Tensor argmin(int64_t dim, bool keepdim = false) const;
   Tensor all(Dims dims = {}, bool keepdim = false) const;  // every element nonzero (nan counts): bool (uint8 for uint8)
   Tensor any(Dims dims = {}, bool keepdim = false) const;
+  // Running sums along dim (ops/cumsum.h): in `dtype`, else this tensor's (int64 for integers and bool); in place,
+  // in this tensor's own dtype.
+  Tensor cumsum(int64_t dim, std::optional<DType> dtype = std::nullopt) const;
+  Tensor& cumsum_(int64_t dim);
 
   // ---- linear algebra (ops/matmul.cpp)
   Tensor matmul(const Tensor& other) const;

@@ -178,6 +178,17 @@ template <int N, typename Launch> void for_each_32bit_piece(StridedProblem<N> p,
   for_each_32bit_piece(second, launch);
 }
 
+// The kernels' offset calculator of a piece that for_each_32bit_piece gives (at most kMaxCoalescedDims dims).
+template <int N> OffsetCalculator<N> offset_calculator(const StridedProblem<N>& p) {
+  OffsetCalculator<N> calc;
+  calc.ndim = int(p.sizes.size());
+  for (int d = 0; d < calc.ndim; ++d) {
+    calc.sizes[d] = IntDivider(uint32_t(p.sizes[size_t(d)]));
+    for (int k = 0; k < N; ++k) calc.strides[d][k] = p.byte_strides[size_t(d)][size_t(k)];
+  }
+  return calc;
+}
+
 // Whether t's elements fill numel() consecutive slots from data_ptr() in some order of its dims (contiguous,
 // channels last, a permutation of either): then an elementwise loop may walk that range instead of the indices.
 inline bool fills_its_range(const Tensor& t) {
@@ -268,12 +279,7 @@ void launch_elementwise(const char* op, const Tensor& out, F f, const std::array
            "{}: {} has {} dims that cannot be merged; the CUDA kernels handle up to {}", op, out.meta(),
            problem.sizes.size(), kMaxCoalescedDims);
   for_each_32bit_piece<N>(problem, [&](const StridedProblem<N>& p) {
-    OffsetCalculator<N> calc;
-    calc.ndim = int(p.sizes.size());
-    for (int d = 0; d < calc.ndim; ++d) {
-      calc.sizes[d] = IntDivider(uint32_t(p.sizes[size_t(d)]));
-      for (int k = 0; k < N; ++k) calc.strides[d][k] = p.byte_strides[size_t(d)][size_t(k)];
-    }
+    const OffsetCalculator<N> calc = offset_calculator(p);
     const uint32_t count = uint32_t(p.numel());
     const uint32_t blocks = (count + kElementwiseBlock * kElementwiseUnroll - 1) / (kElementwiseBlock * kElementwiseUnroll);
     [&]<size_t... K>(std::index_sequence<K...>) {

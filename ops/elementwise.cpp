@@ -10,6 +10,7 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/inplace.h"
 #include "ops/loops.h"
 #include "ops/shape.h"
 
@@ -256,39 +257,9 @@ Tensor binary(BinaryOp op, const Scalar& a, const Tensor& b) {
   return binary_as(op, number_operand(op, a, common), b, common);
 }
 
-// In-place update self = op(self, other...). Without autograd the kernel writes into self directly.
-// With autograd the op runs out of place on a copy of self (so what backward saves is not overwritten),
-// the result is written back, and self's history moves to the new node. self's version is bumped after the operands
-// were read and checked, just before the write: a refused op leaves it as it was, and an operand that is self itself
-// (x.mul_(x)) is saved at the version the write makes stale, so its backward refuses, as PyTorch's does.
-template <typename Compute>
-Tensor& inplace(Tensor& self, const char* name, const TensorList& others, Compute compute_out_of_place) {
-  bool graph = GradMode::is_enabled() && (self.requires_grad() || any_requires_grad(others));
-  Tensor result;
-  if (graph) {
-    result = compute_out_of_place(self.clone());
-  } else {
-    NoGradGuard no_grad;
-    result = compute_out_of_place(self);
-  }
-  HG_CHECK(result.shape() == self.shape(), "{}: the result shape {} does not match the in-place target {}", name,
-           shape_str(result.shape()), self.meta());
-  // PyTorch's can_cast: a floating result into an integral tensor, or a number into a bool one, would lose values.
-  HG_CHECK((is_floating(self.dtype()) || !is_floating(result.dtype())) &&
-               (self.dtype() != kBool || result.dtype() == kBool),
-           "{}: result type {} can't be cast to the in-place target {}", name, dtype_name(result.dtype()), self.meta());
-  check_inplace(self, name, graph);
-  {
-    NoGradGuard no_grad;
-    copy_kernel[self.device()](self, cast_nograd(result, self.dtype()));
-  }
-  if (graph) set_history(self, result.grad_fn(), result.output_nr());
-  return self;
-}
-
 // self = self op other, written straight into self by the kernel when nothing records the op, the result has self's
 // dtype (the common case: optimizer and loss-scaler updates) and other does not share memory with self but as self
-// itself (the kernel would read values it has already written). Otherwise `inplace`, which reads every operand
+// itself (the kernel would read values it has already written). Otherwise `apply_in_place`, which reads every operand
 // before it writes.
 template <typename Compute>
 Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor& other, Compute compute) {
@@ -298,7 +269,7 @@ Tensor& binary_inplace(Tensor& self, BinaryOp op, const char* name, const Tensor
   bool device_ok = other.device() == self.device() || (other.dim() == 0 && other.is_cpu());
   if (graph || common != self.dtype() || !device_ok ||
       broadcast_shapes(self.shape(), other.shape(), name) != self.shape() || overlaps_partially(self, other)) {
-    return inplace(self, name, {other}, compute);
+    return apply_in_place(self, name, {other}, compute);
   }
   check_inplace(self, name, /*records=*/false);
   // A 0-d CPU other is a number, passed as binary_forward passes one; otherwise the kernel takes operands of self's
@@ -616,7 +587,7 @@ Tensor& Tensor::add_(const Tensor& other, const Scalar& alpha) {
   check_alpha("add_", BinaryOp::Add, *this, other, alpha);  // also for alpha 1.0, which the first path would not see
   if (alpha.to_double() == 1)
     return binary_inplace(*this, BinaryOp::Add, "add_", other, [&](const Tensor& s) { return halfgrad::add(s, other); });
-  return inplace(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
+  return apply_in_place(*this, "add_", {other}, [&](const Tensor& s) { return halfgrad::add(s, other, alpha); });
 }
 Tensor& Tensor::add_(const Scalar& other) {
   return binary_inplace(*this, BinaryOp::Add, "add_",
@@ -627,7 +598,7 @@ Tensor& Tensor::sub_(const Tensor& other, const Scalar& alpha) {
   check_alpha("sub_", BinaryOp::Sub, *this, other, alpha);
   if (alpha.to_double() == 1)
     return binary_inplace(*this, BinaryOp::Sub, "sub_", other, [&](const Tensor& s) { return halfgrad::sub(s, other); });
-  return inplace(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
+  return apply_in_place(*this, "sub_", {other}, [&](const Tensor& s) { return halfgrad::sub(s, other, alpha); });
 }
 Tensor& Tensor::sub_(const Scalar& other) {
   return binary_inplace(*this, BinaryOp::Sub, "sub_",
@@ -650,12 +621,20 @@ Tensor& Tensor::div_(const Scalar& other) {
                         number_operand(BinaryOp::Div, other, promote_with_scalar(dtype(), other)),
                         [&](const Tensor& s) { return s / other; });
 }
-Tensor& Tensor::neg_() { return inplace(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); }); }
-Tensor& Tensor::exp_() { return inplace(*this, "exp_", {}, [](const Tensor& s) { return halfgrad::exp(s); }); }
-Tensor& Tensor::sqrt_() { return inplace(*this, "sqrt_", {}, [](const Tensor& s) { return halfgrad::sqrt(s); }); }
-Tensor& Tensor::relu_() { return inplace(*this, "relu_", {}, [](const Tensor& s) { return halfgrad::relu(s); }); }
+Tensor& Tensor::neg_() {
+  return apply_in_place(*this, "neg_", {}, [](const Tensor& s) { return halfgrad::neg(s); });
+}
+Tensor& Tensor::exp_() {
+  return apply_in_place(*this, "exp_", {}, [](const Tensor& s) { return halfgrad::exp(s); });
+}
+Tensor& Tensor::sqrt_() {
+  return apply_in_place(*this, "sqrt_", {}, [](const Tensor& s) { return halfgrad::sqrt(s); });
+}
+Tensor& Tensor::relu_() {
+  return apply_in_place(*this, "relu_", {}, [](const Tensor& s) { return halfgrad::relu(s); });
+}
 Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
-  return inplace(*this, "clamp_", {}, [&](const Tensor& s) { return halfgrad::clamp(s, min, max); });
+  return apply_in_place(*this, "clamp_", {}, [&](const Tensor& s) { return halfgrad::clamp(s, min, max); });
 }
 
 Tensor Tensor::masked_fill(const Tensor& mask, const Scalar& value) const {
@@ -666,7 +645,8 @@ Tensor& Tensor::masked_fill_(const Tensor& mask, const Scalar& value) {
   HG_CHECK(broadcast_shapes(shape(), mask.shape(), "masked_fill_") == shape(),
            "masked_fill_: mask {} does not broadcast to the shape of {}, which an in-place write keeps", mask.meta(),
            meta());
-  return inplace(*this, "masked_fill_", {mask}, [&](const Tensor& s) { return halfgrad::masked_fill(s, mask, value); });
+  return apply_in_place(*this, "masked_fill_", {mask},
+                        [&](const Tensor& s) { return halfgrad::masked_fill(s, mask, value); });
 }
 
 Tensor& Tensor::operator=(const Scalar& value) && {
