@@ -3,8 +3,8 @@
 //
 //   rows      (the forward and the input's gradient): TX threads share a row, ROWS rows per block, the shape
 //             softmax's rows take (launch_rows, ops/log_sum_exp.cuh): a warp per row up to 1024 columns, eight rows
-//             per block; longer rows a block of 512 each. The forward reads the row three times (mean, squared deviations, write), from L1/L2 for
-//             all but very long rows.
+//             per block, the row held in registers between its passes (mean, squared deviations, write); longer rows
+//             a block of 512 each, which reads the row again for each pass, from L1/L2 for all but very long rows.
 //   columns   (weight's and bias's gradients, sums over the rows): a block of 32 columns x 8 rows walks a chunk of
 //             rows, neighbouring threads on neighbouring columns (coalesced); each chunk writes its partial sums in
 //             float32/float64, and a second kernel adds a column's chunks in order: no atomics, the same bits on
@@ -29,59 +29,93 @@ using log_sum_exp::row_reduce;
 __device__ __forceinline__ float device_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ double device_rsqrt(double x) { return ::rsqrt(x); }
 
+// A warp's row is read from memory into registers once, row_slots values a lane, all its loads in flight together; the
+// later passes over it read the registers. launch_rows gives a warp only rows of up to kWarpRowMax columns, which
+// the slots hold. The longer rows of the block path read the row again, from L1/L2.
+template <int TX> constexpr int row_slots() { return TX == 32 ? int(log_sum_exp::kWarpRowMax / 32) : 0; }
+
+// Calls f(k, j) for the columns j of this thread's part of a row: unrolled over the row's K register slots (k the
+// slot, j = lane + TX k, past the row's end skipped) where K > 0, else a loop with stride TX (k always 0).
+template <int TX, int K, typename F> __device__ __forceinline__ void for_each_column(int64_t cols, F&& f) {
+  if constexpr (K > 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t j = threadIdx.x + int64_t(k) * TX;
+      if (j < cols) f(k, j);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < cols; j += TX) f(0, j);
+  }
+}
+
 template <typename T, int TX, int ROWS>
 __global__ void __launch_bounds__(TX * ROWS)
     forward_rows_kernel(T* y, opmath_t<T>* mean, opmath_t<T>* rstd, const T* x, const T* w, const T* b, int64_t rows,
                         int64_t cols, opmath_t<T> eps) {
   using A = opmath_t<T>;
+  constexpr int K = row_slots<TX>();
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
   if (row >= rows) return;  // whole rows only: every thread of a row takes part in its reductions
   const T* xr = x + row * cols;
+  A held[K > 0 ? K : 1] = {};
+  auto value = [&](int k, int64_t j) {
+    if constexpr (K > 0) return held[k];
+    else return A(xr[j]);
+  };
+  if constexpr (K > 0) for_each_column<TX, K>(cols, [&](int k, int64_t j) { held[k] = A(xr[j]); });
   A sum = 0;
-  for (int64_t j = threadIdx.x; j < cols; j += TX) sum += A(xr[j]);
+  for_each_column<TX, K>(cols, [&](int k, int64_t j) { sum += value(k, j); });
   const A m = row_reduce<TX>(sum, AddOp{}) / A(cols);
   A squares = 0;
-  for (int64_t j = threadIdx.x; j < cols; j += TX) {
-    const A d = A(xr[j]) - m;
+  for_each_column<TX, K>(cols, [&](int k, int64_t j) {
+    const A d = value(k, j) - m;
     squares += d * d;
-  }
+  });
   const A rs = device_rsqrt(row_reduce<TX>(squares, AddOp{}) / A(cols) + eps);
   if (threadIdx.x == 0) {
     mean[row] = m;
     rstd[row] = rs;
   }
   T* yr = y + row * cols;
-  for (int64_t j = threadIdx.x; j < cols; j += TX) {
-    A v = (A(xr[j]) - m) * rs;
+  for_each_column<TX, K>(cols, [&](int k, int64_t j) {
+    A v = (value(k, j) - m) * rs;
     if (w) v *= A(w[j]);
     if (b) v += A(b[j]);
     yr[j] = T(v);
-  }
+  });
 }
 
-// dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w.
+// dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w; a warp's row keeps gw and xhat in registers.
 template <typename T, int TX, int ROWS>
 __global__ void __launch_bounds__(TX * ROWS)
     grad_input_rows_kernel(T* dx, const T* g, const T* x, const T* w, const opmath_t<T>* mean,
                            const opmath_t<T>* rstd, int64_t rows, int64_t cols) {
   using A = opmath_t<T>;
+  constexpr int K = row_slots<TX>();
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
   if (row >= rows) return;
   const T *xr = x + row * cols, *gr = g + row * cols;
   const A m = mean[row], rs = rstd[row];
+  auto gw_at = [&](int64_t j) { return w ? A(gr[j]) * A(w[j]) : A(gr[j]); };
+  auto xhat_at = [&](int64_t j) { return (A(xr[j]) - m) * rs; };
+  A held_gw[K > 0 ? K : 1] = {}, held_xhat[K > 0 ? K : 1] = {};
   A sum_gw = 0, sum_gw_xhat = 0;
-  for (int64_t j = threadIdx.x; j < cols; j += TX) {
-    const A gw = w ? A(gr[j]) * A(w[j]) : A(gr[j]);
+  for_each_column<TX, K>(cols, [&](int k, int64_t j) {
+    const A gw = gw_at(j), xhat = xhat_at(j);
+    if constexpr (K > 0) {
+      held_gw[k] = gw;
+      held_xhat[k] = xhat;
+    }
     sum_gw += gw;
-    sum_gw_xhat += gw * ((A(xr[j]) - m) * rs);
-  }
+    sum_gw_xhat += gw * xhat;
+  });
   const A mean_gw = row_reduce<TX>(sum_gw, AddOp{}) / A(cols);
   const A mean_gw_xhat = row_reduce<TX>(sum_gw_xhat, AddOp{}) / A(cols);
   T* dr = dx + row * cols;
-  for (int64_t j = threadIdx.x; j < cols; j += TX) {
-    const A gw = w ? A(gr[j]) * A(w[j]) : A(gr[j]);
-    dr[j] = T(rs * (gw - mean_gw - (A(xr[j]) - m) * rs * mean_gw_xhat));
-  }
+  for_each_column<TX, K>(cols, [&](int k, int64_t j) {
+    const A gw = K > 0 ? held_gw[k] : gw_at(j), xhat = K > 0 ? held_xhat[k] : xhat_at(j);
+    dr[j] = T(rs * (gw - mean_gw - xhat * mean_gw_xhat));
+  });
 }
 
 constexpr int kColumnTile = 32, kRowLanes = 8;
