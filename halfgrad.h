@@ -41,6 +41,7 @@
 #include "ops/rnn.h"
 #include "ops/shape.h"
 #include "ops/softmax.h"
+#include "ops/sort.h"
 #include "ops/stack.h"
 #include "optim/adagrad.h"
 #include "optim/adam.h"

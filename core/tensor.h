@@ -238,6 +238,10 @@ class Tensor {
   // in this tensor's own dtype.
   Tensor cumsum(int64_t dim, std::optional<DType> dtype = std::nullopt) const;
   Tensor& cumsum_(int64_t dim);
+  // Ordering along dim (ops/sort.h): (values, int64 indices); NaN above every number; ties in their order.
+  std::pair<Tensor, Tensor> sort(int64_t dim = -1, bool descending = false, bool stable = false) const;
+  Tensor argsort(int64_t dim = -1, bool descending = false, bool stable = false) const;
+  std::pair<Tensor, Tensor> topk(int64_t k, int64_t dim = -1, bool largest = true, bool sorted = true) const;
 
   // ---- linear algebra (ops/matmul.cpp)
   Tensor matmul(const Tensor& other) const;
