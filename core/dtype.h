@@ -27,6 +27,9 @@ inline bool is_half(DType t) { return t == DType::Float16 || t == DType::BFloat1
 // The dtype sums and statistics of a floating dtype are kept in: float64 for float64, float32 for the rest (the
 // accumulators of batch_norm, layer_norm, the losses, the gradient scatters, the fused optimizers and the RNN GEMMs).
 inline DType accumulation_dtype(DType t) { return t == DType::Float64 ? DType::Float64 : DType::Float32; }
+// The dtype of sums of t's values (sum, cumsum) where none is asked for: t's own for floating t, int64 for integers and
+// bool (PyTorch's: sums of int32 or uint8 overflow soon).
+inline DType sum_dtype(DType t) { return is_floating(t) ? t : DType::Int64; }
 inline bool is_integral(DType t, bool include_bool = false) {
   return (t >= DType::UInt8 && t <= DType::Int64) || (include_bool && t == DType::Bool);
 }

@@ -3,11 +3,11 @@
 
 #include <algorithm>
 #include <array>
-#include <type_traits>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/elementwise_math.h"
 #include "ops/inplace.h"
 
 namespace halfgrad {
@@ -17,7 +17,7 @@ constinit KernelTable<CumsumKernel> cumsum_kernel("cumsum");
 Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype) {
   HG_AUTOCAST(cumsum, x, dim, dtype);
   HG_CHECK(x.defined(), "cumsum: the input is an undefined tensor");
-  const DType result = dtype ? *dtype : is_floating(x.dtype()) ? x.dtype() : kInt64;
+  const DType result = dtype ? *dtype : sum_dtype(x.dtype());
   HG_CHECK(result != kBool, "cumsum: running sums cannot be held in bool; got dtype bool for {}", x.meta());
   const int64_t d = wrap_dim(dim, std::max<int64_t>(x.dim(), 1), "cumsum");
   // x as [outer, length, inner] around dim d
@@ -27,12 +27,13 @@ Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype) {
   if (out.numel() > 0) {
     cumsum_kernel[x.device()](out, cast_nograd(x.detach(), result).contiguous(), outer, length, inner, false);
   }
-  // backward: x[i] reaches every out[k] with k >= i, so its gradient is the output's gradient summed from the end.
-  record("CumsumBackward", {x}, {out}, [outer, length, inner](const GradContext& g) -> TensorList {
-    const Tensor grad = g[0].contiguous();
-    Tensor sums = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()});
+  // backward: x[i] reaches every out[k] with k >= i, so its gradient is the output's gradient summed from the end, in
+  // x's dtype (as PyTorch's: a narrower result's dtype would overflow the sums).
+  record("CumsumBackward", {x}, {out}, [outer, length, inner, input = x.dtype()](const GradContext& g) -> TensorList {
+    const Tensor grad = cast_nograd(g[0], input).contiguous();
+    Tensor sums = empty(grad.shape(), {.dtype = input, .device = grad.device()});
     if (sums.numel() > 0) cumsum_kernel[grad.device()](sums, grad, outer, length, inner, true);
-    return {sums};  // cast to x's dtype by the engine
+    return {sums};
   });
   return out;
 }
@@ -40,6 +41,7 @@ Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype) {
 Tensor Tensor::cumsum(int64_t dim, std::optional<DType> dtype) const { return halfgrad::cumsum(*this, dim, dtype); }
 Tensor& Tensor::cumsum_(int64_t dim) {
   HG_CHECK(defined(), "cumsum_: the tensor is undefined");
+  HG_CHECK(dtype() != kBool, "cumsum_: running sums cannot be held in bool; got {}", meta());
   return apply_in_place(*this, "cumsum_", {}, [&](const Tensor& s) { return halfgrad::cumsum(s, dim, dtype()); });
 }
 
@@ -53,25 +55,18 @@ constexpr int64_t kColumns = 256;
 template <typename T>
 void cumsum_typed(T* out, const T* x, int64_t outer, int64_t length, int64_t inner, bool reverse) {
   using A = opmath_t<T>;  // float for float16/bfloat16
-  auto add = [](A a, A b) -> A {
-    if constexpr (std::is_integral_v<A>) {  // wrapping, without signed overflow
-      using U = std::make_unsigned_t<A>;
-      return A(U(U(a) + U(b)));
-    } else {
-      return a + b;
-    }
-  };
   const int64_t blocks = (inner + kColumns - 1) / kColumns;
 #pragma omp parallel for schedule(static) if (outer * length * inner >= 32768)
   for (int64_t item = 0; item < outer * blocks; ++item) {
     const int64_t o = item / blocks, c0 = (item % blocks) * kColumns, c1 = std::min(inner, c0 + kColumns);
-    std::array<A, kColumns> sums{};
+    std::array<A, kColumns> sums;
+    std::fill_n(sums.begin(), c1 - c0, A(0));
     for (int64_t k = 0; k < length; ++k) {
       const int64_t i = reverse ? length - 1 - k : k;
       const int64_t at = (o * length + i) * inner;
       for (int64_t c = c0; c < c1; ++c) {
         A& s = sums[size_t(c - c0)];
-        s = add(s, A(x[at + c]));
+        s = binary_math<BinaryOp::Add>(s, A(x[at + c]));  // integers wrap
         out[at + c] = T(s);
       }
     }

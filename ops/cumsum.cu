@@ -1,35 +1,37 @@
-// cumsum on CUDA: the kernel behind cumsum_kernel (ops/cumsum.h), two shapes of [outer, length, inner]:
-//   rows     (inner 1): a block a row walks it in tiles of kThreads x kItems values, each tile one block-wide scan
-//            (cub::BlockScan) plus the running total of the tiles before it;
-//   columns  (inner > 1): a thread a column walks it down the length in order, neighbouring threads on neighbouring
-//            columns (coalesced). Few long columns leave the GPU idle, as PyTorch's scan would not: a shape to move
-//            the dim last for.
-// float16/bfloat16 sums are carried in float32.
+// cumsum on CUDA: the kernel behind cumsum_kernel (ops/cumsum.h). [outer, length, inner] takes one of four paths:
+//   rows of the dim last (inner 1), by their length and number:
+//     short rows (up to kShortRow), or more than a grid holds: a thread a row walks it in order;
+//     few long rows (up to kFewRows rows of kLongRow or more): cub::DeviceScan a row, all the GPU on each;
+//     the rest: a block a row walks it in tiles of kThreads x kItems values, each tile one block-wide scan
+//     (cub::BlockScan) plus the running total of the tiles before it;
+//   columns (inner > 1): a thread a column walks it down the length in order, neighbouring threads on neighbouring
+//     columns (coalesced). Few long columns leave most of the GPU idle ([1000000, 2] along dim 0: two threads); such a
+//     scan is quicker with the dim moved last (x.transpose(0, 1).contiguous()).
+// float16/bfloat16 sums are carried in float32; integers wrap.
 #include <cuda_runtime.h>
+#include <thrust/iterator/reverse_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
 
 #include <cub/block/block_scan.cuh>
-#include <type_traits>
+#include <cub/device/device_scan.cuh>
 
 #include "core/cuda.h"
 #include "ops/cumsum.h"
+#include "ops/elementwise_math.h"
 
 namespace halfgrad {
 namespace {
 
 constexpr int kThreads = 256, kItems = 4;
-
-// a + b; integers wrapping, without signed overflow.
-template <typename A> __device__ __forceinline__ A add(A a, A b) {
-  if constexpr (std::is_integral_v<A>) {
-    using U = std::make_unsigned_t<A>;
-    return A(U(U(a) + U(b)));
-  } else {
-    return a + b;
-  }
-}
+constexpr int64_t kShortRow = 64, kFewRows = 64, kLongRow = int64_t(1) << 16;
 
 struct Add {
-  template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return add(a, b); }
+  template <typename A> __host__ __device__ __forceinline__ A operator()(A a, A b) const {
+    return binary_math<BinaryOp::Add>(a, b);  // integers wrap
+  }
+};
+template <typename T> struct Widen {
+  __host__ __device__ __forceinline__ opmath_t<T> operator()(T v) const { return opmath_t<T>(v); }
 };
 
 template <typename T>
@@ -53,9 +55,9 @@ __global__ void __launch_bounds__(kThreads) cumsum_rows_kernel(T* out, const T* 
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int64_t p = tile + int64_t(threadIdx.x) * kItems + i;
-      if (p < length) yr[reverse ? length - 1 - p : p] = T(add(carried, v[i]));
+      if (p < length) yr[reverse ? length - 1 - p : p] = T(Add{}(carried, v[i]));
     }
-    carried = add(carried, tile_sum);
+    carried = Add{}(carried, tile_sum);
     __syncthreads();  // the scratch is reused by the next tile
   }
 }
@@ -70,21 +72,42 @@ __global__ void __launch_bounds__(kThreads)
   A sum = A(0);
   for (int64_t k = 0; k < length; ++k) {
     const int64_t at = start + (reverse ? length - 1 - k : k) * inner;
-    sum = add(sum, A(x[at]));
+    sum = Add{}(sum, A(x[at]));
     out[at] = T(sum);
   }
 }
 
+// Row by row, each scanned by all the GPU: cub::DeviceScan over x's row widened to opmath_t<T>, reversed for reverse.
+template <typename T>
+void cumsum_long_rows(T* out, const T* x, int64_t rows, int64_t length, bool reverse, Device device,
+                      cudaStream_t stream) {
+  auto scan = [&](void* scratch, size_t& bytes, int64_t row) {
+    const auto in = thrust::make_transform_iterator(x + row * length, Widen<T>{});
+    T* row_out = out + row * length;
+    if (reverse) {
+      return cub::DeviceScan::InclusiveScan(scratch, bytes, thrust::make_reverse_iterator(in + length),
+                                            thrust::make_reverse_iterator(row_out + length), Add{}, length, stream);
+    }
+    return cub::DeviceScan::InclusiveScan(scratch, bytes, in, row_out, Add{}, length, stream);
+  };
+  size_t bytes = 0;
+  HG_CUDA_CHECK(scan(nullptr, bytes, 0));
+  Tensor scratch = empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device});
+  for (int64_t row = 0; row < rows; ++row) HG_CUDA_CHECK(scan(scratch.data_ptr(), bytes, row));
+}
+
 void cumsum_cuda(const Tensor& out, const Tensor& x, int64_t outer, int64_t length, int64_t inner, bool reverse) {
   if (out.numel() == 0) return;
-  HG_CHECK(inner > 1 || outer < (int64_t(1) << 31), "cumsum: the CUDA kernel takes at most 2^31 - 1 rows, got {} of "
-           "{}", outer, x.meta());
   cuda::DeviceGuard guard(out.device());
   cudaStream_t stream = cuda::current_stream(out.device());
   dispatch_numeric(out.dtype(), "cumsum", [&]<typename T>() {
-    if (inner == 1) {
+    if (inner == 1 && outer <= kFewRows && length >= kLongRow) {
+      cumsum_long_rows<T>(out.data<T>(), x.data<T>(), outer, length, reverse, out.device(), stream);
+      return;
+    }
+    if (inner == 1 && length > kShortRow && outer < (int64_t(1) << 31)) {
       cumsum_rows_kernel<T><<<unsigned(outer), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), length, reverse);
-    } else {
+    } else {  // columns, or short rows as columns of one
       const unsigned blocks = unsigned((outer * inner + kThreads - 1) / kThreads);
       cumsum_columns_kernel<T><<<blocks, kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), outer, length, inner,
                                                                reverse);

@@ -8,6 +8,7 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/elementwise_math.h"
 #include "ops/inplace.h"
 #include "ops/loops.h"
 #include "ops/shape.h"
@@ -310,12 +311,8 @@ void indexed_cpu(IndexedOp op, const Tensor& indexed, int64_t dim, const Tensor&
     case IndexedOp::ScatterAdd:
       dispatch_numeric(dense.dtype(), name, [&]<typename T>() {
         each_position<T>(indexed, dim, index, dense, [](const T& src, T& out) {
-          if constexpr (std::is_integral_v<T>) {  // wrapping, as PyTorch's (no signed overflow)
-            using U = std::make_unsigned_t<T>;
-            out = T(U(U(out) + U(src)));
-          } else {
-            out = T(opmath_t<T>(out) + opmath_t<T>(src));
-          }
+          using A = opmath_t<T>;
+          out = T(binary_math<BinaryOp::Add>(A(out), A(src)));  // integers wrap, as PyTorch's
         });
       });
       return;

@@ -29,10 +29,23 @@ using log_sum_exp::row_reduce;
 __device__ __forceinline__ float device_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ double device_rsqrt(double x) { return ::rsqrt(x); }
 
-// A warp's row is read from memory into registers once, row_slots values a lane, all its loads in flight together; the
-// later passes over it read the registers. launch_rows gives a warp only rows of up to kWarpRowMax columns, which
-// the slots hold. The longer rows of the block path read the row again, from L1/L2.
-template <int TX> constexpr int row_slots() { return TX == 32 ? int(log_sum_exp::kWarpRowMax / 32) : 0; }
+// A warp's row is read from memory into registers once, K values a lane, all its loads in flight together; the later
+// passes over it read the registers. K is the smallest of 2, 8 and 32 that holds the row (launch_rows gives a warp
+// rows of up to kWarpRowMax = 32 x 32 columns): short rows keep few registers, so that many warps fit an SM. The
+// longer rows of the block path (K = 0) read the row again for each pass, from L1/L2.
+template <int TX, typename Launch> void with_row_slots(int64_t cols, Launch&& launch) {
+  static_assert(log_sum_exp::kWarpRowMax == 32 * 32, "the largest slot count holds a warp's longest row");
+  if constexpr (TX != 32) {
+    launch.template operator()<0>();
+  } else if (cols <= 2 * TX) {
+    launch.template operator()<2>();
+  } else if (cols <= 8 * TX) {
+    launch.template operator()<8>();
+  } else {
+    HG_CHECK(cols <= 32 * TX, "layer_norm: a warp's row of {} columns is longer than its registers hold", cols);
+    launch.template operator()<32>();
+  }
+}
 
 // Calls f(k, j) for the columns j of this thread's part of a row: unrolled over the row's K register slots (k the
 // slot, j = lane + TX k, past the row's end skipped) where K > 0, else a loop with stride TX (k always 0).
@@ -48,12 +61,11 @@ template <int TX, int K, typename F> __device__ __forceinline__ void for_each_co
   }
 }
 
-template <typename T, int TX, int ROWS>
+template <typename T, int TX, int ROWS, int K>
 __global__ void __launch_bounds__(TX * ROWS)
     forward_rows_kernel(T* y, opmath_t<T>* mean, opmath_t<T>* rstd, const T* x, const T* w, const T* b, int64_t rows,
                         int64_t cols, opmath_t<T> eps) {
   using A = opmath_t<T>;
-  constexpr int K = row_slots<TX>();
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
   if (row >= rows) return;  // whole rows only: every thread of a row takes part in its reductions
   const T* xr = x + row * cols;
@@ -86,12 +98,11 @@ __global__ void __launch_bounds__(TX * ROWS)
 }
 
 // dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = g * w; a warp's row keeps gw and xhat in registers.
-template <typename T, int TX, int ROWS>
+template <typename T, int TX, int ROWS, int K>
 __global__ void __launch_bounds__(TX * ROWS)
     grad_input_rows_kernel(T* dx, const T* g, const T* x, const T* w, const opmath_t<T>* mean,
                            const opmath_t<T>* rstd, int64_t rows, int64_t cols) {
   using A = opmath_t<T>;
-  constexpr int K = row_slots<TX>();
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.y;
   if (row >= rows) return;
   const T *xr = x + row * cols, *gr = g + row * cols;
@@ -191,9 +202,11 @@ void layer_norm_forward_cuda(const LayerNormForwardArgs& a) {
     const T* w = a.weight.defined() ? a.weight.data<T>() : nullptr;
     const T* b = a.bias.defined() ? a.bias.data<T>() : nullptr;
     launch_rows(s.rows, s.cols, [&]<int TX, int ROWS>(dim3 grid, dim3 block) {
-      forward_rows_kernel<T, TX, ROWS><<<grid, block, 0, stream>>>(a.output.data<T>(), a.mean.data<A>(),
-                                                                   a.rstd.data<A>(), a.input.data<T>(), w, b, s.rows,
-                                                                   s.cols, A(a.eps));
+      with_row_slots<TX>(s.cols, [&]<int K>() {
+        forward_rows_kernel<T, TX, ROWS, K><<<grid, block, 0, stream>>>(a.output.data<T>(), a.mean.data<A>(),
+                                                                        a.rstd.data<A>(), a.input.data<T>(), w, b,
+                                                                        s.rows, s.cols, A(a.eps));
+      });
     });
     HG_CUDA_CHECK_LAUNCH("layer_norm");
   });
@@ -213,8 +226,10 @@ void layer_norm_backward_cuda(const LayerNormBackwardArgs& a) {
     if (a.grad_input.defined()) {
       const T* w = a.weight.defined() ? a.weight.data<T>() : nullptr;
       launch_rows(s.rows, s.cols, [&]<int TX, int ROWS>(dim3 grid, dim3 block) {
-        grad_input_rows_kernel<T, TX, ROWS><<<grid, block, 0, stream>>>(a.grad_input.data<T>(), g, x, w, mean, rstd,
-                                                                        s.rows, s.cols);
+        with_row_slots<TX>(s.cols, [&]<int K>() {
+          grad_input_rows_kernel<T, TX, ROWS, K><<<grid, block, 0, stream>>>(a.grad_input.data<T>(), g, x, w, mean,
+                                                                             rstd, s.rows, s.cols);
+        });
       });
       HG_CUDA_CHECK_LAUNCH("layer_norm_backward");
     }

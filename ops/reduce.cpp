@@ -274,7 +274,7 @@ void check_floating(const Tensor& x, const char* op) {
 Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
   HG_AUTOCAST(sum, x, dims, keepdim);
   ReductionPlan p = plan_reduction(x, dims, keepdim, ReduceOp::Sum);
-  Tensor out = empty(p.out_shape, {.dtype = x.is_floating_point() ? x.dtype() : kInt64, .device = x.device()});
+  Tensor out = empty(p.out_shape, {.dtype = sum_dtype(x.dtype()), .device = x.device()});
   run_reduction(ReduceOp::Sum, p, out, Tensor());
   // backward: every input element receives the gradient of the sum it went into.
   record("SumBackward", {x}, {out}, [mask = p.mask, keepdim, shape = x.shape()](const GradContext& g) -> TensorList {

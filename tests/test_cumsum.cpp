@@ -95,6 +95,12 @@ TEST_CASE("cumsum's gradient: the output's gradient summed from the end") {
   h.cumsum(0).sum().backward();
   CHECK(h.grad().dtype() == kFloat16);
   CHECK(values(h.grad()) == std::vector<double>{3, 2, 1});
+  // A narrower result: the gradient is summed in x's dtype, where float16 would overflow past 65504 (PyTorch's rule).
+  Tensor wide = ones({70000}, {.dtype = kFloat64}).requires_grad_();
+  cumsum(wide, 0, kFloat16).sum().backward();
+  const std::vector<double> g = values(wide.grad());
+  CHECK(g[0] == 70000);
+  CHECK(g[69999] == 1);
 }
 
 TEST_CASE("cumsum_ writes the running sums into the tensor in its own dtype, recorded where it has history") {
@@ -116,6 +122,9 @@ TEST_CASE("cumsum refuses what it cannot sum, naming the op, and runs in float32
                        doctest::Contains("cumsum: running sums cannot be held in bool; got dtype bool for float32[2]"),
                        Error);
   CHECK_THROWS_WITH_AS(cumsum(Tensor(), 0), doctest::Contains("cumsum: the input is an undefined tensor"), Error);
+  Tensor flags = tensor<bool>({true, false});
+  CHECK_THROWS_WITH_AS(flags.cumsum_(0), doctest::Contains("cumsum_: running sums cannot be held in bool; got bool[2]"),
+                       Error);
   amp::AutocastGuard autocast(kFloat16);
   CHECK(ones({3}, {.dtype = kFloat16}).cumsum(0).dtype() == kFloat32);
 }
@@ -124,8 +133,11 @@ TEST_CASE("CUDA cumsum matches the CPU: rows of many tiles, columns, every dtype
   SKIP_WITHOUT_GPU();
   manual_seed(913);
   // {shape, dim}: rows (the dim last) of one to several tiles of 1,024; columns (the dim elsewhere).
-  const std::vector<std::pair<Shape, int64_t>> cases = {
-      {{3, 5000}, 1}, {{1, 1}, 1}, {{7, 1025}, -1}, {{4, 300, 5}, 1}, {{2000, 3}, 0}, {{5}, 0}};
+  // {shape, dim}: rows of several block tiles; one element; short rows (a thread each); few long rows (cub's device
+  // scan a row); columns.
+  const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 5000}, 1},      {{1, 1}, 1},         {{7, 1025}, -1},
+                                                        {{5000, 10}, 1},     {{2, 70000}, 1},     {{70000}, 0},
+                                                        {{4, 300, 5}, 1},    {{2000, 3}, 0},      {{5}, 0}};
   for (const auto& [shape, dim] : cases) {
     for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
       CAPTURE(shape_str(shape));
@@ -142,6 +154,15 @@ TEST_CASE("CUDA cumsum matches the CPU: rows of many tiles, columns, every dtype
   xc.cumsum(1).backward(g);
   xg.cumsum(1).backward(g.cuda());
   halfgrad::testing::check_close(values(xg.grad().cpu()), values(xc.grad()), 1e-4);
+  // reversed: the gradient of few long rows, and of short ones
+  for (const Shape& shape : {Shape{2, 70000}, Shape{3000, 9}}) {
+    Tensor lc = randint(-3, 4, shape).to(kFloat32).requires_grad_(), lg = lc.detach().cuda().requires_grad_();
+    const Tensor seed = randint(-3, 4, shape).to(kFloat32);
+    lc.cumsum(1).backward(seed);
+    lg.cumsum(1).backward(seed.cuda());
+    CHECK(values(lg.grad().cpu()) == values(lc.grad()));  // integer sums: exact in any order
+  }
+  CHECK(values(cumsum(tensor<int32_t>({100, 100, 100}).cuda(), 0, kUInt8).cpu()) == std::vector<double>{100, 200, 44});
   Tensor cc = randn({40, 7}).requires_grad_(), cg = cc.detach().cuda().requires_grad_();
   const Tensor g2 = randn({40, 7});
   cc.cumsum(0).backward(g2);
