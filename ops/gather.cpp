@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <string_view>
-#include <type_traits>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
@@ -35,7 +34,7 @@ Tensor with_dims(const Tensor& t) { return t.dim() == 0 ? t.view({1}) : t; }
 // with elements (PyTorch checks nothing more of an empty one) its dtype, its number of dims, and its sizes: no larger
 // than src's anywhere and than target's (x's, or self's) but along dim. Returns dim wrapped.
 int64_t check_operands(const char* op, const Tensor& target, int64_t dim, const Tensor& index, const Tensor* src) {
-  const char* target_name = std::string_view(op).starts_with("gather") ? "input" : "self";
+  const char* target_name = std::string_view(op) == "gather" ? "input" : "self";
   HG_CHECK(target.defined() && index.defined() && (!src || src->defined()),
            "{}: got an undefined tensor ({} {}, index {}{}{})", op, target_name, target.meta(), index.meta(),
            src ? ", src " : "", src ? src->meta() : "");
@@ -52,11 +51,11 @@ int64_t check_operands(const char* op, const Tensor& target, int64_t dim, const 
   if (index.numel() == 0) return d;
   HG_CHECK(index.dtype() == kInt64 || index.dtype() == kInt32, "{}: expected an int64 or int32 index, got {}", op,
            index.meta());
-  HG_CHECK(std::max<int64_t>(index.dim(), 1) == ndim, "{}: index {} must have as many dims as the {} {}", op,
+  HG_CHECK(std::max<int64_t>(index.dim(), 1) == ndim, "{}: index {} must have as many dims as {} {}", op,
            index.meta(), target_name, target.meta());
   const Tensor t = with_dims(target), i = with_dims(index);
   for (int64_t k = 0; k < ndim; ++k) {
-    HG_CHECK(k == d || i.size(k) <= t.size(k), "{}: index {} is larger than the {} {} in dim {}; only dim {} may be "
+    HG_CHECK(k == d || i.size(k) <= t.size(k), "{}: index {} is larger than {} {} in dim {}; only dim {} may be "
              "larger", op, index.meta(), target_name, target.meta(), k, d);
   }
   if (src) {
@@ -129,6 +128,10 @@ Tensor src_gradient(const Tensor& grad, int64_t dim, const Tensor& index, const 
   return whole;
 }
 
+void check_addable(const char* op, const Tensor& self) {
+  HG_CHECK(self.dtype() != kBool, "{}: bool tensors are not added; got {}", op, self.meta());
+}
+
 // self.scatter_(...) and self.scatter_add_(...): the kernel writes into self when nothing records and neither src nor
 // index shares self's memory (the kernel would read what it has written); otherwise the out-of-place op, through
 // apply_in_place.
@@ -136,6 +139,7 @@ template <typename OutOfPlace>
 Tensor& scatter_in_place(Tensor& self, IndexedOp op, const char* name, int64_t dim, const Tensor& index,
                          const Tensor& src, OutOfPlace out_of_place) {
   const int64_t d = check_operands(name, self, dim, index, &src);
+  if (op == IndexedOp::ScatterAdd) check_addable(name, self);
   const Tensor positions = int64_index(index);
   check_index_values(name, positions, d, self);
   const bool graph = GradMode::is_enabled() && (self.requires_grad() || src.requires_grad());
@@ -147,10 +151,6 @@ Tensor& scatter_in_place(Tensor& self, IndexedOp op, const char* name, int64_t d
     indexed_kernel[self.device()](op, with_dims(self), d, with_dims(positions), covered(src, positions));
   }
   return self;
-}
-
-void check_addable(const char* op, const Tensor& self) {
-  HG_CHECK(self.dtype() != kBool, "{}: bool tensors are not added; got {}", op, self.meta());
 }
 
 void check_value(const char* op, const Scalar& value, const Tensor& self) {
@@ -257,8 +257,6 @@ Tensor& Tensor::scatter_(int64_t dim, const Tensor& index, const Scalar& value) 
                           [&](const Tensor& s) { return halfgrad::scatter(s, dim, index, value); });
 }
 Tensor& Tensor::scatter_add_(int64_t dim, const Tensor& index, const Tensor& src) {
-  HG_CHECK(defined(), "scatter_add_: self is an undefined tensor");
-  check_addable("scatter_add_", *this);
   return scatter_in_place(*this, IndexedOp::ScatterAdd, "scatter_add_", dim, index, src,
                           [&](const Tensor& s) { return halfgrad::scatter_add(s, dim, index, src); });
 }

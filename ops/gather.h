@@ -7,8 +7,8 @@
 //   scatter:     out = self; out[q] = src[p]         (where index repeats a q, one of its writes wins)
 //   scatter_add: out = self; out[q] += src[p]        (repeated q's add up)
 // index: int64 or int32, as many dims as x (self); in every dim no larger than src's (the scatters) and than x's
-// (self's) in every dim but dim; an empty index is not checked (as PyTorch's) and changes nothing. A 0-d tensor counts
-// as one dim of size 1. Every value in [0, size of dim):
+// (self's) in every dim but dim; an empty index's dtype, dims and sizes are not checked (as PyTorch's), and it changes
+// nothing. A 0-d tensor counts as one dim of size 1. Every value in [0, size of dim):
 // out of range is an error naming the op, the value and its position on the CPU, and a device-side assertion on CUDA
 // (the kernel prints the value and the size; the CUDA context is lost, as in PyTorch): reproduce on the CPU, or with
 // HALFGRAD_CUDA_LAUNCH_BLOCKING=1, to locate it. All operands on one device; src has self's dtype; any strides.

@@ -3,8 +3,9 @@
 //
 //   rows      (the forward and the input's gradient): TX threads share a row, ROWS rows per block, the shape
 //             softmax's rows take (launch_rows, ops/log_sum_exp.cuh): a warp per row up to 1024 columns, eight rows
-//             per block, the row held in registers between its passes (mean, squared deviations, write); longer rows
-//             a block of 512 each, which reads the row again for each pass, from L1/L2 for all but very long rows.
+//             per block, the row held in registers between its passes (the forward: x; the input's gradient: g w and
+//             xhat); longer rows a block of 512 each, which reads the row again for each pass, from L1/L2 for all but
+//             very long rows.
 //   columns   (weight's and bias's gradients, sums over the rows): a block of 32 columns x 8 rows walks a chunk of
 //             rows, neighbouring threads on neighbouring columns (coalesced); each chunk writes its partial sums in
 //             float32/float64, and a second kernel adds a column's chunks in order: no atomics, the same bits on

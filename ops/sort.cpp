@@ -6,7 +6,6 @@
 #include <numeric>
 #include <type_traits>
 
-#include "core/autograd.h"
 #include "ops/gather.h"
 
 namespace halfgrad {
@@ -32,7 +31,7 @@ Tensor sorted_positions(const char* op, const Tensor& x, int64_t dim, bool desce
 
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim, bool descending, bool /*stable: always*/) {
   const Tensor indices = sorted_positions("sort", x, dim, descending);
-  return {x.gather(x.dim() == 0 ? 0 : dim, indices), indices};
+  return {x.gather(dim, indices), indices};
 }
 
 Tensor argsort(const Tensor& x, int64_t dim, bool descending, bool /*stable: always*/) {

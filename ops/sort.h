@@ -13,8 +13,8 @@ namespace halfgrad {
 // descending), -0.0 and 0.0 equal; ties keep their order (a stable sort, whether or not `stable` asks for one).
 // values are x gathered at indices (ops/gather.h), so their gradient goes back to the positions they came from.
 // A 0-d x is one element. Any dtype (bool: false before true). Autocast: not cast (no row of its own; the gather of
-// the values is unchanged). Where rows are long, the CUDA kernel sorts few of them at a time with all the GPU
-// (ops/sort.cu).
+// the values is unchanged). Where there are few long rows, the CUDA kernel sorts them one at a time, each with all
+// the GPU (ops/sort.cu).
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false);
 // sort's indices alone.
 Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false);

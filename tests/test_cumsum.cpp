@@ -132,7 +132,6 @@ TEST_CASE("cumsum refuses what it cannot sum, naming the op, and runs in float32
 TEST_CASE("CUDA cumsum matches the CPU: rows of many tiles, columns, every dtype, and its gradient") {
   SKIP_WITHOUT_GPU();
   manual_seed(913);
-  // {shape, dim}: rows (the dim last) of one to several tiles of 1,024; columns (the dim elsewhere).
   // {shape, dim}: rows of several block tiles; one element; short rows (a thread each); few long rows (cub's device
   // scan a row); columns.
   const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 5000}, 1},      {{1, 1}, 1},         {{7, 1025}, -1},

@@ -126,7 +126,7 @@ TEST_CASE("the CPU's sort over many rows equals a stable sort of each row") {
   }
 }
 
-TEST_CASE("CUDA sort, argsort and topk match the CPU in every dtype, with NaN, signed zeros and long rows") {
+TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long rows, and topk match the CPU") {
   SKIP_WITHOUT_GPU();
   manual_seed(923);
   const std::vector<std::pair<Shape, int64_t>> cases = {
