@@ -70,10 +70,6 @@ int64_t check_operands(const char* op, const Tensor& target, int64_t dim, const 
   return d;
 }
 
-// The index as the kernels take it: int64 (an int32 one converted; an empty one of any dtype, which nothing reads).
-Tensor int64_index(const Tensor& index) {
-  return index.dtype() == kInt64 ? index.detach() : cast_nograd(index.detach(), kInt64);
-}
 
 // On the CPU, before a kernel writes anything: every value of index in [0, size of dim of target), or an error naming
 // the op, the first value that is not and its position. (On CUDA the kernel asserts it.)
@@ -91,6 +87,19 @@ void check_index_values(const char* op, const Tensor& index, int64_t dim, const 
     HG_FAIL("{}: index {} at position {} is out of range for dim {} of size {} of {}; indices must be in [0, {})", op,
             values[k], shape_str(position), dim, size, target.meta(), size);
   }
+}
+
+// The operands checked (check_operands, then on the CPU every index value against target's dim), as the kernels take
+// them: dim wrapped, and the index as int64 (an int32 one converted; an empty one of any dtype, which nothing reads).
+struct CheckedOperands {
+  int64_t dim;
+  Tensor positions;
+};
+CheckedOperands check_all(const char* op, const Tensor& target, int64_t dim, const Tensor& index, const Tensor* src) {
+  const int64_t d = check_operands(op, target, dim, index, src);
+  Tensor positions = index.dtype() == kInt64 ? index.detach() : cast_nograd(index.detach(), kInt64);
+  check_index_values(op, positions, d, target);
+  return {d, std::move(positions)};
 }
 
 // src's part that index covers (src narrowed to index's shape): what the kernel reads.
@@ -138,10 +147,8 @@ void check_addable(const char* op, const Tensor& self) {
 template <typename OutOfPlace>
 Tensor& scatter_in_place(Tensor& self, IndexedOp op, const char* name, int64_t dim, const Tensor& index,
                          const Tensor& src, OutOfPlace out_of_place) {
-  const int64_t d = check_operands(name, self, dim, index, &src);
+  const auto [d, positions] = check_all(name, self, dim, index, &src);
   if (op == IndexedOp::ScatterAdd) check_addable(name, self);
-  const Tensor positions = int64_index(index);
-  check_index_values(name, positions, d, self);
   const bool graph = GradMode::is_enabled() && (self.requires_grad() || src.requires_grad());
   if (graph || src.storage() == self.storage() || index.storage() == self.storage()) {
     return apply_in_place(self, name, {src}, out_of_place);
@@ -162,9 +169,7 @@ void check_value(const char* op, const Scalar& value, const Tensor& self) {
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   HG_AUTOCAST(gather, x, dim, index);
-  const int64_t d = check_operands("gather", x, dim, index, nullptr);
-  const Tensor positions = int64_index(index);
-  check_index_values("gather", positions, d, x);
+  const auto [d, positions] = check_all("gather", x, dim, index, nullptr);
   Tensor out = empty(index.shape(), {.dtype = x.dtype(), .device = x.device()});
   if (out.numel() > 0) {
     indexed_kernel[x.device()](IndexedOp::Gather, with_dims(x.detach()), d, with_dims(positions), with_dims(out));
@@ -186,9 +191,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
 
 Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
   HG_AUTOCAST(scatter, self, dim, index, src);
-  const int64_t d = check_operands("scatter", self, dim, index, &src);
-  const Tensor positions = int64_index(index);
-  check_index_values("scatter", positions, d, self);
+  const auto [d, positions] = check_all("scatter", self, dim, index, &src);
   Tensor out = scattered(IndexedOp::Scatter, self, d, positions, src.detach());
   // backward: out's gradient, but 0 at the q's written, for self; out's gradient at q for src[p].
   record("ScatterBackward", {self, src}, {out},
@@ -203,10 +206,8 @@ Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Tenso
 
 Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Scalar& value) {
   HG_AUTOCAST(scatter, self, dim, index, value);
-  const int64_t d = check_operands("scatter", self, dim, index, nullptr);
+  const auto [d, positions] = check_all("scatter", self, dim, index, nullptr);
   check_value("scatter", value, self);
-  const Tensor positions = int64_index(index);
-  check_index_values("scatter", positions, d, self);
   Tensor out = scattered(IndexedOp::Scatter, self, d, positions, value_operand(value, self.dtype(), self.device(),
                                                                                positions));
   record("ScatterBackward", {self}, {out},
@@ -218,18 +219,15 @@ Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Scala
 
 Tensor scatter_add(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
   HG_AUTOCAST(scatter_add, self, dim, index, src);
-  const int64_t d = check_operands("scatter_add", self, dim, index, &src);
+  const auto [d, positions] = check_all("scatter_add", self, dim, index, &src);
   check_addable("scatter_add", self);
-  const Tensor positions = int64_index(index);
-  check_index_values("scatter_add", positions, d, self);
   Tensor out = scattered(IndexedOp::ScatterAdd, self, d, positions, src.detach());
   // backward: out's gradient for self as it is; out's gradient at q for src[p].
   record("ScatterAddBackward", {self, src}, {out},
          [saved_index = SavedTensor(positions, "scatter_add"), d, src_shape = src.shape()](const GradContext& g)
              -> TensorList {
-           Tensor grad_src;
-           if (g.needs(1)) grad_src = src_gradient(g[0], d, saved_index.get(), src_shape);
-           return {g.needs(0) ? g[0] : Tensor(), grad_src};
+           return {g.needs(0) ? g[0] : Tensor(),
+                   g.needs(1) ? src_gradient(g[0], d, saved_index.get(), src_shape) : Tensor()};
          });
   return out;
 }
