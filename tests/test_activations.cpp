@@ -63,7 +63,7 @@ TEST_CASE("gelu, silu and erf match the float64 definitions in every floating dt
   for (const Activation& a : kActivations) {
     for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
       CAPTURE(a.name);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       const Tensor x = x64.to(dt);
       const Tensor y = a.op(x);
       CHECK(y.dtype() == dt);
@@ -147,7 +147,7 @@ TEST_CASE("CUDA gelu, silu and erf match the CPU, forward and backward, in every
   for (const Activation& a : kActivations) {
     for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
       CAPTURE(a.name);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       const Tensor x = (randn({33, 65}, {.dtype = kFloat64}) * 3).to(dt);
       const Tensor g = randn({33, 65}, {.dtype = kFloat64}).to(dt);
       Tensor xc = x.detach().requires_grad_(), xg = x.detach().cuda().requires_grad_();

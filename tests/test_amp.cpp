@@ -245,7 +245,7 @@ static void check_steps_write_kept_casts(Device device) {
   for (DType low : {kFloat16, kBFloat16}) {
     for (const auto& [name, make] : optimizers) {
       CAPTURE(name);
-      CAPTURE(dtype_name(low));
+      CAPTURE(std::string(dtype_name(low)));
       const TensorOptions on{.device = device};
       TensorList params = {randn({37}, on), randn({2 * 16384 + 5}, on),
                            contiguous(randn({16, 8, 3, 3}, on), MemoryFormat::ChannelsLast)};
@@ -435,7 +435,7 @@ TEST_CASE("cuda: a replayed training step keeps the casts current for eager eval
       graph ? captured() : step();
       CAPTURE(i);
       for (DType low : {kFloat16, kBFloat16, kFloat16}) {
-        CAPTURE(dtype_name(low));
+        CAPTURE(std::string(dtype_name(low)));
         Tensor y;
         {
           amp::AutocastGuard autocast(low);

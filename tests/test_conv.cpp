@@ -581,7 +581,7 @@ TEST_CASE("cuda: conv2d's backward adds into the input's gradient from a shortcu
   for (DType dt : {kFloat32, kFloat16, kFloat64}) {
     for (auto [kernel, padding] : {std::pair{3, 1}, {1, 0}}) {
       for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(kernel);
         CAPTURE(memory_format_name(format));
         const Conv2dOptions o{.padding = {padding, padding}};
@@ -704,7 +704,7 @@ TEST_CASE("cuda: conv2d with the cuDNN engines' knobs searched matches the CPU, 
   {
     DebugLog debug_log;
     for (auto [dt, gain] : {std::pair{kFloat16, -std::numeric_limits<double>::infinity()}, {kFloat32, 0.02}}) {
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       KnobSearchOn knob_search(gain);
       const Conv2dOptions o{.padding = {1, 1}};
       const Tensor x = contiguous_channels_last(random({12, 64, 16, 16}, dt)), w = random({64, 64, 3, 3}, dt);
@@ -806,7 +806,7 @@ TEST_CASE("cuda: the few-channels kernels compute conv2d's forward and weight gr
   for (DType dt : {kFloat16, kBFloat16}) {
     for (const FewChannelsCase& c : kFewChannelsCases) {
       for (MemoryFormat weight_format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(c.name);
         CAPTURE(memory_format_name(weight_format));
         const Tensor x = random(c.input, dt), w = contiguous(random(c.weight, dt), weight_format);
@@ -851,7 +851,7 @@ TEST_CASE("cuda: the few-channels weight gradient adds many tiles a block, exact
   const Device gpu = Device::cuda(0);
   const Conv2dParams same{.padding = {1, 1}};
   for (DType dt : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Tensor x = randint(-2, 3, {48, 1, 64, 64}).to(dt), dy = randint(-2, 3, {48, 8, 64, 64}).to(dt);
     Tensor w64 = zeros({8, 1, 3, 3}, {.dtype = kFloat64}).requires_grad_();
     conv2d(x.to(kFloat64), w64, {}, {.padding = {1, 1}}).backward(dy.to(kFloat64));

@@ -149,7 +149,7 @@ TEST_CASE("cuda: host <-> device round trips are exact in every dtype") {
   SKIP_WITHOUT_GPU();
   manual_seed(10);
   for (DType dt : kAllTypes) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor x = random({17, 33}, dt);
     Tensor g = x.to(kGpu);
     CHECK(g.is_cuda());
@@ -225,8 +225,8 @@ TEST_CASE("cuda: casts between every pair of dtypes match the CPU") {
     if (from != kUInt8 && !is_floating(from) && from != kBool) x = x.abs();
     Tensor xg = x.cuda();
     for (DType to : kAllTypes) {
-      CAPTURE(dtype_name(from));
-      CAPTURE(dtype_name(to));
+      CAPTURE(std::string(dtype_name(from)));
+      CAPTURE(std::string(dtype_name(to)));
       check_close(xg.to(to), x.to(to), {0, 0}, "contiguous cast");
       check_close(xg.t().to(to), x.t().to(to), {0, 0}, "transposed cast");
     }
@@ -248,7 +248,7 @@ TEST_CASE("cuda: unary ops match the CPU in every dtype they take") {
   for (const Case& c : cases) {
     for (DType dt : kFloatTypes) {
       CAPTURE(c.name);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       Tensor x = c.positive ? random({31, 67}, dt, 0.1, 4) : random({31, 67}, dt, -4, 4);
       Tolerance tol = std::string(c.name) == "isfinite" ? Tolerance{0, 0} : op_tolerance(dt);
       check_close(c.op(x.cuda()), c.op(x), tol, "contiguous");
@@ -257,7 +257,7 @@ TEST_CASE("cuda: unary ops match the CPU in every dtype they take") {
     }
   }
   for (DType dt : {kUInt8, kInt32, kInt64}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor x = random({13, 29}, dt);
     for (Unary op : std::initializer_list<Unary>{neg, abs, relu, sign, logical_not, isfinite, exp, sqrt})
       check_close(op(x.cuda()), op(x), {1e-5, 1e-6}, "integer");
@@ -297,7 +297,7 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
     for (const Case& c : arithmetic) {
       const bool is_div = std::string(c.name) == "div";
       if (dt == kBool && (is_div || std::string(c.name) == "sub")) continue;  // refused for bool
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       CAPTURE(c.name);
       Tolerance tol = op_tolerance(is_div && !is_floating(dt) ? kFloat32 : dt);
       Tensor a = random({5, 1, 37}, dt), b = random({4, 37}, dt);
@@ -318,7 +318,7 @@ TEST_CASE("cuda: binary ops match the CPU with broadcasting, strides and scalars
   }
   // pow: positive bases for floats; small exponents for integers.
   for (DType dt : kFloatTypes) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor base = random({3, 50}, dt, 0.1, 3), exponent = random({50}, dt, -2, 2);
     check_close(pow(base.cuda(), exponent.cuda()), pow(base, exponent), op_tolerance(dt), "pow");
     check_close(pow(base.cuda(), 2.5), pow(base, 2.5), op_tolerance(dt), "pow scalar");
@@ -353,7 +353,7 @@ TEST_CASE("cuda: a number beside float16 and bfloat16 is read as on the CPU, bit
     for (double number : {1e-8, 0.1, 0.3, 70000.0}) {
       const Tensor s = scalar_tensor(number, {.dtype = kFloat64});
       for (const auto& [name, op] : ops) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(name);
         CAPTURE(number);
         check_close(op(x.cuda(), s), op(x, s), {0, 0}, "tensor op number");
@@ -432,7 +432,7 @@ TEST_CASE("cuda: where, clamp and fill match the CPU") {
   SKIP_WITHOUT_GPU();
   manual_seed(14);
   for (DType dt : kAllTypes) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor c = random({5, 1}, kBool), a = random({5, 9}, dt), b = random({9}, dt);
     check_close(where(c.cuda(), a.cuda(), b.cuda()), where(c, a, b), {0, 0}, "where");
     check_close(where(c.cuda(), a.cuda().t().t(), 3), where(c, a, 3), {0, 0}, "where with a scalar");
@@ -457,7 +457,7 @@ TEST_CASE("cuda: elementwise kernels at vector-path edges: sizes, offsets and la
   for (int64_t n : {int64_t(1), int64_t(3), int64_t(8), int64_t(15), int64_t(1023), int64_t(4097), int64_t(1 << 20) + 5}) {
     for (DType dt : {kFloat32, kFloat16, kUInt8, kFloat64}) {
       CAPTURE(n);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       Tensor a = random({n + 1}, dt), b = random({n + 1}, dt);
       Tensor ag = a.cuda(), bg = b.cuda();
       // Offset by one element: the 16-byte vector path does not apply, the kernel must still be right.
@@ -474,7 +474,7 @@ TEST_CASE("cuda: elementwise ops over channels-last, permuted and mixed layouts 
   SKIP_WITHOUT_GPU();
   manual_seed(16);
   for (DType dt : {kFloat32, kFloat16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Tolerance tol = op_tolerance(dt);
     Tensor a = random({4, 24, 5, 6}, dt), b = random({4, 24, 5, 6}, dt), bias = random({24, 1, 1}, dt);
     Tensor a_cl = contiguous_channels_last(a.cuda()), b_cl = contiguous_channels_last(b.cuda());
@@ -526,7 +526,7 @@ TEST_CASE("cuda: reductions match the CPU") {
     for (DType dt : kFloatTypes) {
       CAPTURE(shape_str(shape));
       CAPTURE(dims.size());
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       // Positive values: sums do not cancel, so a relative tolerance fits. Accumulation is float32
       // (float64 for float64); what differs is the order of the additions: about log2(n) ulp of float32,
       // plus the output's own rounding for 16-bit dtypes.
@@ -540,7 +540,7 @@ TEST_CASE("cuda: reductions match the CPU") {
   // conv's bias gradient of a channels-last gradient: [N, C, H, W] over {0, 2, 3} is one [N H W, C] block of
   // columns in its memory, reduced without a transposing copy (ops/reduce.cpp).
   for (DType dt : kFloatTypes) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor x = contiguous_channels_last(random({32, 64, 16, 16}, dt, 0.5, 1.5));
     Tensor xg = contiguous_channels_last(x.cuda());
     Tolerance tol = dt == kFloat64 ? Tolerance{1e-12, 0} : dt == kFloat32 ? Tolerance{2e-5, 0} : op_tolerance(dt);
@@ -550,7 +550,7 @@ TEST_CASE("cuda: reductions match the CPU") {
   for (const auto& [shape, dims] : problems) {
     for (DType dt : kAllTypes) {
       CAPTURE(shape_str(shape));
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       Tensor x = random(shape, dt), xg = x.cuda();
       check_close(xg.all(dims), x.all(dims), {0, 0}, "all");
       check_close(xg.any(dims), x.any(dims), {0, 0}, "any");
@@ -590,7 +590,7 @@ TEST_CASE("cuda: matmul, bmm and linear match the CPU, fp32 is full precision un
   // Error against a float64 product of the same (rounded) inputs, relative in the Frobenius norm: float32
   // lands far under 1e-5; TF32 (10-bit mantissa products) near 3e-4; float16 about 5e-4; bfloat16 4e-3.
   auto check_product = [](DType dt, int64_t m, int64_t k, int64_t n, double max_error) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     CAPTURE(m);
     CAPTURE(k);
     CAPTURE(n);
@@ -648,7 +648,7 @@ TEST_CASE("cuda: tensor-core products of odd sizes (run on zero-padded copies) m
   const bool tf32 = cuda::allow_tf32();
   cuda::set_allow_tf32(true);
   for (DType dt : {kFloat16, kBFloat16, kFloat32}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const double tolerance = dt == kBFloat16 ? 1.6e-2 : dt == kFloat16 ? 2e-3 : 5e-3;
     Tensor x = random({700, 650}, dt), w = random({5003, 650}, dt), bias = random({5003}, dt);
     Tensor g = random({700, 5003}, dt);
@@ -688,7 +688,7 @@ TEST_CASE("cuda: a product with alpha and beta in device memory scales as alpha 
   for (int64_t k : {648, 650}) {
     for (DType dt : {kFloat32, kFloat16, kFloat64}) {
       CAPTURE(k);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       const DType acc = dt == kFloat64 ? kFloat64 : kFloat32;
       Tensor a = random({700, k}, dt).cuda(), b = random({3000, k}, dt).cuda();
       Tensor scalars = tensor(std::vector<double>{-0.375, 0.0}).to(acc).cuda();
@@ -758,7 +758,7 @@ TEST_CASE("cuda: autograd through CUDA tensors matches the CPU gradients") {
   SKIP_WITHOUT_GPU();
   manual_seed(18);
   for (DType dt : {kFloat64, kFloat32}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor x = random({6, 8}, dt), w = random({8, 5}, dt), b = random({5}, dt), t = random({6, 5}, dt);
     auto loss = [](const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& t) {
       Tensor h = tanh(matmul(x, w) + b);

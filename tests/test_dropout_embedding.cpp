@@ -370,7 +370,7 @@ TEST_CASE("CUDA index_select and one_hot match the CPU, forward and backward") {
   SKIP_WITHOUT_GPU();
   manual_seed(362);
   for (DType dt : {kFloat32, kFloat16, kFloat64, kInt64, kUInt8}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Tensor x = (randn({3, 5, 7}) * 20).to(dt);
     for (int64_t dim : {0, 1, 2}) {
       const Tensor i = randint(0, x.size(dim), {9});

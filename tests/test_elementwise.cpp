@@ -58,7 +58,7 @@ TEST_CASE("unary ops match the float64 reference in every floating dtype") {
   for (const Case& c : cases) {
     for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
       CAPTURE(c.name);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       Tensor x = randn({37, 5}, {.dtype = kFloat64});
       if (c.positive) x = x.abs() + 0.1;
       Tensor xd = x.to(dt);
@@ -743,7 +743,7 @@ TEST_CASE("cuda: masked_fill matches the CPU in every dtype, with a mask that br
   manual_seed(341);
   const Tensor mask = rand({5, 1, 7}).gt(0.5);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kInt64, kUInt8, kBool}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Tensor x = (rand({5, 6, 7}) * 50).to(dt);
     CHECK(values(x.cuda().masked_fill(mask.cuda(), 1).cpu()) == values(x.masked_fill(mask, 1)));
   }

@@ -259,7 +259,7 @@ TEST_CASE("CUDA gather and scatters match the CPU in every dtype, and their floa
   SKIP_WITHOUT_GPU();
   manual_seed(904);
   for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Tensor x = (randn({4, 5, 6}) * 20).to(dt);
     for (int64_t dim : {0, 1, 2}) {
       CAPTURE(dim);

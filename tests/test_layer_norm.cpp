@@ -96,7 +96,7 @@ TEST_CASE("layer_norm matches the float64 definition over one, two and all dims,
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
     for (const Shape& normalized : {Shape{5}, Shape{4, 5}, Shape{3, 4, 5}}) {
       for (bool affine : {false, true}) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(shape_str(normalized));
         CAPTURE(affine);
         const Tensor x = x64.to(dt);
@@ -231,7 +231,7 @@ TEST_CASE("CUDA layer_norm matches the CPU, forward and backward, over warp rows
       for (bool affine : {true, false}) {
         CAPTURE(rows);
         CAPTURE(cols);
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(affine);
         const Tensor x = (randn({rows, cols}, {.dtype = kFloat64}) * 3 + 1).to(dt);
         const Tensor g = randn({rows, cols}, {.dtype = kFloat64}).to(dt);

@@ -221,7 +221,7 @@ TEST_CASE("cuda: linear_cross_entropy under autocast, and on half inputs, within
   Problem p = problem(60, 45, 2003, kFloat64);
   const Result exact = run(p, true);
   for (DType half : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(half));
+    CAPTURE(std::string(dtype_name(half)));
     const double tol = half == kFloat16 ? 3e-3 : 2e-2;
     Problem g = to_cuda(p, kFloat32);
     {
@@ -261,7 +261,7 @@ TEST_CASE("cuda: linear_cross_entropy on an aligned-rows weight equals the dense
     CAPTURE(classes);
     Problem p = problem(n, in, classes, kFloat64);
     for (DType dtype : {kFloat64, kFloat32, kFloat16}) {
-      CAPTURE(dtype_name(dtype));
+      CAPTURE(std::string(dtype_name(dtype)));
       for (bool with_bias : {true, false}) {
         CAPTURE(with_bias);
         const Result cpu = run(p, true, -100, with_bias);

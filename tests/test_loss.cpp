@@ -14,7 +14,7 @@ using halfgrad::testing::leaf;
 TEST_CASE("mse_loss averages, sums or keeps the squared differences") {
   manual_seed(21);
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor input = randn({4, 7}, {.dtype = kFloat64}).to(dt), target = randn({4, 7}, {.dtype = kFloat64}).to(dt);
     std::vector<double> x = to_vector<double>(input), y = to_vector<double>(target), sq;
     double sum = 0;

@@ -115,7 +115,7 @@ TEST_CASE("matmul matches a float64 reference for every rank combination and dty
   manual_seed(11);
   for (DType dt : kGemmDtypes) {
     for (const auto& [sa, sb] : kRankCases) {
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       CAPTURE(shape_str(sa));
       CAPTURE(shape_str(sb));
       Tensor a = random(sa, dt), b = random(sb, dt);
@@ -129,7 +129,7 @@ TEST_CASE("matmul of large operands matches the reference (blocked and multi-thr
   manual_seed(12);
   // 130 x 257 x 65: not multiples of any SIMD width or block size; batched small and large products.
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt32}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor a = random({130, 257}, dt), b = random({257, 65}, dt);
     check_matches(matmul(a, b), reference_matmul(a, b), dt);
     Tensor sa = random({9, 13, 17}, dt), sb = random({9, 17, 7}, dt);  // many small: threads over the batch
@@ -181,7 +181,7 @@ TEST_CASE("float32 products with a thin side match the reference: the language m
 TEST_CASE("matmul reads transposed, strided and broadcast operands correctly") {
   manual_seed(13);
   for (DType dt : kGemmDtypes) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor at = random({5, 4}, dt).t(), bt = random({3, 5}, dt).t();  // column-major [4, 5] and [5, 3]
     check_matches(matmul(at, bt), reference_matmul(at, bt), dt);
     Tensor b = random({5, 3}, dt);
@@ -215,7 +215,7 @@ TEST_CASE("matmul accumulates float16 and bfloat16 products in float32") {
   // the spacing there is 2), a bfloat16 one at 256; float32 accumulation gives exactly 4096, which both
   // half types represent exactly.
   for (DType dt : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor a = ones({1, 4096}, {.dtype = dt}), b = ones({4096, 1}, {.dtype = dt});
     CHECK(matmul(a, b).item<double>() == 4096.0);
     CHECK(matmul(ones({4096}, {.dtype = dt}), ones({4096}, {.dtype = dt})).item<double>() == 4096.0);
@@ -229,7 +229,7 @@ TEST_CASE("matmul accumulates float16 and bfloat16 products in float32") {
 TEST_CASE("bmm multiplies matching batches and rejects anything else") {
   manual_seed(14);
   for (DType dt : {kFloat64, kFloat32, kBFloat16, kInt64}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor a = random({3, 4, 5}, dt), b = random({3, 5, 2}, dt);
     check_matches(bmm(a, b), reference_matmul(a, b), dt);
     Tensor bt = random({3, 2, 5}, dt).transpose(1, 2);
@@ -246,7 +246,7 @@ TEST_CASE("bmm multiplies matching batches and rejects anything else") {
 TEST_CASE("linear computes x W^T + b for any leading dims of x") {
   manual_seed(15);
   for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt32}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     Tensor w = random({3, 5}, dt), bias = random({3}, dt);
     for (const Shape& xs : {Shape{5}, Shape{4, 5}, Shape{2, 4, 5}, Shape{2, 3, 1, 5}, Shape{0, 5}}) {
       CAPTURE(shape_str(xs));

@@ -464,7 +464,7 @@ TEST_CASE("cuda: global average pooling's backward gives every element dy / (H W
   const Device gpu = Device::cuda(0);
   for (DType dt : kFloatTypes) {
     for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       CAPTURE(memory_format_name(format));
       Tensor x = contiguous(random({4, 16, 3, 8}, dt).to(gpu), format).detach().requires_grad_();
       const Tensor wide = random({4, 40}, dt).to(gpu);

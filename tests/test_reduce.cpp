@@ -251,7 +251,7 @@ TEST_CASE("all and any give bool, but uint8 for a uint8 input, as PyTorch's") {
 TEST_CASE("half types accumulate in float32: sums of 4096 ones are exact in float16 and bfloat16") {
   // A float16 accumulator stops growing at 2048 (2048 + 1 rounds back to 2048), a bfloat16 one at 256.
   for (DType dtype : {kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dtype));
+    CAPTURE(std::string(dtype_name(dtype)));
     CHECK(ones({4096}, {.dtype = dtype}).sum().item<double>() == 4096);
     CHECK(ones({4096, 3}, {.dtype = dtype}).sum({0}).dtype() == dtype);
     CHECK(values(ones({4096, 3}, {.dtype = dtype}).sum({0})) == std::vector<double>(3, 4096));  // column mode
@@ -311,7 +311,7 @@ TEST_CASE("var uses the correction and stays accurate for data far from zero") {
 TEST_CASE("max and min propagate nan and report the index of the first nan") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (DType dtype : {kFloat32, kFloat64, kFloat16, kBFloat16}) {
-    CAPTURE(dtype_name(dtype));
+    CAPTURE(std::string(dtype_name(dtype)));
     Tensor x = tensor(std::vector<double>{1, nan, 7, nan, -3}).to(dtype);
     CHECK(std::isnan(x.max().item<double>()));
     CHECK(std::isnan(x.min().item<double>()));
@@ -597,7 +597,7 @@ TEST_CASE("cuda: amax and std match the CPU forward and backward, amin forward")
   SKIP_WITHOUT_GPU();
   manual_seed(321);
   for (DType dt : {kFloat32, kFloat64, kFloat16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     // Few distinct values: ties in every reduced group.
     const Tensor x = randint(0, 4, {6, 5, 7}).to(dt);
     for (const Dims& dims : {Dims{0, 2}, Dims{1}, Dims{}}) {

@@ -232,8 +232,8 @@ TEST_CASE("casts between all dtypes round-trip representable values") {
   for (DType from : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32}) {
     for (DType to : {kFloat64, kFloat32, kFloat16, kBFloat16, kInt64, kInt32}) {
       Tensor t = tensor(v).to(from).to(to);
-      CAPTURE(dtype_name(from));
-      CAPTURE(dtype_name(to));
+      CAPTURE(std::string(dtype_name(from)));
+      CAPTURE(std::string(dtype_name(to)));
       CHECK(t.dtype() == to);
       CHECK(values(t) == v);
     }
@@ -366,7 +366,7 @@ TEST_CASE("elementwise ops, casts and clone keep a channels_last layout, contigu
 TEST_CASE("an aligned-rows matrix: rows and columns padded to 16 bytes with zeros, to(), casts and .grad keep it") {
   // Extents per dtype: float64 pads to 2, float32 to 4, 16-bit to 8 elements.
   for (auto [dtype, rows, cols] : {std::tuple{kFloat64, 6, 8}, {kFloat32, 8, 8}, {kFloat16, 8, 8}}) {
-    CAPTURE(dtype_name(dtype));
+    CAPTURE(std::string(dtype_name(dtype)));
     const Tensor x = empty({5, 7}, {.dtype = dtype}, MemoryFormat::AlignedRows);
     CHECK(x.strides() == Shape{cols, 1});
     CHECK(x.storage()->nbytes() == size_t(rows * cols) * element_size(dtype));
