@@ -5,8 +5,9 @@
 //     the rest: a block a row walks it in tiles of kThreads x kItems values, each tile one block-wide scan
 //     (cub::BlockScan) plus the running total of the tiles before it;
 //   columns (inner > 1): a thread a column walks it down the length in order, neighbouring threads on neighbouring
-//     columns (coalesced). Few long columns leave most of the GPU idle ([1000000, 2] along dim 0: two threads); such a
-//     scan is quicker with the dim moved last (x.transpose(0, 1).contiguous()).
+//     columns (coalesced); few columns longer than a short row (up to kFewColumns) would leave most of the GPU idle
+//     ([1000000, 2] along dim 0: two threads, each a million dependent steps), so they are moved last, scanned as
+//     rows and moved back (two more passes over the data, all the GPU on each).
 // float16/bfloat16 sums are carried in float32; integers wrap.
 #include <cuda_runtime.h>
 #include <thrust/iterator/reverse_iterator.h>
@@ -23,7 +24,7 @@ namespace halfgrad {
 namespace {
 
 constexpr int kThreads = 256, kItems = 4;
-constexpr int64_t kShortRow = 64, kFewRows = 64, kLongRow = int64_t(1) << 16;
+constexpr int64_t kShortRow = 64, kFewRows = 64, kLongRow = int64_t(1) << 16, kFewColumns = 8192;
 
 struct Add {
   template <typename A> __host__ __device__ __forceinline__ A operator()(A a, A b) const {
@@ -98,6 +99,13 @@ void cumsum_long_rows(T* out, const T* x, int64_t rows, int64_t length, bool rev
 
 void cumsum_cuda(const Tensor& out, const Tensor& x, int64_t outer, int64_t length, int64_t inner, bool reverse) {
   if (out.numel() == 0) return;
+  if (inner > 1 && outer * inner <= kFewColumns && length > kShortRow) {  // few long columns: as rows
+    const Tensor rows = x.view({outer, length, inner}).transpose(1, 2).contiguous();
+    const Tensor scanned = empty_like(rows);
+    cumsum_cuda(scanned, rows, outer * inner, length, 1, reverse);
+    Tensor(out).view({outer, length, inner}).copy_(scanned.transpose(1, 2));
+    return;
+  }
   cuda::DeviceGuard guard(out.device());
   cudaStream_t stream = cuda::current_stream(out.device());
   dispatch_numeric(out.dtype(), "cumsum", [&]<typename T>() {

@@ -11,20 +11,32 @@
 namespace halfgrad {
 
 constinit KernelTable<SortKernel> sort_kernel("sort");
+constinit KernelTable<TopKernel> top_kernel("topk");
 
 namespace {
 
-// The positions along dim (int64, x's shape, contiguous) of x's slices in order.
-Tensor sorted_positions(const char* op, const Tensor& x, int64_t dim, bool descending) {
+// The first k (k < 0: all) positions along dim (int64, contiguous) of x's slices in order: sort_kernel's, or
+// top_kernel's where k is given.
+Tensor sorted_positions(const char* op, const Tensor& x, int64_t dim, bool descending, int64_t k = -1) {
   HG_CHECK(x.defined(), "{}: the input is an undefined tensor", op);
   const Tensor source = x.dim() == 0 ? x.detach().view({1}) : x.detach();
   const int64_t d = wrap_dim(dim, source.dim(), op);
   // dim last, as rows of the kernel; the indices back to dim's place after.
   const Tensor rows = source.transpose(d, -1).contiguous();
-  const int64_t n = rows.size(-1), count = rows.numel();
-  Tensor order = empty(rows.shape(), {.dtype = kInt64, .device = x.device()});
-  if (count > 0) sort_kernel[x.device()](order.view({count / n, n}), rows.view({count / n, n}), descending);
-  return order.transpose(d, -1).contiguous().view(x.shape());
+  const int64_t n = rows.size(-1), count = rows.numel(), kept = k < 0 ? n : k;
+  Shape kept_shape = rows.shape();
+  kept_shape.back() = kept;
+  Tensor order = empty(kept_shape, {.dtype = kInt64, .device = x.device()});
+  if (count > 0 && kept > 0) {
+    const Tensor keys = rows.view({count / n, n}), out = order.view({count / n, kept});
+    if (k < 0) {
+      sort_kernel[x.device()](out, keys, descending);
+    } else {
+      top_kernel[x.device()](out, keys, descending);
+    }
+  }
+  const Tensor placed = order.transpose(d, -1).contiguous();
+  return x.dim() == 0 ? placed.view({}) : placed;
 }
 
 }  // namespace
@@ -48,7 +60,7 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim, bool lar
   }
   HG_CHECK(k >= 0 && k <= source.size(d), "topk: k {} is out of range for dim {} of size {} of {}; k must be in [0, "
            "{}]", k, d, source.size(d), x.meta(), source.size(d));
-  const Tensor top = sorted_positions("topk", source, d, largest).narrow(d, 0, k).contiguous();
+  const Tensor top = sorted_positions("topk", source, d, largest, k);
   return {source.gather(d, top), top};
 }
 
@@ -73,6 +85,28 @@ template <typename A> bool before(A a, A b, bool descending) {
   return descending ? b < a : a < b;
 }
 
+// top_kernel's CPU side: each row's positions partially sorted by (value in sort's order, position), the first k
+// in order: the first k of a stable sort, in n log k.
+void top_cpu(const Tensor& top, const Tensor& keys, bool largest) {
+  const int64_t rows = keys.size(0), n = keys.size(1), k = top.size(1);
+  dispatch_all(keys.dtype(), "topk", [&]<typename T>() {
+    using A = opmath_t<T>;
+    const T* v = keys.data<T>();
+    int64_t* out = top.data<int64_t>();
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1 && rows * n >= 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = v + r * n;
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      std::iota(order.begin(), order.end(), int64_t(0));
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+        const A va = A(row[a]), vb = A(row[b]);
+        return before<A>(va, vb, largest) || (!before<A>(vb, va, largest) && a < b);
+      });
+      std::copy(order.begin(), order.begin() + k, out + r * k);
+    }
+  });
+}
+
 void sort_cpu(const Tensor& indices, const Tensor& keys, bool descending) {
   const int64_t rows = keys.size(0), n = keys.size(1);
   dispatch_all(keys.dtype(), "sort", [&]<typename T>() {
@@ -93,5 +127,6 @@ void sort_cpu(const Tensor& indices, const Tensor& keys, bool descending) {
 }  // namespace
 
 HG_REGISTER_KERNEL(sort_kernel, CPU, sort_cpu);
+HG_REGISTER_KERNEL(top_kernel, CPU, top_cpu);
 
 }  // namespace halfgrad

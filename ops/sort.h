@@ -19,14 +19,20 @@ std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim = -1, bool descendin
 // sort's indices alone.
 Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false);
 // The k largest (largest = false: smallest) of x along dim as (values, indices), in sort's order whether or not
-// `sorted` asks for it; 0 <= k <= size of dim. Gradient as sort's. It sorts each whole slice and keeps the first k
-// (n log n, not n log k: a selection would be quicker for small k).
+// `sorted` asks for it (equal values by position, NaN above every number); 0 <= k <= size of dim. Gradient as
+// sort's. The kernels select before they sort: the CPU's a partial sort of each slice (n log k), CUDA's a radix
+// selection (ops/sort.cu) where k is at most half the slice, then a sort of the k.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true, bool sorted = true);
 
-// ---- kernel
+// ---- kernels
 // indices [rows, n] (int64, contiguous) = for each row of keys [rows, n] (contiguous, any dtype) the positions of its
 // values in order (stable; NaN above every number, -0.0 equal to 0.0), ascending or descending.
 using SortKernel = void (*)(const Tensor& indices, const Tensor& keys, bool descending);
 extern KernelTable<SortKernel> sort_kernel;
+// top [rows, k] (int64, contiguous) = for each row of keys [rows, n] (contiguous, any dtype, k <= n) the positions of
+// its k largest (largest = false: smallest) values in sort's order: the first k of sort_kernel's with descending =
+// largest.
+using TopKernel = void (*)(const Tensor& top, const Tensor& keys, bool largest);
+extern KernelTable<TopKernel> top_kernel;
 
 }  // namespace halfgrad

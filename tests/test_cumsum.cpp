@@ -133,15 +133,16 @@ TEST_CASE("CUDA cumsum matches the CPU: rows of many tiles, columns, every dtype
   SKIP_WITHOUT_GPU();
   manual_seed(913);
   // {shape, dim}: rows of several block tiles; one element; short rows (a thread each); few long rows (cub's device
-  // scan a row); columns.
-  const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 5000}, 1},      {{1, 1}, 1},         {{7, 1025}, -1},
-                                                        {{5000, 10}, 1},     {{2, 70000}, 1},     {{70000}, 0},
-                                                        {{4, 300, 5}, 1},    {{2000, 3}, 0},      {{5}, 0}};
+  // scan a row); few long columns (moved last, scanned as rows: of one tile, of several, few long ones); many columns
+  // (a thread each); short columns.
+  const std::vector<std::pair<Shape, int64_t>> cases = {
+      {{3, 5000}, 1},  {{1, 1}, 1},        {{7, 1025}, -1},  {{5000, 10}, 1},  {{2, 70000}, 1},  {{70000}, 0},
+      {{500, 6}, 0},   {{5, 3000, 4}, 1},  {{70000, 2}, 0},  {{100, 9000}, 0}, {{4, 30, 5}, 1},  {{5}, 0}};
   for (const auto& [shape, dim] : cases) {
     for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
       CAPTURE(shape_str(shape));
       CAPTURE(dim);
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       const Tensor x = (dt == kBool ? rand(shape).gt(0.5) : randint(-4, 5, shape).to(dt));
       const Tensor want = x.cumsum(dim), got = x.cuda().cumsum(dim).cpu();
       REQUIRE(got.dtype() == want.dtype());
@@ -166,5 +167,10 @@ TEST_CASE("CUDA cumsum matches the CPU: rows of many tiles, columns, every dtype
   const Tensor g2 = randn({40, 7});
   cc.cumsum(0).backward(g2);
   cg.cumsum(0).backward(g2.cuda());
-  CHECK(values(cg.grad().cpu()) == values(cc.grad()));  // columns add in order on both devices
+  CHECK(values(cg.grad().cpu()) == values(cc.grad()));  // short columns add in order on both devices
+  Tensor fc = randint(-3, 4, {5000, 3}).to(kFloat32).requires_grad_(), fg = fc.detach().cuda().requires_grad_();
+  const Tensor g3 = randint(-3, 4, {5000, 3}).to(kFloat32);
+  fc.cumsum(0).backward(g3);
+  fg.cumsum(0).backward(g3.cuda());
+  CHECK(values(fg.grad().cpu()) == values(fc.grad()));  // few long columns reversed: integer sums, exact
 }

@@ -97,6 +97,41 @@ TEST_CASE("topk: the k largest or smallest along dim, in order, with their posit
   CHECK_THROWS_WITH_AS(Tensor().argsort(), doctest::Contains("argsort: the input is an undefined tensor"), Error);
 }
 
+// The first k of sort's values and positions along dim: what topk must give.
+std::pair<Tensor, Tensor> first_k_of_sort(const Tensor& x, int64_t k, int64_t dim, bool largest) {
+  const auto [sorted, at] = x.sort(dim, largest);
+  return {sorted.narrow(dim, 0, k), at.narrow(dim, 0, k)};
+}
+
+TEST_CASE("topk equals the first k of a stable sort: ties by position, NaN above every number, any k and dim") {
+  manual_seed(924);
+  const std::vector<double> special = {kNan, 1, -kInf, std::copysign(kNan, -1.0), 0, -0.0, kInf, 2};
+  for (const Shape& shape : {Shape{40, 300}, Shape{300, 40}, Shape{2, 3, 50}}) {
+    const std::vector<double> plain = values(randint(0, 4, shape));  // few distinct values: ties everywhere
+    std::vector<double> with_special = plain;
+    for (size_t i = 0; i < plain.size(); i += 7) with_special[i] = special[(i / 7) % special.size()];
+    for (DType dt : {kFloat64, kFloat32, kBFloat16, kInt64, kUInt8}) {
+      const Tensor x = tensor<double>(is_floating(dt) ? with_special : plain, shape).to(dt);
+      for (int64_t dim : {int64_t(-1), int64_t(0)}) {
+        const int64_t n = x.size(dim);
+        for (int64_t k : {int64_t(1), std::min<int64_t>(3, n), n / 2, n}) {
+          for (bool largest : {true, false}) {
+            CAPTURE(shape_str(shape));
+            CAPTURE(std::string(dtype_name(dt)));
+            CAPTURE(dim);
+            CAPTURE(k);
+            CAPTURE(largest);
+            const auto [top, top_at] = x.topk(k, dim, largest);
+            const auto [want, want_at] = first_k_of_sort(x, k, dim, largest);
+            REQUIRE(values(top_at) == values(want_at));
+            REQUIRE(same_values(values(top), values(want)));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("sort's and topk's gradients go back to the positions the values came from") {
   Tensor x = tensor<double>({3, 1, 2}).requires_grad_();
   x.sort().first.mul(tensor<double>({1, 10, 100})).sum().backward();
@@ -135,7 +170,7 @@ TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long row
     for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
       for (bool descending : {false, true}) {
         CAPTURE(shape_str(shape));
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(descending);
         // few distinct values: many ties, whose order the stable sort keeps on both devices
         const Tensor x = dt == kBool ? rand(shape).gt(0.5) : randint(0, 9, shape).to(dt);
@@ -155,7 +190,7 @@ TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long row
     for (size_t i = 0; i < v.size(); ++i) v[i] = i % 3 == 0 ? special[(i / 3) % special.size()] : noise[i];
     for (DType dt : {kFloat64, kFloat32, kFloat16, kBFloat16}) {
       CAPTURE(shape_str(shape));
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       const Tensor x = tensor<double>(v, shape).to(dt);
       for (bool descending : {false, true}) {
         CAPTURE(descending);
@@ -165,8 +200,42 @@ TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long row
   }
   const Tensor long_ints = randint(-1000, 1000, {2, 70000});
   CHECK(values(long_ints.cuda().argsort(1, true).cpu()) == values(long_ints.argsort(1, true)));
-  const Tensor scores = randn({64, 1000});
-  CHECK(values(scores.cuda().topk(5, 1).second.cpu()) == values(scores.topk(5, 1).second));
+}
+
+TEST_CASE("CUDA topk matches the CPU: one round of selection or several, chunks short of k, ties, NaN, every dtype") {
+  SKIP_WITHOUT_GPU();
+  manual_seed(925);
+  // (shape, k): rows within one chunk (4,096); rows of 25 chunks whose kept 125 are selected again; a last chunk of 7,
+  // fewer than k; 1,000 of 200,000 (chunks of 4,000: four rounds); k above half a row (a whole sort); k = 0 and n.
+  const std::vector<std::pair<Shape, int64_t>> cases = {
+      {{300, 64}, 5},       {{64, 4096}, 16},   {{3, 100000}, 5}, {{4, 3 * 4096 + 7}, 16},
+      {{2, 200000}, 1000},  {{6, 1000}, 700},   {{5, 40}, 0},     {{5, 40}, 40}};
+  const std::vector<double> special = {kNan, 1, -kInf, std::copysign(kNan, -1.0), 0, -0.0, kInf, 2};
+  for (const auto& [shape, k] : cases) {
+    const std::vector<double> ties = values(randint(0, 3, shape)), spread = values(randn(shape).mul(50));
+    std::vector<double> ties_special = ties, spread_special = spread;
+    for (size_t i = 0; i < ties.size(); i += 11)
+      ties_special[i] = spread_special[i] = special[(i / 11) % special.size()];
+    for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
+      const bool floating = is_floating(dt);
+      for (const std::vector<double>* v : {floating ? &ties_special : &ties, floating ? &spread_special : &spread}) {
+        for (bool largest : {true, false}) {
+          CAPTURE(shape_str(shape));
+          CAPTURE(k);
+          CAPTURE(std::string(dtype_name(dt)));
+          CAPTURE(v == &ties || v == &ties_special);
+          CAPTURE(largest);
+          const Tensor x = tensor<double>(*v, shape).to(dt);
+          const auto [top, top_at] = x.cuda().topk(k, 1, largest);
+          const auto [want, want_at] = x.topk(k, 1, largest);
+          REQUIRE(values(top_at.cpu()) == values(want_at));
+          REQUIRE(same_values(values(top.cpu()), values(want)));
+        }
+      }
+    }
+  }
+  const Tensor columns = randn({5000, 3});  // dim 0: the rows are x's columns
+  CHECK(values(columns.cuda().topk(7, 0).second.cpu()) == values(columns.topk(7, 0).second));
   Tensor xc = randn({6, 50}).requires_grad_(), xg = xc.detach().cuda().requires_grad_();
   const Tensor g = randn({6, 4});
   xc.topk(4, 1).first.backward(g);
