@@ -7,6 +7,8 @@
 //   reduction rows            GB/s counting the input bytes (the outputs are small)
 //   norm / activation rows    layer_norm, gelu and silu, forward alone and forward + backward, GB/s counting the
 //                             bytes each pass must read plus write once
+//   index / scan / sort rows  gather, scatter_add_, cumsum, sort and topk in float32 with int64 indices, GB/s
+//                             counting the bytes each must read plus write once (indices included)
 //   GEMM rows                 TFLOP/s counting 2*m*n*k, through halfgrad::matmul; "% cuBLAS" is that over the
 //                             same cublasGemmEx call made directly on the same buffers
 // Every figure is the median of --repeats runs timed with CUDA events after warm-up runs, on random data
@@ -209,6 +211,46 @@ void norm_and_activation_rows(int64_t n, int repeats, double copy_gbs) {
   }
 }
 
+// gather, scatter_add_, cumsum, sort and topk, float32 values and int64 indices drawn at random. Bytes: gather reads
+// the index and the values it picks and writes the output (16 a position); scatter_add_ reads the index and src
+// (12 a position: the 1024 destination rows stay in cache); cumsum reads and writes once; sort reads the keys and
+// writes the values and the int64 indices (16 an element); topk reads the keys (its k outputs are small). The sorts
+// run on an eighth of the elements.
+void index_scan_sort_rows(int64_t n, int repeats, double copy_gbs) {
+  const double N = double(n);
+  const int64_t cols = 4096, rows = n / cols;
+  Tensor x = random_gpu({rows, cols}, kFloat32);
+  Tensor index = randint(0, cols, {rows, cols}).to(kGpu);
+  bandwidth_row("index", "float32 gather(dim 1)", {rows, cols}, 16 * N, [&] { Tensor r = gather(x, 1, index); },
+                repeats, copy_gbs);
+  const int64_t targets = 1024;
+  Tensor into = zeros({targets, cols}, {.device = kGpu});
+  Tensor target_rows = randint(0, targets, {rows, cols}).to(kGpu);
+  bandwidth_row("index", "float32 scatter_add_(dim 0), 1024 rows", {rows, cols}, 12 * N,
+                [&] { into.scatter_add_(0, target_rows, x); }, repeats, copy_gbs);
+  index = target_rows = into = Tensor();
+  bandwidth_row("scan", "float32 cumsum(dim 1) (rows)", {rows, cols}, 8 * N, [&] { Tensor r = cumsum(x, 1); },
+                repeats, copy_gbs);
+  Tensor xt = x.view({cols, rows});
+  bandwidth_row("scan", "float32 cumsum(dim 0) (columns)", {cols, rows}, 8 * N, [&] { Tensor r = cumsum(xt, 0); },
+                repeats, copy_gbs);
+  Tensor flat = x.view({n});
+  bandwidth_row("scan", "float32 cumsum of one row", {n}, 8 * N, [&] { Tensor r = cumsum(flat, 0); }, repeats,
+                copy_gbs);
+  Tensor few_columns = flat.slice(0, 0, n / 128).view({n / 512, 4});
+  bandwidth_row("scan", "float32 cumsum(dim 0), 4 columns", {n / 512, 4}, 8 * N / 128,
+                [&] { Tensor r = cumsum(few_columns, 0); }, repeats, copy_gbs);
+  const int64_t m = n / 8;
+  Tensor keys = x.view({n}).slice(0, 0, m).view({m / cols, cols});
+  bandwidth_row("sort", "float32 sort(dim 1)", {m / cols, cols}, 16 * double(m), [&] { auto r = sort(keys, 1); },
+                repeats, copy_gbs);
+  Tensor one_row = keys.view({m});
+  bandwidth_row("sort", "float32 sort of one row", {m}, 16 * double(m), [&] { auto r = sort(one_row, 0); }, repeats,
+                copy_gbs);
+  bandwidth_row("sort", "float32 topk(16, dim 1)", {m / cols, cols}, 4 * double(m),
+                [&] { auto r = topk(keys, 16, 1); }, repeats, copy_gbs);
+}
+
 // ---- GEMM
 
 void gemm_rows(const std::vector<int64_t>& sizes, int repeats) {
@@ -263,6 +305,9 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "timed runs per row (the median is reported)");
   app.add_option("--gemm-sizes", gemm_sizes, "square GEMM sizes");
   app.add_flag("--no-gemm", skip_gemm, "skip the GEMM rows");
+  std::vector<std::string> parts;
+  app.add_option("--only", parts, "only these parts (the copy row always runs)")
+      ->check(CLI::IsMember({"elementwise", "reduction", "norm", "index", "gemm"}));
   app.add_option("--csv", csv, "also write the rows to this CSV file");
   CLI11_PARSE(app, argc, argv);
 
@@ -294,11 +339,15 @@ int main(int argc, char** argv) {
              "% copy / % cuBLAS");
 
   manual_seed(2024);
+  auto wanted = [&](const char* part) {
+    return parts.empty() || std::find(parts.begin(), parts.end(), part) != parts.end();
+  };
   const double copy_gbs = copy_bandwidth(elements * 4, repeats);
-  elementwise_rows(elements, repeats, copy_gbs);
-  reduction_rows(elements, repeats, copy_gbs);
-  norm_and_activation_rows(elements, repeats, copy_gbs);
-  if (!skip_gemm) gemm_rows(gemm_sizes, repeats);
+  if (wanted("elementwise")) elementwise_rows(elements, repeats, copy_gbs);
+  if (wanted("reduction")) reduction_rows(elements, repeats, copy_gbs);
+  if (wanted("norm")) norm_and_activation_rows(elements, repeats, copy_gbs);
+  if (wanted("index")) index_scan_sort_rows(elements, repeats, copy_gbs);
+  if (wanted("gemm") && !skip_gemm) gemm_rows(gemm_sizes, repeats);
   fmt::print("\nallocator: {}\n", cuda::memory_stats_str(0));
 
   if (!csv.empty()) {
