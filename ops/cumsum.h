@@ -12,10 +12,10 @@ namespace halfgrad {
 // has `dtype` where given, else x's for floating x and int64 for integral and bool x (PyTorch's: running sums of
 // int32 or uint8 overflow soon); x is converted to it first, and its sums are kept in it (float16 and bfloat16 in
 // float32, each output rounded once; integers wrapping). The CPU adds in order along dim, as CUDA does for short rows
-// and for many columns; CUDA's scans of longer rows and of few long columns (block-wide, or device-wide for few long
-// rows) add in another order, so float sums may differ in the last bits between the devices. Gradient: the output's gradient cast to x's dtype and
-// summed from the end (the reversed running sums; a narrower dtype would overflow them). Autocast: float32, as
-// PyTorch's.
+// and for many or short columns; CUDA's scans of longer rows and of few long columns (block-wide, or device-wide for
+// few long rows) add in another order, so float sums may differ in the last bits between the devices. Gradient: the
+// output's gradient cast to x's dtype and summed from the end (the reversed running sums; a narrower dtype would
+// overflow them). Autocast: float32, as PyTorch's.
 Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype = std::nullopt);
 
 // ---- kernel

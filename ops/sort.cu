@@ -5,8 +5,9 @@
 //   few long rows (up to kFewRows rows of kLongRow or more): cub::DeviceRadixSort a row, all the GPU on each;
 //   the rest: cub::DeviceSegmentedSort, a segment a row (a warp's merge sort for short rows, one block's radix sort
 //   for long ones).
-// topk with k at most half a row selects first (select_kernel: a radix selection, a block a chunk of a row; rows
-// longer than a chunk keep each chunk's k and select again from those) and sorts the k; else it sorts whole rows.
+// topk with k at most half a row and at most kMostSelected selects first (select_kernel: a radix selection, a block a
+// chunk of a row; rows longer than a chunk keep each chunk's k and select again from those) and sorts the k; else it
+// sorts whole rows.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       const int total = __shfl_sync(0xffffffffu, above, 0), want = min(wanted, total);
       above -= own;
-      if (want == 0 && lane == 0) {  // nothing to take: a chunk of no candidates
+      if (want == 0 && lane == 0) {  // nothing to take (top_cuda's chunks all hold a candidate; kept for safety)
         found_key = K(~K(0));
         found_wanted = found_taking = 0;
       } else if (above < want && want <= above + own) {
@@ -224,15 +225,17 @@ __global__ void __launch_bounds__(kThreads)
   if (i == 0) starts[count / k] = count;
 }
 
-// Chunks a block selects from: long enough that each round keeps at most a quarter plus k, a multiple of k so that a
-// chunk of kept candidates starts with a chunk's first.
-int64_t select_chunk(int64_t k) { return std::max<int64_t>(4096, 4 * k) / k * k; }
+// Selection is for k up to kMostSelected: a block's chunk then holds at most kSelectChunk candidates (a multiple of k,
+// so that a chunk of kept candidates starts with a chunk's first, and at least 3k, so that each round keeps at most a
+// third plus k). A larger k would make a block's chunk long and few blocks busy: such rows are sorted whole.
+constexpr int64_t kSelectChunk = 4096, kMostSelected = 1024;
+int64_t select_chunk(int64_t k) { return kSelectChunk / k * k; }
 
 void top_cuda(const Tensor& top, const Tensor& keys, bool largest) {
   const int64_t rows = keys.size(0), n = keys.size(1), k = top.size(1);
   if (rows == 0 || k == 0) return;
   cuda::DeviceGuard guard(keys.device());
-  if (2 * k > n) {  // most of each row: a sort of the rows, and their first k
+  if (2 * k > n || k > kMostSelected) {  // a sort of the rows, and their first k
     Tensor order = empty({rows, n}, {.dtype = kInt64, .device = keys.device()});
     sort_cuda(order, keys, largest);
     Tensor(top).copy_(order.narrow(1, 0, k));

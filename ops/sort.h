@@ -21,7 +21,7 @@ Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool 
 // The k largest (largest = false: smallest) of x along dim as (values, indices), in sort's order whether or not
 // `sorted` asks for it (equal values by position, NaN above every number); 0 <= k <= size of dim. Gradient as
 // sort's. The kernels select before they sort: the CPU's a partial sort of each slice (n log k), CUDA's a radix
-// selection (ops/sort.cu) where k is at most half the slice, then a sort of the k.
+// selection (ops/sort.cu) where k is at most half the slice and at most 1,024, then a sort of the k.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true, bool sorted = true);
 
 // ---- kernels

@@ -206,10 +206,13 @@ TEST_CASE("CUDA topk matches the CPU: one round of selection or several, chunks 
   SKIP_WITHOUT_GPU();
   manual_seed(925);
   // (shape, k): rows within one chunk (4,096); rows of 25 chunks whose kept 125 are selected again; a last chunk of 7,
-  // fewer than k; 1,000 of 200,000 (chunks of 4,000: four rounds); k above half a row (a whole sort); k = 0 and n.
+  // fewer than k; 1,000 of 200,000 (chunks of 4,000: four rounds); 1,024 of 4 x 4,096 + 3, whose second round has a
+  // chunk of 3 positions and 1,021 empty places; k above half a row, and k above 1,024 (whole sorts, the second of
+  // few long rows a row at a time); k = 0 and n.
   const std::vector<std::pair<Shape, int64_t>> cases = {
-      {{300, 64}, 5},       {{64, 4096}, 16},   {{3, 100000}, 5}, {{4, 3 * 4096 + 7}, 16},
-      {{2, 200000}, 1000},  {{6, 1000}, 700},   {{5, 40}, 0},     {{5, 40}, 40}};
+      {{300, 64}, 5},      {{64, 4096}, 16},         {{3, 100000}, 5},   {{4, 3 * 4096 + 7}, 16},
+      {{2, 200000}, 1000}, {{3, 4 * 4096 + 3}, 1024}, {{6, 1000}, 700},   {{2, 200000}, 70000},
+      {{5, 40}, 0},        {{5, 40}, 40}};
   const std::vector<double> special = {kNan, 1, -kInf, std::copysign(kNan, -1.0), 0, -0.0, kInf, 2};
   for (const auto& [shape, k] : cases) {
     const std::vector<double> ties = values(randint(0, 3, shape)), spread = values(randn(shape).mul(50));

@@ -240,7 +240,7 @@ void index_scan_sort_rows(int64_t n, int repeats, double copy_gbs) {
   Tensor few_columns = flat.slice(0, 0, n / 128).view({n / 512, 4});
   bandwidth_row("scan", "float32 cumsum(dim 0), 4 columns", {n / 512, 4}, 8 * N / 128,
                 [&] { Tensor r = cumsum(few_columns, 0); }, repeats, copy_gbs);
-  const int64_t m = n / 8;
+  const int64_t m = std::max(cols, n / 8 / cols * cols);
   Tensor keys = x.view({n}).slice(0, 0, m).view({m / cols, cols});
   bandwidth_row("sort", "float32 sort(dim 1)", {m / cols, cols}, 16 * double(m), [&] { auto r = sort(keys, 1); },
                 repeats, copy_gbs);

@@ -152,7 +152,7 @@ def main():
         few_columns = flat[:n // 128].view(n // 512, 4)
         bw("scan", "float32 cumsum(dim 0), 4 columns", f"[{n // 512}, 4]", 8 * n // 128,
            lambda: torch.cumsum(few_columns, 0))
-        m = n // 8
+        m = max(cols, n // 8 // cols * cols)
         keys = flat[:m].view(m // cols, cols)
         bw("sort", "float32 sort(dim 1)", f"[{m // cols}, {cols}]", 16 * m, lambda: torch.sort(keys, 1))
         one_row = keys.view(m)
