@@ -78,6 +78,16 @@ std::vector<ParamGroupRef> Optimizer::param_groups() {
   return refs;
 }
 
+std::optional<double> Optimizer::initial_lr(size_t g) const {
+  return g < initial_lrs_.size() ? initial_lrs_[g] : std::nullopt;
+}
+
+void Optimizer::set_initial_lr(size_t g, double lr) {
+  HG_CHECK(g < num_param_groups(), "{}: no parameter group {} (it has {})", name_, g, num_param_groups());
+  if (initial_lrs_.size() <= g) initial_lrs_.resize(g + 1);
+  initial_lrs_[g] = lr;
+}
+
 ParamState& Optimizer::state(size_t group, size_t param) {
   if (state_.size() <= group) state_.resize(group + 1);
   std::vector<ParamState>& states = state_[group];

@@ -21,6 +21,7 @@
 // exception: a step of it is iterations over flat vectors, with a closure (optim/lbfgs.h).
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -118,6 +119,13 @@ class Optimizer {
   virtual size_t num_param_groups() const = 0;
   virtual ParamGroupRef param_group(size_t g) = 0;
   std::vector<ParamGroupRef> param_groups();
+  // Group g's lr before any scheduler set it, PyTorch's param_group["initial_lr"]: the first LRScheduler made on this
+  // optimizer records each group's lr, and every scheduler takes the recorded one as its base, so that a scheduler
+  // made after another has set its step 0 (a warm-up's start_factor) starts from the same lr, not from that one's
+  // (OneCycleLR records its own start, max_lr / div_factor, as PyTorch's). Nothing until a scheduler records it; not
+  // kept in checkpoints (a scheduler's state keeps its base lrs).
+  std::optional<double> initial_lr(size_t g) const;
+  void set_initial_lr(size_t g, double lr);
 
   // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
   //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change
@@ -237,6 +245,7 @@ class Optimizer {
 
   const char* name_;
   std::vector<std::vector<ParamState>> state_;
+  std::vector<std::optional<double>> initial_lrs_;  // by group
 };
 
 // A loaded integer option's value, a whole number in [-2^63, 2^63] (load_state_tensors checks): int64's largest for

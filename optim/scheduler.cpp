@@ -66,8 +66,11 @@ void check_finite_non_negative(const char* who, const char* name, double value) 
 // ---- LRScheduler
 
 LRScheduler::LRScheduler(Optimizer& optimizer, const char* name) : optimizer_(optimizer), name_(name) {
-  for (ParamGroupRef g : optimizer.param_groups()) base_lrs_.push_back(g.lr);
-  HG_CHECK(!base_lrs_.empty(), "{}: the optimizer has no parameter groups", name);
+  HG_CHECK(optimizer.num_param_groups() > 0, "{}: the optimizer has no parameter groups", name);
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
+    if (!optimizer.initial_lr(g)) optimizer.set_initial_lr(g, optimizer.param_group(g).lr);
+    base_lrs_.push_back(*optimizer.initial_lr(g));
+  }
 }
 
 void LRScheduler::step() { set_step(last_step_ + 1); }
@@ -334,6 +337,10 @@ enum { kInitial = 0, kMax = 1, kMin = 2 };
 
 OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options) : LRScheduler(optimizer, "OneCycleLR") {
   configure(std::move(options));
+  for (size_t g = 0; g < base_lrs_.size(); ++g) {  // its start is the groups' initial lr, as PyTorch's
+    base_lrs_[g] = max_lrs_[g] / options_.div_factor;
+    optimizer.set_initial_lr(g, base_lrs_[g]);
+  }
   start();
 }
 namespace {

@@ -9,8 +9,8 @@
 //   }
 //
 // Every LRScheduler is a closed form (ReduceLROnPlateau, at the end, follows a metric instead): lr_at(n) gives each
-// group's lr after n calls of step() (momentum_at(n) the momentum, for OneCycleLR), computed from the groups' lr when
-// the scheduler was made (base_lrs()).
+// group's lr after n calls of step() (momentum_at(n) the momentum, for OneCycleLR), computed from the groups' lr before
+// the first scheduler on their optimizer set it (base_lrs(): Optimizer::initial_lr, PyTorch's initial_lr).
 // So resuming needs the step count, those base lrs and the options (state_tensors; set_step alone where the scheduler
 // was made with the same options, before the optimizer's state was loaded), and schedulers compose (LinearWarmup).
 // Like PyTorch's, a scheduler applies step 0 in its constructor; what a "step" is (an epoch, an iteration)
@@ -41,7 +41,8 @@ class LRScheduler {
   int64_t last_step() const { return last_step_; }
   // Each group's lr as set by the last step() (or by the constructor).
   const std::vector<double>& get_last_lr() const { return last_lr_; }
-  // Each group's lr when the scheduler was made, or as loaded by load_state_tensors.
+  // Each group's lr before the first scheduler on the optimizer set it (OneCycleLR: max_lr / div_factor), or as loaded
+  // by load_state_tensors.
   const std::vector<double>& base_lrs() const { return base_lrs_; }
 
   // The closed form: each group's lr at step n.

@@ -339,6 +339,31 @@ TEST_CASE("LambdaLR multiplies each base lr by its group's function of the step"
   }
 }
 
+TEST_CASE("a scheduler made after another takes the optimizer's initial lr as its base, not the lr the first set") {
+  Fixture f;
+  optim::SGD opt({{{f.a}, {.lr = 1.0}}, {{f.b}, {.lr = 0.5}}});
+  CHECK(!opt.initial_lr(0).has_value());
+  optim::LinearLR warmup(opt, {.start_factor = 0.1, .total_iters = 4});  // step 0 sets the lrs to 0.1 and 0.05
+  CHECK(opt.groups()[0].options.lr == doctest::Approx(0.1).epsilon(1e-12));
+  CHECK(opt.initial_lr(0) == 1.0);
+  CHECK(opt.initial_lr(1) == 0.5);
+  // As PyTorch's SequentialLR([LinearLR, CosineAnnealingLR]): the cosine made second anneals from 1.0 and 0.5
+  optim::CosineAnnealingLR cosine(opt, {.T_max = 10});
+  CHECK(cosine.base_lrs() == std::vector<double>{1.0, 0.5});
+  cosine.set_step(3);
+  CHECK(opt.groups()[0].options.lr == doctest::Approx((1 + std::cos(M_PI * 3 / 10)) / 2).epsilon(1e-12));
+  CHECK(opt.groups()[1].options.lr == doctest::Approx(0.5 * (1 + std::cos(M_PI * 3 / 10)) / 2).epsilon(1e-12));
+
+  // OneCycleLR records its own start, max_lr / div_factor, as PyTorch's; a scheduler made after it starts there.
+  optim::SGD opt2({f.a}, {.lr = 0.5, .momentum = 0.9});
+  optim::OneCycleLR cycle(opt2, {.max_lr = {0.2}, .total_steps = 10});
+  CHECK(opt2.initial_lr(0) == 0.2 / 25);
+  CHECK(cycle.base_lrs() == std::vector<double>{0.2 / 25});
+  optim::StepLR after(opt2, {.step_size = 1, .gamma = 0.5});
+  CHECK(after.base_lrs() == std::vector<double>{0.2 / 25});
+  CHECK_THROWS_WITH_AS(opt2.set_initial_lr(1, 0.1), doctest::Contains("SGD: no parameter group 1 (it has 1)"), Error);
+}
+
 TEST_CASE("a scheduler's state is its step, base lrs and options: loading it restores the lr of that step") {
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
@@ -372,7 +397,8 @@ TEST_CASE("a scheduler's state is its step, base lrs and options: loading it res
   optim::StepLR step_lr(opt2, {.step_size = 1, .gamma = 0.5});
   step_lr.load_state_tensors({state[0]});  // written before base_lrs were saved: the scheduler keeps its own
   CHECK(step_lr.last_step() == 4);
-  CHECK(step_lr.base_lrs() == std::vector<double>{opt.groups()[0].options.lr});  // opt2's lr when it was made
+  // opt2's initial lr, which sched2 (OneCycleLR) recorded: max_lr / div_factor
+  CHECK(step_lr.base_lrs() == std::vector<double>{0.1 / 25});
 }
 
 TEST_CASE("a scheduler made after its optimizer's state was loaded takes the saved base lrs, not the decayed ones") {
