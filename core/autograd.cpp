@@ -303,7 +303,13 @@ bool views_are_checked(const Tensor& base) {
 
 // Where the tensor is used, for the error: "<user>: <role> <index>" ("MulBackward: input 1", "backward: tensor 0").
 void check_view_current(const Tensor& t, std::string_view user, const char* role, size_t index) {
-  if (!t.defined() || !t.impl()->is_view || !t.impl()->autograd) return;
+  if (!t.defined() || !t.impl()->is_view) return;
+  const std::optional<uint64_t>& viewed_at = t.impl()->viewed_at_version;
+  HG_CHECK(!viewed_at || t.requires_grad() || *viewed_at >= t.storage()->history_version(), "{}: {} {} ({}) is a "
+           "view taken before the tensor it views was given a history by an in-place write (version {} then, the "
+           "write at {}): its gradient would not reach that history. Take the view again after the write, or detach() "
+           "it where no gradient should flow", user, role, index, t.meta(), *viewed_at, t.storage()->history_version());
+  if (!t.impl()->autograd) return;
   const std::optional<uint64_t>& taken = t.impl()->autograd->view_version;
   HG_CHECK(!taken || *taken == t.version(), "{}: {} {} ({}) is a view of a tensor that was written in place after the "
            "view was taken (version {} then, {} now): its gradient would reach that tensor's history from before the "
@@ -379,6 +385,7 @@ void check_writable(const Tensor& self, const char* op, bool records) {
 void check_inplace(const Tensor& self, const char* op, bool records) {
   check_writable(self, op, records);
   self.storage()->bump_version();
+  if (records && !self.impl()->is_detached) self.storage()->mark_history_written();
   // A tensor written inside a CUDA graph capture is written again by every replay, which runs no host code: each
   // replay bumps its version as this write did, so what saved it, or keeps its autocast cast (core/autocast.h), sees
   // the replay's write.

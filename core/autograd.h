@@ -159,8 +159,9 @@ void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t ou
 std::string backward_name(std::string_view op);
 
 // For in-place ops: checks that `self` may be written (check_writable) and bumps its version counter (inside a
-// cuda::Graph capture, also before each replay, which writes it again). Call after the op's own checks, just before
-// writing: a refused op must leave the version as it was. records: whether autograd records the op (grad mode is on and
+// cuda::Graph capture, also before each replay, which writes it again); where the op records, marks the storage's
+// history written (Storage::history_version). Call after the op's own checks, just before writing: a refused op must
+// leave the version as it was. records: whether autograd records the op (grad mode is on and
 // self or an operand requires grad). Refused: a leaf that requires grad; a view (but detach()'s) where the op records;
 // an expanded view.
 void check_inplace(const Tensor& self, const char* op, bool records);

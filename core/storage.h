@@ -50,12 +50,18 @@ class Storage {
   // so a tensor saved for backward can tell that it was overwritten afterwards.
   uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
+  // The version at which an in-place write that autograd records last gave a tensor of this storage a history
+  // (check_inplace): a view taken earlier of a tensor without one has no part in that history
+  // (TensorImpl::viewed_at_version).
+  uint64_t history_version() const { return history_version_; }
+  void mark_history_written() { history_version_ = version_; }
 
  private:
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
   uint64_t version_ = 0;
+  uint64_t history_version_ = 0;
 };
 
 }  // namespace halfgrad

@@ -277,6 +277,11 @@ struct TensorImpl {
   DType dtype = kFloat32;
   bool is_view = false;  // shares storage with the tensor it was viewed from
   bool is_detached = false;  // that view is detach()'s: autograd does not relate the two
+  // A view (make_view) of a tensor that is no detach() alias nor a view of one: the storage's version when the first
+  // view in its chain was taken. A view of a tensor without a history has none of its own; once an in-place write
+  // gives the base one (Storage::history_version), the view is refused as an op's input (record), where its gradient
+  // would be lost.
+  std::optional<uint64_t> viewed_at_version;
   std::unique_ptr<AutogradMeta> autograd;  // null until the tensor enters autograd
 
   AutogradMeta& autograd_meta();  // creates it on first use

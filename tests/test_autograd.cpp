@@ -277,6 +277,37 @@ TEST_CASE("a view of a tensor written in place after the view was taken is refus
   CHECK(values(w.grad()) == std::vector<double>{3, 3, 3, 3});
 }
 
+TEST_CASE("a view taken before an in-place write gave its base a history is refused as an input: it would lose that") {
+  Tensor w = ones({3}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor v = full({3}, 5.0, {.dtype = kFloat64, .requires_grad = true});
+  Tensor buffer = zeros({2, 3}, {.dtype = kFloat64});
+  Tensor row = buffer.select(0, 1), row_of_row = row.slice(0, 0, 2);  // views of a tensor without a history
+  Tensor detached_row = buffer.detach().select(0, 1);  // below a detach(): related to nothing, as detach() itself
+  buffer.copy_((w * 2).expand({2, 3}));  // buffer now has a history, w -> buffer; row's values are 2 w
+  CHECK_THROWS_WITH_AS((row * v).sum(), doctest::Contains("MulBackward: input 0 (float64[3] cpu) is a view taken "
+                                                          "before the tensor it views was given a history by an "
+                                                          "in-place write"), Error);
+  CHECK_THROWS_WITH_AS(row_of_row * v.slice(0, 0, 2), doctest::Contains("is a view taken before the tensor it views "
+                                                                       "was given a history"), Error);  // its view
+  CHECK_THROWS_WITH_AS(row.backward(ones({3}, {.dtype = kFloat64})),
+                       doctest::Contains("backward: tensor 0 (float64[3] cpu) is a view taken before"), Error);
+  CHECK(values((detached_row * v).sum()) == std::vector<double>{30});  // no gradient wanted from it: accepted
+  CHECK(values((row.detach() * v).sum()) == std::vector<double>{30});
+  Tensor again = buffer.select(0, 1);  // taken again after the write: the gradient reaches w (PyTorch's 2 v)
+  (again * v).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{10, 10, 10});
+  // A write that autograd does not record gives no history: earlier views stay usable.
+  Tensor plain = zeros({3}, {.dtype = kFloat64});
+  Tensor plain_view = plain.view({3});
+  plain.add_(ones({3}, {.dtype = kFloat64}));
+  {
+    NoGradGuard no_grad;
+    plain.add_(w);
+  }
+  (plain_view * v).sum().backward();
+  CHECK(values(v.grad()) == std::vector<double>{2 + 2, 2 + 2, 2 + 2});  // 2 (again) + 2 (plain_view)
+}
+
 TEST_CASE("an in-place write into an expanded view is refused: its elements share memory") {
   Tensor b = zeros({1, 3});
   Tensor expanded = b.expand({4, 3});
