@@ -11,6 +11,7 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "ops/copy.h"
+#include "ops/gather.h"
 #include "ops/stack.h"
 
 namespace halfgrad {
@@ -97,34 +98,38 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   HG_CHECK(x.dim() > 0 || n == 1, "index_select: the index of a 0-d input must hold one value, got {}", index.meta());
   const Tensor source = x.dim() == 0 ? x.view({1}) : x;
   const int64_t d = wrap_dim(dim, source.dim(), "index_select");
-  // x with dim first, as [rows, columns] (a view where dim is first and x contiguous): embedding's gather, whose
-  // [n, columns] is the output itself for dim 0 and goes back to dim's place otherwise. `to_front` and its inverse
-  // `back` are the two permutations. The output is a tensor of its own, never a view (of a temporary: autograd would
-  // take it for a view of x).
+  // The output, as [n, columns] with dim first: for dim 0 embedding's row gather (the rows of x as a table) writes it;
+  // for another dim gather's kernel (ops/gather.h) reads x where it lies, the index spread along dim, no copy of x. The
+  // backward takes the gradient with dim first: `to_front` and its inverse `back` are the two permutations.
   Dims to_front{d}, back(size_t(source.dim()));
   for (int64_t k = 0; k < source.dim(); ++k)
     if (k != d) to_front.push_back(k);
   for (size_t k = 0; k < to_front.size(); ++k) back[size_t(to_front[k])] = int64_t(k);
-  const Tensor front = source.detach().permute(to_front).contiguous();
-  const int64_t rows = front.size(0);
-  Shape gathered_shape = front.shape();
-  gathered_shape[0] = n;
+  const int64_t rows = source.size(d);
+  Shape gathered_shape{n};  // the output's shape with dim first
+  for (size_t k = 1; k < to_front.size(); ++k) gathered_shape.push_back(source.size(to_front[k]));
   const int64_t columns = numel_of(Shape(gathered_shape.begin() + 1, gathered_shape.end()));
   const Tensor flat_index = cast_nograd(index.detach(), kInt64).contiguous().view({n});
-  const Tensor table = front.view({rows, columns});
   Shape out_shape = x.shape();
   if (x.dim() > 0) out_shape[size_t(d)] = n;
   Tensor out = empty(out_shape, {.dtype = x.dtype(), .device = x.device()});
-  const Tensor gathered =
-      d == 0 ? out.view({n, columns}) : empty({n, columns}, {.dtype = x.dtype(), .device = x.device()});
-  // Checked here on the CPU, to name this op (the kernel's own check names embedding), and for no columns on a device,
-  // where no element's thread would check its index.
+  // Checked here on the CPU, to name this op (the kernels' own checks name embedding and gather), and for no columns on
+  // a device, where no element's thread would check its index.
   if (n > 0 && (flat_index.is_cpu() || columns == 0)) {
     check_indices(flat_index.cpu(), rows, "index_select",
                   [&] { return fmt::format("dim {} of size {} of {}", d, rows, x.meta()); });
   }
-  if (n > 0 && columns > 0) embedding_kernel[x.device()](gathered, table, flat_index);
-  if (d != 0) out.copy_(gathered.view(gathered_shape).permute(back));  // (nothing that requires grad: no record)
+  if (n > 0 && columns > 0) {
+    if (d == 0) {
+      embedding_kernel[x.device()](out.view({n, columns}), source.detach().contiguous().view({rows, columns}),
+                                   flat_index);
+    } else {
+      Shape spread(size_t(source.dim()), 1);  // the index along dim, the same for every other coordinate
+      spread[size_t(d)] = n;
+      indexed_kernel[x.device()](IndexedOp::Gather, source.detach(), d, flat_index.view(spread).expand(out_shape),
+                                 out);
+    }
+  }
 
   // backward: each selected slice's gradient added into the slice it came from (embedding's scatter).
   record("IndexSelectBackward", {x}, {out},

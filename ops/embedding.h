@@ -1,6 +1,7 @@
 #pragma once
 // embedding: a lookup table. Row i of weight [V, D] is the vector of index i; out[..., :] = weight[indices[...], :].
-// index_select: the same gather along any dim of any tensor, on the same kernels.
+// index_select: the same gather along any dim of any tensor: along dim 0 on embedding's kernels, along another on
+// gather's (ops/gather.h), which reads x where it lies.
 #include <cstdint>
 #include <optional>
 
@@ -20,8 +21,8 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
 
 // torch.index_select: x's slices at `index` along dim, in index's order (repeats allowed): out has x's shape with
 // dim's size len(index), contiguous, x's dtype (any). index: 1-D (or 0-d) int64 or int32 (PyTorch's two) on x's
-// device, each in [0, size of dim); out of range is an error naming index_select on the CPU, embedding's device-side
-// assertion on CUDA. A 0-d x is one element along dim 0. Gradient (a floating x): each selected slice's gradient added
+// device, each in [0, size of dim); out of range is an error naming index_select on the CPU, embedding's (dim 0) or
+// gather's device-side assertion on CUDA. A 0-d x is one element along dim 0. Gradient (a floating x): each selected slice's gradient added
 // into the slice it came from. Autocast: not cast (a gather).
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 

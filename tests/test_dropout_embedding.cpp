@@ -308,6 +308,11 @@ TEST_CASE("index_select gathers slices along any dim, in the index's order, in a
   CHECK(x.index_select(1, idx).is_contiguous());
   const Tensor flags = tensor<bool>({true, false, true});
   CHECK(values(flags.index_select(0, tensor<int64_t>({1, 2}))) == std::vector<double>{0, 1});
+  CHECK(values(flags.view({1, 3}).index_select(1, tensor<int64_t>({2, 1}))) == std::vector<double>{1, 0});
+  // A strided x along a dim other than the first: read where it lies, x's elements in their logical places.
+  const Tensor transposed = x.transpose(0, 2);  // [4, 3, 2]
+  CHECK(values(transposed.index_select(1, idx)) == values(transposed.contiguous().index_select(1, idx)));
+  CHECK(values(transposed.index_select(2, tensor<int64_t>({1}))) == values(x.select(0, 1).t().flatten()));
 }
 
 TEST_CASE("index_select refuses bad indices, naming the op, the index and the dim") {
@@ -375,6 +380,9 @@ TEST_CASE("CUDA index_select and one_hot match the CPU, forward and backward") {
     for (int64_t dim : {0, 1, 2}) {
       const Tensor i = randint(0, x.size(dim), {9});
       CHECK(values(x.cuda().index_select(dim, i.cuda()).cpu()) == values(x.index_select(dim, i)));
+      const Tensor strided = x.transpose(0, 2);  // read where it lies along dims 1 and 2
+      const Tensor j = randint(0, strided.size(dim), {4});
+      CHECK(values(strided.cuda().index_select(dim, j.cuda()).cpu()) == values(strided.index_select(dim, j)));
     }
   }
   Tensor xc = randn({6, 4}).requires_grad_(), xg = xc.detach().cuda().requires_grad_();
