@@ -7,7 +7,7 @@
 //   reduction rows            GB/s counting the input bytes (the outputs are small)
 //   norm / activation rows    layer_norm, gelu and silu, forward alone and forward + backward, GB/s counting the
 //                             bytes each pass must read plus write once
-//   index / scan / sort rows  gather, scatter_add_, cumsum, sort and topk in float32 with int64 indices, GB/s
+//   index / scan / sort rows  gather, index_select, scatter_add_, cumsum, sort, topk (float32, int64 indices), GB/s
 //                             counting the bytes each must read plus write once (indices included)
 //   GEMM rows                 TFLOP/s counting 2*m*n*k, through halfgrad::matmul; "% cuBLAS" is that over the
 //                             same cublasGemmEx call made directly on the same buffers
@@ -211,8 +211,9 @@ void norm_and_activation_rows(int64_t n, int repeats, double copy_gbs) {
   }
 }
 
-// gather, scatter_add_, cumsum, sort and topk, float32 values and int64 indices drawn at random. Bytes: gather reads
-// the index and the values it picks and writes the output (16 a position); scatter_add_ reads the index and src
+// gather, index_select, scatter_add_, cumsum, sort and topk, float32 values and int64 indices drawn at random. Bytes:
+// gather reads the index and the values it picks and writes the output (16 a position; index_select 8, its index
+// small); scatter_add_ reads the index and src
 // (12 a position: the 1024 destination rows stay in cache); cumsum reads and writes once; sort reads the keys and
 // writes the values and the int64 indices (16 an element); topk reads the keys (its k outputs are small). The sorts
 // run on an eighth of the elements.
@@ -228,6 +229,9 @@ void index_scan_sort_rows(int64_t n, int repeats, double copy_gbs) {
   Tensor target_rows = randint(0, targets, {rows, cols}).to(kGpu);
   bandwidth_row("index", "float32 scatter_add_(dim 0), 1024 rows", {rows, cols}, 12 * N,
                 [&] { into.scatter_add_(0, target_rows, x); }, repeats, copy_gbs);
+  Tensor columns = randint(0, cols, {16}).to(kGpu);
+  bandwidth_row("index", "float32 index_select(dim 1), 16 columns", {rows, 16}, 8 * double(rows) * 16,
+                [&] { Tensor r = x.index_select(1, columns); }, repeats, copy_gbs);
   index = target_rows = into = Tensor();
   bandwidth_row("scan", "float32 cumsum(dim 1) (rows)", {rows, cols}, 8 * N, [&] { Tensor r = cumsum(x, 1); },
                 repeats, copy_gbs);

@@ -143,6 +143,9 @@ def main():
         target_rows = torch.randint(0, 1024, (rows, cols), device=dev)
         bw("index", "float32 scatter_add_(dim 0), 1024 rows", f"[{rows}, {cols}]", 12 * n,
            lambda: into.scatter_add_(0, target_rows, x))
+        columns = torch.randint(0, cols, (16,), device=dev)
+        bw("index", "float32 index_select(dim 1), 16 columns", f"[{rows}, 16]", 8 * rows * 16,
+           lambda: x.index_select(1, columns))
         del index, into, target_rows
         bw("scan", "float32 cumsum(dim 1) (rows)", f"[{rows}, {cols}]", 8 * n, lambda: torch.cumsum(x, 1))
         xt = x.view(cols, rows)
