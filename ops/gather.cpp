@@ -2,6 +2,7 @@
 #include "ops/gather.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string_view>
 
 #include "core/autocast.h"
@@ -262,8 +263,9 @@ Tensor& Tensor::scatter_add_(int64_t dim, const Tensor& index, const Tensor& src
 // ---- CPU kernel
 namespace {
 
-// The loop of indexed_kernel: apply(dense[p], indexed[q]) for every position p of index's shape. The positions with
-// dim's coordinate 0 are split among threads, each walking its positions' run along dim in order.
+// The loop of the scatters: apply(dense[p], indexed[q]) for every position p of index's shape. The positions with
+// dim's coordinate 0 are split among threads, each walking its positions' run along dim in order (so no two threads
+// write one indexed[q], and scatter_add's sums run in p's order).
 template <typename T, typename Apply>
 void each_position(const Tensor& indexed, int64_t dim, const Tensor& index, const Tensor& dense, Apply apply) {
   const int64_t length = index.size(dim);
@@ -290,14 +292,35 @@ void each_position(const Tensor& indexed, int64_t dim, const Tensor& index, cons
       std::max<int64_t>(1, 32768 / std::max<int64_t>(length, 1)));
 }
 
+// Gather, which writes each dense[p] once: every position on its own, split among threads in dense's order (so a
+// thread reads the rows of indexed along the dims after dim in order, and few runs along dim still use every thread).
+// indexed is read through a view of index's shape with dim's stride 0 (indexed[p with dim's coordinate 0]), plus q
+// strides along dim.
+template <typename T>
+void gather_positions(const Tensor& indexed, int64_t dim, const Tensor& index, const Tensor& dense) {
+  Shape strides = indexed.strides();
+  strides[size_t(dim)] = 0;
+  const cpu::StridedLoop<3> loop({dense, make_view(indexed, index.shape(), strides, indexed.offset()), index});
+  const int64_t step = indexed.stride(dim) * int64_t(sizeof(T));
+  constexpr int64_t size = int64_t(sizeof(T));
+  loop.run([&](const std::array<char*, 3>& p, const std::array<int64_t, 3>& s, int64_t n) {
+    if (s[2] == 0 && s[0] == size && s[1] == size) {  // one index for a contiguous run (index_select's rows)
+      std::memcpy(p[0], p[1] + *reinterpret_cast<const int64_t*>(p[2]) * step, size_t(n * size));
+      return;
+    }
+    for (int64_t e = 0; e < n; ++e) {
+      const int64_t q = *reinterpret_cast<const int64_t*>(p[2] + e * s[2]);
+      *reinterpret_cast<T*>(p[0] + e * s[0]) = *reinterpret_cast<const T*>(p[1] + e * s[1] + q * step);
+    }
+  });
+}
+
 void indexed_cpu(IndexedOp op, const Tensor& indexed, int64_t dim, const Tensor& index, const Tensor& dense) {
   if (index.numel() == 0) return;
   const char* name = indexed_op_name(op);
   switch (op) {
     case IndexedOp::Gather:
-      dispatch_all(dense.dtype(), name, [&]<typename T>() {
-        each_position<T>(indexed, dim, index, dense, [](T& out, const T& in) { out = in; });
-      });
+      dispatch_all(dense.dtype(), name, [&]<typename T>() { gather_positions<T>(indexed, dim, index, dense); });
       return;
     case IndexedOp::Scatter:
       dispatch_all(dense.dtype(), name, [&]<typename T>() {

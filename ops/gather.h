@@ -46,8 +46,9 @@ enum class IndexedOp : uint8_t {
 };
 const char* indexed_op_name(IndexedOp op);  // "gather", "scatter", "scatter_add"
 // indexed and dense of one dtype; index int64; dense and index of one shape, with indexed's number of dims and no
-// larger than indexed in any dim but dim. Any strides; none 0-d (the op views a 0-d tensor as [1]). On the CPU
-// positions that differ only in dim's coordinate run in order on one thread, so no two threads write one element.
+// larger than indexed in any dim but dim. Any strides; none 0-d (the op views a 0-d tensor as [1]). On the CPU the
+// scatters' positions that differ only in dim's coordinate run in order on one thread, so no two threads write one
+// element; gather's positions are split among threads in dense's order.
 using IndexedKernel = void (*)(IndexedOp op, const Tensor& indexed, int64_t dim, const Tensor& index,
                                const Tensor& dense);
 extern KernelTable<IndexedKernel> indexed_kernel;
