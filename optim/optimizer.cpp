@@ -243,6 +243,9 @@ NamedTensors Optimizer::state_tensors() const {
   for (size_t g = 0; g < num_param_groups(); ++g) {
     ParamGroupRef group = self.param_group(g);
     out.emplace_back(fmt::format("param_groups.{}.lr", g), scalar_tensor(group.lr, {.dtype = kFloat64}));
+    if (const std::optional<double> initial = initial_lr(g)) {
+      out.emplace_back(fmt::format("param_groups.{}.initial_lr", g), scalar_tensor(*initial, {.dtype = kFloat64}));
+    }
     if (group.momentum.exists()) {
       out.emplace_back(fmt::format("param_groups.{}.momentum", g),
                        scalar_tensor(double(group.momentum), {.dtype = kFloat64}));
@@ -323,6 +326,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
   // What the file holds, gathered and checked before anything in the optimizer changes.
   struct GroupEntries {
     double lr = NAN, momentum = NAN;
+    std::optional<double> initial_lr;  // none where the file has none (no scheduler had recorded one)
     bool has_lr = false, has_momentum = false, has_with_state = false;
     std::vector<OtherOption> expected;    // the optimizer's other options, as they are now
     std::map<std::string, double> others;  // those the file holds
@@ -394,7 +398,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
       continue;  // (files written before this entry have none: their groups are checked by what they list)
     }
     if (parts.size() == 3 && parts[0] == "param_groups" && parse_index(parts[1], g) &&
-        (parts[2] == "lr" || parts[2] == "momentum")) {
+        (parts[2] == "lr" || parts[2] == "momentum" || parts[2] == "initial_lr")) {
       if (g >= num_groups) {
         errors.push_back(fmt::format("'{}' names group {}, but the optimizer has {} group(s)", name, g, num_groups));
       } else if (parts[2] == "momentum" && !param_group(g).momentum.exists()) {
@@ -406,6 +410,9 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
       } else if (parts[2] == "lr") {
         groups[g].lr = v;
         groups[g].has_lr = true;
+      } else if (parts[2] == "initial_lr") {
+        if (v < 0) errors.push_back(fmt::format("'{}' is {}: a scheduler's base lr must be >= 0", name, v));
+        groups[g].initial_lr = v;
       } else {
         groups[g].momentum = v;
         groups[g].has_momentum = true;
@@ -547,8 +554,10 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     logger().warn("{}: the state has no value for some options (a file written before they were kept), which keep "
                   "the constructor's: {}", name_, fmt::join(kept, "; "));
   state_.assign(num_groups, {});
+  initial_lrs_.assign(num_groups, std::nullopt);
   for (size_t g = 0; g < num_groups; ++g) {
     set_options(g, groups[g].lr, groups[g].momentum, groups[g].others);
+    initial_lrs_[g] = groups[g].initial_lr;
     for (size_t p = 0; p < groups[g].params.size(); ++p) {
       bool any = groups[g].have_step[p];
       for (bool b : groups[g].have_buffer[p]) any = any || b;

@@ -122,13 +122,15 @@ class Optimizer {
   // Group g's lr before any scheduler set it, PyTorch's param_group["initial_lr"]: the first LRScheduler made on this
   // optimizer records each group's lr, and every scheduler takes the recorded one as its base, so that a scheduler
   // made after another has set its step 0 (a warm-up's start_factor) starts from the same lr, not from that one's
-  // (OneCycleLR records its own start, max_lr / div_factor, as PyTorch's). Nothing until a scheduler records it; not
-  // kept in checkpoints (a scheduler's state keeps its base lrs).
+  // (OneCycleLR records its own start, max_lr / div_factor, as PyTorch's). Nothing until a scheduler records it; kept
+  // in the optimizer's state (state_tensors), so a scheduler made after a resume starts from it too.
   std::optional<double> initial_lr(size_t g) const;
   void set_initial_lr(size_t g, double lr);
 
   // ---- state, for checkpoints. Names (stable; <g> the group, <p> the parameter's index in its group):
   //   param_groups.<g>.lr            0-d float64   the hyperparameters schedulers change
+  //   param_groups.<g>.initial_lr    0-d float64   initial_lr(g), where a scheduler has recorded it (a load without
+  //                                                it leaves none, as PyTorch's load_state_dict)
   //   param_groups.<g>.momentum      0-d float64   (Adam/AdamW: beta1; none for Adagrad, which has no momentum)
   //   param_groups.<g>.<option>      0-d float64   every other option of the group, as PyTorch's param_groups:
   //                                  or 0-d bool   SGD's dampening, weight_decay, nesterov; Adam's beta2, eps,

@@ -5,6 +5,7 @@
 // OneCycleLR.get_lr with its phases), in double precision: the tolerance is 1e-12 relative.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -364,6 +365,38 @@ TEST_CASE("a scheduler made after another takes the optimizer's initial lr as it
   CHECK_THROWS_WITH_AS(opt2.set_initial_lr(1, 0.1), doctest::Contains("SGD: no parameter group 1 (it has 1)"), Error);
 }
 
+TEST_CASE("the optimizer's state keeps its initial lrs: a scheduler made after a resume starts where it would have") {
+  Fixture f;
+  optim::SGD opt({f.a}, {.lr = 1.0});
+  optim::LinearLR warmup(opt, {.start_factor = 0.1, .total_iters = 4});
+  warmup.step();
+  warmup.step();  // lr 0.55
+  const optim::NamedTensors saved = opt.state_tensors(), saved_warmup = warmup.state_tensors();
+  // Resumed in the documented order: the optimizer's state, a scheduler made, its state; then the next scheduler.
+  optim::SGD resumed({f.b}, {.lr = 1.0});
+  resumed.load_state_tensors(saved);
+  CHECK(resumed.initial_lr(0) == 1.0);
+  CHECK(resumed.groups()[0].options.lr == doctest::Approx(0.55).epsilon(1e-12));
+  optim::LinearLR resumed_warmup(resumed, {.start_factor = 0.1, .total_iters = 4});
+  resumed_warmup.load_state_tensors(saved_warmup);
+  optim::CosineAnnealingLR cosine(resumed, {.T_max = 10});
+  CHECK(cosine.base_lrs() == std::vector<double>{1.0});
+  // A state written with no scheduler (or before initial lrs were kept) leaves none, as PyTorch's load_state_dict.
+  optim::SGD plain({f.a}, {.lr = 0.01});
+  const optim::NamedTensors without = plain.state_tensors();
+  CHECK(std::none_of(without.begin(), without.end(), [](const auto& e) { return e.first.ends_with("initial_lr"); }));
+  resumed.load_state_tensors(without);
+  CHECK(!resumed.initial_lr(0).has_value());
+  optim::StepLR step(resumed, {.step_size = 1});
+  CHECK(step.base_lrs() == std::vector<double>{0.01});
+  optim::NamedTensors negative = saved;
+  for (auto& [name, t] : negative)
+    if (name == "param_groups.0.initial_lr") t = scalar_tensor(-1.0, {.dtype = kFloat64});
+  CHECK_THROWS_WITH_AS(resumed.load_state_tensors(negative),
+                       doctest::Contains("'param_groups.0.initial_lr' is -1: a scheduler's base lr must be >= 0"), Error);
+  CHECK(resumed.initial_lr(0) == 0.01);  // a refused load changes nothing
+}
+
 TEST_CASE("a scheduler's state is its step, base lrs and options: loading it restores the lr of that step") {
   Fixture f;
   optim::SGD opt({f.a}, {.lr = 0.1, .momentum = 0.9});
@@ -411,7 +444,7 @@ TEST_CASE("a scheduler made after its optimizer's state was loaded takes the sav
   optim::SGD opt2({f.b}, {.lr = 0.1});
   opt2.load_state_tensors(opt_state);  // the group's lr is now 0.0125
   optim::StepLR sched2(opt2, {.step_size = 1, .gamma = 0.5});
-  CHECK(sched2.base_lrs() == std::vector<double>{0.0125});  // what the group holds when it is made
+  CHECK(sched2.base_lrs() == std::vector<double>{0.1});  // the optimizer's saved initial lr, not the decayed 0.0125
   sched2.load_state_tensors(sched_state);
   CHECK(sched2.base_lrs() == std::vector<double>{0.1});
   CHECK(opt2.groups()[0].options.lr == 0.0125);
