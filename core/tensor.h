@@ -279,8 +279,8 @@ struct TensorImpl {
   bool is_detached = false;  // that view is detach()'s: autograd does not relate the two
   // A view (make_view) of a tensor that is no detach() alias nor a view of one: the storage's version when the first
   // view in its chain was taken. A view of a tensor without a history has none of its own; once an in-place write
-  // gives the base one (Storage::history_version), the view is refused as an op's input (record), where its gradient
-  // would be lost.
+  // gives the base one (Storage::history_version), the view is refused as the input of an op that autograd records
+  // (record), where its gradient would be lost.
   std::optional<uint64_t> viewed_at_version;
   std::unique_ptr<AutogradMeta> autograd;  // null until the tensor enters autograd
 
