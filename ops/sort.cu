@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Selection is for k up to kMostSelected: a block's chunk then holds at most kSelectChunk candidates (a multiple of k,
-// so that a chunk of kept candidates starts with a chunk's first, and at least 3k, so that each round keeps at most a
-// third plus k). A larger k would make a block's chunk long and few blocks busy: such rows are sorted whole.
+// so that a chunk of kept candidates starts with a chunk's first, and at least 4k, so that each round keeps at most a
+// quarter plus k). A larger k would make a block's chunk long and few blocks busy: such rows are sorted whole.
 constexpr int64_t kSelectChunk = 4096, kMostSelected = 1024;
 int64_t select_chunk(int64_t k) { return kSelectChunk / k * k; }
 
