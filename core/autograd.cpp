@@ -305,7 +305,7 @@ bool views_are_checked(const Tensor& base) {
 void check_view_current(const Tensor& t, std::string_view user, const char* role, size_t index) {
   if (!t.defined() || !t.impl()->is_view) return;
   const std::optional<uint64_t>& viewed_at = t.impl()->viewed_at_version;
-  HG_CHECK(!viewed_at || t.requires_grad() || *viewed_at >= t.storage()->history_version(), "{}: {} {} ({}) is a "
+  HG_CHECK(!viewed_at || *viewed_at >= t.storage()->history_version() || t.requires_grad(), "{}: {} {} ({}) is a "
            "view taken before the tensor it views was given a history by an in-place write (version {} then, the "
            "write at {}): its gradient would not reach that history. Take the view again after the write, or detach() "
            "it where no gradient should flow", user, role, index, t.meta(), *viewed_at, t.storage()->history_version());

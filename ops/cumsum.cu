@@ -1,7 +1,7 @@
 // cumsum on CUDA: the kernel behind cumsum_kernel (ops/cumsum.h). [outer, length, inner] takes one of four paths:
 //   rows of the dim last (inner 1), by their length and number:
 //     short rows (up to kShortRow), or more than a grid holds: a thread a row walks it in order;
-//     few long rows (up to kFewRows rows of kLongRow or more): cub::DeviceScan a row, all the GPU on each;
+//     few long rows (few_long_rows, ops/cub_rows.cuh): cub::DeviceScan a row, all the GPU on each;
 //     the rest: a block a row walks it in tiles of kThreads x kItems values, each tile one block-wide scan
 //     (cub::BlockScan) plus the running total of the tiles before it;
 //   columns (inner > 1): a thread a column walks it down the length in order, neighbouring threads on neighbouring
@@ -17,6 +17,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include "core/cuda.h"
+#include "ops/cub_rows.cuh"
 #include "ops/cumsum.h"
 #include "ops/elementwise_math.h"
 
@@ -24,7 +25,7 @@ namespace halfgrad {
 namespace {
 
 constexpr int kThreads = 256, kItems = 4;
-constexpr int64_t kShortRow = 64, kFewRows = 64, kLongRow = int64_t(1) << 16, kFewColumns = 8192;
+constexpr int64_t kShortRow = 64, kFewColumns = 8192;
 
 struct Add {
   template <typename A> __host__ __device__ __forceinline__ A operator()(A a, A b) const {
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 void cumsum_long_rows(T* out, const T* x, int64_t rows, int64_t length, bool reverse, Device device,
                       cudaStream_t stream) {
-  auto scan = [&](void* scratch, size_t& bytes, int64_t row) {
+  run_with_cub_scratch(device, rows, [&](void* scratch, size_t& bytes, int64_t row) {
     const auto in = thrust::make_transform_iterator(x + row * length, Widen<T>{});
     T* row_out = out + row * length;
     if (reverse) {
@@ -90,11 +91,7 @@ void cumsum_long_rows(T* out, const T* x, int64_t rows, int64_t length, bool rev
                                             thrust::make_reverse_iterator(row_out + length), Add{}, length, stream);
     }
     return cub::DeviceScan::InclusiveScan(scratch, bytes, in, row_out, Add{}, length, stream);
-  };
-  size_t bytes = 0;
-  HG_CUDA_CHECK(scan(nullptr, bytes, 0));
-  Tensor scratch = empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device});
-  for (int64_t row = 0; row < rows; ++row) HG_CUDA_CHECK(scan(scratch.data_ptr(), bytes, row));
+  });
 }
 
 void cumsum_cuda(const Tensor& out, const Tensor& x, int64_t outer, int64_t length, int64_t inner, bool reverse) {
@@ -109,7 +106,7 @@ void cumsum_cuda(const Tensor& out, const Tensor& x, int64_t outer, int64_t leng
   cuda::DeviceGuard guard(out.device());
   cudaStream_t stream = cuda::current_stream(out.device());
   dispatch_numeric(out.dtype(), "cumsum", [&]<typename T>() {
-    if (inner == 1 && outer <= kFewRows && length >= kLongRow) {
+    if (inner == 1 && few_long_rows(outer, length)) {
       cumsum_long_rows<T>(out.data<T>(), x.data<T>(), outer, length, reverse, out.device(), stream);
       return;
     }

@@ -71,7 +71,6 @@ int64_t check_operands(const char* op, const Tensor& target, int64_t dim, const 
   return d;
 }
 
-
 // On the CPU, before a kernel writes anything: every value of index in [0, size of dim of target), or an error naming
 // the op, the first value that is not and its position. (On CUDA the kernel asserts it.)
 void check_index_values(const char* op, const Tensor& index, int64_t dim, const Tensor& target) {

@@ -2,7 +2,7 @@
 // integer key whose order is PyTorch's (NaN of either sign above +inf, -0.0 equal to 0.0, negative numbers below
 // positive ones), so that any sort of the keys, by comparison or by radix, agrees; then (key, position) pairs are
 // sorted stably:
-//   few long rows (up to kFewRows rows of kLongRow or more): cub::DeviceRadixSort a row, all the GPU on each;
+//   few long rows (few_long_rows, ops/cub_rows.cuh): cub::DeviceRadixSort a row, all the GPU on each;
 //   the rest: cub::DeviceSegmentedSort, a segment a row (a warp's merge sort for short rows, one block's radix sort
 //   for long ones).
 // topk with k at most half a row and at most kMostSelected selects first (select_kernel: a radix selection, a block a
@@ -17,13 +17,13 @@
 #include <type_traits>
 
 #include "core/cuda.h"
+#include "ops/cub_rows.cuh"
 #include "ops/sort.h"
 
 namespace halfgrad {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kFewRows = 64, kLongRow = int64_t(1) << 16;
 
 // The unsigned key of each storage type's size.
 template <typename T> using KeyOf = std::conditional_t<
@@ -68,10 +68,10 @@ template <typename K>
 void sort_pairs(int64_t* order, const K* in, K* out, const int64_t* at, const int64_t* starts, int64_t rows, int64_t n,
                 bool descending, Device device, cudaStream_t stream) {
   const int64_t count = rows * n;
-  const bool few_long_rows = rows <= kFewRows && n >= kLongRow;
-  // One call for every row, or (few long rows) for row r; the first call with no scratch sizes it.
-  auto run = [&](void* scratch, size_t& bytes, int64_t r) {
-    if (few_long_rows) {
+  const bool one_row_at_a_time = few_long_rows(rows, n);
+  // One call for every row, or (few long rows) one for row r.
+  run_with_cub_scratch(device, one_row_at_a_time ? rows : 1, [&](void* scratch, size_t& bytes, int64_t r) {
+    if (one_row_at_a_time) {
       const int64_t o = r * n;
       return descending ? cub::DeviceRadixSort::SortPairsDescending(scratch, bytes, in + o, out + o, at + o, order + o,
                                                                     int(n), 0, int(8 * sizeof(K)), stream)
@@ -82,11 +82,7 @@ void sort_pairs(int64_t* order, const K* in, K* out, const int64_t* at, const in
                             scratch, bytes, in, out, at, order, int(count), int(rows), starts, starts + 1, stream)
                       : cub::DeviceSegmentedSort::StableSortPairs(scratch, bytes, in, out, at, order, int(count),
                                                                   int(rows), starts, starts + 1, stream);
-  };
-  size_t bytes = 0;
-  HG_CUDA_CHECK(run(nullptr, bytes, 0));
-  Tensor scratch = empty({int64_t(bytes)}, {.dtype = kUInt8, .device = device});
-  for (int64_t r = 0; r < (few_long_rows ? rows : 1); ++r) HG_CUDA_CHECK(run(scratch.data_ptr(), bytes, r));
+  });
 }
 
 // Room on the device for `count` keys of type K.

@@ -554,7 +554,7 @@ void Optimizer::load_state_tensors(const NamedTensors& state) {
     logger().warn("{}: the state has no value for some options (a file written before they were kept), which keep "
                   "the constructor's: {}", name_, fmt::join(kept, "; "));
   state_.assign(num_groups, {});
-  initial_lrs_.assign(num_groups, std::nullopt);
+  initial_lrs_.resize(num_groups);
   for (size_t g = 0; g < num_groups; ++g) {
     set_options(g, groups[g].lr, groups[g].momentum, groups[g].others);
     initial_lrs_[g] = groups[g].initial_lr;
