@@ -62,6 +62,79 @@ Tensor apply_hooks(const std::vector<GradHook>& hooks, Tensor grad) {
   }
   return grad;
 }
+
+// Where a view lies in its base, for the gradients that pass between them: a buffer laid out as the base lies in its
+// storage (its strides, and any gaps between its elements), seen as the base and as the view, finds each element of
+// the view where the storage has it.
+struct ViewPlace {
+  Shape base_shape, base_strides, view_shape, view_strides;
+  int64_t view_offset = 0;  // from the base's first element
+  Dims expanded;  // the view's dims of stride 0 and size > 1 (expand's), size 1 in view_shape: gradients sum over them
+
+  ViewPlace(const Tensor& view, const Tensor& base)
+      : base_shape(base.shape()), base_strides(base.strides()), view_shape(view.shape()),
+        view_strides(view.strides()), view_offset(view.offset() - base.offset()) {
+    for (size_t d = 0; d < view_shape.size(); ++d) {
+      if (view_shape[d] > 1 && view_strides[d] == 0) {
+        expanded.push_back(int64_t(d));
+        view_shape[d] = 1;
+      }
+    }
+  }
+
+  // {the buffer as the base, as the view}, of `like`'s dtype and device; zeroed, or left for the caller to fill.
+  std::pair<Tensor, Tensor> buffer(const Tensor& like, bool zeroed) const {
+    int64_t span = 1;  // the base's elements and gaps, from its first
+    for (size_t d = 0; d < base_shape.size(); ++d)
+      span = base_shape[d] == 0 ? 0 : span + (base_shape[d] - 1) * base_strides[d];
+    const TensorOptions options{.dtype = like.dtype(), .device = like.device()};
+    const Tensor flat = zeroed ? zeros({span}, options) : empty({span}, options);
+    return {make_view(flat, base_shape, base_strides, 0), make_view(flat, view_shape, view_strides, view_offset)};
+  }
+};
+
+// Whether nothing but `t` holds it or its storage. A view's base, which the view holds for autograd, counts as the
+// view's own where nothing else holds it.
+bool only_holder(const Tensor& t) {
+  if (t.impl_ptr().use_count() != 1) return false;
+  const TensorImpl& impl = *t.impl();
+  const long held_by_base = impl.view_base && impl.view_base.use_count() == 1 ? 1 : 0;
+  return impl.storage.use_count() == 1 + held_by_base;
+}
+
+// Makes `view`'s history a node that puts the view's gradient where the view lies in `base` and passes it to base's
+// present history (PyTorch's regenerated AsStridedBackward).
+void remake_view_history(const Tensor& view, const Tensor& base) {
+  const ViewPlace place(view, base);
+  auto node = std::make_shared<FunctionNode>("AsStridedBackward", [place](const GradContext& g) -> TensorList {
+    auto [as_base, as_view] = place.buffer(g[0], /*zeroed=*/true);
+    as_view.copy_(place.expanded.empty() ? g[0] : g[0].sum(place.expanded, /*keepdim=*/true));
+    return {as_base};
+  });
+  node->sequence_nr = next_sequence_nr++;
+  node->next_edges = {gradient_edge(base)};
+  node->input_meta = {meta_of(base)};
+  node->output_meta = {meta_of(view)};
+  set_history(view, node, 0);
+}
+
+// A view whose history is older than a recorded in-place write to its storage gets one from its base's present history
+// before anything reads its autograd state (PyTorch regenerates a view's grad_fn the same way): its values may be the
+// write's, and its gradient must reach the base's history, which the write replaced or gave it.
+void refresh_view_history(const Tensor& t) {
+  TensorImpl& impl = *t.impl();
+  if (!impl.view_base || impl.history_seen == impl.storage->history_version()) return;
+  impl.history_seen = impl.storage->history_version();
+  const Tensor base(impl.view_base);
+  if (base.requires_grad()) remake_view_history(t, base);
+}
+
+// t's implementation, after refresh_view_history: what the accessors of its autograd state read.
+const TensorImpl& refreshed(const Tensor& t, const char* what) {
+  const TensorImpl& impl = t.defined_impl(what);
+  refresh_view_history(t);
+  return impl;
+}
 }  // namespace
 
 bool GradMode::is_enabled() { return grad_mode_enabled; }
@@ -77,7 +150,7 @@ AutogradMeta& TensorImpl::autograd_meta() {
 // ---- Tensor's autograd methods
 
 bool Tensor::requires_grad() const {
-  const auto& m = defined_impl("requires_grad").autograd;
+  const auto& m = refreshed(*this, "requires_grad").autograd;
   return m && (m->requires_grad || m->grad_fn);
 }
 
@@ -111,12 +184,12 @@ void Tensor::set_grad(const Tensor& grad) const {
 
 const std::shared_ptr<Node>& Tensor::grad_fn() const {
   static const std::shared_ptr<Node> none;
-  const auto& m = defined_impl("grad_fn").autograd;
+  const auto& m = refreshed(*this, "grad_fn").autograd;
   return m ? m->grad_fn : none;
 }
 
 uint32_t Tensor::output_nr() const {
-  const auto& m = defined_impl("output_nr").autograd;
+  const auto& m = refreshed(*this, "output_nr").autograd;
   return m ? m->output_nr : 0;
 }
 
@@ -224,7 +297,7 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   if (!stored.defined()) {
     // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
     // broadcast view: own a contiguous copy unless nothing else can see this one.
-    bool sole_owner = grad.impl_ptr().use_count() == 1 && grad.storage().use_count() == 1;
+    bool sole_owner = only_holder(grad);
     bool matches = false;
     switch (layout) {
       case MemoryFormat::ChannelsLast: matches = suggest_memory_format(grad) == layout; break;
@@ -290,39 +363,9 @@ bool any_requires_grad(const TensorList& inputs) {
   return false;
 }
 
-namespace {
-
-// Whether views of `base` are checked for in-place writes (AutogradMeta::view_version): base has a history that an
-// in-place write replaces (a non-leaf, not itself an unchecked view). A view of a leaf is not checked: its grad_fn
-// leads to the leaf's accumulator, as right after a write under NoGradGuard (an optimizer's step) as before.
-bool views_are_checked(const Tensor& base) {
-  if (!base.defined() || !base.requires_grad() || base.is_leaf()) return false;
-  const TensorImpl& impl = *base.impl();  // a detach()ed tensor that gained a history has views of that history
-  return !impl.is_view || impl.is_detached || impl.autograd->view_version.has_value();
-}
-
-// Where the tensor is used, for the error: "<user>: <role> <index>" ("MulBackward: input 1", "backward: tensor 0").
-void check_view_current(const Tensor& t, std::string_view user, const char* role, size_t index) {
-  if (!t.defined() || !t.impl()->is_view) return;
-  const std::optional<uint64_t>& viewed_at = t.impl()->viewed_at_version;
-  HG_CHECK(!viewed_at || *viewed_at >= t.storage()->history_version() || t.requires_grad(), "{}: {} {} ({}) is a "
-           "view taken before the tensor it views was given a history by an in-place write (version {} then, the "
-           "write at {}): its gradient would not reach that history. Take the view again after the write, or detach() "
-           "it where no gradient should flow", user, role, index, t.meta(), *viewed_at, t.storage()->history_version());
-  if (!t.impl()->autograd) return;
-  const std::optional<uint64_t>& taken = t.impl()->autograd->view_version;
-  HG_CHECK(!taken || *taken == t.version(), "{}: {} {} ({}) is a view of a tensor that was written in place after the "
-           "view was taken (version {} then, {} now): its gradient would reach that tensor's history from before the "
-           "write. Take the view again after the write, or clone() it before", user, role, index, t.meta(), *taken,
-           t.version());
-}
-
-}  // namespace
 
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
   if (!any_requires_grad(inputs)) return;
-  for (size_t i = 0; i < inputs.size(); ++i) check_view_current(inputs[i], name, "input", i);
-  const bool checked_base = views_are_checked(inputs.front());  // a view op's one tensor input is the tensor it views
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   node->sequence_nr = next_sequence_nr++;
   // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
@@ -336,9 +379,6 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
     node->output_meta.push_back(meta_of(out));
     if (!is_floating(out.dtype())) continue;  // indices, masks: not differentiable
     set_history(out, node, i);
-    if (checked_base && out.impl()->is_view && !out.impl()->is_detached) {
-      out.impl()->autograd_meta().view_version = out.version();
-    }
   }
 }
 
@@ -351,6 +391,38 @@ void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t ou
   m.grad_fn = node;
   m.output_nr = output_nr;
   m.requires_grad = false;
+}
+
+void rebase_history(const Tensor& self) {
+  TensorImpl& impl = *self.impl();
+  // Marked once the write's history is in place, not before: a view refreshed while the write was recorded (copy_'s
+  // source) took the base's history from before it, and must take it again.
+  struct MarkAtEnd {
+    TensorImpl& impl;
+    ~MarkAtEnd() {
+      impl.storage->mark_history_written();
+      if (impl.view_base) impl.history_seen = impl.storage->history_version();
+    }
+  } mark_at_end{impl};
+  if (!impl.view_base || !impl.autograd || !impl.autograd->grad_fn) return;
+  const Tensor base(impl.view_base);
+  const ViewPlace place(self, base);
+  // The base's gradient: where the view lies, the write's (its node's, which passes on to the view's old values);
+  // elsewhere, the base's old values'.
+  auto node = std::make_shared<FunctionNode>("CopySlices", [place](const GradContext& g) -> TensorList {
+    auto [as_base, as_view] = place.buffer(g[0], /*zeroed=*/false);
+    as_base.copy_(g[0]);
+    Tensor written = g.needs(1) ? as_view.clone() : Tensor();
+    if (!g.needs(0)) return {Tensor(), written};
+    as_view.fill_(0);
+    return {as_base, written};
+  });
+  node->sequence_nr = next_sequence_nr++;
+  node->next_edges = {gradient_edge(base), Edge{impl.autograd->grad_fn, impl.autograd->output_nr}};
+  node->input_meta = {meta_of(base), meta_of(self)};
+  node->output_meta = {meta_of(base)};
+  set_history(base, node, 0);
+  remake_view_history(self, base);  // the view's values are the base's now: so is its history
 }
 
 std::string backward_name(std::string_view op) {
@@ -372,12 +444,20 @@ void check_writable(const Tensor& self, const char* op, bool records) {
     HG_CHECK(!self.is_leaf(), "{}: a leaf tensor that requires grad ({}) is being used in an in-place operation; "
              "wrap the update in a NoGradGuard, as optimizers do", op, self.meta());
   }
-  // Recorded on a view, the op would give the view a history that the tensor it views does not get (PyTorch rebases
-  // that tensor's history, CopySlices; this autograd does not): the other tensor's gradients would be silently wrong.
-  HG_CHECK(!records || !self.impl()->is_view || self.impl()->is_detached,
-           "{}: an in-place operation that autograd records (the view or an operand requires grad) is not supported on "
-           "a view ({}): the tensor it views would not see the write in its history. Build the result out of place "
-           "(cat, stack, where), or write under a NoGradGuard where no gradient should flow", op, self.meta());
+  if (records && self.impl()->view_base) {  // the write becomes part of the base's history (rebase_history)
+    const Tensor base(self.impl()->view_base);
+    HG_CHECK(!base.is_leaf() || !base.requires_grad(), "{}: a view of a leaf tensor that requires grad ({}) is being "
+             "used in an in-place operation that autograd records ({}); wrap the update in a NoGradGuard, as "
+             "optimizers do, or write a clone of the leaf", op, base.meta(), self.meta());
+    HG_CHECK(!has_internal_overlap(base), "{}: {} is a view of an expanded tensor ({}), some of whose elements are one "
+             "memory location: autograd cannot tell which of them the write changes; clone() it first", op,
+             self.meta(), base.meta());
+    // (PyTorch's "a view was created in no_grad mode and is being modified inplace with grad mode enabled")
+    HG_CHECK(self.requires_grad() || !base.requires_grad(), "{}: {} is a view taken where autograd recorded nothing "
+             "(under a NoGradGuard) of a tensor that requires grad ({}), and is written in place where autograd "
+             "records: the gradient of the values it overwrites would be lost. Take the view with grad mode on, or "
+             "write under a NoGradGuard", op, self.meta(), base.meta());
+  }
   HG_CHECK(!has_internal_overlap(self), "{}: {} is an expanded view, some of whose elements are one memory location "
            "(a dim of size > 1 with stride 0): writing it in place is ambiguous; clone() it first", op, self.meta());
 }
@@ -385,7 +465,6 @@ void check_writable(const Tensor& self, const char* op, bool records) {
 void check_inplace(const Tensor& self, const char* op, bool records) {
   check_writable(self, op, records);
   self.storage()->bump_version();
-  if (records && !self.impl()->is_detached) self.storage()->mark_history_written();
   // A tensor written inside a CUDA graph capture is written again by every replay, which runs no host code: each
   // replay bumps its version as this write did, so what saved it, or keeps its autocast cast (core/autocast.h), sees
   // the replay's write.
@@ -468,10 +547,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
   const char* op = capture ? "autograd::grad" : "backward";
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "{}: got {} tensors and {} gradients", op, outputs.size(), grad_outputs.size());
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    HG_CHECK(outputs[i].defined(), "{}: tensor {} is undefined", op, i);
-    check_view_current(outputs[i], op, "tensor", i);
-  }
+  for (size_t i = 0; i < outputs.size(); ++i) HG_CHECK(outputs[i].defined(), "{}: tensor {} is undefined", op, i);
   NoGradGuard no_grad;  // backward functions are not themselves recorded
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
   // This pass's queue_callback list; a backward inside a hook has its own, and an error drops the list.
@@ -662,7 +738,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
       auto found = edge.node ? buffers.find(edge.node.get()) : buffers.end();
       if (found == buffers.end() || edge.input_nr >= found->second.size()) continue;
       Tensor& slot = found->second[edge.input_nr];
-      if (slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1 &&
+      if (slot.defined() && only_holder(slot) &&
           !slot.requires_grad() && slot.dtype() == node->input_meta[i].dtype && storage_format(slot).has_value())
         hand_over.accumulated[i] = std::move(slot);
     }

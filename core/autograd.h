@@ -155,15 +155,21 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 // replaces); a tensor that retains its gradient moves that to the new node.
 void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t output_nr);
 
+// After every in-place write that autograd recorded on `self` (self's history now the write's node): where self is a
+// view, its base's history becomes a CopySlices node (PyTorch's name) that takes the write's gradient where the view
+// lies and the base's old history's elsewhere, and the view's history becomes a view of that. Then marks the storage's
+// history written (Storage::history_version), so that earlier views of it take their base's new history.
+void rebase_history(const Tensor& self);
+
 // "logical_not" -> "LogicalNotBackward", "add_" -> "AddBackward": the node name for an op name.
 std::string backward_name(std::string_view op);
 
 // For in-place ops: checks that `self` may be written (check_writable) and bumps its version counter (inside a
-// cuda::Graph capture, also before each replay, which writes it again); where the op records, marks the storage's
-// history written (Storage::history_version). Call after the op's own checks, just before writing: a refused op must
-// leave the version as it was. records: whether autograd records the op (grad mode is on and
-// self or an operand requires grad). Refused: a leaf that requires grad; a view (but detach()'s) where the op records;
-// an expanded view.
+// cuda::Graph capture, also before each replay, which writes it again). Call after the op's own checks, just before
+// writing: a refused op must leave the version as it was. records: whether autograd records the op (grad mode is on
+// and self or an operand requires grad; the op then calls rebase_history once it has recorded). Refused: a leaf that
+// requires grad; where the op records, a view of one, of an expanded tensor, or taken where nothing recorded of a
+// tensor that requires grad; an expanded view.
 void check_inplace(const Tensor& self, const char* op, bool records);
 // check_inplace's checks alone, for an op that checks several targets before it writes any (copy_each_).
 void check_writable(const Tensor& self, const char* op, bool records);

@@ -50,11 +50,10 @@ class Storage {
   // so a tensor saved for backward can tell that it was overwritten afterwards.
   uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
-  // The version at which an in-place write that autograd records last gave a tensor of this storage a history
-  // (check_inplace): a view taken earlier of a tensor without one has no part in that history
-  // (TensorImpl::viewed_at_version).
+  // How many in-place writes that autograd records have given a tensor of this storage a new history (counted by
+  // rebase_history): views whose history is older are given one from their base's (TensorImpl::history_seen).
   uint64_t history_version() const { return history_version_; }
-  void mark_history_written() { history_version_ = version_; }
+  void mark_history_written() { ++history_version_; }
 
  private:
   void* data_ = nullptr;

@@ -260,9 +260,6 @@ struct AutogradMeta {
   std::vector<GradHook> hooks;  // leaves only; a non-leaf's hooks live on its grad_fn; empty where removed
   std::vector<PostAccumulateGradHook> post_accumulate_hooks;  // leaves only; empty where removed
   bool retains_grad = false;
-  // A view taken of a tensor with a history (a non-leaf): the version of their storage then. The view's grad_fn leads
-  // to that history, so once the storage is written in place the view is refused as an op's input (record).
-  std::optional<uint64_t> view_version;
   // Leaves: autocast's float16/bfloat16 cast of this parameter, kept across autocast regions while kept_cast_version
   // is the storage's version (core/autocast.h, kept_cast); the optimizers' fused steps write it with the parameter.
   Tensor kept_cast;
@@ -277,11 +274,14 @@ struct TensorImpl {
   DType dtype = kFloat32;
   bool is_view = false;  // shares storage with the tensor it was viewed from
   bool is_detached = false;  // that view is detach()'s: autograd does not relate the two
-  // A view (make_view) of a tensor that is no detach() alias nor a view of one: the storage's version when the first
-  // view in its chain was taken. A view of a tensor without a history has none of its own; once an in-place write
-  // gives the base one (Storage::history_version), the view is refused as the input of an op that autograd records
-  // (record), where its gradient would be lost.
-  std::optional<uint64_t> viewed_at_version;
+  // A view's base (make_view; none for detach()'s alias): the tensor at the root of its chain of views, itself no view
+  // or detach()'s alias. An in-place write that autograd records on the view gives the base a new history (a
+  // CopySlices node), and a write to the base or to any of its views gives every earlier view of it a history that
+  // leads to the base's new one (refresh_view_history, core/autograd.cpp), as PyTorch's views do.
+  std::shared_ptr<TensorImpl> view_base;
+  // A view: the storage's history_version when the view's history was made: an older one means a recorded in-place
+  // write to the storage since, and the view's history is made again from its base's before it is used.
+  uint64_t history_seen = 0;
   std::unique_ptr<AutogradMeta> autograd;  // null until the tensor enters autograd
 
   AutogradMeta& autograd_meta();  // creates it on first use

@@ -107,6 +107,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
     record("CopyBackward", {src, *this}, {*this}, [src_shape, src_device](const GradContext& g) -> TensorList {
       return {g.needs(0) ? sum_to(g[0], src_shape).to(src_device) : Tensor(), g.needs(1) ? zeros_like(g[0]) : Tensor()};
     });
+    rebase_history(*this);
   }
   return *this;
 }

@@ -650,8 +650,8 @@ Tensor& Tensor::masked_fill_(const Tensor& mask, const Scalar& value) {
 }
 
 Tensor& Tensor::operator=(const Scalar& value) && {
-  // Where autograd sees the write, copy_ records it or refuses it as any in-place write (a view of a tensor that
-  // requires grad); fill_ is never recorded.
+  // Where autograd sees the write, copy_ records it (on a view, into its base's history) or refuses it as any in-place
+  // write (a leaf that requires grad, or a view of one); fill_ is never recorded.
   if (GradMode::is_enabled() && requires_grad()) return copy_(scalar_tensor(value, {.dtype = dtype()}));
   return fill_(value);
 }

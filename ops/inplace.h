@@ -11,9 +11,10 @@ namespace halfgrad {
 
 // self = compute_out_of_place(self), `others` being the op's other tensor operands. With autograd the op runs on a
 // copy of self (so what backward saves is not overwritten), the result is written back, and self's history moves to
-// the new node; without it the op reads self itself. self's version is bumped after the operands were read and
-// checked, just before the write: a refused op leaves it as it was, and an operand that is self itself (x.mul_(x)) is
-// saved at the version the write makes stale, so its backward refuses, as PyTorch's does.
+// the new node (where self is a view, its base's history to a CopySlices node: rebase_history); without it the op
+// reads self itself. self's version is bumped after the operands were read and checked, just before the write: a
+// refused op leaves it as it was, and an operand that is self itself (x.mul_(x)) is saved at the version the write
+// makes stale, so its backward refuses, as PyTorch's does.
 template <typename Compute>
 Tensor& apply_in_place(Tensor& self, const char* name, const TensorList& others, Compute compute_out_of_place) {
   bool graph = GradMode::is_enabled() && (self.requires_grad() || any_requires_grad(others));
@@ -35,7 +36,10 @@ Tensor& apply_in_place(Tensor& self, const char* name, const TensorList& others,
     NoGradGuard no_grad;
     copy_kernel[self.device()](self, cast_nograd(result, self.dtype()));
   }
-  if (graph) set_history(self, result.grad_fn(), result.output_nr());
+  if (graph) {
+    set_history(self, result.grad_fn(), result.output_nr());
+    rebase_history(self);
+  }
   return self;
 }
 

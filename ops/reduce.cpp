@@ -25,6 +25,7 @@
 #include "core/autograd.h"
 #include "ops/coalesce.h"
 #include "ops/elementwise.h"
+#include "ops/shape.h"
 
 namespace halfgrad {
 
@@ -65,14 +66,8 @@ struct ReductionPlan {
 // A view of t's memory with a new shape and contiguous strides. Callers have checked that t's elements
 // really are laid out that way (or that there are none).
 Tensor flat_view(const Tensor& t, Shape shape) {
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = t.storage();
-  impl->offset = t.offset();
-  impl->dtype = t.dtype();
-  impl->strides = contiguous_strides(shape);
-  impl->shape = std::move(shape);
-  impl->is_view = true;
-  return Tensor(std::move(impl));
+  Shape strides = contiguous_strides(shape);
+  return make_view(t, std::move(shape), std::move(strides), t.offset());
 }
 
 // Whether t's memory is contiguous when its dims are read in `order` (size-1 dims may sit anywhere).

@@ -21,11 +21,8 @@ Tensor make_view(const Tensor& t, Shape shape, Shape strides, int64_t offset) {
   impl->dtype = t.dtype();
   impl->is_view = true;
   const TensorImpl& source = *t.impl();
-  if (!source.is_view) {
-    impl->viewed_at_version = t.version();
-  } else if (!source.is_detached) {
-    impl->viewed_at_version = source.viewed_at_version;  // the chain's first view; none below a detach() alias
-  }
+  impl->view_base = source.view_base ? source.view_base : t.impl_ptr();  // detach()'s alias is a base of its own
+  impl->history_seen = impl->storage->history_version();
   return Tensor(std::move(impl));
 }
 

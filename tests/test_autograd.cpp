@@ -1,6 +1,12 @@
 // The autograd engine: recording, backward order, accumulation, retain_graph, no_grad, hooks, versions.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <unordered_set>
+#include <vector>
+
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
 #include "tests/testing.h"
@@ -230,73 +236,144 @@ TEST_CASE("in-place ops bump the version counter and rebase history") {
   CHECK(values(y.detach()) == std::vector<double>{9, 15});
 }
 
-TEST_CASE("an in-place op that records on a view is refused before it writes: the viewed tensor would not see it") {
-  // PyTorch rebases x's history here (CopySlices) and gives w.grad 9; without that, w.grad would silently be 1.
+TEST_CASE("an in-place write that autograd records on a view joins its base's history (CopySlices), as PyTorch's") {
   Tensor w = ones({1}, {.dtype = kFloat64, .requires_grad = true});
-  Tensor x = zeros({3}, {.dtype = kFloat64});
+  Tensor x = zeros({3}, {.dtype = kFloat64});  // no history until the writes
   Tensor view = x.slice(0, 0, 1);
-  CHECK_THROWS_WITH_AS(view.add_(w * 2), doctest::Contains("add_: an in-place operation that autograd records (the "
-                                                           "view or an operand requires grad) is not supported on a "
-                                                           "view (float64[1] cpu)"), Error);
-  CHECK_THROWS_WITH_AS(x.select(0, 1).copy_(w.squeeze(0)), doctest::Contains("copy_: an in-place operation"), Error);
-  CHECK(values(x) == std::vector<double>{0, 0, 0});  // neither wrote
-  {
-    NoGradGuard no_grad;  // nothing records: the view is written
-    view.add_(w * 2);
-  }
-  CHECK(values(x) == std::vector<double>{2, 0, 0});
-  Tensor detached = x.detach();  // detach()'s view is outside autograd: the op records on it as on any tensor
-  detached.mul_(w);
-  detached.sum().backward();
-  CHECK(values(w.grad()) == std::vector<double>{2});
+  view.add_(w * 2);
+  x.select(0, 1).copy_(w.squeeze(0));
+  CHECK(values(x.detach()) == std::vector<double>{2, 1, 0});
+  REQUIRE(x.grad_fn() != nullptr);
+  CHECK(x.grad_fn()->name() == "CopySlices");
+  CHECK(view.grad_fn()->name() == "AsStridedBackward");  // the view's history is now a view of its base's
+  (x * tensor<double>({1, 10, 100})).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{2 + 10});
+  // A view's old values get no gradient where the write replaced them, and the rest of the base keeps its own.
+  Tensor a = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor u = full({1}, 5.0, {.dtype = kFloat64, .requires_grad = true});
+  Tensor y = a * 2;
+  y.narrow(0, 1, 1).mul_(u);
+  y.narrow(0, 0, 1).copy_(zeros({1}, {.dtype = kFloat64}));
+  y.sum().backward();
+  CHECK(values(a.grad()) == std::vector<double>{0, 10, 2});
+  CHECK(values(u.grad()) == std::vector<double>{4});
+  // Writes through views of views, a transposed one among them, against finite differences.
+  gradcheck(
+      [](const TensorList& in) {
+        Tensor out = in[0] * 1;  // a tensor with a history to write into
+        out.narrow(1, 1, 2).mul_(in[1]);
+        out.select(0, 0).add_(in[2]);
+        out.t().narrow(0, 0, 1).copy_(in[3] * 3);
+        return out;
+      },
+      {leaf({3, 4}), leaf({3, 2}), leaf({4}), leaf({1, 3})});
+  // detach()'s alias is a tensor of its own to autograd: the op records on it as on any tensor.
+  Tensor d = zeros({2}, {.dtype = kFloat64}).detach();
+  d.mul_(w);
+  CHECK(d.grad_fn()->name() == "MulBackward");
 }
 
-TEST_CASE("a view of a tensor written in place after the view was taken is refused as an input: its grad_fn is stale") {
+TEST_CASE("a recorded in-place write on a view of a leaf that requires grad is refused before it writes") {
+  Tensor w = ones({2, 2}, {.dtype = kFloat64, .requires_grad = true});
+  Tensor v = full({2}, 3.0, {.dtype = kFloat64, .requires_grad = true});
+  const uint64_t version = w.version();
+  CHECK_THROWS_WITH_AS(w.select(0, 0).mul_(v), doctest::Contains("mul_: a view of a leaf tensor that requires grad "
+                                                                 "(float64[2, 2] cpu) is being used in an in-place "
+                                                                 "operation that autograd records (float64[2] cpu)"),
+                       Error);
+  CHECK_THROWS_WITH_AS(w.t().copy_(zeros({2, 2}, {.dtype = kFloat64})),
+                       doctest::Contains("copy_: a view of a leaf tensor that requires grad"), Error);
+  CHECK(values(w.detach()) == std::vector<double>{1, 1, 1, 1});
+  CHECK(w.version() == version);
+  {
+    NoGradGuard no_grad;  // nothing records: an optimizer's write
+    w.select(0, 0).mul_(v);
+  }
+  CHECK(values(w.detach()) == std::vector<double>{3, 3, 1, 1});
+  // A view of an expanded tensor: which of the elements that share a location the write changes is not one answer.
+  Tensor expanded = zeros({1, 2}, {.dtype = kFloat64}).expand({2, 2}).detach();
+  CHECK_THROWS_WITH_AS(expanded.select(0, 0).add_(v), doctest::Contains("add_: float64[2] cpu is a view of an "
+                                                                        "expanded tensor (float64[2, 2] cpu)"),
+                       Error);
+  // A view taken under a NoGradGuard of a tensor that requires grad has no history for the values a write replaces.
+  Tensor b = w * 2, quiet;
+  {
+    NoGradGuard no_grad;
+    quiet = b.select(0, 1);
+  }
+  CHECK_THROWS_WITH_AS(quiet.mul_(v), doctest::Contains("mul_: float64[2] cpu is a view taken where autograd recorded "
+                                                        "nothing (under a NoGradGuard) of a tensor that requires grad "
+                                                        "(float64[2, 2] cpu)"),
+                       Error);
+  CHECK(values(b.detach()) == std::vector<double>{6, 6, 2, 2});
+}
+
+TEST_CASE("views taken before an in-place write take their base's new history, as PyTorch's regenerated views") {
   Tensor a = ones({3}, {.dtype = kFloat64, .requires_grad = true});
   Tensor b = a * 2;
   Tensor before = b.slice(0, 0, 2);
   Tensor used = before.sum();  // used before the write: its gradient is that of the values it read
   b.mul_(3);
-  CHECK_THROWS_WITH_AS(before.sum(), doctest::Contains("is a view of a tensor that was written in place after the "
-                                                       "view was taken"), Error);
-  CHECK_THROWS_WITH_AS(before.unsqueeze(0), doctest::Contains("written in place after the view was taken"), Error);
-  CHECK_THROWS_WITH_AS(before.backward(ones({2}, {.dtype = kFloat64})),
-                       doctest::Contains("backward: tensor 0 (float64[2] cpu) is a view of a tensor that was written"),
-                       Error);
-  Tensor after = b.slice(0, 0, 2);  // taken again: the write's history included
-  (after.sum() + used).backward();
-  CHECK(values(a.grad()) == std::vector<double>{8, 8, 0});  // 6 through the new view, 2 through the old one's sum
-  // A view of a leaf stays usable after an optimizer's write: its gradient goes to the leaf either way.
+  CHECK(before.grad_fn()->name() == "AsStridedBackward");
+  CHECK(values(autograd::grad({before.unsqueeze(0).sum()}, {a}, {}, /*retain_graph=*/true)[0]) ==
+        std::vector<double>{6, 6, 0});
+  (before.sum() + used).backward();
+  CHECK(values(a.grad()) == std::vector<double>{8, 8, 0});  // 6 through the view's new history, 2 through its old one
+  // The source of copy_ a view of the written tensor: read before the write, its history taken after it.
+  Tensor c = tensor<double>({1, 2, 3, 4}).requires_grad_();
+  Tensor m = c.view({2, 2}) * 1, mt = m.t();
+  m.copy_(mt);  // m = m^T, so mt's values are m's old ones
+  (mt * tensor<double>({1, 2, 3, 4}).view({2, 2})).sum().backward();
+  CHECK(values(c.grad()) == std::vector<double>{1, 2, 3, 4});
+  Tensor d = tensor<double>({1, 2, 3, 4}).requires_grad_();
+  Tensor e = d * 2, left = e.narrow(0, 0, 2), right = e.narrow(0, 1, 2);
+  left.copy_(right);  // e = [2 d2, 2 d2, 2 d2, 2 d3]: right is [e2, e2] now
+  right.sum().backward();
+  CHECK(values(d.grad()) == std::vector<double>{0, 0, 4, 0});
+  // An expanded view takes the sum of its gradient over the locations it repeats.
+  Tensor f = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor h = f * 1, expanded = h.expand({2, 3});
+  h.mul_(2);
+  expanded.sum().backward();
+  CHECK(values(f.grad()) == std::vector<double>{4, 4, 4});
+  // A write that autograd does not record leaves a view's history as it was: a view of a leaf after an optimizer's
+  // write still leads to the leaf.
   Tensor w = ones({2, 2}, {.dtype = kFloat64, .requires_grad = true});
   Tensor wt = w.t();
+  const std::string node = wt.grad_fn()->name();
   {
     NoGradGuard no_grad;
     w.sub_(1);
   }
+  CHECK(wt.grad_fn()->name() == node);
   (wt * 3).sum().backward();
   CHECK(values(w.grad()) == std::vector<double>{3, 3, 3, 3});
 }
 
-TEST_CASE("a view taken before an in-place write gave its base a history is refused as an input: it would lose that") {
+TEST_CASE("a view taken before an in-place write gave its base a history takes that history, through any op") {
   Tensor w = ones({3}, {.dtype = kFloat64, .requires_grad = true});
   Tensor v = full({3}, 5.0, {.dtype = kFloat64, .requires_grad = true});
   Tensor buffer = zeros({2, 3}, {.dtype = kFloat64});
   Tensor row = buffer.select(0, 1), row_of_row = row.slice(0, 0, 2);  // views of a tensor without a history
-  Tensor detached_row = buffer.detach().select(0, 1);  // below a detach(): related to nothing, as detach() itself
+  Tensor detached_row = buffer.detach().select(0, 1);  // a view of detach()'s alias, related to buffer by nothing
+  CHECK_FALSE(row.requires_grad());
   buffer.copy_((w * 2).expand({2, 3}));  // buffer now has a history, w -> buffer; row's values are 2 w
-  CHECK_THROWS_WITH_AS((row * v).sum(), doctest::Contains("MulBackward: input 0 (float64[3] cpu) is a view taken "
-                                                          "before the tensor it views was given a history by an "
-                                                          "in-place write"), Error);
-  CHECK_THROWS_WITH_AS(row_of_row * v.slice(0, 0, 2), doctest::Contains("is a view taken before the tensor it views "
-                                                                       "was given a history"), Error);  // its view
-  CHECK_THROWS_WITH_AS(row.backward(ones({3}, {.dtype = kFloat64})),
-                       doctest::Contains("backward: tensor 0 (float64[3] cpu) is a view taken before"), Error);
-  CHECK(values((detached_row * v).sum()) == std::vector<double>{30});  // no gradient wanted from it: accepted
-  CHECK(values((row.detach() * v).sum()) == std::vector<double>{30});
-  Tensor again = buffer.select(0, 1);  // taken again after the write: the gradient reaches w (PyTorch's 2 v)
-  (again * v).sum().backward();
-  CHECK(values(w.grad()) == std::vector<double>{10, 10, 10});
-  // A write that autograd does not record gives no history: earlier views stay usable.
+  CHECK(row.requires_grad());
+  CHECK(values(autograd::grad({(row_of_row * v.slice(0, 0, 2)).sum()}, {w}, {}, /*retain_graph=*/true)[0]) ==
+        std::vector<double>{10, 10, 0});
+  Tensor doubled = row * 2;  // an op that asks whether its input requires grad, not a view: PyTorch's 4 v
+  (doubled * v).sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{20, 20, 20});
+  CHECK_FALSE(detached_row.requires_grad());
+  CHECK(values((detached_row * v).sum().detach()) == std::vector<double>{30});
+  // A view of detach()'s alias takes the history that a recorded write gives the alias; the tensor it aliases does not.
+  Tensor other = zeros({2, 3}, {.dtype = kFloat64});
+  Tensor alias = other.detach();
+  Tensor alias_row = alias.select(0, 0);
+  alias.copy_(v.expand({2, 3}));
+  CHECK_FALSE(other.requires_grad());
+  CHECK(values(autograd::grad({(alias_row * 2).sum()}, {v})[0]) == std::vector<double>{2, 2, 2});
+  // A write that autograd does not record gives no history: earlier views are as they were.
   Tensor plain = zeros({3}, {.dtype = kFloat64});
   Tensor plain_view = plain.view({3});
   plain.add_(ones({3}, {.dtype = kFloat64}));
@@ -304,8 +381,53 @@ TEST_CASE("a view taken before an in-place write gave its base a history is refu
     NoGradGuard no_grad;
     plain.add_(w);
   }
-  (plain_view * v).sum().backward();
-  CHECK(values(v.grad()) == std::vector<double>{2 + 2, 2 + 2, 2 + 2});  // 2 (again) + 2 (plain_view)
+  CHECK_FALSE(plain_view.requires_grad());
+}
+
+// Every node reachable from t's history, held weakly.
+std::vector<std::weak_ptr<Node>> graph_nodes(const Tensor& t) {
+  std::vector<std::weak_ptr<Node>> nodes;
+  std::unordered_set<Node*> seen;
+  std::vector<std::shared_ptr<Node>> stack = {t.grad_fn()};
+  while (!stack.empty()) {
+    std::shared_ptr<Node> n = stack.back();
+    stack.pop_back();
+    if (!n || !seen.insert(n.get()).second) continue;
+    nodes.push_back(n);
+    for (const Edge& e : n->next_edges) stack.push_back(e.node);
+  }
+  return nodes;
+}
+
+TEST_CASE("a graph is freed with the tensors that hold it, backward run or not: no node or view keeps itself alive") {
+  manual_seed(5);
+  auto resnet = models::resnet18();
+  models::LanguageModel lm(20, {.embedding_size = 8, .hidden_size = 8, .num_layers = 2, .dropout = 0.2});
+  const Tensor w = randn({4, 3}).requires_grad_();
+  const std::vector<std::function<Tensor()>> losses = {
+      [&] { return cross_entropy(resnet->forward(randn({2, 3, 32, 32})), tensor(std::vector<int64_t>{1, 7})); },
+      [&] { return lm.forward(randint(0, 20, {5, 3})).sum(); },
+      [&] {  // writes into views: CopySlices, and views that take their base's new history
+        Tensor out = zeros({3, 4, 3});
+        Tensor first = out.select(0, 0);
+        for (int64_t t = 0; t < 3; ++t) out.select(0, t).copy_(w * double(t));
+        out.narrow(1, 1, 2).mul_(2);
+        return (out.sum() + first.sum()) * w.t().sum();
+      }};
+  for (size_t i = 0; i < losses.size(); ++i) {
+    for (const bool run_backward : {false, true}) {
+      CAPTURE(i);
+      CAPTURE(run_backward);
+      std::vector<std::weak_ptr<Node>> nodes;
+      {
+        Tensor loss = losses[i]();
+        nodes = graph_nodes(loss);
+        REQUIRE(nodes.size() > 5);
+        if (run_backward) loss.backward();
+      }
+      CHECK(std::count_if(nodes.begin(), nodes.end(), [](const auto& n) { return !n.expired(); }) == 0);
+    }
+  }
 }
 
 TEST_CASE("an in-place write into an expanded view is refused: its elements share memory") {

@@ -64,10 +64,15 @@ TEST_CASE("assigning to a view writes into it, as libtorch's x[0] = y, assigning
   CHECK(values(base) == std::vector<double>{9, -1, -2, 9, -1, -2});
 
   CHECK_THROWS_WITH_AS(base[0] = zeros({2}), doctest::Contains("copy_: cannot broadcast"), Error);  // copy_'s check
-  // Where autograd sees the write it is refused as any in-place write on a view it cannot record, not filled unseen.
+  // Where autograd sees the write it records it, as copy_ into a view (its base's history: CopySlices), not fill_
+  // unseen; on a leaf that requires grad, or a view of one, it is refused.
   const Tensor w = ones({2}, {.requires_grad = true});
   Tensor y = w * 2;
-  CHECK_THROWS_WITH_AS(y[0] = 0, doctest::Contains("copy_"), Error);
+  y[0] = 0;
+  CHECK(values(y.detach()) == std::vector<double>{0, 2});
+  y.sum().backward();
+  CHECK(values(w.grad()) == std::vector<double>{0, 2});
+  CHECK_THROWS_WITH_AS(w[0] = 0, doctest::Contains("copy_: a view of a leaf tensor that requires grad"), Error);
   CHECK_THROWS_WITH_AS(y.fill_(0), doctest::Contains("autograd does not record fill_"), Error);
   CHECK_THROWS_WITH_AS(Tensor(w).fill_(0), doctest::Contains("fill_: float32[2] cpu requires grad"), Error);
 }
