@@ -3,6 +3,8 @@
 // positive ones), so that any sort of the keys, by comparison or by radix, agrees; then (key, position) pairs are
 // sorted stably:
 //   few long rows (few_long_rows, ops/cub_rows.cuh): cub::DeviceRadixSort a row, all the GPU on each;
+//   rows of kBlockSortLeast to kBlockSortMost: a block a row, sorted in its registers and shared memory
+//   (cub::BlockRadixSort), read and written once, as PyTorch's sort of rows of up to 4,096;
 //   the rest: cub::DeviceSegmentedSort, a segment a row (a warp's merge sort for short rows, one block's radix sort
 //   for long ones).
 // topk with k at most half a row and at most kMostSelected selects first (select_kernel: a radix selection, a block a
@@ -10,6 +12,7 @@
 // sorts whole rows.
 #include <cuda_runtime.h>
 
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_segmented_sort.cuh>
@@ -85,6 +88,39 @@ void sort_pairs(int64_t* order, const K* in, K* out, const int64_t* at, const in
   });
 }
 
+// Rows of kBlockSortLeast to kBlockSortMost elements are sorted a block a row (block_sort_kernel); shorter ones by
+// cub's segmented sort, whose warps sort them with fewer idle threads.
+constexpr int64_t kBlockSortLeast = 513, kBlockSortMost = 4096;
+
+// order[row, :n] = the positions of the row's keys sorted stably, ascending or descending: kThreads x kItems keys
+// in registers, ranked by cub::BlockRadixSort (stable), the positions past n given the key that sorts last, so that
+// they follow every real key.
+template <typename T, int kItems>
+__global__ void __launch_bounds__(kThreads)
+    block_sort_kernel(int64_t* order, const T* source, int64_t n, bool descending) {
+  using K = KeyOf<T>;
+  using Sort = cub::BlockRadixSort<K, kThreads, kItems, int>;
+  __shared__ typename Sort::TempStorage storage;
+  const T* row = source + int64_t(blockIdx.x) * n;
+  K keys[kItems];
+  int positions[kItems];
+  for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds positions t kItems ...
+    const int j = int(threadIdx.x) * kItems + i;
+    positions[i] = j;
+    keys[i] = j < n ? ordered_key(row[j]) : descending ? K(0) : K(~K(0));
+  }
+  if (descending) {
+    Sort(storage).SortDescendingBlockedToStriped(keys, positions);
+  } else {
+    Sort(storage).SortBlockedToStriped(keys, positions);
+  }
+  int64_t* out = order + int64_t(blockIdx.x) * n;
+  for (int i = 0; i < kItems; ++i) {  // striped: item i of thread t has rank i kThreads + t
+    const int rank = i * kThreads + int(threadIdx.x);
+    if (rank < n) out[rank] = positions[i];
+  }
+}
+
 // Room on the device for `count` keys of type K.
 template <typename K> Tensor key_buffer(int64_t count, Device device) {
   return empty({count * int64_t(sizeof(K))}, {.dtype = kUInt8, .device = device});
@@ -103,6 +139,16 @@ void sort_cuda(const Tensor& indices, const Tensor& keys, bool descending) {
   cudaStream_t stream = cuda::current_stream(keys.device());
   dispatch_all(keys.dtype(), "sort", [&]<typename T>() {
     using K = KeyOf<T>;
+    if (n >= kBlockSortLeast && n <= kBlockSortMost) {
+      auto launch = [&](auto kernel) {
+        kernel<<<unsigned(rows), kThreads, 0, stream>>>(indices.data<int64_t>(), keys.data<T>(), n, descending);
+      };
+      if (n <= 4 * kThreads) launch(block_sort_kernel<T, 4>);
+      else if (n <= 8 * kThreads) launch(block_sort_kernel<T, 8>);
+      else launch(block_sort_kernel<T, 16>);
+      HG_CUDA_CHECK_LAUNCH("sort");
+      return;
+    }
     Tensor ordered = key_buffer<K>(count, keys.device()), sorted_keys = key_buffer<K>(count, keys.device());
     Tensor positions = empty({count}, {.dtype = kInt64, .device = keys.device()});
     Tensor starts = empty({rows + 1}, {.dtype = kInt64, .device = keys.device()});

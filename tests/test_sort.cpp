@@ -165,7 +165,7 @@ TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long row
   SKIP_WITHOUT_GPU();
   manual_seed(923);
   const std::vector<std::pair<Shape, int64_t>> cases = {
-      {{1, 1}, 1}, {{7, 300}, 1}, {{300, 7}, 0}, {{3, 100000}, -1}, {{5, 4, 6}, 1}, {{9}, 0}};
+      {{1, 1}, 1}, {{7, 300}, 1}, {{300, 7}, 0}, {{3, 100000}, -1}, {{5, 4, 6}, 1}, {{9}, 0}, {{3, 4096}, 1}};
   for (const auto& [shape, dim] : cases) {
     for (DType dt : {kFloat32, kFloat16, kBFloat16, kFloat64, kInt64, kInt32, kUInt8, kBool}) {
       for (bool descending : {false, true}) {
@@ -182,9 +182,11 @@ TEST_CASE("CUDA sort in every dtype, argsort with NaN, signed zeros and long row
     }
   }
   // NaN of either sign, infinities and signed zeros, in rows short enough for cub's merge sort (8), between (100),
-  // long enough for its radix sort (1,000), many rows (600), and few long rows (2 x 70,000: a device-wide sort a row).
+  // a block's sort a row in registers (513 to 4,096: 4, 8 and 16 keys a thread), rows for cub's radix sort (5,000),
+  // many rows (600), and few long rows (2 x 70,000: a device-wide sort a row).
   const std::vector<double> special = {kNan, 1, -kInf, std::copysign(kNan, -1.0), 0, -0.0, kInf, 0, -2.5};
-  for (const Shape& shape : {Shape{1, 8}, Shape{5, 100}, Shape{3, 1000}, Shape{600, 9}, Shape{2, 70000}}) {
+  for (const Shape& shape : {Shape{1, 8}, Shape{5, 100}, Shape{3, 513}, Shape{3, 1000}, Shape{2, 2048}, Shape{3, 2049},
+                             Shape{2, 4096}, Shape{2, 5000}, Shape{600, 9}, Shape{2, 70000}}) {
     std::vector<double> v(size_t(numel_of(shape)));
     const std::vector<double> noise = values(randint(-3, 4, shape));
     for (size_t i = 0; i < v.size(); ++i) v[i] = i % 3 == 0 ? special[(i / 3) % special.size()] : noise[i];
