@@ -84,8 +84,8 @@ struct ViewPlace {
 
   // {the buffer as the base, as the view}, of `like`'s dtype and device; zeroed, or left for the caller to fill.
   std::pair<Tensor, Tensor> buffer(const Tensor& like, bool zeroed) const {
-    int64_t span = 1;  // the base's elements and gaps, from its first
-    for (size_t d = 0; d < base_shape.size(); ++d)
+    int64_t span = 1;  // the base's elements and gaps, from its first; none where it has none
+    for (size_t d = 0; d < base_shape.size() && span > 0; ++d)
       span = base_shape[d] == 0 ? 0 : span + (base_shape[d] - 1) * base_strides[d];
     const TensorOptions options{.dtype = like.dtype(), .device = like.device()};
     const Tensor flat = zeroed ? zeros({span}, options) : empty({span}, options);
@@ -363,7 +363,6 @@ bool any_requires_grad(const TensorList& inputs) {
   return false;
 }
 
-
 void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
   if (!any_requires_grad(inputs)) return;
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
@@ -393,18 +392,10 @@ void set_history(const Tensor& t, const std::shared_ptr<Node>& node, uint32_t ou
   m.requires_grad = false;
 }
 
-void rebase_history(const Tensor& self) {
-  TensorImpl& impl = *self.impl();
-  // Marked once the write's history is in place, not before: a view refreshed while the write was recorded (copy_'s
-  // source) took the base's history from before it, and must take it again.
-  struct MarkAtEnd {
-    TensorImpl& impl;
-    ~MarkAtEnd() {
-      impl.storage->mark_history_written();
-      if (impl.view_base) impl.history_seen = impl.storage->history_version();
-    }
-  } mark_at_end{impl};
-  if (!impl.view_base || !impl.autograd || !impl.autograd->grad_fn) return;
+namespace {
+// rebase_history's CopySlices node for a view that a recorded write has just given its history.
+void give_base_copy_slices(const Tensor& self) {
+  const TensorImpl& impl = *self.impl();
   const Tensor base(impl.view_base);
   const ViewPlace place(self, base);
   // The base's gradient: where the view lies, the write's (its node's, which passes on to the view's old values);
@@ -423,6 +414,16 @@ void rebase_history(const Tensor& self) {
   node->output_meta = {meta_of(base)};
   set_history(base, node, 0);
   remake_view_history(self, base);  // the view's values are the base's now: so is its history
+}
+}  // namespace
+
+void rebase_history(const Tensor& self) {
+  TensorImpl& impl = *self.impl();
+  if (impl.view_base && impl.autograd && impl.autograd->grad_fn) give_base_copy_slices(self);
+  // Marked once the write's history is in place, not before: a view refreshed while the write was recorded (copy_'s
+  // source) took the base's history from before it, and must take it again.
+  impl.storage->mark_history_written();
+  if (impl.view_base) impl.history_seen = impl.storage->history_version();
 }
 
 std::string backward_name(std::string_view op) {
