@@ -121,12 +121,15 @@ void remake_view_history(const Tensor& view, const Tensor& base) {
 // A view whose history is older than a recorded in-place write to its storage gets one from its base's present history
 // before anything reads its autograd state (PyTorch regenerates a view's grad_fn the same way): its values may be the
 // write's, and its gradient must reach the base's history, which the write replaced or gave it.
+// Not given one: a view made a leaf of its own (requires_grad_()), whose gradient goes to its .grad; a view of a base
+// whose elements share locations (detach() of an expanded tensor), which no in-place write gives a new history.
 void refresh_view_history(const Tensor& t) {
   TensorImpl& impl = *t.impl();
   if (!impl.view_base || impl.history_seen == impl.storage->history_version()) return;
   impl.history_seen = impl.storage->history_version();
   const Tensor base(impl.view_base);
-  if (base.requires_grad()) remake_view_history(t, base);
+  const bool own_leaf = impl.autograd && impl.autograd->requires_grad;
+  if (!own_leaf && base.requires_grad() && !has_internal_overlap(base)) remake_view_history(t, base);
 }
 
 // t's implementation, after refresh_view_history: what the accessors of its autograd state read.
@@ -250,6 +253,21 @@ void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
 }
 
 // ---- nodes
+
+Node::~Node() {
+  std::vector<std::shared_ptr<Node>> last_held;  // nodes whose last holder is being freed: freed here, in turn
+  auto take_edges = [&](Node& n) {
+    for (Edge& e : n.next_edges)
+      if (e.node && e.node.use_count() == 1) last_held.push_back(std::move(e.node));
+    n.next_edges.clear();
+  };
+  take_edges(*this);
+  while (!last_held.empty()) {
+    std::shared_ptr<Node> n = std::move(last_held.back());
+    last_held.pop_back();
+    take_edges(*n);  // n's destructor, at the end of this scope, finds no edges of its own left
+  }
+}
 
 namespace {
 // What the engine hands the backward it runs on this thread (GradContext::accumulated): per input, the gradient
@@ -447,9 +465,11 @@ void check_writable(const Tensor& self, const char* op, bool records) {
   }
   if (records && self.impl()->view_base) {  // the write becomes part of the base's history (rebase_history)
     const Tensor base(self.impl()->view_base);
-    HG_CHECK(!base.is_leaf() || !base.requires_grad(), "{}: a view of a leaf tensor that requires grad ({}) is being "
-             "used in an in-place operation that autograd records ({}); wrap the update in a NoGradGuard, as "
-             "optimizers do, or write a clone of the leaf", op, base.meta(), self.meta());
+    // PyTorch's rule: a view that requires grad of a leaf (one that requires grad, or one made a leaf of its own by
+    // requires_grad_(), whose gradient the write would take from it).
+    HG_CHECK(!base.is_leaf() || !self.requires_grad(), "{}: {} is a view of a leaf tensor ({}) and requires grad: an "
+             "in-place operation that autograd records is refused on it, as in PyTorch; wrap the update in a "
+             "NoGradGuard, as optimizers do, or write a clone of the leaf", op, self.meta(), base.meta());
     HG_CHECK(!has_internal_overlap(base), "{}: {} is a view of an expanded tensor ({}), some of whose elements are one "
              "memory location: autograd cannot tell which of them the write changes; clone() it first", op,
              self.meta(), base.meta());

@@ -84,7 +84,9 @@ using BackwardFn = std::function<TensorList(const GradContext&)>;
 
 class Node : public std::enable_shared_from_this<Node> {
  public:
-  virtual ~Node() = default;
+  // Frees the nodes that only this one holds (and theirs) in a loop, not by recursion: a deep graph (a buffer filled
+  // row by row, a long loop of in-place writes) would otherwise overflow the stack as its chain is freed.
+  virtual ~Node();
   virtual std::string name() const = 0;
   virtual TensorList apply(TensorList&& grad_outputs) = 0;
   // Drops what the node saved for backward; called after use unless retain_graph.

@@ -277,12 +277,13 @@ TEST_CASE("a recorded in-place write on a view of a leaf that requires grad is r
   Tensor w = ones({2, 2}, {.dtype = kFloat64, .requires_grad = true});
   Tensor v = full({2}, 3.0, {.dtype = kFloat64, .requires_grad = true});
   const uint64_t version = w.version();
-  CHECK_THROWS_WITH_AS(w.select(0, 0).mul_(v), doctest::Contains("mul_: a view of a leaf tensor that requires grad "
-                                                                 "(float64[2, 2] cpu) is being used in an in-place "
-                                                                 "operation that autograd records (float64[2] cpu)"),
+  CHECK_THROWS_WITH_AS(w.select(0, 0).mul_(v), doctest::Contains("mul_: float64[2] cpu is a view of a leaf tensor "
+                                                                 "(float64[2, 2] cpu) and requires grad: an in-place "
+                                                                 "operation that autograd records is refused on it"),
                        Error);
   CHECK_THROWS_WITH_AS(w.t().copy_(zeros({2, 2}, {.dtype = kFloat64})),
-                       doctest::Contains("copy_: a view of a leaf tensor that requires grad"), Error);
+                       doctest::Contains("is a view of a leaf tensor (float64[2, 2] cpu) and requires grad"),
+                       Error);
   CHECK(values(w.detach()) == std::vector<double>{1, 1, 1, 1});
   CHECK(w.version() == version);
   {
@@ -306,6 +307,17 @@ TEST_CASE("a recorded in-place write on a view of a leaf that requires grad is r
                                                         "(float64[2, 2] cpu)"),
                        Error);
   CHECK(values(b.detach()) == std::vector<double>{6, 6, 2, 2});
+  // A view made a leaf of its own: a write into a view of it would take its gradient away; the base's writes do not.
+  Tensor flat = zeros({5}, {.dtype = kFloat64});
+  Tensor p = flat.narrow(0, 0, 3).requires_grad_();  // as a flattened parameter's piece
+  Tensor y = (p * 3).sum();
+  CHECK_THROWS_WITH_AS(p.narrow(0, 1, 1).add_(1.0), doctest::Contains("add_: float64[1] cpu is a view of a leaf "
+                                                                      "tensor (float64[5] cpu) and requires grad"),
+                       Error);
+  flat.add_(v.sum());  // recorded: flat's history is v's now; p stays a leaf, its gradient its own
+  CHECK(p.is_leaf());
+  (y + (p * 1).sum()).backward();
+  CHECK(values(p.grad()) == std::vector<double>{4, 4, 4});
 }
 
 TEST_CASE("views taken before an in-place write take their base's new history, as PyTorch's regenerated views") {
@@ -330,6 +342,13 @@ TEST_CASE("views taken before an in-place write take their base's new history, a
   left.copy_(right);  // e = [2 d2, 2 d2, 2 d2, 2 d3]: right is [e2, e2] now
   right.sum().backward();
   CHECK(values(d.grad()) == std::vector<double>{0, 0, 4, 0});
+  // A view of a base whose elements share locations keeps its history: no write gives such a base a new one.
+  Tensor shared = tensor<double>({1, 2, 3, 4});
+  Tensor rows = shared.expand({2, 4}).detach().requires_grad_();
+  Tensor first_row = rows.narrow(0, 0, 1);
+  shared.mul_(full({4}, 2.0, {.dtype = kFloat64, .requires_grad = true}));  // a recorded write to their storage
+  first_row.sum().backward();
+  CHECK(values(rows.grad()) == std::vector<double>{1, 1, 1, 1, 0, 0, 0, 0});
   // An expanded view takes the sum of its gradient over the locations it repeats.
   Tensor f = tensor<double>({1, 2, 3}).requires_grad_();
   Tensor h = f * 1, expanded = h.expand({2, 3});
@@ -428,6 +447,20 @@ TEST_CASE("a graph is freed with the tensors that hold it, backward run or not: 
       CHECK(std::count_if(nodes.begin(), nodes.end(), [](const auto& n) { return !n.expired(); }) == 0);
     }
   }
+}
+
+TEST_CASE("a deep graph is freed without recursion: 100,000 in-place writes, a buffer filled row by row") {
+  const Tensor w = ones({1}, {.dtype = kFloat64, .requires_grad = true});
+  {
+    Tensor x = w * 1;
+    for (int i = 0; i < 100000; ++i) x.add_(w);
+    x.sum().backward();  // (the nodes are freed after backward: retain_graph is false, and then as x goes)
+  }
+  CHECK(values(w.grad()) == std::vector<double>{100001});
+  {
+    Tensor rows = zeros({30000, 1}, {.dtype = kFloat64});
+    for (int64_t i = 0; i < 30000; ++i) rows.select(0, i).copy_(w);
+  }  // a chain of 90,000 nodes, freed unused
 }
 
 TEST_CASE("an in-place write into an expanded view is refused: its elements share memory") {
