@@ -170,8 +170,8 @@ std::string backward_name(std::string_view op);
 // cuda::Graph capture, also before each replay, which writes it again). Call after the op's own checks, just before
 // writing: a refused op must leave the version as it was. records: whether autograd records the op (grad mode is on
 // and self or an operand requires grad; the op then calls rebase_history once it has recorded). Refused: a leaf that
-// requires grad; where the op records, a view of one, of an expanded tensor, or taken where nothing recorded of a
-// tensor that requires grad; an expanded view.
+// requires grad; where the op records, a view that requires grad of a leaf, a view of an expanded tensor, or one taken
+// where nothing recorded of a tensor that requires grad; an expanded view.
 void check_inplace(const Tensor& self, const char* op, bool records);
 // check_inplace's checks alone, for an op that checks several targets before it writes any (copy_each_).
 void check_writable(const Tensor& self, const char* op, bool records);
