@@ -90,7 +90,7 @@ void sort_pairs(int64_t* order, const K* in, K* out, const int64_t* at, const in
 
 // Rows of kBlockSortLeast to kBlockSortMost elements are sorted a block a row (block_sort_kernel); shorter ones by
 // cub's segmented sort, whose warps sort them with fewer idle threads.
-constexpr int64_t kBlockSortLeast = 513, kBlockSortMost = 4096;
+constexpr int64_t kBlockSortLeast = 513, kBlockSortMost = 16 * kThreads;  // 16 keys a thread at most
 
 // order[row, :n] = the positions of the row's keys sorted stably, ascending or descending: kThreads x kItems keys
 // in registers, ranked by cub::BlockRadixSort (stable), the positions past n given the key that sorts last, so that
