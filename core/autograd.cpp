@@ -2,12 +2,14 @@
 
 #include "core/autocast.h"
 #include "core/cuda_graph.h"
+#include "core/log.h"
 #include "ops/copy.h"
 #include "ops/shape.h"
 
 #include <algorithm>
-#include <cctype>
 #include <atomic>
+#include <cctype>
+#include <mutex>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -21,6 +23,7 @@ thread_local bool grad_mode_enabled = true;
 thread_local std::vector<std::function<void()>>* queued_callbacks = nullptr;
 std::atomic<uint64_t> backward_passes{0};  // backward() calls begun in this process
 thread_local uint64_t current_pass = 0;   // the pass running on this thread (0: none)
+thread_local FunctionNode* running_node = nullptr;  // the node whose backward runs on this thread (SavedTensor::output)
 std::atomic<uint64_t> next_sequence_nr{0};
 
 TensorMeta meta_of(const Tensor& t) { return {t.shape(), t.dtype(), t.device()}; }
@@ -110,7 +113,7 @@ void remake_view_history(const Tensor& view, const Tensor& base) {
     auto [as_base, as_view] = place.buffer(g[0], /*zeroed=*/true);
     as_view.copy_(place.expanded.empty() ? g[0] : g[0].sum(place.expanded, /*keepdim=*/true));
     return {as_base};
-  });
+  }, DoubleBackward::Supported);
   node->sequence_nr = next_sequence_nr++;
   node->next_edges = {gradient_edge(base)};
   node->input_meta = {meta_of(base)};
@@ -248,8 +251,8 @@ HookHandle Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hoo
   });
 }
 
-void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
-  halfgrad::backward({*this}, {gradient}, retain_graph);
+void Tensor::backward(const Tensor& gradient, std::optional<bool> retain_graph, bool create_graph) const {
+  halfgrad::backward({*this}, {gradient}, retain_graph, create_graph);
 }
 
 // ---- nodes
@@ -265,6 +268,7 @@ Node::~Node() {
   while (!last_held.empty()) {
     std::shared_ptr<Node> n = std::move(last_held.back());
     last_held.pop_back();
+    n->release_saved();  // first: what it saved holds the histories of its inputs too, the nodes its edges lead to
     take_edges(*n);  // n's destructor, at the end of this scope, finds no edges of its own left
   }
 }
@@ -285,6 +289,10 @@ thread_local HandOver* t_hand_over = nullptr;
 TensorList FunctionNode::apply(TensorList&& grad_outputs) {
   HG_CHECK(fn_ != nullptr, "{}: trying to backward through the graph a second time (or to use saved tensors after "
            "they were freed). Pass retain_graph=true to the first backward() if you need to do this.", name_);
+  struct Running {
+    FunctionNode* outer;
+    ~Running() { running_node = outer; }
+  } running{std::exchange(running_node, this)};
   std::vector<bool> needs(next_edges.size());
   const bool handed = t_hand_over && t_hand_over->node == this;  // (not a node some backward calls itself)
   for (size_t i = 0; i < next_edges.size(); ++i)
@@ -307,12 +315,15 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   // also aligned rows for an aligned-rows leaf), so optimizers walk parameter and gradient in the same order and
   // nothing transposes later.
   const MemoryFormat layout = kept_memory_format(Tensor(leaf_));
-  auto copy_in_layout = [&](const Tensor& t) {
+  auto copy_in_layout = [&](const Tensor& t) {  // recorded in a pass with create_graph (grad mode on)
     Tensor copy = empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}, layout);
-    NoGradGuard no_grad;
     return copy.copy_(t);
   };
-  if (!stored.defined()) {
+  if (GradMode::is_enabled()) {
+    // A pass with create_graph: .grad keeps the gradient's history, a copy (nothing else may write it) or a new sum,
+    // never a write into the old .grad, which may be another pass's gradient with a history of its own (PyTorch's).
+    stored = stored.defined() ? stored.add(grad) : copy_in_layout(grad);
+  } else if (!stored.defined()) {
     // The incoming tensor may be shared (add's backward hands the same gradient to both inputs) or a
     // broadcast view: own a contiguous copy unless nothing else can see this one.
     bool sole_owner = only_holder(grad);
@@ -326,12 +337,10 @@ TensorList AccumulateGrad::apply(TensorList&& grad_outputs) {
   } else if (stored.storage() == grad.storage() || has_internal_overlap(stored)) {
     // A .grad set to a view of the gradient itself, or an expanded one: a new sum, in the leaf's layout.
     Tensor sum = copy_in_layout(stored);
-    NoGradGuard no_grad;
     stored = sum.add_(grad);
   } else {
     // In place, as PyTorch's AccumulateGrad: a handle to .grad (a buffer given by set_grad, a bucket's view) sees
     // the sum, and a replayed graph finds it at the same address.
-    NoGradGuard no_grad;
     stored.add_(grad);
   }
   const Tensor leaf(leaf_);
@@ -355,14 +364,45 @@ SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
   if (!t.defined()) return;
   tensor_ = t.detach();
   version_ = t.version();
+  if (!t.requires_grad()) return;
+  if (t.is_leaf()) {
+    leaf_ = t.impl_ptr();
+  } else {
+    grad_fn_ = t.grad_fn();
+    output_nr_ = t.output_nr();
+  }
 }
 
-const Tensor& SavedTensor::get() const {
+SavedTensor SavedTensor::output(const Tensor& t, const char* op, uint32_t output_nr) {
+  SavedTensor saved;
+  saved.op_ = op;
+  if (!t.defined()) return saved;
+  saved.tensor_ = t.detach();
+  saved.version_ = t.version();
+  saved.output_nr_ = output_nr;
+  saved.is_output_ = true;
+  return saved;
+}
+
+Tensor SavedTensor::get() const {
   HG_CHECK(!tensor_.defined() || tensor_.version() == version_,
            "{}: one of the tensors needed for gradient computation has been modified by an in-place operation: "
            "{} is at version {}; expected version {} instead. Clone it before the in-place op, or make that op "
            "out of place.", op_, tensor_.meta(), tensor_.version(), version_);
-  return tensor_;
+  if (!GradMode::is_enabled() || !tensor_.defined()) return tensor_;
+  if (leaf_) return Tensor(leaf_);
+  std::shared_ptr<Node> history = grad_fn_;
+  if (is_output_) {
+    HG_CHECK(running_node != nullptr, "{}: a saved output is read with grad mode on outside its node's backward",
+             op_);
+    history = running_node->shared_from_this();
+  }
+  if (!history) return tensor_;
+  // A tensor of its own on the saved values, whose gradient goes to the history they came from.
+  Tensor with_history = tensor_.detach();
+  with_history.impl()->is_view = with_history.impl()->is_detached = false;
+  set_history(with_history, history, output_nr_);
+  return with_history;
 }
 
 // ---- recording
@@ -381,9 +421,10 @@ bool any_requires_grad(const TensorList& inputs) {
   return false;
 }
 
-void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn) {
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn,
+            DoubleBackward double_backward) {
   if (!any_requires_grad(inputs)) return;
-  auto node = std::make_shared<FunctionNode>(name, std::move(fn));
+  auto node = std::make_shared<FunctionNode>(name, std::move(fn), double_backward);
   node->sequence_nr = next_sequence_nr++;
   // Edges first: an in-place op passes the same tensor as input and output, and the input's edge must be
   // its history before this op.
@@ -418,14 +459,19 @@ void give_base_copy_slices(const Tensor& self) {
   const ViewPlace place(self, base);
   // The base's gradient: where the view lies, the write's (its node's, which passes on to the view's old values);
   // elsewhere, the base's old values'.
+  // (In a pass with create_graph the buffer's writes record, and the views of it returned take their history from it.)
   auto node = std::make_shared<FunctionNode>("CopySlices", [place](const GradContext& g) -> TensorList {
     auto [as_base, as_view] = place.buffer(g[0], /*zeroed=*/false);
     as_base.copy_(g[0]);
     Tensor written = g.needs(1) ? as_view.clone() : Tensor();
     if (!g.needs(0)) return {Tensor(), written};
-    as_view.fill_(0);
+    if (GradMode::is_enabled()) {
+      as_view.copy_(zeros_like(as_view));  // a pass with create_graph: a write that records (fill_ does not)
+    } else {
+      as_view.fill_(0);
+    }
     return {as_base, written};
-  });
+  }, DoubleBackward::Supported);
   node->sequence_nr = next_sequence_nr++;
   node->next_edges = {gradient_edge(base), Edge{impl.autograd->grad_fn, impl.autograd->output_nr}};
   node->input_meta = {meta_of(base), meta_of(self)};
@@ -534,16 +580,26 @@ std::unordered_set<Node*> nodes_reaching(const std::vector<std::shared_ptr<Node>
 
 // The backward pass of backward() and autograd::grad: with `capture`, only the nodes that lead to its edges run, the
 // gradient reaching each edge is kept in capture->grads (after the tensor's hooks), and no leaf accumulates.
-void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, Capture* capture);
+void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, bool create_graph,
+                  Capture* capture);
 
 }  // namespace
 
-void backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph) {
-  run_backward(outputs, grad_outputs, retain_graph, nullptr);
+void backward(const TensorList& outputs, const TensorList& grad_outputs, std::optional<bool> retain_graph,
+              bool create_graph) {
+  if (create_graph) {
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      logger().warn("backward with create_graph: each leaf's .grad gets a history that leads back to the leaf, a "
+                    "reference cycle that holds both until .grad is reset (set_grad(Tensor()), an optimizer's "
+                    "zero_grad), as in PyTorch. autograd::grad with create_graph returns the gradients instead");
+    });
+  }
+  run_backward(outputs, grad_outputs, retain_graph.value_or(create_graph), create_graph, nullptr);
 }
 
 TensorList autograd::grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs,
-                          bool retain_graph, bool allow_unused) {
+                          std::optional<bool> retain_graph, bool create_graph, bool allow_unused) {
   HG_CHECK(!outputs.empty() && !inputs.empty(), "autograd::grad: needs outputs and inputs, got {} and {}",
            outputs.size(), inputs.size());
   Capture capture;
@@ -554,7 +610,7 @@ TensorList autograd::grad(const TensorList& outputs, const TensorList& inputs, c
     capture.edges.push_back(gradient_edge(inputs[i]));
   }
   capture.grads.resize(inputs.size());
-  run_backward(outputs, grad_outputs, retain_graph, &capture);
+  run_backward(outputs, grad_outputs, retain_graph.value_or(create_graph), create_graph, &capture);
   for (size_t i = 0; i < inputs.size(); ++i) {
     HG_CHECK(allow_unused || capture.grads[i].defined(), "autograd::grad: input {} ({}) is not used in the graph of "
              "the outputs; pass allow_unused = true to get an undefined tensor for it", i, inputs[i].meta());
@@ -564,12 +620,51 @@ TensorList autograd::grad(const TensorList& outputs, const TensorList& inputs, c
 
 namespace {
 
-void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, Capture* capture) {
+// In a pass with create_graph, the gradients a node whose backward is DoubleBackward::Refused returned (computed with
+// grad mode off) get a history that refuses a second derivative: a node whose inputs are the gradients it took and
+// the node's own inputs (for what its backward read of them), so that a pass that needs it reaches it and stops with
+// an error naming the op, and a pass that does not is not hindered.
+void refuse_double_backward(const Node& node, const TensorList& grads_in, TensorList& grads_out) {
+  const std::string op = node.name();
+  auto refusal = std::make_shared<FunctionNode>(op + "Backward", [op](const GradContext&) -> TensorList {
+    HG_FAIL("{}: the gradients it computed (in a pass with create_graph) cannot be differentiated again: its backward "
+            "runs kernels of its own that autograd does not record. Differentiate through ops whose backward "
+            "supports it (DoubleBackward::Supported, core/autograd.h; docs/pytorch_to_halfgrad.md lists them)", op);
+  });
+  refusal->sequence_nr = next_sequence_nr++;
+  for (const Tensor& g : grads_in) {
+    refusal->next_edges.push_back(gradient_edge(g));
+    refusal->input_meta.push_back(meta_of(g));
+  }
+  for (size_t i = 0; i < node.next_edges.size(); ++i) {
+    refusal->next_edges.push_back(node.next_edges[i]);
+    refusal->input_meta.push_back(node.input_meta[i]);
+  }
+  for (size_t i = 0; i < grads_out.size(); ++i) {
+    Tensor& g = grads_out[i];
+    refusal->output_meta.push_back(g.defined() ? meta_of(g) : TensorMeta{});
+    if (!g.defined()) continue;
+    // A tensor of its own on the gradient's values: the backward may have returned a tensor someone else holds (the
+    // gradient it was given, one tensor for two inputs), whose history is not this node's to replace.
+    Tensor refused = g.detach();
+    refused.impl()->is_view = refused.impl()->is_detached = false;
+    set_history(refused, refusal, uint32_t(i));
+    g = std::move(refused);
+  }
+}
+
+void run_backward(const TensorList& outputs, const TensorList& grad_outputs, bool retain_graph, bool create_graph,
+                  Capture* capture) {
   const char* op = capture ? "autograd::grad" : "backward";
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "{}: got {} tensors and {} gradients", op, outputs.size(), grad_outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) HG_CHECK(outputs[i].defined(), "{}: tensor {} is undefined", op, i);
-  NoGradGuard no_grad;  // backward functions are not themselves recorded
+  // Backward functions are not themselves recorded, but with create_graph; then nor are those that do not support it.
+  struct GradModeScope {
+    bool outer;
+    ~GradModeScope() { GradMode::set_enabled(outer); }
+  } grad_mode_scope{GradMode::is_enabled()};
+  GradMode::set_enabled(create_graph);
   amp::AutocastGuard no_autocast(kFloat16, /*enabled=*/false);  // gradients run in the dtypes forward chose
   // This pass's queue_callback list; a backward inside a hook has its own, and an error drops the list.
   std::vector<std::function<void()>> callbacks;
@@ -591,7 +686,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
   // hooks (which would see its gradient later), whose first gradient this is: its AccumulateGrad waits for the cast;
   // a later gradient for it casts the held one first, so sums keep their order. Only gradients whose storage (a view's
   // whole storage) holds at most kMaxHeldCastElements, for which a launch is a fair share of the cast's cost: held
-  // ones live until the pass's end.
+  // ones live until the pass's end. Not with create_graph: cast_each records nothing.
   // The same on every device (on the CPU nothing is saved, and the rule is one).
   struct HeldCast {
     Edge edge;
@@ -623,7 +718,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
   auto holds_cast = [&](const Edge& edge, const Tensor& grad, DType dtype) {
     constexpr int64_t kMaxHeldCastElements = int64_t(1) << 22;  // float16 -> float32: 24 MB, ~10 µs on an H100
     const auto* acc = dynamic_cast<const AccumulateGrad*>(edge.node.get());
-    if (acc == nullptr || acc->leaf_has_hooks() || held_nodes.count(edge.node.get())) return false;
+    if (create_graph || acc == nullptr || acc->leaf_has_hooks() || held_nodes.count(edge.node.get())) return false;
     const size_t max_bytes = size_t(kMaxHeldCastElements) * element_size(grad.dtype());
     if (grad.storage()->nbytes() > max_bytes || !casts_in_batches(grad, dtype)) return false;
     auto found = buffers.find(edge.node.get());
@@ -749,7 +844,7 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     // Each input's gradient so far, handed to the backward to add into where nothing else holds it (not the
     // gradient of one of this node's own outputs: an add's backward passes one tensor to both of its inputs), laid
     // out in some format (not a broadcast view, whose elements overlap), of the input's dtype. Taken out of its slot
-    // meanwhile.
+    // meanwhile. Not with create_graph: a write into a gradient would not be recorded.
     HandOver hand_over{node, TensorList(node->next_edges.size()), std::vector<bool>(node->next_edges.size(), false),
                        std::vector<bool>(node->next_edges.size(), false)};
     for (size_t i = 0; i < node->next_edges.size(); ++i)
@@ -757,19 +852,29 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& edge = node->next_edges[i];
       auto found = edge.node ? buffers.find(edge.node.get()) : buffers.end();
-      if (found == buffers.end() || edge.input_nr >= found->second.size()) continue;
+      if (create_graph || found == buffers.end() || edge.input_nr >= found->second.size()) continue;
       Tensor& slot = found->second[edge.input_nr];
       if (slot.defined() && only_holder(slot) &&
           !slot.requires_grad() && slot.dtype() == node->input_meta[i].dtype && storage_format(slot).has_value())
         hand_over.accumulated[i] = std::move(slot);
     }
     TensorList input_grads;
+    const bool refused = create_graph && node->double_backward() == DoubleBackward::Refused;
     {
       struct Scope {
         HandOver* outer;
         ~Scope() { t_hand_over = outer; }
       } scope{std::exchange(t_hand_over, &hand_over)};
-      input_grads = node->apply(std::move(grads));
+      if (refused) {
+        const TensorList grads_in = grads;
+        {
+          NoGradGuard no_grad;
+          input_grads = node->apply(std::move(grads));
+        }
+        refuse_double_backward(*node, grads_in, input_grads);
+      } else {
+        input_grads = node->apply(std::move(grads));
+      }
     }
     if (!retain_graph) node->release_saved();
 

@@ -11,10 +11,13 @@
 //   });
 //
 // Backward functions are written with tensor ops, so they run on any device and dtype. The engine runs them
-// with grad mode off, after all gradients flowing into a node have been summed.
+// with grad mode off, after all gradients flowing into a node have been summed; in a pass with create_graph, an op
+// whose backward is written only with ops that record (DoubleBackward::Supported) runs it with grad mode on, so the
+// gradients it returns have a history of their own and can be differentiated again.
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -82,6 +85,12 @@ class GradContext {
 // One gradient per input, in order; an undefined Tensor where an input needs none.
 using BackwardFn = std::function<TensorList(const GradContext&)>;
 
+// Whether a pass with create_graph may record an op's backward, to differentiate its gradients again. Supported: the
+// backward function is written only with ops that record, and reads what it saved through SavedTensor (an output
+// saved with SavedTensor::output). Refused: it runs kernels of its own (a fused loss, cuDNN's convolution); the pass
+// runs it with grad mode off, and a second derivative through the gradients it returns is an error naming the op.
+enum class DoubleBackward { Refused, Supported };
+
 class Node : public std::enable_shared_from_this<Node> {
  public:
   // Frees the nodes that only this one holds (and theirs) in a loop, not by recursion: a deep graph (a buffer filled
@@ -91,6 +100,7 @@ class Node : public std::enable_shared_from_this<Node> {
   virtual TensorList apply(TensorList&& grad_outputs) = 0;
   // Drops what the node saved for backward; called after use unless retain_graph.
   virtual void release_saved() {}
+  virtual DoubleBackward double_backward() const { return DoubleBackward::Refused; }
 
   std::vector<Edge> next_edges;             // one per input
   std::vector<TensorMeta> input_meta;       // one per input: gradients are checked and cast to it
@@ -105,14 +115,17 @@ class Node : public std::enable_shared_from_this<Node> {
 // The node an op records: its name and its backward function.
 class FunctionNode : public Node {
  public:
-  FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  FunctionNode(std::string name, BackwardFn fn, DoubleBackward double_backward = DoubleBackward::Refused)
+      : name_(std::move(name)), fn_(std::move(fn)), double_backward_(double_backward) {}
   std::string name() const override { return name_; }
   TensorList apply(TensorList&& grad_outputs) override;
   void release_saved() override { fn_ = nullptr; }
+  DoubleBackward double_backward() const override { return double_backward_; }
 
  private:
   std::string name_;
   BackwardFn fn_;  // null once released
+  DoubleBackward double_backward_;
 };
 
 // The end of every path: adds the incoming gradient into a leaf's .grad (after the leaf's hooks).
@@ -120,7 +133,9 @@ class AccumulateGrad : public Node {
  public:
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
   std::string name() const override { return "AccumulateGrad"; }
+  // In a pass with create_graph, .grad takes the gradient with its history (out of place, as PyTorch's).
   TensorList apply(TensorList&& grad_outputs) override;
+  DoubleBackward double_backward() const override { return DoubleBackward::Supported; }
   // Whether the leaf has hooks (register_hook, register_post_accumulate_grad_hook) that see its gradient arrive.
   bool leaf_has_hooks() const;
   // grad after the leaf's register_hook hooks, as they give it to .grad (autograd::grad takes it from here).
@@ -135,14 +150,26 @@ class AccumulateGrad : public Node {
 class SavedTensor {
  public:
   SavedTensor() = default;
-  SavedTensor(const Tensor& t, const char* op);  // keeps a detached alias: no reference cycle to grad_fn
-  const Tensor& get() const;
+  // Any tensor but an output of the op that saves it: a detached alias, and where it requires grad, where its gradient
+  // goes (a leaf itself; else its history when saved, an older node: no reference cycle).
+  SavedTensor(const Tensor& t, const char* op);
+  // Output `output_nr` of the op that saves it, saved before record() gives it its history: a detached alias alone,
+  // since holding its history (the node that holds this) would be a reference cycle; that node is the one whose
+  // backward reads it (PyTorch's SavedVariable saves outputs so too).
+  static SavedTensor output(const Tensor& t, const char* op, uint32_t output_nr = 0);
+  // The tensor as saved. With grad mode on (a pass with create_graph running a backward that supports it), with its
+  // history, so that what the backward computes from it is differentiable again.
+  Tensor get() const;
   bool defined() const { return tensor_.defined(); }
 
  private:
   Tensor tensor_;
   uint64_t version_ = 0;
   const char* op_ = "";
+  std::shared_ptr<TensorImpl> leaf_;  // a leaf that requires grad
+  std::shared_ptr<Node> grad_fn_;     // the history of a tensor that requires grad through one
+  uint32_t output_nr_ = 0;            // of grad_fn_, or of the saving op for an output
+  bool is_output_ = false;
 };
 
 // True when grad mode is on and any of the tensors requires grad: the op must record a node.
@@ -151,7 +178,8 @@ bool any_requires_grad(const TensorList& inputs);
 
 // Creates the node for an op and hangs the outputs on it. Does nothing unless any_requires_grad(inputs).
 // Node names follow PyTorch's printing: "MulBackward", "SumBackward" (see backward_name).
-void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn);
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn fn,
+            DoubleBackward double_backward = DoubleBackward::Refused);
 
 // Hangs t on output `output_nr` of `node` (an op's output, or the target of an in-place op, whose history this
 // replaces); a tensor that retains its gradient moves that to the new node.
@@ -179,9 +207,14 @@ void check_writable(const Tensor& self, const char* op, bool records);
 // Computes gradients of `outputs` (seeded with `grad_outputs`) and accumulates them into the leaves. A leaf without
 // hooks whose gradient arrives through a cast from another dtype (autocast's weights) gets it at the pass's end, with
 // the other such casts in one launch; a pass that throws leaves those leaves' .grad as it was.
-void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bool retain_graph = false);
+// create_graph (libtorch's): the pass records itself, so that the gradients (a leaf's .grad too) can be differentiated
+// again (a Hessian-vector product, a gradient penalty); through an op whose backward is DoubleBackward::Refused that
+// second derivative is an error naming it. retain_graph defaults to create_graph, as libtorch's. A leaf's .grad with
+// a history leads back to the leaf: the two hold each other until .grad is reset (PyTorch's cycle; a warning, once).
+void backward(const TensorList& outputs, const TensorList& grad_outputs = {},
+              std::optional<bool> retain_graph = std::nullopt, bool create_graph = false);
 
-// torch.autograd.grad (libtorch's torch::autograd::grad) without create_graph: the gradients of `outputs` (seeded
+// torch.autograd.grad (libtorch's torch::autograd::grad, in its order of arguments): the gradients of `outputs` (seeded
 // with `grad_outputs`, which may be left out for single-element outputs, as backward's) with respect to each of
 // `inputs`, returned instead of accumulated: no .grad changes and only the nodes that lead to an input run, computing
 // only the gradients that lead on (GradContext::needs). An input's gradient is what reaches it after its register_hook
@@ -189,10 +222,11 @@ void backward(const TensorList& outputs, const TensorList& grad_outputs = {}, bo
 // engine runs those hooks later), after them elsewhere. Post-accumulate hooks do not run, since nothing accumulates; a
 // tensor that retains its gradient gets it where its node runs, as in backward. Every input must require grad; one
 // the outputs do not depend on (or an output of a node that no gradient reached) is an error, or an undefined tensor
-// with allow_unused. The result is not itself differentiable.
+// with allow_unused. With create_graph the result is differentiable, as backward's.
 namespace autograd {
 TensorList grad(const TensorList& outputs, const TensorList& inputs, const TensorList& grad_outputs = {},
-                bool retain_graph = false, bool allow_unused = false);
+                std::optional<bool> retain_graph = std::nullopt, bool create_graph = false,
+                bool allow_unused = false);
 }  // namespace autograd
 
 // Runs `callback` when the backward pass running on this thread has run every node, before backward() returns

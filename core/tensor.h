@@ -149,8 +149,10 @@ class Tensor {
   // Leaves only: `hook` runs each time a backward pass has added into this tensor's .grad.
   HookHandle register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const;
   uint64_t version() const;  // bumped by each in-place write to the storage
-  // Backpropagates from this tensor. `gradient` may be left out for a single-element tensor.
-  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
+  // Backpropagates from this tensor. `gradient` may be left out for a single-element tensor. create_graph and
+  // retain_graph (which defaults to create_graph) as halfgrad::backward's (core/autograd.h).
+  void backward(const Tensor& gradient = Tensor(), std::optional<bool> retain_graph = std::nullopt,
+                bool create_graph = false) const;
 
   // ---- elementwise (ops/elementwise.cpp)
   Tensor add(const Tensor& other, const Scalar& alpha = 1) const;

@@ -50,7 +50,8 @@ namespace {
 void record_cast(const Tensor& t, const Tensor& out) {
   if (any_requires_grad({&t}) && is_floating(out.dtype())) {
     // The engine casts each gradient to its input's dtype: the gradient passes back unchanged otherwise.
-    record("ToBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+    record("ToBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; },
+           DoubleBackward::Supported);
   }
 }
 }  // namespace
@@ -76,7 +77,8 @@ Tensor Tensor::to(Device device) const {
   Tensor out = transfer(*this, device);
   if (any_requires_grad({this})) {
     Device from = this->device();
-    record("ToBackward", {*this}, {out}, [from](const GradContext& g) -> TensorList { return {g[0].to(from)}; });
+    record("ToBackward", {*this}, {out}, [from](const GradContext& g) -> TensorList { return {g[0].to(from)}; },
+           DoubleBackward::Supported);
   }
   return out;
 }
@@ -106,7 +108,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
     // src's device (a copy between devices, as PyTorch's).
     record("CopyBackward", {src, *this}, {*this}, [src_shape, src_device](const GradContext& g) -> TensorList {
       return {g.needs(0) ? sum_to(g[0], src_shape).to(src_device) : Tensor(), g.needs(1) ? zeros_like(g[0]) : Tensor()};
-    });
+    }, DoubleBackward::Supported);
     rebase_history(*this);
   }
   return *this;
@@ -117,7 +119,8 @@ Tensor Tensor::contiguous() const {
   Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
   copy_kernel[device()](out, *this);
   if (any_requires_grad({this})) {
-    record("ContiguousBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+    record("ContiguousBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; },
+           DoubleBackward::Supported);
   }
   return out;
 }
@@ -129,7 +132,8 @@ Tensor contiguous_aligned_rows(const Tensor& t) {
   Tensor out = empty(t.shape(), {.dtype = t.dtype(), .device = t.device()}, MemoryFormat::AlignedRows);
   copy_kernel[t.device()](out, t);
   if (any_requires_grad({&t})) {
-    record("ContiguousBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+    record("ContiguousBackward", {t}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; },
+           DoubleBackward::Supported);
   }
   return out;
 }
@@ -138,7 +142,8 @@ Tensor Tensor::clone() const {
   Tensor out = empty(shape(), {.dtype = dtype(), .device = device()}, suggest_memory_format(*this));
   copy_kernel[device()](out, *this);
   if (any_requires_grad({this})) {
-    record("CloneBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; });
+    record("CloneBackward", {*this}, {out}, [](const GradContext& g) -> TensorList { return {g[0]}; },
+           DoubleBackward::Supported);
   }
   return out;
 }

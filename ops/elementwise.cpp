@@ -157,10 +157,12 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   if (any_requires_grad({&x}) && y.is_floating_point()) {
     const char* name = op_name(op);
     SavedTensor sx(backward_uses_input(op) ? x : Tensor(), name);
-    SavedTensor sy(backward_uses_output(op) ? y : Tensor(), name);
+    SavedTensor sy = SavedTensor::output(backward_uses_output(op) ? y : Tensor(), name);
+    // The activations' one-kernel derivatives (unary_backward) record nothing to differentiate again.
+    const bool fused = op == UnaryOp::Gelu || op == UnaryOp::GeluTanh || op == UnaryOp::Silu;
     record(backward_name(name), {x}, {y}, [op, sx, sy](const GradContext& g) -> TensorList {
       return {unary_backward(op, g[0], sx.get(), sy.get())};
-    });
+    }, fused ? DoubleBackward::Refused : DoubleBackward::Supported);
   }
   return y;
 }
@@ -177,30 +179,30 @@ Tensor binary_as(BinaryOp op, const Tensor& a, const Tensor& b, DType common) {
     case BinaryOp::Add:
       record(backward_name(name), {a, b}, {out}, [sa, sb](const GradContext& g) -> TensorList {
         return {g.needs(0) ? sum_to(g[0], sa) : Tensor(), g.needs(1) ? sum_to(g[0], sb) : Tensor()};
-      });
+      }, DoubleBackward::Supported);
       break;
     case BinaryOp::Sub:
       record(backward_name(name), {a, b}, {out}, [sa, sb](const GradContext& g) -> TensorList {
         return {g.needs(0) ? sum_to(g[0], sa) : Tensor(), g.needs(1) ? sum_to(-g[0], sb) : Tensor()};
-      });
+      }, DoubleBackward::Supported);
       break;
     case BinaryOp::Mul: {
       SavedTensor A(b.requires_grad() ? a : Tensor(), name), B(a.requires_grad() ? b : Tensor(), name);
       record(backward_name(name), {a, b}, {out}, [A, B, sa, sb](const GradContext& g) -> TensorList {
         return {g.needs(0) ? sum_to(g[0] * B.get(), sa) : Tensor(), g.needs(1) ? sum_to(g[0] * A.get(), sb) : Tensor()};
-      });
+      }, DoubleBackward::Supported);
       break;
     }
     case BinaryOp::Div: {
-      SavedTensor B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
+      SavedTensor B(b, name), OUT = SavedTensor::output(b.requires_grad() ? out : Tensor(), name);
       record(backward_name(name), {a, b}, {out}, [B, OUT, sa, sb](const GradContext& g) -> TensorList {
         Tensor ga = g[0] / B.get();  // d(a/b)/da = 1/b ; d(a/b)/db = -a/b^2 = -(a/b)/b
         return {g.needs(0) ? sum_to(ga, sa) : Tensor(), g.needs(1) ? sum_to(-ga * OUT.get(), sb) : Tensor()};
-      });
+      }, DoubleBackward::Supported);
       break;
     }
     case BinaryOp::Pow: {
-      SavedTensor A(a, name), B(b, name), OUT(b.requires_grad() ? out : Tensor(), name);
+      SavedTensor A(a, name), B(b, name), OUT = SavedTensor::output(b.requires_grad() ? out : Tensor(), name);
       record(backward_name(name), {a, b}, {out}, [A, B, OUT, sa, sb](const GradContext& g) -> TensorList {
         // d a^b/da = b a^(b-1), 0 where b == 0 (a^0 is 1 everywhere, and 0 * 0^-1 would be nan); d a^b/db =
         // a^b log(a), 0 where a == 0 and b >= 0 (0 * -inf). As PyTorch's pow_backward, the factor is masked, not g:
@@ -216,7 +218,7 @@ Tensor binary_as(BinaryOp op, const Tensor& a, const Tensor& b, DType common) {
         if (g.needs(0)) ga = sum_to(g[0] * zero_where(b.eq(0), b * pow(a, b - 1)), sa);
         if (g.needs(1)) gb = sum_to(g[0] * where(logical_and(a.eq(0), b.ge(0)), 0, OUT.get() * log(a)), sb);
         return {ga, gb};
-      });
+      }, DoubleBackward::Supported);
       break;
     }
     case BinaryOp::Maximum:
@@ -232,7 +234,7 @@ Tensor binary_as(BinaryOp op, const Tensor& a, const Tensor& b, DType common) {
         auto share = [&](const Tensor& beaten) { return whole_or_half * (1 - beaten.to(dt)); };
         return {g.needs(0) ? sum_to(g[0] * share(is_max ? lt(a, b) : gt(a, b)), sa) : Tensor(),
                 g.needs(1) ? sum_to(g[0] * share(is_max ? gt(a, b) : lt(a, b)), sb) : Tensor()};
-      });
+      }, DoubleBackward::Supported);
       break;
     }
     default: HG_FAIL("{}: not differentiable", name);
@@ -463,7 +465,7 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
       if (min) inside = logical_and(inside, sx.get().ge(*min));
       if (max) inside = logical_and(inside, sx.get().le(*max));
       return {where(inside, g[0], 0)};
-    });
+    }, DoubleBackward::Supported);
   }
   return y;
 }
@@ -500,7 +502,7 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
     record("WhereBackward", {a, b}, {out}, [c, sa, sb](const GradContext& g) -> TensorList {
       return {g.needs(0) ? sum_to(where(c.get(), g[0], 0), sa) : Tensor(),
               g.needs(1) ? sum_to(where(c.get(), 0, g[0]), sb) : Tensor()};
-    });
+    }, DoubleBackward::Supported);
   }
   return out;
 }

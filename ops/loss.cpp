@@ -61,21 +61,24 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   HG_CHECK(is_floating(promote_types(input.dtype(), target.dtype())),
            "mse_loss: expected floating-point input and target, got {} and {}", input.meta(), target.meta());
 
-  Tensor diff, loss;
+  Tensor loss;
   {
     NoGradGuard no_grad;  // one node for the whole loss, recorded below
-    diff = input.sub(target);
+    const Tensor diff = input.sub(target);
     loss = reduce(diff.mul(diff), reduction);
   }
+  // backward: 2 (input - target) g (/ count), the difference formed again from what the caller holds anyway (as
+  // PyTorch's mse_loss_backward), rather than kept.
   record("MseLossBackward", {input, target}, {loss},
-         [diff, reduction, count = input.numel()](const GradContext& ctx) -> TensorList {
-           // diff is our own intermediate, which nothing else can write to: no SavedTensor needed.
+         [input_ = SavedTensor(input, "mse_loss"), target_ = SavedTensor(target, "mse_loss"), reduction,
+          count = input.numel()](const GradContext& ctx) -> TensorList {
            double scale = reduction == Reduction::Mean ? 2.0 / double(count) : 2.0;
-           Tensor grad = scaled_once(diff.mul(ctx[0]), scale);  // ctx[0] is 0-d for mean/sum: broadcasts
+           // ctx[0] is 0-d for mean/sum: broadcasts
+           Tensor grad = scaled_once(input_.get().sub(target_.get()).mul(ctx[0]), scale);
            Tensor grad_input = ctx.needs(0) ? grad : Tensor();
            Tensor grad_target = ctx.needs(1) ? grad.neg() : Tensor();
            return {grad_input, grad_target};
-         });
+         }, DoubleBackward::Supported);
   return loss;
 }
 

@@ -341,7 +341,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   Tensor out = matmul_forward(a, b);
   record("MatmulBackward", {a, b}, {out}, [saved = MatmulSaved(a, b, "MatmulBackward")](const GradContext& ctx) {
     return matmul_backward(ctx, saved);
-  });
+  }, DoubleBackward::Supported);
   return out;
 }
 
@@ -362,7 +362,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   Tensor out = matmul_forward(a, b);
   record("BmmBackward", {a, b}, {out}, [saved = MatmulSaved(a, b, "BmmBackward")](const GradContext& ctx) {
     return matmul_backward(ctx, saved);  // same batch: no broadcast sums happen
-  });
+  }, DoubleBackward::Supported);
   return out;
 }
 
@@ -432,7 +432,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
            }
            if (ctx.needs(2)) grad_b = g2.sum({0});  // db = g summed over the rows
            return {grad_x, grad_w, grad_b};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 

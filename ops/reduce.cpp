@@ -274,7 +274,7 @@ Tensor sum(const Tensor& x, Dims dims, bool keepdim) {
   // backward: every input element receives the gradient of the sum it went into.
   record("SumBackward", {x}, {out}, [mask = p.mask, keepdim, shape = x.shape()](const GradContext& g) -> TensorList {
     return {unsqueeze_reduced(g[0], mask, keepdim).expand(shape)};
-  });
+  }, DoubleBackward::Supported);
   return out;
 }
 
@@ -289,7 +289,7 @@ Tensor mean(const Tensor& x, Dims dims, bool keepdim) {
   record("MeanBackward", {x}, {out},
          [mask = p.mask, keepdim, shape = x.shape(), count = p.reduced](const GradContext& g) -> TensorList {
            return {unsqueeze_reduced(divided_by_count(g[0], count), mask, keepdim).expand(shape)};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -315,7 +315,7 @@ Tensor var(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
              return {where(deviation.eq(0.0), std::numeric_limits<double>::quiet_NaN(),
                            full_like(xs, std::numeric_limits<double>::infinity())).mul(grad)};
            return {scaled_once(deviation.mul(grad), 2.0 / double(count - correction))};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -331,10 +331,11 @@ Tensor std(const Tensor& x, Dims dims, int64_t correction, bool keepdim) {
     NoGradGuard no_grad;
     out = sqrt(variance);
   }
-  record("StdBackward", {variance}, {out}, [saved = SavedTensor(out, "std")](const GradContext& g) -> TensorList {
-    const Tensor& s = saved.get();
-    return {where(s.eq(0), 0, g[0].div(s.mul(2)))};
-  });
+  record("StdBackward", {variance}, {out},
+         [saved = SavedTensor::output(out, "std")](const GradContext& g) -> TensorList {
+           const Tensor& s = saved.get();
+           return {where(s.eq(0), 0, g[0].div(s.mul(2)))};
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -356,7 +357,7 @@ Tensor extreme_values(const char* name, const Tensor& x, const Dims& dims, bool 
   // Where the result is nan: max() and min() split it among the nans (PyTorch's evenly_distribute_backward); amax and
   // amin find no element equal to it and give the group nan (PyTorch's scale_grad_by_count: g / 0 * 0).
   record(backward_name(name), {x}, {out},
-         [saved_x = SavedTensor(x, name), saved_out = SavedTensor(out, name), mask = p.mask, keepdim,
+         [saved_x = SavedTensor(x, name), saved_out = SavedTensor::output(out, name), mask = p.mask, keepdim,
           nan_ties](const GradContext& g) -> TensorList {
            const Tensor& xs = saved_x.get();
            const Tensor result = unsqueeze_reduced(saved_out.get(), mask, keepdim);
@@ -367,7 +368,7 @@ Tensor extreme_values(const char* name, const Tensor& x, const Dims& dims, bool 
            const Tensor count = ties.sum(reduced_dims(mask), /*keepdim=*/true).to(kFloat32);
            const Tensor share = unsqueeze_reduced(g[0], mask, keepdim).div(count).to(xs.dtype());
            return {ties.to(xs.dtype()).mul(share)};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -398,7 +399,7 @@ std::pair<Tensor, Tensor> extreme_dim(const Tensor& x, int64_t dim, bool keepdim
   record(op == ReduceOp::Max ? "MaxDimBackward" : "MinDimBackward", {x}, {values, indices},
          [saved_indices = SavedTensor(indices, name), d, keepdim, shape = x.shape()](const GradContext& g) -> TensorList {
            return {picked_gradient(g[0], saved_indices.get(), d, keepdim, shape)};
-         });
+         }, DoubleBackward::Supported);
   return {values, indices};
 }
 

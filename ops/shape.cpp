@@ -60,12 +60,14 @@ Tensor flat_storage_view(const Tensor& t) {
 
 namespace {
 
-// A view op: the view, plus (when the input is in the graph) a node with the given backward.
+// A view op: the view, plus (when the input is in the graph) a node with the given backward, which every view op writes
+// with ops that record (DoubleBackward::Supported).
 Tensor view_op(const char* name, const Tensor& x, Shape shape, Shape strides, int64_t offset,
                std::function<Tensor(const Tensor&)> backward) {
   Tensor out = make_view(x, std::move(shape), std::move(strides), offset);
   if (any_requires_grad({&x})) {
-    record(backward_name(name), {x}, {out}, [backward](const GradContext& g) -> TensorList { return {backward(g[0])}; });
+    record(backward_name(name), {x}, {out}, [backward](const GradContext& g) -> TensorList { return {backward(g[0])}; },
+           DoubleBackward::Supported);
   }
   return out;
 }
@@ -248,7 +250,7 @@ std::vector<Tensor> pieces_along(const char* name, const Tensor& x, int64_t d, c
     TensorList grads;
     for (size_t i = 0; i < n; ++i) grads.push_back(g[i]);
     return {ranges ? cat(grads, d) : stack(grads, d)};
-  });
+  }, DoubleBackward::Supported);
   return pieces;
 }
 
@@ -415,7 +417,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
         at += sizes[i];
       }
       return grads;
-    });
+    }, DoubleBackward::Supported);
   }
   return out;
 }

@@ -12,6 +12,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/elementwise.h"
 
 namespace halfgrad {
 
@@ -44,12 +45,17 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log) {
   // backward, from the output y alone (x is not kept):
   //   softmax:     dx = y * (g - sum_j g_j y_j)
   //   log_softmax: dx = g - softmax(x) * sum_j g_j = g - exp(y) * sum_j g_j
-  record(backward_name(name), {x}, {out}, [saved = SavedTensor(out, name), s, log](const GradContext& g) -> TensorList {
-    const Tensor& y = saved.get();
-    Tensor grad_in = empty(y.shape(), {.dtype = y.dtype(), .device = y.device()});
-    if (y.numel() > 0) softmax_backward_kernel[y.device()](grad_in, g[0].to(y.dtype()).contiguous(), y, s, log);
-    return {grad_in};
-  });
+  // one kernel; in a pass with create_graph (grad mode on), the same formulas in ops that record.
+  record(backward_name(name), {x}, {out},
+         [saved = SavedTensor::output(out, name), s, d, log](const GradContext& g) -> TensorList {
+           const Tensor y = saved.get();
+           const Tensor gy = g[0].to(y.dtype());
+           if (GradMode::is_enabled())
+             return {log ? gy - exp(y) * gy.sum({d}, true) : y * (gy - (gy * y).sum({d}, true))};
+           Tensor grad_in = empty(y.shape(), {.dtype = y.dtype(), .device = y.device()});
+           if (y.numel() > 0) softmax_backward_kernel[y.device()](grad_in, gy.contiguous(), y, s, log);
+           return {grad_in};
+         }, DoubleBackward::Supported);
   return out;
 }
 

@@ -449,7 +449,7 @@ TEST_CASE("a graph is freed with the tensors that hold it, backward run or not: 
   }
 }
 
-TEST_CASE("a deep graph is freed without recursion: 100,000 in-place writes, a buffer filled row by row") {
+TEST_CASE("a deep graph is freed without recursion: 100,000 in-place writes, rows filled one by one, a product") {
   const Tensor w = ones({1}, {.dtype = kFloat64, .requires_grad = true});
   {
     Tensor x = w * 1;
@@ -461,6 +461,10 @@ TEST_CASE("a deep graph is freed without recursion: 100,000 in-place writes, a b
     Tensor rows = zeros({30000, 1}, {.dtype = kFloat64});
     for (int64_t i = 0; i < 30000; ++i) rows.select(0, i).copy_(w);
   }  // a chain of 90,000 nodes, freed unused
+  {
+    Tensor x = w * 1;
+    for (int i = 0; i < 100000; ++i) x = x * w;
+  }  // each node saved x, with the history of x: the node before it, held by the edge and what was saved (freed first)
 }
 
 TEST_CASE("an in-place write into an expanded view is refused: its elements share memory") {
@@ -764,7 +768,8 @@ TEST_CASE("autograd::grad refuses inputs without grad and unused inputs, unless 
   CHECK_THROWS_WITH_AS(autograd::grad({(x * 2).sum()}, {x, unused}),
                        doctest::Contains("autograd::grad: input 1 (float64[1] cpu) is not used in the graph of the "
                                          "outputs; pass allow_unused = true"), Error);
-  const TensorList g = autograd::grad({(x * 2).sum()}, {unused, x}, {}, false, /*allow_unused=*/true);
+  const TensorList g = autograd::grad({(x * 2).sum()}, {unused, x}, {}, false, /*create_graph=*/false,
+                                      /*allow_unused=*/true);
   CHECK(!g[0].defined());
   CHECK(values(g[1]) == std::vector<double>{2, 2});
   CHECK_THROWS_WITH_AS(autograd::grad({x * 2}, {x}), doctest::Contains("autograd::grad: a gradient can be left out "
@@ -838,7 +843,8 @@ TEST_CASE("autograd::grad: an output of a node that no gradient reached is unuse
   const std::vector<Tensor> p = x.split(2);
   CHECK_THROWS_WITH_AS(autograd::grad({p[0].sum()}, {p[1]}, {}, true), doctest::Contains("is not used in the graph"),
                        Error);
-  const TensorList g = autograd::grad({p[0].sum()}, {p[1], x}, {}, false, /*allow_unused=*/true);
+  const TensorList g = autograd::grad({p[0].sum()}, {p[1], x}, {}, false, /*create_graph=*/false,
+                                      /*allow_unused=*/true);
   CHECK(!g[0].defined());
   CHECK(values(g[1]) == std::vector<double>{1, 1, 0, 0});
 }

@@ -1,0 +1,295 @@
+// Higher-order gradients: a backward pass with create_graph records itself, so that its gradients can be
+// differentiated again (Hessian-vector products, gradient penalties), as libtorch's create_graph. Every op whose
+// backward supports it (DoubleBackward::Supported) is checked by gradgradcheck against finite differences of first
+// derivatives in float64; an op whose backward does not is an error naming it, and only where a second derivative
+// needs it.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "halfgrad.h"
+#include "tests/gradcheck.h"
+#include "tests/testing.h"
+
+using namespace halfgrad;
+using namespace halfgrad::testing;
+
+namespace {
+constexpr bool kCreateGraph = true;
+
+// The gradient of `y` by `x`, itself differentiable.
+Tensor differentiable_grad(const Tensor& y, const Tensor& x) {
+  return autograd::grad({y}, {x}, {}, std::nullopt, kCreateGraph)[0];
+}
+}  // namespace
+
+TEST_CASE("create_graph: the first three derivatives of x^3, exact, by x * x * x and by pow") {
+  for (bool by_pow : {false, true}) {
+    INFO((by_pow ? "pow(x, 3)" : "x * x * x"));
+    Tensor x = tensor<double>({2, -1}).requires_grad_();
+    const Tensor cube = by_pow ? pow(x, 3) : x * x * x;
+    const Tensor first = differentiable_grad(cube.sum(), x);  // 3 x^2
+    CHECK(values(first) == std::vector<double>{12, 3});
+    REQUIRE(first.requires_grad());
+    const Tensor second = differentiable_grad(first.sum(), x);  // 6 x
+    CHECK(values(second) == std::vector<double>{12, -6});
+    const Tensor third = autograd::grad({second.sum()}, {x})[0];  // 6
+    CHECK(values(third) == std::vector<double>{6, 6});
+    CHECK(!third.requires_grad());  // a pass without create_graph records nothing
+  }
+}
+
+TEST_CASE("backward(create_graph) leaves a .grad with a history, and keeps the graph unless told otherwise") {
+  Tensor x = tensor<double>({0, 1, 2}).requires_grad_();
+  const Tensor y = x.exp().sum();
+  y.backward(Tensor(), std::nullopt, kCreateGraph);
+  const Tensor first = x.grad();
+  REQUIRE(first.requires_grad());
+  check_close(values(first), {1, std::exp(1.0), std::exp(2.0)}, 1e-15);
+  // retain_graph defaulted to create_graph: the graph runs again. Without create_graph that pass adds into the .grad
+  // with a history in place (grad mode off, as PyTorch's AccumulateGrad).
+  y.backward();
+  CHECK(x.grad().same(first));
+  check_close(values(first), {2, 2 * std::exp(1.0), 2 * std::exp(2.0)}, 1e-15);
+  x.set_grad(Tensor());  // (the leaf and its .grad with a history hold each other until reset)
+}
+
+TEST_CASE("backward(create_graph) sums into a .grad out of place, the sum with both histories") {
+  Tensor x = tensor<double>({1, 2}).requires_grad_();
+  (x * x).sum().backward(Tensor(), std::nullopt, kCreateGraph);  // 2x
+  const Tensor after_first = x.grad();
+  (x * x * x).sum().backward(Tensor(), std::nullopt, kCreateGraph);  // + 3x^2
+  CHECK(values(after_first) == std::vector<double>{2, 4});  // not written: the sum is a new tensor
+  CHECK(values(x.grad()) == std::vector<double>{5, 16});
+  CHECK(values(autograd::grad({x.grad().sum()}, {x})[0]) == std::vector<double>{8, 14});  // 2 + 6x
+  x.set_grad(Tensor());  // (the leaf and its .grad with a history hold each other until reset)
+}
+
+TEST_CASE("gradgradcheck: unary elementwise ops") {
+  const Tensor x = leaf({2, 3});
+  const Tensor positive = leaf({2, 3}, 0.3, 1.5);
+  gradgradcheck([](const TensorList& in) { return -in[0]; }, {x});
+  gradgradcheck([](const TensorList& in) { return abs(in[0]) * in[0]; }, {x});
+  gradgradcheck([](const TensorList& in) { return exp(in[0]); }, {x});
+  gradgradcheck([](const TensorList& in) { return log(in[0]); }, {positive});
+  gradgradcheck([](const TensorList& in) { return sqrt(in[0]); }, {positive});
+  gradgradcheck([](const TensorList& in) { return rsqrt(in[0]); }, {positive});
+  gradgradcheck([](const TensorList& in) { return tanh(in[0]); }, {x});
+  gradgradcheck([](const TensorList& in) { return sigmoid(in[0]); }, {x});
+  gradgradcheck([](const TensorList& in) { return relu(in[0]) * in[0]; }, {x});
+  gradgradcheck([](const TensorList& in) { return erf(in[0]); }, {x});
+  gradgradcheck([](const TensorList& in) { return sign(in[0]) * in[0] * in[0]; }, {x});
+  gradgradcheck([](const TensorList& in) { return clamp(in[0], -0.5, 0.7) * in[0]; }, {x});
+}
+
+TEST_CASE("gradgradcheck: binary elementwise ops, broadcast, and where") {
+  const Tensor a = leaf({3, 1}), b = leaf({4});
+  const Tensor positive = leaf({3, 1}, 0.3, 1.5);
+  gradgradcheck([](const TensorList& in) { return (in[0] + in[1]) * in[0]; }, {a, b});
+  gradgradcheck([](const TensorList& in) { return add(in[0], in[1], 2.5) * in[1]; }, {a, b});
+  gradgradcheck([](const TensorList& in) { return (in[0] - in[1]) * (in[0] - in[1]); }, {a, b});
+  gradgradcheck([](const TensorList& in) { return in[0] * in[1]; }, {a, b});
+  gradgradcheck([](const TensorList& in) { return in[0] / in[1]; }, {a, leaf({4}, 0.3, 1.5)});
+  gradgradcheck([](const TensorList& in) { return 2.0 / in[0]; }, {positive});
+  gradgradcheck([](const TensorList& in) { return pow(in[0], in[1]); }, {positive, b});
+  gradgradcheck([](const TensorList& in) { return pow(in[0], 2.5); }, {positive});
+  gradgradcheck([](const TensorList& in) { return pow(1.7, in[0]); }, {a});
+  gradgradcheck([](const TensorList& in) { return maximum(in[0], in[1]) * in[0]; }, {a, b});
+  gradgradcheck([](const TensorList& in) { return minimum(in[0], in[1]) * in[1]; }, {a, b});
+  gradgradcheck([](const TensorList& in) { return where(in[0].gt(in[1]), in[0] * in[0], in[1] * in[0]); }, {a, b});
+  gradgradcheck([](const TensorList& in) { return masked_fill(in[0] * in[0], in[0].gt(0), 0.5); }, {a});
+}
+
+TEST_CASE("gradgradcheck: reductions") {
+  const Tensor x = leaf({3, 4});
+  gradgradcheck([](const TensorList& in) { return (in[0] * in[0]).sum(); }, {x});
+  gradgradcheck([](const TensorList& in) { return (in[0] * in[0]).sum({1}, true); }, {x});
+  gradgradcheck([](const TensorList& in) { return exp(in[0]).mean({0}); }, {x});
+  gradgradcheck([](const TensorList& in) { return in[0].var({1}); }, {x});
+  gradgradcheck([](const TensorList& in) { return in[0].std({1}); }, {x});
+  gradgradcheck([](const TensorList& in) { return in[0].std(); }, {x});
+  gradgradcheck([](const TensorList& in) { return amax(in[0] * in[0], {1}); }, {x});
+  gradgradcheck([](const TensorList& in) { return max(in[0] * in[0], 0).first; }, {x});
+}
+
+TEST_CASE("gradgradcheck: views, copies and joins") {
+  const Tensor x = leaf({2, 3}), y = leaf({2, 3});
+  auto squared = [](const Tensor& t) { return t * t; };
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).view({3, 2}); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).t().reshape({6}); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).permute({1, 0}).contiguous(); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).unsqueeze(1).expand({2, 4, 3}); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).slice(1, 0, 3, 2); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).select(0, 1); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).narrow(1, 1, 2).clone(); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).unsqueeze(0).squeeze(0); }, {x});
+  gradgradcheck([&](const TensorList& in) { return squared(in[0]).split(1, 1)[2] * in[1]; }, {x, y});
+  gradgradcheck([&](const TensorList& in) { return cat({squared(in[0]), in[0] * in[1]}, 1); }, {x, y});
+  gradgradcheck([&](const TensorList& in) { return stack({squared(in[0]), in[0] * in[1]}, 0); }, {x, y});
+  gradgradcheck([&](const TensorList& in) {
+    Tensor out = zeros({2, 3}, {.dtype = kFloat64});
+    return out.copy_(squared(in[0])) * in[1];
+  }, {x, y});
+}
+
+TEST_CASE("gradgradcheck: in-place writes into views (CopySlices), and views taken before them (AsStridedBackward)") {
+  const Tensor x = leaf({3, 4}), y = leaf({4});
+  gradgradcheck([](const TensorList& in) {
+    Tensor buffer = in[0] * 1;
+    buffer.select(0, 1).copy_(in[1] * in[1]);  // the base takes a CopySlices history
+    return buffer * buffer;
+  }, {x, y});
+  gradgradcheck([](const TensorList& in) {
+    Tensor buffer = in[0] * in[0];
+    const Tensor row = buffer.select(0, 2);  // taken before the write: its history is made again from the base's
+    buffer.slice(1, 0, 2).mul_(in[0].slice(1, 2, 4));
+    return row * row.sum();
+  }, {x});
+}
+
+TEST_CASE("create_graph through slice and select: a third derivative, exact") {
+  Tensor x = tensor<double>({1, 2, 3}).requires_grad_();
+  const Tensor y = pow(x.slice(0, 1, 3), 4).sum() + pow(x.select(0, 0), 4);  // every element to the fourth
+  const Tensor first = differentiable_grad(y, x);  // 4x^3
+  CHECK(values(first) == std::vector<double>{4, 32, 108});
+  const Tensor second = differentiable_grad(first.slice(0, 0, 2).sum() + first.select(0, 2), x);  // 12x^2
+  CHECK(values(second) == std::vector<double>{12, 48, 108});
+  const Tensor third = autograd::grad({second.sum()}, {x})[0];  // 24x
+  CHECK(values(third) == std::vector<double>{24, 48, 72});
+}
+
+TEST_CASE("gradgradcheck: matmul in every rank, bmm and linear") {
+  gradgradcheck([](const TensorList& in) { return matmul(in[0], in[1]); }, {leaf({2, 3}), leaf({3, 4})});
+  gradgradcheck([](const TensorList& in) { return matmul(in[0], in[1]); }, {leaf({3}), leaf({3})});
+  gradgradcheck([](const TensorList& in) { return matmul(in[0], in[1]); }, {leaf({3}), leaf({2, 3, 2})});
+  gradgradcheck([](const TensorList& in) { return matmul(in[0], in[1]); }, {leaf({2, 2, 3}), leaf({3, 2})});
+  gradgradcheck([](const TensorList& in) { return bmm(in[0], in[1]); }, {leaf({2, 2, 3}), leaf({2, 3, 2})});
+  gradgradcheck([](const TensorList& in) { return linear(in[0], in[1], in[2]); },
+                {leaf({2, 2, 3}), leaf({4, 3}), leaf({4})});
+}
+
+TEST_CASE("gradgradcheck: softmax, log_softmax and mse_loss") {
+  const Tensor x = leaf({2, 4}), target = leaf({2, 4});
+  gradgradcheck([](const TensorList& in) { return softmax(in[0], 1); }, {x});
+  gradgradcheck([](const TensorList& in) { return softmax(in[0] * in[0], 0); }, {x});
+  gradgradcheck([](const TensorList& in) { return log_softmax(in[0], 1); }, {x});
+  for (Reduction reduction : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    INFO(reduction_name(reduction));
+    gradgradcheck([&](const TensorList& in) { return mse_loss(in[0] * in[0], in[1], reduction); }, {x, target});
+  }
+}
+
+TEST_CASE("gradgradcheck: a Hessian-vector product through a two-layer tanh network") {
+  gradgradcheck([](const TensorList& in) {
+    return linear(tanh(linear(in[0], in[1], in[2])), in[3]).sum({1});
+  }, {leaf({3, 4}), leaf({5, 4}, 0.5), leaf({5}), leaf({2, 5}, 0.5)});
+}
+
+TEST_CASE("a gradient penalty (WGAN-GP) differentiates through the input gradient's graph") {
+  // loss = mean(D(x)) + 10 mean((|dD/dx| - 1)^2): its gradient by every weight passes through the first pass's
+  // graph. gradcheck differentiates the whole loss, create_graph pass included, by finite differences.
+  gradcheck([](const TensorList& in) {
+    const Tensor& x = in[0];
+    const Tensor critic = linear(tanh(linear(x, in[1], in[2])), in[3], in[4]);  // [batch, 1]
+    const Tensor input_grad = autograd::grad({critic.sum()}, {x}, {}, std::nullopt, kCreateGraph)[0];
+    const Tensor norm = sqrt((input_grad * input_grad).sum({1}));
+    return critic.mean() + 10 * ((norm - 1) * (norm - 1)).mean();
+  }, {leaf({3, 4}), leaf({5, 4}, 0.5), leaf({5}), leaf({1, 5}, 0.5), leaf({1})});
+}
+
+TEST_CASE("create_graph through an op whose backward does not support it: an error naming it, only where needed") {
+  Tensor x = leaf({2, 3});
+  const Tensor target = tensor<int64_t>({0, 2});
+  const Tensor first = differentiable_grad(cross_entropy(x * x, target), x);
+  // The first derivative is as a plain pass's, and carries a history that refuses to be differentiated.
+  const Tensor plain = autograd::grad({cross_entropy(x * x, target)}, {x})[0];
+  check_close(values(first), values(plain), 1e-15);
+  REQUIRE(first.requires_grad());
+  CHECK(contains(error_of([&] { autograd::grad({first.sum()}, {x}); }),
+                 "CrossEntropyBackward: the gradients it computed (in a pass with create_graph) cannot be "
+                 "differentiated again"));
+  // Second derivatives elsewhere are unaffected.
+  const Tensor z = differentiable_grad((x * x * x).sum(), x);
+  check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
+  // The activations' one-kernel derivatives refuse likewise.
+  const Tensor g = differentiable_grad(silu(x).sum(), x);
+  CHECK(contains(error_of([&] { autograd::grad({g.sum()}, {x}); }), "SiluBackward"));
+}
+
+TEST_CASE("create_graph leaves no reference cycle but a leaf's .grad, which resetting it breaks") {
+  std::weak_ptr<Node> forward_node, gradient_node, leaf_gradient_node;
+  std::weak_ptr<TensorImpl> leaf_impl;
+  {
+    Tensor x = leaf({3});
+    leaf_impl = x.impl_ptr();
+    const Tensor y = x.exp();  // exp's backward reads its saved output, whose history is exp's own node
+    forward_node = y.grad_fn();
+    const Tensor first = differentiable_grad(y.sum(), x);
+    gradient_node = first.grad_fn();
+    CHECK(values(autograd::grad({first.sum()}, {x})[0]) == values(y));
+    // backward's .grad leads back to the leaf, which holds it (PyTorch's cycle too): resetting .grad frees both.
+    (x * x).sum().backward(Tensor(), std::nullopt, kCreateGraph);
+    leaf_gradient_node = x.grad().grad_fn();
+    REQUIRE(!leaf_gradient_node.expired());
+    x.set_grad(Tensor());
+  }
+  CHECK(forward_node.expired());
+  CHECK(gradient_node.expired());
+  CHECK(leaf_gradient_node.expired());
+  CHECK(leaf_impl.expired());
+}
+
+TEST_CASE("create_graph: hooks and retain_grad see differentiable gradients") {
+  Tensor x = tensor<double>({1, 3}).requires_grad_();
+  const Tensor h = x * x;
+  h.retain_grad();
+  Tensor seen;
+  h.register_hook([&](const Tensor& g) {
+    seen = g;
+    return g * 2;
+  });
+  (h * x).sum().backward(Tensor(), std::nullopt, kCreateGraph);  // dh = x (then doubled by the hook)
+  REQUIRE(seen.requires_grad());
+  CHECK(values(seen) == std::vector<double>{1, 3});
+  CHECK(values(h.grad()) == std::vector<double>{2, 6});
+  REQUIRE(h.grad().requires_grad());
+  // .grad of x: h + dh 2x = x^2 + 2x * 2x = 5x^2 (dh doubled by the hook).
+  CHECK(values(x.grad()) == std::vector<double>{5, 45});
+  // By x: the first term, h itself, passes its gradient through h's node, whose hook doubles it again (the hook is
+  // the tensor's, in every pass, as PyTorch's): 2 * 2x; the second, 4x^2 with the hook inside: 8x. 12x in all.
+  CHECK(values(autograd::grad({x.grad().sum()}, {x})[0]) == std::vector<double>{12, 36});
+  x.set_grad(Tensor());
+}
+
+TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, softmax and mse_loss equals the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorList weights = {randn({32, 16}) * 0.3, randn({32}), randn({4, 32}) * 0.3};
+  const TensorList directions = {randn({32, 16}), randn({32}), randn({4, 32})};
+  const Tensor x = randn({8, 16}), target = randn({8, 4});
+  // H v for the loss by the weights: the gradient's projection on v, differentiated again.
+  auto hessian_vector_product = [&](Device device, DType dtype) {
+    TensorList w, v;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      w.push_back(weights[i].to(device, dtype).clone().requires_grad_());
+      v.push_back(directions[i].to(device, dtype));
+    }
+    const Tensor hidden = softmax(tanh(linear(x.to(device, dtype), w[0], w[1])), 1);
+    const Tensor loss = mse_loss(linear(hidden, w[2]), target.to(device, dtype));
+    const TensorList g = autograd::grad({loss}, w, {}, std::nullopt, /*create_graph=*/true);
+    Tensor projected = (g[0] * v[0]).sum() + (g[1] * v[1]).sum() + (g[2] * v[2]).sum();
+    return autograd::grad({projected}, w);
+  };
+  for (DType dtype : {kFloat64, kFloat32}) {
+    INFO(dtype_name(dtype));
+    const TensorList on_gpu = hessian_vector_product(Device::cuda(0), dtype);
+    const TensorList on_cpu = hessian_vector_product(Device::cpu(), dtype);
+    for (size_t i = 0; i < on_cpu.size(); ++i) {
+      INFO("weight " << i);
+      REQUIRE(on_gpu[i].device() == Device::cuda(0));
+      check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), dtype == kFloat64 ? 1e-12 : 1e-4);
+    }
+  }
+}
