@@ -211,10 +211,16 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
     SavedTensor saved_input(weight.requires_grad() ? input : Tensor(), "Conv2dBackward");
     SavedTensor saved_weight(input.requires_grad() ? weight : Tensor(), "Conv2dBackward");
     record("Conv2dBackward", {input, weight, bias}, {out},
-           [saved_input, saved_weight, input_shape = input.shape(), weight_shape = weight.shape(), params,
+           [saved_input, saved_weight, input_shape = input.shape(), weight_shape = weight.shape(), options, params,
             format](const GradContext& ctx) -> TensorList {
              const Tensor& g = ctx[0];  // [N, O, OH, OW]
              Tensor grad_input, grad_weight, grad_bias;
+             if (ctx.needs(2)) grad_bias = g.sum({0, 2, 3});
+             if (GradMode::is_enabled()) {  // a pass with create_graph: the two halves as the ops that record
+               if (ctx.needs(0)) grad_input = conv2d_backward_input(g, saved_weight.get(), input_shape, options);
+               if (ctx.needs(1)) grad_weight = conv2d_backward_weight(g, saved_input.get(), weight_shape, options);
+               return {grad_input, grad_weight, grad_bias};
+             }
              if (ctx.needs(0)) {
                // The input's gradient from its other consumers (a residual block's shortcut), where the engine hands
                // it over in this layout: the kernel adds into it, which spares the engine's add of the two.
@@ -226,9 +232,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, con
                    input_gradient(g, saved_weight.get(), input_shape, params, format, add_into ? sum : Tensor());
              }
              if (ctx.needs(1)) grad_weight = weight_gradient(g, saved_input.get(), weight_shape, params, format);
-             if (ctx.needs(2)) grad_bias = g.sum({0, 2, 3});
              return {grad_input, grad_weight, grad_bias};
-           });
+           }, DoubleBackward::Supported);
   }
   return out;
 }
@@ -260,7 +265,18 @@ Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_input: grad_output {} does not match the output {} of input {} with weight {}",
            grad_output.meta(), shape_str(expected), shape_str(input_shape), weight.meta());
-  return input_gradient(grad_output, weight, input_shape, params_of(options), suggest_memory_format(grad_output));
+  Tensor grad =
+      input_gradient(grad_output, weight, input_shape, params_of(options), suggest_memory_format(grad_output));
+  // backward: linear in each operand, <h, dx(g, w)> = <conv2d(h, w), g> = <w, dw(g, h)>.
+  record(backward_name(op), {grad_output, weight}, {grad},
+         [saved_g = SavedTensor(weight.requires_grad() ? grad_output : Tensor(), op),
+          saved_w = SavedTensor(grad_output.requires_grad() ? weight : Tensor(), op), weight_shape = weight.shape(),
+          options](const GradContext& ctx) -> TensorList {
+           const Tensor& h = ctx[0];  // input-shaped
+           return {ctx.needs(0) ? conv2d(h, saved_w.get(), Tensor(), options) : Tensor(),
+                   ctx.needs(1) ? conv2d_backward_weight(saved_g.get(), h, weight_shape, options) : Tensor()};
+         }, DoubleBackward::Supported);
+  return grad;
 }
 
 Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,
@@ -276,7 +292,17 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, co
   HG_CHECK(grad_output.shape() == expected,
            "conv2d_backward_weight: grad_output {} does not match the output {} of input {} with weight shape {}",
            grad_output.meta(), shape_str(expected), input.meta(), shape_str(weight_shape));
-  return weight_gradient(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
+  Tensor grad = weight_gradient(grad_output, input, weight_shape, params_of(options), suggest_memory_format(input));
+  // backward: linear in each operand, <H, dw(g, x)> = <conv2d(x, H), g> = <x, dx(g, H)>.
+  record(backward_name(op), {grad_output, input}, {grad},
+         [saved_g = SavedTensor(input.requires_grad() ? grad_output : Tensor(), op),
+          saved_x = SavedTensor(grad_output.requires_grad() ? input : Tensor(), op), input_shape = input.shape(),
+          options](const GradContext& ctx) -> TensorList {
+           const Tensor& h = ctx[0];  // weight-shaped
+           return {ctx.needs(0) ? conv2d(saved_x.get(), h, Tensor(), options) : Tensor(),
+                   ctx.needs(1) ? conv2d_backward_input(saved_g.get(), h, input_shape, options) : Tensor()};
+         }, DoubleBackward::Supported);
+  return grad;
 }
 
 // ---- pointwise convolutions as GEMMs (used by the CPU and the CUDA kernels)

@@ -6,6 +6,7 @@
 //   Conv2dBackward (node)  ->  conv2d_backward_input_kernel[device]   CUDA: cuDNN's graph API, engines autotuned
 //                          ->  conv2d_backward_weight_kernel[device]        once per problem, cached (ops/conv.cu)
 //                          ->  grad_output.sum({0, 2, 3}) for the bias
+//                              (with create_graph: conv2d_backward_input / _weight, which record)
 //
 // channels_last: halfgrad tensors are strided, so an NHWC tensor is a [N, C, H, W] tensor whose strides are
 // [H*W*C, 1, W*C, C]. conv2d keeps the layout of its input: a channels_last input gives a channels_last
@@ -52,9 +53,10 @@ struct Conv2dOptions {
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias = Tensor(),
               const Conv2dOptions& options = {});
 
-// The two halves of conv2d's backward pass, as torch.nn.grad.conv2d_input / conv2d_weight (not
-// differentiable themselves). The gradient has the memory format suggested by grad_output (input grad)
-// or input (weight grad).
+// The two halves of conv2d's backward pass, as torch.nn.grad.conv2d_input / conv2d_weight. The gradient has the
+// memory format suggested by grad_output (input grad) or input (weight grad). Differentiable (each one's backward is
+// conv2d and the other): what conv2d's backward runs in a pass with create_graph, so that its gradients can be
+// differentiated again, to any order.
 Tensor conv2d_backward_input(const Tensor& grad_output, const Tensor& weight, const Shape& input_shape,
                              const Conv2dOptions& options = {});
 Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, const Shape& weight_shape,

@@ -149,6 +149,32 @@ Tensor max_pool2d(const Tensor& input, Pair2d kernel_size, const MaxPool2dOption
 
 // ---- avg_pool2d. Autocast category: "unchanged".
 
+namespace {
+Tensor avg_unpooled(const Tensor& g, const Shape& input_shape, const Pool2dParams& p, MemoryFormat format);
+
+// The pooling (the kernel, a `shape` result laid out as `format`) and its transpose, each the other's backward: linear,
+// so differentiable to any order (a pass with create_graph records the transpose).
+Tensor avg_pooled(const Tensor& input, const Shape& shape, const Pool2dParams& p, MemoryFormat format) {
+  Tensor out = empty(shape, like(input, input.dtype()), format);
+  if (out.numel() > 0) avg_pool2d_kernel[input.device()](out, input, p);
+  record("AvgPool2dBackward", {input}, {out},
+         [input_shape = input.shape(), p, format](const GradContext& ctx) -> TensorList {
+           return {avg_unpooled(ctx[0], input_shape, p, format)};
+         }, DoubleBackward::Supported);
+  return out;
+}
+
+Tensor avg_unpooled(const Tensor& g, const Shape& input_shape, const Pool2dParams& p, MemoryFormat format) {
+  Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
+  if (grad_input.numel() > 0) avg_pool2d_backward_kernel[g.device()](grad_input, g, p);
+  record("AvgPool2dBackwardBackward", {g}, {grad_input},
+         [shape = g.shape(), p, format = suggest_memory_format(g)](const GradContext& ctx) -> TensorList {
+           return {avg_pooled(ctx[0], shape, p, format)};
+         }, DoubleBackward::Supported);
+  return grad_input;
+}
+}  // namespace
+
 Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOptions& options) {
   HG_AUTOCAST(avg_pool2d, input, kernel_size, options);
   HG_CHECK(input.defined(), "avg_pool2d: got an undefined input");
@@ -162,22 +188,41 @@ Tensor avg_pool2d(const Tensor& input, Pair2d kernel_size, const AvgPool2dOption
     p.divisor_override = *options.divisor_override;
   }
   const Shape shape = pooled_shape("avg_pool2d", input, p, options.ceil_mode);
-  const MemoryFormat format = suggest_memory_format(input);
-  Tensor out = empty(shape, like(input, input.dtype()), format);
-  if (out.numel() > 0) avg_pool2d_kernel[input.device()](out, input, p);
-
-  if (!any_requires_grad({&input})) return out;
-  record("AvgPool2dBackward", {input}, {out},
-         [input_shape = input.shape(), p, format](const GradContext& ctx) -> TensorList {
-           const Tensor& g = ctx[0];
-           Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
-           if (grad_input.numel() > 0) avg_pool2d_backward_kernel[g.device()](grad_input, g, p);
-           return {grad_input};
-         });
-  return out;
+  return avg_pooled(input, shape, p, suggest_memory_format(input));
 }
 
 // ---- adaptive_avg_pool2d. Autocast category: "unchanged".
+
+namespace {
+Tensor adaptive_avg_unpooled(const Tensor& g, const Shape& input_shape, MemoryFormat format);
+
+// As avg_pooled and avg_unpooled: the pooling and its transpose, each the other's backward.
+Tensor adaptive_avg_pooled(const Tensor& input, const Shape& shape, MemoryFormat format) {
+  Tensor out = empty(shape, like(input, input.dtype()), format);
+  if (out.numel() > 0) adaptive_avg_pool2d_kernel[input.device()](out, input);
+  record("AdaptiveAvgPool2dBackward", {input}, {out},
+         [input_shape = input.shape(), format](const GradContext& ctx) -> TensorList {
+           return {adaptive_avg_unpooled(ctx[0], input_shape, format)};
+         }, DoubleBackward::Supported);
+  return out;
+}
+
+Tensor adaptive_avg_unpooled(const Tensor& g, const Shape& input_shape, MemoryFormat format) {
+  Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
+  if (grad_input.numel() > 0) {
+    if (g.numel() == 0) {
+      grad_input.zero_();
+    } else {
+      adaptive_avg_pool2d_backward_kernel[g.device()](grad_input, g);
+    }
+  }
+  record("AdaptiveAvgPool2dBackwardBackward", {g}, {grad_input},
+         [shape = g.shape(), format = suggest_memory_format(g)](const GradContext& ctx) -> TensorList {
+           return {adaptive_avg_pooled(ctx[0], shape, format)};
+         }, DoubleBackward::Supported);
+  return grad_input;
+}
+}  // namespace
 
 Tensor adaptive_avg_pool2d(const Tensor& input, Pair2d output_size) {
   HG_AUTOCAST(adaptive_avg_pool2d, input, output_size);
@@ -189,21 +234,7 @@ Tensor adaptive_avg_pool2d(const Tensor& input, Pair2d output_size) {
            "adaptive_avg_pool2d: output_size must be non-negative, got {} (input {})", pair_str(output_size),
            input.meta());
   const Shape shape{input.size(0), input.size(1), output_size[0], output_size[1]};
-  const MemoryFormat format = suggest_memory_format(input);
-  Tensor out = empty(shape, like(input, input.dtype()), format);
-  if (out.numel() > 0) adaptive_avg_pool2d_kernel[input.device()](out, input);
-
-  if (!any_requires_grad({&input})) return out;
-  record("AdaptiveAvgPool2dBackward", {input}, {out},
-         [input_shape = input.shape(), format](const GradContext& ctx) -> TensorList {
-           const Tensor& g = ctx[0];
-           Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
-           if (grad_input.numel() == 0) return {grad_input};
-           if (g.numel() == 0) return {grad_input.zero_()};
-           adaptive_avg_pool2d_backward_kernel[g.device()](grad_input, g);
-           return {grad_input};
-         });
-  return out;
+  return adaptive_avg_pooled(input, shape, suggest_memory_format(input));
 }
 
 // ---- CPU kernels: OpenMP over the N*C planes; each plane addressed through the tensors' strides.

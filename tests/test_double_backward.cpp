@@ -182,6 +182,28 @@ TEST_CASE("gradgradcheck: softmax, log_softmax and mse_loss") {
   }
 }
 
+TEST_CASE("gradgradcheck: conv2d (strided, padded, dilated, grouped) and its two backward halves") {
+  const Conv2dOptions options{.stride = {2, 1}, .padding = {1, 0}, .dilation = {1, 2}, .groups = 2};
+  const Tensor x = leaf({2, 4, 5, 6}), w = leaf({6, 2, 3, 2}), b = leaf({6});
+  gradgradcheck([&](const TensorList& in) { return conv2d(in[0], in[1], in[2], options); }, {x, w, b});
+  gradgradcheck([](const TensorList& in) { return conv2d(in[0] * in[0], in[1]); },
+                {leaf({1, 2, 4, 4}), leaf({3, 2, 2, 2})});
+  // The halves conv2d's backward runs in a pass with create_graph: a third derivative of conv2d is their second.
+  const Tensor g = leaf(conv2d(x, w, b, options).shape());
+  gradgradcheck([&](const TensorList& in) { return conv2d_backward_input(in[0], in[1], x.shape(), options); }, {g, w});
+  gradgradcheck([&](const TensorList& in) { return conv2d_backward_weight(in[0], in[1], w.shape(), options); }, {g, x});
+}
+
+TEST_CASE("gradgradcheck: avg_pool2d and adaptive_avg_pool2d") {
+  const Tensor x = leaf({2, 3, 5, 7});
+  gradgradcheck([](const TensorList& in) { return avg_pool2d(in[0] * in[0], {3, 2}); }, {x});
+  gradgradcheck([](const TensorList& in) {
+    return avg_pool2d(in[0] * in[0], {3, 3}, {.stride = {2, 2}, .padding = {1, 1}, .ceil_mode = true,
+                                           .count_include_pad = false});
+  }, {x});
+  gradgradcheck([](const TensorList& in) { return adaptive_avg_pool2d(in[0] * in[0], {2, 3}); }, {x});
+}
+
 TEST_CASE("gradgradcheck: a Hessian-vector product through a two-layer tanh network") {
   gradgradcheck([](const TensorList& in) {
     return linear(tanh(linear(in[0], in[1], in[2])), in[3]).sum({1});
@@ -198,6 +220,17 @@ TEST_CASE("a gradient penalty (WGAN-GP) differentiates through the input gradien
     const Tensor norm = sqrt((input_grad * input_grad).sum({1}));
     return critic.mean() + 10 * ((norm - 1) * (norm - 1)).mean();
   }, {leaf({3, 4}), leaf({5, 4}, 0.5), leaf({5}), leaf({1, 5}, 0.5), leaf({1})});
+}
+
+TEST_CASE("a gradient penalty through a convolutional critic (conv2d, relu, avg_pool2d, linear)") {
+  gradcheck([](const TensorList& in) {
+    const Tensor& x = in[0];
+    const Tensor features = avg_pool2d(relu(conv2d(x, in[1], in[2], {.padding = {1, 1}})), {2, 2});
+    const Tensor critic = linear(features.reshape({x.size(0), -1}), in[3]);  // [batch, 1]
+    const Tensor input_grad = autograd::grad({critic.sum()}, {x}, {}, std::nullopt, kCreateGraph)[0];
+    const Tensor norm = sqrt((input_grad * input_grad).sum({1, 2, 3}));
+    return critic.mean() + 10 * ((norm - 1) * (norm - 1)).mean();
+  }, {leaf({2, 2, 4, 4}), leaf({3, 2, 3, 3}, 0.5), leaf({3}), leaf({1, 12}, 0.5)});
 }
 
 TEST_CASE("create_graph through an op whose backward does not support it: an error naming it, only where needed") {
@@ -290,6 +323,33 @@ TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, s
       INFO("weight " << i);
       REQUIRE(on_gpu[i].device() == Device::cuda(0));
       check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), dtype == kFloat64 ? 1e-12 : 1e-4);
+    }
+  }
+}
+
+TEST_CASE("cuda: a gradient penalty through a convolutional critic equals the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorList weights = {randn({8, 3, 3, 3}, {.dtype = kFloat64}) * 0.3, randn({8}, {.dtype = kFloat64}),
+                              randn({1, 8 * 4 * 4}, {.dtype = kFloat64}) * 0.1};
+  const Tensor x = randn({4, 3, 8, 8}, {.dtype = kFloat64});
+  auto weight_gradients = [&](Device device, MemoryFormat format) {
+    TensorList w;
+    for (const Tensor& t : weights) w.push_back(t.to(device).clone().requires_grad_());
+    const Tensor input = contiguous(x.to(device), format).detach().requires_grad_();
+    const Tensor features = avg_pool2d(relu(conv2d(input, w[0], w[1], {.padding = {1, 1}})), {2, 2});
+    const Tensor critic = linear(features.reshape({4, -1}), w[2]);
+    const Tensor input_grad = autograd::grad({critic.sum()}, {input}, {}, std::nullopt, /*create_graph=*/true)[0];
+    const Tensor norm = sqrt((input_grad * input_grad).sum({1, 2, 3}));
+    const Tensor loss = critic.mean() + 10 * ((norm - 1) * (norm - 1)).mean();
+    return autograd::grad({loss}, w);
+  };
+  const TensorList on_cpu = weight_gradients(Device::cpu(), MemoryFormat::Contiguous);
+  for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+    INFO(memory_format_name(format));
+    const TensorList on_gpu = weight_gradients(Device::cuda(0), format);
+    for (size_t i = 0; i < on_cpu.size(); ++i) {
+      INFO("weight " << i);
+      check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), 1e-10);
     }
   }
 }
