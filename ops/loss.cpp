@@ -154,6 +154,16 @@ NllProblem nll_problem(const Tensor& input, const Tensor& target, const Tensor& 
   return p;
 }
 
+// The targets' rows weighted by the incoming gradient, w[t_j] g_j at class t_j of element j and 0 elsewhere (0 at
+// ignored targets: `element_weights` holds the forward's w[t_j], 0 there), [batch, classes, inner] in `acc`, from ops
+// that record: what the backwards below compute in a pass with create_graph (their kernels otherwise).
+Tensor weighted_targets(const Tensor& g, const Tensor& target, const Tensor& element_weights, int64_t batch,
+                        int64_t classes, int64_t inner, DType acc) {
+  const Tensor class_of = arange(classes, {.dtype = kInt64, .device = target.device()}).view({1, classes, 1});
+  const Tensor one_hot = class_of.eq(target.view({batch, 1, inner})).to(acc);
+  return one_hot * (g.to(acc).reshape({batch, 1, inner}) * element_weights.view({batch, 1, inner}));
+}
+
 // `input` holds log-probabilities (nll_loss).
 NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
                          const char* op) {
@@ -170,9 +180,11 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
 
   // backward: the gradient of loss_j goes to input[j, t_j] only: d loss_j / d input[j, t_j] = -w[t_j].
   record("NllLossBackward", {input}, {loss},
-         [t = SavedTensor(p.target, op), w = SavedTensor(p.weight, op), ignore_index, shape = input.shape(),
+         [t = SavedTensor(p.target, op), w = SavedTensor(p.weight, op), weights, ignore_index, shape = input.shape(),
           dtype = input.dtype(), acc, batch, classes, inner](const GradContext& g) -> TensorList {
            const Tensor& target_ = t.get();
+           if (GradMode::is_enabled())
+             return {weighted_targets(g[0], target_, weights, batch, classes, inner, acc).neg().to(dtype).view(shape)};
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(shape, {.dtype = dtype, .device = target_.device()});
            if (grad_input.numel() > 0) {
@@ -180,7 +192,7 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
                                                         target_.view({batch, inner}), w.get(), ignore_index);
            }
            return {grad_input};
-         });
+         }, DoubleBackward::Supported);
   return {loss, weights, p.target, p.weight, batch, classes, inner};
 }
 
@@ -237,10 +249,20 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
   // The closure holds what the backward reads, never e.loss: the node's own output would keep the node alive
   // through its grad_fn, a cycle that leaked every graph not run backward (LeakSanitizer, make sanitize). The logits,
   // targets and weight may be the caller's own tensors (nothing needed a copy): saved with their versions.
+  // The input itself is saved (its history for a pass with create_graph; the same memory as the logits where those
+  // needed no copy).
   record("CrossEntropyBackward", {input}, {e.loss},
-         [x = SavedTensor(logits, op), row_max, log_sum, t = SavedTensor(e.target, op), w = SavedTensor(e.weight, op),
-          acc = p.acc, batch, classes, inner, ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
-           const Tensor& logits_ = x.get();
+         [x = SavedTensor(input, op), row_max, log_sum, t = SavedTensor(e.target, op), w = SavedTensor(e.weight, op),
+          weights = e.weights, acc = p.acc, batch, classes, inner,
+          ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
+           if (GradMode::is_enabled()) {  // d loss_j / d x[j, c] = w[t_j] (softmax(x_j)[c] - [c == t_j])
+             const Tensor x_ = x.get();
+             const Tensor probs = softmax(x_.to(acc).reshape({batch, classes, inner}), 1);
+             const Tensor scale = g[0].to(acc).reshape({batch, 1, inner}) * weights.view({batch, 1, inner});
+             const Tensor grad = probs * scale - weighted_targets(g[0], t.get(), weights, batch, classes, inner, acc);
+             return {grad.to(x_.dtype()).view(x_.shape())};
+           }
+           const Tensor logits_ = x.get().contiguous();
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(logits_.shape(), {.dtype = logits_.dtype(), .device = logits_.device()});
            if (grad_input.numel() > 0) {
@@ -249,7 +271,7 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
                                                              t.get().view({batch, inner}), w.get(), ignore_index);
            }
            return {grad_input};
-         });
+         }, DoubleBackward::Supported);
   return reduce_nll(e, options.reduction).to(result);
 }
 

@@ -182,6 +182,28 @@ TEST_CASE("gradgradcheck: softmax, log_softmax and mse_loss") {
   }
 }
 
+TEST_CASE("gradgradcheck: cross_entropy and nll_loss (class weights, ignored targets, smoothing, probabilities)") {
+  const Tensor logits = leaf({3, 4}), spatial = leaf({2, 4, 3}), weight = tensor<double>({0.5, 1.0, 2.0, 1.5});
+  const Tensor target = tensor<int64_t>({1, 3, 0}), ignored = tensor<int64_t>({1, -100, 0});
+  const Tensor spatial_target = tensor<int64_t>({0, 3, 2, 1, 1, 0}).view({2, 3});
+  for (Reduction reduction : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    INFO(reduction_name(reduction));
+    gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], target, {.reduction = reduction}); },
+                  {logits});
+    gradgradcheck([&](const TensorList& in) {
+      return cross_entropy(in[0] * in[0], ignored, {.weight = weight, .reduction = reduction});
+    }, {logits});
+    gradgradcheck([&](const TensorList& in) {
+      return nll_loss(log_softmax(in[0] * in[0], 1), ignored, {.weight = weight, .reduction = reduction});
+    }, {logits});
+  }
+  gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], spatial_target, {.weight = weight}); },
+                {spatial});
+  gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], target, {.label_smoothing = 0.1}); },
+                {logits});
+  gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], softmax(in[1], 1)); }, {logits, leaf({3, 4})});
+}
+
 TEST_CASE("gradgradcheck: conv2d (strided, padded, dilated, grouped) and its two backward halves") {
   const Conv2dOptions options{.stride = {2, 1}, .padding = {1, 0}, .dilation = {1, 2}, .groups = 2};
   const Tensor x = leaf({2, 4, 5, 6}), w = leaf({6, 2, 3, 2}), b = leaf({6});
@@ -234,15 +256,14 @@ TEST_CASE("a gradient penalty through a convolutional critic (conv2d, relu, avg_
 }
 
 TEST_CASE("create_graph through an op whose backward does not support it: an error naming it, only where needed") {
-  Tensor x = leaf({2, 3});
-  const Tensor target = tensor<int64_t>({0, 2});
-  const Tensor first = differentiable_grad(cross_entropy(x * x, target), x);
+  Tensor x = leaf({1, 2, 4, 4});
+  const Tensor first = differentiable_grad(max_pool2d(x * x, {2, 2}).sum(), x);
   // The first derivative is as a plain pass's, and carries a history that refuses to be differentiated.
-  const Tensor plain = autograd::grad({cross_entropy(x * x, target)}, {x})[0];
+  const Tensor plain = autograd::grad({max_pool2d(x * x, {2, 2}).sum()}, {x})[0];
   check_close(values(first), values(plain), 1e-15);
   REQUIRE(first.requires_grad());
   CHECK(contains(error_of([&] { autograd::grad({first.sum()}, {x}); }),
-                 "CrossEntropyBackward: the gradients it computed (in a pass with create_graph) cannot be "
+                 "MaxPool2dBackward: the gradients it computed (in a pass with create_graph) cannot be "
                  "differentiated again"));
   // Second derivatives elsewhere are unaffected.
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
@@ -297,11 +318,11 @@ TEST_CASE("create_graph: hooks and retain_grad see differentiable gradients") {
   x.set_grad(Tensor());
 }
 
-TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, softmax and mse_loss equals the CPU's") {
+TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, softmax, two losses equals the CPU's") {
   SKIP_WITHOUT_GPU();
   const TensorList weights = {randn({32, 16}) * 0.3, randn({32}), randn({4, 32}) * 0.3};
   const TensorList directions = {randn({32, 16}), randn({32}), randn({4, 32})};
-  const Tensor x = randn({8, 16}), target = randn({8, 4});
+  const Tensor x = randn({8, 16}), target = randn({8, 4}), labels = tensor<int64_t>({0, 3, 1, 2, 2, 0, 1, 3});
   // H v for the loss by the weights: the gradient's projection on v, differentiated again.
   auto hessian_vector_product = [&](Device device, DType dtype) {
     TensorList w, v;
@@ -310,7 +331,8 @@ TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, s
       v.push_back(directions[i].to(device, dtype));
     }
     const Tensor hidden = softmax(tanh(linear(x.to(device, dtype), w[0], w[1])), 1);
-    const Tensor loss = mse_loss(linear(hidden, w[2]), target.to(device, dtype));
+    const Tensor out = linear(hidden, w[2]);
+    const Tensor loss = mse_loss(out, target.to(device, dtype)) + cross_entropy(out, labels.to(device));
     const TensorList g = autograd::grad({loss}, w, {}, std::nullopt, /*create_graph=*/true);
     Tensor projected = (g[0] * v[0]).sum() + (g[1] * v[1]).sum() + (g[2] * v[2]).sum();
     return autograd::grad({projected}, w);
