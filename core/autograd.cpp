@@ -659,7 +659,8 @@ void run_backward(const TensorList& outputs, const TensorList& grad_outputs, boo
   HG_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
            "{}: got {} tensors and {} gradients", op, outputs.size(), grad_outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) HG_CHECK(outputs[i].defined(), "{}: tensor {} is undefined", op, i);
-  // Backward functions are not themselves recorded, but with create_graph; then nor are those that do not support it.
+  // Backward functions are not recorded, but in a pass with create_graph, where those that support it are (the others
+  // run with grad mode off, below).
   struct GradModeScope {
     bool outer;
     ~GradModeScope() { GradMode::set_enabled(outer); }

@@ -12,7 +12,7 @@
 //
 // Backward functions are written with tensor ops, so they run on any device and dtype. The engine runs them
 // with grad mode off, after all gradients flowing into a node have been summed; in a pass with create_graph, an op
-// whose backward is written only with ops that record (DoubleBackward::Supported) runs it with grad mode on, so the
+// whose backward then computes with ops that record (DoubleBackward::Supported) runs it with grad mode on, so the
 // gradients it returns have a history of their own and can be differentiated again.
 #include <functional>
 #include <initializer_list>
@@ -85,10 +85,11 @@ class GradContext {
 // One gradient per input, in order; an undefined Tensor where an input needs none.
 using BackwardFn = std::function<TensorList(const GradContext&)>;
 
-// Whether a pass with create_graph may record an op's backward, to differentiate its gradients again. Supported: the
-// backward function is written only with ops that record, and reads what it saved through SavedTensor (an output
-// saved with SavedTensor::output). Refused: it runs kernels of its own (a fused loss, cuDNN's convolution); the pass
-// runs it with grad mode off, and a second derivative through the gradients it returns is an error naming the op.
+// Whether a pass with create_graph may record an op's backward, to differentiate its gradients again. Supported: with
+// grad mode on the backward function computes with ops that record (a kernel of its own may serve it otherwise, as
+// softmax's), and reads what it saved through SavedTensor (an output saved with SavedTensor::output). Refused: it runs
+// kernels of its own (max pooling, batch norm); the pass runs it with grad mode off, and a second derivative through
+// the gradients it returns is an error naming the op.
 enum class DoubleBackward { Refused, Supported };
 
 class Node : public std::enable_shared_from_this<Node> {

@@ -120,6 +120,25 @@ Tensor number_operand(BinaryOp op, const Scalar& s, DType compute) {
 
 // ---- backward formulas, next to each other so the calculus can be read at once
 
+// The activations' derivatives in ops that record, for a pass with create_graph (one kernel each otherwise): the
+// formulas of binary_math's GeluBackward, GeluTanhBackward and SiluBackward (ops/elementwise_math.h).
+Tensor activation_derivative(UnaryOp op, const Tensor& x) {
+  using namespace gelu_constants;
+  switch (op) {
+    case UnaryOp::Gelu: return (1 + erf(x * kSqrtHalf)) * 0.5 + x * exp(x * x * -0.5) * kInvSqrt2Pi;
+    case UnaryOp::GeluTanh: {
+      const Tensor t = tanh((x + x * x * x * kCubic) * kSqrt2OverPi);
+      const Tensor du = (1 + x * x * (3 * kCubic)) * kSqrt2OverPi;
+      return (1 + t) * 0.5 + x * 0.5 * (1 - t * t) * du;
+    }
+    case UnaryOp::Silu: {
+      const Tensor s = sigmoid(x);
+      return s * (1 + x * (1 - s));
+    }
+    default: HG_FAIL("{}: no activation derivative", op_name(op));
+  }
+}
+
 Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor& y) {
   switch (op) {
     case UnaryOp::Neg: return -g;
@@ -133,10 +152,17 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Relu: return where(y.gt(0), g, 0);         // relu_backward_math (ops/elementwise_math.h)
     case UnaryOp::Sign: return zeros_like(g);
     case UnaryOp::Erf: return g * exp(-x * x) * (2 * std::numbers::inv_sqrtpi);  // d erf = 2/sqrt(pi) e^(-x^2)
-    // The activations' derivatives, one kernel each (their formulas: binary_math, ops/elementwise_math.h).
-    case UnaryOp::Gelu: return binary_forward(BinaryOp::GeluBackward, g, x, result_type(g, x));
-    case UnaryOp::GeluTanh: return binary_forward(BinaryOp::GeluTanhBackward, g, x, result_type(g, x));
-    case UnaryOp::Silu: return binary_forward(BinaryOp::SiluBackward, g, x, result_type(g, x));
+    // The activations' derivatives, one kernel each (their formulas: binary_math, ops/elementwise_math.h), or in ops
+    // that record in a pass with create_graph.
+    case UnaryOp::Gelu:
+    case UnaryOp::GeluTanh:
+    case UnaryOp::Silu: {
+      if (GradMode::is_enabled()) return g * activation_derivative(op, x);
+      const BinaryOp derivative = op == UnaryOp::Gelu       ? BinaryOp::GeluBackward
+                                  : op == UnaryOp::GeluTanh ? BinaryOp::GeluTanhBackward
+                                                            : BinaryOp::SiluBackward;
+      return binary_forward(derivative, g, x, result_type(g, x));
+    }
     default: HG_FAIL("{}: not differentiable", op_name(op));
   }
 }
@@ -158,11 +184,9 @@ Tensor unary(UnaryOp op, const Tensor& x) {
     const char* name = op_name(op);
     SavedTensor sx(backward_uses_input(op) ? x : Tensor(), name);
     SavedTensor sy = SavedTensor::output(backward_uses_output(op) ? y : Tensor(), name);
-    // The activations' one-kernel derivatives (unary_backward) record nothing to differentiate again.
-    const bool fused = op == UnaryOp::Gelu || op == UnaryOp::GeluTanh || op == UnaryOp::Silu;
     record(backward_name(name), {x}, {y}, [op, sx, sy](const GradContext& g) -> TensorList {
       return {unary_backward(op, g[0], sx.get(), sy.get())};
-    }, fused ? DoubleBackward::Refused : DoubleBackward::Supported);
+    }, DoubleBackward::Supported);
   }
   return y;
 }

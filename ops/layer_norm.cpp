@@ -6,6 +6,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd.h"
+#include "ops/elementwise.h"
 
 namespace halfgrad {
 
@@ -41,6 +42,29 @@ LayerNormShape checked_shape(const Tensor& input, const Shape& normalized_shape,
   return s;
 }
 
+// layer_norm's gradients in ops that record, for a pass with create_graph (the kernel otherwise). Over each row, with
+// x^ = (x - mean) rstd and gw = g * weight (g without one):
+//   dx = rstd (gw - mean(gw) - x^ mean(gw x^)),   dweight = sum over rows of g x^,   dbias = sum over rows of g.
+TensorList layer_norm_backward_recorded(const GradContext& g, const Tensor& input, const Tensor& weight,
+                                        const LayerNormShape& shape, const Shape& normalized_shape, double eps) {
+  const Shape rows_cols{shape.rows, shape.cols};
+  const DType acc = accumulation_dtype(input.dtype());
+  const Tensor x = input.to(acc).reshape(rows_cols);
+  const Tensor centred = x - x.mean({1}, true);
+  const Tensor rstd = rsqrt((centred * centred).mean({1}, true) + eps);
+  const Tensor normalized = centred * rstd;
+  const Tensor grad = g[0].to(acc).reshape(rows_cols);
+  const Tensor gw = weight.defined() ? grad * weight.to(acc).reshape({1, shape.cols}) : grad;
+  Tensor grad_input, grad_weight, grad_bias;
+  if (g.needs(0)) {
+    const Tensor dx = rstd * (gw - gw.mean({1}, true) - normalized * (gw * normalized).mean({1}, true));
+    grad_input = dx.to(input.dtype()).reshape(input.shape());
+  }
+  if (g.needs(1)) grad_weight = (grad * normalized).sum({0}).to(input.dtype()).reshape(normalized_shape);
+  if (g.needs(2)) grad_bias = grad.sum({0}).to(input.dtype()).reshape(normalized_shape);
+  return {grad_input, grad_weight, grad_bias};
+}
+
 }  // namespace
 
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
@@ -60,16 +84,19 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
   a.eps = eps;
   if (input.numel() > 0) layer_norm_forward_kernel[device](a);
 
-  // backward: the kept input (an alias of the caller's when it was contiguous, so an in-place change to it is
-  // caught), weight, and the row statistics.
+  // backward: the input and weight themselves (an in-place change to them is caught; their histories serve a pass with
+  // create_graph), and the row statistics.
   constexpr const char* op = "layer_norm";
   record("NativeLayerNormBackward", {input, weight, bias}, {a.output},
-         [x = SavedTensor(a.input, op), w = SavedTensor(a.weight, op), mean = a.mean, rstd = a.rstd, shape,
-          normalized_shape](const GradContext& g) -> TensorList {
+         [x = SavedTensor(input, op), w = SavedTensor(weight, op), mean = a.mean, rstd = a.rstd, shape,
+          normalized_shape, eps](const GradContext& g) -> TensorList {
+           if (GradMode::is_enabled())
+             return layer_norm_backward_recorded(g, x.get(), w.get(), shape, normalized_shape, eps);
            LayerNormBackwardArgs b;
            b.shape = shape;
-           b.input = x.get();
-           b.weight = w.get();
+           b.input = x.get().contiguous();
+           const Tensor weight_ = w.get();
+           if (weight_.defined()) b.weight = weight_.contiguous();
            b.mean = mean;
            b.rstd = rstd;
            b.grad_output = g[0].to(b.input.dtype()).contiguous();
@@ -80,7 +107,7 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
            if (g.needs(2)) b.grad_bias = zeros(normalized_shape, like);
            if (b.input.numel() > 0) layer_norm_backward_kernel[b.input.device()](b);
            return {b.grad_input, b.grad_weight, b.grad_bias};
-         });
+         }, DoubleBackward::Supported);
   return a.output;
 }
 

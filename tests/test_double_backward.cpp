@@ -68,7 +68,7 @@ TEST_CASE("backward(create_graph) sums into a .grad out of place, the sum with b
   x.set_grad(Tensor());  // (the leaf and its .grad with a history hold each other until reset)
 }
 
-TEST_CASE("gradgradcheck: unary elementwise ops") {
+TEST_CASE("gradgradcheck: unary elementwise ops and the activations") {
   const Tensor x = leaf({2, 3});
   const Tensor positive = leaf({2, 3}, 0.3, 1.5);
   gradgradcheck([](const TensorList& in) { return -in[0]; }, {x});
@@ -83,6 +83,9 @@ TEST_CASE("gradgradcheck: unary elementwise ops") {
   gradgradcheck([](const TensorList& in) { return erf(in[0]); }, {x});
   gradgradcheck([](const TensorList& in) { return sign(in[0]) * in[0] * in[0]; }, {x});
   gradgradcheck([](const TensorList& in) { return clamp(in[0], -0.5, 0.7) * in[0]; }, {x});
+  gradgradcheck([](const TensorList& in) { return gelu(in[0]); }, {x});
+  gradgradcheck([](const TensorList& in) { return gelu(in[0], "tanh"); }, {x});
+  gradgradcheck([](const TensorList& in) { return silu(in[0]); }, {x});
 }
 
 TEST_CASE("gradgradcheck: binary elementwise ops, broadcast, and where") {
@@ -169,6 +172,14 @@ TEST_CASE("gradgradcheck: matmul in every rank, bmm and linear") {
   gradgradcheck([](const TensorList& in) { return bmm(in[0], in[1]); }, {leaf({2, 2, 3}), leaf({2, 3, 2})});
   gradgradcheck([](const TensorList& in) { return linear(in[0], in[1], in[2]); },
                 {leaf({2, 2, 3}), leaf({4, 3}), leaf({4})});
+}
+
+TEST_CASE("gradgradcheck: layer_norm, with and without its affine parameters") {
+  const Tensor x = leaf({3, 2, 4});
+  gradgradcheck([](const TensorList& in) { return layer_norm(in[0], {4}, in[1], in[2]); }, {x, leaf({4}), leaf({4})});
+  gradgradcheck([](const TensorList& in) { return layer_norm(in[0] * in[0], {2, 4}, in[1], Tensor(), 1e-3); },
+                {x, leaf({2, 4})});
+  gradgradcheck([](const TensorList& in) { return layer_norm(in[0], {4}); }, {x});
 }
 
 TEST_CASE("gradgradcheck: softmax, log_softmax and mse_loss") {
@@ -268,9 +279,9 @@ TEST_CASE("create_graph through an op whose backward does not support it: an err
   // Second derivatives elsewhere are unaffected.
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
   check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
-  // The activations' one-kernel derivatives refuse likewise.
-  const Tensor g = differentiable_grad(silu(x).sum(), x);
-  CHECK(contains(error_of([&] { autograd::grad({g.sum()}, {x}); }), "SiluBackward"));
+  // So does dropout's.
+  const Tensor g = differentiable_grad((dropout(x, 0.5) * x).sum(), x);
+  CHECK(contains(error_of([&] { autograd::grad({g.sum()}, {x}); }), "DropoutBackward"));
 }
 
 TEST_CASE("create_graph leaves no reference cycle but a leaf's .grad, which resetting it breaks") {
@@ -318,7 +329,7 @@ TEST_CASE("create_graph: hooks and retain_grad see differentiable gradients") {
   x.set_grad(Tensor());
 }
 
-TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, softmax, two losses equals the CPU's") {
+TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, layer_norm, gelu, two losses: as the CPU's") {
   SKIP_WITHOUT_GPU();
   const TensorList weights = {randn({32, 16}) * 0.3, randn({32}), randn({4, 32}) * 0.3};
   const TensorList directions = {randn({32, 16}), randn({32}), randn({4, 32})};
@@ -330,7 +341,7 @@ TEST_CASE("cuda: a Hessian-vector product (create_graph) through linear, tanh, s
       w.push_back(weights[i].to(device, dtype).clone().requires_grad_());
       v.push_back(directions[i].to(device, dtype));
     }
-    const Tensor hidden = softmax(tanh(linear(x.to(device, dtype), w[0], w[1])), 1);
+    const Tensor hidden = softmax(gelu(layer_norm(tanh(linear(x.to(device, dtype), w[0], w[1])), {32})), 1);
     const Tensor out = linear(hidden, w[2]);
     const Tensor loss = mse_loss(out, target.to(device, dtype)) + cross_entropy(out, labels.to(device));
     const TensorList g = autograd::grad({loss}, w, {}, std::nullopt, /*create_graph=*/true);
