@@ -360,13 +360,16 @@ bool AccumulateGrad::leaf_has_hooks() const {
   return live(meta.hooks) || live(meta.post_accumulate_hooks);
 }
 
-SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
+SavedTensor::SavedTensor(const Tensor& t, const char* op) : SavedTensor(t, t, op) {}
+
+SavedTensor::SavedTensor(const Tensor& t, const Tensor& values, const char* op) : op_(op) {
   if (!t.defined()) return;
-  tensor_ = t.detach();
-  version_ = t.version();
+  tensor_ = values.detach();
+  version_ = values.version();
   if (!t.requires_grad()) return;
   if (t.is_leaf()) {
     leaf_ = t.impl_ptr();
+    leaf_version_ = t.version();
   } else {
     grad_fn_ = t.grad_fn();
     output_nr_ = t.output_nr();
@@ -390,7 +393,12 @@ Tensor SavedTensor::get() const {
            "{} is at version {}; expected version {} instead. Clone it before the in-place op, or make that op "
            "out of place.", op_, tensor_.meta(), tensor_.version(), version_);
   if (!GradMode::is_enabled() || !tensor_.defined()) return tensor_;
-  if (leaf_) return Tensor(leaf_);
+  if (leaf_) {
+    const Tensor leaf(leaf_);
+    HG_CHECK(leaf.version() == leaf_version_, "{}: the leaf {} saved for gradient computation has been modified by an "
+             "in-place operation (version {}, expected {})", op_, leaf.meta(), leaf.version(), leaf_version_);
+    return leaf;
+  }
   std::shared_ptr<Node> history = grad_fn_;
   if (is_output_) {
     HG_CHECK(running_node != nullptr, "{}: a saved output is read with grad mode on outside its node's backward",

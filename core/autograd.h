@@ -154,6 +154,9 @@ class SavedTensor {
   // Any tensor but an output of the op that saves it: a detached alias, and where it requires grad, where its gradient
   // goes (a leaf itself; else its history when saved, an older node: no reference cycle).
   SavedTensor(const Tensor& t, const char* op);
+  // t's values as `values` holds them (a contiguous copy the op made of t, or t itself), with t's history: the op's
+  // kernels read the copy, a pass with create_graph differentiates through t.
+  SavedTensor(const Tensor& t, const Tensor& values, const char* op);
   // Output `output_nr` of the op that saves it, saved before record() gives it its history: a detached alias alone,
   // since holding its history (the node that holds this) would be a reference cycle; that node is the one whose
   // backward reads it (PyTorch's SavedVariable saves outputs so too).
@@ -168,6 +171,7 @@ class SavedTensor {
   uint64_t version_ = 0;
   const char* op_ = "";
   std::shared_ptr<TensorImpl> leaf_;  // a leaf that requires grad
+  uint64_t leaf_version_ = 0;         // its version when saved
   std::shared_ptr<Node> grad_fn_;     // the history of a tensor that requires grad through one
   uint32_t output_nr_ = 0;            // of grad_fn_, or of the saving op for an output
   bool is_output_ = false;

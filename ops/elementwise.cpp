@@ -157,7 +157,10 @@ Tensor unary_backward(UnaryOp op, const Tensor& g, const Tensor& x, const Tensor
     case UnaryOp::Gelu:
     case UnaryOp::GeluTanh:
     case UnaryOp::Silu: {
-      if (GradMode::is_enabled()) return g * activation_derivative(op, x);
+      if (GradMode::is_enabled()) {  // in the kernel's compute dtype, rounded once, as the kernel
+        const DType acc = accumulation_dtype(x.dtype());
+        return (g.to(acc) * activation_derivative(op, x.to(acc))).to(result_type(g, x));
+      }
       const BinaryOp derivative = op == UnaryOp::Gelu       ? BinaryOp::GeluBackward
                                   : op == UnaryOp::GeluTanh ? BinaryOp::GeluTanhBackward
                                                             : BinaryOp::SiluBackward;

@@ -84,19 +84,18 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
   a.eps = eps;
   if (input.numel() > 0) layer_norm_forward_kernel[device](a);
 
-  // backward: the input and weight themselves (an in-place change to them is caught; their histories serve a pass with
-  // create_graph), and the row statistics.
+  // backward: the kept input (an alias of the caller's when it was contiguous, so an in-place change to it is
+  // caught) and weight, with their histories (for a pass with create_graph), and the row statistics.
   constexpr const char* op = "layer_norm";
   record("NativeLayerNormBackward", {input, weight, bias}, {a.output},
-         [x = SavedTensor(input, op), w = SavedTensor(weight, op), mean = a.mean, rstd = a.rstd, shape,
-          normalized_shape, eps](const GradContext& g) -> TensorList {
+         [x = SavedTensor(input, a.input, op), w = SavedTensor(weight, a.weight, op), mean = a.mean, rstd = a.rstd,
+          shape, normalized_shape, eps](const GradContext& g) -> TensorList {
            if (GradMode::is_enabled())
              return layer_norm_backward_recorded(g, x.get(), w.get(), shape, normalized_shape, eps);
            LayerNormBackwardArgs b;
            b.shape = shape;
-           b.input = x.get().contiguous();
-           const Tensor weight_ = w.get();
-           if (weight_.defined()) b.weight = weight_.contiguous();
+           b.input = x.get();
+           b.weight = w.get();
            b.mean = mean;
            b.rstd = rstd;
            b.grad_output = g[0].to(b.input.dtype()).contiguous();

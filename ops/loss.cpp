@@ -154,14 +154,18 @@ NllProblem nll_problem(const Tensor& input, const Tensor& target, const Tensor& 
   return p;
 }
 
-// The targets' rows weighted by the incoming gradient, w[t_j] g_j at class t_j of element j and 0 elsewhere (0 at
-// ignored targets: `element_weights` holds the forward's w[t_j], 0 there), [batch, classes, inner] in `acc`, from ops
-// that record: what the backwards below compute in a pass with create_graph (their kernels otherwise).
-Tensor weighted_targets(const Tensor& g, const Tensor& target, const Tensor& element_weights, int64_t batch,
-                        int64_t classes, int64_t inner, DType acc) {
+// What the backwards below compute in a pass with create_graph, from ops that record (their kernels otherwise), in
+// `acc` as [batch, classes, inner]: each element's scale, w[t_j] g_j, and exactly 0 at ignored targets whatever g_j
+// (as the kernels: a Mean over only ignored targets sends g = 1/0 there), and the targets' one-hot rows.
+struct TargetTerms {
+  Tensor scale, one_hot;
+};
+TargetTerms target_terms(const Tensor& g, const Tensor& target, const Tensor& element_weights, int64_t ignore_index,
+                         int64_t batch, int64_t classes, int64_t inner, DType acc) {
+  const Tensor targets = target.view({batch, 1, inner});
+  const Tensor weighted = g.to(acc).reshape({batch, 1, inner}) * element_weights.view({batch, 1, inner});
   const Tensor class_of = arange(classes, {.dtype = kInt64, .device = target.device()}).view({1, classes, 1});
-  const Tensor one_hot = class_of.eq(target.view({batch, 1, inner})).to(acc);
-  return one_hot * (g.to(acc).reshape({batch, 1, inner}) * element_weights.view({batch, 1, inner}));
+  return {where(targets.eq(Scalar(ignore_index)), 0.0, weighted), class_of.eq(targets).to(acc)};
 }
 
 // `input` holds log-probabilities (nll_loss).
@@ -183,8 +187,11 @@ NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor
          [t = SavedTensor(p.target, op), w = SavedTensor(p.weight, op), weights, ignore_index, shape = input.shape(),
           dtype = input.dtype(), acc, batch, classes, inner](const GradContext& g) -> TensorList {
            const Tensor& target_ = t.get();
-           if (GradMode::is_enabled())
-             return {weighted_targets(g[0], target_, weights, batch, classes, inner, acc).neg().to(dtype).view(shape)};
+           if (GradMode::is_enabled()) {
+             const auto [scale, one_hot] =
+                 target_terms(g[0], target_, weights, ignore_index, batch, classes, inner, acc);
+             return {(one_hot * scale).neg().to(dtype).view(shape)};
+           }
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(shape, {.dtype = dtype, .device = target_.device()});
            if (grad_input.numel() > 0) {
@@ -249,20 +256,19 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
   // The closure holds what the backward reads, never e.loss: the node's own output would keep the node alive
   // through its grad_fn, a cycle that leaked every graph not run backward (LeakSanitizer, make sanitize). The logits,
   // targets and weight may be the caller's own tensors (nothing needed a copy): saved with their versions.
-  // The input itself is saved (its history for a pass with create_graph; the same memory as the logits where those
-  // needed no copy).
+  // The logits are saved with the input's history (for a pass with create_graph).
   record("CrossEntropyBackward", {input}, {e.loss},
-         [x = SavedTensor(input, op), row_max, log_sum, t = SavedTensor(e.target, op), w = SavedTensor(e.weight, op),
-          weights = e.weights, acc = p.acc, batch, classes, inner,
+         [x = SavedTensor(input, logits, op), row_max, log_sum, t = SavedTensor(e.target, op),
+          w = SavedTensor(e.weight, op), weights = e.weights, acc = p.acc, batch, classes, inner,
           ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
            if (GradMode::is_enabled()) {  // d loss_j / d x[j, c] = w[t_j] (softmax(x_j)[c] - [c == t_j])
              const Tensor x_ = x.get();
              const Tensor probs = softmax(x_.to(acc).reshape({batch, classes, inner}), 1);
-             const Tensor scale = g[0].to(acc).reshape({batch, 1, inner}) * weights.view({batch, 1, inner});
-             const Tensor grad = probs * scale - weighted_targets(g[0], t.get(), weights, batch, classes, inner, acc);
-             return {grad.to(x_.dtype()).view(x_.shape())};
+             const auto [scale, one_hot] =
+                 target_terms(g[0], t.get(), weights, ignore_index, batch, classes, inner, acc);
+             return {((probs - one_hot) * scale).to(x_.dtype()).view(x_.shape())};
            }
-           const Tensor logits_ = x.get().contiguous();
+           const Tensor logits_ = x.get();
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
            Tensor grad_input = empty(logits_.shape(), {.dtype = logits_.dtype(), .device = logits_.device()});
            if (grad_input.numel() > 0) {

@@ -180,6 +180,8 @@ TEST_CASE("gradgradcheck: layer_norm, with and without its affine parameters") {
   gradgradcheck([](const TensorList& in) { return layer_norm(in[0] * in[0], {2, 4}, in[1], Tensor(), 1e-3); },
                 {x, leaf({2, 4})});
   gradgradcheck([](const TensorList& in) { return layer_norm(in[0], {4}); }, {x});
+  gradgradcheck([](const TensorList& in) { return layer_norm(in[0].transpose(0, 2), {3}, Tensor(), in[1]); },
+                {x, leaf({3})});  // no contiguous input; a bias without a weight
 }
 
 TEST_CASE("gradgradcheck: softmax, log_softmax and mse_loss") {
@@ -213,6 +215,38 @@ TEST_CASE("gradgradcheck: cross_entropy and nll_loss (class weights, ignored tar
   gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], target, {.label_smoothing = 0.1}); },
                 {logits});
   gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0], softmax(in[1], 1)); }, {logits, leaf({3, 4})});
+  // Logits that are no contiguous tensor (the op reads a copy, and differentiates through the view).
+  gradgradcheck([&](const TensorList& in) { return cross_entropy(in[0].t(), target, {.weight = weight}); },
+                {leaf({4, 3})});
+}
+
+TEST_CASE("create_graph: a Mean over only ignored targets gives the plain pass's zero gradient, not nan") {
+  // The loss is 0 / 0 and its gradient 1 / 0; the kernels give an ignored target 0 whatever its gradient, and so do
+  // the ops a pass with create_graph records.
+  Tensor x = leaf({3, 4});
+  const Tensor ignored = tensor<int64_t>({-100, -100, -100});
+  const std::vector<double> zeros_(12, 0.0);
+  CHECK(values(autograd::grad({cross_entropy(x, ignored)}, {x})[0]) == zeros_);
+  CHECK(values(differentiable_grad(cross_entropy(x, ignored), x)) == zeros_);
+  CHECK(values(differentiable_grad(nll_loss(log_softmax(x, 1), ignored), x)) == zeros_);
+}
+
+TEST_CASE("create_graph: the activations' derivatives in float16 and bfloat16 are the kernel's, rounded once") {
+  // Computed in float32 and rounded once, as the kernel: in float16 itself gelu-tanh's x^3 overflows past |x| = 40
+  // (the derivative nan where it is 1) and bfloat16 loses erf's tail.
+  for (DType dtype : {kFloat16, kBFloat16}) {
+    INFO(dtype_name(dtype));
+    const Tensor values_in = tensor<double>({-3, -0.7, 0.5, 2, 40, 300});
+    for (int op = 0; op < 3; ++op) {
+      INFO("activation " << op);
+      auto f = [op](const Tensor& t) { return op == 0 ? gelu(t) : op == 1 ? gelu(t, "tanh") : silu(t); };
+      Tensor x = values_in.to(dtype).requires_grad_();
+      const Tensor plain = autograd::grad({f(x).sum()}, {x})[0];
+      const Tensor recorded = differentiable_grad(f(x).sum(), x);
+      REQUIRE(recorded.dtype() == dtype);
+      check_close(values(recorded), values(plain), dtype == kFloat16 ? 1e-3 : 8e-3);
+    }
+  }
 }
 
 TEST_CASE("gradgradcheck: conv2d (strided, padded, dilated, grouped) and its two backward halves") {
@@ -279,7 +313,7 @@ TEST_CASE("create_graph through an op whose backward does not support it: an err
   // Second derivatives elsewhere are unaffected.
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
   check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
-  // So does dropout's.
+  // A second derivative through dropout's backward is refused likewise.
   const Tensor g = differentiable_grad((dropout(x, 0.5) * x).sum(), x);
   CHECK(contains(error_of([&] { autograd::grad({g.sum()}, {x}); }), "DropoutBackward"));
 }
