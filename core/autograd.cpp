@@ -96,6 +96,15 @@ struct ViewPlace {
   }
 };
 
+// A tensor of its own on t's values (no view, so no base's history reaches it), whose gradient goes to output
+// `output_nr` of `history`.
+Tensor alias_with_history(const Tensor& t, const std::shared_ptr<Node>& history, uint32_t output_nr) {
+  Tensor alias = t.detach();
+  alias.impl()->is_view = alias.impl()->is_detached = false;
+  set_history(alias, history, output_nr);
+  return alias;
+}
+
 // Whether nothing but `t` holds it or its storage. A view's base, which the view holds for autograd, counts as the
 // view's own where nothing else holds it.
 bool only_holder(const Tensor& t) {
@@ -366,13 +375,15 @@ SavedTensor::SavedTensor(const Tensor& t, const Tensor& values, const char* op) 
   if (!t.defined()) return;
   tensor_ = values.detach();
   version_ = values.version();
-  if (!t.requires_grad()) return;
-  if (t.is_leaf()) {
+  // Where the gradient goes matters only to a node that records, which needs grad mode on (not in a plain backward
+  // pass, whose ops save tensors for nothing).
+  if (!GradMode::is_enabled()) return;
+  if (const std::shared_ptr<Node>& fn = t.grad_fn()) {
+    grad_fn_ = fn;
+    output_nr_ = t.output_nr();
+  } else if (t.requires_grad()) {
     leaf_ = t.impl_ptr();
     leaf_version_ = t.version();
-  } else {
-    grad_fn_ = t.grad_fn();
-    output_nr_ = t.output_nr();
   }
 }
 
@@ -405,12 +416,7 @@ Tensor SavedTensor::get() const {
              op_);
     history = running_node->shared_from_this();
   }
-  if (!history) return tensor_;
-  // A tensor of its own on the saved values, whose gradient goes to the history they came from.
-  Tensor with_history = tensor_.detach();
-  with_history.impl()->is_view = with_history.impl()->is_detached = false;
-  set_history(with_history, history, output_nr_);
-  return with_history;
+  return history ? alias_with_history(tensor_, history, output_nr_) : tensor_;
 }
 
 // ---- recording
@@ -652,12 +658,9 @@ void refuse_double_backward(const Node& node, const TensorList& grads_in, Tensor
     Tensor& g = grads_out[i];
     refusal->output_meta.push_back(g.defined() ? meta_of(g) : TensorMeta{});
     if (!g.defined()) continue;
-    // A tensor of its own on the gradient's values: the backward may have returned a tensor someone else holds (the
-    // gradient it was given, one tensor for two inputs), whose history is not this node's to replace.
-    Tensor refused = g.detach();
-    refused.impl()->is_view = refused.impl()->is_detached = false;
-    set_history(refused, refusal, uint32_t(i));
-    g = std::move(refused);
+    // A tensor of its own: the backward may have returned a tensor someone else holds (the gradient it was given, one
+    // tensor for two inputs), whose history is not this node's to replace.
+    g = alias_with_history(g, refusal, uint32_t(i));
   }
 }
 
