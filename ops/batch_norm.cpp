@@ -21,6 +21,7 @@ namespace halfgrad {
 
 constinit KernelTable<BatchNormForwardKernel> batch_norm_forward_kernel("batch_norm");
 constinit KernelTable<BatchNormBackwardKernel> batch_norm_backward_kernel("batch_norm_backward");
+constinit KernelTable<ReluMaskValuesKernel> relu_mask_values_kernel("batch_norm_relu mask values");
 
 namespace {
 std::atomic<BatchNormBackend> g_backend{BatchNormBackend::Auto};
@@ -112,6 +113,53 @@ Tensor batch_norm_empty(const Shape& shape, DType dtype, Device device, bool cha
 
 namespace {
 
+// Where batch_norm_relu's relu let the gradient through (bool, the output's layout), from what the op saved of it.
+Tensor relu_passes(const Tensor& output, const Tensor& mask, const BatchNormShape& shape, const Shape& sizes,
+                   Device device) {
+  if (output.defined()) return output.gt(0);
+  Tensor passes = batch_norm_empty(sizes, kBool, device, shape.channels_last);
+  if (passes.numel() > 0) relu_mask_values_kernel[device](passes, mask);
+  return passes;
+}
+
+// batch_norm's gradients in ops that record, for a pass with create_graph (the kernels otherwise): the formulas of
+// ops/batch_norm.h, over each channel's M values, with x^ = (x - mean) invstd and g masked by relu where it ran. In
+// training mean and invstd are recomputed from x, so that the second derivatives see how they depend on it; in eval
+// they are the running statistics' (constants). The input_bias's gradient is zero (ops/batch_norm.h).
+TensorList batch_norm_backward_recorded(const GradContext& g, const Tensor& input, const Tensor& weight,
+                                        const Tensor& passes, const Tensor& saved_mean, const Tensor& saved_invstd,
+                                        bool training, double eps) {
+  const DType acc = accumulation_dtype(input.dtype());
+  Dims dims{0};  // all but the channels
+  for (int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
+  Shape per_channel(size_t(input.dim()), 1);
+  per_channel[1] = input.size(1);
+  const Tensor x = input.to(acc);
+  Tensor grad = g[0].to(acc);
+  if (passes.defined()) grad = where(passes, grad, 0.0);
+  Tensor mean, invstd;
+  if (training) {
+    mean = x.mean(dims, true);
+    invstd = rsqrt(((x - mean) * (x - mean)).mean(dims, true) + eps);
+  } else {
+    mean = saved_mean.view(per_channel);
+    invstd = saved_invstd.view(per_channel);
+  }
+  const Tensor normalized = (x - mean) * invstd;
+  TensorList grads(5);
+  if (g.needs(0)) {
+    const Tensor gw = weight.defined() ? grad * weight.view(per_channel) : grad;
+    const Tensor dx = training ? invstd * (gw - gw.mean(dims, true) - normalized * (gw * normalized).mean(dims, true))
+                               : gw * invstd;
+    grads[0] = dx.to(input.dtype());
+  }
+  if (g.needs(1)) grads[1] = (grad * normalized).sum(dims);
+  if (g.needs(2)) grads[2] = grad.sum(dims);
+  if (g.needs(3)) grads[3] = grad;  // cast to each input's dtype by the engine
+  if (g.needs(4)) grads[4] = zeros({input.size(1)}, {.dtype = acc, .device = input.device()});
+  return grads;
+}
+
 // batch_norm and batch_norm_relu: `relu` and `residual` are the epilogue, `saved` what relu's backward keeps
 // (ops/batch_norm.h).
 Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& running_mean, const Tensor& running_var,
@@ -196,15 +244,24 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
 
   // backward (formulas in ops/batch_norm.h): the input is saved in the kernel's layout (an alias of the
   // caller's input when it already was, so an in-place change to it is still caught); after relu, the mask or the
-  // output too; after cuDNN's fused kernel, its reserve and the bias, which its backward reads.
+  // output too; after cuDNN's fused kernel, its reserve and the bias, which its backward reads. The input and weight
+  // keep their histories, for a pass with create_graph.
   const bool fused = args.cudnn_fused.ran;
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias},
          {args.output},
-         [x = SavedTensor(args.input, op), w = SavedTensor(args.weight, op), mask = args.relu_mask,
+         [x = SavedTensor(input, args.input, op), w = SavedTensor(weight, args.weight, op), mask = args.relu_mask,
           y = relu && saved == ReluSaved::Output ? SavedTensor(args.output, op) : SavedTensor(),
           cudnn_fused = args.cudnn_fused, residual_added = residual.defined(),
           saved_bias = fused ? SavedTensor(args.bias, op) : SavedTensor(), mean = args.save_mean,
           invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
+           if (GradMode::is_enabled()) {
+             const Tensor xs = x.get();
+             const Tensor passes = y.defined() || mask.defined()
+                                       ? relu_passes(y.defined() ? y.get() : Tensor(), mask, shape, xs.shape(),
+                                                     xs.device())
+                                       : Tensor();
+             return batch_norm_backward_recorded(g, xs, w.get(), passes, mean, invstd, training, eps);
+           }
            BatchNormBackwardArgs b;
            b.shape = shape;
            b.input = x.get();
@@ -237,7 +294,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
                g.needs(4) ? zeros({shape.channels}, {.dtype = mean.dtype(), .device = xs.device()}) : Tensor();
            // cast to each input's dtype by the engine
            return {b.grad_input, b.grad_weight, b.grad_bias, b.grad_residual, grad_input_bias};
-         });
+         }, DoubleBackward::Supported);
   return args.output;
 }
 
@@ -508,6 +565,14 @@ template <typename T, typename A> void batch_norm_backward_typed(const BatchNorm
   });
 }
 
+void relu_mask_values_cpu(const Tensor& passes, const Tensor& mask) {
+  bool* out = static_cast<bool*>(passes.data_ptr());
+  const int32_t* bits = mask.data<int32_t>();
+  const int64_t n = passes.numel();
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; ++i) out[i] = ReluMask::bit(bits, i);
+}
+
 void batch_norm_forward_cpu(const BatchNormForwardArgs& a) {
   dispatch_floating(a.input.dtype(), "batch_norm", [&]<typename T>() {
     batch_norm_forward_typed<T, std::conditional_t<std::is_same_v<T, double>, double, float>>(a);
@@ -525,5 +590,6 @@ void batch_norm_backward_cpu(const BatchNormBackwardArgs& a) {
 
 HG_REGISTER_KERNEL(batch_norm_forward_kernel, CPU, batch_norm_forward_cpu);
 HG_REGISTER_KERNEL(batch_norm_backward_kernel, CPU, batch_norm_backward_cpu);
+HG_REGISTER_KERNEL(relu_mask_values_kernel, CPU, relu_mask_values_cpu);
 
 }  // namespace halfgrad

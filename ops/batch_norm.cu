@@ -516,6 +516,12 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void count_batch_kernel(int64_t* batches_tracked) { ++*batches_tracked; }
 
+// ReluMaskValuesKernel: one thread an element (create_graph's backward only, not a step's hot path).
+__global__ void __launch_bounds__(kThreads) relu_mask_values_kernel_(bool* passes, const int32_t* mask, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    passes[i] = ReluMask::bit(mask, i);
+}
+
 template <typename A>
 __global__ void __launch_bounds__(kThreads)
     eval_stats_kernel(int64_t channels, const A* running_mean, const A* running_var, const A* weight, const A* bias,
@@ -1242,6 +1248,15 @@ void batch_norm_forward_cuda(const BatchNormForwardArgs& a) {
   chosen ? cudnn_forward(a) : own_forward(a);
 }
 
+void relu_mask_values_cuda(const Tensor& passes, const Tensor& mask) {
+  cuda::DeviceGuard guard(passes.device());
+  const int64_t n = passes.numel();
+  const unsigned blocks = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+  relu_mask_values_kernel_<<<blocks, kThreads, 0, cuda::current_stream(passes.device())>>>(
+      static_cast<bool*>(passes.data_ptr()), mask.data<int32_t>(), n);
+  HG_CUDA_CHECK_LAUNCH("batch_norm_relu mask values");
+}
+
 void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
   const BatchNormShape& s = a.shape;
   if (!a.training || !a.grad_input.defined() ||
@@ -1267,5 +1282,6 @@ void batch_norm_backward_cuda(const BatchNormBackwardArgs& a) {
 
 HG_REGISTER_KERNEL(batch_norm_forward_kernel, CUDA, batch_norm_forward_cuda);
 HG_REGISTER_KERNEL(batch_norm_backward_kernel, CUDA, batch_norm_backward_cuda);
+HG_REGISTER_KERNEL(relu_mask_values_kernel, CUDA, relu_mask_values_cuda);
 
 }  // namespace halfgrad

@@ -4,7 +4,7 @@
 // Path from the public op to the kernels (ops/batch_norm.cpp):
 //   batch_norm, batch_norm_relu  ->  checks, input seen as [N, C, S] in one of two memory layouts, parameters
 //                   in the accumulation dtype  ->  batch_norm_forward_kernel[device]
-//   backward    ->  batch_norm_backward_kernel[device]
+//   backward    ->  batch_norm_backward_kernel[device]; in a pass with create_graph, ops that record (their formulas)
 // CPU kernels: ops/batch_norm.cpp; CUDA kernels: ops/batch_norm.cu, our own for both layouts, and cuDNN's as a
 // second implementation of training (BatchNormBackend below).
 #include <cstdint>
@@ -116,8 +116,12 @@ struct BatchNormShape {
 // layout above) is positive; int32 [ceil(N C S / 32)], the bits past the last element 0.
 struct ReluMask {
   static int64_t words(int64_t elements) { return (elements + 31) / 32; }
-  static bool bit(const int32_t* mask, int64_t i) { return (uint32_t(mask[i / 32]) >> (i % 32)) & 1u; }
+  HG_HOST_DEVICE static bool bit(const int32_t* mask, int64_t i) { return (uint32_t(mask[i / 32]) >> (i % 32)) & 1u; }
 };
+// passes (bool, of the output's shape and layout) = the mask's bits, element i (its offset in the layout) bit i: where
+// relu let the gradient through, for batch_norm_relu's backward in a pass with create_graph (in ops that record).
+using ReluMaskValuesKernel = void (*)(const Tensor& passes, const Tensor& mask);
+extern KernelTable<ReluMaskValuesKernel> relu_mask_values_kernel;
 
 // Whether cuDNN's fused batch norm + relu kernel ran a forward (section 4 of ops/batch_norm.cu), and its reserve:
 // relu's mask in cuDNN's own form (undefined where cuDNN asks for none), which only cuDNN's fused backward reads.

@@ -14,6 +14,23 @@ namespace halfgrad {
 
 constinit KernelTable<CumsumKernel> cumsum_kernel("cumsum");
 
+namespace {
+// t's running sums in `dtype` along the middle dim of [outer, length, inner], from the end where `reverse`: cumsum (from
+// the start) and its backward (from the end), each the other's transpose and so its backward: differentiable to any
+// order. `name`: the node's.
+Tensor running_sums(const Tensor& t, DType dtype, int64_t outer, int64_t length, int64_t inner, bool reverse,
+                    const char* name) {
+  Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()});
+  if (out.numel() > 0) {
+    cumsum_kernel[t.device()](out, cast_nograd(t.detach(), dtype).contiguous(), outer, length, inner, reverse);
+  }
+  record(name, {t}, {out}, [outer, length, inner, reverse, input = t.dtype()](const GradContext& g) -> TensorList {
+    return {running_sums(g[0], input, outer, length, inner, !reverse, "CumsumBackwardBackward")};
+  }, DoubleBackward::Supported);
+  return out;
+}
+}  // namespace
+
 Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype) {
   HG_AUTOCAST(cumsum, x, dim, dtype);
   HG_CHECK(x.defined(), "cumsum: the input is an undefined tensor");
@@ -23,19 +40,9 @@ Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype) {
   // x as [outer, length, inner] around dim d
   int64_t outer = 1, length = 1, inner = 1;
   for (int64_t k = 0; k < x.dim(); ++k) (k < d ? outer : k == d ? length : inner) *= x.size(k);
-  Tensor out = empty(x.shape(), {.dtype = result, .device = x.device()});
-  if (out.numel() > 0) {
-    cumsum_kernel[x.device()](out, cast_nograd(x.detach(), result).contiguous(), outer, length, inner, false);
-  }
   // backward: x[i] reaches every out[k] with k >= i, so its gradient is the output's gradient summed from the end, in
   // x's dtype (as PyTorch's: a narrower result's dtype would overflow the sums).
-  record("CumsumBackward", {x}, {out}, [outer, length, inner, input = x.dtype()](const GradContext& g) -> TensorList {
-    const Tensor grad = cast_nograd(g[0], input).contiguous();
-    Tensor sums = empty(grad.shape(), {.dtype = input, .device = grad.device()});
-    if (sums.numel() > 0) cumsum_kernel[grad.device()](sums, grad, outer, length, inner, true);
-    return {sums};
-  });
-  return out;
+  return running_sums(x, result, outer, length, inner, /*reverse=*/false, "CumsumBackward");
 }
 
 Tensor Tensor::cumsum(int64_t dim, std::optional<DType> dtype) const { return halfgrad::cumsum(*this, dim, dtype); }

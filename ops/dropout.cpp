@@ -11,6 +11,20 @@ namespace halfgrad {
 
 constinit KernelTable<DropoutKernel> dropout_kernel("dropout");
 
+namespace {
+// x times the mask and scale of the counters `state`: dropout's forward, its backward (the same mask on the gradient,
+// regenerated) and that one's backward, each the other's: linear in x, so differentiable to any order. `name`: the
+// node's.
+Tensor masked(const Tensor& x, double p, GeneratorState state, const char* name) {
+  Tensor out = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+  if (x.numel() > 0) dropout_kernel[x.device()](out, x.detach().contiguous(), p, state);
+  record(name, {x}, {out}, [p, state](const GradContext& g) -> TensorList {
+    return {masked(g[0], p, state, "DropoutBackwardBackward")};
+  }, DoubleBackward::Supported);
+  return out;
+}
+}  // namespace
+
 Tensor dropout(const Tensor& x, double p, bool training) {
   HG_AUTOCAST(dropout, x, p, training);
   HG_CHECK(x.defined(), "dropout: the input is an undefined tensor");
@@ -19,17 +33,7 @@ Tensor dropout(const Tensor& x, double p, bool training) {
   if (!training || p == 0.0) return x;
   if (p == 1.0) return x * 0.0;  // everything dropped: times 0, as the kernel drops (ops/dropout.h)
 
-  const GeneratorState state = next_random_counters(uint64_t((x.numel() + 3) / 4));
-  Tensor out = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
-  if (x.numel() > 0) dropout_kernel[x.device()](out, x.detach().contiguous(), p, state);
-  // backward: the same mask and scale applied to the gradient, regenerated from the same counters.
-  record("DropoutBackward", {x}, {out}, [p, state](const GradContext& g) -> TensorList {
-    Tensor grad = g[0].contiguous();
-    Tensor grad_input = empty(grad.shape(), {.dtype = grad.dtype(), .device = grad.device()});
-    if (grad.numel() > 0) dropout_kernel[grad.device()](grad_input, grad, p, state);
-    return {grad_input};
-  });
-  return out;
+  return masked(x, p, next_random_counters(uint64_t((x.numel() + 3) / 4)), "DropoutBackward");
 }
 
 // ---- CPU kernel: threads take runs of whole counters (4 elements each).

@@ -35,14 +35,38 @@ void check_embedding_indices(const Tensor& indices, const Tensor& weight) {
                 [&] { return fmt::format("a weight of {} rows ({})", weight.size(0), weight.meta()); });
 }
 
+Tensor gathered_rows(const Tensor& table, const SavedTensor& index, int64_t padding_idx);
+
 // The gradient of rows gathered at `index` [n] (int64, contiguous): grad [n, D] added into zeros [rows, D] of the
-// accumulation dtype (float32, or float64 for float64), skipping padding_idx (-1: none).
-Tensor scattered_rows(const Tensor& grad, const Tensor& index, int64_t rows, int64_t padding_idx) {
+// accumulation dtype (float32, or float64 for float64), skipping padding_idx (-1: none). It and gathered_rows are each
+// the other's backward: linear in grad with the index fixed, so differentiable to any order.
+Tensor scattered_rows(const Tensor& grad, const SavedTensor& index, int64_t rows, int64_t padding_idx) {
   const int64_t n = grad.size(0), dim = grad.size(1);
   const DType acc = accumulation_dtype(grad.dtype());
   Tensor grad_weight = zeros({rows, dim}, {.dtype = acc, .device = grad.device()});
-  if (n > 0 && dim > 0) embedding_backward_kernel[grad.device()](grad_weight, grad, index.view({n}), padding_idx);
+  if (n > 0 && dim > 0) {
+    embedding_backward_kernel[grad.device()](grad_weight, grad.detach().contiguous(), index.get(), padding_idx);
+  }
+  record("EmbeddingBackwardBackward", {grad}, {grad_weight}, [index, padding_idx](const GradContext& g) -> TensorList {
+    return {gathered_rows(g[0], index, padding_idx)};
+  }, DoubleBackward::Supported);
   return grad_weight;
+}
+
+// Rows of table [rows, D] at `index` [n] (int64, contiguous), zero where the index is padding_idx (-1: none), which
+// took no gradient: the transpose of scattered_rows.
+Tensor gathered_rows(const Tensor& table, const SavedTensor& index, int64_t padding_idx) {
+  const Tensor at = index.get();
+  const int64_t n = at.numel(), rows = table.size(0), dim = table.size(1);
+  Tensor out = empty({n, dim}, {.dtype = table.dtype(), .device = table.device()});
+  if (n > 0 && dim > 0) {
+    embedding_kernel[table.device()](out, table.detach().contiguous(), at);
+    NoGradGuard no_grad;
+    if (padding_idx >= 0) out.masked_fill_(at.eq(padding_idx).view({n, 1}), 0);
+  }
+  record("EmbeddingGatherBackward", {table}, {out}, [index, rows, padding_idx](const GradContext& g)
+      -> TensorList { return {scattered_rows(g[0], index, rows, padding_idx)}; }, DoubleBackward::Supported);
+  return out;
 }
 }  // namespace
 
@@ -80,10 +104,11 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
   // backward: each output row's gradient is added into the weight row it was read from (repeated indices
   // add up); the padding row gets nothing.
   record("EmbeddingBackward", {weight}, {out},
-         [saved_index = SavedTensor(index, "embedding"), rows, dim, n, pad](const GradContext& g) -> TensorList {
+         [saved_index = SavedTensor(index.view({n}), "embedding"), rows, dim, n, pad](const GradContext& g)
+             -> TensorList {
            // cast to the weight's dtype by the engine
-           return {scattered_rows(g[0].contiguous().view({n, dim}), saved_index.get(), rows, pad)};
-         });
+           return {scattered_rows(g[0].reshape({n, dim}), saved_index, rows, pad)};
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -135,13 +160,12 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   record("IndexSelectBackward", {x}, {out},
          [saved_index = SavedTensor(flat_index, "index_select"), to_front, back, gathered_shape, rows, columns,
           shape = x.shape()](const GradContext& g) -> TensorList {
-           const Tensor& idx = saved_index.get();
            const Tensor grad = (shape.empty() ? g[0].view({1}) : g[0]).permute(to_front).contiguous();
            Shape front_shape = gathered_shape;
            front_shape[0] = rows;
-           const Tensor scattered = scattered_rows(grad.view({idx.numel(), columns}), idx, rows, -1);
+           const Tensor scattered = scattered_rows(grad.view({gathered_shape[0], columns}), saved_index, rows, -1);
            return {scattered.view(front_shape).permute(back).reshape(shape)};  // cast to x's dtype by the engine
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 

@@ -122,12 +122,15 @@ Tensor scattered(IndexedOp op, const Tensor& self, int64_t dim, const Tensor& in
   return out;
 }
 
-// The gradient of scatter's self: out's gradient but 0 at the q's that src (or the value) overwrote.
+// The gradient of scatter's self: out's gradient but 0 at the q's that src (or the value) overwrote. In a pass with
+// create_graph by scatter itself, which records (this is its own backward).
 Tensor zero_where_written(const Tensor& grad, int64_t dim, const Tensor& index) {
+  if (GradMode::is_enabled()) return scatter(grad, dim, index, 0.0);
   return scattered(IndexedOp::Scatter, grad, dim, index, value_operand(0, grad.dtype(), grad.device(), index));
 }
 
-// The gradient of the scatters' src: out's gradient at each q (gather), zero where src lies outside index's shape.
+// The gradient of the scatters' src: out's gradient at each q (gather), zero where src lies outside index's shape; in
+// ops that record.
 Tensor src_gradient(const Tensor& grad, int64_t dim, const Tensor& index, const Shape& src_shape) {
   if (index.numel() == 0) return zeros(src_shape, {.dtype = grad.dtype(), .device = grad.device()});
   const Tensor picked = gather(grad, dim, index);
@@ -175,17 +178,18 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
     indexed_kernel[x.device()](IndexedOp::Gather, with_dims(x.detach()), d, with_dims(positions), with_dims(out));
   }
   // backward: each out[p]'s gradient added at q, in float32 for float16/bfloat16 (the engine casts the sum to x's
-  // dtype), as index_select's.
+  // dtype), as index_select's; in a pass with create_graph by scatter_add, which records (its backward is gather).
   record("GatherBackward", {x}, {out},
          [saved_index = SavedTensor(positions, "gather"), d, shape = x.shape()](const GradContext& g) -> TensorList {
-           const Tensor& idx = saved_index.get();
+           const Tensor idx = saved_index.get();
            Tensor sums = zeros(shape, {.dtype = accumulation_dtype(g[0].dtype()), .device = g[0].device()});
+           if (GradMode::is_enabled()) return {scatter_add(sums, d, idx, g[0].to(sums.dtype()))};
            if (idx.numel() > 0) {
              indexed_kernel[sums.device()](IndexedOp::ScatterAdd, with_dims(sums), d, with_dims(idx),
                                            with_dims(cast_nograd(g[0], sums.dtype())));
            }
            return {sums};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -200,7 +204,7 @@ Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Tenso
            const Tensor& idx = saved_index.get();
            return {g.needs(0) ? zero_where_written(g[0], d, idx) : Tensor(),
                    g.needs(1) ? src_gradient(g[0], d, idx, src_shape) : Tensor()};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -213,7 +217,7 @@ Tensor scatter(const Tensor& self, int64_t dim, const Tensor& index, const Scala
   record("ScatterBackward", {self}, {out},
          [saved_index = SavedTensor(positions, "scatter"), d](const GradContext& g) -> TensorList {
            return {zero_where_written(g[0], d, saved_index.get())};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 
@@ -228,7 +232,7 @@ Tensor scatter_add(const Tensor& self, int64_t dim, const Tensor& index, const T
              -> TensorList {
            return {g.needs(0) ? g[0] : Tensor(),
                    g.needs(1) ? src_gradient(g[0], d, saved_index.get(), src_shape) : Tensor()};
-         });
+         }, DoubleBackward::Supported);
   return out;
 }
 

@@ -14,9 +14,12 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/error.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
 #include "ops/loss.h"
 #include "ops/matmul.h"
 #include "ops/shape.h"
+#include "ops/softmax.h"
 
 namespace halfgrad {
 
@@ -154,6 +157,22 @@ void check_arguments(const Tensor& x, const Tensor& w, const Tensor& b, const Te
            w.meta(), b.meta(), t.meta());
 }
 
+// The gradients in ops that record, for a pass with create_graph (the fused products otherwise): the composition's,
+// d loss / d logits = (softmax(logits) - one-hot) g / counted on the rows whose target is not ignore_index (0 on the
+// others), in the accumulation dtype. x, w and b are the values the op read, with the histories of its arguments.
+TensorList backward_recorded(const GradContext& g, const Tensor& x, const Tensor& w, const Tensor& b,
+                             const Tensor& target, int64_t ignore_index) {
+  const DType acc = accumulation_dtype(x.dtype());
+  const Tensor xa = x.to(acc), wa = w.to(acc);
+  const Tensor logits = linear(xa, wa, b.defined() ? b.to(acc) : Tensor());
+  const Tensor counts = target.ne(ignore_index);
+  const Tensor one_hot_targets = one_hot(where(counts, target, 0), w.size(0)).to(acc);
+  const Tensor scale = where(counts, g[0].to(acc) / counts.to(acc).sum().clamp(1.0, std::nullopt), 0.0);
+  const Tensor grad_logits = (softmax(logits, 1) - one_hot_targets) * scale.view({-1, 1});
+  return {g.needs(0) ? grad_logits.matmul(wa) : Tensor(), g.needs(1) ? grad_logits.t().matmul(xa) : Tensor(),
+          g.needs(2) ? grad_logits.sum({0}) : Tensor()};
+}
+
 // The padded path (the header says what it computes). `dtype`: the products' dtype.
 Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, const Tensor& bias, const Tensor& target,
                                    int64_t ignore_index, DType dtype, DType loss_dtype) {
@@ -175,13 +194,14 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   const bool weight_aligned = is_aligned_rows(weight);
   const bool weight_in_place = weight_aligned && weight.dtype() == dtype && weight.stride(0) == in_p;
   Tensor x_p, w_p, logits, counted, loss;
+  Tensor row_bias;  // the bias the row pass adds, where w_p does not hold it
+  const Tensor target64 = target.to(kInt64).contiguous();
   {
     NoGradGuard no_grad;
     auto dense_rows = [](const Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); };
     // x_p = [x, 1, 0...], w_p = [W, b, 0...]: the bias as one more column of the products' k.
     x_p = empty({n, in_p}, {.dtype = dtype, .device = device});
     padded_copy_kernel[device](x_p, dense_rows(input.detach()), has_bias ? in : -1, Tensor());
-    Tensor row_bias;  // the bias the row pass adds, where w_p does not hold it
     if (weight_in_place) {
       w_p = make_view(weight.detach(), {classes_p, in_p}, {in_p, 1}, 0);
       if (has_bias) row_bias = bias.detach().to(dtype).contiguous();
@@ -195,7 +215,7 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
                logits.data_ptr());
     const Tensor row_loss = empty({n}, {.dtype = acc, .device = device});
     const Tensor row_count = empty({n}, {.dtype = acc, .device = device});
-    lce_rows_kernel[device](logits, classes, row_bias, target.to(kInt64).contiguous(), ignore_index, row_loss,
+    lce_rows_kernel[device](logits, classes, row_bias, target64, ignore_index, row_loss,
                             row_count, any_grad ? kGradFactor : 0.0);
     counted = row_count.sum();
     loss = row_loss.sum().div(counted).to(loss_dtype);  // 0 / 0: NaN when every target is ignored
@@ -204,8 +224,17 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   const DType x_dtype = input.dtype(), w_dtype = weight.dtype(), b_dtype = has_bias ? bias.dtype() : dtype;
   // w_p is the weight itself there: the backward's dx product reads it, so an in-place change before then is an error.
   const SavedTensor saved_weight(weight_in_place && need_x ? weight : Tensor(), kOp);
+  // For a pass with create_graph: the values the products read, with the arguments' histories.
+  const SavedTensor x_values(input, x_p.narrow(1, 0, in), kOp),
+      w_values(weight, w_p.narrow(0, 0, classes).narrow(1, 0, in), kOp),
+      b_values(bias, !has_bias ? Tensor() : weight_in_place ? row_bias : w_p.narrow(0, 0, classes).select(1, in), kOp),
+      t_values(target, target64, kOp);
   record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
          [=](const GradContext& g) -> TensorList {
+           if (GradMode::is_enabled()) {
+             return backward_recorded(g, x_values.get(), w_values.get(), b_values.get(), t_values.get(),
+                                      ignore_index);
+           }
            NoGradGuard no_grad;
            if (saved_weight.defined()) saved_weight.get();  // checks the version
            // The products' alpha (and a zero beta), read on the device: the upstream gradient over the targets
@@ -246,7 +275,7 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
              }
            }
            return {dx, dw, db};
-         });
+         }, DoubleBackward::Supported);
   return loss;
 }
 
@@ -287,10 +316,12 @@ Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Ten
   const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
              need_b = grad && bias.defined() && bias.requires_grad();
   SumGrads sums;
+  Tensor x, w, b;
   {
     NoGradGuard no_grad;
-    const Tensor x = input.detach().contiguous(), w = weight.detach().contiguous(),
-                 b = bias.defined() ? bias.detach().contiguous() : Tensor();
+    x = input.detach().contiguous();
+    w = weight.detach().contiguous();
+    b = bias.defined() ? bias.detach().contiguous() : Tensor();
     sums = input.dtype() == kFloat32 ? fused_cpu<float>(x, w, b, t, options.ignore_index, need_x, need_w, need_b)
                                      : fused_cpu<double>(x, w, b, t, options.ignore_index, need_x, need_w, need_b);
   }
@@ -298,14 +329,21 @@ Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Ten
       sums.counted > 0 ? sums.loss_sum / double(sums.counted) : std::numeric_limits<double>::quiet_NaN();
   Tensor loss = full({}, mean, {.dtype = input.dtype()});
   if (need_x || need_w || need_b) {
+    // (x, w, b and t for a pass with create_graph: the values read, with the arguments' histories)
     record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
-           [sums](const GradContext& g) -> TensorList {
+           [sums, x_values = SavedTensor(input, x, kOp), w_values = SavedTensor(weight, w, kOp),
+            b_values = SavedTensor(bias, b, kOp), t_values = SavedTensor(target, t, kOp),
+            ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
+             if (GradMode::is_enabled()) {
+               return backward_recorded(g, x_values.get(), w_values.get(), b_values.get(), t_values.get(),
+                                        ignore_index);
+             }
              // d(mean)/d(logits) = (softmax - one-hot) / counted, times the upstream gradient; with nothing
              // counted every row was ignored and every gradient is 0, as the composition's
              const Tensor scale = sums.counted > 0 ? g[0].div(double(sums.counted)) : g[0].mul(0.0);
              auto scaled = [&](const Tensor& sum_grad) { return sum_grad.defined() ? sum_grad.mul(scale) : Tensor(); };
              return {scaled(sums.x), scaled(sums.weight), scaled(sums.bias)};
-           });
+           }, DoubleBackward::Supported);
   }
   return loss;
 }

@@ -395,6 +395,14 @@ Tensor log1p_small(const Tensor& z) {
   return where(denominator.eq(0.0), z, log(u) * z / where(denominator.eq(0.0), 1.0, denominator));
 }
 
+// binary_cross_entropy's log, clamped at -100 as PyTorch's (a probability of 0 gives a finite loss).
+Tensor clamped_log(const Tensor& p) { return clamp(log(p), -100.0, std::nullopt); }
+
+// log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|)): no overflow for any x, accurate for large |x|.
+Tensor softplus_of_negated(const Tensor& x) {
+  return clamp(x.neg(), 0.0, std::nullopt) + log1p_small(exp(x.abs().neg()));
+}
+
 }  // namespace
 
 Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const BinaryCrossEntropyOptions& options) {
@@ -419,26 +427,30 @@ Tensor binary_cross_entropy(const Tensor& input, const Tensor& target, const Bin
   Tensor p = cast_nograd(input.detach(), dtype), y = cast_nograd(target.detach(), dtype), log_p, log_1mp, loss;
   {
     NoGradGuard no_grad;  // one node for the whole loss, recorded below
-    log_p = clamp(log(p), -100.0, std::nullopt);
-    log_1mp = clamp(log(1.0 - p), -100.0, std::nullopt);
+    log_p = clamped_log(p);
+    log_1mp = clamped_log(1.0 - p);
     Tensor elements = (y * log_p + (1.0 - y) * log_1mp).neg();
     if (w.defined()) elements = elements * w;
     loss = reduce_elements(elements, options.reduction);
   }
   //   d loss / d p = w (p - y) / max(p (1 - p), 1e-12)      (PyTorch's epsilon keeps p = 0 or 1 finite)
   //   d loss / d y = w (log(1 - p) - log(p))                (the clamped logs of the forward)
-  // p, y and w may alias the caller's tensors (no cast was needed): saved with their versions.
+  // p, y and w may alias the caller's tensors (no cast was needed): saved with their versions, and p and y with the
+  // histories of input and target, in which a pass with create_graph forms the logs again.
   record("BinaryCrossEntropyBackward", {input, target}, {loss},
-         [sp = SavedTensor(p, op), sy = SavedTensor(y, op), sw = SavedTensor(w, op), log_p, log_1mp,
+         [sp = SavedTensor(input, p, op), sy = SavedTensor(target, y, op), sw = SavedTensor(w, op), log_p, log_1mp,
           reduction = options.reduction, count = input.numel()](const GradContext& g) -> TensorList {
            Tensor scale = element_gradient(g[0], reduction, count);
            if (sw.defined()) scale = scale * sw.get();
            Tensor grad_input, grad_target;
-           const Tensor &p = sp.get(), &y = sy.get();
+           const Tensor p = sp.get(), y = sy.get();
            if (g.needs(0)) grad_input = scale * (p - y) / clamp(p * (1.0 - p), 1e-12, std::nullopt);
-           if (g.needs(1)) grad_target = scale * (log_1mp - log_p);
+           if (g.needs(1)) {
+             grad_target = GradMode::is_enabled() ? scale * (clamped_log(1.0 - p) - clamped_log(p))
+                                                  : scale * (log_1mp - log_p);
+           }
            return {grad_input, grad_target};
-         });
+         }, DoubleBackward::Supported);
   return loss;
 }
 
@@ -454,8 +466,7 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
   Tensor x = cast_nograd(input.detach(), dtype), y = cast_nograd(target.detach(), dtype), softplus_neg, loss;
   {
     NoGradGuard no_grad;
-    // log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|)): no overflow for any x, accurate for large |x|.
-    softplus_neg = clamp(x.neg(), 0.0, std::nullopt) + log1p_small(exp(x.abs().neg()));
+    softplus_neg = softplus_of_negated(x);
     Tensor positive = pw.defined() ? (pw - 1.0) * y + 1.0 : Tensor();  // 1 + (pos_weight - 1) y
     Tensor elements = (1.0 - y) * x + (positive.defined() ? positive * softplus_neg : softplus_neg);
     if (w.defined()) elements = elements * w;
@@ -463,20 +474,27 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
   }
   //   d loss / d x = w ((1 + (pw - 1) y) sigmoid(x) - pw y)    (sigmoid(x) - y without pos_weight)
   //   d loss / d y = w (-x + (pw - 1) log(1 + exp(-x)))        (-x without pos_weight)
+  // x and y keep the histories of input and target, in which a pass with create_graph forms log(1 + exp(-x)) again.
   record("BinaryCrossEntropyWithLogitsBackward", {input, target}, {loss},
-         [sx = SavedTensor(x, op), sy = SavedTensor(y, op), sw = SavedTensor(w, op), spw = SavedTensor(pw, op),
-          softplus_neg, reduction = options.reduction, count = input.numel()](const GradContext& g) -> TensorList {
+         [sx = SavedTensor(input, x, op), sy = SavedTensor(target, y, op), sw = SavedTensor(w, op),
+          spw = SavedTensor(pw, op), softplus_neg, reduction = options.reduction,
+          count = input.numel()](const GradContext& g) -> TensorList {
            Tensor scale = element_gradient(g[0], reduction, count);
            if (sw.defined()) scale = scale * sw.get();
            Tensor grad_input, grad_target;
-           const Tensor &x = sx.get(), &y = sy.get(), &pw = spw.get();
+           const Tensor x = sx.get(), y = sy.get(), pw = spw.get();
            if (g.needs(0)) {
              Tensor s = sigmoid(x);
              grad_input = scale * (pw.defined() ? ((pw - 1.0) * y + 1.0) * s - pw * y : s - y);
            }
-           if (g.needs(1)) grad_target = scale * (pw.defined() ? (pw - 1.0) * softplus_neg - x : x.neg());
+           if (g.needs(1) && pw.defined()) {
+             const Tensor softplus = GradMode::is_enabled() ? softplus_of_negated(x) : softplus_neg;
+             grad_target = scale * ((pw - 1.0) * softplus - x);
+           } else if (g.needs(1)) {
+             grad_target = scale * x.neg();
+           }
            return {grad_input, grad_target};
-         });
+         }, DoubleBackward::Supported);
   return loss;
 }
 

@@ -2,7 +2,8 @@
 // The CUDA kernels are in ops/pool.cu.
 //
 // Backward formulas (g: the gradient of the output, x: input positions):
-//   max:       dx[i] = sum of g[o] over the outputs o whose maximum lies at i (flat index or window position)
+//   max:       dx[i] = sum of g[o] over the outputs o whose maximum lies at i (flat index or window position); its
+//              own backward (a pass with create_graph) reads gg at each maximum: d(g)[o] = gg[i(o)]
 //   avg:       dx[i] = sum of g[o] / divisor(o) over the windows o that contain i
 //   adaptive:  dx[i] = sum of g[o] / area(o) over the cells o whose window contains i
 #include "ops/pool.h"
@@ -22,6 +23,7 @@ namespace halfgrad {
 
 KernelTable<MaxPool2dKernel> max_pool2d_kernel("max_pool2d");
 KernelTable<MaxPool2dBackwardKernel> max_pool2d_backward_kernel("max_pool2d backward");
+KernelTable<MaxPool2dGatherKernel> max_pool2d_gather_kernel("max_pool2d gather");
 KernelTable<AvgPool2dKernel> avg_pool2d_kernel("avg_pool2d");
 KernelTable<AvgPool2dBackwardKernel> avg_pool2d_backward_kernel("avg_pool2d backward");
 KernelTable<AdaptiveAvgPool2dKernel> adaptive_avg_pool2d_kernel("adaptive_avg_pool2d");
@@ -103,6 +105,11 @@ template <typename Run> auto as_batch_of_one(const Tensor& input, Run run) {
 
 namespace {
 
+Tensor max_unpooled(const Tensor& g, const SavedTensor& indices, const Shape& input_shape, const Pool2dParams& p,
+                    MemoryFormat format);
+Tensor max_gathered(const Tensor& source, const SavedTensor& indices, const Shape& shape, const Pool2dParams& p,
+                    MemoryFormat format);
+
 // max_pool2d and max_pool2d_with_indices: `flat` asks for the flat indices, else window positions are kept where
 // the window is small enough (MaxPool2dKernel's `indices`).
 std::pair<Tensor, Tensor> max_pool2d_impl(const Tensor& input, Pair2d kernel_size, const MaxPool2dOptions& options,
@@ -125,14 +132,35 @@ std::pair<Tensor, Tensor> max_pool2d_impl(const Tensor& input, Pair2d kernel_siz
 
   if (!any_requires_grad({&input})) return {out, indices};
   record("MaxPool2dBackward", {input}, {out},
-         [saved = SavedTensor(indices, "MaxPool2dBackward"), input_shape = input.shape(), p,
+         [saved = SavedTensor(indices, "max_pool2d"), input_shape = input.shape(), p,
           format](const GradContext& ctx) -> TensorList {
-           const Tensor& g = ctx[0];
-           Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
-           if (grad_input.numel() > 0) max_pool2d_backward_kernel[g.device()](grad_input, g, saved.get(), p);
-           return {grad_input};
-         });
+           return {max_unpooled(ctx[0], saved, input_shape, p, format)};
+         }, DoubleBackward::Supported);
   return {out, indices};
+}
+
+// The backward's scatter of g to the maxima (`indices`) and its transpose, the gather of what lies at them, each the
+// other's backward: linear in g with the indices fixed, so differentiable to any order.
+Tensor max_unpooled(const Tensor& g, const SavedTensor& indices, const Shape& input_shape, const Pool2dParams& p,
+                    MemoryFormat format) {
+  Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
+  if (grad_input.numel() > 0) max_pool2d_backward_kernel[g.device()](grad_input, g, indices.get(), p);
+  record("MaxPool2dBackwardBackward", {g}, {grad_input},
+         [indices, shape = g.shape(), p, format = suggest_memory_format(g)](const GradContext& ctx) -> TensorList {
+           return {max_gathered(ctx[0], indices, shape, p, format)};
+         }, DoubleBackward::Supported);
+  return grad_input;
+}
+
+Tensor max_gathered(const Tensor& source, const SavedTensor& indices, const Shape& shape, const Pool2dParams& p,
+                    MemoryFormat format) {
+  Tensor out = empty(shape, like(source, source.dtype()), format);
+  if (out.numel() > 0) max_pool2d_gather_kernel[source.device()](out, source, indices.get(), p);
+  record("MaxPool2dGatherBackward", {source}, {out},
+         [indices, shape = source.shape(), p, format = suggest_memory_format(source)](const GradContext& ctx)
+             -> TensorList { return {max_unpooled(ctx[0], indices, shape, p, format)}; },
+         DoubleBackward::Supported);
+  return out;
 }
 
 }  // namespace
@@ -346,6 +374,36 @@ void max_pool_backward_cpu_typed(const Tensor& grad_input, const Tensor& grad_ou
   });
 }
 
+template <typename T, typename S>
+void max_pool_gather_cpu_typed(const Tensor& out, const Tensor& source, const Tensor& indices, const Pool2dParams& p) {
+  const int64_t N = out.size(0), C = out.size(1), W = source.size(3);
+  const int64_t OH = out.size(2), OW = out.size(3);
+  const Strided4<const T> x(source);
+  const Strided4<const S> idx(indices);
+  const Strided4<T> y(out);
+  for_each_plane(N, C, OH * OW, [&](int64_t n, int64_t c) {
+    const T* xp = x.plane(n, c);
+    const S* ip = idx.plane(n, c);
+    T* yp = y.plane(n, c);
+    for (int64_t oh = 0; oh < OH; ++oh) {
+      for (int64_t ow = 0; ow < OW; ++ow) {
+        const int64_t saved = int64_t(ip[oh * idx.s[2] + ow * idx.s[3]]);
+        int64_t ih = -1, iw = 0;  // none: a window with no input element
+        if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: its row and column in the plane
+          if (saved != kNoWindowPosition) {
+            ih = window_position_input(p, 0, oh, saved);
+            iw = window_position_input(p, 1, ow, saved);
+          }
+        } else if (saved >= 0) {
+          ih = saved / W;
+          iw = saved % W;
+        }
+        yp[oh * y.s[2] + ow * y.s[3]] = ih < 0 ? T(0) : xp[ih * x.s[2] + iw * x.s[3]];
+      }
+    }
+  });
+}
+
 template <typename T> void avg_pool_cpu_typed(const Tensor& out, const Tensor& input, const Pool2dParams& p) {
   using Acc = opmath_t<T>;
   const int64_t N = input.size(0), C = input.size(1), H = input.size(2), W = input.size(3);
@@ -449,6 +507,11 @@ void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
     });
   });
 }
+void max_pool2d_gather_cpu(const Tensor& out, const Tensor& source, const Tensor& indices, const Pool2dParams& p) {
+  dispatch_floating(out.dtype(), "max_pool2d gather", [&]<typename T>() {
+    dispatch_max_pool_indices(indices, [&]<typename S>() { max_pool_gather_cpu_typed<T, S>(out, source, indices, p); });
+  });
+}
 void avg_pool2d_cpu(const Tensor& out, const Tensor& input, const Pool2dParams& p) {
   dispatch_floating(input.dtype(), "avg_pool2d", [&]<typename T>() { avg_pool_cpu_typed<T>(out, input, p); });
 }
@@ -469,6 +532,7 @@ void adaptive_avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& gr
 
 HG_REGISTER_KERNEL(max_pool2d_kernel, CPU, max_pool2d_cpu);
 HG_REGISTER_KERNEL(max_pool2d_backward_kernel, CPU, max_pool2d_backward_cpu);
+HG_REGISTER_KERNEL(max_pool2d_gather_kernel, CPU, max_pool2d_gather_cpu);
 HG_REGISTER_KERNEL(avg_pool2d_kernel, CPU, avg_pool2d_cpu);
 HG_REGISTER_KERNEL(avg_pool2d_backward_kernel, CPU, avg_pool2d_backward_cpu);
 HG_REGISTER_KERNEL(adaptive_avg_pool2d_kernel, CPU, adaptive_avg_pool2d_cpu);

@@ -1,4 +1,5 @@
-// Pooling on CUDA: max_pool2d, avg_pool2d, adaptive_avg_pool2d, forward and backward.
+// Pooling on CUDA: max_pool2d, avg_pool2d, adaptive_avg_pool2d, forward and backward (and max pooling's gather, the
+// backward of its backward).
 //
 // One thread per output element in the forward kernels; one thread per input element in the backward ones,
 // gathering from the outputs whose windows cover it (no atomics: deterministic, and exact for float16). Max pooling
@@ -187,6 +188,27 @@ __global__ void max_pool_backward_kernel(T* dx, const T* dy, const S* indices, G
       }
     }
     dx[offset(g.in, e.n, e.c, e.p, e.q)] = T(sum);
+  }
+}
+
+// The transpose of the backward (MaxPool2dGatherKernel): a thread an output element reads the source at its maximum.
+template <typename T, typename I, typename S>
+__global__ void max_pool_gather_kernel(T* out, const T* source, const S* indices, Geometry<I> g, Window<I> p,
+                                       I total) {
+  HG_GRID_STRIDE_LOOP(I, i, total) {
+    const Index4<I> o = unflatten(i, g.C, g.OH, g.OW, g.channels_last);
+    const S saved = indices[offset(g.aux, o.n, o.c, o.p, o.q)];
+    I ih = -1, iw = 0;  // none: a window with no input element
+    if constexpr (std::is_same_v<S, uint8_t>) {  // a window position: its row and column in the plane
+      if (saved != kNoWindowPosition) {
+        ih = window_position_input(p, 0, o.p, I(saved));
+        iw = window_position_input(p, 1, o.q, I(saved));
+      }
+    } else if (saved >= 0) {
+      ih = I(saved / g.W);
+      iw = I(saved % g.W);
+    }
+    out[offset(g.out, o.n, o.c, o.p, o.q)] = ih < 0 ? T(0) : source[offset(g.in, o.n, o.c, ih, iw)];
   }
 }
 
@@ -444,6 +466,20 @@ void max_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& grad_outpu
   with_index_type(fits_int32({&grad_input, &grad_output, &indices}, p), launch);
 }
 
+void max_pool2d_gather_cuda(const Tensor& out, const Tensor& source, const Tensor& indices, const Pool2dParams& p) {
+  const int64_t total = out.numel();
+  auto launch = [&]<typename I>() {
+    const Geometry<I> g = geometry<I>(source, out, indices, out);
+    launch_floating(out.dtype(), "max_pool2d gather", out.device(), [&]<typename T>(cudaStream_t s) {
+      dispatch_max_pool_indices(indices, [&]<typename S>() {
+        max_pool_gather_kernel<T, I, S><<<grid_for(total), kBlock, 0, s>>>(
+            ptr<T>(out), ptr<const T>(source), ptr<const S>(indices), g, Window<I>(p), I(total));
+      });
+    });
+  };
+  with_index_type(fits_int32({&source, &out, &indices}, p), launch);
+}
+
 void avg_pool2d_cuda(const Tensor& out, const Tensor& input, const Pool2dParams& p) {
   const Geometry<> g = geometry(input, out, Tensor(), out);
   const int64_t total = out.numel();
@@ -524,6 +560,7 @@ void adaptive_avg_pool2d_backward_cuda(const Tensor& grad_input, const Tensor& g
 
 HG_REGISTER_KERNEL(max_pool2d_kernel, CUDA, max_pool2d_cuda);
 HG_REGISTER_KERNEL(max_pool2d_backward_kernel, CUDA, max_pool2d_backward_cuda);
+HG_REGISTER_KERNEL(max_pool2d_gather_kernel, CUDA, max_pool2d_gather_cuda);
 HG_REGISTER_KERNEL(avg_pool2d_kernel, CUDA, avg_pool2d_cuda);
 HG_REGISTER_KERNEL(avg_pool2d_backward_kernel, CUDA, avg_pool2d_backward_cuda);
 HG_REGISTER_KERNEL(adaptive_avg_pool2d_kernel, CUDA, adaptive_avg_pool2d_cuda);

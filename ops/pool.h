@@ -102,6 +102,10 @@ using MaxPool2dKernel = void (*)(const Tensor& out, const Tensor& indices, const
 // grad_input[n, c, i] = sum of grad_output[n, c, o] over the outputs o whose maximum lies at i.
 using MaxPool2dBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output, const Tensor& indices,
                                          const Pool2dParams& params);
+// out[n, c, o] = source[n, c, i] where output o's maximum lies at i, 0 where its window held no input element: the
+// transpose of the backward, which is its backward in a pass with create_graph (and the other way round).
+using MaxPool2dGatherKernel = void (*)(const Tensor& out, const Tensor& source, const Tensor& indices,
+                                       const Pool2dParams& params);
 using AvgPool2dKernel = void (*)(const Tensor& out, const Tensor& input, const Pool2dParams& params);
 using AvgPool2dBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output,
                                          const Pool2dParams& params);
@@ -110,6 +114,7 @@ using AdaptiveAvgPool2dBackwardKernel = void (*)(const Tensor& grad_input, const
 
 extern KernelTable<MaxPool2dKernel> max_pool2d_kernel;
 extern KernelTable<MaxPool2dBackwardKernel> max_pool2d_backward_kernel;
+extern KernelTable<MaxPool2dGatherKernel> max_pool2d_gather_kernel;
 extern KernelTable<AvgPool2dKernel> avg_pool2d_kernel;
 extern KernelTable<AvgPool2dBackwardKernel> avg_pool2d_backward_kernel;
 extern KernelTable<AdaptiveAvgPool2dKernel> adaptive_avg_pool2d_kernel;

@@ -220,6 +220,25 @@ TEST_CASE("gradgradcheck: cross_entropy and nll_loss (class weights, ignored tar
                 {leaf({4, 3})});
 }
 
+TEST_CASE("gradgradcheck: binary_cross_entropy and binary_cross_entropy_with_logits (weight, pos_weight)") {
+  const TensorOptions f64{.dtype = kFloat64};
+  const Tensor weight = rand({2, 3}, f64) + 0.5, pos_weight = rand({3}, f64) + 0.5;
+  const Tensor x = leaf({2, 3}), target = leaf({2, 3}, 0.3, 0.5);
+  for (Reduction reduction : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    INFO(reduction_name(reduction));
+    gradgradcheck([&](const TensorList& in) {
+      return binary_cross_entropy(sigmoid(in[0]), in[1], {.weight = weight, .reduction = reduction});
+    }, {x, target});
+    gradgradcheck([&](const TensorList& in) {
+      return binary_cross_entropy_with_logits(in[0] * in[0], in[1], {.reduction = reduction});
+    }, {x, target});
+    gradgradcheck([&](const TensorList& in) {
+      return binary_cross_entropy_with_logits(in[0], in[1], {.weight = weight, .pos_weight = pos_weight,
+                                                             .reduction = reduction});
+    }, {x, target});
+  }
+}
+
 TEST_CASE("create_graph: a Mean over only ignored targets gives the plain pass's zero gradient, not nan") {
   // The loss is 0 / 0 and its gradient 1 / 0; the kernels give an ignored target 0 whatever its gradient, and so do
   // the ops a pass with create_graph records.
@@ -271,6 +290,139 @@ TEST_CASE("gradgradcheck: avg_pool2d and adaptive_avg_pool2d") {
   gradgradcheck([](const TensorList& in) { return adaptive_avg_pool2d(in[0] * in[0], {2, 3}); }, {x});
 }
 
+TEST_CASE("gradgradcheck: max_pool2d (window positions or flat indices, padding, dilation, ceil_mode, channels_last)") {
+  const Tensor x = leaf({2, 3, 5, 7});
+  gradgradcheck([](const TensorList& in) { return max_pool2d(in[0] * in[0], {2, 2}); }, {x});
+  const MaxPool2dOptions options{.stride = {2, 1}, .padding = {1, 1}, .dilation = {1, 2}, .ceil_mode = true};
+  gradgradcheck([&](const TensorList& in) { return max_pool2d(in[0] * in[0], {3, 3}, options); }, {x});
+  gradgradcheck([&](const TensorList& in) { return max_pool2d_with_indices(in[0] * in[0], {3, 3}, options).first; },
+                {x});
+  gradgradcheck([](const TensorList& in) {
+    return max_pool2d(contiguous(in[0] * in[0], MemoryFormat::ChannelsLast), {2, 3}, {.stride = {1, 2}});
+  }, {x});
+  // A window of more than kMaxWindowPositions elements keeps flat indices.
+  gradgradcheck([](const TensorList& in) { return max_pool2d(in[0] * in[0], {16, 16}, {.stride = {4, 4}}); },
+                {leaf({1, 2, 20, 20})});
+}
+
+TEST_CASE("create_graph: max_pool2d's second derivative sends U's values at the maxima, exact") {
+  // f = sum(max_pool2d(x)^2): df/dx_i = 2 x_i for each window whose maximum is x_i, 0 elsewhere; so the derivative of
+  // sum(df/dx * u) by x_i is 2 u_i for each such window.
+  Tensor x = tensor<double>({1, 5, 2, 3, -4, 0, 7, -1, 6}).view({1, 1, 3, 3}).requires_grad_();
+  const Tensor pooled = max_pool2d(x, {2, 2}, {.stride = {1, 1}});  // the maxima: 5 (x1) twice, 7 (x6), 6 (x8)
+  const Tensor first = differentiable_grad((pooled * pooled).sum(), x);
+  CHECK(values(first) == std::vector<double>{0, 20, 0, 0, 0, 0, 14, 0, 12});
+  const Tensor u = tensor<double>({1, 2, 3, 4, 5, 6, 7, 8, 9}).view({1, 1, 3, 3});
+  CHECK(values(autograd::grad({(first * u).sum()}, {x})[0]) == std::vector<double>{0, 8, 0, 0, 0, 0, 14, 0, 18});
+}
+
+TEST_CASE("gradgradcheck: batch_norm and batch_norm_relu, training and eval, every saved form of relu") {
+  const Tensor x = leaf({3, 4, 2, 3}), w = leaf({4}), b = leaf({4});
+  const Tensor running_mean = randn({4}, {.dtype = kFloat64}), running_var = rand({4}, {.dtype = kFloat64}) + 0.5;
+  for (bool training : {true, false}) {
+    INFO((training ? "training" : "eval"));
+    const Tensor mean = training ? Tensor() : running_mean, var = training ? Tensor() : running_var;
+    gradgradcheck([&](const TensorList& in) { return batch_norm(in[0] * in[0], mean, var, in[1], in[2], training); },
+                  {x, w, b});
+    gradgradcheck([&](const TensorList& in) {
+      return batch_norm(in[0], mean, var, Tensor(), Tensor(), training, 0.1, 1e-3);
+    }, {x});
+    gradgradcheck([&](const TensorList& in) {  // [N, C]: channels last by its layout
+      return batch_norm(in[0] * in[0], mean, var, in[1], Tensor(), training);
+    }, {leaf({5, 4}), w});
+    for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+      INFO((saved == ReluSaved::Mask ? "mask" : "output"));
+      gradgradcheck([&](const TensorList& in) {
+        return batch_norm_relu(in[0] * in[0], mean, var, in[1], in[2], training, 0.1, 1e-5, in[3], Tensor(), saved);
+      }, {x, w, b, leaf({3, 4, 2, 3})});
+      gradgradcheck([&](const TensorList& in) {
+        return batch_norm_relu(contiguous(in[0] * in[0], MemoryFormat::ChannelsLast), mean, var, in[1], in[2],
+                               training, 0.1, 1e-5, Tensor(), Tensor(), saved);
+      }, {x, w, b});
+    }
+    // A convolution's bias folded into the batch norm (training) or added before it (eval).
+    gradgradcheck([&](const TensorList& in) {
+      return batch_norm(in[0] * in[0], mean, var, in[1], in[2], training, 0.1, 1e-5, in[3]);
+    }, {x, w, b, leaf({4})});
+  }
+}
+
+TEST_CASE("create_graph through dropout: the same mask at every order, exact") {
+  // f = sum(dropout(x) * x) = sum(m s x^2): df/dx = 2 m s x, and its derivative 2 m s (m the mask, s = 2 at p = 0.5).
+  manual_seed(7);
+  Tensor x = tensor<double>({1, -2, 3, 0.5, -1.5, 2, 4, -3}).requires_grad_();
+  const Tensor first = differentiable_grad((dropout(x, 0.5) * x).sum(), x);
+  const std::vector<double> kept = values(first / (x * 4));  // m: 0 or 1
+  int dropped = 0;
+  for (double m : kept) {
+    CHECK((m == 0 || m == 1));
+    dropped += m == 0;
+  }
+  CHECK((dropped > 0 && dropped < 8));  // (with this seed: neither none nor all)
+  const std::vector<double> second = values(autograd::grad({first.sum()}, {x})[0]);
+  for (size_t i = 0; i < kept.size(); ++i) CHECK(second[i] == 4 * kept[i]);
+}
+
+TEST_CASE("gradgradcheck: embedding (padding_idx) and index_select along any dim") {
+  const Tensor indices = tensor<int64_t>({2, 0, 2, 4, 1, 2}).view({2, 3});
+  gradgradcheck([&](const TensorList& in) { return embedding(indices, in[0] * in[0]); }, {leaf({5, 3})});
+  gradgradcheck([&](const TensorList& in) {
+    const Tensor rows = embedding(indices, in[0], 2);
+    return rows * rows;
+  }, {leaf({5, 3})});
+  const Tensor index = tensor<int64_t>({1, 0, 1, 2});
+  for (int64_t dim : {0, 1, 2}) {
+    INFO("dim " << dim);
+    gradgradcheck([&](const TensorList& in) {
+      const Tensor selected = index_select(in[0], dim, index);
+      return selected * selected;
+    }, {leaf({3, 3, 4})});
+  }
+}
+
+TEST_CASE("gradgradcheck: gather, scatter (a tensor, a value), scatter_add and cumsum") {
+  const Tensor index = tensor<int64_t>({2, 0, 1, 1, 0, 2}).view({2, 3});
+  gradgradcheck([&](const TensorList& in) {
+    const Tensor picked = gather(in[0], 1, index);
+    return picked * picked;
+  }, {leaf({2, 4})});
+  gradgradcheck([&](const TensorList& in) { return scatter(in[0] * in[0], 1, index.narrow(1, 0, 1), in[1] * in[1]); },
+                {leaf({2, 4}), leaf({2, 2})});
+  gradgradcheck([&](const TensorList& in) { return scatter(in[0] * in[0], 0, index.narrow(0, 0, 1), 1.5); },
+                {leaf({3, 3})});
+  gradgradcheck([&](const TensorList& in) { return scatter_add(in[0] * in[0], 1, index, in[1] * in[1]); },
+                {leaf({2, 4}), leaf({2, 3})});
+  for (int64_t dim : {0, 1}) {
+    INFO("dim " << dim);
+    gradgradcheck([&](const TensorList& in) { return cumsum(in[0] * in[0], dim); }, {leaf({3, 4})});
+  }
+}
+
+TEST_CASE("gradgradcheck: linear_cross_entropy (a bias or none, ignored targets) as the composition's") {
+  const Tensor x = leaf({4, 3}), weight = leaf({5, 3}), bias = leaf({5});
+  const Tensor target = tensor<int64_t>({0, 4, -100, 1});
+  gradgradcheck([&](const TensorList& in) { return linear_cross_entropy(in[0] * in[0], in[1], in[2], target); },
+                {x, weight, bias});
+  gradgradcheck([&](const TensorList& in) { return linear_cross_entropy(in[0], in[1], Tensor(), target); },
+                {x, weight});
+  // Every target ignored: a NaN loss, and zero gradients at every order.
+  Tensor w = leaf({5, 3});
+  const Tensor ignored = tensor<int64_t>({-100, -100, -100, -100});
+  const Tensor first = differentiable_grad(linear_cross_entropy(x, w, Tensor(), ignored), w);
+  CHECK(values(first) == std::vector<double>(15, 0.0));
+  CHECK(values(autograd::grad({first.sum()}, {w}, {}, std::nullopt, false, true)[0]) == std::vector<double>(15, 0.0));
+}
+
+TEST_CASE("create_graph: embedding's padding row takes no gradient at any order") {
+  Tensor w = leaf({4, 2});
+  const Tensor rows = embedding(tensor<int64_t>({1, 3, 1}), w, 1);
+  const Tensor first = differentiable_grad((rows * rows * rows).sum(), w);  // 3 w^2 at row 3, 0 at the padding row 1
+  const Tensor second = autograd::grad({first.sum()}, {w})[0];
+  std::vector<double> want = values(w * 6);
+  for (size_t i = 0; i < 6; ++i) want[i] = 0;  // rows 0 and 2 unread, row 1 the padding
+  check_close(values(second), want, 1e-15);
+}
+
 TEST_CASE("gradgradcheck: a Hessian-vector product through a two-layer tanh network") {
   gradgradcheck([](const TensorList& in) {
     return linear(tanh(linear(in[0], in[1], in[2])), in[3]).sum({1});
@@ -300,22 +452,24 @@ TEST_CASE("a gradient penalty through a convolutional critic (conv2d, relu, avg_
   }, {leaf({2, 2, 4, 4}), leaf({3, 2, 3, 3}, 0.5), leaf({3}), leaf({1, 12}, 0.5)});
 }
 
-TEST_CASE("create_graph through an op whose backward does not support it: an error naming it, only where needed") {
-  Tensor x = leaf({1, 2, 4, 4});
-  const Tensor first = differentiable_grad(max_pool2d(x * x, {2, 2}).sum(), x);
-  // The first derivative is as a plain pass's, and carries a history that refuses to be differentiated.
-  const Tensor plain = autograd::grad({max_pool2d(x * x, {2, 2}).sum()}, {x})[0];
+TEST_CASE("create_graph through the recurrent layers, whose backward does not support it: an error naming it") {
+  nn::LSTM lstm(3, 4);
+  lstm.to(kFloat64);
+  Tensor x = leaf({5, 2, 3});
+  auto loss = [&] {
+    const Tensor out = lstm.forward(x * x);
+    return (out * out).sum();
+  };
+  const Tensor first = differentiable_grad(loss(), x);
+  // The first derivative is as a plain pass's, and carries a history that refuses to be differentiated, only where a
+  // second derivative needs it.
+  const Tensor plain = autograd::grad({loss()}, {x})[0];
   check_close(values(first), values(plain), 1e-15);
   REQUIRE(first.requires_grad());
   CHECK(contains(error_of([&] { autograd::grad({first.sum()}, {x}); }),
-                 "MaxPool2dBackward: the gradients it computed (in a pass with create_graph) cannot be "
-                 "differentiated again"));
-  // Second derivatives elsewhere are unaffected.
+                 "RnnBackward: the gradients it computed (in a pass with create_graph) cannot be differentiated again"));
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
   check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
-  // A second derivative through dropout's backward is refused likewise.
-  const Tensor g = differentiable_grad((dropout(x, 0.5) * x).sum(), x);
-  CHECK(contains(error_of([&] { autograd::grad({g.sum()}, {x}); }), "DropoutBackward"));
 }
 
 TEST_CASE("create_graph leaves no reference cycle but a leaf's .grad, which resetting it breaks") {
@@ -417,6 +571,78 @@ TEST_CASE("cuda: a gradient penalty through a convolutional critic equals the CP
     for (size_t i = 0; i < on_cpu.size(); ++i) {
       INFO("weight " << i);
       check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), 1e-10);
+    }
+  }
+}
+
+TEST_CASE("cuda: second derivatives through conv2d, batch_norm_relu, max_pool2d, dropout and embedding: as the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions f64{.dtype = kFloat64};
+  const TensorList weights = {randn({8, 3, 3, 3}, f64) * 0.3, rand({8}, f64) + 0.5, randn({8}, f64) * 0.1,
+                              randn({6, 8}, f64), randn({1, 8 * 4 * 4}, f64) * 0.1};
+  const Tensor x = randn({4, 3, 8, 8}, f64), running_mean = randn({8}, f64) * 0.1, running_var = rand({8}, f64) + 0.5;
+  const Tensor ids = tensor<int64_t>({0, 5, 2, 5});
+  // The gradient of the weights' gradient norm (itself from a pass with create_graph) by the weights.
+  auto penalty_gradients = [&](Device device, DType dtype, MemoryFormat format, ReluSaved saved, bool training) {
+    TensorList w;
+    for (const Tensor& t : weights) w.push_back(t.to(device, dtype).clone().requires_grad_());
+    manual_seed(3);  // the same dropout mask on both devices
+    Tensor h = conv2d(contiguous(x.to(device, dtype), format), w[0], Tensor(), {.padding = {1, 1}});
+    h = h + embedding(ids.to(device), w[3], 5).view({4, 8, 1, 1});
+    h = batch_norm_relu(h, training ? Tensor() : running_mean.to(device), training ? Tensor() : running_var.to(device),
+                        w[1], w[2], training, 0.1, 1e-5, Tensor(), Tensor(), saved);
+    h = dropout(max_pool2d(h, {2, 2}), 0.25);
+    const Tensor out = linear(h.reshape({4, -1}), w[4]);
+    const TensorList g = autograd::grad({(out * out).mean()}, w, {}, std::nullopt, /*create_graph=*/true);
+    Tensor penalty = (g[0] * g[0]).sum();
+    for (size_t i = 1; i < g.size(); ++i) penalty = penalty + (g[i] * g[i]).sum();
+    return autograd::grad({penalty}, w);
+  };
+  for (bool training : {true, false}) {
+    for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+      const TensorList on_cpu =
+          penalty_gradients(Device::cpu(), kFloat64, MemoryFormat::Contiguous, saved, training);
+      for (DType dtype : {kFloat64, kFloat32}) {
+        for (MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+          INFO((training ? "training, " : "eval, ") << (saved == ReluSaved::Mask ? "mask, " : "output, ")
+               << dtype_name(dtype) << ", " << memory_format_name(format));
+          const TensorList on_gpu = penalty_gradients(Device::cuda(0), dtype, format, saved, training);
+          for (size_t i = 0; i < on_cpu.size(); ++i) {
+            INFO("weight " << i);
+            REQUIRE(on_gpu[i].device() == Device::cuda(0));
+            check_close(values(on_gpu[i].to(Device::cpu(), kFloat64)), values(on_cpu[i]),
+                        dtype == kFloat64 ? 1e-10 : 5e-3);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: linear_cross_entropy's second derivatives (dense and aligned-rows weights, a bias or none): the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions f64{.dtype = kFloat64};
+  const Tensor x = randn({6, 5}, f64), weight = randn({7, 5}, f64) * 0.5, bias = randn({7}, f64);
+  const Tensor target = tensor<int64_t>({0, 6, -100, 3, 3, 1}), v = randn({7, 5}, f64);
+  // H v for the loss by the weight, and the input's gradient of the weight gradient's projection on v.
+  auto second_derivatives = [&](Device device, bool with_bias, bool aligned) {
+    Tensor w = weight.to(device);
+    if (aligned) w = contiguous_aligned_rows(w);
+    w = w.detach().requires_grad_();
+    const Tensor input = x.to(device).requires_grad_();
+    const Tensor loss = linear_cross_entropy(input, w, with_bias ? bias.to(device) : Tensor(), target.to(device));
+    const Tensor g = autograd::grad({loss}, {w}, {}, std::nullopt, /*create_graph=*/true)[0];
+    return autograd::grad({(g * v.to(device)).sum()}, {w, input});
+  };
+  for (bool with_bias : {false, true}) {
+    const TensorList on_cpu = second_derivatives(Device::cpu(), with_bias, false);
+    for (bool aligned : {false, true}) {
+      INFO((with_bias ? "bias, " : "no bias, ") << (aligned ? "aligned rows" : "dense"));
+      const TensorList on_gpu = second_derivatives(Device::cuda(0), with_bias, aligned);
+      for (size_t i = 0; i < on_cpu.size(); ++i) {
+        INFO("gradient " << i);
+        check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), 1e-12);
+      }
     }
   }
 }
