@@ -408,7 +408,8 @@ Tensor SavedTensor::get() const {
     const Tensor leaf(leaf_);
     HG_CHECK(leaf.version() == leaf_version_, "{}: the leaf {} saved for gradient computation has been modified by an "
              "in-place operation (version {}, expected {})", op_, leaf.meta(), leaf.version(), leaf_version_);
-    return leaf;
+    // A copy the op cast (SavedTensor(t, values, op)): the backward computes in the dtype it read.
+    return leaf.dtype() == tensor_.dtype() ? leaf : leaf.to(tensor_.dtype());
   }
   std::shared_ptr<Node> history = grad_fn_;
   if (is_output_) {

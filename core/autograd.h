@@ -88,8 +88,8 @@ using BackwardFn = std::function<TensorList(const GradContext&)>;
 // Whether a pass with create_graph may record an op's backward, to differentiate its gradients again. Supported: with
 // grad mode on the backward function computes with ops that record (a kernel of its own may serve it otherwise, as
 // softmax's), and reads what it saved through SavedTensor (an output saved with SavedTensor::output). Refused: it runs
-// kernels of its own (max pooling, batch norm); the pass runs it with grad mode off, and a second derivative through
-// the gradients it returns is an error naming the op.
+// kernels of its own (the recurrent layers' RnnBackward); the pass runs it with grad mode off, and a second derivative
+// through the gradients it returns is an error naming the op.
 enum class DoubleBackward { Refused, Supported };
 
 class Node : public std::enable_shared_from_this<Node> {
@@ -154,8 +154,8 @@ class SavedTensor {
   // Any tensor but an output of the op that saves it: a detached alias, and where it requires grad, where its gradient
   // goes (a leaf itself; else its history when saved, an older node: no reference cycle).
   SavedTensor(const Tensor& t, const char* op);
-  // t's values as `values` holds them (a contiguous copy the op made of t, or t itself), with t's history: the op's
-  // kernels read the copy, a pass with create_graph differentiates through t.
+  // t's values as `values` holds them (a copy the op made of t, contiguous or cast, or t itself), with t's history: the
+  // op's kernels read the copy, a pass with create_graph differentiates through t (a leaf t cast to values' dtype).
   SavedTensor(const Tensor& t, const Tensor& values, const char* op);
   // Output `output_nr` of the op that saves it, saved before record() gives it its history: a detached alias alone,
   // since holding its history (the node that holds this) would be a reference cycle; that node is the one whose

@@ -250,7 +250,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {input, weight, bias, residual, input_bias},
          {args.output},
          [x = SavedTensor(input, args.input, op), w = SavedTensor(weight, args.weight, op), mask = args.relu_mask,
-          y = relu && saved == ReluSaved::Output ? SavedTensor(args.output, op) : SavedTensor(),
+          y = relu && saved == ReluSaved::Output ? SavedTensor::output(args.output, op) : SavedTensor(),
           cudnn_fused = args.cudnn_fused, residual_added = residual.defined(),
           saved_bias = fused ? SavedTensor(args.bias, op) : SavedTensor(), mean = args.save_mean,
           invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {

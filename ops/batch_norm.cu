@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void count_batch_kernel(int64_t* batches_tracked) { ++*batches_tracked; }
 
 // ReluMaskValuesKernel: one thread an element (create_graph's backward only, not a step's hot path).
-__global__ void __launch_bounds__(kThreads) relu_mask_values_kernel_(bool* passes, const int32_t* mask, int64_t n) {
+__global__ void __launch_bounds__(kThreads) unpack_relu_mask_kernel(bool* passes, const int32_t* mask, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
     passes[i] = ReluMask::bit(mask, i);
 }
@@ -1252,7 +1252,7 @@ void relu_mask_values_cuda(const Tensor& passes, const Tensor& mask) {
   cuda::DeviceGuard guard(passes.device());
   const int64_t n = passes.numel();
   const unsigned blocks = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
-  relu_mask_values_kernel_<<<blocks, kThreads, 0, cuda::current_stream(passes.device())>>>(
+  unpack_relu_mask_kernel<<<blocks, kThreads, 0, cuda::current_stream(passes.device())>>>(
       static_cast<bool*>(passes.data_ptr()), mask.data<int32_t>(), n);
   HG_CUDA_CHECK_LAUNCH("batch_norm_relu mask values");
 }

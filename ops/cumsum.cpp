@@ -15,15 +15,16 @@ namespace halfgrad {
 constinit KernelTable<CumsumKernel> cumsum_kernel("cumsum");
 
 namespace {
-// t's running sums in `dtype` along the middle dim of [outer, length, inner], from the end where `reverse`: cumsum (from
-// the start) and its backward (from the end), each the other's transpose and so its backward: differentiable to any
-// order. `name`: the node's.
+// t's running sums in `dtype` along the middle dim of [outer, length, inner], from the end where `reverse`: cumsum
+// (from the start) and its backward (from the end), each the other's transpose and so its backward: differentiable to
+// any order. `name`: the node's.
 Tensor running_sums(const Tensor& t, DType dtype, int64_t outer, int64_t length, int64_t inner, bool reverse,
                     const char* name) {
   Tensor out = empty(t.shape(), {.dtype = dtype, .device = t.device()});
   if (out.numel() > 0) {
     cumsum_kernel[t.device()](out, cast_nograd(t.detach(), dtype).contiguous(), outer, length, inner, reverse);
   }
+  if (!any_requires_grad({&t})) return out;  // (a plain backward pass: no closure to build)
   record(name, {t}, {out}, [outer, length, inner, reverse, input = t.dtype()](const GradContext& g) -> TensorList {
     return {running_sums(g[0], input, outer, length, inner, !reverse, "CumsumBackwardBackward")};
   }, DoubleBackward::Supported);

@@ -47,6 +47,7 @@ Tensor scattered_rows(const Tensor& grad, const SavedTensor& index, int64_t rows
   if (n > 0 && dim > 0) {
     embedding_backward_kernel[grad.device()](grad_weight, grad.detach().contiguous(), index.get(), padding_idx);
   }
+  if (!any_requires_grad({&grad})) return grad_weight;  // (a plain backward pass: no closure to build)
   record("EmbeddingBackwardBackward", {grad}, {grad_weight}, [index, padding_idx](const GradContext& g) -> TensorList {
     return {gathered_rows(g[0], index, padding_idx)};
   }, DoubleBackward::Supported);

@@ -14,12 +14,9 @@
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/error.h"
-#include "ops/elementwise.h"
-#include "ops/embedding.h"
 #include "ops/loss.h"
 #include "ops/matmul.h"
 #include "ops/shape.h"
-#include "ops/softmax.h"
 
 namespace halfgrad {
 
@@ -158,17 +155,14 @@ void check_arguments(const Tensor& x, const Tensor& w, const Tensor& b, const Te
 }
 
 // The gradients in ops that record, for a pass with create_graph (the fused products otherwise): the composition's,
-// d loss / d logits = (softmax(logits) - one-hot) g / counted on the rows whose target is not ignore_index (0 on the
-// others), in the accumulation dtype. x, w and b are the values the op read, with the histories of its arguments.
-TensorList backward_recorded(const GradContext& g, const Tensor& x, const Tensor& w, const Tensor& b,
-                             const Tensor& target, int64_t ignore_index) {
+// cross_entropy's gradient by the logits, in the accumulation dtype. x, w and b are the values the op read (or the
+// arguments themselves), with the arguments' histories.
+TensorList linear_cross_entropy_backward_recorded(const GradContext& g, const Tensor& x, const Tensor& w,
+                                                  const Tensor& b, const Tensor& target, int64_t ignore_index) {
   const DType acc = accumulation_dtype(x.dtype());
   const Tensor xa = x.to(acc), wa = w.to(acc);
   const Tensor logits = linear(xa, wa, b.defined() ? b.to(acc) : Tensor());
-  const Tensor counts = target.ne(ignore_index);
-  const Tensor one_hot_targets = one_hot(where(counts, target, 0), w.size(0)).to(acc);
-  const Tensor scale = where(counts, g[0].to(acc) / counts.to(acc).sum().clamp(1.0, std::nullopt), 0.0);
-  const Tensor grad_logits = (softmax(logits, 1) - one_hot_targets) * scale.view({-1, 1});
+  const Tensor grad_logits = cross_entropy_mean_gradient(logits, target, g[0], ignore_index);
   return {g.needs(0) ? grad_logits.matmul(wa) : Tensor(), g.needs(1) ? grad_logits.t().matmul(xa) : Tensor(),
           g.needs(2) ? grad_logits.sum({0}) : Tensor()};
 }
@@ -232,8 +226,8 @@ Tensor padded_linear_cross_entropy(const Tensor& input, const Tensor& weight, co
   record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
          [=](const GradContext& g) -> TensorList {
            if (GradMode::is_enabled()) {
-             return backward_recorded(g, x_values.get(), w_values.get(), b_values.get(), t_values.get(),
-                                      ignore_index);
+             return linear_cross_entropy_backward_recorded(g, x_values.get(), w_values.get(), b_values.get(),
+                                                           t_values.get(), ignore_index);
            }
            NoGradGuard no_grad;
            if (saved_weight.defined()) saved_weight.get();  // checks the version
@@ -316,12 +310,10 @@ Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Ten
   const bool need_x = grad && input.requires_grad(), need_w = grad && weight.requires_grad(),
              need_b = grad && bias.defined() && bias.requires_grad();
   SumGrads sums;
-  Tensor x, w, b;
   {
     NoGradGuard no_grad;
-    x = input.detach().contiguous();
-    w = weight.detach().contiguous();
-    b = bias.defined() ? bias.detach().contiguous() : Tensor();
+    const Tensor x = input.detach().contiguous(), w = weight.detach().contiguous(),
+                 b = bias.defined() ? bias.detach().contiguous() : Tensor();
     sums = input.dtype() == kFloat32 ? fused_cpu<float>(x, w, b, t, options.ignore_index, need_x, need_w, need_b)
                                      : fused_cpu<double>(x, w, b, t, options.ignore_index, need_x, need_w, need_b);
   }
@@ -329,14 +321,15 @@ Tensor linear_cross_entropy(const Tensor& input, const Tensor& weight, const Ten
       sums.counted > 0 ? sums.loss_sum / double(sums.counted) : std::numeric_limits<double>::quiet_NaN();
   Tensor loss = full({}, mean, {.dtype = input.dtype()});
   if (need_x || need_w || need_b) {
-    // (x, w, b and t for a pass with create_graph: the values read, with the arguments' histories)
+    // The arguments are kept for a pass with create_graph, which forms the composition again (the gradients in `sums`
+    // need them no more: PyTorch's linear keeps them too, for its weight's gradient).
     record("LinearCrossEntropyBackward", {input, weight, bias}, {loss},
-           [sums, x_values = SavedTensor(input, x, kOp), w_values = SavedTensor(weight, w, kOp),
-            b_values = SavedTensor(bias, b, kOp), t_values = SavedTensor(target, t, kOp),
+           [sums, x_values = SavedTensor(input, kOp), w_values = SavedTensor(weight, kOp),
+            b_values = SavedTensor(bias, kOp), t_values = SavedTensor(target, t, kOp),
             ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
              if (GradMode::is_enabled()) {
-               return backward_recorded(g, x_values.get(), w_values.get(), b_values.get(), t_values.get(),
-                                        ignore_index);
+               return linear_cross_entropy_backward_recorded(g, x_values.get(), w_values.get(), b_values.get(),
+                                                             t_values.get(), ignore_index);
              }
              // d(mean)/d(logits) = (softmax - one-hot) / counted, times the upstream gradient; with nothing
              // counted every row was ignored and every gradient is 0, as the composition's

@@ -283,6 +283,16 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
 
 }  // namespace
 
+Tensor cross_entropy_mean_gradient(const Tensor& logits, const Tensor& target, const Tensor& g, int64_t ignore_index) {
+  const int64_t batch = logits.size(0), classes = logits.size(1);
+  const DType acc = accumulation_dtype(logits.dtype());
+  const Tensor counted = target.ne(ignore_index).to(acc);  // each element's weight in the mean
+  // The mean's gradient at each element; where nothing counted, target_terms gives every element 0.
+  const Tensor element_grad = (g.to(acc) / counted.sum().clamp(1.0, std::nullopt)).expand({batch});
+  const auto [scale, one_hot] = target_terms(element_grad, target, counted, ignore_index, batch, classes, 1, acc);
+  return ((softmax(logits.to(acc).view({batch, classes, 1}), 1) - one_hot) * scale).view({batch, classes});
+}
+
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& options) {
   HG_AUTOCAST(cross_entropy, input, target, options);
   const char* op = "cross_entropy";
@@ -398,9 +408,12 @@ Tensor log1p_small(const Tensor& z) {
 // binary_cross_entropy's log, clamped at -100 as PyTorch's (a probability of 0 gives a finite loss).
 Tensor clamped_log(const Tensor& p) { return clamp(log(p), -100.0, std::nullopt); }
 
-// log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|)): no overflow for any x, accurate for large |x|.
+// log(1 + exp(-x)) = max(-x, 0) + log(1 + exp(-|x|)): no overflow for any x, accurate for large |x|. Each term picked
+// by one comparison, so that a pass with create_graph differentiates it as one branch or the other: -1/2 at x = 0,
+// where clamp's and abs's derivatives (-1 and 0) would give -1.
 Tensor softplus_of_negated(const Tensor& x) {
-  return clamp(x.neg(), 0.0, std::nullopt) + log1p_small(exp(x.abs().neg()));
+  const Tensor positive = x.ge(0.0);
+  return where(positive, 0.0, x.neg()) + log1p_small(exp(where(positive, x.neg(), x)));
 }
 
 }  // namespace

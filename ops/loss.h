@@ -71,6 +71,9 @@ struct CrossEntropyOptions {
   Reduction reduction = Reduction::Mean;
 };
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& options = {});
+// The gradient of cross_entropy(logits [N, C], target [N], {.ignore_index}) (a Mean) by the logits, times g (0-d), in
+// ops that record, in the accumulation dtype: linear_cross_entropy's backward in a pass with create_graph.
+Tensor cross_entropy_mean_gradient(const Tensor& logits, const Tensor& target, const Tensor& g, int64_t ignore_index);
 
 // ---- binary cross-entropy
 //

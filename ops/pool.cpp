@@ -145,6 +145,7 @@ Tensor max_unpooled(const Tensor& g, const SavedTensor& indices, const Shape& in
                     MemoryFormat format) {
   Tensor grad_input = empty(input_shape, like(g, g.dtype()), format);
   if (grad_input.numel() > 0) max_pool2d_backward_kernel[g.device()](grad_input, g, indices.get(), p);
+  if (!any_requires_grad({&g})) return grad_input;  // (a plain backward pass: no closure to build)
   record("MaxPool2dBackwardBackward", {g}, {grad_input},
          [indices, shape = g.shape(), p, format = suggest_memory_format(g)](const GradContext& ctx) -> TensorList {
            return {max_gathered(ctx[0], indices, shape, p, format)};
@@ -156,6 +157,7 @@ Tensor max_gathered(const Tensor& source, const SavedTensor& indices, const Shap
                     MemoryFormat format) {
   Tensor out = empty(shape, like(source, source.dtype()), format);
   if (out.numel() > 0) max_pool2d_gather_kernel[source.device()](out, source, indices.get(), p);
+  if (!any_requires_grad({&source})) return out;
   record("MaxPool2dGatherBackward", {source}, {out},
          [indices, shape = source.shape(), p, format = suggest_memory_format(source)](const GradContext& ctx)
              -> TensorList { return {max_unpooled(ctx[0], indices, shape, p, format)}; },

@@ -239,6 +239,29 @@ TEST_CASE("gradgradcheck: binary_cross_entropy and binary_cross_entropy_with_log
   }
 }
 
+TEST_CASE("create_graph: binary_cross_entropy_with_logits at a logit of 0, exact") {
+  // d loss / d y = (pw - 1) log(1 + exp(-x)) - x, whose derivative by x is -(pw - 1) sigmoid(-x) - 1: -2 at x = 0 for
+  // pw = 3 (the one-sided derivatives of max(-x, 0) and |x| would give -3).
+  Tensor x = tensor<double>({0.0}).requires_grad_(), y = tensor<double>({0.5}).requires_grad_();
+  const Tensor loss = binary_cross_entropy_with_logits(x, y, {.pos_weight = tensor<double>({3.0})});
+  const Tensor by_target = differentiable_grad(loss, y);
+  check_close(values(by_target), {2 * std::log(2.0)}, 1e-15);
+  CHECK(values(autograd::grad({by_target.sum()}, {x})[0]) == std::vector<double>{-2});
+}
+
+TEST_CASE("create_graph: binary_cross_entropy on a float16 leaf beside a float32 target computes in float32") {
+  // The op reads the probabilities as float32 (the promoted dtype); the pass with create_graph differentiates the leaf
+  // cast likewise. In float16 p (1 - p) = 0 at p = 0 and 1, and the floor of 1e-12 rounds to 0: 0 / 0.
+  Tensor p = tensor<double>({0.0, 0.25, 1.0}).to(kFloat16).requires_grad_();
+  const Tensor y = tensor<float>({0.0f, 0.75f, 1.0f});
+  const Tensor plain = autograd::grad({binary_cross_entropy(p, y)}, {p})[0];
+  const Tensor recorded = differentiable_grad(binary_cross_entropy(p, y), p);
+  REQUIRE(recorded.dtype() == kFloat16);
+  CHECK(values(recorded) == values(plain));
+  CHECK(values(plain)[0] == 0);
+  CHECK(values(plain)[2] == 0);
+}
+
 TEST_CASE("create_graph: a Mean over only ignored targets gives the plain pass's zero gradient, not nan") {
   // The loss is 0 / 0 and its gradient 1 / 0; the kernels give an ignored target 0 whatever its gradient, and so do
   // the ops a pass with create_graph records.
@@ -303,6 +326,12 @@ TEST_CASE("gradgradcheck: max_pool2d (window positions or flat indices, padding,
   // A window of more than kMaxWindowPositions elements keeps flat indices.
   gradgradcheck([](const TensorList& in) { return max_pool2d(in[0] * in[0], {16, 16}, {.stride = {4, 4}}); },
                 {leaf({1, 2, 20, 20})});
+  // Windows that hold no input element (rows -1 and 3 of 3): -inf outputs, which take and give no gradient.
+  const MaxPool2dOptions empty_rows{.padding = {1, 0}, .dilation = {4, 1}};
+  gradgradcheck([&](const TensorList& in) { return max_pool2d(in[0] * in[0], {2, 1}, empty_rows); },
+                {leaf({1, 2, 3, 4})});
+  gradgradcheck([&](const TensorList& in) { return max_pool2d_with_indices(in[0] * in[0], {2, 1}, empty_rows).first; },
+                {leaf({1, 2, 3, 4})});
 }
 
 TEST_CASE("create_graph: max_pool2d's second derivative sends U's values at the maxima, exact") {
@@ -467,7 +496,8 @@ TEST_CASE("create_graph through the recurrent layers, whose backward does not su
   check_close(values(first), values(plain), 1e-15);
   REQUIRE(first.requires_grad());
   CHECK(contains(error_of([&] { autograd::grad({first.sum()}, {x}); }),
-                 "RnnBackward: the gradients it computed (in a pass with create_graph) cannot be differentiated again"));
+                 "RnnBackward: the gradients it computed (in a pass with create_graph) cannot be differentiated "
+                 "again"));
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
   check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
 }
@@ -619,7 +649,7 @@ TEST_CASE("cuda: second derivatives through conv2d, batch_norm_relu, max_pool2d,
   }
 }
 
-TEST_CASE("cuda: linear_cross_entropy's second derivatives (dense and aligned-rows weights, a bias or none): the CPU's") {
+TEST_CASE("cuda: linear_cross_entropy's second derivatives (dense, aligned-rows weights, a bias or none): the CPU's") {
   SKIP_WITHOUT_GPU();
   const TensorOptions f64{.dtype = kFloat64};
   const Tensor x = randn({6, 5}, f64), weight = randn({7, 5}, f64) * 0.5, bias = randn({7}, f64);
@@ -643,6 +673,58 @@ TEST_CASE("cuda: linear_cross_entropy's second derivatives (dense and aligned-ro
         INFO("gradient " << i);
         check_close(values(on_gpu[i].to(Device::cpu())), values(on_cpu[i]), 1e-12);
       }
+    }
+  }
+}
+
+TEST_CASE("cuda: second derivatives through max_pool2d's flat indices, gather, cumsum, index_select, the binary "
+          "cross-entropies: the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions f64{.dtype = kFloat64};
+  const Tensor x = randn({2, 3, 6, 6}, f64), y = rand({2, 12}, f64), index = tensor<int64_t>({2, 0, 1, 1, 0, 2});
+  // The gradient by x of the squared norm of the loss's gradient by x (itself from a pass with create_graph).
+  auto gradient_of_norm = [&](Device device) {
+    const Tensor input = x.to(device).requires_grad_();
+    const Tensor pooled = max_pool2d_with_indices(input * input, {3, 3}, {.stride = {2, 2}, .padding = {1, 1}}).first;
+    const Tensor rows = cumsum(index_select(pooled.reshape({2, 27}), 1, index.to(device)), 1);  // [2, 6]
+    const Tensor picked = gather(rows, 1, index.view({2, 3}).to(device));
+    const Tensor logits = cat({picked, rows}, 1) * 0.1;  // [2, 9]
+    const Tensor loss = binary_cross_entropy_with_logits(logits, y.narrow(1, 0, 9).to(device),
+                                                         {.pos_weight = tensor<double>({2.0}).to(device)}) +
+                        binary_cross_entropy(sigmoid(logits), y.narrow(1, 3, 9).to(device));
+    const Tensor g = autograd::grad({loss}, {input}, {}, std::nullopt, /*create_graph=*/true)[0];
+    return autograd::grad({(g * g).sum()}, {input})[0];
+  };
+  const Tensor on_gpu = gradient_of_norm(Device::cuda(0));
+  REQUIRE(on_gpu.device() == Device::cuda(0));
+  check_close(values(on_gpu.to(Device::cpu())), values(gradient_of_norm(Device::cpu())), 1e-12);
+}
+
+TEST_CASE("cuda: batch_norm_relu's create_graph pass in float16 channels_last (cuDNN's fused kernels) gives the "
+          "plain pass's gradients") {
+  SKIP_WITHOUT_GPU();
+  const Tensor x = contiguous(randn({8, 16, 6, 6}).to(Device::cuda(0), kFloat16), MemoryFormat::ChannelsLast);
+  const Tensor residual = randn({8, 16, 6, 6}).to(Device::cuda(0), kFloat16);
+  for (ReluSaved saved : {ReluSaved::Mask, ReluSaved::Output}) {
+    for (bool with_residual : {false, true}) {
+      INFO((saved == ReluSaved::Mask ? "mask, " : "output, ") << (with_residual ? "a residual" : "no residual"));
+      Tensor input = x.detach().requires_grad_();
+      Tensor weight = (rand({16}) + 0.5).to(Device::cuda(0)).requires_grad_();
+      Tensor bias = randn({16}).to(Device::cuda(0)).requires_grad_();
+      auto loss = [&] {
+        const Tensor out = batch_norm_relu(input, Tensor(), Tensor(), weight, bias, true, 0.1, 1e-5,
+                                           with_residual ? residual : Tensor(), Tensor(), saved);
+        return (out.to(kFloat32) * out.to(kFloat32)).mean();
+      };
+      const TensorList plain = autograd::grad({loss()}, {input, weight, bias});
+      const TensorList recorded = autograd::grad({loss()}, {input, weight, bias}, {}, std::nullopt, true);
+      for (size_t i = 0; i < plain.size(); ++i) {
+        INFO("gradient " << i);
+        REQUIRE(recorded[i].dtype() == plain[i].dtype());
+        check_close(values(recorded[i]), values(plain[i]), 1e-2);
+      }
+      // and differentiable again
+      CHECK(autograd::grad({(recorded[1] * recorded[1]).sum()}, {weight})[0].defined());
     }
   }
 }
