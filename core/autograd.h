@@ -87,9 +87,9 @@ using BackwardFn = std::function<TensorList(const GradContext&)>;
 
 // Whether a pass with create_graph may record an op's backward, to differentiate its gradients again. Supported: with
 // grad mode on the backward function computes with ops that record (a kernel of its own may serve it otherwise, as
-// softmax's), and reads what it saved through SavedTensor (an output saved with SavedTensor::output). Refused: it runs
-// kernels of its own (the recurrent layers' RnnBackward); the pass runs it with grad mode off, and a second derivative
-// through the gradients it returns is an error naming the op.
+// softmax's), and reads what it saved through SavedTensor (an output saved with SavedTensor::output). Refused (the
+// default, for an op of one's own): the pass runs it with grad mode off, and a second derivative through the gradients
+// it returns is an error naming the op.
 enum class DoubleBackward { Refused, Supported };
 
 class Node : public std::enable_shared_from_this<Node> {

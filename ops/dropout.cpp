@@ -15,12 +15,12 @@ namespace {
 // x times the mask and scale of the counters `state`: dropout's forward, its backward (the same mask on the gradient,
 // regenerated) and that one's backward, each the other's: linear in x, so differentiable to any order. `name`: the
 // node's.
-Tensor dropout_masked(const Tensor& x, double p, GeneratorState state, const char* name) {
+Tensor masked_by_counters(const Tensor& x, double p, GeneratorState state, const char* name) {
   Tensor out = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
   if (x.numel() > 0) dropout_kernel[x.device()](out, x.detach().contiguous(), p, state);
   if (!any_requires_grad({&x})) return out;  // (a plain backward pass: no closure to build)
   record(name, {x}, {out}, [p, state](const GradContext& g) -> TensorList {
-    return {dropout_masked(g[0], p, state, "DropoutBackwardBackward")};
+    return {masked_by_counters(g[0], p, state, "DropoutBackwardBackward")};
   }, DoubleBackward::Supported);
   return out;
 }
@@ -34,7 +34,13 @@ Tensor dropout(const Tensor& x, double p, bool training) {
   if (!training || p == 0.0) return x;
   if (p == 1.0) return x * 0.0;  // everything dropped: times 0, as the kernel drops (ops/dropout.h)
 
-  return dropout_masked(x, p, next_random_counters(uint64_t((x.numel() + 3) / 4)), "DropoutBackward");
+  return masked_by_counters(x, p, next_random_counters(uint64_t((x.numel() + 3) / 4)), "DropoutBackward");
+}
+
+Tensor dropout_masked(const Tensor& x, double p, GeneratorState state) {
+  HG_CHECK(x.defined() && x.is_floating_point() && p > 0.0 && p < 1.0,
+           "dropout_masked: expected a floating-point input and 0 < p < 1, got {} and p = {}", x.meta(), p);
+  return masked_by_counters(x, p, state, "DropoutBackward");
 }
 
 // ---- CPU kernel: threads take runs of whole counters (4 elements each).

@@ -19,6 +19,10 @@ namespace halfgrad {
 // Autocast category: "unchanged". Floating inputs only; p in [0, 1]. training = false, or p = 0, returns x
 // itself; p = 1 gives x * 0 (zeros, nan where x is inf or nan) and the gradient times 0.
 Tensor dropout(const Tensor& x, double p, bool training = true);
+// x times the mask and scale that the counters `state` draw (0 < p < 1), recorded (differentiable to any order):
+// dropout with counters reserved before, as the recurrent op's between its layers, which a pass with create_graph forms
+// again.
+Tensor dropout_masked(const Tensor& x, double p, GeneratorState state);
 
 // What an element is multiplied by, given its uniform draw u: 1 / (1 - p) where kept, 0 where dropped. Multiplied by
 // 0, not replaced by 0, so that a dropped inf or nan gives nan, as in PyTorch: an overflow before dropout still

@@ -21,6 +21,7 @@
 #include "core/cuda.h"
 #include "ops/copy.h"
 #include "ops/dropout.h"
+#include "ops/elementwise.h"
 #include "ops/matmul.h"
 #include "ops/rnn_cell.h"
 #include "ops/shape.h"
@@ -328,6 +329,93 @@ void check_inputs(const Tensor& input, const Tensor& h0, const Tensor& c0, const
   HG_CHECK(o.kind == RnnKind::LSTM || !c0.defined(), "rnn ({}): only an LSTM takes a cell state c0", op);
 }
 
+// The recurrence of ops/rnn.h in ops that record, in the accumulation dtype: the forward formed again, for a pass with
+// create_graph (the loop kernels serve every other pass). args: the op's arguments as its node's inputs (input, h0,
+// c0, then the weights; h0 and c0 may be undefined: zeros); the dropout between layers draws the forward's masks from
+// its counters. Each step's h is rounded to the storage dtype, as the kernels store it (float16 or bfloat16 on CUDA),
+// and dropped out there. Returns the op's results (output, h, c or undefined), in `dtype`.
+TensorList rnn_recorded(const TensorList& args, const Problem& p, const RnnOptions& o,
+                        const std::vector<GeneratorState>& dropout_states, DType dtype) {
+  const bool lstm = p.kind == RnnKind::LSTM;
+  const int64_t H = p.H;
+  auto in_acc = [&](const Tensor& t) { return t.defined() ? t.to(p.acc) : Tensor(); };
+  auto stored = [&](const Tensor& t) { return p.storage == p.acc ? t : t.to(p.storage).to(p.acc); };
+  auto gate = [&](const Tensor& g, int64_t k) { return g.narrow(1, k * H, H); };
+  const Tensor h0 = in_acc(args[1]), c0 = in_acc(args[2]);
+  auto initial = [&](const Tensor& states, int64_t l) {
+    return states.defined() ? states[l] : zeros({p.B, H}, {.dtype = p.acc, .device = p.device});
+  };
+  Tensor x = in_acc(args[0]);
+  TensorList last_h, last_c;
+  for (int64_t l = 0; l < p.L; ++l) {
+    const Tensor* w = &args[size_t(3 + l * p.per_layer())];
+    const Tensor w_hh = in_acc(w[1]), b_hh = p.bias ? in_acc(w[3]) : Tensor();
+    const Tensor gi = linear(x, in_acc(w[0]), p.bias ? in_acc(w[2]) : Tensor());  // [T, B, G H]: every step's
+    Tensor h = initial(h0, l), c = lstm ? initial(c0, l) : Tensor();
+    TensorList steps;
+    for (int64_t t = 0; t < p.T; ++t) {
+      const Tensor gx = gi[t], gh = linear(h, w_hh, b_hh);
+      switch (p.kind) {
+        case RnnKind::RNNTanh: h = tanh(gx + gh); break;
+        case RnnKind::RNNReLU: h = relu(gx + gh); break;
+        case RnnKind::GRU: {
+          const Tensor r = sigmoid(gate(gx, 0) + gate(gh, 0)), z = sigmoid(gate(gx, 1) + gate(gh, 1));
+          const Tensor n = tanh(gate(gx, 2) + r * gate(gh, 2));
+          h = (1.0 - z) * n + z * h;
+          break;
+        }
+        case RnnKind::LSTM: {
+          const Tensor gates = gx + gh;
+          c = sigmoid(gate(gates, 1)) * c + sigmoid(gate(gates, 0)) * tanh(gate(gates, 2));
+          h = sigmoid(gate(gates, 3)) * tanh(c);
+          break;
+        }
+      }
+      h = stored(h);
+      steps.push_back(h);
+    }
+    last_h.push_back(h);
+    if (lstm) last_c.push_back(c);
+    x = stack(steps, 0);
+    if (l + 1 < p.L && o.training && o.dropout > 0 && x.numel() > 0) {  // run_forward's condition: a state per layer
+      x = dropout_masked(x.to(p.storage), o.dropout, dropout_states[size_t(l)]).to(p.acc);
+    }
+  }
+  return {x.to(dtype), stack(last_h, 0).to(dtype), lstm ? stack(last_c, 0).to(dtype) : Tensor()};
+}
+
+// RnnBackward in a pass with create_graph: the recurrence formed again in ops that record (rnn_recorded) from the
+// arguments with their histories, and differentiated by a pass of its own, itself with create_graph, so that the
+// gradients it returns can be differentiated again. Each wanted argument enters through a view of its own, where that
+// pass stops instead of going on into the argument's history (which the outer pass walks).
+TensorList rnn_backward_recorded(const GradContext& ctx, const std::vector<SavedTensor>& arguments, const Problem& p,
+                                 const RnnOptions& o, const Saved& saved, DType dtype) {
+  TensorList args, wanted;
+  std::vector<size_t> wanted_at;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    Tensor t = arguments[i].defined() ? arguments[i].get() : Tensor();
+    // (a leaf may have stopped requiring grad since the forward: its gradient goes nowhere, as AccumulateGrad drops it)
+    if (t.defined() && ctx.needs(i) && t.requires_grad()) {
+      t = t.view(t.shape());
+      wanted.push_back(t);
+      wanted_at.push_back(i);
+    }
+    args.push_back(t);
+  }
+  TensorList grads(arguments.size());
+  if (wanted.empty()) return grads;
+  const TensorList results = rnn_recorded(args, p, o, saved.dropout_states, dtype);
+  TensorList outputs{results[0], results[1]}, grad_outputs{ctx[0], ctx[1]};
+  if (results[2].defined()) {
+    outputs.push_back(results[2]);
+    grad_outputs.push_back(ctx[2]);
+  }
+  const TensorList found =
+      autograd::grad(outputs, wanted, grad_outputs, std::nullopt, /*create_graph=*/true, /*allow_unused=*/true);
+  for (size_t k = 0; k < wanted.size(); ++k) grads[wanted_at[k]] = found[k];
+  return grads;
+}
+
 }  // namespace
 
 RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const TensorList& weights,
@@ -355,13 +443,14 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
   TensorList inputs{input, h0, c0};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   const bool save = any_requires_grad(inputs);
+  const Tensor x = dense(input, storage);
 
   cuda::DeviceGuard device(p.device);
   RnnResult result;
   auto saved = std::make_shared<Saved>();  // the node's; it holds none of the results, which hold the node
   {
     NoGradGuard no_grad;
-    Forward f = run_forward(p, dense(input, storage), h_init, c_init, w, options, save);
+    Forward f = run_forward(p, x, h_init, c_init, w, options, save);
     result.output = cast_nograd(f.output, dtype);
     result.h = cast_nograd(stack(f.h, 0), dtype);
     if (lstm) result.c = cast_nograd(stack(f.c, 0), dtype);
@@ -369,9 +458,21 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
   }
   if (save) {
     std::vector<SavedWeights> saved_w(w.begin(), w.end());
+    // The arguments as the kernels read them, with their histories: what a pass with create_graph forms the
+    // recurrence again from (the dense copies the forward keeps anyway, where it made any; c0 itself, not its copy).
+    std::vector<SavedTensor> arguments{SavedTensor(input, x, "RnnBackward"), SavedTensor(h0, h_init, "RnnBackward"),
+                                       SavedTensor(c0, "RnnBackward")};
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerWeights& lw = w[size_t(l)];
+      const Tensor* values[] = {&lw.w_ih, &lw.w_hh, &lw.b_ih, &lw.b_hh};
+      for (int64_t k = 0; k < per_layer; ++k)
+        arguments.emplace_back(weights[size_t(l * per_layer + k)], *values[k], "RnnBackward");
+    }
     record("RnnBackward", inputs, result.tensors(),
-           [p, saved, saved_w, options, dtype](const GradContext& ctx) -> TensorList {
+           [p, saved, saved_w, arguments = std::move(arguments), options, dtype](const GradContext& ctx)
+               -> TensorList {
              cuda::DeviceGuard device(p.device);
+             if (GradMode::is_enabled()) return rnn_backward_recorded(ctx, arguments, p, options, *saved, dtype);
              std::vector<LayerWeights> w;
              for (const SavedWeights& s : saved_w) w.push_back(s.get());
              std::vector<bool> needs;
@@ -385,7 +486,7 @@ RnnResult rnn(const Tensor& input, const Tensor& h0, const Tensor& c0, const Ten
                if (p.bias) grads.push_back(back(lw.b_ih)), grads.push_back(back(lw.b_hh));
              }
              return grads;
-           });
+           }, DoubleBackward::Supported);
   }
   return result;
 }

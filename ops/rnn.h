@@ -9,7 +9,9 @@
 //                        pass that adds the biases and runs every gate nonlinearity and the state update
 //   RnnBackward      ->  per layer: rnn_loop_backward_kernel[device], the steps in reverse (the recurrent
 //                        gradient's product, then the gates' gradients); then one GEMM each for the input gradient
-//                        and the two weight gradients over all steps, and a sum over rows for each bias
+//                        and the two weight gradients over all steps, and a sum over rows for each bias; in a pass
+//                        with create_graph, the recurrence formed again in ops that record and differentiated by a
+//                        pass of its own (rnn_backward_recorded)
 // The gate arithmetic itself is written once, for both devices, in ops/rnn_cell.h; the CPU loops are in
 // ops/rnn.cpp (per step a GEMM and a pass over the units), the CUDA ones in ops/rnn.cu (a persistent kernel, or
 // per step cuBLAS and a cell kernel replayed as a CUDA graph; set_rnn_cuda_loop below). Dropout between

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "halfgrad.h"
@@ -481,25 +482,109 @@ TEST_CASE("a gradient penalty through a convolutional critic (conv2d, relu, avg_
   }, {leaf({2, 2, 4, 4}), leaf({3, 2, 3, 3}, 0.5), leaf({3}), leaf({1, 12}, 0.5)});
 }
 
-TEST_CASE("create_graph through the recurrent layers, whose backward does not support it: an error naming it") {
-  nn::LSTM lstm(3, 4);
-  lstm.to(kFloat64);
-  Tensor x = leaf({5, 2, 3});
-  auto loss = [&] {
-    const Tensor out = lstm.forward(x * x);
-    return (out * out).sum();
-  };
-  const Tensor first = differentiable_grad(loss(), x);
+namespace {
+// x^3 as an op of one's own whose backward runs without ops that record, as a user's op recorded with record()'s
+// default (DoubleBackward::Refused).
+Tensor opaque_cube(const Tensor& x) {
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = x * x * x;
+  }
+  record("OpaqueCubeBackward", {x}, {out}, [saved = SavedTensor(x, "opaque_cube")](const GradContext& g) -> TensorList {
+    const Tensor base = saved.get();
+    return {g[0] * base * base * 3.0};
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("create_graph through an op whose backward does not support it: an error naming it, only where needed") {
+  Tensor x = leaf({3});
+  const Tensor first = differentiable_grad(opaque_cube(x * x).sum(), x);
   // The first derivative is as a plain pass's, and carries a history that refuses to be differentiated, only where a
   // second derivative needs it.
-  const Tensor plain = autograd::grad({loss()}, {x})[0];
-  check_close(values(first), values(plain), 1e-15);
+  check_close(values(first), values(x.pow(5) * 6), 1e-14);
   REQUIRE(first.requires_grad());
   CHECK(contains(error_of([&] { autograd::grad({first.sum()}, {x}); }),
-                 "RnnBackward: the gradients it computed (in a pass with create_graph) cannot be differentiated "
-                 "again"));
+                 "OpaqueCubeBackward: the gradients it computed (in a pass with create_graph) cannot be "
+                 "differentiated again"));
   const Tensor z = differentiable_grad((x * x * x).sum(), x);
   check_close(values(autograd::grad({z.sum()}, {x})[0]), values(x * 6), 1e-15);
+}
+
+TEST_CASE("gradgradcheck: the recurrent op (RNN tanh and relu, GRU, LSTM, with two layers and dropout or no biases)") {
+  for (RnnKind kind : {RnnKind::RNNTanh, RnnKind::RNNReLU, RnnKind::GRU, RnnKind::LSTM}) {
+    INFO(rnn_kind_name(kind));
+    const int64_t G = rnn_gates(kind), H = 3;
+    const bool lstm = kind == RnnKind::LSTM;
+    // All of the op's results in one tensor, each with its own weight.
+    auto results = [](const RnnResult& r) {
+      TensorList parts{r.output.reshape({-1}), r.h.reshape({-1}) * 0.5};
+      if (r.c.defined()) parts.push_back(r.c.reshape({-1}) * 0.25);
+      return cat(parts, 0);
+    };
+    gradgradcheck([&](const TensorList& in) {
+      manual_seed(11);  // the same dropout masks at every evaluation
+      const TensorList weights(in.begin() + 3, in.end());
+      return results(rnn(in[0], in[1], in[2], weights, {.kind = kind, .num_layers = 2, .dropout = 0.3}));
+    }, {leaf({4, 2, 2}), leaf({2, 2, H}), lstm ? leaf({2, 2, H}) : Tensor(), leaf({G * H, 2}, 0.5),
+        leaf({G * H, H}, 0.5), leaf({G * H}, 0.5), leaf({G * H}, 0.5), leaf({G * H, H}, 0.5), leaf({G * H, H}, 0.5),
+        leaf({G * H}, 0.5), leaf({G * H}, 0.5)});
+    gradgradcheck([&](const TensorList& in) {  // no biases, no initial states: zeros
+      return results(rnn(in[0] * in[0], Tensor(), Tensor(), {in[1], in[2]}, {.kind = kind}));
+    }, {leaf({3, 2, 2}), leaf({G * H, 2}, 0.5), leaf({G * H, H}, 0.5)});
+  }
+  // Three layers: each layer's dropout its own mask.
+  gradgradcheck([&](const TensorList& in) {
+    manual_seed(13);
+    const TensorList weights(in.begin() + 1, in.end());
+    return rnn(in[0], Tensor(), Tensor(), weights, {.kind = RnnKind::RNNTanh, .num_layers = 3, .dropout = 0.5}).output;
+  }, {leaf({3, 2, 2}), leaf({3, 2}, 0.5), leaf({3, 3}, 0.5), leaf({3, 3}, 0.5), leaf({3, 3}, 0.5), leaf({3, 3}, 0.5),
+      leaf({3, 3}, 0.5)});
+}
+
+TEST_CASE("create_graph through the recurrent op with an empty batch, dropout between its layers: zeros") {
+  Tensor x = leaf({3, 0, 2});
+  const TensorList weights = {leaf({9, 2}), leaf({9, 3}), leaf({9, 3}), leaf({9, 3})};  // two layers, no biases
+  const RnnResult r = rnn(x, Tensor(), Tensor(), weights, {.kind = RnnKind::GRU, .num_layers = 2, .dropout = 0.5});
+  const TensorList first = autograd::grad({r.output.sum() + r.h.sum()}, {weights[0], weights[3]}, {}, std::nullopt,
+                                          true);
+  CHECK(values(first[0]) == std::vector<double>(18, 0.0));
+  CHECK(values(first[1]) == std::vector<double>(27, 0.0));
+}
+
+TEST_CASE("create_graph through nn::LSTM: a gradient penalty on the input, as the unrolled cells give it") {
+  // The LSTM's recorded pass against the same recurrence written out with linear, sigmoid and tanh.
+  nn::LSTM lstm(2, 3);
+  lstm.to(kFloat64);
+  const Tensor x = leaf({4, 1, 2});
+  auto parameter = [&](const std::string& name) {
+    for (const auto& [n, t] : lstm.named_parameters())
+      if (n == name) return t;
+    FAIL("no parameter " << name);
+    return Tensor();
+  };
+  auto penalty_gradient = [&](bool unrolled) {
+    Tensor out;
+    if (unrolled) {
+      Tensor h = zeros({1, 3}, {.dtype = kFloat64}), c = zeros({1, 3}, {.dtype = kFloat64});
+      TensorList steps;
+      for (int64_t t = 0; t < 4; ++t) {
+        const Tensor gates = linear(x[t], parameter("weight_ih_l0"), parameter("bias_ih_l0")) +
+                             linear(h, parameter("weight_hh_l0"), parameter("bias_hh_l0"));
+        c = sigmoid(gates.narrow(1, 3, 3)) * c + sigmoid(gates.narrow(1, 0, 3)) * tanh(gates.narrow(1, 6, 3));
+        h = sigmoid(gates.narrow(1, 9, 3)) * tanh(c);
+        steps.push_back(h);
+      }
+      out = stack(steps, 0);
+    } else {
+      out = lstm.forward(x);
+    }
+    const Tensor input_grad = differentiable_grad((out * out).sum(), x);
+    return autograd::grad({(input_grad * input_grad).sum()}, {parameter("weight_hh_l0")})[0];
+  };
+  check_close(values(penalty_gradient(false)), values(penalty_gradient(true)), 1e-12);
 }
 
 TEST_CASE("create_graph leaves no reference cycle but a leaf's .grad, which resetting it breaks") {
@@ -725,6 +810,40 @@ TEST_CASE("cuda: batch_norm_relu's create_graph pass in float16 channels_last (c
       }
       // and differentiable again
       CHECK(autograd::grad({(recorded[1] * recorded[1]).sum()}, {weight})[0].defined());
+    }
+  }
+}
+
+TEST_CASE("cuda: second derivatives through the recurrent op (two layers, dropout): the CPU's") {
+  SKIP_WITHOUT_GPU();
+  const TensorOptions f64{.dtype = kFloat64};
+  for (RnnKind kind : {RnnKind::GRU, RnnKind::LSTM}) {
+    INFO(rnn_kind_name(kind));
+    const int64_t G = rnn_gates(kind), H = 8;
+    TensorList weights;
+    for (int64_t l = 0; l < 2; ++l) {
+      for (const Shape& shape : {Shape{G * H, l == 0 ? 5 : H}, Shape{G * H, H}, Shape{G * H}, Shape{G * H}})
+        weights.push_back(randn(shape, f64) * 0.3);
+    }
+    const Tensor x = randn({6, 4, 5}, f64);
+    // The gradient by the weights of the input gradient's squared norm (from a pass with create_graph).
+    auto gradients = [&](Device device, DType dtype) {
+      TensorList w;
+      for (const Tensor& t : weights) w.push_back(t.to(device, dtype).clone().requires_grad_());
+      const Tensor input = x.to(device, dtype).clone().requires_grad_();
+      manual_seed(5);
+      const RnnResult r = rnn(input, Tensor(), Tensor(), w, {.kind = kind, .num_layers = 2, .dropout = 0.25});
+      const Tensor g = autograd::grad({(r.output * r.output).sum()}, {input}, {}, std::nullopt, true)[0];
+      return autograd::grad({(g * g).sum()}, w);
+    };
+    const TensorList on_cpu = gradients(Device::cpu(), kFloat64);
+    for (DType dtype : {kFloat64, kFloat32}) {
+      INFO(dtype_name(dtype));
+      const TensorList on_gpu = gradients(Device::cuda(0), dtype);
+      for (size_t i = 0; i < on_cpu.size(); ++i) {
+        INFO("weight " << i);
+        check_close(values(on_gpu[i].to(Device::cpu(), kFloat64)), values(on_cpu[i]), dtype == kFloat64 ? 1e-10 : 2e-3);
+      }
     }
   }
 }
