@@ -16,6 +16,7 @@
 #include "ops/copy.h"
 #include "ops/elementwise.h"
 #include "ops/elementwise_math.h"
+#include "ops/layer_norm.h"
 
 namespace halfgrad {
 
@@ -113,10 +114,12 @@ Tensor batch_norm_empty(const Shape& shape, DType dtype, Device device, bool cha
 
 namespace {
 
-// Where batch_norm_relu's relu let the gradient through (bool, the output's layout), from what the op saved of it.
+// Where batch_norm_relu's relu let the gradient through (bool, the output's layout), from what the op saved of it;
+// undefined after batch_norm, which saved neither.
 Tensor relu_passes(const Tensor& output, const Tensor& mask, const BatchNormShape& shape, const Shape& sizes,
                    Device device) {
   if (output.defined()) return output.gt(0);
+  if (!mask.defined()) return Tensor();
   Tensor passes = batch_norm_empty(sizes, kBool, device, shape.channels_last);
   if (passes.numel() > 0) relu_mask_values_kernel[device](passes, mask);
   return passes;
@@ -137,23 +140,15 @@ TensorList batch_norm_backward_recorded(const GradContext& g, const Tensor& inpu
   const Tensor x = input.to(acc);
   Tensor grad = g[0].to(acc);
   if (passes.defined()) grad = where(passes, grad, 0.0);
-  Tensor mean, invstd;
-  if (training) {
-    mean = x.mean(dims, true);
-    invstd = rsqrt(((x - mean) * (x - mean)).mean(dims, true) + eps);
-  } else {
-    mean = saved_mean.view(per_channel);
-    invstd = saved_invstd.view(per_channel);
-  }
-  const Tensor normalized = (x - mean) * invstd;
+  const Tensor eval_invstd = training ? Tensor() : saved_invstd.view(per_channel);
+  const Normalization n = training ? normalization_recorded(x, dims, eps)
+                                   : Normalization{(x - saved_mean.view(per_channel)) * eval_invstd, eval_invstd};
   TensorList grads(5);
   if (g.needs(0)) {
     const Tensor gw = weight.defined() ? grad * weight.view(per_channel) : grad;
-    const Tensor dx = training ? invstd * (gw - gw.mean(dims, true) - normalized * (gw * normalized).mean(dims, true))
-                               : gw * invstd;
-    grads[0] = dx.to(input.dtype());
+    grads[0] = (training ? normalization_input_gradient(gw, n, dims) : gw * n.invstd).to(input.dtype());
   }
-  if (g.needs(1)) grads[1] = (grad * normalized).sum(dims);
+  if (g.needs(1)) grads[1] = (grad * n.normalized).sum(dims);
   if (g.needs(2)) grads[2] = grad.sum(dims);
   if (g.needs(3)) grads[3] = grad;  // cast to each input's dtype by the engine
   if (g.needs(4)) grads[4] = zeros({input.size(1)}, {.dtype = acc, .device = input.device()});
@@ -256,10 +251,7 @@ Tensor batch_norm_impl(const char* op, const Tensor& input, const Tensor& runnin
           invstd = args.save_invstd, shape, training, eps](const GradContext& g) -> TensorList {
            if (GradMode::is_enabled()) {
              const Tensor xs = x.get();
-             const Tensor passes = y.defined() || mask.defined()
-                                       ? relu_passes(y.defined() ? y.get() : Tensor(), mask, shape, xs.shape(),
-                                                     xs.device())
-                                       : Tensor();
+             const Tensor passes = relu_passes(y.defined() ? y.get() : Tensor(), mask, shape, xs.shape(), xs.device());
              return batch_norm_backward_recorded(g, xs, w.get(), passes, mean, invstd, training, eps);
            }
            BatchNormBackwardArgs b;

@@ -42,30 +42,36 @@ LayerNormShape checked_shape(const Tensor& input, const Shape& normalized_shape,
   return s;
 }
 
-// layer_norm's gradients in ops that record, for a pass with create_graph (the kernel otherwise). Over each row, with
-// x^ = (x - mean) rstd and gw = g * weight (g without one):
-//   dx = rstd (gw - mean(gw) - x^ mean(gw x^)),   dweight = sum over rows of g x^,   dbias = sum over rows of g.
+// layer_norm's gradients in ops that record, for a pass with create_graph (the kernel otherwise), over each row, with
+// gw = g * weight (g without one): dx as normalization_input_gradient, dweight = sum over rows of g x^, dbias = sum
+// over rows of g.
 TensorList layer_norm_backward_recorded(const GradContext& g, const Tensor& input, const Tensor& weight,
                                         const LayerNormShape& shape, const Shape& normalized_shape, double eps) {
   const Shape rows_cols{shape.rows, shape.cols};
   const DType acc = accumulation_dtype(input.dtype());
-  const Tensor x = input.to(acc).reshape(rows_cols);
-  const Tensor centred = x - x.mean({1}, true);
-  const Tensor rstd = rsqrt((centred * centred).mean({1}, true) + eps);
-  const Tensor normalized = centred * rstd;
+  const Normalization n = normalization_recorded(input.to(acc).reshape(rows_cols), {1}, eps);
   const Tensor grad = g[0].to(acc).reshape(rows_cols);
   const Tensor gw = weight.defined() ? grad * weight.to(acc).reshape({1, shape.cols}) : grad;
   Tensor grad_input, grad_weight, grad_bias;
   if (g.needs(0)) {
-    const Tensor dx = rstd * (gw - gw.mean({1}, true) - normalized * (gw * normalized).mean({1}, true));
-    grad_input = dx.to(input.dtype()).reshape(input.shape());
+    grad_input = normalization_input_gradient(gw, n, {1}).to(input.dtype()).reshape(input.shape());
   }
-  if (g.needs(1)) grad_weight = (grad * normalized).sum({0}).to(input.dtype()).reshape(normalized_shape);
+  if (g.needs(1)) grad_weight = (grad * n.normalized).sum({0}).to(input.dtype()).reshape(normalized_shape);
   if (g.needs(2)) grad_bias = grad.sum({0}).to(input.dtype()).reshape(normalized_shape);
   return {grad_input, grad_weight, grad_bias};
 }
 
 }  // namespace
+
+Normalization normalization_recorded(const Tensor& x, const Dims& dims, double eps) {
+  const Tensor centred = x - x.mean(dims, true);
+  const Tensor invstd = rsqrt((centred * centred).mean(dims, true) + eps);
+  return {centred * invstd, invstd};
+}
+
+Tensor normalization_input_gradient(const Tensor& gw, const Normalization& n, const Dims& dims) {
+  return n.invstd * (gw - gw.mean(dims, true) - n.normalized * (gw * n.normalized).mean(dims, true));
+}
 
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                   double eps) {

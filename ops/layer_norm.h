@@ -28,6 +28,16 @@ namespace halfgrad {
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight = Tensor(),
                   const Tensor& bias = Tensor(), double eps = 1e-5);
 
+// ---- the normalisation's rules in ops that record: layer_norm's and batch_norm's backward in a pass with create_graph
+// (their kernels otherwise), over `dims` of x (the accumulation dtype).
+// x^ = (x - mean) invstd, invstd = 1 / sqrt(var + eps), the statistics over dims (the biased variance).
+struct Normalization {
+  Tensor normalized, invstd;  // invstd keeps dims as size 1
+};
+Normalization normalization_recorded(const Tensor& x, const Dims& dims, double eps);
+// The gradient by x, with gw the gradient by x^: invstd (gw - mean(gw) - x^ mean(gw x^)), the means over dims.
+Tensor normalization_input_gradient(const Tensor& gw, const Normalization& n, const Dims& dims);
+
 // ---- kernels, for rows, cols > 0. Every per-element tensor is contiguous [rows, cols] of dtype T; weight, bias
 // [cols] of T or undefined; mean and rstd [rows] of the accumulation dtype A (float32, or float64 for float64 input).
 struct LayerNormShape {

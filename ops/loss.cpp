@@ -168,6 +168,12 @@ TargetTerms target_terms(const Tensor& g, const Tensor& target, const Tensor& el
   return {where(targets.eq(Scalar(ignore_index)), 0.0, weighted), class_of.eq(targets).to(acc)};
 }
 
+// cross_entropy's gradient by its logits ([batch, classes, inner] of the accumulation dtype) in ops that record:
+// d loss_j / d x[j, c] = w[t_j] g_j (softmax(x_j)[c] - [c == t_j]), with `terms` from target_terms.
+Tensor cross_entropy_logits_gradient(const Tensor& logits, const TargetTerms& terms) {
+  return (softmax(logits, 1) - terms.one_hot) * terms.scale;
+}
+
 // `input` holds log-probabilities (nll_loss).
 NllElements nll_elements(const Tensor& input, const Tensor& target, const Tensor& weight, int64_t ignore_index,
                          const char* op) {
@@ -261,12 +267,12 @@ Tensor cross_entropy_indices(const Tensor& input, const Tensor& target, const Te
          [x = SavedTensor(input, logits, op), row_max, log_sum, t = SavedTensor(e.target, op),
           w = SavedTensor(e.weight, op), weights = e.weights, acc = p.acc, batch, classes, inner,
           ignore_index = options.ignore_index](const GradContext& g) -> TensorList {
-           if (GradMode::is_enabled()) {  // d loss_j / d x[j, c] = w[t_j] (softmax(x_j)[c] - [c == t_j])
+           if (GradMode::is_enabled()) {
              const Tensor x_ = x.get();
-             const Tensor probs = softmax(x_.to(acc).reshape({batch, classes, inner}), 1);
-             const auto [scale, one_hot] =
-                 target_terms(g[0], t.get(), weights, ignore_index, batch, classes, inner, acc);
-             return {((probs - one_hot) * scale).to(x_.dtype()).view(x_.shape())};
+             const Tensor grad = cross_entropy_logits_gradient(
+                 x_.to(acc).reshape({batch, classes, inner}),
+                 target_terms(g[0], t.get(), weights, ignore_index, batch, classes, inner, acc));
+             return {grad.to(x_.dtype()).view(x_.shape())};
            }
            const Tensor logits_ = x.get();
            Tensor grad_loss = g[0].to(acc).contiguous().view({batch, inner});
@@ -289,8 +295,8 @@ Tensor cross_entropy_mean_gradient(const Tensor& logits, const Tensor& target, c
   const Tensor counted = target.ne(ignore_index).to(acc);  // each element's weight in the mean
   // The mean's gradient at each element; where nothing counted, target_terms gives every element 0.
   const Tensor element_grad = (g.to(acc) / counted.sum().clamp(1.0, std::nullopt)).expand({batch});
-  const auto [scale, one_hot] = target_terms(element_grad, target, counted, ignore_index, batch, classes, 1, acc);
-  return ((softmax(logits.to(acc).view({batch, classes, 1}), 1) - one_hot) * scale).view({batch, classes});
+  const TargetTerms terms = target_terms(element_grad, target, counted, ignore_index, batch, classes, 1, acc);
+  return cross_entropy_logits_gradient(logits.to(acc).view({batch, classes, 1}), terms).view({batch, classes});
 }
 
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& options) {
