@@ -64,6 +64,16 @@ template <typename Length> bool recv_bytes(int fd, std::vector<char>& out) {
   return size == 0 || recv_all(fd, out.data(), size_t(size));
 }
 
+// A connect() to a local port nothing listens on yet can be given that very port as its own source by the kernel and
+// so succeed, connected to itself (TCP's simultaneous open): its requests would come back as their own answers.
+bool connected_to_itself(int fd) {
+  sockaddr_storage mine{}, peer{};
+  socklen_t mine_size = sizeof mine, peer_size = sizeof peer;
+  return ::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &mine_size) == 0 &&
+         ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) == 0 && mine_size == peer_size &&
+         std::memcmp(&mine, &peer, mine_size) == 0;
+}
+
 void set_no_delay(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -211,11 +221,14 @@ TcpStore::TcpStore(const StoreOptions& options) : options_(options) {
       for (addrinfo* a = found; a && fd_ < 0; a = a->ai_next) {
         const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-          fd_ = fd;
-        } else {
+        if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
           last_error = errno_text();
           ::close(fd);
+        } else if (connected_to_itself(fd)) {
+          last_error = "nothing listens there yet (a connection to itself)";
+          ::close(fd);
+        } else {
+          fd_ = fd;
         }
       }
       ::freeaddrinfo(found);

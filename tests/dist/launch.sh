@@ -24,7 +24,7 @@ set -uo pipefail
 halfgrad=$1 case=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(python3 "$(dirname "$0")/free_port.py")
 export OMP_NUM_THREADS=1
 lm=(train-lm --emsize 8 --nhid 8 --nlayers 1 --dropout 0 --bptt 5 --limit-tokens 3000 --log-interval 0 --save "")
 
@@ -134,7 +134,7 @@ ranks_disagree)
     shift
     one=("$@")
     local free
-    free=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    free=$(python3 "$(dirname "$0")/free_port.py")
     local env=(WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$free)
     local start=$SECONDS
     timeout 60 env "${env[@]}" RANK=0 "$halfgrad" "${zero[@]}" > "$dir/$name.0.log" 2>&1 & p0=$!

@@ -6,7 +6,7 @@
 #   bash tests/dist/run.sh build/halfgrad_dist_worker 3 collectives [gloo|nccl]
 set -uo pipefail
 worker=$1 n=$2 scenario=$3 backend=${4:-gloo}
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(python3 "$(dirname "$0")/free_port.py")
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 pids=()
