@@ -497,10 +497,10 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
   return y;
 }
 
-Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
-  check_defined("where", {condition, a, b});
-  HG_AUTOCAST(where, condition, a, b);
-  HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
+namespace {
+
+// where's work, under the name of the public op that asked for it (where or masked_fill): its errors and its node.
+Tensor select_where(const char* op, const char* node, const Tensor& condition, const Tensor& a, const Tensor& b) {
   // Any operand may be a 0-d CPU "scalar" with the others on a device, as in binary ops and PyTorch's where: the
   // kernel takes it by value (relu's backward, where(y > 0, g, 0), then runs on the flat kernel instead of reading a
   // broadcast operand). The others share one device.
@@ -508,30 +508,39 @@ Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
   const Tensor* on_device = nullptr;
   for (const Tensor* t : {&condition, &a, &b}) {
     if (is_scalar(*t)) continue;
-    if (on_device) check_same_device("where", *on_device, *t);
+    if (on_device) check_same_device(op, *on_device, *t);
     else on_device = t;
   }
   const Device device = on_device ? on_device->device() : Device::cpu();
   DType common = result_type(a, b);
-  Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), "where"), b.shape(), "where");
+  Shape shape = broadcast_shapes(broadcast_shapes(condition.shape(), a.shape(), op), b.shape(), op);
   // The output takes the layout of the first operand that has the output's shape (a, b, else the condition: two
   // 0-d values beside a channels_last mask give a channels_last result, as PyTorch's).
   const Tensor& layout = a.shape() == shape ? a : b.shape() == shape ? b : condition;
   Tensor out = empty(shape, {.dtype = common, .device = device},
                      layout.shape() == shape ? suggest_memory_format(layout) : MemoryFormat::Contiguous);
   auto operand = [&](const Tensor& t) {
-    return is_scalar(t) && !device.is_cpu() ? t : broadcast_view(t, shape, "where");
+    return is_scalar(t) && !device.is_cpu() ? t : broadcast_view(t, shape, op);
   };
   where_kernel[device](out, operand(condition), operand(cast_nograd(a, common)), operand(cast_nograd(b, common)));
   if (any_requires_grad({&a, &b})) {
-    SavedTensor c(condition, "where");
+    SavedTensor c(condition, node);
     Shape sa = a.shape(), sb = b.shape();
-    record("WhereBackward", {a, b}, {out}, [c, sa, sb](const GradContext& g) -> TensorList {
+    record(node, {a, b}, {out}, [c, sa, sb](const GradContext& g) -> TensorList {
       return {g.needs(0) ? sum_to(where(c.get(), g[0], 0), sa) : Tensor(),
               g.needs(1) ? sum_to(where(c.get(), 0, g[0]), sb) : Tensor()};
     }, DoubleBackward::Supported);
   }
   return out;
+}
+
+}  // namespace
+
+Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
+  check_defined("where", {condition, a, b});
+  HG_AUTOCAST(where, condition, a, b);
+  HG_CHECK(condition.dtype() == kBool, "where: condition must be bool, got {}", condition.meta());
+  return select_where("where", "WhereBackward", condition, a, b);
 }
 
 Tensor where(const Tensor& condition, const Tensor& a, const Scalar& b) {
@@ -548,7 +557,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, const Scalar& value) {
   HG_CHECK(mask.dtype() == kBool, "masked_fill: expected a bool mask, got {} for input {}", mask.meta(), x.meta());
   HG_CHECK(fits_dtype(value, x.dtype()), "masked_fill: {} cannot be converted to {} without overflow", value.str(),
            x.meta());
-  return where(mask, scalar_operand(value, x.dtype()), x);
+  return select_where("masked_fill", "MaskedFillBackward", mask, scalar_operand(value, x.dtype()), x);
 }
 
 Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }

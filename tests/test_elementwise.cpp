@@ -715,6 +715,8 @@ TEST_CASE("masked_fill writes the value where the mask is true, in the input's d
                                                                     "broadcast to the shape of float32[2, 3]"), Error);
   CHECK_THROWS_WITH_AS(x.masked_fill(arange(3), 1), doctest::Contains("masked_fill: expected a bool mask, got "
                                                                       "int64[3]"), Error);
+  // Shapes that do not broadcast: the error names masked_fill, not the where it is made of.
+  CHECK_THROWS_WITH_AS(x.masked_fill(tensor<bool>({true, false}), 1), doctest::Contains("masked_fill: "), Error);
   CHECK_THROWS_WITH_AS(zeros({2}, {.dtype = kFloat16}).masked_fill(tensor<bool>({true, true}), 1e6),
                        doctest::Contains("masked_fill: 1000000 cannot be converted to float16[2] cpu without "
                                          "overflow"), Error);
@@ -726,7 +728,9 @@ TEST_CASE("masked_fill writes the value where the mask is true, in the input's d
 TEST_CASE("masked_fill's gradient is the input's where the mask is false, zero where it was filled") {
   Tensor x = tensor<double>({1, 2, 3}).requires_grad_();
   const Tensor mask = tensor<bool>({false, true, false});
-  x.masked_fill(mask, 9).mul(tensor<double>({4, 5, 6})).sum().backward();
+  const Tensor filled = x.masked_fill(mask, 9);
+  CHECK(filled.grad_fn()->name() == "MaskedFillBackward");  // its own node, as PyTorch's MaskedFillBackward0
+  filled.mul(tensor<double>({4, 5, 6})).sum().backward();
   CHECK(values(x.grad()) == std::vector<double>{4, 0, 6});
   gradcheck([&](const TensorList& in) { return in[0].masked_fill(tensor<bool>({true, false, false, true}), 0.5); },
             {leaf({3, 4})});
