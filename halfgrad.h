@@ -36,6 +36,7 @@
 #include "ops/linear_cross_entropy.h"
 #include "ops/loss.h"
 #include "ops/matmul.h"
+#include "ops/pad.h"
 #include "ops/pool.h"
 #include "ops/reduce.h"
 #include "ops/rnn.h"

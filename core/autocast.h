@@ -62,6 +62,7 @@ inline constexpr OpRule kCastRules[] = {
     {"dropout", CastRule::Unchanged}, {"embedding", CastRule::Unchanged}, {"max", CastRule::Unchanged},
     {"min", CastRule::Unchanged}, {"amax", CastRule::Unchanged}, {"amin", CastRule::Unchanged},
     {"argmax", CastRule::Unchanged}, {"gather", CastRule::Unchanged}, {"scatter", CastRule::Unchanged},
+    {"pad", CastRule::Unchanged},
     // BatchNorm: half activations with float32 parameters and statistics (the op handles the mix itself)
     {"batch_norm", CastRule::Unchanged}, {"batch_norm_relu", CastRule::Unchanged},
 };

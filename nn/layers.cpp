@@ -4,6 +4,8 @@
 
 #include <typeinfo>
 
+#include <fmt/ranges.h>
+
 #include "core/autograd.h"
 #include "nn/init.h"
 #include "ops/batch_norm.h"
@@ -59,19 +61,58 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Co
   HG_CHECK(in_channels % options.groups == 0 && out_channels % options.groups == 0,
            "Conv2d: in_channels {} and out_channels {} must be divisible by groups {}", in_channels, out_channels,
            options.groups);
+  HG_CHECK(options.padding[0] >= 0 && options.padding[1] >= 0, "Conv2d: padding must be >= 0, got {}",
+           pair_str(options.padding));
+  HG_CHECK(!options.padding_same || (options.stride == Pair2d{1, 1} && options.padding == Pair2d{0, 0}),
+           "Conv2d: padding \"same\" takes stride 1 and no padding of its own (PyTorch's rule), got stride {} and "
+           "padding {}", pair_str(options.stride), pair_str(options.padding));
+  // Each dim's (before, after): padding "same" adds dilation * (kernel - 1), the odd one after (PyTorch's split).
+  Pair2d before = options.padding, after = options.padding;
+  for (int d = 0; d < 2 && options.padding_same; ++d) {
+    const int64_t total = options.dilation[d] * (this->kernel_size[size_t(d)] - 1);
+    before[size_t(d)] = total / 2;
+    after[size_t(d)] = total - total / 2;
+  }
+  conv_options_ = {.stride = options.stride, .padding = {0, 0}, .dilation = options.dilation, .groups = options.groups};
+  if (options.padding_mode == PadMode::Constant) {  // "zeros": conv2d's own, and pad() only for an odd "same"
+    conv_options_.padding = before;
+    if (after != before) input_padding_ = {0, after[1] - before[1], 0, after[0] - before[0]};
+  } else if (before != Pair2d{0, 0} || after != Pair2d{0, 0}) {
+    input_padding_ = {before[1], after[1], before[0], after[0]};
+  }
   init::default_linear_init_(weight, this->bias);
 }
 
-Tensor Conv2d::forward(const Tensor& x) { return conv2d(x, weight, bias, options); }
+Tensor Conv2d::padded_input(const Tensor& x) const {
+  return input_padding_.empty() ? x : pad(x, input_padding_, options.padding_mode);
+}
+
+Tensor Conv2d::forward(const Tensor& x) { return conv2d(padded_input(x), weight, bias, conv_options_); }
 
 std::string Conv2d::extra_repr() const {
   std::string s = fmt::format("{}, {}, kernel_size={}, stride={}", in_channels, out_channels, pair_str(kernel_size),
                               pair_str(options.stride));
+  if (options.padding_same) s += ", padding=same";
   if (options.padding != Pair2d{0, 0}) s += ", padding=" + pair_str(options.padding);
   if (options.dilation != Pair2d{1, 1}) s += ", dilation=" + pair_str(options.dilation);
   if (options.groups != 1) s += fmt::format(", groups={}", options.groups);
   if (!bias.defined()) s += ", bias=False";
+  if (options.padding_mode != PadMode::Constant) {
+    s += fmt::format(", padding_mode={}", pad_mode_name(options.padding_mode));
+  }
   return s;
+}
+
+// ---- the padding layers
+
+Pad::Pad(std::string name, std::vector<int64_t> padding, PadMode mode, std::optional<double> value, bool zero)
+    : padding(std::move(padding)), mode(mode), value(value), name_(std::move(name)), zero_(zero) {}
+
+// PyTorch's: the padding as a tuple, and the value of a ConstantPad (not of a ZeroPad, whose value is always 0).
+std::string Pad::extra_repr() const {
+  const std::string tuple = fmt::format("({})", fmt::join(padding, ", "));
+  if (mode != PadMode::Constant || zero_) return tuple;
+  return fmt::format("padding={}, value={}", tuple, *value);
 }
 
 // ---- BatchNorm2d
@@ -286,7 +327,8 @@ Tensor Sequential::forward(const Tensor& x) {
     BatchNorm2d* next_bn = exactly<BatchNorm2d>(children, i + 1);
     if (conv && conv->bias.defined() && next_bn && next_bn->uses_batch_stats()) {
       const bool relu = exactly<ReLU>(children, i + 2) != nullptr;
-      y = next_bn->forward_with_input_bias(conv2d(y, conv->weight, Tensor(), conv->options), conv->bias, relu);
+      const Tensor convolved = conv2d(conv->padded_input(y), conv->weight, Tensor(), conv->conv_options());
+      y = next_bn->forward_with_input_bias(convolved, conv->bias, relu);
       i += relu ? 2 : 1;
     } else if (BatchNorm2d* bn = exactly<BatchNorm2d>(children, i); bn && exactly<ReLU>(children, i + 1)) {
       y = bn->forward_relu(y);

@@ -3,33 +3,51 @@
 // initialisation, so a halfgrad model and the same PyTorch model have the same state_dict keys.
 //
 //   auto model = nn::sequential({
-//       std::make_shared<nn::Conv2d>(3, 16, 3, Conv2dOptions{.padding = {1, 1}}),  // (N, 16, H, W)
+//       std::make_shared<nn::Conv2d>(3, 16, 3, nn::Conv2dOptions{.padding = {1, 1}}),  // (N, 16, H, W)
 //       std::make_shared<nn::BatchNorm2d>(16),
 //       std::make_shared<nn::ReLU>(),
-//       std::make_shared<nn::AdaptiveAvgPool2d>(1),                                // (N, 16, 1, 1)
-//       std::make_shared<nn::Flatten>(),                                           // (N, 16)
-//       std::make_shared<nn::Linear>(16, 10),                                      // (N, 10)
+//       std::make_shared<nn::AdaptiveAvgPool2d>(1),                                    // (N, 16, 1, 1)
+//       std::make_shared<nn::Flatten>(),                                               // (N, 16)
+//       std::make_shared<nn::Linear>(16, 10),                                          // (N, 10)
 //   });
 //
 // Each layer's parameters and buffers are public references into its registry (nn/module.h explains why).
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "nn/module.h"
 #include "ops/batch_norm.h"
 #include "ops/conv.h"
+#include "ops/pad.h"
 #include "ops/pool.h"
 
 namespace halfgrad::nn {
 
-// The functional ops' option structs, also spelled nn::Conv2dOptions etc. next to the layers that take them.
+// The functional ops' option structs, also spelled nn::MaxPool2dOptions etc. next to the layers that take them.
 using ::halfgrad::AvgPool2dOptions;
-using ::halfgrad::Conv2dOptions;
 using ::halfgrad::MaxPool2dOptions;
+using ::halfgrad::PadMode;
 using ::halfgrad::Pair2d;
+
+// nn.Conv2d's options: the functional conv2d's (ops/conv.h) and how the layer pads its input, as PyTorch's module
+// (libtorch's torch::nn::Conv2dOptions beside the functional Conv2dFuncOptions).
+struct Conv2dOptions {
+  Pair2d stride = {1, 1};
+  Pair2d padding = {0, 0};  // on each side, in padding_mode
+  Pair2d dilation = {1, 1};
+  int64_t groups = 1;
+  // PyTorch's padding_mode: Constant is "zeros" (the convolution's own padding); Reflect, Replicate and Circular pad
+  // the input with pad() (ops/pad.h) and convolve it without padding.
+  PadMode padding_mode = PadMode::Constant;
+  // PyTorch's padding="same": the output as large as the input (stride 1 only); dilation * (kernel - 1) elements a
+  // dim, the odd one on the right. Replaces `padding`.
+  bool padding_same = false;
+};
 
 // y = x W^T + b. x (..., in_features) -> (..., out_features).
 // weight (out_features, in_features) and bias (out_features): U(-1/sqrt(in_features), 1/sqrt(in_features)).
@@ -59,11 +77,21 @@ class Conv2d : public Module {
   std::string type_name() const override { return "Conv2d"; }
   std::string extra_repr() const override;
 
+  // The convolution as forward runs it, in two steps (Sequential runs them with the bias elsewhere): x padded where
+  // conv2d's own zeros do not do it (another padding_mode, or the odd element of padding "same"), and conv2d's
+  // options for that input.
+  Tensor padded_input(const Tensor& x) const;
+  const ::halfgrad::Conv2dOptions& conv_options() const { return conv_options_; }
+
   const int64_t in_channels, out_channels;
   const Pair2d kernel_size;
   const Conv2dOptions options;
   Tensor& weight;
   Tensor& bias;  // undefined without bias
+
+ private:
+  std::vector<int64_t> input_padding_;  // pad()'s (left, right, top, bottom); empty where conv2d pads
+  ::halfgrad::Conv2dOptions conv_options_;
 };
 
 struct BatchNormOptions {
@@ -253,6 +281,69 @@ class Identity : public Module {
   Tensor forward(const Tensor& x) override { return x; }
   std::string type_name() const override { return "Identity"; }
 };
+
+// The padding layers: pad() (ops/pad.h) with the layer's padding, one number for every side or (left, right) for
+// each padded dim from the last, as PyTorch's:
+//   nn::ReflectionPad2d(2), nn::ReplicationPad1d({1, 3}), nn::ZeroPad2d({1, 1, 2, 0}), nn::ConstantPad3d(1, 3.5),
+//   nn::CircularPad2d(1)
+// A Dims-d layer pads the last Dims dims of its input; pad's rules say which inputs each mode takes.
+class Pad : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return pad(x, padding, mode, value); }
+  std::string type_name() const override { return name_; }
+  std::string extra_repr() const override;
+
+  const std::vector<int64_t> padding;  // pad()'s: (before, after) pairs from the last dim
+  const PadMode mode;
+  const std::optional<double> value;  // Constant only
+
+ protected:
+  Pad(std::string name, std::vector<int64_t> padding, PadMode mode, std::optional<double> value, bool zero);
+
+ private:
+  std::string name_;
+  bool zero_;  // a ZeroPad: constant 0, which its repr leaves out
+};
+
+// Zero: the ZeroPad layers (constant 0, no value argument). The names are PyTorch's: ZeroPad2d, ReflectionPad1d, ...
+template <int Dims, PadMode Mode, bool Zero = false> class PadLayer : public Pad {
+  static_assert(Dims >= 1 && Dims <= 3 && (!Zero || Mode == PadMode::Constant));
+  static constexpr bool kTakesValue = Mode == PadMode::Constant && !Zero;
+  static std::string name() {
+    const char* stem = Zero ? "ZeroPad" : Mode == PadMode::Constant ? "ConstantPad" : Mode == PadMode::Reflect
+                       ? "ReflectionPad" : Mode == PadMode::Replicate ? "ReplicationPad" : "CircularPad";
+    return std::string(stem) + std::to_string(Dims) + "d";
+  }
+  static std::vector<int64_t> every_side(int64_t padding) { return std::vector<int64_t>(2 * Dims, padding); }
+
+ public:
+  explicit PadLayer(int64_t padding) requires(!kTakesValue) : PadLayer(every_side(padding), zero_value()) {}
+  explicit PadLayer(const std::array<int64_t, 2 * Dims>& padding) requires(!kTakesValue)
+      : PadLayer({padding.begin(), padding.end()}, zero_value()) {}
+  PadLayer(int64_t padding, double value) requires(kTakesValue) : PadLayer(every_side(padding), value) {}
+  PadLayer(const std::array<int64_t, 2 * Dims>& padding, double value) requires(kTakesValue)
+      : PadLayer({padding.begin(), padding.end()}, value) {}
+
+ private:
+  static std::optional<double> zero_value() { return Zero ? std::optional<double>(0.0) : std::nullopt; }
+  PadLayer(std::vector<int64_t> padding, std::optional<double> value)
+      : Pad(name(), std::move(padding), Mode, value, Zero) {}
+};
+using ZeroPad1d = PadLayer<1, PadMode::Constant, true>;
+using ZeroPad2d = PadLayer<2, PadMode::Constant, true>;
+using ZeroPad3d = PadLayer<3, PadMode::Constant, true>;
+using ConstantPad1d = PadLayer<1, PadMode::Constant>;
+using ConstantPad2d = PadLayer<2, PadMode::Constant>;
+using ConstantPad3d = PadLayer<3, PadMode::Constant>;
+using ReflectionPad1d = PadLayer<1, PadMode::Reflect>;
+using ReflectionPad2d = PadLayer<2, PadMode::Reflect>;
+using ReflectionPad3d = PadLayer<3, PadMode::Reflect>;
+using ReplicationPad1d = PadLayer<1, PadMode::Replicate>;
+using ReplicationPad2d = PadLayer<2, PadMode::Replicate>;
+using ReplicationPad3d = PadLayer<3, PadMode::Replicate>;
+using CircularPad1d = PadLayer<1, PadMode::Circular>;
+using CircularPad2d = PadLayer<2, PadMode::Circular>;
+using CircularPad3d = PadLayer<3, PadMode::Circular>;
 
 // Runs its children in order, each one's output the next one's input, except that a BatchNorm2d followed by a ReLU
 // runs as one op, BatchNorm2d::forward_relu (the ReLU module's forward is not called), and that a Conv2d with a bias

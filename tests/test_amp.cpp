@@ -122,6 +122,7 @@ TEST_CASE("every row of the cast table names an op that runs under autocast with
       {"argmax", [&] { argmax(x, 1); }},
       {"gather", [&] { gather(x, 1, labels.view({4, 1})); }},
       {"scatter", [&] { scatter(x, 1, labels.view({4, 1}), 0.5); }},
+      {"pad", [&] { pad(x, {1, 1}, PadMode::Reflect); }},
       {"batch_norm", [&] { batch_norm(image, stats_mean, stats_var, gamma, beta, true); }},
       {"batch_norm_relu", [&] { batch_norm_relu(image, stats_mean, stats_var, gamma, beta, true, 0.1, 1e-5, image); }},
   };

@@ -484,12 +484,56 @@ TEST_CASE("layers compute what their functional ops compute") {
     CHECK(bit_equal(lin.forward(image), linear(image, lin.weight, lin.bias)));
   }
   SUBCASE("Conv2d with stride, padding, dilation and groups") {
-    Conv2dOptions o{.stride = {2, 1}, .padding = {1, 2}, .dilation = {1, 2}, .groups = 2};
-    nn::Conv2d conv(4, 6, Pair2d{3, 2}, o);
+    const Conv2dOptions o{.stride = {2, 1}, .padding = {1, 2}, .dilation = {1, 2}, .groups = 2};
+    nn::Conv2d conv(4, 6, Pair2d{3, 2},
+                    {.stride = o.stride, .padding = o.padding, .dilation = o.dilation, .groups = o.groups});
     CHECK(conv.weight.shape() == Shape{6, 2, 3, 2});
     CHECK(bit_equal(conv.forward(image), conv2d(image, conv.weight, conv.bias, o)));
     nn::Conv2d no_bias(4, 6, 3, {}, false);
     CHECK(bit_equal(no_bias.forward(image), conv2d(image, no_bias.weight)));
+  }
+  SUBCASE("Conv2d's padding_mode pads the input with pad() and convolves it without padding, as PyTorch's") {
+    for (PadMode mode : {PadMode::Reflect, PadMode::Replicate, PadMode::Circular}) {
+      CAPTURE(std::string(pad_mode_name(mode)));
+      nn::Conv2d conv(4, 3, 3, {.stride = {2, 1}, .padding = {1, 2}, .padding_mode = mode});
+      CHECK(conv.forward(image).shape() == Shape{2, 3, 4, 9});
+      CHECK(bit_equal(conv.forward(image),
+                      conv2d(pad(image, {2, 2, 1, 1}, mode), conv.weight, conv.bias, {.stride = {2, 1}})));
+    }
+  }
+  SUBCASE("Conv2d's padding \"same\": the input's size, the odd element after, in zeros or a padding_mode") {
+    nn::Conv2d odd(4, 3, 3, {.padding_same = true});  // 1 on each side: conv2d's own
+    CHECK(bit_equal(odd.forward(image), conv2d(image, odd.weight, odd.bias, {.padding = {1, 1}})));
+    nn::Conv2d even(4, 3, Pair2d{4, 2}, {.dilation = {1, 3}, .padding_same = true});  // (1, 2) rows, (1, 2) columns
+    CHECK(even.forward(image).shape() == Shape{2, 3, 7, 7});
+    CHECK(bit_equal(even.forward(image), conv2d(pad(image, {0, 1, 0, 1}), even.weight, even.bias,
+                                                {.padding = {1, 1}, .dilation = {1, 3}})));
+    nn::Conv2d reflect(4, 3, 4, {.padding_mode = PadMode::Reflect, .padding_same = true});
+    CHECK(bit_equal(reflect.forward(image),
+                    conv2d(pad(image, {1, 2, 1, 2}, PadMode::Reflect), reflect.weight, reflect.bias)));
+    // In a Sequential whose BatchNorm2d takes the convolution's bias, the padding is the same.
+    const nn::Conv2dOptions circular{.padding = {1, 1}, .padding_mode = PadMode::Circular};
+    auto seq = nn::sequential({std::make_shared<nn::Conv2d>(4, 3, 3, circular), std::make_shared<nn::BatchNorm2d>(3)});
+    const auto* c = dynamic_cast<const nn::Conv2d*>(seq->registered_children()[0].second.get());
+    auto* bn = dynamic_cast<nn::BatchNorm2d*>(seq->registered_children()[1].second.get());
+    const Tensor want = batch_norm(conv2d(pad(image, {1, 1, 1, 1}, PadMode::Circular), c->weight, c->bias),
+                                   bn->running_mean.clone(), bn->running_var.clone(), bn->weight, bn->bias, true);
+    check_close(values(seq->forward(image)), values(want), 1e-5);
+  }
+  SUBCASE("the padding layers are pad() with their padding, in PyTorch's names") {
+    CHECK(bit_equal(nn::ReflectionPad2d(2).forward(image), pad(image, {2, 2, 2, 2}, PadMode::Reflect)));
+    const Tensor rows = image.select(0, 0);  // [4, 7, 7]: a batch of 4 of 7 channels of 7
+    CHECK(bit_equal(nn::ReplicationPad1d({1, 3}).forward(rows), pad(rows, {1, 3}, PadMode::Replicate)));
+    CHECK(bit_equal(nn::ZeroPad2d({1, 1, 2, 0}).forward(image), pad(image, {1, 1, 2, 0})));
+    CHECK(bit_equal(nn::ConstantPad3d(1, 3.5).forward(image), pad(image, {1, 1, 1, 1, 1, 1}, PadMode::Constant, 3.5)));
+    CHECK(bit_equal(nn::CircularPad2d({1, 0, 0, 2}).forward(image), pad(image, {1, 0, 0, 2}, PadMode::Circular)));
+    CHECK(nn::ReflectionPad2d(2).repr() == "ReflectionPad2d((2, 2, 2, 2))");
+    CHECK(nn::ZeroPad2d({1, 1, 2, 0}).repr() == "ZeroPad2d((1, 1, 2, 0))");
+    CHECK(nn::ConstantPad1d(1, 3.5).repr() == "ConstantPad1d(padding=(1, 1), value=3.5)");
+    CHECK(nn::ReplicationPad3d(1).parameters().empty());
+    CHECK_THROWS_WITH_AS(nn::ReflectionPad2d(7).forward(image),
+                         doctest::Contains("pad: reflect padding (7, 7) of dim 3 must be less than its size, 7"),
+                         Error);
   }
   SUBCASE("ReLU, Flatten, Identity") {
     CHECK(bit_equal(nn::ReLU().forward(image), relu(image)));
@@ -792,6 +836,8 @@ TEST_CASE("repr prints the module tree like PyTorch") {
         ")");
   CHECK(nn::Conv2d(3, 16, 3, {.stride = {2, 2}, .padding = {1, 1}}, false).repr() ==
         "Conv2d(3, 16, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), bias=False)");
+  CHECK(nn::Conv2d(3, 16, 4, {.padding_mode = PadMode::Reflect, .padding_same = true}).repr() ==
+        "Conv2d(3, 16, kernel_size=(4, 4), stride=(1, 1), padding=same, padding_mode=reflect)");
   CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True)");
   // Pooling prints a square argument as PyTorch prints an int one.
   CHECK(nn::MaxPool2d(2).repr() == "MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)");
@@ -893,6 +939,11 @@ TEST_CASE("a layer's negative size is an error naming the layer and the argument
                          doctest::Contains(fmt::format("Conv2d: groups must be a positive integer, got {}", groups).c_str()),
                          Error);
   }
+  CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.stride = {2, 2}, .padding_same = true}),
+                       doctest::Contains("Conv2d: padding \"same\" takes stride 1 and no padding of its own (PyTorch's "
+                                         "rule), got stride (2, 2) and padding (0, 0)"), Error);
+  CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.padding = {-1, 0}, .padding_mode = PadMode::Reflect}),
+                       doctest::Contains("Conv2d: padding must be >= 0, got (-1, 0)"), Error);
   CHECK_THROWS_WITH_AS(nn::Embedding(-2, 3), doctest::Contains("Embedding: num_embeddings must be at least 0"), Error);
   CHECK_THROWS_WITH_AS(nn::BatchNorm2d(0), doctest::Contains("BatchNorm2d: num_features must be at least 1, got 0"),
                        Error);

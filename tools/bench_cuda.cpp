@@ -7,8 +7,8 @@
 //   reduction rows            GB/s counting the input bytes (the outputs are small)
 //   norm / activation rows    layer_norm, gelu and silu, forward alone and forward + backward, GB/s counting the
 //                             bytes each pass must read plus write once
-//   index / scan / sort rows  gather, index_select, scatter_add_, cumsum, sort, topk (float32, int64 indices), GB/s
-//                             counting the bytes each must read plus write once (indices included)
+//   index / pad / scan /      gather, index_select, scatter_add_, pad, cumsum, sort, topk (float32, int64 indices),
+//   sort rows                 GB/s counting the bytes each must read plus write once (indices included)
 //   GEMM rows                 TFLOP/s counting 2*m*n*k, through halfgrad::matmul; "% cuBLAS" is that over the
 //                             same cublasGemmEx call made directly on the same buffers
 // Every figure is the median of --repeats runs timed with CUDA events after warm-up runs, on random data
@@ -211,6 +211,27 @@ void norm_and_activation_rows(int64_t n, int repeats, double copy_gbs) {
   }
 }
 
+// pad: images [B, 64, 64, 64] padded by 3 on each side (a 7x7 convolution's reflection padding) or by 1 with zeros;
+// bytes: the input read and the output written once (forward + backward: twice each).
+void pad_rows(int64_t n, int repeats, double copy_gbs) {
+  const int64_t images = n / (64 * 64 * 64);
+  if (images < 1) return;  // not one image in so few elements
+  Tensor image = random_gpu({images, 64, 64, 64}, kFloat32);
+  const double image_bytes = 4 * double(image.numel()), padded_bytes = 4 * double(images * 64 * 70 * 70);
+  bandwidth_row("pad", "float32 reflection pad 3, forward", image.shape(), image_bytes + padded_bytes,
+                [&] { Tensor r = pad(image, {3, 3, 3, 3}, PadMode::Reflect); }, repeats, copy_gbs);
+  Tensor leaf_image = image.detach().requires_grad_();
+  Tensor padded_grad = random_gpu({images, 64, 70, 70}, kFloat32);
+  bandwidth_row("pad", "float32 reflection pad 3, forward+backward", image.shape(), 2 * (image_bytes + padded_bytes),
+                [&] {
+                  leaf_image.set_grad(Tensor());
+                  pad(leaf_image, {3, 3, 3, 3}, PadMode::Reflect).backward(padded_grad);
+                }, repeats, copy_gbs);
+  bandwidth_row("pad", "float32 zero pad 1, forward", image.shape(),
+                image_bytes + 4 * double(images * 64 * 66 * 66), [&] { Tensor r = pad(image, {1, 1, 1, 1}); }, repeats,
+                copy_gbs);
+}
+
 // gather, index_select, scatter_add_, cumsum, sort and topk, float32 values and int64 indices drawn at random. Bytes:
 // gather reads the index and the values it picks and writes the output (16 a position; index_select 8, its index
 // small); scatter_add_ reads the index and src
@@ -350,7 +371,10 @@ int main(int argc, char** argv) {
   if (wanted("elementwise")) elementwise_rows(elements, repeats, copy_gbs);
   if (wanted("reduction")) reduction_rows(elements, repeats, copy_gbs);
   if (wanted("norm")) norm_and_activation_rows(elements, repeats, copy_gbs);
-  if (wanted("index")) index_scan_sort_rows(elements, repeats, copy_gbs);
+  if (wanted("index")) {
+    index_scan_sort_rows(elements, repeats, copy_gbs);
+    pad_rows(elements, repeats, copy_gbs);
+  }
   if (wanted("gemm") && !skip_gemm) gemm_rows(gemm_sizes, repeats);
   fmt::print("\nallocator: {}\n", cuda::memory_stats_str(0));
 

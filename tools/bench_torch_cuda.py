@@ -162,6 +162,24 @@ def main():
         bw("sort", "float32 sort of one row", f"[{m}]", 16 * m, lambda: torch.sort(one_row, 0))
         bw("sort", "float32 topk(16, dim 1)", f"[{m // cols}, {cols}]", 4 * m, lambda: torch.topk(keys, 16, 1))
         del x, xt, flat, keys, one_row
+        images = n // (64 * 64 * 64)
+        if images >= 1:  # not one image in so few elements
+            image = torch.randn(images, 64, 64, 64, device=dev)
+            image_bytes, padded_bytes = 4 * image.numel(), 4 * images * 64 * 70 * 70
+            ish = f"[{images}, 64, 64, 64]"
+            bw("pad", "float32 reflection pad 3, forward", ish, image_bytes + padded_bytes,
+               lambda: F.pad(image, (3, 3, 3, 3), mode="reflect"))
+            leaf_image = image.detach().requires_grad_()
+            padded_grad = torch.randn(images, 64, 70, 70, device=dev)
+
+            def pad_both():
+                leaf_image.grad = None
+                F.pad(leaf_image, (3, 3, 3, 3), mode="reflect").backward(padded_grad)
+
+            bw("pad", "float32 reflection pad 3, forward+backward", ish, 2 * (image_bytes + padded_bytes), pad_both)
+            bw("pad", "float32 zero pad 1, forward", ish, image_bytes + 4 * images * 64 * 66 * 66,
+               lambda: F.pad(image, (1, 1, 1, 1)))
+            del image, leaf_image, padded_grad
     del a32, b32
 
     if want("gemm"):

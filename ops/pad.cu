@@ -1,0 +1,61 @@
+// pad on CUDA: the kernels behind pad_kernel and pad_backward_kernel (ops/pad.h), a thread per output element (the
+// forward) or per input element (the backward), each running the rule ops/pad.h writes once for both devices.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/cuda.h"
+#include "core/dtype.h"
+#include "ops/pad.h"
+
+namespace halfgrad {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 20)); }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, T fill,
+                                                            int64_t n) {
+  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads) {
+    const int64_t source = pad_source_index(geometry, k);
+    out[k] = source < 0 ? fill : x[source];
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_input, const T* grad_output,
+                                                                     PadGeometry geometry, int64_t n) {
+  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads)
+    grad_input[k] = T(pad_gradient_of<opmath_t<T>>(geometry, grad_output, k));
+}
+
+void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, const Tensor& value) {
+  cuda::DeviceGuard guard(out.device());
+  cudaStream_t stream = cuda::current_stream(out.device());
+  dispatch_all(out.dtype(), "pad", [&]<typename T>() {
+    const int64_t n = out.numel();
+    pad_cuda_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
+                                                               value.data<T>()[0], n);
+    HG_CUDA_CHECK_LAUNCH("pad");
+  });
+}
+
+void pad_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, const PadGeometry& geometry) {
+  cuda::DeviceGuard guard(grad_input.device());
+  cudaStream_t stream = cuda::current_stream(grad_input.device());
+  dispatch_floating(grad_input.dtype(), "pad_backward", [&]<typename T>() {
+    const int64_t n = grad_input.numel();
+    pad_backward_cuda_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(grad_input.data<T>(), grad_output.data<T>(),
+                                                                        geometry, n);
+    HG_CUDA_CHECK_LAUNCH("pad_backward");
+  });
+}
+
+}  // namespace
+
+HG_REGISTER_KERNEL(pad_kernel, CUDA, pad_cuda);
+HG_REGISTER_KERNEL(pad_backward_kernel, CUDA, pad_backward_cuda);
+
+}  // namespace halfgrad

@@ -1,0 +1,170 @@
+#pragma once
+// pad: torch.nn.functional.pad (constant, reflect, replicate and circular padding), forward and backward, on CPU
+// (ops/pad.cpp) and CUDA (ops/pad.cu). One gather writes every output element from the input element its mode names
+// (or the constant); its transpose sums each input element's gradient over the output elements that came from it,
+// found by the same rule run backwards (a gather too: no atomics, the same sums on both devices). Each is the other's
+// backward, so pad is differentiable to any order.
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "core/dispatch.h"
+#include "core/half.h"
+#include "core/tensor.h"
+
+namespace halfgrad {
+
+enum class PadMode : uint8_t {
+  Constant,   // the value (0 unless given) outside the input
+  Reflect,    // the input mirrored at its edges, the edge itself not repeated: [1 2 3] padded by 2 is [3 2 1 2 3 2 1]
+  Replicate,  // the edge element repeated: [1 2 3] -> [1 1 1 2 3 3 3]
+  Circular,   // the input repeated: [1 2 3] -> [2 3 1 2 3 1 2]
+};
+const char* pad_mode_name(PadMode mode);  // "constant", "reflect", "replicate", "circular" (PyTorch's mode strings)
+
+// x padded as torch.nn.functional.pad(x, padding, mode, value). `padding` holds (before, after) pairs from the last
+// dim backwards: {left, right} pads the last dim, {left, right, top, bottom} the last two, and so on.
+//   pad(x, {1, 1, 2, 2});                          // zeros: W + 2, H + 4
+//   pad(x, {2, 2, 2, 2}, PadMode::Reflect);       // an image [N, C, H, W] or [C, H, W], as nn.ReflectionPad2d(2)
+//   pad(x, {0, 1}, PadMode::Constant, -INFINITY);
+// PyTorch's rules, each an error naming pad, the padding and x:
+//   - an even number of values, at most two per dim of x, each within +-2^60;
+//   - a negative amount removes elements from its side, first (so the two sides of a dim remove at most its size);
+//   - Constant: any dtype and number of dims (up to 8 runs of padded and unpadded dims, which the kernels walk); the
+//     value must fit x's dtype without overflow (as fill_);
+//   - Reflect, Replicate and Circular pad the last 1, 2 or 3 dims of a tensor with one or two more (a batch and
+//     channels, or channels alone), of which only the batch may be empty, and take no value (or 0). Reflect: each
+//     amount below the size of its dim. Circular: each amount at most what is kept of its dim (once round).
+//     Reflect and Replicate refuse a padded dim left with no element (PyTorch's kernels refuse only a result with
+//     none in any padded dim).
+// The result has x's dtype, device and memory format (a channels_last x gives a channels_last result). Gradient
+// (floating x): each input element gets the sum of the gradients of the output elements that came from it, in x's
+// dtype (float16 and bfloat16 summed in float32). Autocast: not cast.
+Tensor pad(const Tensor& x, const std::vector<int64_t>& padding, PadMode mode = PadMode::Constant,
+           std::optional<Scalar> value = std::nullopt);
+
+// ---- kernels (core/dispatch.h)
+// A padding in the kernels' terms: the tensors are contiguous, of up to kMaxPadDims dims (the op folds the dims no
+// padding touches into their neighbours), and dim d has `in[d]` input elements, `out[d]` output elements and
+// `before[d]` elements added before the input (negative: removed).
+constexpr int kMaxPadDims = 8;
+struct PadGeometry {
+  int dims = 0;
+  int64_t in[kMaxPadDims] = {}, out[kMaxPadDims] = {}, before[kMaxPadDims] = {};
+  PadMode mode = PadMode::Constant;
+};
+
+// Circular padding along dim d of g: the input elements [first, first + kept) that a negative amount on either side
+// leaves, and `left` repeated before them.
+struct PadCircle {
+  int64_t first, kept, left;
+};
+HG_HOST_DEVICE inline PadCircle pad_circle(const PadGeometry& g, int d) {
+  const int64_t before = g.before[d], after = g.out[d] - g.in[d] - before;
+  const int64_t first = before < 0 ? -before : 0;
+  return {first, g.in[d] - first - (after < 0 ? -after : 0), before > 0 ? before : 0};
+}
+
+// Along one dim of g: the input index whose value output index o takes, or -1 (only in Constant mode) where it takes
+// the constant.
+HG_HOST_DEVICE inline int64_t pad_source(const PadGeometry& g, int d, int64_t o) {
+  const int64_t n = g.in[d], before = g.before[d];
+  int64_t i = o - before;
+  switch (g.mode) {
+    case PadMode::Constant: return i >= 0 && i < n ? i : -1;
+    case PadMode::Reflect: return i < 0 ? -i : i >= n ? 2 * (n - 1) - i : i;
+    case PadMode::Replicate: return i < 0 ? 0 : i >= n ? n - 1 : i;
+    case PadMode::Circular: {  // the repeats are of what a negative amount leaves, [first, first + kept)
+      const PadCircle c = pad_circle(g, d);
+      i = o - c.left;
+      return c.first + (i < 0 ? i + c.kept : i >= c.kept ? i - c.kept : i);
+    }
+  }
+  return -1;
+}
+
+// Along one dim of g: the output indices that take input index i (pad_source run backwards), as up to three ranges
+// [lo[k], hi[k]) within [0, out); returns how many. Reflect: i itself and its mirror images on either side;
+// Replicate: i, or a whole side for the edge elements; Circular: i and its repeats; Constant: i alone.
+HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, int64_t i, int64_t lo[3], int64_t hi[3]) {
+  const int64_t n = g.in[d], m = g.out[d], before = g.before[d];
+  int count = 0;
+  auto add = [&](int64_t a, int64_t b) {  // [a, b) clipped to the output
+    a = a > 0 ? a : 0;
+    b = b < m ? b : m;
+    if (a < b) lo[count] = a, hi[count] = b, ++count;
+  };
+  switch (g.mode) {
+    case PadMode::Constant: add(i + before, i + before + 1); break;
+    case PadMode::Reflect:
+      add(i + before, i + before + 1);
+      if (i > 0) add(before - i, before - i + 1);                                      // mirrored on the left
+      if (i < n - 1) add(before + 2 * (n - 1) - i, before + 2 * (n - 1) - i + 1);  // and on the right
+      break;
+    case PadMode::Replicate: add(i == 0 ? 0 : i + before, i == n - 1 ? m : i + before + 1); break;
+    case PadMode::Circular: {
+      const PadCircle c = pad_circle(g, d);
+      const int64_t k = i - c.first;
+      if (k < 0 || k >= c.kept) break;  // removed
+      add(c.left + k - c.kept, c.left + k - c.kept + 1);  // repeated on the left
+      add(c.left + k, c.left + k + 1);
+      add(c.left + k + c.kept, c.left + k + c.kept + 1);  // and on the right
+      break;
+    }
+  }
+  return count;
+}
+
+// The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather.
+HG_HOST_DEVICE inline int64_t pad_source_index(const PadGeometry& g, int64_t index) {
+  int64_t source = 0, stride = 1;
+  for (int d = g.dims - 1; d >= 0; --d) {
+    const int64_t i = pad_source(g, d, index % g.out[d]);
+    index /= g.out[d];
+    if (i < 0) return -1;
+    source += i * stride;
+    stride *= g.in[d];
+  }
+  return source;
+}
+
+// The gradient of flat input index `index`: grad_output summed over its targets, in A, in the same order on every
+// device (the product of each dim's ranges, the last dim fastest).
+template <typename A, typename T>
+HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, int64_t index) {
+  int64_t lo[kMaxPadDims][3], hi[kMaxPadDims][3], at[kMaxPadDims];
+  int count[kMaxPadDims], range[kMaxPadDims];
+  for (int d = g.dims - 1; d >= 0; --d) {
+    count[d] = pad_targets(g, d, index % g.in[d], lo[d], hi[d]);
+    index /= g.in[d];
+    if (count[d] == 0) return A(0);  // removed by a negative amount
+    range[d] = 0;
+    at[d] = lo[d][0];
+  }
+  A sum = A(0);
+  for (;;) {
+    int64_t flat = 0;
+    for (int d = 0; d < g.dims; ++d) flat = flat * g.out[d] + at[d];
+    sum += A(grad_output[flat]);
+    int d = g.dims - 1;  // the next target: an odometer over each dim's ranges
+    for (; d >= 0; --d) {
+      if (++at[d] < hi[d][range[d]]) break;
+      if (++range[d] < count[d]) {
+        at[d] = lo[d][range[d]];
+        break;
+      }
+      range[d] = 0;
+      at[d] = lo[d][0];
+    }
+    if (d < 0) return sum;
+  }
+}
+
+// out (geometry's output shape) = x padded; `value` is the constant in out's dtype (a 0-d CPU tensor). Any dtype.
+using PadKernel = void (*)(const Tensor& out, const Tensor& x, const PadGeometry& geometry, const Tensor& value);
+// grad_input (geometry's input shape) = the sums of grad_output over each element's targets. A floating dtype.
+using PadBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output, const PadGeometry& geometry);
+extern KernelTable<PadKernel> pad_kernel;
+extern KernelTable<PadBackwardKernel> pad_backward_kernel;
+
+}  // namespace halfgrad
