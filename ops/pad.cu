@@ -13,31 +13,44 @@ namespace {
 
 constexpr int kThreads = 256;
 
-unsigned blocks_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 20)); }
+unsigned blocks_for(int64_t n) {
+  return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 20));  // then grid-stride
+}
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, T fill,
-                                                            int64_t n) {
-  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads) {
-    const int64_t source = pad_source_index(geometry, k);
+// I: the index type, int32_t where every index of both tensors fits (pad_fits_32_bits).
+template <typename T, typename I>
+__global__ void __launch_bounds__(kThreads) pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, T fill, I n) {
+  for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads) {
+    const I source = pad_source_index<I>(geometry, k);
     out[k] = source < 0 ? fill : x[source];
   }
 }
 
-template <typename T>
+template <typename T, typename I>
 __global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_input, const T* grad_output,
-                                                                     PadGeometry geometry, int64_t n) {
-  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads)
-    grad_input[k] = T(pad_gradient_of<opmath_t<T>>(geometry, grad_output, k));
+                                                                     PadGeometry geometry, I n) {
+  for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads)
+    grad_input[k] = T(pad_gradient_of<opmath_t<T>, I>(geometry, grad_output, k));
+}
+
+// Whether int32 holds every index of both sides and the grid-stride loop's last step past them.
+bool pad_fits_32_bits(const Tensor& a, const Tensor& b) {
+  constexpr int64_t kRoom = int64_t(1) << 30;  // the loop may step a grid (at most 2^28 threads) past the end
+  return a.numel() < kRoom && b.numel() < kRoom;
 }
 
 void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, const Tensor& value) {
   cuda::DeviceGuard guard(out.device());
   cudaStream_t stream = cuda::current_stream(out.device());
+  const int64_t n = out.numel();
   dispatch_all(out.dtype(), "pad", [&]<typename T>() {
-    const int64_t n = out.numel();
-    pad_cuda_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
-                                                               value.data<T>()[0], n);
+    if (pad_fits_32_bits(out, x)) {
+      pad_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
+                                                                          value.data<T>()[0], int32_t(n));
+    } else {
+      pad_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
+                                                                          value.data<T>()[0], n);
+    }
     HG_CUDA_CHECK_LAUNCH("pad");
   });
 }
@@ -45,10 +58,15 @@ void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, c
 void pad_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, const PadGeometry& geometry) {
   cuda::DeviceGuard guard(grad_input.device());
   cudaStream_t stream = cuda::current_stream(grad_input.device());
+  const int64_t n = grad_input.numel();
   dispatch_floating(grad_input.dtype(), "pad_backward", [&]<typename T>() {
-    const int64_t n = grad_input.numel();
-    pad_backward_cuda_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(grad_input.data<T>(), grad_output.data<T>(),
-                                                                        geometry, n);
+    if (pad_fits_32_bits(grad_input, grad_output)) {
+      pad_backward_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          grad_input.data<T>(), grad_output.data<T>(), geometry, int32_t(n));
+    } else {
+      pad_backward_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          grad_input.data<T>(), grad_output.data<T>(), geometry, n);
+    }
     HG_CUDA_CHECK_LAUNCH("pad_backward");
   });
 }

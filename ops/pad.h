@@ -54,28 +54,31 @@ struct PadGeometry {
   PadMode mode = PadMode::Constant;
 };
 
+// The index rules below take their integer type I: int64_t, or int32_t where every index of both tensors fits (the
+// CUDA kernels' faster arithmetic).
+
 // Circular padding along dim d of g: the input elements [first, first + kept) that a negative amount on either side
 // leaves, and `left` repeated before them.
-struct PadCircle {
-  int64_t first, kept, left;
+template <typename I> struct PadCircle {
+  I first, kept, left;
 };
-HG_HOST_DEVICE inline PadCircle pad_circle(const PadGeometry& g, int d) {
-  const int64_t before = g.before[d], after = g.out[d] - g.in[d] - before;
-  const int64_t first = before < 0 ? -before : 0;
-  return {first, g.in[d] - first - (after < 0 ? -after : 0), before > 0 ? before : 0};
+template <typename I> HG_HOST_DEVICE inline PadCircle<I> pad_circle(const PadGeometry& g, int d) {
+  const I n = I(g.in[d]), before = I(g.before[d]), after = I(g.out[d]) - n - before;
+  const I first = before < 0 ? -before : 0;
+  return {first, n - first - (after < 0 ? -after : 0), before > 0 ? before : 0};
 }
 
 // Along one dim of g: the input index whose value output index o takes, or -1 (only in Constant mode) where it takes
 // the constant.
-HG_HOST_DEVICE inline int64_t pad_source(const PadGeometry& g, int d, int64_t o) {
-  const int64_t n = g.in[d], before = g.before[d];
-  int64_t i = o - before;
+template <typename I> HG_HOST_DEVICE inline I pad_source(const PadGeometry& g, int d, I o) {
+  const I n = I(g.in[d]), before = I(g.before[d]);
+  I i = o - before;
   switch (g.mode) {
     case PadMode::Constant: return i >= 0 && i < n ? i : -1;
     case PadMode::Reflect: return i < 0 ? -i : i >= n ? 2 * (n - 1) - i : i;
     case PadMode::Replicate: return i < 0 ? 0 : i >= n ? n - 1 : i;
     case PadMode::Circular: {  // the repeats are of what a negative amount leaves, [first, first + kept)
-      const PadCircle c = pad_circle(g, d);
+      const PadCircle<I> c = pad_circle<I>(g, d);
       i = o - c.left;
       return c.first + (i < 0 ? i + c.kept : i >= c.kept ? i - c.kept : i);
     }
@@ -86,10 +89,10 @@ HG_HOST_DEVICE inline int64_t pad_source(const PadGeometry& g, int d, int64_t o)
 // Along one dim of g: the output indices that take input index i (pad_source run backwards), as up to three ranges
 // [lo[k], hi[k]) within [0, out); returns how many. Reflect: i itself and its mirror images on either side;
 // Replicate: i, or a whole side for the edge elements; Circular: i and its repeats; Constant: i alone.
-HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, int64_t i, int64_t lo[3], int64_t hi[3]) {
-  const int64_t n = g.in[d], m = g.out[d], before = g.before[d];
+template <typename I> HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, I i, I lo[3], I hi[3]) {
+  const I n = I(g.in[d]), m = I(g.out[d]), before = I(g.before[d]);
   int count = 0;
-  auto add = [&](int64_t a, int64_t b) {  // [a, b) clipped to the output
+  auto add = [&](I a, I b) {  // [a, b) clipped to the output
     a = a > 0 ? a : 0;
     b = b < m ? b : m;
     if (a < b) lo[count] = a, hi[count] = b, ++count;
@@ -103,8 +106,8 @@ HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, int64_t i, in
       break;
     case PadMode::Replicate: add(i == 0 ? 0 : i + before, i == n - 1 ? m : i + before + 1); break;
     case PadMode::Circular: {
-      const PadCircle c = pad_circle(g, d);
-      const int64_t k = i - c.first;
+      const PadCircle<I> c = pad_circle<I>(g, d);
+      const I k = i - c.first;
       if (k < 0 || k >= c.kept) break;  // removed
       add(c.left + k - c.kept, c.left + k - c.kept + 1);  // repeated on the left
       add(c.left + k, c.left + k + 1);
@@ -116,35 +119,35 @@ HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, int64_t i, in
 }
 
 // The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather.
-HG_HOST_DEVICE inline int64_t pad_source_index(const PadGeometry& g, int64_t index) {
-  int64_t source = 0, stride = 1;
+template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
+  I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
-    const int64_t i = pad_source(g, d, index % g.out[d]);
-    index /= g.out[d];
+    const I i = pad_source<I>(g, d, index % I(g.out[d]));
+    index /= I(g.out[d]);
     if (i < 0) return -1;
     source += i * stride;
-    stride *= g.in[d];
+    stride *= I(g.in[d]);
   }
   return source;
 }
 
 // The gradient of flat input index `index`: grad_output summed over its targets, in A, in the same order on every
 // device (the product of each dim's ranges, the last dim fastest).
-template <typename A, typename T>
-HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, int64_t index) {
-  int64_t lo[kMaxPadDims][3], hi[kMaxPadDims][3], at[kMaxPadDims];
+template <typename A, typename I, typename T>
+HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, I index) {
+  I lo[kMaxPadDims][3], hi[kMaxPadDims][3], at[kMaxPadDims];
   int count[kMaxPadDims], range[kMaxPadDims];
   for (int d = g.dims - 1; d >= 0; --d) {
-    count[d] = pad_targets(g, d, index % g.in[d], lo[d], hi[d]);
-    index /= g.in[d];
+    count[d] = pad_targets<I>(g, d, index % I(g.in[d]), lo[d], hi[d]);
+    index /= I(g.in[d]);
     if (count[d] == 0) return A(0);  // removed by a negative amount
     range[d] = 0;
     at[d] = lo[d][0];
   }
   A sum = A(0);
   for (;;) {
-    int64_t flat = 0;
-    for (int d = 0; d < g.dims; ++d) flat = flat * g.out[d] + at[d];
+    I flat = 0;
+    for (int d = 0; d < g.dims; ++d) flat = flat * I(g.out[d]) + at[d];
     sum += A(grad_output[flat]);
     int d = g.dims - 1;  // the next target: an odometer over each dim's ranges
     for (; d >= 0; --d) {

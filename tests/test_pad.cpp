@@ -204,6 +204,16 @@ TEST_CASE("cuda: pad and its gradient equal the CPU's in every mode, dtype and l
   const Tensor big = randint(-9, 9, {4, 64, 40, 40}).to(kInt32);
   CHECK(values(pad(big.cuda(), {1, 2, 3, 4, 5, 6}, PadMode::Constant, 7).cpu()) ==
         values(pad(big, {1, 2, 3, 4, 5, 6}, PadMode::Constant, 7)));
+  // Past 2^30 elements the kernels index in 64 bits: replicate padding of 1.07e9 bytes, read at its far corners.
+  Tensor huge = ones({1, 32769, 32768}, {.dtype = kUInt8, .device = Device::cuda(0)});
+  huge.select(1, 32768).fill_(2);  // the last row
+  huge.select(2, 32767).fill_(3);  // the last column
+  const Tensor padded = pad(huge, {1, 1, 1, 1}, PadMode::Replicate);
+  CHECK(padded.shape() == Shape{1, 32771, 32770});
+  CHECK(padded[0][32770][5].item<uint8_t>() == 2);
+  CHECK(padded[0][100][32769].item<uint8_t>() == 3);
+  CHECK(padded[0][32770][32769].item<uint8_t>() == 3);
+  CHECK(padded[0][0][0].item<uint8_t>() == 1);
   // Second derivatives on CUDA, in float64: the CPU's.
   const Tensor a = leaf({2, 3, 4, 5});
   auto second = [](const Tensor& x) {
