@@ -63,6 +63,8 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Pair2d kernel_size, Co
            options.groups);
   HG_CHECK(options.padding[0] >= 0 && options.padding[1] >= 0, "Conv2d: padding must be >= 0, got {}",
            pair_str(options.padding));
+  HG_CHECK(options.dilation[0] >= 1 && options.dilation[1] >= 1, "Conv2d: dilation must be >= 1, got {}",
+           pair_str(options.dilation));
   HG_CHECK(!options.padding_same || (options.stride == Pair2d{1, 1} && options.padding == Pair2d{0, 0}),
            "Conv2d: padding \"same\" takes stride 1 and no padding of its own (PyTorch's rule), got stride {} and "
            "padding {}", pair_str(options.stride), pair_str(options.padding));

@@ -28,7 +28,8 @@
 
 namespace halfgrad::nn {
 
-// The functional ops' option structs, also spelled nn::MaxPool2dOptions etc. next to the layers that take them.
+// The functional ops' option structs, also spelled nn::MaxPool2dOptions etc. next to the layers that take them, and
+// the types they and the layers share.
 using ::halfgrad::AvgPool2dOptions;
 using ::halfgrad::MaxPool2dOptions;
 using ::halfgrad::PadMode;
@@ -45,7 +46,7 @@ struct Conv2dOptions {
   // the input with pad() (ops/pad.h) and convolve it without padding.
   PadMode padding_mode = PadMode::Constant;
   // PyTorch's padding="same": the output as large as the input (stride 1 only); dilation * (kernel - 1) elements a
-  // dim, the odd one on the right. Replaces `padding`.
+  // dim, the odd one on the right. In place of `padding`, which must then stay {0, 0}.
   bool padding_same = false;
 };
 

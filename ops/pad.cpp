@@ -95,7 +95,7 @@ void check_padding(const Tensor& x, const std::vector<int64_t>& padding, PadMode
              "padding", name, value ? value->str() : "");
     HG_CHECK(padded_dims >= 1 && padded_dims <= 3 && (x.dim() == padded_dims + 1 || x.dim() == padded_dims + 2),
              "pad: {} padding pads the last 1, 2 or 3 dims of a tensor with one or two more (channels, or a batch "
-             "and channels): padding {} pads {} dims of {}", name, padding, padded_dims, x.meta());
+             "and channels): padding {} ({} dims) of {}", name, padding, padded_dims, x.meta());
     for (int64_t d = x.dim() == padded_dims + 2 ? 1 : 0; d < x.dim(); ++d) {
       HG_CHECK(x.size(d) > 0, "pad: {} padding of {}: dim {} is empty, and only a batch may be", name, x.meta(), d);
     }
@@ -113,8 +113,8 @@ void check_padding(const Tensor& x, const std::vector<int64_t>& padding, PadMode
     switch (mode) {
       case PadMode::Constant: break;
       case PadMode::Reflect:
-        HG_CHECK(before < n && after < n, "pad: reflect padding ({}, {}) of dim {} must be less than its size, {} "
-                 "({})", before, after, d, n, x.meta());
+        HG_CHECK(before < n && after < n, "pad: reflect padding ({}, {}) of dim {} of {} must be less than its size, "
+                 "{}", before, after, d, x.meta(), n);
         break;
       case PadMode::Replicate: break;
       case PadMode::Circular:
@@ -148,7 +148,7 @@ Tensor padded(const Tensor& x, const PadPlan& plan, const Scalar& value) {
     const Tensor constant = full({}, value, {.dtype = x.dtype()});
     pad_kernel[x.device()](out, in_memory_order(x.detach(), plan), plan.geometry, constant);
   }
-  if (!any_requires_grad({&x})) return out;  // (a plain backward pass: no closure to build)
+  if (!any_requires_grad({&x})) return out;  // (nothing to differentiate: no closure to build)
   record(node_name(plan.geometry.mode, false), {x}, {out}, [plan](const GradContext& g) -> TensorList {
     return {pad_gradient(g[0], plan)};
   }, DoubleBackward::Supported);

@@ -33,10 +33,11 @@ __global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_inp
     grad_input[k] = T(pad_gradient_of<opmath_t<T>, I>(geometry, grad_output, k));
 }
 
-// Whether int32 holds every index of both sides and the grid-stride loop's last step past them.
+// Whether int32 holds every index of both sides, the mirror and repeat offsets pad_targets forms (up to three
+// times an output's size) and the grid-stride loop's last step past the end (a grid of at most 2^28 threads).
 bool pad_fits_32_bits(const Tensor& a, const Tensor& b) {
-  constexpr int64_t kRoom = int64_t(1) << 30;  // the loop may step a grid (at most 2^28 threads) past the end
-  return a.numel() < kRoom && b.numel() < kRoom;
+  constexpr int64_t kMax32BitElements = int64_t(1) << 29;
+  return a.numel() < kMax32BitElements && b.numel() < kMax32BitElements;
 }
 
 void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, const Tensor& value) {

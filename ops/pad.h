@@ -27,16 +27,17 @@ const char* pad_mode_name(PadMode mode);  // "constant", "reflect", "replicate",
 //   pad(x, {1, 1, 2, 2});                          // zeros: W + 2, H + 4
 //   pad(x, {2, 2, 2, 2}, PadMode::Reflect);       // an image [N, C, H, W] or [C, H, W], as nn.ReflectionPad2d(2)
 //   pad(x, {0, 1}, PadMode::Constant, -INFINITY);
-// PyTorch's rules, each an error naming pad, the padding and x:
+// PyTorch's rules, each an error naming pad and what it refuses:
 //   - an even number of values, at most two per dim of x, each within +-2^60;
 //   - a negative amount removes elements from its side, first (so the two sides of a dim remove at most its size);
-//   - Constant: any dtype and number of dims (up to 8 runs of padded and unpadded dims, which the kernels walk); the
-//     value must fit x's dtype without overflow (as fill_);
+//   - Constant: any dtype and number of dims (the kernels walk up to 8: each padded dim, each run of unpadded ones
+//     merged, unpadded dims of 1 dropped); the value must fit x's dtype without overflow (as fill_);
 //   - Reflect, Replicate and Circular pad the last 1, 2 or 3 dims of a tensor with one or two more (a batch and
-//     channels, or channels alone), of which only the batch may be empty, and take no value (or 0). Reflect: each
+//     channels, or channels alone), every dim but the batch non-empty, and take no value (or 0). Reflect: each
 //     amount below the size of its dim. Circular: each amount at most what is kept of its dim (once round).
-//     Reflect and Replicate refuse a padded dim left with no element (PyTorch's kernels refuse only a result with
-//     none in any padded dim).
+//     Two rules are stricter than PyTorch's: Reflect and Replicate refuse a padded dim left with no element (its
+//     kernels refuse only a result with none in any padded dim), and Circular's "once round" counts what negative
+//     amounts leave (PyTorch's counts the dim before them, and copies overlapping slices beyond it).
 // The result has x's dtype, device and memory format (a channels_last x gives a channels_last result). Gradient
 // (floating x): each input element gets the sum of the gradients of the output elements that came from it, in x's
 // dtype (float16 and bfloat16 summed in float32). Autocast: not cast.
@@ -44,9 +45,9 @@ Tensor pad(const Tensor& x, const std::vector<int64_t>& padding, PadMode mode = 
            std::optional<Scalar> value = std::nullopt);
 
 // ---- kernels (core/dispatch.h)
-// A padding in the kernels' terms: the tensors are contiguous, of up to kMaxPadDims dims (the op folds the dims no
-// padding touches into their neighbours), and dim d has `in[d]` input elements, `out[d]` output elements and
-// `before[d]` elements added before the input (negative: removed).
+// A padding in the kernels' terms: the tensors are contiguous, of up to kMaxPadDims dims (the op merges each run of
+// dims no padding touches into one and drops unpadded dims of 1), and dim d has `in[d]` input elements, `out[d]` output
+// elements and `before[d]` elements added before the input (negative: removed).
 constexpr int kMaxPadDims = 8;
 struct PadGeometry {
   int dims = 0;

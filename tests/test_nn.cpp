@@ -532,7 +532,8 @@ TEST_CASE("layers compute what their functional ops compute") {
     CHECK(nn::ConstantPad1d(1, 3.5).repr() == "ConstantPad1d(padding=(1, 1), value=3.5)");
     CHECK(nn::ReplicationPad3d(1).parameters().empty());
     CHECK_THROWS_WITH_AS(nn::ReflectionPad2d(7).forward(image),
-                         doctest::Contains("pad: reflect padding (7, 7) of dim 3 must be less than its size, 7"),
+                         doctest::Contains("pad: reflect padding (7, 7) of dim 3 of float32[2, 4, 7, 7] cpu must be "
+                                           "less than its size, 7"),
                          Error);
   }
   SUBCASE("ReLU, Flatten, Identity") {
@@ -942,8 +943,13 @@ TEST_CASE("a layer's negative size is an error naming the layer and the argument
   CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.stride = {2, 2}, .padding_same = true}),
                        doctest::Contains("Conv2d: padding \"same\" takes stride 1 and no padding of its own (PyTorch's "
                                          "rule), got stride (2, 2) and padding (0, 0)"), Error);
+  CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.padding = {1, 1}, .padding_same = true}),
+                       doctest::Contains("Conv2d: padding \"same\" takes stride 1 and no padding of its own (PyTorch's "
+                                         "rule), got stride (1, 1) and padding (1, 1)"), Error);
   CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.padding = {-1, 0}, .padding_mode = PadMode::Reflect}),
                        doctest::Contains("Conv2d: padding must be >= 0, got (-1, 0)"), Error);
+  CHECK_THROWS_WITH_AS(nn::Conv2d(4, 4, 3, {.dilation = {0, 1}, .padding_same = true}),
+                       doctest::Contains("Conv2d: dilation must be >= 1, got (0, 1)"), Error);
   CHECK_THROWS_WITH_AS(nn::Embedding(-2, 3), doctest::Contains("Embedding: num_embeddings must be at least 0"), Error);
   CHECK_THROWS_WITH_AS(nn::BatchNorm2d(0), doctest::Contains("BatchNorm2d: num_features must be at least 1, got 0"),
                        Error);

@@ -106,7 +106,8 @@ TEST_CASE("pad refuses what PyTorch's pad refuses, naming the op, the padding an
                        doctest::Contains("pad: padding [1, 1, 1, 1] pads the last 2 dims, but float32[3] cpu has 1"),
                        Error);
   CHECK_THROWS_WITH_AS(pad(row, {3, 4}, PadMode::Reflect),
-                       doctest::Contains("pad: reflect padding (3, 4) of dim 1 must be less than its size, 4"), Error);
+                       doctest::Contains("pad: reflect padding (3, 4) of dim 1 of float32[2, 4] cpu must be less than "
+                                         "its size, 4"), Error);
   CHECK_THROWS_WITH_AS(pad(row, {1, 1}, PadMode::Reflect, 2),
                        doctest::Contains("pad: reflect padding takes no value (got 2)"), Error);
   CHECK(pad(row, {1, 1}, PadMode::Reflect, 0).shape() == Shape{2, 6});  // 0 is no value, as PyTorch takes it
@@ -119,12 +120,19 @@ TEST_CASE("pad refuses what PyTorch's pad refuses, naming the op, the padding an
                                                             "removes 5 elements of its 4"), Error);
   CHECK_THROWS_WITH_AS(pad(row, {3, -2}, PadMode::Circular),
                        doctest::Contains("wraps around more than once: each side at most the 2 elements kept"), Error);
+  CHECK(pad(row, {-2, -2}, PadMode::Circular).shape() == Shape{2, 0});  // circular may leave nothing, as constant
+  CHECK_THROWS_WITH_AS(pad(zeros({1, 1, 2, 2, 2, 2}), {1, 1, 1, 1, 1, 1, 1, 1}, PadMode::Reflect),
+                       doctest::Contains("pad: reflect padding pads the last 1, 2 or 3 dims"), Error);
+  CHECK_THROWS_WITH_AS(pad(row, {-2, -2}, PadMode::Replicate),
+                       doctest::Contains("pad: replicate padding (-2, -2) of dim 1 of float32[2, 4] cpu leaves no "
+                                         "element"), Error);
+  CHECK_THROWS_WITH_AS(pad(row, {0, (int64_t(1) << 60) + 1}), doctest::Contains("is beyond +-2^60"), Error);
   CHECK_THROWS_WITH_AS(pad(row, {INT64_MIN, 5}, PadMode::Circular),
                        doctest::Contains("pad: padding (-9223372036854775808, 5) of dim 1 of float32[2, 4] cpu is "
                                          "beyond +-2^60"), Error);
   CHECK_THROWS_WITH_AS(pad(zeros({4}), {1, 1}, PadMode::Replicate),
                        doctest::Contains("pad: replicate padding pads the last 1, 2 or 3 dims of a tensor with one or "
-                                         "two more (channels, or a batch and channels): padding [1, 1] pads 1 dims of "
+                                         "two more (channels, or a batch and channels): padding [1, 1] (1 dims) of "
                                          "float32[4]"), Error);
   CHECK_THROWS_WITH_AS(pad(x, {}, PadMode::Circular),
                        doctest::Contains("pad: circular padding pads the last 1, 2 or 3"), Error);
