@@ -1,6 +1,8 @@
 // pad: the public op, its rules and its backward next to it, and the CPU kernels.
 #include "ops/pad.h"
 
+#include <numeric>
+
 #include <fmt/ranges.h>
 
 #include "core/autocast.h"
@@ -49,10 +51,9 @@ PadPlan plan_padding(const Tensor& x, const std::vector<int64_t>& padding, PadMo
   }
   plan.format = dims == 4 && suggest_memory_format(x) == MemoryFormat::ChannelsLast ? MemoryFormat::ChannelsLast
                                                                                     : MemoryFormat::Contiguous;
-  plan.order = plan.format == MemoryFormat::ChannelsLast ? std::vector<int64_t>{0, 2, 3, 1}
-                                                         : std::vector<int64_t>(size_t(dims));
-  if (plan.format != MemoryFormat::ChannelsLast)
-    for (int64_t d = 0; d < dims; ++d) plan.order[size_t(d)] = d;
+  plan.order.resize(size_t(dims));
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  if (plan.format == MemoryFormat::ChannelsLast) plan.order = {0, 2, 3, 1};
   // The kernels' dims: x's in memory order, each run of dims that no padding touches folded into one.
   PadGeometry& g = plan.geometry;
   g.mode = mode;
