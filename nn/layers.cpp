@@ -18,7 +18,6 @@
 namespace halfgrad::nn {
 
 namespace {
-const char* bool_str(bool b) { return b ? "True" : "False"; }  // as PyTorch's repr prints them
 TensorOptions param_options(TensorOptions o) { return {.dtype = o.dtype, .device = o.device}; }
 // A layer's size argument, checked where the member is initialised: before the parameters are allocated from it,
 // whose own error would name neither the layer nor the argument.
@@ -41,7 +40,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, TensorOptio
 Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
 
 std::string Linear::extra_repr() const {
-  return fmt::format("in_features={}, out_features={}, bias={}", in_features, out_features, bool_str(bias.defined()));
+  return fmt::format("in_features={}, out_features={}, bias={}", in_features, out_features, repr_bool(bias.defined()));
 }
 
 // ---- Conv2d
@@ -114,7 +113,7 @@ Pad::Pad(std::string name, std::vector<int64_t> padding, PadMode mode, std::opti
 std::string Pad::extra_repr() const {
   const std::string tuple = fmt::format("({})", fmt::join(padding, ", "));
   if (mode != PadMode::Constant || zero_) return tuple;
-  return fmt::format("padding={}, value={}", tuple, *value);
+  return fmt::format("padding={}, value={}", tuple, repr_float(*value));
 }
 
 // ---- BatchNorm2d
@@ -182,9 +181,9 @@ Tensor BatchNorm2d::normalise(const Tensor& x, bool relu, const Tensor& residual
 }
 
 std::string BatchNorm2d::extra_repr() const {
-  return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features, options.eps,
-                     options.momentum ? fmt::format("{}", *options.momentum) : "None", bool_str(options.affine),
-                     bool_str(options.track_running_stats));
+  return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features,
+                     repr_float(options.eps), options.momentum ? repr_float(*options.momentum) : "None",
+                     repr_bool(options.affine), repr_bool(options.track_running_stats));
 }
 
 // ---- LayerNorm
@@ -213,7 +212,8 @@ Tensor LayerNorm::forward(const Tensor& x) { return layer_norm(x, normalized_sha
 std::string LayerNorm::extra_repr() const {
   const std::string sizes = normalized_shape.size() == 1 ? fmt::format("({},)", normalized_shape[0])
                                                          : fmt::format("({})", fmt::join(normalized_shape, ", "));
-  return fmt::format("{}, eps={}, elementwise_affine={}", sizes, options.eps, bool_str(options.elementwise_affine));
+  return fmt::format("{}, eps={}, elementwise_affine={}", sizes, repr_float(options.eps),
+                     repr_bool(options.elementwise_affine));
 }
 
 // ---- activations, pooling, dropout
@@ -243,7 +243,7 @@ std::string MaxPool2d::extra_repr() const {
   Pair2d stride = options.stride == Pair2d{0, 0} ? kernel_size : options.stride;
   return fmt::format("kernel_size={}, stride={}, padding={}, dilation={}, ceil_mode={}", pool_arg_str(kernel_size),
                      pool_arg_str(stride), pool_arg_str(options.padding), pool_arg_str(options.dilation),
-                     bool_str(options.ceil_mode));
+                     repr_bool(options.ceil_mode));
 }
 
 AvgPool2d::AvgPool2d(Pair2d kernel_size, AvgPool2dOptions options) : kernel_size(kernel_size), options(options) {}
@@ -268,7 +268,8 @@ Dropout::Dropout(double p) : p(p) {
 
 Tensor Dropout::forward(const Tensor& x) { return dropout(x, p, is_training()); }
 
-std::string Dropout::extra_repr() const { return fmt::format("p={}, inplace=False", p); }  // (never in place here)
+// (Never in place here.)
+std::string Dropout::extra_repr() const { return fmt::format("p={}, inplace=False", repr_float(p)); }
 
 // ---- Embedding
 

@@ -355,6 +355,12 @@ LoadResult Module::load_state_dict(const NamedTensors& state, const LoadOptions&
 
 // ---- printing
 
+std::string Module::repr_float(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_not_of("-0123456789") == std::string::npos) s += ".0";
+  return s;
+}
+
 std::string Module::repr() const {
   std::string extra = extra_repr();
   if (children_.empty()) return type_name() + "(" + extra + ")";

@@ -173,6 +173,12 @@ class Module {
   virtual std::string extra_repr() const { return ""; }  // "in_features=4, out_features=8, bias=True"
   std::string repr() const;
 
+ protected:
+  // Values in an extra_repr as Python prints them: True/False, and a float's shortest round-trip digits with its
+  // ".0" ("3.0" where fmt prints "3").
+  static const char* repr_bool(bool b) { return b ? "True" : "False"; }
+  static std::string repr_float(double v);
+
  private:
   NamedTensors own_tensors() const;  // state_dict's entries, the model's own handles (load_state_dict writes them)
   struct Slot {

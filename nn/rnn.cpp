@@ -53,10 +53,11 @@ std::string Recurrent::type_name() const { return kind_name(kind); }
 std::string Recurrent::extra_repr() const {
   std::string s = fmt::format("{}, {}", input_size, hidden_size);
   if (options.num_layers != 1) s += fmt::format(", num_layers={}", options.num_layers);
+  // PyTorch's RNN hides its nonlinearity; printed here, so that the repr tells an RNN of relu from one of tanh.
   if (kind == RecurrentKind::RNNReLU) s += ", nonlinearity='relu'";
-  if (!options.bias) s += ", bias=false";
-  if (options.batch_first) s += ", batch_first=true";
-  if (options.dropout > 0) s += fmt::format(", dropout={}", options.dropout);
+  if (!options.bias) s += ", bias=False";
+  if (options.batch_first) s += ", batch_first=True";
+  if (options.dropout > 0) s += ", dropout=" + repr_float(options.dropout);
   return s;
 }
 

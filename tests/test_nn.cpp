@@ -530,6 +530,7 @@ TEST_CASE("layers compute what their functional ops compute") {
     CHECK(nn::ReflectionPad2d(2).repr() == "ReflectionPad2d((2, 2, 2, 2))");
     CHECK(nn::ZeroPad2d({1, 1, 2, 0}).repr() == "ZeroPad2d((1, 1, 2, 0))");
     CHECK(nn::ConstantPad1d(1, 3.5).repr() == "ConstantPad1d(padding=(1, 1), value=3.5)");
+    CHECK(nn::ConstantPad2d(1, 3).repr() == "ConstantPad2d(padding=(1, 1, 1, 1), value=3.0)");  // a Python float
     CHECK(nn::ReplicationPad3d(1).parameters().empty());
     CHECK_THROWS_WITH_AS(nn::ReflectionPad2d(7).forward(image),
                          doctest::Contains("pad: reflect padding (7, 7) of dim 3 of float32[2, 4, 7, 7] cpu must be "
@@ -840,6 +841,13 @@ TEST_CASE("repr prints the module tree like PyTorch") {
   CHECK(nn::Conv2d(3, 16, 4, {.padding_mode = PadMode::Reflect, .padding_same = true}).repr() ==
         "Conv2d(3, 16, kernel_size=(4, 4), stride=(1, 1), padding=same, padding_mode=reflect)");
   CHECK(nn::BatchNorm2d(16).repr() == "BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=True, track_running_stats=True)");
+  // Floats as Python prints them: "1.0", not "1"; the shortest digits that read back.
+  CHECK(nn::BatchNorm2d(4, {.eps = 1e-3, .momentum = 1}).extra_repr() ==
+        "4, eps=0.001, momentum=1.0, affine=True, track_running_stats=True");
+  CHECK(nn::BatchNorm2d(4, {.momentum = std::nullopt}).extra_repr() ==
+        "4, eps=1e-05, momentum=None, affine=True, track_running_stats=True");
+  CHECK(nn::Dropout(0).repr() == "Dropout(p=0.0, inplace=False)");
+  CHECK(nn::Dropout(1.0 / 3).repr() == "Dropout(p=0.3333333333333333, inplace=False)");
   // Pooling prints a square argument as PyTorch prints an int one.
   CHECK(nn::MaxPool2d(2).repr() == "MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)");
   CHECK(nn::AvgPool2d(Pair2d{2, 3}, {.padding = {1, 1}}).repr() ==

@@ -50,6 +50,8 @@ TEST_CASE("RNN, GRU and LSTM have torch.nn's parameter names, shapes and U(-1/sq
   CHECK(lstm.type_name() == "LSTM");
   CHECK(lstm.extra_repr() == "10, 20, num_layers=2");
   CHECK(nn::RNN(3, 4, {}, "relu").extra_repr() == "3, 4, nonlinearity='relu'");
+  CHECK(nn::GRU(3, 4, {.num_layers = 2, .bias = false, .batch_first = true, .dropout = 0.25}).extra_repr() ==
+        "3, 4, num_layers=2, bias=False, batch_first=True, dropout=0.25");  // PyTorch's words, its True and False
 }
 
 TEST_CASE("the recurrent equations and gate orders: LSTM (i, f, g, o), GRU (r, z, n), RNN tanh/relu") {
