@@ -2,6 +2,7 @@
 #include "ops/pad.h"
 
 #include <numeric>
+#include <utility>
 
 #include <fmt/ranges.h>
 
@@ -156,10 +157,30 @@ Tensor padded(const Tensor& x, const PadPlan& plan, const Scalar& value) {
   return out;
 }
 
+// A constant padding's transpose as a constant padding of its output: every amount negated (what the forward added
+// is cut off, what it removed comes back as zeros), input and output swapped.
+PadGeometry pad_transposed(PadGeometry g) {
+  for (int d = 0; d < g.dims; ++d) {
+    std::swap(g.in[d], g.out[d]);
+    g.before[d] = -g.before[d];
+  }
+  return g;
+}
+
 Tensor pad_gradient(const Tensor& g, const PadPlan& plan) {
   Tensor grad_input = empty(plan.in, {.dtype = g.dtype(), .device = g.device()}, plan.format);
-  if (grad_input.numel() > 0)
-    pad_backward_kernel[g.device()](grad_input, in_memory_order(g.detach(), plan), plan.geometry);
+  if (grad_input.numel() > 0) {
+    const Tensor grad_output = in_memory_order(g.detach(), plan);
+    if (plan.geometry.mode == PadMode::Constant) {
+      const Tensor zero = full({}, 0, {.dtype = g.dtype()});
+      pad_kernel[g.device()](grad_input, grad_output, pad_transposed(plan.geometry), zero);
+    } else {
+      HG_CHECK(plan.geometry.dims <= kMaxPadGradientDims, "pad: a {} padding's kernels walk {} dims, more than its "
+               "gradient's {} (a bug: check_padding's rules leave at most that many)", pad_mode_name(plan.geometry.mode),
+               plan.geometry.dims, kMaxPadGradientDims);
+      pad_backward_kernel[g.device()](grad_input, grad_output, plan.geometry);
+    }
+  }
   if (!any_requires_grad({&g})) return grad_input;
   record(node_name(plan.geometry.mode, true), {g}, {grad_input}, [plan](const GradContext& gg) -> TensorList {
     return {padded(gg[0], plan, 0)};

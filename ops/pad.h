@@ -3,7 +3,8 @@
 // (ops/pad.cpp) and CUDA (ops/pad.cu). One gather writes every output element from the input element its mode names
 // (or the constant); its transpose sums each input element's gradient over the output elements that came from it,
 // found by the same rule run backwards (a gather too: no atomics, the same sums on both devices). Each is the other's
-// backward, so pad is differentiable to any order.
+// backward, so pad is differentiable to any order. Constant padding's transpose is a constant padding itself (the
+// amounts negated, zeros): the forward's gather runs it.
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -55,6 +56,10 @@ struct PadGeometry {
   PadMode mode = PadMode::Constant;
 };
 
+// Reflect, Replicate and Circular pad at most 3 dims of a tensor of at most 5: their geometry has at most 4 dims (the
+// batch and channels folded, or channels_last's 4), all that pad_gradient_of walks.
+constexpr int kMaxPadGradientDims = 4;
+
 // The index rules below take their integer type I: int64_t, or int32_t where every index of both tensors fits (the
 // CUDA kernels' faster arithmetic).
 
@@ -87,44 +92,51 @@ template <typename I> HG_HOST_DEVICE inline I pad_source(const PadGeometry& g, i
   return -1;
 }
 
-// Along one dim of g: the output indices that take input index i (pad_source run backwards), as up to three ranges
-// [lo[k], hi[k]) within [0, out); returns how many. Reflect: i itself and its mirror images on either side;
-// Replicate: i, or a whole side for the edge elements; Circular: i and its repeats; Constant: i alone.
-template <typename I> HG_HOST_DEVICE inline int pad_targets(const PadGeometry& g, int d, I i, I lo[3], I hi[3]) {
+// Along one dim of g: the output indices that take input index i (pad_source run backwards), as three ranges
+// [lo[r], hi[r]) clipped to [0, out), each empty where lo[r] >= hi[r]. Reflect: i itself, then its mirror images on
+// the left and on the right; Replicate: i, or a whole side for the edge elements; Circular: i's repeat on the left, i,
+// its repeat on the right; Constant: none (its gradient is a padding: pad_transposed). Every range is written at a
+// fixed place and read back by selection (low, high), never by an index the GPU only knows at run time, which would
+// put the ranges in local memory.
+template <typename I> struct PadTargets {
+  I lo[3] = {0, 0, 0}, hi[3] = {0, 0, 0};
+  HG_HOST_DEVICE I low(int r) const { return r == 0 ? lo[0] : r == 1 ? lo[1] : lo[2]; }
+  HG_HOST_DEVICE I high(int r) const { return r == 0 ? hi[0] : r == 1 ? hi[1] : hi[2]; }
+};
+template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadGeometry& g, int d, I i) {
   const I n = I(g.in[d]), m = I(g.out[d]), before = I(g.before[d]);
-  int count = 0;
-  auto add = [&](I a, I b) {  // [a, b) clipped to the output
-    a = a > 0 ? a : 0;
-    b = b < m ? b : m;
-    if (a < b) lo[count] = a, hi[count] = b, ++count;
+  PadTargets<I> t;
+  auto set = [&](I& lo, I& hi, I a, I b) {  // a range = [a, b) clipped to the output
+    lo = a > 0 ? a : 0;
+    hi = b < m ? b : m;
   };
   switch (g.mode) {
-    case PadMode::Constant: add(i + before, i + before + 1); break;
+    case PadMode::Constant: break;
     case PadMode::Reflect:
-      add(i + before, i + before + 1);
-      if (i > 0) add(before - i, before - i + 1);                                      // mirrored on the left
-      if (i < n - 1) add(before + 2 * (n - 1) - i, before + 2 * (n - 1) - i + 1);  // and on the right
+      set(t.lo[0], t.hi[0], i + before, i + before + 1);
+      if (i > 0) set(t.lo[1], t.hi[1], before - i, before - i + 1);  // mirrored on the left
+      if (i < n - 1) set(t.lo[2], t.hi[2], before + 2 * (n - 1) - i, before + 2 * (n - 1) - i + 1);  // on the right
       break;
-    case PadMode::Replicate: add(i == 0 ? 0 : i + before, i == n - 1 ? m : i + before + 1); break;
+    case PadMode::Replicate: set(t.lo[0], t.hi[0], i == 0 ? 0 : i + before, i == n - 1 ? m : i + before + 1); break;
     case PadMode::Circular: {
       const PadCircle<I> c = pad_circle<I>(g, d);
       const I k = i - c.first;
       if (k < 0 || k >= c.kept) break;  // removed
-      add(c.left + k - c.kept, c.left + k - c.kept + 1);  // repeated on the left
-      add(c.left + k, c.left + k + 1);
-      add(c.left + k + c.kept, c.left + k + c.kept + 1);  // and on the right
+      set(t.lo[0], t.hi[0], c.left + k - c.kept, c.left + k - c.kept + 1);
+      set(t.lo[1], t.hi[1], c.left + k, c.left + k + 1);
+      set(t.lo[2], t.hi[2], c.left + k + c.kept, c.left + k + c.kept + 1);
       break;
     }
   }
-  return count;
+  return t;
 }
 
 // The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather.
 template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
   I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
-    const I i = pad_source<I>(g, d, index % I(g.out[d]));
-    index /= I(g.out[d]);
+    const I i = pad_source<I>(g, d, d > 0 ? index % I(g.out[d]) : index);  // (what is left is the first dim's)
+    if (d > 0) index /= I(g.out[d]);
     if (i < 0) return -1;
     source += i * stride;
     stride *= I(g.in[d]);
@@ -132,41 +144,40 @@ template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry
   return source;
 }
 
-// The gradient of flat input index `index`: grad_output summed over its targets, in A, in the same order on every
-// device (the product of each dim's ranges, the last dim fastest).
+// pad_gradient_of from dim D on: `rest` is the input element's flat index over dims D.., `flat` the target's flat
+// output index over the dims before D. Each dim is a level of its own (a template argument, so the GPU keeps every
+// level's targets in registers), the ranges of the first dim outermost and the last dim's innermost.
+template <int D, typename A, typename I, typename T>
+HG_HOST_DEVICE inline void pad_gradient_sum(const PadGeometry& g, const T* grad_output, I rest, I flat, A& sum) {
+  if constexpr (D < kMaxPadGradientDims) {
+    if (D < g.dims) {
+      I inner = 1;  // elements of dims D + 1..
+      for (int d = D + 1; d < g.dims; ++d) inner *= I(g.in[d]);
+      const PadTargets<I> t = pad_targets<I>(g, D, inner > 1 ? rest / inner : rest);
+      if (inner > 1) rest %= inner;
+      for (int r = 0; r < 3; ++r)
+        for (I o = t.low(r); o < t.high(r); ++o)
+          pad_gradient_sum<D + 1, A>(g, grad_output, rest, flat * I(g.out[D]) + o, sum);
+      return;
+    }
+  }
+  sum += A(grad_output[flat]);
+}
+
+// The gradient of flat input index `index` of a Reflect, Replicate or Circular padding (at most kMaxPadGradientDims
+// dims): grad_output summed over its targets (the product of each dim's ranges, the last dim fastest), in A, in the
+// same order on every device. 0 where a negative amount removed the element.
 template <typename A, typename I, typename T>
 HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, I index) {
-  I lo[kMaxPadDims][3], hi[kMaxPadDims][3], at[kMaxPadDims];
-  int count[kMaxPadDims], range[kMaxPadDims];
-  for (int d = g.dims - 1; d >= 0; --d) {
-    count[d] = pad_targets<I>(g, d, index % I(g.in[d]), lo[d], hi[d]);
-    index /= I(g.in[d]);
-    if (count[d] == 0) return A(0);  // removed by a negative amount
-    range[d] = 0;
-    at[d] = lo[d][0];
-  }
   A sum = A(0);
-  for (;;) {
-    I flat = 0;
-    for (int d = 0; d < g.dims; ++d) flat = flat * I(g.out[d]) + at[d];
-    sum += A(grad_output[flat]);
-    int d = g.dims - 1;  // the next target: an odometer over each dim's ranges
-    for (; d >= 0; --d) {
-      if (++at[d] < hi[d][range[d]]) break;
-      if (++range[d] < count[d]) {
-        at[d] = lo[d][range[d]];
-        break;
-      }
-      range[d] = 0;
-      at[d] = lo[d][0];
-    }
-    if (d < 0) return sum;
-  }
+  pad_gradient_sum<0, A>(g, grad_output, index, I(0), sum);
+  return sum;
 }
 
 // out (geometry's output shape) = x padded; `value` is the constant in out's dtype (a 0-d CPU tensor). Any dtype.
 using PadKernel = void (*)(const Tensor& out, const Tensor& x, const PadGeometry& geometry, const Tensor& value);
-// grad_input (geometry's input shape) = the sums of grad_output over each element's targets. A floating dtype.
+// grad_input (geometry's input shape) = the sums of grad_output over each element's targets: Reflect, Replicate and
+// Circular geometries (pad_gradient_of). A floating dtype.
 using PadBackwardKernel = void (*)(const Tensor& grad_input, const Tensor& grad_output, const PadGeometry& geometry);
 extern KernelTable<PadKernel> pad_kernel;
 extern KernelTable<PadBackwardKernel> pad_backward_kernel;
