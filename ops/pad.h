@@ -135,8 +135,13 @@ template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadG
 template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
   I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
-    const I i = pad_source<I>(g, d, d > 0 ? index % I(g.out[d]) : index);  // (what is left is the first dim's)
-    if (d > 0) index /= I(g.out[d]);
+    I o = index;  // what is left is the first dim's index: no division for it
+    if (d > 0) {  // (the quotient and the remainder from one division)
+      const I q = index / I(g.out[d]);
+      o = index - q * I(g.out[d]);
+      index = q;
+    }
+    const I i = pad_source<I>(g, d, o);
     if (i < 0) return -1;
     source += i * stride;
     stride *= I(g.in[d]);
@@ -144,20 +149,17 @@ template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry
   return source;
 }
 
-// pad_gradient_of from dim D on: `rest` is the input element's flat index over dims D.., `flat` the target's flat
-// output index over the dims before D. Each dim is a level of its own (a template argument, so the GPU keeps every
-// level's targets in registers), the ranges of the first dim outermost and the last dim's innermost.
+// pad_gradient_of's sum over the targets of dims D.. (`t`, each dim's), `flat` the target's flat output index over
+// the dims before D: each dim a level of its own, a template argument, so that on the GPU every t[D] is a register
+// and no level's work is repeated for each target of the levels around it.
 template <int D, typename A, typename I, typename T>
-HG_HOST_DEVICE inline void pad_gradient_sum(const PadGeometry& g, const T* grad_output, I rest, I flat, A& sum) {
+HG_HOST_DEVICE inline void pad_gradient_sum(const PadGeometry& g, const T* grad_output,
+                                            const PadTargets<I> (&t)[kMaxPadGradientDims], I flat, A& sum) {
   if constexpr (D < kMaxPadGradientDims) {
     if (D < g.dims) {
-      I inner = 1;  // elements of dims D + 1..
-      for (int d = D + 1; d < g.dims; ++d) inner *= I(g.in[d]);
-      const PadTargets<I> t = pad_targets<I>(g, D, inner > 1 ? rest / inner : rest);
-      if (inner > 1) rest %= inner;
       for (int r = 0; r < 3; ++r)
-        for (I o = t.low(r); o < t.high(r); ++o)
-          pad_gradient_sum<D + 1, A>(g, grad_output, rest, flat * I(g.out[D]) + o, sum);
+        for (I o = t[D].low(r); o < t[D].high(r); ++o)
+          pad_gradient_sum<D + 1, A>(g, grad_output, t, flat * I(g.out[D]) + o, sum);
       return;
     }
   }
@@ -169,8 +171,22 @@ HG_HOST_DEVICE inline void pad_gradient_sum(const PadGeometry& g, const T* grad_
 // same order on every device. 0 where a negative amount removed the element.
 template <typename A, typename I, typename T>
 HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, I index) {
+  PadTargets<I> t[kMaxPadGradientDims];
+#if defined(__CUDA_ARCH__)
+#pragma unroll  // (every t[d] at an index known when compiling: registers, not local memory)
+#endif
+  for (int d = kMaxPadGradientDims - 1; d >= 0; --d) {
+    if (d >= g.dims) continue;
+    I i = index;  // as pad_source_index: the first dim's index is what is left
+    if (d > 0) {
+      const I q = index / I(g.in[d]);
+      i = index - q * I(g.in[d]);
+      index = q;
+    }
+    t[d] = pad_targets<I>(g, d, i);
+  }
   A sum = A(0);
-  pad_gradient_sum<0, A>(g, grad_output, index, I(0), sum);
+  pad_gradient_sum<0, A>(g, grad_output, t, I(0), sum);
   return sum;
 }
 
