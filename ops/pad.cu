@@ -1,5 +1,6 @@
 // pad on CUDA: the kernels behind pad_kernel and pad_backward_kernel (ops/pad.h), a thread per output element (the
-// forward) or per input element (the backward), each running the rule ops/pad.h writes once for both devices.
+// forward, and Constant padding's backward on the transposed geometry) or per input element (the others' backward),
+// each running the rule ops/pad.h writes once for both devices.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,8 +34,9 @@ __global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_inp
     grad_input[k] = T(pad_gradient_of<opmath_t<T>, I>(geometry, grad_output, k));
 }
 
-// Whether int32 holds every index of both sides, the mirror and repeat offsets pad_targets forms (up to three
-// times an output's size) and the grid-stride loop's last step past the end (a grid of at most 2^28 threads).
+// Whether int32 holds every index of both sides, the mirror and repeat offsets pad_targets forms (up to three times
+// an input dim's size), the amounts of a transposed geometry (at most a dim's size) and the grid-stride loop's last
+// step past the end (a grid of at most 2^28 threads).
 bool pad_fits_32_bits(const Tensor& a, const Tensor& b) {
   constexpr int64_t kMax32BitElements = int64_t(1) << 29;
   return a.numel() < kMax32BitElements && b.numel() < kMax32BitElements;

@@ -41,7 +41,8 @@ const char* pad_mode_name(PadMode mode);  // "constant", "reflect", "replicate",
 //     amounts leave (PyTorch's counts the dim before them, and copies overlapping slices beyond it).
 // The result has x's dtype, device and memory format (a channels_last x gives a channels_last result). Gradient
 // (floating x): each input element gets the sum of the gradients of the output elements that came from it, in x's
-// dtype (float16 and bfloat16 summed in float32). Autocast: not cast.
+// dtype (float16 and bfloat16 summed in float32); in Constant mode that is one gradient element, taken as it is (a
+// -0.0 stays -0.0, as PyTorch's). Autocast: not cast.
 Tensor pad(const Tensor& x, const std::vector<int64_t>& padding, PadMode mode = PadMode::Constant,
            std::optional<Scalar> value = std::nullopt);
 
@@ -131,7 +132,8 @@ template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadG
   return t;
 }
 
-// The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather.
+// The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather, and
+// Constant padding's backward on the transposed geometry.
 template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
   I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
@@ -184,6 +186,9 @@ HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_outp
       index = q;
     }
     t[d] = pad_targets<I>(g, d, i);
+    // Removed by a negative amount: no target to add (and none of the flat indices the other dims would form, which
+    // need not fit I where the output is empty).
+    if (t[d].low(0) >= t[d].high(0) && t[d].low(1) >= t[d].high(1) && t[d].low(2) >= t[d].high(2)) return A(0);
   }
   A sum = A(0);
   pad_gradient_sum<0, A>(g, grad_output, t, I(0), sum);

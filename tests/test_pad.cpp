@@ -163,6 +163,19 @@ TEST_CASE("pad's gradient: each input element's sum over the outputs it fills, a
     pad(x, {2, 2}, mode).sum().backward();
     CHECK(values(x.grad()) == want);
   }
+  // Constant padding's gradient takes each element as it is, as PyTorch's: a -0.0 keeps its sign; a removed element
+  // gets +0.0.
+  Tensor cut = kOneTwoThree.detach().clone().requires_grad_();
+  pad(cut, {1, -1}).backward(tensor<double>({7, -0.0, 5}).view({1, 3}));
+  CHECK(values(cut.grad()) == std::vector<double>{-0.0, 5, 0});
+  CHECK(std::signbit(values(cut.grad())[0]));
+  CHECK(!std::signbit(values(cut.grad())[2]));
+  // A circular padding that keeps nothing of a dim: an empty output, every input element's gradient 0.
+  Tensor wide = leaf({2, 3, 1});
+  const Tensor nothing = pad(wide, {-1, 0, 3, 3}, PadMode::Circular);
+  CHECK(nothing.shape() == Shape{2, 9, 0});
+  nothing.sum().backward();
+  CHECK(values(wide.grad()) == std::vector<double>(6, 0.0));
   Tensor x = kOneTwoThree.detach().clone().requires_grad_();
   const Tensor padded = pad(x, {1, 1}, PadMode::Reflect);
   CHECK(padded.grad_fn()->name() == "ReflectionPadBackward");
