@@ -268,7 +268,7 @@ Dropout::Dropout(double p) : p(p) {
 
 Tensor Dropout::forward(const Tensor& x) { return dropout(x, p, is_training()); }
 
-// (Never in place here.)
+// PyTorch's words; halfgrad's dropout is never in place.
 std::string Dropout::extra_repr() const { return fmt::format("p={}, inplace=False", repr_float(p)); }
 
 // ---- Embedding

@@ -103,6 +103,7 @@ template <typename I> struct PadTargets {
   I lo[3] = {0, 0, 0}, hi[3] = {0, 0, 0};
   HG_HOST_DEVICE I low(int r) const { return r == 0 ? lo[0] : r == 1 ? lo[1] : lo[2]; }
   HG_HOST_DEVICE I high(int r) const { return r == 0 ? hi[0] : r == 1 ? hi[1] : hi[2]; }
+  HG_HOST_DEVICE bool none() const { return lo[0] >= hi[0] && lo[1] >= hi[1] && lo[2] >= hi[2]; }
 };
 template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadGeometry& g, int d, I i) {
   const I n = I(g.in[d]), m = I(g.out[d]), before = I(g.before[d]);
@@ -188,7 +189,7 @@ HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_outp
     t[d] = pad_targets<I>(g, d, i);
     // Removed by a negative amount: no target to add (and none of the flat indices the other dims would form, which
     // need not fit I where the output is empty).
-    if (t[d].low(0) >= t[d].high(0) && t[d].low(1) >= t[d].high(1) && t[d].low(2) >= t[d].high(2)) return A(0);
+    if (t[d].none()) return A(0);
   }
   A sum = A(0);
   pad_gradient_sum<0, A>(g, grad_output, t, I(0), sum);
