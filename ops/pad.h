@@ -133,18 +133,22 @@ template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadG
   return t;
 }
 
+// Walking a flat index from the last dim to the first: dim d's coordinate (d's size n), `index` left holding the
+// flat index over the dims before d. The quotient and the remainder come from one division, written as such (under
+// separate conditions the compiler made two); dim 0's coordinate is what is left.
+template <typename I> HG_HOST_DEVICE inline I pad_coordinate(I& index, int d, I n) {
+  if (d == 0) return index;
+  const I q = index / n, r = index - q * n;
+  index = q;
+  return r;
+}
+
 // The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather, and
 // Constant padding's backward on the transposed geometry.
 template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
   I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
-    I o = index;  // what is left is the first dim's index: no division for it
-    if (d > 0) {  // (the quotient and the remainder from one division)
-      const I q = index / I(g.out[d]);
-      o = index - q * I(g.out[d]);
-      index = q;
-    }
-    const I i = pad_source<I>(g, d, o);
+    const I i = pad_source<I>(g, d, pad_coordinate<I>(index, d, I(g.out[d])));
     if (i < 0) return -1;
     source += i * stride;
     stride *= I(g.in[d]);
@@ -180,13 +184,7 @@ HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_outp
 #endif
   for (int d = kMaxPadGradientDims - 1; d >= 0; --d) {
     if (d >= g.dims) continue;
-    I i = index;  // as pad_source_index: the first dim's index is what is left
-    if (d > 0) {
-      const I q = index / I(g.in[d]);
-      i = index - q * I(g.in[d]);
-      index = q;
-    }
-    t[d] = pad_targets<I>(g, d, i);
+    t[d] = pad_targets<I>(g, d, pad_coordinate<I>(index, d, I(g.in[d])));
     // Removed by a negative amount: no target to add (and none of the flat indices the other dims would form, which
     // need not fit I where the output is empty).
     if (t[d].none()) return A(0);
