@@ -50,7 +50,6 @@
 namespace halfgrad {
 namespace {
 
-using cuda::IntDivider;
 using cuda::Vec;
 
 constexpr int kThreads = 256;

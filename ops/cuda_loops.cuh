@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/int_divider.h"
 #include "core/tensor.h"
 #include "ops/coalesce.h"
 
@@ -36,19 +37,6 @@ namespace halfgrad::cuda {
 constexpr int kElementwiseBlock = 256;  // threads per block
 constexpr int kElementwiseUnroll = 2;   // vectors (or elements) per thread in flight
 constexpr int kMaxCoalescedDims = 12;   // after merging contiguous dims; more is an error
-
-// ---- 32-bit division by a run-time constant: a multiply-high, an add and a shift (Granlund & Montgomery;
-// valid for numerators and divisors below 2^31).
-struct IntDivider {
-  uint32_t divisor = 1, magic = 1, shift = 0;
-
-  IntDivider() = default;
-  explicit IntDivider(uint32_t d) : divisor(d) {
-    while (shift < 32 && (uint64_t(1) << shift) < d) ++shift;
-    magic = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
-};
 
 // Byte offsets of each operand for a linear element index (dims innermost first).
 template <int N> struct OffsetCalculator {

@@ -207,7 +207,7 @@ void pad_cpu(const Tensor& out, const Tensor& x, const PadGeometry& geometry, co
     const int64_t n = out.numel();
 #pragma omp parallel for schedule(static) if (n >= 32768)
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t source = pad_source_index<int64_t>(geometry, k);
+      const int64_t source = pad_source_index<int64_t>(geometry, geometry.out, k);
       o[k] = source < 0 ? fill : in[source];
     }
   });
@@ -219,7 +219,7 @@ void pad_backward_cpu(const Tensor& grad_input, const Tensor& grad_output, const
     const T* go = grad_output.data<T>();
     const int64_t n = grad_input.numel();
 #pragma omp parallel for schedule(static) if (n >= 32768)
-    for (int64_t k = 0; k < n; ++k) gi[k] = T(pad_gradient_of<opmath_t<T>, int64_t>(geometry, go, k));
+    for (int64_t k = 0; k < n; ++k) gi[k] = T(pad_gradient_of<opmath_t<T>, int64_t>(geometry, geometry.in, go, k));
   });
 }
 

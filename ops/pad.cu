@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/cuda.h"
 #include "core/dtype.h"
@@ -18,20 +19,40 @@ unsigned blocks_for(int64_t n) {
   return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 20));  // then grid-stride
 }
 
+// Each dim's sizes as the 32-bit walks divide by them (pad_coordinate: exact, pad_fits_32_bits keeping every size and
+// index below 2^29); unused by the 64-bit walks, which divide by the sizes themselves.
+struct PadDivisors {
+  IntDivider in[kMaxPadDims], out[kMaxPadDims];
+};
+PadDivisors divisors_of(const PadGeometry& g) {
+  PadDivisors divisors;
+  for (int d = 0; d < g.dims; ++d) {
+    divisors.in[d] = IntDivider(uint32_t(g.in[d]));
+    divisors.out[d] = IntDivider(uint32_t(g.out[d]));
+  }
+  return divisors;
+}
+template <typename I> __device__ const auto* walk_sizes(const int64_t* sizes, const IntDivider* divisors) {
+  if constexpr (std::is_same_v<I, int32_t>) return divisors;
+  else return sizes;
+}
+
 // I: the index type, int32_t where every index of both tensors fits (pad_fits_32_bits).
 template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads) pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, T fill, I n) {
+__global__ void __launch_bounds__(kThreads)
+    pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, PadDivisors divisors, T fill, I n) {
   for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads) {
-    const I source = pad_source_index<I>(geometry, k);
+    const I source = pad_source_index(geometry, walk_sizes<I>(geometry.out, divisors.out), k);
     out[k] = source < 0 ? fill : x[source];
   }
 }
 
 template <typename T, typename I>
 __global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_input, const T* grad_output,
-                                                                     PadGeometry geometry, I n) {
+                                                                     PadGeometry geometry, PadDivisors divisors, I n) {
+  const auto* in_sizes = walk_sizes<I>(geometry.in, divisors.in);
   for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads)
-    grad_input[k] = T(pad_gradient_of<opmath_t<T>, I>(geometry, grad_output, k));
+    grad_input[k] = T(pad_gradient_of<opmath_t<T>>(geometry, in_sizes, grad_output, k));
 }
 
 // Whether int32 holds every index of both sides, the mirror and repeat offsets pad_targets forms (up to three times
@@ -48,11 +69,11 @@ void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, c
   const int64_t n = out.numel();
   dispatch_all(out.dtype(), "pad", [&]<typename T>() {
     if (pad_fits_32_bits(out, x)) {
-      pad_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
-                                                                          value.data<T>()[0], int32_t(n));
+      pad_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          out.data<T>(), x.data<T>(), geometry, divisors_of(geometry), value.data<T>()[0], int32_t(n));
     } else {
       pad_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
-                                                                          value.data<T>()[0], n);
+                                                                          PadDivisors{}, value.data<T>()[0], n);
     }
     HG_CUDA_CHECK_LAUNCH("pad");
   });
@@ -65,10 +86,10 @@ void pad_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, cons
   dispatch_floating(grad_input.dtype(), "pad_backward", [&]<typename T>() {
     if (pad_fits_32_bits(grad_input, grad_output)) {
       pad_backward_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          grad_input.data<T>(), grad_output.data<T>(), geometry, int32_t(n));
+          grad_input.data<T>(), grad_output.data<T>(), geometry, divisors_of(geometry), int32_t(n));
     } else {
       pad_backward_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          grad_input.data<T>(), grad_output.data<T>(), geometry, n);
+          grad_input.data<T>(), grad_output.data<T>(), geometry, PadDivisors{}, n);
     }
     HG_CUDA_CHECK_LAUNCH("pad_backward");
   });

@@ -11,6 +11,7 @@
 
 #include "core/dispatch.h"
 #include "core/half.h"
+#include "core/int_divider.h"
 #include "core/tensor.h"
 
 namespace halfgrad {
@@ -135,20 +136,29 @@ template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadG
 
 // Walking a flat index from the last dim to the first: dim d's coordinate (d's size n), `index` left holding the
 // flat index over the dims before d. The quotient and the remainder come from one division, written as such (under
-// separate conditions the compiler made two); dim 0's coordinate is what is left.
-template <typename I> HG_HOST_DEVICE inline I pad_coordinate(I& index, int d, I n) {
+// separate conditions the compiler made two); dim 0's coordinate is what is left. The CUDA kernels' 32-bit walks
+// give n as its IntDivider (core/int_divider.h): a division by a run-time value costs the GPU ~20 instructions an
+// element and a dim, the multiplier 3.
+template <typename I> HG_HOST_DEVICE inline I pad_coordinate(I& index, int d, int64_t n) {
   if (d == 0) return index;
-  const I q = index / n, r = index - q * n;
+  const I q = index / I(n), r = index - q * I(n);
+  index = q;
+  return r;
+}
+HG_HOST_DEVICE inline int32_t pad_coordinate(int32_t& index, int d, const IntDivider& n) {
+  if (d == 0) return index;
+  const int32_t q = int32_t(n.div(uint32_t(index))), r = index - q * int32_t(n.divisor);
   index = q;
   return r;
 }
 
 // The flat input index that flat output index `index` takes, or -1 for the constant: the forward's gather, and
-// Constant padding's backward on the transposed geometry.
-template <typename I> HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, I index) {
+// Constant padding's backward on the transposed geometry. `out_sizes`: g.out, or their IntDividers (pad_coordinate).
+template <typename I, typename Size>
+HG_HOST_DEVICE inline I pad_source_index(const PadGeometry& g, const Size* out_sizes, I index) {
   I source = 0, stride = 1;
   for (int d = g.dims - 1; d >= 0; --d) {
-    const I i = pad_source<I>(g, d, pad_coordinate<I>(index, d, I(g.out[d])));
+    const I i = pad_source<I>(g, d, pad_coordinate(index, d, out_sizes[d]));
     if (i < 0) return -1;
     source += i * stride;
     stride *= I(g.in[d]);
@@ -175,16 +185,17 @@ HG_HOST_DEVICE inline void pad_gradient_sum(const PadGeometry& g, const T* grad_
 
 // The gradient of flat input index `index` of a Reflect, Replicate or Circular padding (at most kMaxPadGradientDims
 // dims): grad_output summed over its targets (the product of each dim's ranges, the last dim fastest), in A, in the
-// same order on every device. 0 where a negative amount removed the element.
-template <typename A, typename I, typename T>
-HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const T* grad_output, I index) {
+// same order on every device. 0 where a negative amount removed the element. `in_sizes`: g.in, or their IntDividers
+// (pad_coordinate).
+template <typename A, typename I, typename T, typename Size>
+HG_HOST_DEVICE inline A pad_gradient_of(const PadGeometry& g, const Size* in_sizes, const T* grad_output, I index) {
   PadTargets<I> t[kMaxPadGradientDims];
 #if defined(__CUDA_ARCH__)
 #pragma unroll  // (every t[d] at an index known when compiling: registers, not local memory)
 #endif
   for (int d = kMaxPadGradientDims - 1; d >= 0; --d) {
     if (d >= g.dims) continue;
-    t[d] = pad_targets<I>(g, d, pad_coordinate<I>(index, d, I(g.in[d])));
+    t[d] = pad_targets<I>(g, d, pad_coordinate(index, d, in_sizes[d]));
     // Removed by a negative amount: no target to add (and none of the flat indices the other dims would form, which
     // need not fit I where the output is empty).
     if (t[d].none()) return A(0);

@@ -1,12 +1,14 @@
 // Elementwise ops: values against a float64 reference, broadcasting, strides, dtypes, and gradchecks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
 
+#include "core/int_divider.h"
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
 #include "tests/testing.h"
@@ -601,6 +603,33 @@ TEST_CASE("integer arithmetic wraps on overflow without undefined behaviour (the
   uint64_t power = 1;  // 3^41 modulo 2^64, as two's complement wraps it
   for (int k = 0; k < 41; ++k) power *= 3;
   CHECK(to_vector<int64_t>(pow(tensor(std::vector<int64_t>{3}), int64_t(41)))[0] == int64_t(power));
+}
+
+TEST_CASE("IntDivider's multiply-high, add and shift give n / d for every n and d below 2^31 tried") {
+  // The strided CUDA kernels, batch norm's and pad's divide indices so (core/int_divider.h); the host computes the
+  // same high word as the GPU's __umulhi, so these quotients are the kernels'.
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 4100; ++d) divisors.push_back(d);
+  for (int k = 12; k <= 31; ++k) {  // powers of two, their neighbours, and the largest
+    for (int64_t d : {(int64_t(1) << k) - 1, int64_t(1) << k, (int64_t(1) << k) + 1, (int64_t(1) << k) / 3 * 2 + 1})
+      if (d < (int64_t(1) << 31)) divisors.push_back(uint32_t(d));
+  }
+  uint64_t state = 88172645463325252ull;  // xorshift64: random divisors and numerators
+  auto next = [&] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return uint32_t(state >> 33);  // below 2^31
+  };
+  for (int k = 0; k < 2000; ++k) divisors.push_back(std::max(next(), 1u));
+  const uint32_t most = (uint32_t(1) << 31) - 1;
+  int64_t wrong = 0;
+  for (uint32_t d : divisors) {
+    const IntDivider divider(d);
+    std::vector<uint32_t> numerators = {0, 1, d - 1, d, most, most - d + 1, most / d * d, most / d * d - 1};
+    if (d < most / 2) numerators.insert(numerators.end(), {d + 1, 2 * d - 1, 2 * d});
+    for (int k = 0; k < 64; ++k) numerators.push_back(next());
+    for (uint32_t n : numerators) wrong += divider.div(n) != n / d;
+  }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("a floating value converts to uint8 through int64, as PyTorch: -1.5 is 255 and 300 is 44") {

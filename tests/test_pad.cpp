@@ -4,9 +4,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/int_divider.h"
+#include "ops/pad.h"
 #include "halfgrad.h"
 #include "tests/gradcheck.h"
 #include "tests/testing.h"
@@ -195,6 +198,35 @@ TEST_CASE("pad's gradient: each input element's sum over the outputs it fills, a
   }
   gradcheck([](const TensorList& in) { return pad(in[0], {1, 0, 0, 2, 1, 1, 0, 1}, PadMode::Constant, 3); },
             {leaf({2, 3, 2, 3})});
+}
+
+TEST_CASE("pad's 32-bit walks, dividing by each size's IntDivider, find the 64-bit walks' indices and sums") {
+  // The CUDA kernels' 32-bit walks take the sizes so (ops/pad.cu); here the same rules run on the host.
+  manual_seed(5);
+  for (PadMode mode : kModes) {
+    CAPTURE(std::string(pad_mode_name(mode)));
+    PadGeometry g;  // [4, 5, 7] padded by (2, 3) in dim 1 and (-1, 2) in dim 2
+    g.dims = 3;
+    g.mode = mode;
+    const int64_t in[] = {4, 5, 7}, out[] = {4, 10, 8}, before[] = {0, 2, -1};
+    IntDivider in_divisors[3], out_divisors[3];
+    for (int d = 0; d < 3; ++d) {
+      g.in[d] = in[d], g.out[d] = out[d], g.before[d] = before[d];
+      in_divisors[d] = IntDivider(uint32_t(in[d]));
+      out_divisors[d] = IntDivider(uint32_t(out[d]));
+    }
+    int64_t wrong = 0;
+    for (int64_t k = 0; k < 4 * 10 * 8; ++k)
+      wrong += pad_source_index(g, out_divisors, int32_t(k)) != pad_source_index(g, g.out, k);
+    CHECK(wrong == 0);
+    if (mode == PadMode::Constant) continue;  // its gradient is a padding: the walk above
+    const std::vector<double> grad_output = values(randn({4 * 10 * 8}, {.dtype = kFloat64}));
+    for (int64_t k = 0; k < 4 * 5 * 7; ++k) {
+      wrong += pad_gradient_of<double>(g, in_divisors, grad_output.data(), int32_t(k)) !=
+               pad_gradient_of<double>(g, g.in, grad_output.data(), k);
+    }
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("cuda: pad and its gradient equal the CPU's in every mode, dtype and layout") {
