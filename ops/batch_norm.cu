@@ -42,6 +42,7 @@
 
 #include "core/cuda.h"
 #include "core/cuda_graph.h"
+#include "core/int_divider.h"
 #include "core/log.h"
 #include "ops/batch_norm.h"
 #include "ops/cuda_loops.cuh"

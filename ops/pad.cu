@@ -19,17 +19,16 @@ unsigned blocks_for(int64_t n) {
   return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 20));  // then grid-stride
 }
 
-// Each dim's sizes as the 32-bit walks divide by them (pad_coordinate: exact, pad_fits_32_bits keeping every size and
-// index below 2^29); unused by the 64-bit walks, which divide by the sizes themselves.
+// The sizes of the side a kernel walks (the output's for the forward, the input's for the gradient) as its 32-bit walk
+// divides by them (pad_coordinate). That side has elements (nothing is launched for an empty one), fewer than 2^29
+// where the walk is 32-bit (pad_fits_32_bits): every size is in [1, 2^29). The other side may have dims of 0. Unused
+// by the 64-bit walks, which divide by the sizes themselves.
 struct PadDivisors {
-  IntDivider in[kMaxPadDims], out[kMaxPadDims];
+  IntDivider of[kMaxPadDims];
 };
-PadDivisors divisors_of(const PadGeometry& g) {
+PadDivisors divisors_of(const int64_t (&sizes)[kMaxPadDims], int dims) {
   PadDivisors divisors;
-  for (int d = 0; d < g.dims; ++d) {
-    divisors.in[d] = IntDivider(uint32_t(g.in[d]));
-    divisors.out[d] = IntDivider(uint32_t(g.out[d]));
-  }
+  for (int d = 0; d < dims; ++d) divisors.of[d] = IntDivider{uint32_t(sizes[d])};
   return divisors;
 }
 template <typename I> __device__ const auto* walk_sizes(const int64_t* sizes, const IntDivider* divisors) {
@@ -37,20 +36,25 @@ template <typename I> __device__ const auto* walk_sizes(const int64_t* sizes, co
   else return sizes;
 }
 
-// I: the index type, int32_t where every index of both tensors fits (pad_fits_32_bits).
+// I: the index type, int32_t where every index of both tensors fits (pad_fits_32_bits). The divisors are read where
+// they lie, among the kernel's parameters, through the pointer walk_sizes gives: __grid_constant__ lets a kernel take
+// a parameter's address without the copy to local memory (96 bytes a thread) it otherwise makes.
 template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads)
-    pad_cuda_kernel(T* out, const T* x, PadGeometry geometry, PadDivisors divisors, T fill, I n) {
+__global__ void __launch_bounds__(kThreads) pad_cuda_kernel(T* out, const T* x, PadGeometry geometry,
+                                                            const __grid_constant__ PadDivisors out_divisors, T fill,
+                                                            I n) {
   for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads) {
-    const I source = pad_source_index(geometry, walk_sizes<I>(geometry.out, divisors.out), k);
+    const I source = pad_source_index(geometry, walk_sizes<I>(geometry.out, out_divisors.of), k);
     out[k] = source < 0 ? fill : x[source];
   }
 }
 
 template <typename T, typename I>
 __global__ void __launch_bounds__(kThreads) pad_backward_cuda_kernel(T* grad_input, const T* grad_output,
-                                                                     PadGeometry geometry, PadDivisors divisors, I n) {
-  const auto* in_sizes = walk_sizes<I>(geometry.in, divisors.in);
+                                                                     PadGeometry geometry,
+                                                                     const __grid_constant__ PadDivisors in_divisors,
+                                                                     I n) {
+  const auto* in_sizes = walk_sizes<I>(geometry.in, in_divisors.of);
   for (I k = I(blockIdx.x) * kThreads + I(threadIdx.x); k < n; k += I(gridDim.x) * kThreads)
     grad_input[k] = T(pad_gradient_of<opmath_t<T>>(geometry, in_sizes, grad_output, k));
 }
@@ -67,10 +71,12 @@ void pad_cuda(const Tensor& out, const Tensor& x, const PadGeometry& geometry, c
   cuda::DeviceGuard guard(out.device());
   cudaStream_t stream = cuda::current_stream(out.device());
   const int64_t n = out.numel();
+  if (n == 0) return;
   dispatch_all(out.dtype(), "pad", [&]<typename T>() {
     if (pad_fits_32_bits(out, x)) {
       pad_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          out.data<T>(), x.data<T>(), geometry, divisors_of(geometry), value.data<T>()[0], int32_t(n));
+          out.data<T>(), x.data<T>(), geometry, divisors_of(geometry.out, geometry.dims), value.data<T>()[0],
+          int32_t(n));
     } else {
       pad_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data<T>(), x.data<T>(), geometry,
                                                                           PadDivisors{}, value.data<T>()[0], n);
@@ -83,10 +89,11 @@ void pad_backward_cuda(const Tensor& grad_input, const Tensor& grad_output, cons
   cuda::DeviceGuard guard(grad_input.device());
   cudaStream_t stream = cuda::current_stream(grad_input.device());
   const int64_t n = grad_input.numel();
+  if (n == 0) return;
   dispatch_floating(grad_input.dtype(), "pad_backward", [&]<typename T>() {
     if (pad_fits_32_bits(grad_input, grad_output)) {
       pad_backward_cuda_kernel<T, int32_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          grad_input.data<T>(), grad_output.data<T>(), geometry, divisors_of(geometry), int32_t(n));
+          grad_input.data<T>(), grad_output.data<T>(), geometry, divisors_of(geometry.in, geometry.dims), int32_t(n));
     } else {
       pad_backward_cuda_kernel<T, int64_t><<<blocks_for(n), kThreads, 0, stream>>>(
           grad_input.data<T>(), grad_output.data<T>(), geometry, PadDivisors{}, n);

@@ -209,17 +209,26 @@ TEST_CASE("pad's 32-bit walks, dividing by each size's IntDivider, find the 64-b
     g.dims = 3;
     g.mode = mode;
     const int64_t in[] = {4, 5, 7}, out[] = {4, 10, 8}, before[] = {0, 2, -1};
+    PadGeometry transposed = g;  // Constant padding's gradient: in and out swapped, the amounts negated
     IntDivider in_divisors[3], out_divisors[3];
     for (int d = 0; d < 3; ++d) {
-      g.in[d] = in[d], g.out[d] = out[d], g.before[d] = before[d];
-      in_divisors[d] = IntDivider(uint32_t(in[d]));
-      out_divisors[d] = IntDivider(uint32_t(out[d]));
+      g.in[d] = transposed.out[d] = in[d];
+      g.out[d] = transposed.in[d] = out[d];
+      g.before[d] = before[d], transposed.before[d] = -before[d];
+      in_divisors[d] = IntDivider{uint32_t(in[d])};
+      out_divisors[d] = IntDivider{uint32_t(out[d])};
     }
     int64_t wrong = 0;
     for (int64_t k = 0; k < 4 * 10 * 8; ++k)
       wrong += pad_source_index(g, out_divisors, int32_t(k)) != pad_source_index(g, g.out, k);
     CHECK(wrong == 0);
-    if (mode == PadMode::Constant) continue;  // its gradient is a padding: the walk above
+    if (mode == PadMode::Constant) {  // its gradient is a padding: the walk of the transposed geometry
+      for (int64_t k = 0; k < 4 * 5 * 7; ++k)
+        wrong += pad_source_index(transposed, in_divisors, int32_t(k)) !=
+                 pad_source_index(transposed, transposed.out, k);
+      CHECK(wrong == 0);
+      continue;
+    }
     const std::vector<double> grad_output = values(randn({4 * 10 * 8}, {.dtype = kFloat64}));
     for (int64_t k = 0; k < 4 * 5 * 7; ++k) {
       wrong += pad_gradient_of<double>(g, in_divisors, grad_output.data(), int32_t(k)) !=
@@ -252,6 +261,23 @@ TEST_CASE("cuda: pad and its gradient equal the CPU's in every mode, dtype and l
         CHECK(values(xg.grad().cpu()) == values(xc.grad()));  // the same sums in the same order on both devices
       }
     }
+  }
+  // A side with an empty dim: the constant fills an empty input; the gradients of a constant padding that removes a
+  // whole dim and of a circular one that keeps nothing of one (every element's gradient 0).
+  CHECK(values(pad(zeros({2, 0}).cuda(), {1, 1}, PadMode::Constant, 4).cpu()) == std::vector<double>{4, 4, 4, 4});
+  struct Emptying {
+    PadMode mode;
+    Shape shape;
+    std::vector<int64_t> padding;
+  };
+  for (const Emptying& e : {Emptying{PadMode::Constant, {2, 1, 3}, {-3, 0}},
+                            Emptying{PadMode::Circular, {2, 3, 1}, {-1, 0, 3, 3}}}) {
+    CAPTURE(std::string(pad_mode_name(e.mode)));
+    Tensor emptied = zeros(e.shape, {.device = Device::cuda(0)}).requires_grad_();
+    const Tensor y = pad(emptied, e.padding, e.mode);
+    CHECK(y.numel() == 0);
+    y.sum().backward();
+    CHECK(values(emptied.grad().cpu()) == std::vector<double>(6, 0.0));
   }
   // Integers and a constant of 3 dims beside a large tensor (a grid of many blocks).
   const Tensor big = randint(-9, 9, {4, 64, 40, 40}).to(kInt32);
