@@ -630,6 +630,10 @@ TEST_CASE("IntDivider's multiply-high, add and shift give n / d for every n and 
     for (uint32_t n : numerators) wrong += divider.div(n) != n / d;
   }
   CHECK(wrong == 0);
+  // No multiplier exists for 0, nor one this rule finds above 2^31: refused, not a division by zero.
+  CHECK_THROWS_WITH_AS(IntDivider{0}, doctest::Contains("IntDivider: divisor 0 outside [1, 2^31]"), Error);
+  CHECK_THROWS_WITH_AS(IntDivider{(uint32_t(1) << 31) + 1}, doctest::Contains("divisor 2147483649 outside"), Error);
+  CHECK(IntDivider{uint32_t(1) << 31}.div(most) == 0);
 }
 
 TEST_CASE("a floating value converts to uint8 through int64, as PyTorch: -1.5 is 255 and 300 is 44") {
