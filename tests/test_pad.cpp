@@ -9,8 +9,8 @@
 
 #include "core/cuda.h"
 #include "core/int_divider.h"
-#include "ops/pad.h"
 #include "halfgrad.h"
+#include "ops/pad.h"
 #include "tests/gradcheck.h"
 #include "tests/testing.h"
 
