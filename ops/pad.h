@@ -137,8 +137,7 @@ template <typename I> HG_HOST_DEVICE inline PadTargets<I> pad_targets(const PadG
 // Walking a flat index from the last dim to the first: dim d's coordinate (d's size n), `index` left holding the
 // flat index over the dims before d. The quotient and the remainder come from one division, written as such (under
 // separate conditions the compiler made two); dim 0's coordinate is what is left. The CUDA kernels' 32-bit walks
-// give n as its IntDivider (core/int_divider.h; index and n below 2^31, n at least 1): the GPU divides by a run-time
-// value in ~20 instructions, by an IntDivider in about 3 (a multiply-high, an add and a shift).
+// give n as its IntDivider (core/int_divider.h says why and its bounds: index below 2^31, n in [1, 2^31]).
 template <typename I> HG_HOST_DEVICE inline I pad_coordinate(I& index, int d, int64_t n) {
   if (d == 0) return index;
   const I q = index / I(n), r = index - q * I(n);
